@@ -1,0 +1,294 @@
+#!/usr/bin/python3
+"""Generate a small GPT-2 reference (weights + debug state) for llm5d tests.
+
+Run with Debian's interpreter, which ships torch and numpy:
+
+    /usr/bin/python3 test/reference/make_reference.py --out DIR
+
+Writes DIR/model.bin (llm.c checkpoint layout, fp32) and DIR/state.bin
+(inputs, targets, initial logits/loss/gradients, and the losses of a short
+AdamW run on the same batch).
+"""
+
+import argparse
+import math
+import os
+import struct
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------
+# configuration (deliberately odd sizes so indexing bugs show up)
+
+L = 3          # layers
+C = 48         # channels
+NH = 4         # heads
+V = 397        # vocab
+VP = 512       # padded vocab
+MAXT = 29      # max sequence length
+B = 3          # batch
+T = 17         # sequence length
+
+NSTEPS = 10
+LR = 1e-3
+WD = 0.1
+CLIP = 1.0
+BETA1 = 0.9
+BETA2 = 0.95
+EPS = 1e-8
+
+SEED = 1234
+
+MODEL_MAGIC = 20240326
+MODEL_VERSION_FP32 = 3
+STATE_MAGIC = 20240327
+STATE_VERSION = 3
+
+
+# ----------------------------------------------------------------------------
+# model
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(C, eps=1e-5)
+        self.qkv = nn.Linear(C, 3 * C)
+        self.attn_proj = nn.Linear(C, C)
+        self.ln_2 = nn.LayerNorm(C, eps=1e-5)
+        self.fc = nn.Linear(C, 4 * C)
+        self.fc_proj = nn.Linear(4 * C, C)
+
+    def attention(self, h):
+        nb, nt, _ = h.shape
+        hs = C // NH
+        q, k, v = self.qkv(h).split(C, dim=2)
+        # (nb, nt, C) -> (nb, NH, nt, hs); head j owns channels [j*hs, (j+1)*hs)
+        q = q.view(nb, nt, NH, hs).transpose(1, 2)
+        k = k.view(nb, nt, NH, hs).transpose(1, 2)
+        v = v.view(nb, nt, NH, hs).transpose(1, 2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+        allowed = torch.ones(nt, nt, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = (probs @ v).transpose(1, 2).contiguous().view(nb, nt, C)
+        return self.attn_proj(out)
+
+    def mlp(self, h):
+        return self.fc_proj(F.gelu(self.fc(h), approximate="tanh"))
+
+    def forward(self, x):
+        x = x + self.attention(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class TinyGPT2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Parameter(torch.empty(V, C))
+        self.wpe = nn.Parameter(torch.empty(MAXT, C))
+        self.blocks = nn.ModuleList([Block() for _ in range(L)])
+        self.ln_f = nn.LayerNorm(C, eps=1e-5)
+
+    def forward(self, idx, targets):
+        nt = idx.shape[1]
+        pos = torch.arange(nt, dtype=torch.long)
+        x = self.wte[idx] + self.wpe[pos]
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.ln_f(x) @ self.wte.t()
+        loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))
+        return logits, loss
+
+
+def init_weights(model, gen):
+    def normal(t, std, mean=0.0):
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, generator=gen) * std + mean)
+
+    resid_std = 0.02 / math.sqrt(2 * L)
+    normal(model.wte, 0.02)
+    normal(model.wpe, 0.02)
+    for blk in model.blocks:
+        for ln in (blk.ln_1, blk.ln_2):
+            normal(ln.weight, 0.1, 1.0)
+            normal(ln.bias, 0.1)
+        for lin, std in ((blk.qkv, 0.02), (blk.attn_proj, resid_std),
+                         (blk.fc, 0.02), (blk.fc_proj, resid_std)):
+            normal(lin.weight, std)
+            normal(lin.bias, 0.02)
+    normal(model.ln_f.weight, 0.1, 1.0)
+    normal(model.ln_f.bias, 0.1)
+
+
+# ----------------------------------------------------------------------------
+# serialization in checkpoint order
+
+def ordered_tensors(model, grads=False):
+    """Tensors in checkpoint order; wte padded to VP rows with zeros."""
+    get = (lambda p: p.grad) if grads else (lambda p: p)
+    blks = model.blocks
+
+    def stack(fn):
+        return torch.stack([get(fn(b)).detach() for b in blks])
+
+    wte = torch.zeros(VP, C, dtype=torch.float32)
+    wte[:V] = get(model.wte).detach()
+    return [
+        wte,
+        get(model.wpe).detach(),
+        stack(lambda b: b.ln_1.weight),
+        stack(lambda b: b.ln_1.bias),
+        stack(lambda b: b.qkv.weight),
+        stack(lambda b: b.qkv.bias),
+        stack(lambda b: b.attn_proj.weight),
+        stack(lambda b: b.attn_proj.bias),
+        stack(lambda b: b.ln_2.weight),
+        stack(lambda b: b.ln_2.bias),
+        stack(lambda b: b.fc.weight),
+        stack(lambda b: b.fc.bias),
+        stack(lambda b: b.fc_proj.weight),
+        stack(lambda b: b.fc_proj.bias),
+        get(model.ln_f.weight).detach(),
+        get(model.ln_f.bias).detach(),
+    ]
+
+
+def expected_num_params():
+    return VP * C + MAXT * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def as_f32_bytes(tensors):
+    flat = np.concatenate([t.contiguous().numpy().astype("<f4").ravel()
+                           for t in tensors])
+    return flat.tobytes(), flat.size
+
+
+def f32_bits(value):
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def header(values):
+    h = np.zeros(256, dtype="<i4")
+    h[:len(values)] = values
+    return h.tobytes()
+
+
+# ----------------------------------------------------------------------------
+# training step (llm.c AdamW semantics)
+
+def is_decayed(p):
+    return p.dim() == 2
+
+
+def adamw_step(params, m_state, v_state, t, grad_scale):
+    with torch.no_grad():
+        for p, m, v in zip(params, m_state, v_state):
+            g = p.grad * grad_scale
+            m.mul_(BETA1).add_(g * (1.0 - BETA1))
+            v.mul_(BETA2).add_(g * g * (1.0 - BETA2))
+            m_hat = m / (1.0 - BETA1 ** t)
+            v_hat = v / (1.0 - BETA2 ** t)
+            wd = WD if is_decayed(p) else 0.0
+            p.sub_(LR * (m_hat / (v_hat.sqrt() + EPS) + wd * p))
+
+
+def global_grad_norm(params):
+    total = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        total = total + (p.grad.float() ** 2).sum()
+    return float(total.sqrt())
+
+
+# ----------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    args = ap.parse_args()
+
+    t0 = time.time()
+    torch.manual_seed(SEED)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+
+    gen = torch.Generator().manual_seed(SEED)
+    model = TinyGPT2()
+    init_weights(model, gen)
+    x = torch.randint(0, V, (B, T), generator=gen, dtype=torch.long)
+    y = torch.randint(0, V, (B, T), generator=gen, dtype=torch.long)
+
+    params = list(model.parameters())
+    for p in params:
+        assert p.dtype == torch.float32
+
+    # model file (initial weights)
+    weight_bytes, nparams = as_f32_bytes(ordered_tensors(model))
+    assert nparams == expected_num_params(), (nparams, expected_num_params())
+
+    # forward/backward of the initial model
+    model.zero_grad(set_to_none=False)
+    logits, loss = model(x, y)
+    loss.backward()
+    init_logits = logits.detach().clone()
+    init_loss = float(loss)
+    grad_bytes, ngrads = as_f32_bytes(ordered_tensors(model, grads=True))
+    assert ngrads == nparams
+    init_norm = global_grad_norm(params)
+
+    # training
+    m_state = [torch.zeros_like(p) for p in params]
+    v_state = [torch.zeros_like(p) for p in params]
+    losses, norms = [], []
+    for step in range(NSTEPS):
+        for p in params:
+            p.grad = None
+        _, loss = model(x, y)
+        losses.append(float(loss))
+        loss.backward()
+        norm = global_grad_norm(params)
+        norms.append(norm)
+        scale = CLIP / norm if norm > CLIP else 1.0
+        adamw_step(params, m_state, v_state, step + 1, scale)
+    assert losses[0] == init_loss, (losses[0], init_loss)
+
+    os.makedirs(args.out, exist_ok=True)
+    model_path = os.path.join(args.out, "model.bin")
+    with open(model_path, "wb") as f:
+        f.write(header([MODEL_MAGIC, MODEL_VERSION_FP32, MAXT, V, L, NH, C, VP]))
+        f.write(weight_bytes)
+
+    state_path = os.path.join(args.out, "state.bin")
+    with open(state_path, "wb") as f:
+        f.write(header([STATE_MAGIC, STATE_VERSION, B, T, V, VP, NSTEPS,
+                        f32_bits(LR), f32_bits(WD), f32_bits(CLIP)]))
+        f.write(x.numpy().astype("<i4").tobytes())
+        f.write(y.numpy().astype("<i4").tobytes())
+        f.write(init_logits.numpy().astype("<f4").tobytes())
+        f.write(np.array([init_loss], dtype="<f4").tobytes())
+        f.write(grad_bytes)
+        f.write(np.array(losses, dtype="<f4").tobytes())
+
+    model_size = 1024 + 4 * nparams
+    state_size = 1024 + 4 * (2 * B * T + B * T * V + 1 + nparams + NSTEPS)
+    assert os.path.getsize(model_path) == model_size
+    assert os.path.getsize(state_path) == state_size
+
+    print(f"num_params {nparams}")
+    print(f"initial loss {init_loss:.6f} (ln V = {math.log(V):.6f})")
+    print(f"initial grad norm {init_norm:.6f}")
+    for i, (l, n) in enumerate(zip(losses, norms)):
+        print(f"step {i}: loss {l:.6f} grad norm {n:.6f}")
+    print(f"wrote {model_path} ({model_size} bytes), "
+          f"{state_path} ({state_size} bytes) in {time.time() - t0:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+// The CPU model against PyTorch: test/reference/make_reference.py builds a small GPT-2 of an odd shape and
+// records its logits, loss, every gradient and the losses of 10 AdamW steps; `make test` writes them to
+// build/reference/ before running this.
+#include "llmc/gpt.cuh"
+#include "test_helpers.h"
+
+namespace {
+
+const char* REFERENCE_DIR = "build/reference";
+
+struct ReferenceState {
+    int B, T, V, Vp, steps;
+    float lr, weight_decay, grad_clip;
+    std::vector<int> inputs, targets;
+    std::vector<float> logits, grads, losses;
+    float loss;
+};
+
+float float_from_bits(int bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+ReferenceState read_state(const std::string& path, size_t num_parameters) {
+    File f(path, "rb");
+    int h[256];
+    f.read(h, sizeof(h));
+    REQUIRE(h[0] == 20240327);
+    REQUIRE(h[1] == 3);
+    ReferenceState s;
+    s.B = h[2], s.T = h[3], s.V = h[4], s.Vp = h[5], s.steps = h[6];
+    s.lr = float_from_bits(h[7]), s.weight_decay = float_from_bits(h[8]), s.grad_clip = float_from_bits(h[9]);
+    size_t BT = (size_t)s.B * s.T;
+    s.inputs.resize(BT);
+    s.targets.resize(BT);
+    s.logits.resize(BT * s.V);
+    s.grads.resize(num_parameters);
+    s.losses.resize(s.steps);
+    f.read(s.inputs.data(), BT * 4);
+    f.read(s.targets.data(), BT * 4);
+    f.read(s.logits.data(), s.logits.size() * 4);
+    f.read(&s.loss, 4);
+    f.read(s.grads.data(), num_parameters * 4);
+    f.read(s.losses.data(), s.steps * 4);
+    return s;
+}
+
+}  // namespace
+
+TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps", "[model][reference]") {
+    std::string model_path = std::string(REFERENCE_DIR) + "/model.bin";
+    INFO("run `make test` (or make build/reference/model.bin) to generate " << model_path);
+    REQUIRE(file_exists(model_path));
+    int version;
+    GPTConfig config = read_model_header(model_path, &version);
+    GPT m;
+    ReferenceState ref;
+    {
+        // peek at the batch shape before allocating the model for it
+        File f(std::string(REFERENCE_DIR) + "/state.bin", "rb");
+        int h[256];
+        f.read(h, sizeof(h));
+        gpt_allocate(m, config, h[2], h[3]);
+    }
+    gpt_load_params(m, model_path);
+    ref = read_state(std::string(REFERENCE_DIR) + "/state.bin", m.num_parameters);
+    REQUIRE(ref.V == config.vocab_size);
+    REQUIRE(ref.Vp == config.padded_vocab_size);
+    long BT = (long)ref.B * ref.T;
+
+    float loss = gpt_forward(m, ref.inputs.data(), ref.targets.data(), ref.B, ref.T);
+    // relative to the largest logit, so that logits near zero are judged at the scale of the row they sit in
+    float logit_scale = 0.0f;
+    for (float x : ref.logits) logit_scale = std::max(logit_scale, fabsf(x));
+    double logit_err = 0.0;
+    for (long n = 0; n < BT; n++)
+        logit_err = std::max(logit_err, max_rel_error(m.acts.logits + n * ref.Vp, &ref.logits[n * ref.V], ref.V,
+                                                      logit_scale));
+    CHECK(logit_err < 1e-5);
+    CHECK(fabs(loss - ref.loss) / ref.loss < 1e-5);
+
+    gpt_zero_grad(m);
+    gpt_backward(m, 1.0f / BT);
+    size_t offset = 0;
+    for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
+        INFO("parameter tensor " << i);
+        // relative to each tensor's largest gradient, so near-zero entries are judged at that tensor's scale
+        float scale = 0.0f;
+        for (size_t j = 0; j < m.param_sizes[i]; j++) scale = std::max(scale, fabsf(ref.grads[offset + j]));
+        CHECK(max_rel_error(m.grads + offset, &ref.grads[offset], m.param_sizes[i], scale) < 1e-4);
+        offset += m.param_sizes[i];
+    }
+
+    for (int step = 0; step < ref.steps; step++) {
+        float l = gpt_forward(m, ref.inputs.data(), ref.targets.data(), ref.B, ref.T);
+        INFO("step " << step << ": ours " << l << ", PyTorch " << ref.losses[step]);
+        CHECK(fabs(l - ref.losses[step]) / ref.losses[step] < 1e-5);
+        gpt_zero_grad(m);
+        gpt_backward(m, 1.0f / BT);
+        float scale = clip_scale(gpt_grad_norm(m), ref.grad_clip);
+        gpt_update(m, ref.lr, ref.weight_decay, scale);
+    }
+}
