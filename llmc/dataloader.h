@@ -1,0 +1,224 @@
+// Reads training batches from token shards in llm.c's format (256 x int32 header: magic 20240520, version 1,
+// token count; then uint16 tokens) and slices every global batch across data-parallel ranks.
+// The read order (optionally shuffled per epoch) is a pure function of (seed, epoch, shard, sample), so the
+// loader's whole position is three integers: a checkpoint saves them and a restored loader continues with
+// exactly the batches an uninterrupted one would have produced, on every rank.
+#pragma once
+
+#include <glob.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "llmc/utils.h"
+
+constexpr int SHARD_MAGIC = 20240520;
+constexpr int SHARD_VERSION = 1;
+constexpr int SHARD_HEADER_INTS = 256;
+constexpr long SHARD_HEADER_BYTES = SHARD_HEADER_INTS * sizeof(int32_t);
+
+// The position of the next batch: epoch, index into that epoch's shard order, index into that shard's
+// sample order. Always points at a sample that exists (the loader rolls over eagerly).
+struct DataLoaderState {
+    uint64_t epoch = 0, shard_pos = 0, sample_pos = 0;
+    bool operator==(const DataLoaderState& o) const {
+        return epoch == o.epoch && shard_pos == o.shard_pos && sample_pos == o.sample_pos;
+    }
+    bool operator!=(const DataLoaderState& o) const { return !(*this == o); }
+};
+
+// mixes a value into a hash; finalizer from splitmix64, so neighbouring epochs and shards get unrelated seeds
+inline uint64_t dataloader_mix(uint64_t h, uint64_t v) {
+    uint64_t z = h ^ (v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+struct DataLoader {
+    struct Shard {
+        std::string path;
+        size_t num_tokens;
+        size_t num_samples;  // global batches this shard holds
+    };
+
+    int B, T, rank, world;
+    bool shuffle;
+    uint64_t seed;
+    int vocab_size;
+    std::string pattern;
+    std::vector<Shard> shards;  // in sorted file order
+    size_t total_tokens = 0;
+    size_t batches_per_epoch = 0;
+
+    std::vector<int> inputs, targets;  // B*T each, filled by next_batch()
+
+    DataLoader(const std::string& glob_pattern, int B_, int T_, int rank_, int world_, bool shuffle_, uint64_t seed_,
+               int vocab_size_)
+        : B(B_),
+          T(T_),
+          rank(rank_),
+          world(world_),
+          shuffle(shuffle_),
+          seed(seed_),
+          vocab_size(vocab_size_),
+          pattern(glob_pattern) {
+        if (B < 1 || T < 1) fail("dataloader: batch size B=%d and sequence length T=%d must be >= 1", B, T);
+        if (world < 1) fail("dataloader: world size %d must be >= 1", world);
+        if (rank < 0 || rank >= world) fail("dataloader: rank %d is out of range for world size %d", rank, world);
+        if (vocab_size < 1) fail("dataloader: vocab size %d must be >= 1", vocab_size);
+        for (const std::string& path : glob_sorted(glob_pattern)) shards.push_back(read_shard_header(path));
+        for (const Shard& s : shards) {
+            total_tokens += s.num_tokens;
+            batches_per_epoch += s.num_samples;
+        }
+        inputs.assign((size_t)B * T, 0);
+        targets.assign((size_t)B * T, 0);
+        reset();
+    }
+
+    size_t tokens_per_global_batch() const { return (size_t)world * B * T; }
+    size_t num_shards() const { return shards.size(); }
+    // the file the next batch comes from, for log lines
+    const std::string& current_file() const { return shards[shard_order[pos.shard_pos]].path; }
+
+    void reset() { restore(DataLoaderState{}); }
+
+    DataLoaderState state() const { return pos; }
+
+    void restore(const DataLoaderState& s) {
+        if (s.shard_pos >= shards.size())
+            fail("dataloader state: shard position %llu is out of range (%s matches %zu shards)",
+                 (unsigned long long)s.shard_pos, pattern.c_str(), shards.size());
+        // checked before anything changes, so a rejected state leaves the loader where it was
+        std::vector<size_t> order = shard_order_for(s.epoch);
+        const Shard& shard = shards[order[s.shard_pos]];
+        if (s.sample_pos >= shard.num_samples)
+            fail("dataloader state: sample position %llu is out of range (%s holds %zu samples)",
+                 (unsigned long long)s.sample_pos, shard.path.c_str(), shard.num_samples);
+        pos = s;
+        shard_order = std::move(order);
+        make_sample_order();
+    }
+
+    void next_batch() {
+        const size_t shard_index = shard_order[pos.shard_pos];
+        load_tokens(shard_index);
+        const size_t sample = sample_order[pos.sample_pos];
+        const size_t bt = (size_t)B * T;
+        const uint16_t* window = loaded_tokens.data() + sample * tokens_per_global_batch() + (size_t)rank * bt;
+        for (size_t i = 0; i < bt; i++) {
+            inputs[i] = window[i];
+            targets[i] = window[i + 1];
+        }
+        advance();
+    }
+
+    // ------------------------------------------------------------------------------------------------------
+   private:
+    DataLoaderState pos;
+    std::vector<size_t> shard_order;   // this epoch's permutation of shard indices
+    std::vector<size_t> sample_order;  // the current shard's permutation of sample indices
+    std::vector<uint16_t> loaded_tokens;
+    size_t loaded_shard = SIZE_MAX;
+
+    static std::vector<std::string> glob_sorted(const std::string& pat) {
+        glob_t g;
+        int rc = glob(pat.c_str(), 0, nullptr, &g);
+        if (rc == GLOB_NOMATCH) fail("%s: no files match", pat.c_str());
+        if (rc != 0) {
+            globfree(&g);
+            fail("%s: cannot expand the pattern (glob error %d)", pat.c_str(), rc);
+        }
+        std::vector<std::string> paths(g.gl_pathv, g.gl_pathv + g.gl_pathc);
+        globfree(&g);
+        // glob sorts already; sorting again makes the order independent of the locale's collation
+        std::sort(paths.begin(), paths.end());
+        return paths;
+    }
+
+    Shard read_shard_header(const std::string& path) const {
+        struct stat st;
+        if (stat(path.c_str(), &st) != 0) fail("%s: cannot open (%s)", path.c_str(), strerror(errno));
+        if (!S_ISREG(st.st_mode)) fail("%s: not a regular file", path.c_str());
+        File f(path, "rb");
+        long size = f.size();
+        if (size < SHARD_HEADER_BYTES)
+            fail("%s: too short for a shard header (%ld bytes, need %ld)", path.c_str(), size, SHARD_HEADER_BYTES);
+        int32_t header[SHARD_HEADER_INTS];
+        f.read(header, sizeof(header));
+        if (header[0] != SHARD_MAGIC)
+            fail("%s: bad magic number %d (expected %d): not a token shard", path.c_str(), header[0], SHARD_MAGIC);
+        if (header[1] != SHARD_VERSION)
+            fail("%s: unsupported version %d (expected %d)", path.c_str(), header[1], SHARD_VERSION);
+        const long long count = header[2];
+        const long long expected = SHARD_HEADER_BYTES + 2 * count;
+        if (count < 0 || expected != size)
+            fail("%s: file size %ld bytes disagrees with the header's token count %lld (expected %lld bytes)",
+                 path.c_str(), size, count, expected);
+        const size_t need = tokens_per_global_batch() + 1;
+        if ((size_t)count < need)
+            fail("%s: only %lld tokens, fewer than one global batch needs (world*B*T+1 = %d*%d*%d+1 = %zu)",
+                 path.c_str(), count, world, B, T, need);
+        return Shard{path, (size_t)count, ((size_t)count - 1) / tokens_per_global_batch()};
+    }
+
+    std::vector<size_t> shard_order_for(uint64_t epoch) const {
+        std::vector<size_t> order(shards.size());
+        std::iota(order.begin(), order.end(), size_t(0));
+        if (shuffle) {
+            // the all-ones tag keeps this stream apart from the per-shard sample streams below
+            Rng rng(dataloader_mix(dataloader_mix(seed, epoch), ~0ull));
+            rng.shuffle(order);
+        }
+        return order;
+    }
+
+    void make_sample_order() {
+        const size_t shard_index = shard_order[pos.shard_pos];
+        sample_order.resize(shards[shard_index].num_samples);
+        std::iota(sample_order.begin(), sample_order.end(), size_t(0));
+        if (shuffle) {
+            Rng rng(dataloader_mix(dataloader_mix(seed, pos.epoch), shard_index));
+            rng.shuffle(sample_order);
+        }
+    }
+
+    // reads the whole shard (random sample order makes seeking per batch no cheaper) and checks every token
+    // once, so a bad token is reported with its position instead of surfacing as a wild embedding lookup
+    void load_tokens(size_t shard_index) {
+        if (loaded_shard == shard_index) return;
+        loaded_shard = SIZE_MAX;
+        const Shard& shard = shards[shard_index];
+        File f(shard.path, "rb");
+        int32_t header[SHARD_HEADER_INTS];
+        f.read(header, sizeof(header));
+        if (header[0] != SHARD_MAGIC || header[1] != SHARD_VERSION || header[2] != (int32_t)shard.num_tokens)
+            fail("%s: header changed since the dataloader opened it", shard.path.c_str());
+        loaded_tokens.resize(shard.num_tokens);
+        f.read(loaded_tokens.data(), shard.num_tokens * sizeof(uint16_t));
+        for (size_t i = 0; i < shard.num_tokens; i++)
+            if (loaded_tokens[i] >= vocab_size)
+                fail("%s: token %d at position %zu is out of range for vocab size %d", shard.path.c_str(),
+                     (int)loaded_tokens[i], i, vocab_size);
+        loaded_shard = shard_index;
+    }
+
+    void advance() {
+        pos.sample_pos++;
+        if (pos.sample_pos < sample_order.size()) return;
+        pos.sample_pos = 0;
+        pos.shard_pos++;
+        if (pos.shard_pos == shards.size()) {
+            pos.shard_pos = 0;
+            pos.epoch++;
+            shard_order = shard_order_for(pos.epoch);
+        }
+        make_sample_order();
+    }
+};

@@ -1,0 +1,342 @@
+// Tests of the token-shard dataloader: headers and totals, how a global batch is sliced across ranks,
+// deterministic shuffling with exact resume from state(), and a clear error for every kind of bad shard.
+#include <climits>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "llmc/dataloader.h"
+#include "test_helpers.h"
+
+namespace {
+
+const int GPT2_VOCAB = 50257;
+
+const long long TRUE_COUNT = LLONG_MIN;
+
+// writes a shard whose header fields can be set wrong on purpose
+void write_shard(const std::string& path, const std::vector<uint16_t>& tokens, int magic = SHARD_MAGIC,
+                 int version = SHARD_VERSION, long long count = TRUE_COUNT) {
+    int32_t header[SHARD_HEADER_INTS] = {};
+    header[0] = magic;
+    header[1] = version;
+    header[2] = (int32_t)(count == TRUE_COUNT ? (long long)tokens.size() : count);
+    File f(path, "wb");
+    f.write(header, sizeof(header));
+    if (!tokens.empty()) f.write(tokens.data(), tokens.size() * sizeof(uint16_t));
+    f.close();
+}
+
+std::vector<uint16_t> random_tokens(size_t n, Rng& rng, int vocab = GPT2_VOCAB) {
+    std::vector<uint16_t> t(n);
+    for (auto& x : t) x = (uint16_t)rng.below(vocab);
+    return t;
+}
+
+// shards whose tokens are all distinct (a shuffled range), so any window identifies where it was read from
+struct DistinctShards {
+    std::vector<std::vector<uint16_t>> tokens;       // per shard, in file order
+    std::map<int, std::pair<size_t, size_t>> where;  // token -> (shard, position)
+    DistinctShards(const TempDir& dir, const std::vector<size_t>& sizes, uint64_t seed) {
+        size_t total = 0;
+        for (size_t n : sizes) total += n;
+        REQUIRE(total <= (size_t)GPT2_VOCAB);
+        std::vector<uint16_t> values(total);
+        for (size_t i = 0; i < total; i++) values[i] = (uint16_t)i;
+        Rng rng(seed);
+        rng.shuffle(values);
+        size_t at = 0;
+        for (size_t s = 0; s < sizes.size(); s++) {
+            tokens.emplace_back(values.begin() + at, values.begin() + at + sizes[s]);
+            for (size_t i = 0; i < sizes[s]; i++) where[tokens[s][i]] = {s, i};
+            at += sizes[s];
+            write_shard(dir / strfmt("shard_%03zu.bin", s), tokens[s]);
+        }
+    }
+};
+
+// where the loader's current batch was read from: (shard, first token's position)
+std::pair<size_t, size_t> locate(const DataLoader& dl, const DistinctShards& data) {
+    auto it = data.where.find(dl.inputs[0]);
+    REQUIRE(it != data.where.end());
+    const size_t shard = it->second.first, start = it->second.second;
+    const size_t bt = (size_t)dl.B * dl.T;
+    const std::vector<uint16_t>& raw = data.tokens[shard];
+    REQUIRE(start + bt + 1 <= raw.size());
+    for (size_t i = 0; i < bt; i++) {
+        REQUIRE(dl.inputs[i] == raw[start + i]);
+        REQUIRE(dl.targets[i] == raw[start + i + 1]);
+    }
+    return {shard, start};
+}
+
+std::vector<std::pair<size_t, size_t>> read_order(DataLoader& dl, const DistinctShards& data, size_t steps) {
+    std::vector<std::pair<size_t, size_t>> order;
+    for (size_t i = 0; i < steps; i++) {
+        dl.next_batch();
+        order.push_back(locate(dl, data));
+    }
+    return order;
+}
+
+std::vector<std::vector<int>> read_batches(DataLoader& dl, size_t steps) {
+    std::vector<std::vector<int>> out;
+    for (size_t i = 0; i < steps; i++) {
+        dl.next_batch();
+        out.push_back(dl.inputs);
+        out.push_back(dl.targets);
+    }
+    return out;
+}
+
+}  // namespace
+
+TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
+    TempDir dir;
+    Rng rng(1);
+    // written out of order to check that the loader sorts the file names
+    write_shard(dir / "train_002.bin", random_tokens(513, rng));
+    write_shard(dir / "train_000.bin", random_tokens(1000, rng));
+    write_shard(dir / "train_001.bin", random_tokens(777, rng));
+    write_shard(dir / "val_000.bin", random_tokens(300, rng));
+
+    DataLoader dl(dir / "train_*.bin", 2, 8, 0, 1, false, 0, GPT2_VOCAB);
+    REQUIRE(dl.num_shards() == 3);
+    REQUIRE(dl.shards[0].path == dir / "train_000.bin");
+    REQUIRE(dl.shards[1].path == dir / "train_001.bin");
+    REQUIRE(dl.shards[2].path == dir / "train_002.bin");
+    REQUIRE(dl.total_tokens == 1000 + 777 + 513);
+    // a sample needs 16 tokens plus one for the last target
+    REQUIRE(dl.shards[0].num_samples == 999 / 16);
+    REQUIRE(dl.batches_per_epoch == 999 / 16 + 776 / 16 + 512 / 16);
+    REQUIRE(dl.inputs.size() == 16);
+    REQUIRE(dl.targets.size() == 16);
+
+    DataLoader dl4(dir / "train_*.bin", 2, 8, 3, 4, true, 7, GPT2_VOCAB);
+    REQUIRE(dl4.batches_per_epoch == 999 / 64 + 776 / 64 + 512 / 64);
+    REQUIRE(dl4.tokens_per_global_batch() == 64);
+
+    // exactly one global batch plus one token is the smallest shard that works
+    write_shard(dir / "tiny.bin", random_tokens(4 * 2 * 8 + 1, rng));
+    DataLoader tiny(dir / "tiny.bin", 2, 8, 3, 4, false, 0, GPT2_VOCAB);
+    REQUIRE(tiny.batches_per_epoch == 1);
+}
+
+TEST_CASE("dataloader: one pass reads every window of every sample exactly once across ranks", "[dataloader]") {
+    TempDir dir;
+    // sizes leave a ragged tail in each shard that no sample covers
+    DistinctShards data(dir, {1201, 950, 2048, 613}, 42);
+    const int B = 2, T = 5;
+    const size_t bt = (size_t)B * T;
+    for (int world : {1, 2, 3, 4}) {
+        for (bool shuffle : {false, true}) {
+            INFO("world " << world << ", shuffle " << shuffle);
+            std::vector<DataLoader> ranks;
+            for (int r = 0; r < world; r++)
+                ranks.emplace_back(dir / "shard_*.bin", B, T, r, world, shuffle, 99, GPT2_VOCAB);
+            const size_t steps = ranks[0].batches_per_epoch;
+            std::set<std::pair<size_t, size_t>> seen;
+            for (size_t step = 0; step < steps; step++) {
+                size_t sample_shard = 0, sample_start = 0;
+                for (int r = 0; r < world; r++) {
+                    ranks[r].next_batch();
+                    auto [shard, start] = locate(ranks[r], data);
+                    REQUIRE(start >= r * bt);
+                    REQUIRE((start - r * bt) % (world * bt) == 0);
+                    // all ranks read their slice of the same global batch
+                    if (r == 0) {
+                        sample_shard = shard;
+                        sample_start = start;
+                    } else {
+                        REQUIRE(shard == sample_shard);
+                        REQUIRE(start == sample_start + r * bt);
+                    }
+                    REQUIRE(seen.insert({shard, start}).second);
+                }
+            }
+            std::set<std::pair<size_t, size_t>> expected;
+            for (size_t s = 0; s < data.tokens.size(); s++) {
+                const size_t samples = (data.tokens[s].size() - 1) / (world * bt);
+                for (size_t k = 0; k < samples; k++)
+                    for (int r = 0; r < world; r++) expected.insert({s, k * world * bt + r * bt});
+            }
+            REQUIRE(seen == expected);
+            for (auto& dl : ranks) REQUIRE(dl.state() == DataLoaderState{1, 0, 0});
+        }
+    }
+}
+
+TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
+    TempDir dir;
+    DistinctShards data(dir, {400, 333, 520, 275, 610}, 5);
+    const std::string pattern = dir / "shard_*.bin";
+    const int B = 3, T = 4;  // 12 tokens per sample: 33 + 27 + 43 + 22 + 50 samples
+    DataLoader probe(pattern, B, T, 0, 1, false, 0, GPT2_VOCAB);
+    const size_t epoch = probe.batches_per_epoch;
+    REQUIRE(epoch == 33 + 27 + 43 + 22 + 50);
+
+    SECTION("shuffle off reads files in order and samples in order, every epoch") {
+        DataLoader dl(pattern, B, T, 0, 1, false, 1234, GPT2_VOCAB);
+        auto order = read_order(dl, data, 2 * epoch);
+        size_t i = 0;
+        for (int e = 0; e < 2; e++)
+            for (size_t s = 0; s < data.tokens.size(); s++)
+                for (size_t k = 0; k < dl.shards[s].num_samples; k++, i++)
+                    REQUIRE(order[i] == std::make_pair(s, k * B * T));
+    }
+
+    SECTION("same seed gives the same sequence, another seed another order") {
+        DataLoader a(pattern, B, T, 0, 1, true, 1234, GPT2_VOCAB);
+        DataLoader b(pattern, B, T, 0, 1, true, 1234, GPT2_VOCAB);
+        DataLoader c(pattern, B, T, 0, 1, true, 4321, GPT2_VOCAB);
+        DataLoader off(pattern, B, T, 0, 1, false, 1234, GPT2_VOCAB);
+        auto oa = read_order(a, data, 2 * epoch);
+        auto ob = read_order(b, data, 2 * epoch);
+        auto oc = read_order(c, data, 2 * epoch);
+        auto ooff = read_order(off, data, 2 * epoch);
+        REQUIRE(oa == ob);
+        REQUIRE(oa != oc);
+        REQUIRE(oa != ooff);
+        // each epoch is a permutation of the same samples, drawn afresh
+        std::vector<std::pair<size_t, size_t>> e0(oa.begin(), oa.begin() + epoch), e1(oa.begin() + epoch, oa.end());
+        REQUIRE(e0 != e1);
+        std::sort(e0.begin(), e0.end());
+        std::sort(e1.begin(), e1.end());
+        std::vector<std::pair<size_t, size_t>> in_order(ooff.begin(), ooff.begin() + epoch);
+        REQUIRE(e0 == in_order);
+        REQUIRE(e1 == in_order);
+        // the shard order is shuffled too, not just the samples inside each shard
+        std::vector<size_t> shard_sequence;
+        for (auto& w : std::vector<std::pair<size_t, size_t>>(oa.begin(), oa.begin() + epoch))
+            if (shard_sequence.empty() || shard_sequence.back() != w.first) shard_sequence.push_back(w.first);
+        REQUIRE(shard_sequence.size() == data.tokens.size());  // each shard is read in one stretch
+        std::vector<std::vector<size_t>> shard_orders;
+        for (uint64_t seed = 0; seed < 8; seed++) {
+            DataLoader d(pattern, B, T, 0, 1, true, seed, GPT2_VOCAB);
+            std::vector<size_t> seq;
+            for (auto& w : read_order(d, data, epoch))
+                if (seq.empty() || seq.back() != w.first) seq.push_back(w.first);
+            shard_orders.push_back(seq);
+        }
+        REQUIRE(std::set<std::vector<size_t>>(shard_orders.begin(), shard_orders.end()).size() > 1);
+    }
+
+    SECTION("restore continues exactly like an uninterrupted loader") {
+        for (bool shuffle : {true, false}) {
+            DataLoader reference(pattern, B, T, 0, 1, shuffle, 77, GPT2_VOCAB);
+            const size_t total = 2 * epoch + 10;
+            auto expected = read_batches(reference, total);
+            // mid-shard, the first shard boundary, the last batch of an epoch, the epoch boundary, beyond it
+            for (size_t k : {size_t(0), size_t(5), size_t(33), epoch - 1, epoch, epoch + 1, epoch + 40}) {
+                INFO("shuffle " << shuffle << ", restored after " << k << " batches");
+                DataLoader first(pattern, B, T, 0, 1, shuffle, 77, GPT2_VOCAB);
+                read_batches(first, k);
+                const DataLoaderState saved = first.state();
+                REQUIRE(saved.epoch == k / epoch);
+                DataLoader resumed(pattern, B, T, 0, 1, shuffle, 77, GPT2_VOCAB);
+                resumed.next_batch();  // a loader that has already moved on is restored just the same
+                resumed.restore(saved);
+                REQUIRE(resumed.state() == saved);
+                auto rest = read_batches(resumed, total - k);
+                REQUIRE(std::equal(rest.begin(), rest.end(), expected.begin() + 2 * k));
+            }
+        }
+    }
+
+    SECTION("reset goes back to the start of epoch 0") {
+        DataLoader dl(pattern, B, T, 0, 1, true, 9, GPT2_VOCAB);
+        auto first = read_batches(dl, epoch + 3);
+        REQUIRE(dl.state().epoch == 1);
+        dl.reset();
+        REQUIRE(dl.state() == DataLoaderState{0, 0, 0});
+        auto again = read_batches(dl, epoch + 3);
+        REQUIRE(first == again);
+    }
+
+    SECTION("a state that does not fit the data is rejected") {
+        DataLoader dl(pattern, B, T, 0, 1, true, 9, GPT2_VOCAB);
+        REQUIRE_THROWS_WITH(dl.restore(DataLoaderState{0, 5, 0}), Catch::Contains("shard position 5"));
+        REQUIRE_THROWS_WITH(dl.restore(DataLoaderState{3, 0, 1000}), Catch::Contains("sample position 1000"));
+        // and leaves the loader where it was
+        REQUIRE(dl.state() == DataLoaderState{0, 0, 0});
+        DataLoader fresh(pattern, B, T, 0, 1, true, 9, GPT2_VOCAB);
+        REQUIRE(read_batches(dl, epoch + 2) == read_batches(fresh, epoch + 2));
+    }
+}
+
+TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the reason", "[dataloader]") {
+    TempDir dir;
+    Rng rng(3);
+    const std::string path = dir / "shard.bin";
+    auto load = [&](const std::string& pattern) { return DataLoader(pattern, 2, 4, 0, 1, false, 0, GPT2_VOCAB); };
+
+    SECTION("no files match") {
+        const std::string pattern = dir / "nothing_*.bin";
+        REQUIRE_THROWS_WITH(load(pattern), Catch::Contains(pattern) && Catch::Contains("no files match"));
+    }
+    SECTION("wrong magic") {
+        write_shard(path, random_tokens(100, rng), 20240326);
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("bad magic number 20240326"));
+    }
+    SECTION("wrong version") {
+        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, 2);
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("unsupported version 2"));
+    }
+    SECTION("file size disagrees with the token count") {
+        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, SHARD_VERSION, 101);
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("file size 1224 bytes") &&
+                                            Catch::Contains("token count 101"));
+        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, SHARD_VERSION, 99);
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains("disagrees") && Catch::Contains("token count 99"));
+        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, SHARD_VERSION, -5);
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains("disagrees") && Catch::Contains("token count -5"));
+    }
+    SECTION("too short for a header") {
+        File f(path, "wb");
+        f.write("abcdef", 6);
+        f.close();
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("too short for a shard header"));
+    }
+    SECTION("fewer tokens than one global batch") {
+        write_shard(path, random_tokens(3 * 2 * 4, rng));  // world*B*T, one short
+        REQUIRE_THROWS_WITH(
+            DataLoader(path, 2, 4, 1, 3, false, 0, GPT2_VOCAB),
+            Catch::Contains(path) && Catch::Contains("fewer than one global batch") && Catch::Contains("25"));
+        // the same file is fine for a single rank
+        REQUIRE_NOTHROW(DataLoader(path, 2, 4, 0, 1, false, 0, GPT2_VOCAB));
+    }
+    SECTION("a token outside the vocabulary") {
+        auto tokens = random_tokens(100, rng);
+        tokens[37] = 50257;
+        write_shard(path, tokens);
+        DataLoader dl = load(path);
+        REQUIRE_THROWS_WITH(dl.next_batch(), Catch::Contains(path) && Catch::Contains("token 50257 at position 37") &&
+                                                 Catch::Contains("vocab size 50257"));
+        // a bigger vocabulary accepts it
+        DataLoader wide(path, 2, 4, 0, 1, false, 0, 50304);
+        REQUIRE_NOTHROW(wide.next_batch());
+    }
+    SECTION("a shard that disappears after the loader opened it") {
+        write_shard(dir / "a.bin", random_tokens(9, rng));  // one sample
+        write_shard(dir / "b.bin", random_tokens(9, rng));
+        DataLoader dl = load(dir / "*.bin");
+        dl.next_batch();
+        REQUIRE(remove((dir / "b.bin").c_str()) == 0);
+        REQUIRE_THROWS_WITH(dl.next_batch(), Catch::Contains(dir / "b.bin") && Catch::Contains("cannot open"));
+    }
+    SECTION("a directory that matches the pattern") {
+        write_shard(dir / "a.bin", random_tokens(100, rng));
+        REQUIRE(mkdir((dir / "b.bin").c_str(), 0755) == 0);
+        REQUIRE_THROWS_WITH(load(dir / "*.bin"),
+                            Catch::Contains(dir / "b.bin") && Catch::Contains("not a regular file"));
+    }
+    SECTION("bad batch geometry or rank") {
+        write_shard(path, random_tokens(100, rng));
+        REQUIRE_THROWS_WITH(DataLoader(path, 0, 4, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("B=0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 0, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("T=0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 0, 0, false, 0, GPT2_VOCAB), Catch::Contains("world size 0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, -1, 2, false, 0, GPT2_VOCAB), Catch::Contains("rank -1"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 2, 2, false, 0, GPT2_VOCAB), Catch::Contains("rank 2"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 0, 1, false, 0, 0), Catch::Contains("vocab size 0"));
+    }
+}
