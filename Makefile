@@ -21,7 +21,7 @@ TEST_SOURCES = $(wildcard test/test_*.cu)
 TEST_OBJECTS = $(patsubst test/%.cu,build/%.o,$(TEST_SOURCES))
 
 # the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores
-TRAIN_FLAGS ?= -e d4c128h4 -b 16 -t 128 -x 400 -l 2e-3 -u 20 -v 50 -m 8 -s 200 -g 96 -o build/demo
+TRAIN_FLAGS ?= -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64 -o build/demo
 
 .PHONY: all train test bench data deps clean
 

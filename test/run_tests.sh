@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs every test suite and prints, as the last line, "N passed, M failed" over all of them: Catch2 test cases
+# (build/tests) and the data-preparation checks (dev/data/test.js). `make test` builds what this needs first.
+set -u
+cd "$(dirname "$0")/.."
+
+passed=0
+failed=0
+
+# Catch2: one line per test case from the console reporter's summary
+catch_log=$(mktemp)
+build/tests --durations no 2>&1 | tee "$catch_log"
+summary=$(grep -E "^(All tests passed|test cases:)" "$catch_log" | tail -1)
+if [[ $summary =~ ^All\ tests\ passed.*\ in\ ([0-9]+)\ test\ case ]]; then
+    passed=$((passed + BASH_REMATCH[1]))
+elif [[ $summary =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ passed\ \|\ +([0-9]+)\ failed ]]; then
+    passed=$((passed + BASH_REMATCH[2]))
+    failed=$((failed + BASH_REMATCH[3]))
+elif [[ $summary =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ failed ]]; then
+    failed=$((failed + BASH_REMATCH[2]))
+else
+    echo "build/tests: no summary line (crashed?)"
+    failed=$((failed + 1))
+fi
+rm -f "$catch_log"
+
+# data preparation (Node.js): its last line is "N passed, M failed"
+node_summary=$(node dev/data/test.js 2>&1 | tee /dev/stderr | tail -1)
+if [[ $node_summary =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed$ ]]; then
+    passed=$((passed + BASH_REMATCH[1]))
+    failed=$((failed + BASH_REMATCH[2]))
+else
+    echo "dev/data/test.js: no summary line"
+    failed=$((failed + 1))
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
