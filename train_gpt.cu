@@ -22,14 +22,13 @@ static double now_seconds() {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-// the CUDA backend is not built yet: a visible GPU is reported, and --device cuda is refused
-static std::string choose_device(const std::string& requested) {
+// the CUDA backend is not built yet: --device cuda is refused, and a visible GPU is mentioned
+static std::string device_line(const std::string& requested) {
+    if (requested == "cuda") fail("--device cuda: the CUDA backend is not implemented yet; use --device cpu");
     int gpus = 0;
     if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-    if (requested == "cuda") fail("--device cuda: the CUDA backend is not implemented yet; use --device cpu");
-    printf("device cpu (%d OpenMP threads)%s\n", omp_get_max_threads(),
-           gpus > 0 && requested.empty() ? "; a GPU is visible, but the CUDA backend is not implemented yet" : "");
-    return "cpu";
+    return strfmt("device cpu (%d OpenMP threads)%s", omp_get_max_threads(),
+                  gpus > 0 && requested.empty() ? "; a GPU is visible, but the CUDA backend is not implemented yet" : "");
 }
 
 static GPTConfig model_config(const Options& o, const std::string& checkpoint_dir) {
@@ -49,15 +48,16 @@ static float validation_loss(GPT& model, DataLoader& val, int batches) {
     return (float)(total / batches);
 }
 
+// Everything that can be refused (flags, model, data, tokenizer) is checked before the first line is
+// printed, so a bad input gets exactly one line.
 static int run(const Options& o) {
-    choose_device(o.device);
+    std::string device = device_line(o.device);
     const int rank = 0, world = 1;
 
     std::string resume_dir;
     if (o.resume) {
         std::vector<int> steps = list_checkpoints(o.out_dir);
-        if (steps.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
-        else resume_dir = o.out_dir + "/" + checkpoint_name(steps.back());
+        if (!steps.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(steps.back());
     }
     GPTConfig config = model_config(o, resume_dir);
     if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
@@ -65,9 +65,13 @@ static int run(const Options& o) {
     long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
     if (total_batch % tokens_per_micro_step != 0)
         fail("-d %ld: must be a multiple of b*t*ranks = %ld", total_batch, tokens_per_micro_step);
+    if (total_batch / tokens_per_micro_step > (1 << 20))
+        fail("-d %ld: needs %ld micro-steps of b*t*ranks = %ld tokens; at most %d", total_batch,
+             total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
     int accumulation = (int)(total_batch / tokens_per_micro_step);
 
     if (o.plan) {
+        printf("%s\n", device.c_str());
         MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads());
         printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
                config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, count_parameters(config));
@@ -84,15 +88,11 @@ static int run(const Options& o) {
     if (!resume_dir.empty()) {
         load_checkpoint(resume_dir, model, state, layout);
         sampler_rng.state = state.rng_state;
-        printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
     } else if (is_model_descriptor(o.model)) {
         gpt_init_random(model, o.seed);
     } else {
         gpt_load_params(model, o.model);
     }
-    printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters, %.1f MiB in all\n", config.num_layers,
-           config.channels, config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
-           model.num_parameters, model.ledger.total() / 1048576.0);
 
     // the data
     DataLoader train(o.train_pattern, o.B, o.T, rank, world, o.shuffle, o.seed, config.vocab_size);
@@ -112,6 +112,12 @@ static int run(const Options& o) {
     int steps = o.max_steps >= 0 ? o.max_steps : (int)(train.total_tokens / total_batch);
     LRSchedule schedule = o.schedule;
     schedule.total_steps = steps;
+    printf("%s\n", device.c_str());
+    if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
+    if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
+    printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters, %.1f MiB in all\n", config.num_layers,
+           config.channels, config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
+           model.num_parameters, model.ledger.total() / 1048576.0);
     printf("train: %zu tokens in %s; batch %d x %d, %d micro-steps per step (%ld tokens); %d steps\n",
            train.total_tokens, o.train_pattern.c_str(), o.B, o.T, accumulation, total_batch, steps);
 

@@ -101,6 +101,8 @@ struct DataLoader {
         if (s.sample_pos >= shard.num_samples)
             fail("dataloader state: sample position %llu is out of range (%s holds %zu samples)",
                  (unsigned long long)s.sample_pos, shard.path.c_str(), shard.num_samples);
+        // the shard is read (and its tokens checked) now, so a bad file stops the run before training starts
+        load_tokens(order[s.shard_pos]);
         pos = s;
         shard_order = std::move(order);
         make_sample_order();

@@ -41,6 +41,11 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
         fail("%s: every model dimension must be positive", where.c_str());
     if (c.channels % c.num_heads != 0)
         fail("%s: channels (%d) must be divisible by heads (%d)", where.c_str(), c.channels, c.num_heads);
+    // bounds far above any real model that keep every size computation inside 64 bits
+    if (c.num_layers > 4096 || c.channels > 65536 || c.max_seq_len > (1 << 20) || c.vocab_size > (1 << 24) ||
+        c.padded_vocab_size > (1 << 24))
+        fail("%s: implausible model shape (L=%d C=%d maxT=%d V=%d Vp=%d)", where.c_str(), c.num_layers, c.channels,
+             c.max_seq_len, c.vocab_size, c.padded_vocab_size);
     if (c.padded_vocab_size < c.vocab_size)
         fail("%s: padded vocab %d is smaller than vocab %d", where.c_str(), c.padded_vocab_size, c.vocab_size);
 }
@@ -264,6 +269,12 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
     c.channels = h[6];
     c.padded_vocab_size = h[7];
     validate_config(c, path);
+    size_t sizes[NUM_PARAM_TENSORS], n = 0;
+    param_tensor_sizes(c, sizes);
+    for (size_t s : sizes) n += s;
+    long expected = (long)sizeof(h) + (long)(n * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
+    if (f.size() != expected)
+        fail("%s: size %ld bytes, but its header implies %ld", path.c_str(), f.size(), expected);
     *version = h[1];
     return c;
 }
@@ -277,10 +288,6 @@ inline void gpt_load_params(GPT& m, const std::string& path) {
         c.vocab_size != mc.vocab_size || c.padded_vocab_size != mc.padded_vocab_size || c.max_seq_len != mc.max_seq_len)
         fail("%s: model shape differs from the run's model", path.c_str());
     File f(path, "rb");
-    size_t elem = version == MODEL_VERSION_FP32 ? 4 : 2;
-    long expected = 1024 + (long)(m.num_parameters * elem);
-    if (f.size() != expected)
-        fail("%s: size %ld bytes, but its header implies %ld", path.c_str(), f.size(), expected);
     fseek(f.f, 1024, SEEK_SET);
     if (version == MODEL_VERSION_FP32) {
         f.read(m.params, m.num_parameters * 4);

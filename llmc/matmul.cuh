@@ -4,6 +4,7 @@
 // element is summed in the same order whatever the thread count, so results are bit-reproducible.
 #pragma once
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -19,6 +20,15 @@ constexpr int GEMM_MR = 8;
 constexpr int GEMM_MR = 6;
 #endif
 typedef float gemm_vec __attribute__((vector_size(GEMM_VEC_FLOATS * 4)));
+
+// one float copied to every lane, loaded straight from memory so it costs a load, not a shuffle
+inline gemm_vec gemm_broadcast(const float* p) {
+#if defined(__AVX512F__)
+    return (gemm_vec)_mm512_set1_ps(*p);
+#else
+    return (gemm_vec)_mm256_broadcast_ss(p);
+#endif
+}
 constexpr int GEMM_VEC = GEMM_VEC_FLOATS;
 constexpr int GEMM_NR = 2 * GEMM_VEC;
 // A's block (MC×KC, 128 KiB) stays in L2 while B's micro-panels (KC×NR) stream through L1
@@ -72,7 +82,7 @@ inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* 
         memcpy(&b0, b + k * GEMM_NR, sizeof(b0));
         memcpy(&b1, b + k * GEMM_NR + GEMM_VEC, sizeof(b1));
         for (int i = 0; i < GEMM_MR; i++) {
-            gemm_vec ai = gemm_vec{} + a[k * GEMM_MR + i];
+            gemm_vec ai = gemm_broadcast(a + k * GEMM_MR + i);
             acc0[i] += ai * b0;
             acc1[i] += ai * b1;
         }

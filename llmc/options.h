@@ -2,6 +2,7 @@
 // value stops the run before anything is allocated, with one line naming the flag.
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -96,6 +97,11 @@ inline Options parse_options(int argc, char** argv) {
             o.plan = true;
             continue;
         }
+        static const char* valued[] = {"-i", "-j", "-e", "-o", "--tokenizer", "--device", "-b", "-t", "-d", "-x",
+                                       "-l", "-u", "-q", "-k", "-c", "-v", "-m", "-s", "-g", "-n", "-nk", "-y",
+                                       "-a", "--seed", "--shuffle"};
+        if (std::find(std::begin(valued), std::end(valued), flag) == std::end(valued))
+            fail("%s: unknown flag (see --help)", flag.c_str());
         if (i + 1 >= argc) fail("%s: missing value (see --help)", flag.c_str());
         const char* v = argv[++i];
         if (flag == "-i") o.train_pattern = v;
@@ -129,7 +135,6 @@ inline Options parse_options(int argc, char** argv) {
         else if (flag == "-a") o.overfit = parse_long(flag, v, 0, 1);
         else if (flag == "--seed") o.seed = (uint64_t)parse_long(flag, v, 0, LONG_MAX);
         else if (flag == "--shuffle") o.shuffle = parse_long(flag, v, 0, 1);
-        else fail("%s: unknown flag (see --help)", flag.c_str());
     }
     if (o.total_batch == 0 || o.total_batch < -1) fail("-d %ld: must be positive, or -1 for one micro-batch", o.total_batch);
     if ((o.checkpoint_every > 0 || o.resume) && o.out_dir.empty()) fail("-n and -y need an output directory (-o)");

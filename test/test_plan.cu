@@ -1,0 +1,170 @@
+// Tests of --plan: plan_memory's closed-form counts must equal, category by category and to the byte, what
+// gpt_allocate records in the model's Ledger; count_parameters must equal the allocated parameter count;
+// `train_gpt --plan` must print that same plan; and for GPT-2 124M (d12) the counts must agree with a hand
+// count written out independently of both.
+#include <omp.h>
+
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "llmc/gpt.cuh"
+#include "llmc/plan.h"
+#include "test_helpers.h"
+
+namespace {
+
+// allocates the model for (B, T) with the given thread count and compares the plan with its ledger
+void check_plan_against_ledger(const std::string& descriptor, int B, int T, int threads) {
+    INFO("-e " << descriptor << " -b " << B << " -t " << T << ", " << threads << " threads");
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    GPTConfig config = parse_model_descriptor(descriptor);
+    GPT m;
+    gpt_allocate(m, config, B, T);
+    omp_set_num_threads(saved);
+    MemoryPlan plan = plan_memory(config, B, T, threads);
+    for (int i = 0; i < MEM_CATEGORIES; i++) {
+        INFO("category " << mem_category_name(i));
+        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+    }
+    CHECK(plan.total() == m.ledger.total());
+    CHECK(count_parameters(config) == m.num_parameters);
+    // everything is fp32 on the CPU: parameters, gradients and two AdamW moments are 16 bytes per parameter
+    CHECK(m.ledger.bytes[MEM_PARAMS] + m.ledger.bytes[MEM_GRADS] + m.ledger.bytes[MEM_OPTIMIZER] == 16 * m.num_parameters);
+}
+
+// the lines of `train_gpt --plan`: "  <category>   <bytes> bytes   <MiB> MiB", the last one named "total"
+std::map<std::string, size_t> parse_plan_output(const std::string& output) {
+    std::map<std::string, size_t> bytes;
+    std::istringstream in(output);
+    std::string line;
+    const std::regex row(R"(^\s+(\S.*?)\s+(\d+) bytes\s+[\d.]+ MiB\s*$)");
+    while (std::getline(in, line)) {
+        std::smatch m;
+        if (std::regex_match(line, m, row)) bytes[m[1]] = std::stoull(m[2]);
+    }
+    return bytes;
+}
+
+// runs `train_gpt --plan` with OMP_NUM_THREADS set, so that its scratch matches plan_memory's for `threads`
+CommandResult run_plan(const std::string& flags, int threads) {
+    INFO("./train_gpt not found: build it with `make train_gpt` (`make test` does) and run the tests from the "
+         "repo root");
+    REQUIRE(file_exists("./train_gpt"));
+    return run_command(strfmt("OMP_NUM_THREADS=%d timeout 60 ./train_gpt --plan %s", threads, flags.c_str()));
+}
+
+void check_plan_command(const std::string& descriptor, int B, int T, int threads) {
+    std::string flags = strfmt("-e %s -b %d -t %d", descriptor.c_str(), B, T);
+    CommandResult r = run_plan(flags, threads);
+    INFO("./train_gpt --plan " << flags << " with " << threads << " threads: exit status " << r.status << ", output:\n"
+                               << r.output);
+    REQUIRE(r.status == 0);
+    GPTConfig config = parse_model_descriptor(descriptor);
+    MemoryPlan plan = plan_memory(config, B, T, threads);
+    std::map<std::string, size_t> printed = parse_plan_output(r.output);
+    REQUIRE(printed.count("total") == 1);
+    CHECK(printed["total"] == plan.total());
+    for (int i = 0; i < MEM_CATEGORIES; i++) {
+        INFO("category " << mem_category_name(i));
+        REQUIRE(printed.count(mem_category_name(i)) == 1);
+        CHECK(printed[mem_category_name(i)] == plan.bytes[i]);
+    }
+    std::smatch m;
+    REQUIRE(std::regex_search(r.output, m, std::regex(R"((\d+) parameters)")));
+    CHECK(std::stoull(m[1]) == count_parameters(config));
+    // a plan, not a run
+    CHECK(r.output.find("step") == std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("plan_memory equals gpt_allocate's ledger, category by category", "[plan]") {
+    struct Case {
+        const char* model;
+        int B, T;
+    };
+    const Case cases[] = {
+        {"d1c16h2t32v300", 2, 8},
+        {"d3c48h4t29v397", 3, 17},  // odd sizes: T < maxT, T prime, V padded from 397 to 512
+        {"d3c48h4t29v397", 1, 29},  // T = maxT
+        {"d2c64h2", 4, 64},         // the GPT-2 vocab and maxT 1024
+    };
+    for (const Case& c : cases)
+        for (int threads : {omp_get_max_threads(), 1, 3}) check_plan_against_ledger(c.model, c.B, c.T, threads);
+}
+
+TEST_CASE("count_parameters counts llm.c's GPT-2 124M (d12): 124,475,904 with the padded vocab", "[plan]") {
+    GPTConfig d12 = parse_model_descriptor("d12");
+    REQUIRE(d12.num_layers == 12);
+    REQUIRE(d12.channels == 768);
+    REQUIRE(d12.num_heads == 12);
+    REQUIRE(d12.max_seq_len == 1024);
+    REQUIRE(d12.vocab_size == 50257);
+    REQUIRE(d12.padded_vocab_size == 50304);
+    // by hand: wte 50304·768 = 38,633,472; wpe 1024·768 = 786,432; per layer: ln1 1,536, qkv 768·2304 + 2304 =
+    // 1,771,776, attention projection 768·768 + 768 = 590,592, ln2 1,536, fc 768·3072 + 3072 = 2,362,368, fc
+    // projection 3072·768 + 768 = 2,360,064, in all 7,087,872, times 12 = 85,054,464; lnf 1,536
+    const size_t hand = 38633472ull + 786432ull + 12ull * (1536 + 1771776 + 590592 + 1536 + 2362368 + 2360064) + 1536;
+    CHECK(hand == 124475904ull);
+    CHECK(count_parameters(d12) == 124475904ull);
+    // without the padding rows it is the familiar 124,439,808 of Hugging Face's gpt2
+    GPTConfig unpadded = d12;
+    unpadded.padded_vocab_size = 50257;
+    CHECK(count_parameters(unpadded) == 124439808ull);
+}
+
+TEST_CASE("plan_memory for d12 at B=4 T=64 matches a hand count", "[plan]") {
+    GPTConfig d12 = parse_model_descriptor("d12");
+    const int threads = omp_get_max_threads();
+    MemoryPlan plan = plan_memory(d12, 4, 64, threads);
+    const size_t psi = 124475904ull;
+    CHECK(plan.bytes[MEM_PARAMS] == 4 * psi);       // 497,903,616
+    CHECK(plan.bytes[MEM_GRADS] == 4 * psi);        // 497,903,616
+    CHECK(plan.bytes[MEM_OPTIMIZER] == 8 * psi);    // 995,807,232: AdamW's m and v
+    CHECK(plan.bytes[MEM_MASTER_WEIGHTS] == 0);     // fp32 parameters are their own master copy
+    CHECK(plan.bytes[MEM_COMM] == 0);               // one rank
+    // llm.c's activation tensors for B·T = 256, C = 768, L = 12, NH = 12, Vp = 50304, in floats; this CPU
+    // version keeps one B·NH·T·T attention matrix per layer (no separate preatt) and turns the logits into
+    // their gradient in place (no separate probs)
+    const size_t activations[] = {
+        196608,    // encoded       BTC
+        2359296,   // ln1           L·BTC
+        3072,      // ln1_mean      L·BT
+        3072,      // ln1_rstd      L·BT
+        7077888,   // qkv           L·BT·3C
+        2359296,   // att           L·B·NH·T·T = 12·4·12·64·64
+        2359296,   // atty          L·BTC
+        2359296,   // attproj       L·BTC
+        2359296,   // residual2     L·BTC
+        2359296,   // ln2           L·BTC
+        3072,      // ln2_mean      L·BT
+        3072,      // ln2_rstd      L·BT
+        9437184,   // fch           L·BT·4C
+        9437184,   // fch_gelu      L·BT·4C
+        2359296,   // fcproj        L·BTC
+        2359296,   // residual3     L·BTC
+        196608,    // lnf           BTC
+        256,       // lnf_mean      BT
+        256,       // lnf_rstd      BT
+        12877824,  // logits        BT·Vp
+        256,       // losses        BT
+    };
+    size_t activation_floats = 0;
+    for (size_t n : activations) activation_floats += n;
+    CHECK(activation_floats == 58110720ull);
+    CHECK(plan.bytes[MEM_ACTIVATIONS] == 4 * activation_floats);  // 232,442,880
+    // backward's gradients of the residual stream, a layernorm input, qkv, the attention output and the MLP
+    // hidden layer: (1 + 1 + 3 + 1 + 4)·BTC = 1,966,080 floats; then T floats per thread and the GEMM's panels
+    CHECK(plan.bytes[MEM_SCRATCH] == 4 * (1966080ull + (size_t)threads * 64 + gemm_workspace_floats(threads)));
+}
+
+TEST_CASE("train_gpt --plan prints plan_memory's numbers without allocating", "[plan]") {
+    check_plan_command("d12", 4, 64, omp_get_max_threads());
+    check_plan_command("d12", 4, 64, 3);
+    // d48 at B=16, T=1024 needs over 100 GB: printing its plan must not try to allocate it
+    check_plan_command("d48", 16, 1024, 2);
+    GPTConfig d48 = parse_model_descriptor("d48");
+    CHECK(plan_memory(d48, 16, 1024, 2).total() > 100ull * 1000 * 1000 * 1000);
+}
