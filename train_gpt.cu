@@ -59,6 +59,9 @@ static int run(const Options& o) {
         std::vector<int> steps = list_checkpoints(o.out_dir);
         if (!steps.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(steps.back());
     }
+    // a fresh run never mixes its checkpoints with another run's (pruning could delete the new ones)
+    if (o.checkpoint_every > 0 && !o.resume && !list_checkpoints(o.out_dir).empty())
+        fail("-o %s: already holds checkpoints; resume with -y 1 or choose another directory", o.out_dir.c_str());
     GPTConfig config = model_config(o, resume_dir);
     if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
     long tokens_per_micro_step = (long)o.B * o.T * world;

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -69,6 +71,15 @@ inline void fsync_dir(const std::string& path) {
     if (!d) return;
     fsync(dirfd(d));
     closedir(d);
+}
+
+// deletes a checkpoint so that no crash can leave it half-deleted yet still listed: the manifest, which is
+// what marks it complete, goes first
+inline void remove_checkpoint(const std::string& out_dir, int step) {
+    std::string dir = out_dir + "/" + checkpoint_name(step);
+    unlink((dir + "/manifest.txt").c_str());
+    fsync_dir(dir);
+    remove_tree(dir);
 }
 
 // the steps of the complete checkpoints in out_dir, oldest first (temporary directories are not complete)
@@ -145,18 +156,23 @@ inline void save_checkpoint(const std::string& out_dir, const GPT& m, const Trai
     write_manifest(tmp_dir + "/manifest.txt", m, s, r);
     fsync_dir(tmp_dir);
 
-    std::string old_dir = final_dir + ".old";
-    bool replacing = file_exists(final_dir + "/manifest.txt");
-    if (replacing && rename(final_dir.c_str(), old_dir.c_str()) != 0)
-        fail("%s: cannot move the previous checkpoint aside (%s)", final_dir.c_str(), strerror(errno));
-    if (rename(tmp_dir.c_str(), final_dir.c_str()) != 0)
-        fail("%s: cannot rename into place (%s)", tmp_dir.c_str(), strerror(errno));
-    fsync_dir(out_dir);
-    if (replacing) remove_tree(old_dir);
+    if (file_exists(final_dir + "/manifest.txt")) {
+        // the same step again: swap the new directory in atomically, so one complete ckpt_STEP exists at every
+        // moment, then remove the old one (now under the temporary name)
+        if (renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0)
+            fail("%s: cannot swap into place (%s)", tmp_dir.c_str(), strerror(errno));
+        fsync_dir(out_dir);
+        remove_tree(tmp_dir);
+    } else {
+        remove_tree(final_dir);  // an incomplete directory of that name, left by a crash
+        if (rename(tmp_dir.c_str(), final_dir.c_str()) != 0)
+            fail("%s: cannot rename into place (%s)", tmp_dir.c_str(), strerror(errno));
+        fsync_dir(out_dir);
+    }
 
     if (keep > 0) {
         std::vector<int> steps = list_checkpoints(out_dir);
-        for (size_t i = 0; i + keep < steps.size(); i++) remove_tree(out_dir + "/" + checkpoint_name(steps[i]));
+        for (size_t i = 0; i + keep < steps.size(); i++) remove_checkpoint(out_dir, steps[i]);
     }
 }
 

@@ -25,7 +25,11 @@ fi
 rm -f "$catch_log"
 
 # data preparation (Node.js): its last line is "N passed, M failed"
-node_summary=$(node dev/data/test.js 2>&1 | tee /dev/stderr | tail -1)
+node_log=$(mktemp)
+node dev/data/test.js >"$node_log" 2>&1
+cat "$node_log"
+node_summary=$(tail -1 "$node_log")
+rm -f "$node_log"
 if [[ $node_summary =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed$ ]]; then
     passed=$((passed + BASH_REMATCH[1]))
     failed=$((failed + BASH_REMATCH[2]))
