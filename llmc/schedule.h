@@ -1,5 +1,6 @@
 // Learning-rate schedules: linear warmup over the first `warmup` steps, then cosine (llm.c's default), linear,
-// or constant, decaying from lr to lr * final_fraction at the last step.
+// or constant, decaying from lr to lr * final_fraction at step total_steps (steps run 0 .. total_steps-1, so
+// the last one trains just above the floor, as in llm.c).
 #pragma once
 
 #include <cmath>
