@@ -4,7 +4,7 @@
 # Runs ./train_gpt on the CPU for a few steps on two configurations and reports, for each, the median
 # ms/step and tok/s over the steps after the first (the first step allocates and warms caches):
 #   d12   GPT-2 124M (L=12, C=768), B=4, T=64   (the shape llm.c's train_gpt2.c hard-codes)
-#   demo  the Makefile's CPU demo model: -e d4c128h4 -b 16 -t 128
+#   demo  the Makefile's CPU demo model (make train): -e d4c128h4 -b 8 -t 128
 # With LLMC_DIR set, it also builds llm.c's train_gpt2.c (copied to a scratch directory; nothing is written
 # into LLMC_DIR) with llm.c's Makefile CPU flags, runs it on the same d12 weights and the same SOTU shards,
 # and prints its median ms/step next to ours, with the ratio.
@@ -49,9 +49,9 @@ KEEP_LOGS=${KEEP_LOGS:-0}
 
 # the benchmark's configurations (ours): name -> flags
 D12_FLAGS=(-e d12 -b 4 -t 64)
-DEMO_FLAGS=(-e d4c128h4 -b 16 -t 128)
+DEMO_FLAGS=(-e d4c128h4 -b 8 -t 128)
 D12_TOKENS=$((4 * 64))
-DEMO_TOKENS=$((16 * 128))
+DEMO_TOKENS=$((8 * 128))
 
 die() { echo "cpu_bench: $*" >&2; exit 1; }
 
@@ -254,7 +254,7 @@ for c in $CONFIGS; do
         fi
     else
         demo_ms=$(pooled_ours demo | median)
-        printf '%-34s %12s %10s %8s\n' "llm5d  d4c128h4 B=16 T=128" "$demo_ms" "$(tok_per_s $DEMO_TOKENS "$demo_ms")" \
+        printf '%-34s %12s %10s %8s\n' "llm5d  d4c128h4 B=8 T=128" "$demo_ms" "$(tok_per_s $DEMO_TOKENS "$demo_ms")" \
             "$(pooled_ours demo | wc -l)"
     fi
 done
