@@ -146,6 +146,29 @@ struct Activations {
         *fch, *fch_gelu, *fcproj, *residual3, *lnf, *lnf_mean, *lnf_rstd, *logits, *losses;
 };
 
+// layer l's slice of every per-layer activation slot, for a batch of B×T (the slots are stacked layer 0 first
+// with strides from B and T); the other fields are copied unchanged
+inline Activations layer_slice(const Activations& a, int l, int B, int T, int C, int NH) {
+    long BT = (long)B * T;
+    Activations v = a;
+    v.ln1 = a.ln1 + l * BT * C;
+    v.ln1_mean = a.ln1_mean + l * BT;
+    v.ln1_rstd = a.ln1_rstd + l * BT;
+    v.qkv = a.qkv + l * BT * 3 * C;
+    v.att = a.att + (long)l * B * NH * T * T;
+    v.atty = a.atty + l * BT * C;
+    v.attproj = a.attproj + l * BT * C;
+    v.residual2 = a.residual2 + l * BT * C;
+    v.ln2 = a.ln2 + l * BT * C;
+    v.ln2_mean = a.ln2_mean + l * BT;
+    v.ln2_rstd = a.ln2_rstd + l * BT;
+    v.fch = a.fch + l * BT * 4 * C;
+    v.fch_gelu = a.fch_gelu + l * BT * 4 * C;
+    v.fcproj = a.fcproj + l * BT * C;
+    v.residual3 = a.residual3 + l * BT * C;
+    return v;
+}
+
 // buffers that live only inside backward (activation gradients), plus per-thread kernel workspaces
 struct Scratch {
     float *dresidual, *dln, *dqkv, *datty, *dfch, *attention, *gemm;
@@ -348,30 +371,18 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     encoder_forward(a.encoded, inputs, p[WTE], p[WPE], B, T, C);
     const float* residual = a.encoded;
     for (int l = 0; l < L; l++) {
-        // views of layer l: its slice of each stacked activation and parameter tensor (stride from B, T)
-        float* ln1 = a.ln1 + l * BT * C;
-        float* qkv = a.qkv + l * BT * 3 * C;
-        float* att = a.att + (long)l * B * NH * T * T;
-        float* atty = a.atty + l * BT * C;
-        float* attproj = a.attproj + l * BT * C;
-        float* residual2 = a.residual2 + l * BT * C;
-        float* ln2 = a.ln2 + l * BT * C;
-        float* fch = a.fch + l * BT * 4 * C;
-        float* fch_gelu = a.fch_gelu + l * BT * 4 * C;
-        float* fcproj = a.fcproj + l * BT * C;
-        float* residual3 = a.residual3 + l * BT * C;
-
-        layernorm_forward(ln1, a.ln1_mean + l * BT, a.ln1_rstd + l * BT, residual, p[LN1W] + l * C, p[LN1B] + l * C, BT, C);
-        matmul_forward(qkv, ln1, p[QKVW] + (long)l * 3 * C * C, p[QKVB] + l * 3 * C, BT, C, 3 * C, ws);
-        attention_forward(atty, att, qkv, B, T, C, NH);
-        matmul_forward(attproj, atty, p[ATTPROJW] + (long)l * C * C, p[ATTPROJB] + l * C, BT, C, C, ws);
-        residual_forward(residual2, residual, attproj, BT * C);
-        layernorm_forward(ln2, a.ln2_mean + l * BT, a.ln2_rstd + l * BT, residual2, p[LN2W] + l * C, p[LN2B] + l * C, BT, C);
-        matmul_forward(fch, ln2, p[FCW] + (long)l * 4 * C * C, p[FCB] + l * 4 * C, BT, C, 4 * C, ws);
-        gelu_forward(fch_gelu, fch, BT * 4 * C);
-        matmul_forward(fcproj, fch_gelu, p[FCPROJW] + (long)l * 4 * C * C, p[FCPROJB] + l * C, BT, 4 * C, C, ws);
-        residual_forward(residual3, residual2, fcproj, BT * C);
-        residual = residual3;
+        Activations la = layer_slice(a, l, B, T, C, NH);
+        layernorm_forward(la.ln1, la.ln1_mean, la.ln1_rstd, residual, p[LN1W] + l * C, p[LN1B] + l * C, BT, C);
+        matmul_forward(la.qkv, la.ln1, p[QKVW] + (long)l * 3 * C * C, p[QKVB] + l * 3 * C, BT, C, 3 * C, ws);
+        attention_forward(la.atty, la.att, la.qkv, B, T, C, NH);
+        matmul_forward(la.attproj, la.atty, p[ATTPROJW] + (long)l * C * C, p[ATTPROJB] + l * C, BT, C, C, ws);
+        residual_forward(la.residual2, residual, la.attproj, BT * C);
+        layernorm_forward(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, p[LN2W] + l * C, p[LN2B] + l * C, BT, C);
+        matmul_forward(la.fch, la.ln2, p[FCW] + (long)l * 4 * C * C, p[FCB] + l * 4 * C, BT, C, 4 * C, ws);
+        gelu_forward(la.fch_gelu, la.fch, BT * 4 * C);
+        matmul_forward(la.fcproj, la.fch_gelu, p[FCPROJW] + (long)l * 4 * C * C, p[FCPROJB] + l * C, BT, 4 * C, C, ws);
+        residual_forward(la.residual3, la.residual2, la.fcproj, BT * C);
+        residual = la.residual3;
     }
     layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p[LNFW], p[LNFB], BT, C);
     matmul_forward(a.logits, a.lnf, p[WTE], nullptr, BT, C, Vp, ws);
@@ -406,29 +417,22 @@ inline void gpt_backward(GPT& m, float dloss) {
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
         const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BT * C;
-        float* ln1 = a.ln1 + l * BT * C;
-        float* qkv = a.qkv + l * BT * 3 * C;
-        float* att = a.att + (long)l * B * NH * T * T;
-        float* atty = a.atty + l * BT * C;
-        float* residual2 = a.residual2 + l * BT * C;
-        float* ln2 = a.ln2 + l * BT * C;
-        float* fch = a.fch + l * BT * 4 * C;
-        float* fch_gelu = a.fch_gelu + l * BT * 4 * C;
+        Activations la = layer_slice(a, l, B, T, C, NH);
 
-        matmul_backward(s.dfch, g[FCPROJW] + (long)l * 4 * C * C, g[FCPROJB] + l * C, s.dresidual, fch_gelu,
+        matmul_backward(s.dfch, g[FCPROJW] + (long)l * 4 * C * C, g[FCPROJB] + l * C, s.dresidual, la.fch_gelu,
                         p[FCPROJW] + (long)l * 4 * C * C, BT, 4 * C, C, ws);
-        gelu_backward(s.dfch, fch, s.dfch, BT * 4 * C);
-        matmul_backward(s.dln, g[FCW] + (long)l * 4 * C * C, g[FCB] + l * 4 * C, s.dfch, ln2,
+        gelu_backward(s.dfch, la.fch, s.dfch, BT * 4 * C);
+        matmul_backward(s.dln, g[FCW] + (long)l * 4 * C * C, g[FCB] + l * 4 * C, s.dfch, la.ln2,
                         p[FCW] + (long)l * 4 * C * C, BT, C, 4 * C, ws);
-        layernorm_backward(s.dresidual, g[LN2W] + l * C, g[LN2B] + l * C, s.dln, residual2, p[LN2W] + l * C,
-                           a.ln2_mean + l * BT, a.ln2_rstd + l * BT, BT, C);
-        matmul_backward(s.datty, g[ATTPROJW] + (long)l * C * C, g[ATTPROJB] + l * C, s.dresidual, atty,
+        layernorm_backward(s.dresidual, g[LN2W] + l * C, g[LN2B] + l * C, s.dln, la.residual2, p[LN2W] + l * C,
+                           la.ln2_mean, la.ln2_rstd, BT, C);
+        matmul_backward(s.datty, g[ATTPROJW] + (long)l * C * C, g[ATTPROJB] + l * C, s.dresidual, la.atty,
                         p[ATTPROJW] + (long)l * C * C, BT, C, C, ws);
-        attention_backward(s.dqkv, s.datty, qkv, att, B, T, C, NH, s.attention);
-        matmul_backward(s.dln, g[QKVW] + (long)l * 3 * C * C, g[QKVB] + l * 3 * C, s.dqkv, ln1,
+        attention_backward(s.dqkv, s.datty, la.qkv, la.att, B, T, C, NH, s.attention);
+        matmul_backward(s.dln, g[QKVW] + (long)l * 3 * C * C, g[QKVB] + l * 3 * C, s.dqkv, la.ln1,
                         p[QKVW] + (long)l * 3 * C * C, BT, C, 3 * C, ws);
         layernorm_backward(s.dresidual, g[LN1W] + l * C, g[LN1B] + l * C, s.dln, residual, p[LN1W] + l * C,
-                           a.ln1_mean + l * BT, a.ln1_rstd + l * BT, BT, C);
+                           la.ln1_mean, la.ln1_rstd, BT, C);
     }
     encoder_backward(g[WTE], g[WPE], s.dresidual, m.inputs.data(), B, T, C);
 }
