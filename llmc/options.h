@@ -2,11 +2,13 @@
 // value stops the run before anything is allocated, with one line naming the flag.
 #pragma once
 
-#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
+#include <functional>
+#include <map>
 #include <string>
+#include <type_traits>
 
 #include "llmc/schedule.h"
 #include "llmc/utils.h"
@@ -87,6 +89,51 @@ inline float parse_float(const std::string& flag, const char* s, float lo, float
 
 inline Options parse_options(int argc, char** argv) {
     Options o;
+    using Setter = std::function<void(const std::string&, const char*)>;
+    auto integer = [](auto* field, long lo, long hi) -> Setter {
+        using Field = std::remove_pointer_t<decltype(field)>;
+        return [=](const std::string& f, const char* v) { *field = (Field)parse_long(f, v, lo, hi); };
+    };
+    auto real = [](float* field, float lo, float hi) -> Setter {
+        return [=](const std::string& f, const char* v) { *field = parse_float(f, v, lo, hi); };
+    };
+    auto text = [](std::string* field) -> Setter { return [=](const std::string&, const char* v) { *field = v; }; };
+    // every flag that takes a value, and how it is parsed and bounded
+    const std::map<std::string, Setter> setters = {
+        {"-i", text(&o.train_pattern)},
+        {"-j", text(&o.val_pattern)},
+        {"-e", text(&o.model)},
+        {"-o", text(&o.out_dir)},
+        {"--tokenizer", text(&o.tokenizer)},
+        {"--device",
+         [&](const std::string&, const char* v) {
+             o.device = v;
+             if (o.device != "cpu" && o.device != "cuda") fail("--device %s: expected cpu or cuda", v);
+         }},
+        {"-b", integer(&o.B, 1, 1 << 20)},
+        {"-t", integer(&o.T, 1, 1 << 20)},
+        {"-d", integer(&o.total_batch, -1, LONG_MAX)},
+        {"-x", integer(&o.max_steps, -1, INT_MAX)},
+        {"-l", real(&o.schedule.lr, 0.0f, 10.0f)},
+        {"-u", integer(&o.schedule.warmup, 0, INT_MAX)},
+        {"-q", real(&o.schedule.final_fraction, 0.0f, 1.0f)},
+        {"-k",
+         [&](const std::string&, const char* v) {
+             o.schedule.kind = v;
+             if (!LRSchedule::known(o.schedule.kind)) fail("-k %s: expected cosine, linear or constant", v);
+         }},
+        {"-c", real(&o.weight_decay, 0.0f, 10.0f)},
+        {"-v", integer(&o.val_every, 0, INT_MAX)},
+        {"-m", integer(&o.val_batches, 1, INT_MAX)},
+        {"-s", integer(&o.sample_every, 0, INT_MAX)},
+        {"-g", integer(&o.gen_tokens, 1, 1 << 20)},
+        {"-n", integer(&o.checkpoint_every, 0, INT_MAX)},
+        {"-nk", integer(&o.checkpoints_keep, 0, INT_MAX)},
+        {"-y", integer(&o.resume, 0, 1)},
+        {"-a", integer(&o.overfit, 0, 1)},
+        {"--seed", integer(&o.seed, 0, LONG_MAX)},
+        {"--shuffle", integer(&o.shuffle, 0, 1)},
+    };
     for (int i = 1; i < argc; i++) {
         std::string flag = argv[i];
         if (flag == "-h" || flag == "--help") {
@@ -97,44 +144,10 @@ inline Options parse_options(int argc, char** argv) {
             o.plan = true;
             continue;
         }
-        static const char* valued[] = {"-i", "-j", "-e", "-o", "--tokenizer", "--device", "-b", "-t", "-d", "-x",
-                                       "-l", "-u", "-q", "-k", "-c", "-v", "-m", "-s", "-g", "-n", "-nk", "-y",
-                                       "-a", "--seed", "--shuffle"};
-        if (std::find(std::begin(valued), std::end(valued), flag) == std::end(valued))
-            fail("%s: unknown flag (see --help)", flag.c_str());
+        auto handler = setters.find(flag);
+        if (handler == setters.end()) fail("%s: unknown flag (see --help)", flag.c_str());
         if (i + 1 >= argc) fail("%s: missing value (see --help)", flag.c_str());
-        const char* v = argv[++i];
-        if (flag == "-i") o.train_pattern = v;
-        else if (flag == "-j") o.val_pattern = v;
-        else if (flag == "-e") o.model = v;
-        else if (flag == "-o") o.out_dir = v;
-        else if (flag == "--tokenizer") o.tokenizer = v;
-        else if (flag == "--device") {
-            o.device = v;
-            if (o.device != "cpu" && o.device != "cuda") fail("--device %s: expected cpu or cuda", v);
-        }
-        else if (flag == "-b") o.B = (int)parse_long(flag, v, 1, 1 << 20);
-        else if (flag == "-t") o.T = (int)parse_long(flag, v, 1, 1 << 20);
-        else if (flag == "-d") o.total_batch = parse_long(flag, v, -1, LONG_MAX);
-        else if (flag == "-x") o.max_steps = (int)parse_long(flag, v, -1, INT_MAX);
-        else if (flag == "-l") o.schedule.lr = parse_float(flag, v, 0.0f, 10.0f);
-        else if (flag == "-u") o.schedule.warmup = (int)parse_long(flag, v, 0, INT_MAX);
-        else if (flag == "-q") o.schedule.final_fraction = parse_float(flag, v, 0.0f, 1.0f);
-        else if (flag == "-k") {
-            o.schedule.kind = v;
-            if (!LRSchedule::known(o.schedule.kind)) fail("-k %s: expected cosine, linear or constant", v);
-        }
-        else if (flag == "-c") o.weight_decay = parse_float(flag, v, 0.0f, 10.0f);
-        else if (flag == "-v") o.val_every = (int)parse_long(flag, v, 0, INT_MAX);
-        else if (flag == "-m") o.val_batches = (int)parse_long(flag, v, 1, INT_MAX);
-        else if (flag == "-s") o.sample_every = (int)parse_long(flag, v, 0, INT_MAX);
-        else if (flag == "-g") o.gen_tokens = (int)parse_long(flag, v, 1, 1 << 20);
-        else if (flag == "-n") o.checkpoint_every = (int)parse_long(flag, v, 0, INT_MAX);
-        else if (flag == "-nk") o.checkpoints_keep = (int)parse_long(flag, v, 0, INT_MAX);
-        else if (flag == "-y") o.resume = parse_long(flag, v, 0, 1);
-        else if (flag == "-a") o.overfit = parse_long(flag, v, 0, 1);
-        else if (flag == "--seed") o.seed = (uint64_t)parse_long(flag, v, 0, LONG_MAX);
-        else if (flag == "--shuffle") o.shuffle = parse_long(flag, v, 0, 1);
+        handler->second(flag, argv[++i]);
     }
     if (o.total_batch == 0 || o.total_batch < -1) fail("-d %ld: must be positive, or -1 for one micro-batch", o.total_batch);
     if ((o.checkpoint_every > 0 || o.resume) && o.out_dir.empty()) fail("-n and -y need an output directory (-o)");

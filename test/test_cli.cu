@@ -468,9 +468,9 @@ TEST_CASE("bad -e model files are rejected", "[cli]") {
     write_model(bf16, tiny, 5, MODEL_FILE_MAGIC, (long)tiny.parameters() * 2);
     expect_error(e(bf16), {bf16}, {"size"});
 
-    std::string stub = run.dir / "stub.bin";  // shorter than the 1024-byte header
-    File(stub, "wb").write("llm.c", 5);
-    expect_error(e(stub), {stub}, {"short", "size", "header"});
+    std::string truncated = run.dir / "truncated_header.bin";  // shorter than the 1024-byte header
+    File(truncated, "wb").write("llm.c", 5);
+    expect_error(e(truncated), {truncated}, {"short", "size", "header"});
 
     std::string shape = run.dir / "bad_shape.bin";  // 16 channels over 3 heads
     ModelShape odd;
