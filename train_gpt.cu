@@ -1,6 +1,8 @@
-// train_gpt: trains a GPT-2 on token shards. The story of a run, top to bottom: read the flags, pick the
-// device, build the model (fresh, from an llm.c file, or from the newest checkpoint), open the data, then
-// loop: checkpoint, validate, sample, and take one optimizer step over a global batch of micro-batches.
+// train_gpt: trains a GPT-2 on token shards, on one rank or many (launched with mpirun). The story of a run,
+// top to bottom: read the flags, pick the device, join the other ranks and lay them out on the process grid,
+// build the model (fresh, from an llm.c file, or from the newest checkpoint) with its data-parallel runtime,
+// open this rank's slice of the data, then loop: checkpoint, validate, sample, and take one optimizer step
+// over a global batch of micro-batches.
 #include <cuda_runtime.h>
 #include <omp.h>
 #include <time.h>
@@ -8,13 +10,16 @@
 #include <memory>
 
 #include "llmc/checkpoint.h"
+#include "llmc/comm.cuh"
 #include "llmc/dataloader.h"
 #include "llmc/gpt.cuh"
+#include "llmc/grid.cuh"
 #include "llmc/logger.h"
 #include "llmc/options.h"
 #include "llmc/plan.h"
 #include "llmc/sampler.h"
 #include "llmc/tokenizer.h"
+#include "llmc/zero.cuh"
 
 static double now_seconds() {
     timespec ts;
@@ -48,11 +53,41 @@ static float validation_loss(GPT& model, DataLoader& val, int batches) {
     return (float)(total / batches);
 }
 
+static GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.pp, o.ep}; }
+
+// the parallelisms whose issues have not landed are refused, after the grid has checked that they would fit
+static void refuse_unbuilt_parallelism(const Options& o) {
+    const char* names[] = {"--tp", "--cp", "--pp", "--ep"};
+    const char* what[] = {"tensor", "context", "pipeline", "expert"};
+    int sizes[] = {o.tp, o.cp, o.pp, o.ep};
+    for (int i = 0; i < 4; i++)
+        if (sizes[i] > 1) fail("%s %d: %s parallelism is not implemented yet", names[i], sizes[i], what[i]);
+}
+
+static void print_plan(const Options& o, const GPTConfig& config, const std::string& device, int world, int accumulation) {
+    int dp = grid_dp(world, grid_shape(o));
+    ParallelPlan par{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation};
+    printf("%s\n", device.c_str());
+    MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par);
+    size_t psi = count_parameters(config);
+    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
+           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
+    printf("layout: %d ranks, dp=%d, ZeRO-%d, %d micro-steps per step\n", world, dp, o.zero, accumulation);
+    print_memory(strfmt("predicted memory per rank, B=%d T=%d, fp32 on cpu:", o.B, o.T).c_str(), plan.bytes, plan.total());
+    size_t shard = dp == 1 && o.zero == 0 ? psi : bucket_layout(config, dp, par.bucket_floats).shard_size;
+    size_t mixed[MEM_CATEGORIES] = {};
+    plan_model_states(mixed, psi, shard, o.zero, BF16_MIXED);
+    printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f MiB, "
+           "optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
+           mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+    printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par));
+}
+
 // Everything that can be refused (flags, model, data, tokenizer) is checked before the first line is
 // printed, so a bad input gets exactly one line.
 static int run(const Options& o) {
     std::string device = device_line(o.device);
-    const int rank = 0, world = 1;
+    if (o.comm == "nccl") fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
 
     std::string resume_dir;
     if (o.resume) {
@@ -64,46 +99,59 @@ static int run(const Options& o) {
         fail("-o %s: already holds checkpoints; resume with -y 1 or choose another directory", o.out_dir.c_str());
     GPTConfig config = model_config(o, resume_dir);
     if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
-    long tokens_per_micro_step = (long)o.B * o.T * world;
+    int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
+    int dp = grid_dp(world, grid_shape(o));
+    long tokens_per_micro_step = (long)o.B * o.T * dp;
     long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
     if (total_batch % tokens_per_micro_step != 0)
-        fail("-d %ld: must be a multiple of b*t*ranks = %ld", total_batch, tokens_per_micro_step);
+        fail("-d %ld: must be a multiple of b*t*dp = %ld", total_batch, tokens_per_micro_step);
     if (total_batch / tokens_per_micro_step > (1 << 20))
-        fail("-d %ld: needs %ld micro-steps of b*t*ranks = %ld tokens; at most %d", total_batch,
+        fail("-d %ld: needs %ld micro-steps of b*t*dp = %ld tokens; at most %d", total_batch,
              total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
     int accumulation = (int)(total_batch / tokens_per_micro_step);
+    size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    if (o.plan) return print_plan(o, config, device, world, accumulation), 0;
+    refuse_unbuilt_parallelism(o);
 
-    if (o.plan) {
-        printf("%s\n", device.c_str());
-        MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads());
-        printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
-               config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, count_parameters(config));
-        print_memory(strfmt("predicted memory per rank, B=%d T=%d, fp32 on cpu:", o.B, o.T).c_str(), plan.bytes, plan.total());
-        return 0;
-    }
+    // the ranks: one world, laid out on the grid (dp only, so far)
+    CommSettings cs{o.comm.empty() ? "mpi" : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
+    Comm world_comm = comm_world(cs);
+    Grid grid = make_grid(world_comm, grid_shape(o));
+    const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
 
-    // the model: from a checkpoint, an llm.c file, or freshly initialized
+    // the model and its data-parallel runtime; under ZeRO-3 the whole parameters exist only while they are
+    // initialized, loaded or saved
     GPT model;
-    gpt_allocate(model, config, o.B, o.T);
+    gpt_allocate(model, config, o.B, o.T, DataParallel::model_buffers(o.zero));
+    DataParallel dpr(model, grid.dp_comm, o.zero, bucket_floats);
+    std::vector<float> whole(o.zero == 3 ? model.num_parameters : 0);
+    float* flat_params = o.zero == 3 ? whole.data() : model.params;
+    ModelState saved_state{config, flat_params, o.zero >= 1 ? dpr.shard_m : model.adam_m,
+                           o.zero >= 1 ? dpr.shard_v : model.adam_v,
+                           o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters, &model.adam_step};
     TrainState state;
     Rng sampler_rng(o.seed);
-    RunLayout layout{o.B, o.T, world, total_batch};
+    RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0};
     if (!resume_dir.empty()) {
-        load_checkpoint(resume_dir, model, state, layout);
+        load_checkpoint(resume_dir, saved_state, state, layout, grid.rank);
         sampler_rng.state = state.rng_state;
     } else if (is_model_descriptor(o.model)) {
-        gpt_init_random(model, o.seed);
+        gpt_init_random(config, flat_params, o.seed);
     } else {
-        gpt_load_params(model, o.model);
+        gpt_load_params(config, flat_params, o.model);
+    }
+    if (o.zero == 3) {
+        dpr.scatter_params(flat_params);
+        std::vector<float>().swap(whole);
     }
 
-    // the data
-    DataLoader train(o.train_pattern, o.B, o.T, rank, world, o.shuffle, o.seed, config.vocab_size);
+    // the data: this dp rank's slice of every global batch
+    DataLoader train(o.train_pattern, o.B, o.T, grid.at.dp, grid.dp, o.shuffle, o.seed, config.vocab_size);
     if (!resume_dir.empty()) train.restore(state.loader);
     std::unique_ptr<DataLoader> val;
     int val_batches = 0;
     if (o.val_every > 0) {
-        val.reset(new DataLoader(o.val_pattern, o.B, o.T, rank, world, false, o.seed, config.vocab_size));
+        val.reset(new DataLoader(o.val_pattern, o.B, o.T, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
         val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch);
     }
     std::unique_ptr<Tokenizer> tokenizer;
@@ -115,57 +163,76 @@ static int run(const Options& o) {
     int steps = o.max_steps >= 0 ? o.max_steps : (int)(train.total_tokens / total_batch);
     LRSchedule schedule = o.schedule;
     schedule.total_steps = steps;
-    printf("%s\n", device.c_str());
-    if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
-    if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
-    printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters, %.1f MiB in all\n", config.num_layers,
-           config.channels, config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
-           model.num_parameters, model.ledger.total() / 1048576.0);
-    printf("train: %zu tokens in %s; batch %d x %d, %d micro-steps per step (%ld tokens); %d steps\n",
-           train.total_tokens, o.train_pattern.c_str(), o.B, o.T, accumulation, total_batch, steps);
-
     Logger log;
-    if (!o.out_dir.empty()) {
-        make_dirs(o.out_dir);
-        log.open(o.out_dir, !resume_dir.empty());
+    if (lead) {
+        printf("%s\n", device.c_str());
+        if (grid.world > 1)
+            printf("%d ranks over %s: dp=%d, ZeRO-%d, buckets of %zu floats (%zu buckets)\n", grid.world, o.comm.empty() ? "mpi" : o.comm.c_str(),
+                   grid.dp, o.zero, bucket_floats, dpr.layout.buckets.size());
+        if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
+        if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
+        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters, %.1f MiB in all on each rank\n", config.num_layers,
+               config.channels, config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
+               model.num_parameters, model.ledger.total() / 1048576.0);
+        printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
+               train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
+        if (!o.out_dir.empty()) {
+            make_dirs(o.out_dir);
+            log.open(o.out_dir, !resume_dir.empty());
+        }
     }
     if (o.overfit) train.next_batch();  // the one batch every step will see
+    ParallelPlan par{grid.dp, o.zero, bucket_floats, accumulation};
 
     for (int step = state.step; step <= steps; step++) {
         bool last_step = step == steps;
         if (o.checkpoint_every > 0 && step > state.step && (step % o.checkpoint_every == 0 || last_step)) {
             TrainState now{step, train.state(), sampler_rng.state};
-            save_checkpoint(o.out_dir, model, now, layout, o.checkpoints_keep);
+            if (o.zero == 3) {
+                whole.resize(model.num_parameters);
+                dpr.all_gather_params(saved_state.params = whole.data());
+            }
+            save_checkpoint(o.out_dir, saved_state, now, layout, o.checkpoints_keep, grid.world_comm);
+            if (o.zero == 3) std::vector<float>().swap(whole);
         }
         if (val && (step % o.val_every == 0 || last_step)) {
-            float loss = validation_loss(model, *val, val_batches);
-            printf("val loss %.6f\n", loss);
-            log.val(step, loss);
+            float loss = (float)dpr.mean(validation_loss(model, *val, val_batches));
+            if (lead) printf("val loss %.6f\n", loss);
+            if (lead) log.val(step, loss);
         }
+        // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
         if (tokenizer && ((step > 0 && step % o.sample_every == 0) || last_step)) {
             std::vector<int> tokens = sample_tokens(model, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
-            printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
+            if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
         }
         if (last_step) break;
+        if (step == state.step && grid.rank == o.debug_stall_rank) sleep(1000000);
 
-        // one optimizer step: the mean loss over the global batch, accumulated over micro-batches
-        double t0 = now_seconds();
-        gpt_zero_grad(model);
+        // one optimizer step: the mean loss over the global batch, accumulated over micro-batches; gradient
+        // buckets are reduced across dp while backward runs
+        double t0 = now_seconds(), sent0 = grid.dp_comm.bytes_sent;
+        dpr.zero_grad();
         double loss = 0.0;
         for (int micro = 0; micro < accumulation; micro++) {
+            dpr.begin_micro_step(micro == accumulation - 1);
             if (!o.overfit) train.next_batch();
             loss += gpt_forward(model, train.inputs.data(), train.targets.data(), o.B, o.T) / accumulation;
             gpt_backward(model, 1.0f / (float)(tokens_per_micro_step * accumulation));
         }
-        double norm = gpt_grad_norm(model);
         float lr = schedule.at(step);
-        gpt_update(model, lr, o.weight_decay, clip_scale(norm, 1.0f));
-        double ms = (now_seconds() - t0) * 1000.0;
+        double norm = dpr.step(lr, o.weight_decay);
+        loss = dpr.mean(loss);
+        double ms = (now_seconds() - t0) * 1000.0, sent = grid.dp_comm.bytes_sent - sent0;
+        if (!lead) continue;
         printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s\n", step + 1, steps, loss, lr,
                norm, ms, total_batch / (ms / 1000.0));
+        if (step == state.step && grid.dp > 1)
+            printf("comm: rank 0 sent %.0f bytes in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
+                   planned_comm_bytes(config, par));
         fflush(stdout);
         log.train(step, (float)loss, lr, (float)norm);
     }
+    comm_finalize(world_comm);
     return 0;
 }
 
@@ -174,6 +241,8 @@ int main(int argc, char** argv) {
         return run(parse_options(argc, argv));
     } catch (const std::exception& e) {
         fprintf(stderr, "train_gpt: %s\n", e.what());
+        fflush(stderr);
+        comm_abort_job(1);
         return 1;
     }
 }

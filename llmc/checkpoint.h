@@ -2,6 +2,10 @@
 // run exactly: the model (llm.c format), the optimizer state, the training position (dataloader and RNG),
 // and a manifest of the layout. A checkpoint is written under a temporary name and renamed only when every
 // file is complete and synced, so a crash mid-write never damages or replaces a good checkpoint.
+//
+// Under data parallelism every rank writes its own optimizer shard (optimizer_rankR.bin; under ZeRO-0, where
+// every rank holds the same state, rank 0 writes it alone), rank 0 writes the whole model and the training
+// position, and rank 0 renames the directory into place only after every rank has finished writing.
 #pragma once
 
 #include <dirent.h>
@@ -14,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "llmc/comm.cuh"
 #include "llmc/dataloader.h"
 #include "llmc/gpt.cuh"
 #include "llmc/utils.h"
@@ -33,10 +38,25 @@ struct TrainState {
 struct RunLayout {
     int B = 0, T = 0, world = 1;
     long total_batch = 0;
+    int dp = 1, zero = 0;
+    size_t bucket_floats = 0;  // decides which rank owns which elements under ZeRO
     bool operator==(const RunLayout& o) const {
-        return B == o.B && T == o.T && world == o.world && total_batch == o.total_batch;
+        return B == o.B && T == o.T && world == o.world && total_batch == o.total_batch && dp == o.dp &&
+               zero == o.zero && bucket_floats == o.bucket_floats;
     }
 };
+
+// what one rank saves and restores: the whole flat parameters (read by every rank, written by rank 0) and its
+// optimizer state (all of it under ZeRO-0, its shard otherwise)
+struct ModelState {
+    GPTConfig config;
+    float* params;
+    float *adam_m, *adam_v;
+    size_t optimizer_count;
+    int* adam_step;
+};
+
+inline ModelState model_state(GPT& m) { return {m.config, m.params, m.adam_m, m.adam_v, m.num_parameters, &m.adam_step}; }
 
 inline std::string checkpoint_name(int step) { return strfmt("ckpt_%08d", step); }
 
@@ -99,14 +119,16 @@ inline std::vector<int> list_checkpoints(const std::string& out_dir) {
     return steps;
 }
 
-inline void write_manifest(const std::string& path, const GPT& m, const TrainState& s, const RunLayout& r) {
-    const GPTConfig& c = m.config;
+inline void write_manifest(const std::string& path, const GPTConfig& c, const TrainState& s, const RunLayout& r) {
+    std::string optimizer_files;
+    for (int i = 0; i < (r.zero >= 1 ? r.world : 1); i++) optimizer_files += strfmt(" optimizer_rank%d.bin", i);
     std::string text = strfmt(
         "format llm5d-checkpoint %d\nstep %d\nnum_parameters %zu\nmodel L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
-        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=1 cp=1 pp=1 ep=1 zero=0\n"
-        "files model.bin optimizer_rank0.bin state_rank0.bin\n",
-        CHECKPOINT_VERSION, s.step, m.num_parameters, c.num_layers, c.channels, c.num_heads, c.vocab_size,
-        c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.world);
+        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=1 cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu\n"
+        "files model.bin state_rank0.bin%s\n",
+        CHECKPOINT_VERSION, s.step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
+        c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.zero, r.bucket_floats,
+        optimizer_files.c_str());
     File f(path, "wb");
     f.write(text.data(), text.size());
     f.close();
@@ -120,31 +142,50 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     const char* b = strstr(text.c_str(), "\nbatch ");
     const char* l = strstr(text.c_str(), "\nlayout ");
     if (!b || !l || sscanf(b, "\nbatch B=%d T=%d total=%ld", &r.B, &r.T, &r.total_batch) != 3 ||
-        sscanf(l, "\nlayout world=%d", &r.world) != 1)
+        sscanf(l, "\nlayout world=%d dp=%d tp=1 cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu", &r.world, &r.dp, &r.zero,
+               &r.bucket_floats) != 4)
         fail("%s: malformed manifest", path.c_str());
     return r;
 }
 
-// writes out_dir/ckpt_STEP atomically, then keeps only the newest `keep` checkpoints (0 keeps all)
-inline void save_checkpoint(const std::string& out_dir, const GPT& m, const TrainState& s, const RunLayout& r,
-                            int keep) {
+inline void write_optimizer(const std::string& path, const ModelState& m) {
+    File f(path, "wb");
+    int h[256] = {OPTIMIZER_MAGIC, CHECKPOINT_VERSION, *m.adam_step};
+    uint64_t n = m.optimizer_count;
+    memcpy(&h[4], &n, 8);
+    f.write(h, sizeof(h));
+    f.write(m.adam_m, n * 4);
+    f.write(m.adam_v, n * 4);
+    f.close();
+}
+
+inline void read_optimizer(const std::string& path, const ModelState& m) {
+    File f(path, "rb");
+    int h[256];
+    if (f.size() < (long)sizeof(h)) fail("%s: not an optimizer state file", path.c_str());
+    f.read(h, sizeof(h));
+    uint64_t n;
+    memcpy(&n, &h[4], 8);
+    if (h[0] != OPTIMIZER_MAGIC || h[1] != CHECKPOINT_VERSION) fail("%s: not an optimizer state file", path.c_str());
+    if (n != m.optimizer_count)
+        fail("%s: holds state for %llu parameters, this rank keeps %zu", path.c_str(), (unsigned long long)n, m.optimizer_count);
+    if (f.size() != (long)(sizeof(h) + 8 * n)) fail("%s: size disagrees with its header", path.c_str());
+    *m.adam_step = h[2];
+    f.read(m.adam_m, n * 4);
+    f.read(m.adam_v, n * 4);
+}
+
+// Writes out_dir/ckpt_STEP atomically, then keeps only the newest `keep` checkpoints (0 keeps all).
+// Collective over `world`: rank 0's m.params must hold the whole model.
+inline void save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
+                            int keep, Comm& world) {
     std::string final_dir = out_dir + "/" + checkpoint_name(s.step);
     std::string tmp_dir = final_dir + ".tmp";
-    remove_tree(tmp_dir);
-    make_dirs(tmp_dir);
-
-    gpt_save_params(m, tmp_dir + "/model.bin");
-    {
-        File f(tmp_dir + "/optimizer_rank0.bin", "wb");
-        int h[256] = {OPTIMIZER_MAGIC, CHECKPOINT_VERSION, m.adam_step};
-        uint64_t n = m.num_parameters;
-        memcpy(&h[4], &n, 8);
-        f.write(h, sizeof(h));
-        f.write(m.adam_m, n * 4);
-        f.write(m.adam_v, n * 4);
-        f.close();
-    }
-    {
+    bool lead = world.rank == 0;
+    if (lead) {
+        remove_tree(tmp_dir);
+        make_dirs(tmp_dir);
+        gpt_save_params(m.config, m.params, tmp_dir + "/model.bin");
         File f(tmp_dir + "/state_rank0.bin", "wb");
         int h[256] = {TRAIN_STATE_MAGIC, CHECKPOINT_VERSION, s.step};
         uint64_t fields[4] = {s.loader.epoch, s.loader.shard_pos, s.loader.sample_pos, s.rng_state};
@@ -152,28 +193,32 @@ inline void save_checkpoint(const std::string& out_dir, const GPT& m, const Trai
         f.write(h, sizeof(h));
         f.close();
     }
-    // the manifest goes last: its presence is what marks a checkpoint directory complete
-    write_manifest(tmp_dir + "/manifest.txt", m, s, r);
-    fsync_dir(tmp_dir);
-
-    if (file_exists(final_dir + "/manifest.txt")) {
-        // the same step again: swap the new directory in atomically, so one complete ckpt_STEP exists at every
-        // moment, then remove the old one (now under the temporary name)
-        if (renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0)
-            fail("%s: cannot swap into place (%s)", tmp_dir.c_str(), strerror(errno));
-        fsync_dir(out_dir);
-        remove_tree(tmp_dir);
-    } else {
-        remove_tree(final_dir);  // an incomplete directory of that name, left by a crash
-        if (rename(tmp_dir.c_str(), final_dir.c_str()) != 0)
-            fail("%s: cannot rename into place (%s)", tmp_dir.c_str(), strerror(errno));
-        fsync_dir(out_dir);
+    world.wait(world.barrier());  // the directory exists
+    if (r.zero >= 1 || lead) write_optimizer(tmp_dir + strfmt("/optimizer_rank%d.bin", r.zero >= 1 ? world.rank : 0), m);
+    world.wait(world.barrier());  // every rank's files are complete and synced
+    if (lead) {
+        // the manifest goes last: its presence is what marks a checkpoint directory complete
+        write_manifest(tmp_dir + "/manifest.txt", m.config, s, r);
+        fsync_dir(tmp_dir);
+        if (file_exists(final_dir + "/manifest.txt")) {
+            // the same step again: swap the new directory in atomically, so one complete ckpt_STEP exists at
+            // every moment, then remove the old one (now under the temporary name)
+            if (renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0)
+                fail("%s: cannot swap into place (%s)", tmp_dir.c_str(), strerror(errno));
+            fsync_dir(out_dir);
+            remove_tree(tmp_dir);
+        } else {
+            remove_tree(final_dir);  // an incomplete directory of that name, left by a crash
+            if (rename(tmp_dir.c_str(), final_dir.c_str()) != 0)
+                fail("%s: cannot rename into place (%s)", tmp_dir.c_str(), strerror(errno));
+            fsync_dir(out_dir);
+        }
+        if (keep > 0) {
+            std::vector<int> steps = list_checkpoints(out_dir);
+            for (size_t i = 0; i + keep < steps.size(); i++) remove_checkpoint(out_dir, steps[i]);
+        }
     }
-
-    if (keep > 0) {
-        std::vector<int> steps = list_checkpoints(out_dir);
-        for (size_t i = 0; i + keep < steps.size(); i++) remove_checkpoint(out_dir, steps[i]);
-    }
+    world.wait(world.barrier());
 }
 
 // the model shape stored in a checkpoint, to allocate the model before load_checkpoint
@@ -182,36 +227,23 @@ inline GPTConfig checkpoint_config(const std::string& dir) {
     return read_model_header(dir + "/model.bin", &version);
 }
 
-inline void load_checkpoint(const std::string& dir, GPT& m, TrainState& s, const RunLayout& expected) {
+// restores the whole parameters into m.params, this rank's optimizer state and the training position
+inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainState& s, const RunLayout& expected, int rank) {
     RunLayout r = read_manifest_layout(dir + "/manifest.txt");
     if (!(r == expected))
-        fail("%s: written with -b %d -t %d -d %ld on %d ranks; resume with the same settings", dir.c_str(), r.B, r.T,
-             r.total_batch, r.world);
-    gpt_load_params(m, dir + "/model.bin");
-    {
-        std::string path = dir + "/optimizer_rank0.bin";
-        File f(path, "rb");
-        int h[256];
-        f.read(h, sizeof(h));
-        uint64_t n;
-        memcpy(&n, &h[4], 8);
-        if (h[0] != OPTIMIZER_MAGIC || h[1] != CHECKPOINT_VERSION) fail("%s: not an optimizer state file", path.c_str());
-        if (n != m.num_parameters) fail("%s: holds %llu parameters, the model has %zu", path.c_str(), (unsigned long long)n, m.num_parameters);
-        if (f.size() != (long)(sizeof(h) + 8 * n)) fail("%s: size disagrees with its header", path.c_str());
-        m.adam_step = h[2];
-        f.read(m.adam_m, n * 4);
-        f.read(m.adam_v, n * 4);
-    }
-    {
-        std::string path = dir + "/state_rank0.bin";
-        File f(path, "rb");
-        int h[256];
-        f.read(h, sizeof(h));
-        if (h[0] != TRAIN_STATE_MAGIC || h[1] != CHECKPOINT_VERSION) fail("%s: not a training state file", path.c_str());
-        uint64_t fields[4];
-        memcpy(fields, &h[4], sizeof(fields));
-        s.step = h[2];
-        s.loader = DataLoaderState{fields[0], fields[1], fields[2]};
-        s.rng_state = fields[3];
-    }
+        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, -z %d, bucket %zu floats); resume with the same "
+             "settings", dir.c_str(), r.B, r.T, r.total_batch, r.world, r.dp, r.zero, r.bucket_floats);
+    gpt_load_params(m.config, m.params, dir + "/model.bin");
+    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", r.zero >= 1 ? rank : 0), m);
+    std::string path = dir + "/state_rank0.bin";
+    File f(path, "rb");
+    int h[256];
+    if (f.size() < (long)sizeof(h)) fail("%s: not a training state file", path.c_str());
+    f.read(h, sizeof(h));
+    if (h[0] != TRAIN_STATE_MAGIC || h[1] != CHECKPOINT_VERSION) fail("%s: not a training state file", path.c_str());
+    uint64_t fields[4];
+    memcpy(fields, &h[4], sizeof(fields));
+    s.step = h[2];
+    s.loader = DataLoaderState{fields[0], fields[1], fields[2]};
+    s.rng_state = fields[3];
 }

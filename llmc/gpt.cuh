@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
@@ -118,14 +119,21 @@ inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSOR
     sizes[LNFB] = C;
 }
 
+inline size_t num_parameters(const GPTConfig& c) {
+    size_t sizes[NUM_PARAM_TENSORS], n = 0;
+    param_tensor_sizes(c, sizes);
+    for (size_t s : sizes) n += s;
+    return n;
+}
+
 // the 2-D weight matrices, which AdamW decays; biases and layernorm parameters are not decayed
 inline bool is_decayed(int tensor) {
     return tensor == WTE || tensor == WPE || tensor == QKVW || tensor == ATTPROJW || tensor == FCW || tensor == FCPROJW;
 }
 
-// pointers to each tensor inside one flat buffer (parameters or gradients, same layout)
+// pointers to the tensors of one flat buffer (parameters or gradients, same layout), or to one unit's slices
 struct ParamViews {
-    float* t[NUM_PARAM_TENSORS];
+    float* t[NUM_PARAM_TENSORS] = {};
     float* operator[](int i) const { return t[i]; }
 };
 
@@ -137,6 +145,67 @@ inline ParamViews param_views(float* base, const size_t sizes[NUM_PARAM_TENSORS]
     }
     return v;
 }
+
+// Units: the parameters that forward uses together and that backward finishes together, numbered in the order
+// backward finishes them: 0 the final layernorm, 1..L the layers from last to first, L+1 the embeddings (the
+// token embedding is also the classifier, so its gradient is final only at the very end). Data parallelism
+// reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters unit by unit.
+constexpr int FINAL_NORM_UNIT = 0;
+inline int num_units(const GPTConfig& c) { return c.num_layers + 2; }
+inline int layer_unit(const GPTConfig& c, int layer) { return c.num_layers - layer; }
+inline int embedding_unit(const GPTConfig& c) { return c.num_layers + 1; }
+
+// a unit's slice of one tensor: where it sits in the flat buffer
+struct Segment {
+    int tensor;
+    size_t offset, size;
+};
+
+// a unit's slices in llm.c tensor order; packed back to back, they are the unit's packed layout
+inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit) {
+    size_t sizes[NUM_PARAM_TENSORS], start[NUM_PARAM_TENSORS], offset = 0;
+    param_tensor_sizes(c, sizes);
+    for (int i = 0; i < NUM_PARAM_TENSORS; i++) start[i] = offset, offset += sizes[i];
+    std::vector<Segment> segs;
+    if (unit == FINAL_NORM_UNIT) {
+        for (int t : {LNFW, LNFB}) segs.push_back({t, start[t], sizes[t]});
+    } else if (unit == embedding_unit(c)) {
+        for (int t : {WTE, WPE}) segs.push_back({t, start[t], sizes[t]});
+    } else {
+        size_t l = c.num_layers - unit, L = c.num_layers;
+        for (int t = LN1W; t <= FCPROJB; t++) segs.push_back({t, start[t] + l * (sizes[t] / L), sizes[t] / L});
+    }
+    return segs;
+}
+
+inline size_t segments_size(const std::vector<Segment>& segs) {
+    size_t n = 0;
+    for (const Segment& s : segs) n += s.size;
+    return n;
+}
+
+// views of a unit's tensors: inside the flat buffer at base, or packed back to back from base
+inline ParamViews unit_views(const std::vector<Segment>& segs, float* base, bool packed) {
+    ParamViews v;
+    size_t running = 0;
+    for (const Segment& s : segs) {
+        v.t[s.tensor] = base + (packed ? running : s.offset);
+        running += s.size;
+    }
+    return v;
+}
+
+// Where the parameters and gradients live when they are not the model's own flat buffers, and what to do when
+// backward has finished a unit's gradients: the hooks a data-parallel runtime (llmc/zero.cuh) plugs into the
+// model. Without one, everything is local and flat.
+struct ParamStore {
+    virtual ~ParamStore() = default;
+    virtual void begin_pass(bool backward) = 0;
+    virtual ParamViews params(int unit) = 0;  // ready to read when this returns
+    virtual ParamViews grads(int unit) = 0;   // where backward accumulates this unit's gradients
+    virtual void grads_done(int unit) = 0;    // this micro-step's gradients of the unit are complete
+    virtual void end_pass() = 0;
+};
 
 // ----------------------------------------------------------------------------------------------------------
 // activations: what forward keeps for backward, sized for B×T; per-layer slots are stacked layer 0 first
@@ -184,7 +253,8 @@ struct GPT {
     float* grads = nullptr;
     float* adam_m = nullptr;
     float* adam_v = nullptr;
-    ParamViews p, g;
+    std::vector<std::vector<Segment>> units;
+    ParamStore* store = nullptr;  // null: parameters and gradients are the flat buffers above
     int adam_step = 0;  // updates taken so far (AdamW's t)
     Activations acts;
     Scratch scratch;
@@ -193,7 +263,12 @@ struct GPT {
     float last_loss = -1.0f;
 };
 
-inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T) {
+// which of the model states the model allocates itself; ZeRO allocates the rest as shards
+struct ModelBuffers {
+    bool params = true, grads = true, optimizer = true;
+};
+
+inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}) {
     validate_config(config, "model");
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
     m.config = config;
@@ -202,12 +277,13 @@ inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T) {
     param_tensor_sizes(config, m.param_sizes);
     m.num_parameters = 0;
     for (size_t s : m.param_sizes) m.num_parameters += s;
-    m.params = m.ledger.alloc_floats(MEM_PARAMS, m.num_parameters);
-    m.grads = m.ledger.alloc_floats(MEM_GRADS, m.num_parameters);
-    m.adam_m = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
-    m.adam_v = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
-    m.p = param_views(m.params, m.param_sizes);
-    m.g = param_views(m.grads, m.param_sizes);
+    if (own.params) m.params = m.ledger.alloc_floats(MEM_PARAMS, m.num_parameters);
+    if (own.grads) m.grads = m.ledger.alloc_floats(MEM_GRADS, m.num_parameters);
+    if (own.optimizer) {
+        m.adam_m = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
+        m.adam_v = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
+    }
+    for (int u = 0; u < num_units(config); u++) m.units.push_back(unit_segments(config, u));
 
     size_t L = config.num_layers, C = config.channels, NH = config.num_heads, BT = (size_t)B * T;
     Activations& a = m.acts;
@@ -250,11 +326,13 @@ inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T) {
 
 // GPT-2's initialization: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero biases, unit
 // layernorm gains. Drawn in fixed chunks from per-chunk seeds so any thread count gives the same weights.
-inline void gpt_init_random(GPT& m, uint64_t seed) {
-    const GPTConfig& c = m.config;
+inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    ParamViews p = param_views(params, sizes);
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
-        float* t = m.p[i];
-        size_t n = m.param_sizes[i];
+        float* t = p[i];
+        size_t n = sizes[i];
         if (i == LN1W || i == LN2W || i == LNFW) {
             for (size_t j = 0; j < n; j++) t[j] = 1.0f;
             continue;
@@ -292,45 +370,41 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
     c.channels = h[6];
     c.padded_vocab_size = h[7];
     validate_config(c, path);
-    size_t sizes[NUM_PARAM_TENSORS], n = 0;
-    param_tensor_sizes(c, sizes);
-    for (size_t s : sizes) n += s;
-    long expected = (long)sizeof(h) + (long)(n * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
+    long expected = (long)sizeof(h) + (long)(num_parameters(c) * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
     if (f.size() != expected)
         fail("%s: size %ld bytes, but its header implies %ld", path.c_str(), f.size(), expected);
     *version = h[1];
     return c;
 }
 
-// reads the parameters of a model file whose header matches m.config
-inline void gpt_load_params(GPT& m, const std::string& path) {
+// reads into params (a flat buffer) the parameters of a model file whose header matches mc
+inline void gpt_load_params(const GPTConfig& mc, float* params, const std::string& path) {
     int version;
     GPTConfig c = read_model_header(path, &version);
-    const GPTConfig& mc = m.config;
     if (c.num_layers != mc.num_layers || c.channels != mc.channels || c.num_heads != mc.num_heads ||
         c.vocab_size != mc.vocab_size || c.padded_vocab_size != mc.padded_vocab_size || c.max_seq_len != mc.max_seq_len)
         fail("%s: model shape differs from the run's model", path.c_str());
+    size_t count = num_parameters(c);
     File f(path, "rb");
     fseek(f.f, 1024, SEEK_SET);
     if (version == MODEL_VERSION_FP32) {
-        f.read(m.params, m.num_parameters * 4);
+        f.read(params, count * 4);
     } else {
         std::vector<uint16_t> buf(1 << 20);
-        for (size_t done = 0; done < m.num_parameters; done += buf.size()) {
-            size_t n = std::min(buf.size(), m.num_parameters - done);
+        for (size_t done = 0; done < count; done += buf.size()) {
+            size_t n = std::min(buf.size(), count - done);
             f.read(buf.data(), n * 2);
             for (size_t i = 0; i < n; i++) {
                 uint32_t bits = (uint32_t)buf[i] << 16;  // bf16 is the top half of an fp32
-                memcpy(&m.params[done + i], &bits, 4);
+                memcpy(&params[done + i], &bits, 4);
             }
         }
     }
 }
 
-// writes an fp32 (version 3) llm.c model file
-inline void gpt_save_params(const GPT& m, const std::string& path) {
+// writes an fp32 (version 3) llm.c model file from a flat parameter buffer
+inline void gpt_save_params(const GPTConfig& c, const float* params, const std::string& path) {
     int h[256] = {};
-    const GPTConfig& c = m.config;
     h[0] = MODEL_MAGIC;
     h[1] = MODEL_VERSION_FP32;
     h[2] = c.max_seq_len;
@@ -340,13 +414,22 @@ inline void gpt_save_params(const GPT& m, const std::string& path) {
     h[6] = c.channels;
     h[7] = c.padded_vocab_size;
     File f(path, "wb");
+    size_t count = num_parameters(c);
     f.write(h, sizeof(h));
-    f.write(m.params, m.num_parameters * 4);
+    f.write(params, count * 4);
     f.close();
 }
 
 // ----------------------------------------------------------------------------------------------------------
 // forward, backward, update
+
+// a unit's parameters and gradients, from the store when there is one
+inline ParamViews unit_params(GPT& m, int unit) {
+    return m.store ? m.store->params(unit) : unit_views(m.units[unit], m.params, false);
+}
+inline ParamViews unit_grads(GPT& m, int unit) {
+    return m.store ? m.store->grads(unit) : unit_views(m.units[unit], m.grads, false);
+}
 
 // runs the model on inputs (B×T tokens, B and T at most what the model was allocated for). With targets, also
 // the loss, which it returns (mean over the B×T tokens); without, returns -1 and leaves only the logits.
@@ -365,27 +448,32 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     m.last_B = B;
     m.last_T = T;
     Activations& a = m.acts;
-    const ParamViews& p = m.p;
     float* ws = m.scratch.gemm;
+    if (m.store) m.store->begin_pass(false);
 
-    encoder_forward(a.encoded, inputs, p[WTE], p[WPE], B, T, C);
+    ParamViews emb = unit_params(m, embedding_unit(c));
+    encoder_forward(a.encoded, inputs, emb[WTE], emb[WPE], B, T, C);
     const float* residual = a.encoded;
     for (int l = 0; l < L; l++) {
+        ParamViews w = unit_params(m, layer_unit(c, l));
         Activations la = layer_slice(a, l, B, T, C, NH);
-        layernorm_forward(la.ln1, la.ln1_mean, la.ln1_rstd, residual, p[LN1W] + l * C, p[LN1B] + l * C, BT, C);
-        matmul_forward(la.qkv, la.ln1, p[QKVW] + (long)l * 3 * C * C, p[QKVB] + l * 3 * C, BT, C, 3 * C, ws);
+        layernorm_forward(la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], BT, C);
+        matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * C, ws);
         attention_forward(la.atty, la.att, la.qkv, B, T, C, NH);
-        matmul_forward(la.attproj, la.atty, p[ATTPROJW] + (long)l * C * C, p[ATTPROJB] + l * C, BT, C, C, ws);
+        matmul_forward(la.attproj, la.atty, w[ATTPROJW], w[ATTPROJB], BT, C, C, ws);
         residual_forward(la.residual2, residual, la.attproj, BT * C);
-        layernorm_forward(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, p[LN2W] + l * C, p[LN2B] + l * C, BT, C);
-        matmul_forward(la.fch, la.ln2, p[FCW] + (long)l * 4 * C * C, p[FCB] + l * 4 * C, BT, C, 4 * C, ws);
+        layernorm_forward(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B], BT, C);
+        matmul_forward(la.fch, la.ln2, w[FCW], w[FCB], BT, C, 4 * C, ws);
         gelu_forward(la.fch_gelu, la.fch, BT * 4 * C);
-        matmul_forward(la.fcproj, la.fch_gelu, p[FCPROJW] + (long)l * 4 * C * C, p[FCPROJB] + l * C, BT, 4 * C, C, ws);
+        matmul_forward(la.fcproj, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, 4 * C, C, ws);
         residual_forward(la.residual3, la.residual2, la.fcproj, BT * C);
         residual = la.residual3;
     }
-    layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p[LNFW], p[LNFB], BT, C);
-    matmul_forward(a.logits, a.lnf, p[WTE], nullptr, BT, C, Vp, ws);
+    ParamViews fin = unit_params(m, FINAL_NORM_UNIT);
+    layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, fin[LNFW], fin[LNFB], BT, C);
+    emb = unit_params(m, embedding_unit(c));
+    matmul_forward(a.logits, a.lnf, emb[WTE], nullptr, BT, C, Vp, ws);
+    if (m.store) m.store->end_pass();
     m.last_loss = targets ? crossentropy_forward(a.losses, a.logits, targets, BT, V, Vp) : -1.0f;
     return m.last_loss;
 }
@@ -402,39 +490,43 @@ inline void gpt_backward(GPT& m, float dloss) {
     long BT = (long)B * T;
     Activations& a = m.acts;
     Scratch& s = m.scratch;
-    const ParamViews& p = m.p;
-    const ParamViews& g = m.g;
     float* ws = s.gemm;
+    auto done = [&](int unit) {
+        if (m.store) m.store->grads_done(unit);
+    };
+    if (m.store) m.store->begin_pass(true);
 
     // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
     crossentropy_backward_inplace(a.logits, m.targets.data(), BT, V, Vp, dloss);
-    matmul_backward(s.dln, g[WTE], nullptr, a.logits, a.lnf, p[WTE], BT, C, Vp, ws);
+    ParamViews emb = unit_params(m, embedding_unit(c)), demb = unit_grads(m, embedding_unit(c));
+    matmul_backward(s.dln, demb[WTE], nullptr, a.logits, a.lnf, emb[WTE], BT, C, Vp, ws);
     memset(s.dresidual, 0, BT * C * sizeof(float));
     const float* last_residual = a.residual3 + (L - 1) * BT * C;
-    layernorm_backward(s.dresidual, g[LNFW], g[LNFB], s.dln, last_residual, p[LNFW], a.lnf_mean, a.lnf_rstd, BT, C);
+    ParamViews fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
+    layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], s.dln, last_residual, fin[LNFW], a.lnf_mean, a.lnf_rstd, BT, C);
+    done(FINAL_NORM_UNIT);
 
     // dresidual carries the gradient of the residual stream down the layers: each branch reads it and adds
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
         const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BT * C;
         Activations la = layer_slice(a, l, B, T, C, NH);
+        ParamViews w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
 
-        matmul_backward(s.dfch, g[FCPROJW] + (long)l * 4 * C * C, g[FCPROJB] + l * C, s.dresidual, la.fch_gelu,
-                        p[FCPROJW] + (long)l * 4 * C * C, BT, 4 * C, C, ws);
+        matmul_backward(s.dfch, dw[FCPROJW], dw[FCPROJB], s.dresidual, la.fch_gelu, w[FCPROJW], BT, 4 * C, C, ws);
         gelu_backward(s.dfch, la.fch, s.dfch, BT * 4 * C);
-        matmul_backward(s.dln, g[FCW] + (long)l * 4 * C * C, g[FCB] + l * 4 * C, s.dfch, la.ln2,
-                        p[FCW] + (long)l * 4 * C * C, BT, C, 4 * C, ws);
-        layernorm_backward(s.dresidual, g[LN2W] + l * C, g[LN2B] + l * C, s.dln, la.residual2, p[LN2W] + l * C,
-                           la.ln2_mean, la.ln2_rstd, BT, C);
-        matmul_backward(s.datty, g[ATTPROJW] + (long)l * C * C, g[ATTPROJB] + l * C, s.dresidual, la.atty,
-                        p[ATTPROJW] + (long)l * C * C, BT, C, C, ws);
+        matmul_backward(s.dln, dw[FCW], dw[FCB], s.dfch, la.ln2, w[FCW], BT, C, 4 * C, ws);
+        layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], s.dln, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, BT, C);
+        matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], s.dresidual, la.atty, w[ATTPROJW], BT, C, C, ws);
         attention_backward(s.dqkv, s.datty, la.qkv, la.att, B, T, C, NH, s.attention);
-        matmul_backward(s.dln, g[QKVW] + (long)l * 3 * C * C, g[QKVB] + l * 3 * C, s.dqkv, la.ln1,
-                        p[QKVW] + (long)l * 3 * C * C, BT, C, 3 * C, ws);
-        layernorm_backward(s.dresidual, g[LN1W] + l * C, g[LN1B] + l * C, s.dln, residual, p[LN1W] + l * C,
-                           la.ln1_mean, la.ln1_rstd, BT, C);
+        matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * C, ws);
+        layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], s.dln, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, BT, C);
+        done(layer_unit(c, l));
     }
-    encoder_backward(g[WTE], g[WPE], s.dresidual, m.inputs.data(), B, T, C);
+    demb = unit_grads(m, embedding_unit(c));
+    encoder_backward(demb[WTE], demb[WPE], s.dresidual, m.inputs.data(), B, T, C);
+    done(embedding_unit(c));
+    if (m.store) m.store->end_pass();
 }
 
 inline double gpt_grad_norm(const GPT& m) { return sqrt(sum_of_squares(m.grads, (long)m.num_parameters)); }

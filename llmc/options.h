@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "llmc/schedule.h"
 #include "llmc/utils.h"
@@ -37,6 +38,17 @@ struct Options {
     uint64_t seed = 1337;                               // --seed
     bool shuffle = true;                                // --shuffle
     bool plan = false;                                  // --plan
+    int plan_world = 0;                                 // --world: ranks to plan for (0: this job's)
+    // parallelism and communication
+    int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
+    int zero = 0;                                       // -z
+    float bucket_mb = 25.0f;                            // --bucket-mb
+    std::string comm;                                   // --comm: "" picks nccl on cuda, mpi on cpu
+    std::string comm_init = "mpi";                      // --comm-init
+    std::string comm_address;                           // --comm-address
+    std::string comm_dir;                               // --comm-dir
+    float comm_timeout = 600.0f;                        // --comm-timeout
+    int debug_stall_rank = -1;                          // --debug-stall-rank (tests only)
 };
 
 inline const char* USAGE =
@@ -68,6 +80,17 @@ inline const char* USAGE =
     "  --tokenizer PATH  tokenizer for decoding samples                    [data/gpt2_tokenizer.bin]\n"
     "  --device cpu|cuda  compute device                                   [cuda if a GPU is visible, else cpu]\n"
     "  --plan       print the predicted memory per category and exit\n"
+    "  --world N    with --plan: the number of ranks to plan for           [this job's]\n"
+    "parallelism (launch several ranks with mpirun; dp = ranks / (tp*cp*pp)):\n"
+    "  -z 0|1|2|3   ZeRO stage: shard optimizer state (1), and gradients (2), and parameters (3) [0]\n"
+    "  --bucket-mb F  gradient reduction bucket size in MiB                [25]\n"
+    "  --tp N --cp N --pp N --ep N  tensor, context, pipeline, expert parallel sizes (1 only, for now) [1]\n"
+    "  --comm mpi|nccl  communication backend                          [nccl on cuda, mpi on cpu]\n"
+    "  --comm-init mpi|tcp|file  how NCCL ranks find each other            [mpi]\n"
+    "  --comm-address HOST:PORT  --comm-init tcp: where rank 0 listens\n"
+    "  --comm-dir DIR  --comm-init file: a directory all ranks share, fresh for each job\n"
+    "  --comm-timeout S  abort the job when a collective waits longer than S seconds [600]\n"
+    "  --debug-stall-rank R  (testing) rank R stops answering before its first step [-1]\n"
     "  -h, --help   this text\n";
 
 inline long parse_long(const std::string& flag, const char* s, long lo, long hi) {
@@ -98,6 +121,16 @@ inline Options parse_options(int argc, char** argv) {
         return [=](const std::string& f, const char* v) { *field = parse_float(f, v, lo, hi); };
     };
     auto text = [](std::string* field) -> Setter { return [=](const std::string&, const char* v) { *field = v; }; };
+    auto choice = [](std::string* field, std::vector<std::string> allowed) -> Setter {
+        return [=](const std::string& f, const char* v) {
+            std::string list;
+            for (const std::string& a : allowed) {
+                if (a == v) return (void)(*field = v);
+                list += (list.empty() ? "" : ", ") + a;
+            }
+            fail("%s %s: expected one of %s", f.c_str(), v, list.c_str());
+        };
+    };
     // every flag that takes a value, and how it is parsed and bounded
     const std::map<std::string, Setter> setters = {
         {"-i", text(&o.train_pattern)},
@@ -133,6 +166,19 @@ inline Options parse_options(int argc, char** argv) {
         {"-a", integer(&o.overfit, 0, 1)},
         {"--seed", integer(&o.seed, 0, LONG_MAX)},
         {"--shuffle", integer(&o.shuffle, 0, 1)},
+        {"--world", integer(&o.plan_world, 1, 1 << 20)},
+        {"--tp", integer(&o.tp, 1, 1 << 16)},
+        {"--cp", integer(&o.cp, 1, 1 << 16)},
+        {"--pp", integer(&o.pp, 1, 1 << 16)},
+        {"--ep", integer(&o.ep, 1, 1 << 16)},
+        {"-z", integer(&o.zero, 0, 3)},
+        {"--bucket-mb", real(&o.bucket_mb, 1e-4f, 65536.0f)},
+        {"--comm", choice(&o.comm, {"mpi", "nccl"})},
+        {"--comm-init", choice(&o.comm_init, {"mpi", "tcp", "file"})},
+        {"--comm-address", text(&o.comm_address)},
+        {"--comm-dir", text(&o.comm_dir)},
+        {"--comm-timeout", real(&o.comm_timeout, 0.1f, 1e7f)},
+        {"--debug-stall-rank", integer(&o.debug_stall_rank, -1, 1 << 20)},
     };
     for (int i = 1; i < argc; i++) {
         std::string flag = argv[i];
@@ -151,6 +197,10 @@ inline Options parse_options(int argc, char** argv) {
     }
     if (o.total_batch == 0 || o.total_batch < -1) fail("-d %ld: must be positive, or -1 for one micro-batch", o.total_batch);
     if ((o.checkpoint_every > 0 || o.resume) && o.out_dir.empty()) fail("-n and -y need an output directory (-o)");
+    if (o.comm_init == "tcp" && o.comm_address.empty()) fail("--comm-init tcp needs --comm-address HOST:PORT");
+    if (o.comm_init == "file" && o.comm_dir.empty()) fail("--comm-init file needs --comm-dir DIR");
+    if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());
+    if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
     if (o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
     return o;
 }

@@ -158,12 +158,13 @@ struct TinyData {
 };
 
 const RunLayout TINY_LAYOUT{2, 16, 1, 64};
+Comm solo;  // checkpoints of a single-process run
 
 GPTConfig tiny_config() { return parse_model_descriptor("d2c32h2t32v300"); }
 
 // a model with random parameters and a non-trivial optimizer state
 void init_model(GPT& m, uint64_t seed) {
-    gpt_init_random(m, seed);
+    gpt_init_random(m.config, m.params, seed);
     Rng rng(seed + 1);
     for (size_t i = 0; i < m.num_parameters; i++) {
         m.adam_m[i] = rng.normal(0.0f, 0.01f);
@@ -206,7 +207,7 @@ TEST_CASE("a resumed run continues bit-exactly like an uninterrupted one", "[che
         GPT m;
         gpt_allocate(m, checkpoint_config(A + "/ckpt_00000010"), 2, 16);
         TrainState s;
-        load_checkpoint(A + "/ckpt_00000010", m, s, TINY_LAYOUT);
+        load_checkpoint(A + "/ckpt_00000010", model_state(m), s, TINY_LAYOUT, 0);
         CHECK(s.step == 10);
         CHECK(s.loader.epoch == 1);
         CHECK(m.adam_step == 10);
@@ -323,7 +324,7 @@ TEST_CASE("a checkpoint interrupted mid-write leaves the previous one loadable",
     gpt_allocate(saved, tiny_config(), 2, 16);
     init_model(saved, 3);
     TrainState state{3, DataLoaderState{0, 1, 2}, 0x1234567890abcdefull};
-    save_checkpoint(out.path, saved, state, TINY_LAYOUT, 0);
+    save_checkpoint(out.path, model_state(saved), state, TINY_LAYOUT, 0, solo);
     const std::string good = out / "ckpt_00000003";
     REQUIRE(list_checkpoints(out.path) == std::vector<int>{3});
 
@@ -346,7 +347,7 @@ TEST_CASE("a checkpoint interrupted mid-write leaves the previous one loadable",
     GPT loaded;
     gpt_allocate(loaded, checkpoint_config(good), 2, 16);
     TrainState got;
-    load_checkpoint(good, loaded, got, TINY_LAYOUT);
+    load_checkpoint(good, model_state(loaded), got, TINY_LAYOUT, 0);
     require_same_model(loaded, saved);
     CHECK(got.step == 3);
     CHECK(got.loader == state.loader);
@@ -475,7 +476,7 @@ TEST_CASE("SIGKILL at any point of checkpointing leaves every complete checkpoin
             INFO("loading " << d);
             if (model.num_parameters == 0) gpt_allocate(model, checkpoint_config(d), 1, 8);
             TrainState st;
-            CHECK_NOTHROW(load_checkpoint(d, model, st, RunLayout{1, 8, 1, 8}));
+            CHECK_NOTHROW(load_checkpoint(d, model_state(model), st, RunLayout{1, 8, 1, 8}, 0));
             CHECK(st.step == s);
         }
         newest = steps.back();
@@ -522,7 +523,7 @@ TEST_CASE("a checkpoint written with a different batch layout is refused with on
     gpt_allocate(m, tiny_config(), 2, 16);
     TrainState s;
     try {
-        load_checkpoint(out / "ckpt_00000002", m, s, RunLayout{2, 32, 1, 64});
+        load_checkpoint(out / "ckpt_00000002", model_state(m), s, RunLayout{2, 32, 1, 64}, 0);
         FAIL("load_checkpoint accepted a checkpoint written with another -t");
     } catch (const Error& e) {
         CHECK(std::string(e.what()).find("written with -b 2 -t 16 -d 64 on 1 ranks") != std::string::npos);
@@ -548,29 +549,29 @@ TEST_CASE("saving the same step twice replaces the checkpoint atomically", "[che
         GPT loaded;
         gpt_allocate(loaded, checkpoint_config(dir), 2, 16);
         TrainState got;
-        load_checkpoint(dir, loaded, got, TINY_LAYOUT);
+        load_checkpoint(dir, model_state(loaded), got, TINY_LAYOUT, 0);
         require_same_model(loaded, second);
         CHECK(got.loader == s2.loader);
         CHECK(got.rng_state == s2.rng_state);
     };
 
     SECTION("a second save replaces the first") {
-        save_checkpoint(out.path, first, s1, TINY_LAYOUT, 0);
-        save_checkpoint(out.path, second, s2, TINY_LAYOUT, 0);
+        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, 0, solo);
+        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, 0, solo);
         require_second();
     }
     SECTION("a stale temporary directory from a crash is replaced") {
-        save_checkpoint(out.path, first, s1, TINY_LAYOUT, 0);
+        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, 0, solo);
         copy_tree(dir, dir + ".tmp");
         REQUIRE(unlink((dir + ".tmp/manifest.txt").c_str()) == 0);
-        save_checkpoint(out.path, second, s2, TINY_LAYOUT, 0);
+        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, 0, solo);
         require_second();
     }
     SECTION("an incomplete directory of that step (no manifest) is replaced") {
-        save_checkpoint(out.path, first, s1, TINY_LAYOUT, 0);
+        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, 0, solo);
         REQUIRE(unlink((dir + "/manifest.txt").c_str()) == 0);
         REQUIRE(list_checkpoints(out.path).empty());
-        save_checkpoint(out.path, second, s2, TINY_LAYOUT, 0);
+        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, 0, solo);
         require_second();
     }
 }

@@ -63,7 +63,7 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
         f.read(h, sizeof(h));
         gpt_allocate(m, config, h[2], h[3]);
     }
-    gpt_load_params(m, model_path);
+    gpt_load_params(m.config, m.params, model_path);
     ref = read_state(std::string(REFERENCE_DIR) + "/state.bin", m.num_parameters);
     REQUIRE(ref.V == config.vocab_size);
     REQUIRE(ref.Vp == config.padded_vocab_size);

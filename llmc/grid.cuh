@@ -1,0 +1,78 @@
+// The process grid: how the world's ranks are laid out over the five kinds of parallelism, and a communicator
+// for each. tp is fastest (the ranks of a tensor-parallel group share a node), then cp, then dp, then pp:
+//
+//     world rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank)),   dp = world / (tp·cp·pp)
+//
+// Expert parallelism is carved out of dp: the dp ranks of one pipeline stage form dp/ep groups of ep
+// consecutive dp ranks each (ep_rank = dp_rank mod ep).
+#pragma once
+
+#include <string>
+
+#include "llmc/comm.cuh"
+
+struct GridShape {
+    int tp = 1, cp = 1, pp = 1, ep = 1;
+};
+
+struct GridCoords {
+    int tp, cp, dp, pp, ep;
+};
+
+struct Grid {
+    int world = 1, rank = 0;
+    int tp = 1, cp = 1, dp = 1, pp = 1, ep = 1;
+    GridCoords at;  // this rank's coordinates
+    Comm world_comm, tp_comm, cp_comm, dp_comm, pp_comm, ep_comm;
+};
+
+// dp for a world size, or one line naming the flag that does not fit
+inline int grid_dp(int world, const GridShape& s) {
+    if (s.tp < 1 || s.cp < 1 || s.pp < 1 || s.ep < 1) fail("--tp --cp --pp --ep: every size must be at least 1");
+    long model_ranks = (long)s.tp * s.cp * s.pp;
+    if (world % model_ranks != 0)
+        fail("--tp %d --cp %d --pp %d: the world of %d ranks is not divisible by tp·cp·pp = %ld", s.tp, s.cp, s.pp, world,
+             model_ranks);
+    int dp = (int)(world / model_ranks);
+    if (dp % s.ep != 0) fail("--ep %d: must divide the data-parallel size %d (world %d / tp·cp·pp %ld)", s.ep, dp, world, model_ranks);
+    return dp;
+}
+
+inline GridCoords grid_coords(int rank, const GridShape& s, int dp) {
+    GridCoords c;
+    c.tp = rank % s.tp;
+    c.cp = rank / s.tp % s.cp;
+    c.dp = rank / (s.tp * s.cp) % dp;
+    c.pp = rank / (s.tp * s.cp * dp);
+    c.ep = c.dp % s.ep;
+    return c;
+}
+
+inline int grid_rank(const GridCoords& c, const GridShape& s, int dp) {
+    return c.tp + s.tp * (c.cp + s.cp * (c.dp + dp * c.pp));
+}
+
+// Splits the world into its groups. Each group's color is the rank's position along every other dimension,
+// and its key the position along its own, so a group's ranks are numbered by that coordinate.
+inline Grid make_grid(Comm& world, const GridShape& s) {
+    Grid g;
+    g.world = world.size;
+    g.rank = world.rank;
+    g.tp = s.tp, g.cp = s.cp, g.pp = s.pp, g.ep = s.ep;
+    g.dp = grid_dp(world.size, s);
+    GridCoords c = g.at = grid_coords(world.rank, s, g.dp);
+    auto without = [&](GridCoords x, int GridCoords::*field) {
+        x.*field = 0;
+        return grid_rank(x, s, g.dp);
+    };
+    g.world_comm = world;
+    g.tp_comm = world.split(without(c, &GridCoords::tp), c.tp, "tp");
+    g.cp_comm = world.split(without(c, &GridCoords::cp), c.cp, "cp");
+    g.dp_comm = world.split(without(c, &GridCoords::dp), c.dp, "dp");
+    g.pp_comm = world.split(without(c, &GridCoords::pp), c.pp, "pp");
+    // an ep group: the dp ranks that share dp_rank / ep
+    GridCoords e = c;
+    e.dp = c.dp / s.ep * s.ep;
+    g.ep_comm = world.split(grid_rank(e, s, g.dp), c.ep, "ep");
+    return g;
+}

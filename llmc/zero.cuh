@@ -1,0 +1,384 @@
+// Data parallelism and ZeRO-1/2/3 over the dp group.
+//
+// Buckets. The model's units (llmc/gpt.cuh: the final layernorm, the layers from last to first, the
+// embeddings) are packed, in the order backward finishes them, into buckets of at least --bucket-mb each; the
+// embeddings always form a bucket of their own (their gradient is final only when backward ends). A bucket's
+// packed layout is its units' tensor slices back to back, zero-padded to a multiple of the dp size N, and it
+// splits into N equal contiguous pieces: rank r owns piece r of every bucket. A rank's shard is its pieces
+// of all buckets, back to back. No tensor has to divide by N.
+//
+// Every stage reduces a bucket the same way: one reduce-scatter of the packed bucket, so each element's sum
+// runs in the same order whatever the stage, and stages give identical bits. What differs is what is kept:
+//   ZeRO-0  full gradients, parameters and optimizer state; the reduced pieces are all-gathered back
+//           (reduce-scatter + all-gather is the all-reduce) and every rank takes the same full step.
+//   ZeRO-1  optimizer state sharded: each rank updates its pieces, then the parameters are all-gathered.
+//   ZeRO-2  gradients sharded too: backward writes each bucket into a staging buffer that is reduce-scattered
+//           into the owner's piece as soon as the bucket is complete; no full gradient buffer exists.
+//   ZeRO-3  parameters sharded too: forward and backward all-gather each bucket just before its units run,
+//           prefetch the next, and drop it after use.
+// ZeRO-0 and ZeRO-1 reduce only in the last micro-step of an accumulation (gradients accumulate locally
+// before); ZeRO-2 and ZeRO-3 hold no full gradient, so they reduce every micro-step and accumulate the
+// reduced pieces. With one micro-step all four stages agree bit for bit; with more, ZeRO-0/1 and ZeRO-2/3
+// sum the same numbers in a different order (micro-steps first, or ranks first).
+//
+// Collectives start only at points every rank reaches in the same order (a bucket completing, a bucket being
+// needed, the step's end), never when a test happens to succeed, as MPI requires.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "llmc/comm.cuh"
+#include "llmc/global_norm.cuh"
+#include "llmc/gpt.cuh"
+
+struct Bucket {
+    int first_unit = 0, last_unit = 0;  // units [first, last]
+    std::vector<Segment> segments;      // in packed order
+    size_t size = 0;                    // packed elements
+    size_t padded = 0;                  // a multiple of the dp size
+    size_t piece = 0;                   // padded / dp
+    size_t shard_offset = 0;            // where this rank's piece sits in its shard
+};
+
+// where one owned element range sits in the flat buffers and in the shard
+struct OwnedSegment {
+    int tensor;
+    size_t flat_offset, shard_offset, size;
+};
+
+struct BucketLayout {
+    std::vector<Bucket> buckets;  // the embeddings' bucket is the last one
+    std::vector<int> unit_bucket;
+    std::vector<size_t> unit_offset;  // where a unit starts inside its bucket's packed layout
+    size_t shard_size = 0;            // Σ piece
+    size_t padded_total = 0;          // Σ padded: what a reduce-scatter or all-gather of every bucket moves
+    size_t max_padded = 0, max_piece = 0;  // over the buckets other than the embeddings'
+    const Bucket& embeddings() const { return buckets.back(); }
+};
+
+inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats) {
+    BucketLayout lay;
+    int units = num_units(c), emb = embedding_unit(c);
+    lay.unit_bucket.assign(units, 0);
+    lay.unit_offset.assign(units, 0);
+    for (int u = 0; u < units; u++) {
+        bool fresh = lay.buckets.empty() || u == emb || lay.buckets.back().size >= bucket_floats;
+        if (fresh) {
+            lay.buckets.emplace_back();
+            lay.buckets.back().first_unit = u;
+        }
+        Bucket& b = lay.buckets.back();
+        lay.unit_bucket[u] = (int)lay.buckets.size() - 1;
+        lay.unit_offset[u] = b.size;
+        for (const Segment& s : unit_segments(c, u)) b.segments.push_back(s), b.size += s.size;
+        b.last_unit = u;
+    }
+    for (size_t i = 0; i < lay.buckets.size(); i++) {
+        Bucket& b = lay.buckets[i];
+        b.padded = (b.size + dp - 1) / dp * dp;
+        b.piece = b.padded / dp;
+        b.shard_offset = lay.shard_size;
+        lay.shard_size += b.piece;
+        lay.padded_total += b.padded;
+        if (i + 1 < lay.buckets.size()) {
+            lay.max_padded = std::max(lay.max_padded, b.padded);
+            lay.max_piece = std::max(lay.max_piece, b.piece);
+        }
+    }
+    return lay;
+}
+
+// the element ranges of bucket b that piece `rank` covers (the padding belongs to no tensor)
+inline std::vector<OwnedSegment> owned_segments(const Bucket& b, int rank) {
+    std::vector<OwnedSegment> owned;
+    size_t lo = rank * b.piece, hi = lo + b.piece, packed = 0;
+    for (const Segment& s : b.segments) {
+        size_t a = std::max(lo, packed), e = std::min(hi, packed + s.size);
+        if (a < e) owned.push_back({s.tensor, s.offset + (a - packed), b.shard_offset + (a - lo), e - a});
+        packed += s.size;
+    }
+    return owned;
+}
+
+// flat buffer <-> a bucket's packed layout
+inline void pack_bucket(const Bucket& b, const float* flat, float* packed) {
+    for (const Segment& s : b.segments) memcpy(packed, flat + s.offset, s.size * sizeof(float)), packed += s.size;
+    memset(packed, 0, (b.padded - b.size) * sizeof(float));
+}
+inline void unpack_bucket(const Bucket& b, const float* packed, float* flat) {
+    for (const Segment& s : b.segments) memcpy(flat + s.offset, packed, s.size * sizeof(float)), packed += s.size;
+}
+
+enum ZeroBuffer { ZB_PARAMS, ZB_GRADS };
+
+struct DataParallel : ParamStore {
+    GPT& m;
+    Comm& comm;
+    int stage, N, rank;
+    BucketLayout layout;
+    std::vector<std::vector<OwnedSegment>> owned;  // per bucket
+    float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
+    float* shard_grads = nullptr;                  // ZeRO >= 2
+    float* shard_params = nullptr;                 // ZeRO 3
+
+    // A staging slot: a packed bucket and its piece, for a reduction in flight (or, in ZeRO-3, a gathered
+    // bucket of parameters). The embeddings have slots of their own; the other buckets share two.
+    struct Slot {
+        float *packed = nullptr, *piece = nullptr;
+        int bucket = -1;         // the bucket using it; -1 when free
+        bool in_flight = false;  // its reduction has started
+        CommRequest request;
+        uint64_t order = 0;  // when its reduction started, to retire the oldest first
+    };
+    std::vector<Slot> reduce_slots;  // [0] the embeddings', [1], [2] the rest
+    std::vector<Slot> gather_slots;  // ZeRO-3, same arrangement
+    std::vector<int> reduce_slot_of;  // per bucket: the slot holding its staging this micro-step, or -1
+    std::vector<int> units_done;      // per bucket, this micro-step
+    bool last_micro_step = true, backward = false;
+    uint64_t started = 0;
+    int current_gather = -1;  // ZeRO-3: the non-embedding bucket in use
+
+    DataParallel(GPT& model, Comm& dp_comm, int zero_stage, size_t bucket_floats)
+        : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank) {
+        layout = bucket_layout(m.config, N, bucket_floats);
+        size_t nb = layout.buckets.size();
+        for (const Bucket& b : layout.buckets) owned.push_back(owned_segments(b, rank));
+        reduce_slot_of.assign(nb, -1);
+        units_done.assign(nb, 0);
+        if (!engaged()) return;
+        Ledger& led = m.ledger;
+        if (stage >= 1) {
+            shard_m = led.alloc_floats(MEM_OPTIMIZER, layout.shard_size);
+            shard_v = led.alloc_floats(MEM_OPTIMIZER, layout.shard_size);
+        }
+        if (stage >= 2) shard_grads = led.alloc_floats(MEM_GRADS, layout.shard_size);
+        if (stage >= 3) shard_params = led.alloc_floats(MEM_PARAMS, layout.shard_size);
+        const Bucket& e = layout.embeddings();
+        for (int i = 0; i < 3; i++) {
+            Slot s;
+            s.packed = led.alloc_floats(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
+            s.piece = led.alloc_floats(MEM_COMM, i == 0 ? e.piece : layout.max_piece);
+            reduce_slots.push_back(s);
+            if (stage == 3) {
+                Slot g;
+                g.packed = led.alloc_floats(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
+                gather_slots.push_back(g);
+            }
+        }
+        m.store = this;
+    }
+
+    // one rank without sharding needs none of this: the model runs on its flat buffers
+    bool engaged() const { return N > 1 || stage > 0; }
+    static ModelBuffers model_buffers(int stage) { return ModelBuffers{stage < 3, stage < 2, stage < 1}; }
+    int emb_bucket() const { return (int)layout.buckets.size() - 1; }
+
+    // ---- the hooks the model calls (ParamStore) ---------------------------------------------------------------
+
+    void begin_pass(bool is_backward) override {
+        backward = is_backward;
+        if (stage == 3) {
+            gather(emb_bucket(), gather_slots[0]);
+            int first = backward ? 0 : emb_bucket() - 1;
+            gather(first, gather_slots[1]);
+            current_gather = -1;
+        }
+        if (backward) std::fill(units_done.begin(), units_done.end(), 0);
+    }
+
+    void end_pass() override {
+        for (Slot& g : gather_slots) {
+            if (g.bucket >= 0) comm.wait(g.request);
+            g.bucket = -1;
+        }
+        current_gather = -1;
+    }
+
+    ParamViews params(int unit) override {
+        if (stage < 3) return unit_views(m.units[unit], m.params, false);
+        int b = layout.unit_bucket[unit];
+        Slot* slot = &gather_slots[0];
+        if (b != emb_bucket()) {
+            if (b != current_gather) {
+                if (current_gather >= 0) slot_for_gather(current_gather)->bucket = -1;  // done with it
+                current_gather = b;
+                int next = backward ? b + 1 : b - 1;
+                if (next >= 0 && next < emb_bucket()) gather(next, *free_gather_slot(b));
+            }
+            slot = slot_for_gather(b);
+        }
+        comm.wait(slot->request);
+        return unit_views(m.units[unit], slot->packed + layout.unit_offset[unit], true);
+    }
+
+    ParamViews grads(int unit) override {
+        if (stage < 2) return unit_views(m.units[unit], m.grads, false);
+        int b = layout.unit_bucket[unit];
+        if (reduce_slot_of[b] < 0) {
+            int s = acquire_reduce_slot(b);
+            memset(reduce_slots[s].packed, 0, layout.buckets[b].padded * sizeof(float));
+        }
+        return unit_views(m.units[unit], reduce_slots[reduce_slot_of[b]].packed + layout.unit_offset[unit], true);
+    }
+
+    void grads_done(int unit) override {
+        int b = layout.unit_bucket[unit];
+        const Bucket& bk = layout.buckets[b];
+        if (++units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
+            if (stage < 2) pack_bucket(bk, m.grads, reduce_slots[acquire_reduce_slot(b)].packed);
+            Slot& s = reduce_slots[reduce_slot_of[b]];
+            s.request = comm.reduce_scatter(s.packed, s.piece, bk.piece, DType::F32);
+            s.order = ++started;
+            s.in_flight = true;
+            reduce_slot_of[b] = -1;  // the next micro-step's gradients of this bucket go to a fresh staging
+        }
+        progress();
+    }
+
+    // ---- what the trainer calls ------------------------------------------------------------------------------
+
+    void begin_micro_step(bool last) { last_micro_step = last; }
+
+    void zero_grad() {
+        if (stage < 2) gpt_zero_grad(m);
+        else memset(shard_grads, 0, layout.shard_size * sizeof(float));
+    }
+
+    // finishes the gradient reduction, clips and takes the optimizer step; returns the gradient norm
+    double step(float lr, float weight_decay) {
+        if (!engaged()) {
+            double norm = gpt_grad_norm(m);
+            gpt_update(m, lr, weight_decay, clip_scale(norm, 1.0f));
+            return norm;
+        }
+        finish_reductions();
+        // the norm from the owned pieces, summed in bucket order, then over ranks: the same sums in every stage
+        double local = 0.0;
+        const float* g = stage >= 2 ? shard_grads : m.grads;
+        for (auto& segs : owned)
+            for (const OwnedSegment& s : segs) local += sum_of_squares(g + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size);
+        double total = 0.0;
+        comm.wait(comm.all_reduce(&local, &total, 1, DType::F64));
+        double norm = sqrt(total);
+        float scale = clip_scale(norm, 1.0f);
+        if (stage == 0) {
+            gpt_update(m, lr, weight_decay, scale);
+            return norm;
+        }
+        m.adam_step++;
+        float* p = stage == 3 ? shard_params : m.params;
+        for (auto& segs : owned)
+            for (const OwnedSegment& s : segs) {
+                size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
+                adamw_update(p + pi, g + gi, shard_m + s.shard_offset, shard_v + s.shard_offset, (long)s.size, lr,
+                             is_decayed(s.tensor) ? weight_decay : 0.0f, scale, m.adam_step);
+            }
+        if (stage < 3) all_gather_params(m.params);
+        return norm;
+    }
+
+    // the mean of a value over the dp group (the loss, for logging)
+    double mean(double local) {
+        if (N == 1) return local;
+        double total = 0.0;
+        comm.wait(comm.all_reduce(&local, &total, 1, DType::F64));
+        return total / N;
+    }
+
+    // Every rank's pieces of the parameters, gathered into the flat buffer `flat`: from the shards under ZeRO-3
+    // (to save a checkpoint), or, under ZeRO-1 and 2, from the pieces each rank has just updated in its own
+    // flat buffer. Collective.
+    void all_gather_params(float* flat) {
+        for (size_t b = 0; b < layout.buckets.size(); b++) {
+            const Bucket& bk = layout.buckets[b];
+            Slot& s = reduce_slots[b + 1 == layout.buckets.size() ? 0 : 1];
+            const float* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
+            if (!shard_params)
+                for (const OwnedSegment& o : owned[b])
+                    memcpy(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size * sizeof(float));
+            comm.wait(comm.all_gather(mine, s.packed, bk.piece, DType::F32));
+            unpack_bucket(bk, s.packed, flat);
+        }
+    }
+
+    // ZeRO-3: keep this rank's pieces of full flat parameters (after initialization or loading)
+    void scatter_params(const float* flat) {
+        for (auto& segs : owned)
+            for (const OwnedSegment& s : segs) memcpy(shard_params + s.shard_offset, flat + s.flat_offset, s.size * sizeof(float));
+    }
+
+   private:
+    // let MPI move the operations in flight while compute goes on
+    void progress() {
+        for (Slot& s : reduce_slots)
+            if (s.in_flight) comm.test(s.request);
+    }
+
+    void gather(int b, Slot& slot) {
+        const Bucket& bk = layout.buckets[b];
+        slot.bucket = b;
+        slot.request = comm.all_gather(shard_params + bk.shard_offset, slot.packed, bk.piece, DType::F32);
+    }
+    Slot* slot_for_gather(int b) {
+        for (Slot& g : gather_slots)
+            if (g.bucket == b) return &g;
+        gather(b, *free_gather_slot(-1));  // not prefetched (the first of a pass)
+        return slot_for_gather(b);
+    }
+    Slot* free_gather_slot(int keep) {
+        for (int i = 1; i <= 2; i++)
+            if (gather_slots[i].bucket < 0 || (gather_slots[i].bucket != keep && gather_slots[i].bucket != current_gather)) {
+                if (gather_slots[i].bucket >= 0) comm.wait(gather_slots[i].request);
+                return &gather_slots[i];
+            }
+        fail("zero: no free gather slot");
+    }
+
+    int acquire_reduce_slot(int b) {
+        if (b == emb_bucket()) {
+            if (reduce_slots[0].in_flight) retire(reduce_slots[0]);
+            reduce_slots[0].bucket = b;
+            return reduce_slot_of[b] = 0;
+        }
+        Slot* pick = nullptr;
+        for (int i = 1; i <= 2 && !pick; i++)
+            if (reduce_slots[i].bucket < 0) pick = &reduce_slots[i];
+        if (!pick) {  // both busy: one may still be staging (ZeRO-2/3), so retire the oldest reduction in flight
+            for (int i = 1; i <= 2; i++)
+                if (reduce_slots[i].in_flight && (!pick || reduce_slots[i].order < pick->order)) pick = &reduce_slots[i];
+            if (!pick) fail("zero: both staging slots are staging at once");
+            retire(*pick);
+        }
+        pick->bucket = b;
+        return reduce_slot_of[b] = (int)(pick - reduce_slots.data());
+    }
+
+    // finishes a slot's reduction and puts the reduced piece where the stage keeps it
+    void retire(Slot& s) {
+        const Bucket& bk = layout.buckets[s.bucket];
+        comm.wait(s.request);
+        if (stage >= 2) {
+            float* dst = shard_grads + bk.shard_offset;
+            for (size_t i = 0; i < bk.piece; i++) dst[i] += s.piece[i];
+        } else if (stage == 1) {
+            for (const OwnedSegment& o : owned[s.bucket])
+                memcpy(m.grads + o.flat_offset, s.piece + (o.shard_offset - bk.shard_offset), o.size * sizeof(float));
+        } else {
+            comm.wait(comm.all_gather(s.piece, s.packed, bk.piece, DType::F32));
+            unpack_bucket(bk, s.packed, m.grads);
+        }
+        s.bucket = -1;
+        s.in_flight = false;
+    }
+
+    void finish_reductions() {
+        while (true) {
+            Slot* oldest = nullptr;
+            for (Slot& s : reduce_slots)
+                if (s.in_flight && (!oldest || s.order < oldest->order)) oldest = &s;
+            if (!oldest) break;
+            retire(*oldest);
+        }
+    }
+};
