@@ -54,6 +54,11 @@ build/test_%.o: test/test_%.cu $(HEADERS) test/test_helpers.h
 build/tests: build/catch_main.o $(TEST_OBJECTS)
 	$(NVCC) $(NVCC_FLAGS) $^ -o $@ $(LDLIBS)
 
+# the collectives against a naive reference, started under mpirun by test/test_distributed.cu
+build/comm_check: test/comm_check.cu $(HEADERS)
+	@mkdir -p build
+	$(NVCC) $(NVCC_FLAGS) $< -o $@ $(LDLIBS)
+
 deps:
 	bash scripts/install_deps.sh
 
@@ -70,7 +75,7 @@ build/reference/model.bin: test/reference/make_reference.py
 	@mkdir -p build/reference
 	$(PYTHON) test/reference/make_reference.py --out build/reference
 
-test: train_gpt build/tests build/reference/model.bin dev/data/node_modules
+test: train_gpt build/tests build/comm_check build/reference/model.bin dev/data/node_modules
 	bash test/run_tests.sh
 
 train: deps

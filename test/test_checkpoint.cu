@@ -36,23 +36,6 @@ CommandResult train_gpt(const std::string& args) {
     return run_command(std::string(OMP_ENV) + " " + TRAIN_GPT + " " + args);
 }
 
-void write_shard(const std::string& path, const std::vector<uint16_t>& tokens) {
-    int32_t header[256] = {};
-    header[0] = 20240520;
-    header[1] = 1;
-    header[2] = (int32_t)tokens.size();
-    File f(path, "wb");
-    f.write(header, sizeof(header));
-    f.write(tokens.data(), tokens.size() * sizeof(uint16_t));
-    f.close();
-}
-
-std::vector<uint16_t> random_tokens(size_t n, int vocab, Rng& rng) {
-    std::vector<uint16_t> t(n);
-    for (auto& x : t) x = (uint16_t)rng.below(vocab);
-    return t;
-}
-
 // a tokenizer for a made-up vocabulary, so that samples can be printed (and compared) for a tiny model
 void write_tokenizer(const std::string& path, int vocab) {
     uint32_t header[256] = {};

@@ -113,23 +113,9 @@ void expect_error(const std::vector<std::string>& args, const std::vector<std::s
 // ---------------------------------------------------------------------------------------------------------
 // input files, each writable with one thing wrong
 
-void write_shard(const std::string& path, const std::vector<uint16_t>& tokens, int32_t magic = SHARD_FILE_MAGIC,
-                 int32_t version = 1, int64_t count = -1) {
-    int32_t header[256] = {};
-    header[0] = magic;
-    header[1] = version;
-    header[2] = (int32_t)(count < 0 ? (int64_t)tokens.size() : count);
-    File f(path, "wb");
-    f.write(header, sizeof(header));
-    if (!tokens.empty()) f.write(tokens.data(), tokens.size() * sizeof(uint16_t));
-    f.close();
-}
-
 std::vector<uint16_t> random_tokens(size_t n, uint64_t seed, int vocab = TINY_V) {
     Rng rng(seed);
-    std::vector<uint16_t> t(n);
-    for (auto& x : t) x = (uint16_t)rng.below(vocab);
-    return t;
+    return random_tokens(n, vocab, rng);
 }
 
 struct ModelShape {

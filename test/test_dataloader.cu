@@ -12,26 +12,6 @@ namespace {
 
 const int GPT2_VOCAB = 50257;
 
-const long long TRUE_COUNT = LLONG_MIN;
-
-// writes a shard whose header fields can be set wrong on purpose
-void write_shard(const std::string& path, const std::vector<uint16_t>& tokens, int magic = SHARD_MAGIC,
-                 int version = SHARD_VERSION, long long count = TRUE_COUNT) {
-    int32_t header[SHARD_HEADER_INTS] = {};
-    header[0] = magic;
-    header[1] = version;
-    header[2] = (int32_t)(count == TRUE_COUNT ? (long long)tokens.size() : count);
-    File f(path, "wb");
-    f.write(header, sizeof(header));
-    if (!tokens.empty()) f.write(tokens.data(), tokens.size() * sizeof(uint16_t));
-    f.close();
-}
-
-std::vector<uint16_t> random_tokens(size_t n, Rng& rng, int vocab = GPT2_VOCAB) {
-    std::vector<uint16_t> t(n);
-    for (auto& x : t) x = (uint16_t)rng.below(vocab);
-    return t;
-}
 
 // shards whose tokens are all distinct (a shuffled range), so any window identifies where it was read from
 struct DistinctShards {
@@ -95,10 +75,10 @@ TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
     TempDir dir;
     Rng rng(1);
     // written out of order to check that the loader sorts the file names
-    write_shard(dir / "train_002.bin", random_tokens(513, rng));
-    write_shard(dir / "train_000.bin", random_tokens(1000, rng));
-    write_shard(dir / "train_001.bin", random_tokens(777, rng));
-    write_shard(dir / "val_000.bin", random_tokens(300, rng));
+    write_shard(dir / "train_002.bin", random_tokens(513, GPT2_VOCAB, rng));
+    write_shard(dir / "train_000.bin", random_tokens(1000, GPT2_VOCAB, rng));
+    write_shard(dir / "train_001.bin", random_tokens(777, GPT2_VOCAB, rng));
+    write_shard(dir / "val_000.bin", random_tokens(300, GPT2_VOCAB, rng));
 
     DataLoader dl(dir / "train_*.bin", 2, 8, 0, 1, false, 0, GPT2_VOCAB);
     REQUIRE(dl.num_shards() == 3);
@@ -117,7 +97,7 @@ TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
     REQUIRE(dl4.tokens_per_global_batch() == 64);
 
     // exactly one global batch plus one token is the smallest shard that works
-    write_shard(dir / "tiny.bin", random_tokens(4 * 2 * 8 + 1, rng));
+    write_shard(dir / "tiny.bin", random_tokens(4 * 2 * 8 + 1, GPT2_VOCAB, rng));
     DataLoader tiny(dir / "tiny.bin", 2, 8, 3, 4, false, 0, GPT2_VOCAB);
     REQUIRE(tiny.batches_per_epoch == 1);
 }
@@ -275,20 +255,20 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         REQUIRE_THROWS_WITH(load(pattern), Catch::Contains(pattern) && Catch::Contains("no files match"));
     }
     SECTION("wrong magic") {
-        write_shard(path, random_tokens(100, rng), 20240326);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), 20240326);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("bad magic number 20240326"));
     }
     SECTION("wrong version") {
-        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, 2);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, 2);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("unsupported version 2"));
     }
     SECTION("file size disagrees with the token count") {
-        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, SHARD_VERSION, 101);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, SHARD_VERSION, 101);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("file size 1224 bytes") &&
                                             Catch::Contains("token count 101"));
-        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, SHARD_VERSION, 99);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, SHARD_VERSION, 99);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains("disagrees") && Catch::Contains("token count 99"));
-        write_shard(path, random_tokens(100, rng), SHARD_MAGIC, SHARD_VERSION, -5);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, SHARD_VERSION, -5);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains("disagrees") && Catch::Contains("token count -5"));
     }
     SECTION("too short for a header") {
@@ -298,7 +278,7 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("too short for a shard header"));
     }
     SECTION("fewer tokens than one global batch") {
-        write_shard(path, random_tokens(3 * 2 * 4, rng));  // world*B*T, one short
+        write_shard(path, random_tokens(3 * 2 * 4, GPT2_VOCAB, rng));  // world*B*T, one short
         REQUIRE_THROWS_WITH(
             DataLoader(path, 2, 4, 1, 3, false, 0, GPT2_VOCAB),
             Catch::Contains(path) && Catch::Contains("fewer than one global batch") && Catch::Contains("25"));
@@ -306,14 +286,14 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         REQUIRE_NOTHROW(DataLoader(path, 2, 4, 0, 1, false, 0, GPT2_VOCAB));
     }
     SECTION("a token outside the vocabulary") {
-        auto tokens = random_tokens(100, rng);
+        auto tokens = random_tokens(100, GPT2_VOCAB, rng);
         tokens[37] = 50257;
         write_shard(path, tokens);
         // the first shard is read when the loader is made, so the run stops before it starts
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("token 50257 at position 37") &&
                                             Catch::Contains("vocab size 50257"));
         // in a later shard it is caught when that shard is first read
-        write_shard(dir / "a_good.bin", random_tokens(9, rng));  // one sample for B=2, T=4
+        write_shard(dir / "a_good.bin", random_tokens(9, GPT2_VOCAB, rng));  // one sample for B=2, T=4
         DataLoader two = load(dir / "*.bin");
         two.next_batch();
         REQUIRE_THROWS_WITH(two.next_batch(), Catch::Contains(path) && Catch::Contains("token 50257 at position 37"));
@@ -322,21 +302,21 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         REQUIRE_NOTHROW(wide.next_batch());
     }
     SECTION("a shard that disappears after the loader opened it") {
-        write_shard(dir / "a.bin", random_tokens(9, rng));  // one sample
-        write_shard(dir / "b.bin", random_tokens(9, rng));
+        write_shard(dir / "a.bin", random_tokens(9, GPT2_VOCAB, rng));  // one sample
+        write_shard(dir / "b.bin", random_tokens(9, GPT2_VOCAB, rng));
         DataLoader dl = load(dir / "*.bin");
         dl.next_batch();
         REQUIRE(remove((dir / "b.bin").c_str()) == 0);
         REQUIRE_THROWS_WITH(dl.next_batch(), Catch::Contains(dir / "b.bin") && Catch::Contains("cannot open"));
     }
     SECTION("a directory that matches the pattern") {
-        write_shard(dir / "a.bin", random_tokens(100, rng));
+        write_shard(dir / "a.bin", random_tokens(100, GPT2_VOCAB, rng));
         REQUIRE(mkdir((dir / "b.bin").c_str(), 0755) == 0);
         REQUIRE_THROWS_WITH(load(dir / "*.bin"),
                             Catch::Contains(dir / "b.bin") && Catch::Contains("not a regular file"));
     }
     SECTION("bad batch geometry or rank") {
-        write_shard(path, random_tokens(100, rng));
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng));
         REQUIRE_THROWS_WITH(DataLoader(path, 0, 4, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("B=0"));
         REQUIRE_THROWS_WITH(DataLoader(path, 2, 0, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("T=0"));
         REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 0, 0, false, 0, GPT2_VOCAB), Catch::Contains("world size 0"));

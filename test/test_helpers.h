@@ -2,6 +2,7 @@
 #pragma once
 
 #include <catch.hpp>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -22,6 +23,26 @@ inline double max_rel_error(const float* a, const float* b, size_t n, double flo
         if (d > worst) worst = d;
     }
     return worst;
+}
+
+// a token shard (llm.c format); magic, version and the header's count can be set wrong on purpose
+constexpr int64_t TRUE_COUNT = INT64_MIN;
+inline void write_shard(const std::string& path, const std::vector<uint16_t>& tokens, int32_t magic = 20240520,
+                        int32_t version = 1, int64_t count = TRUE_COUNT) {
+    int32_t header[256] = {};
+    header[0] = magic;
+    header[1] = version;
+    header[2] = (int32_t)(count == TRUE_COUNT ? (int64_t)tokens.size() : count);
+    File f(path, "wb");
+    f.write(header, sizeof(header));
+    if (!tokens.empty()) f.write(tokens.data(), tokens.size() * sizeof(uint16_t));
+    f.close();
+}
+
+inline std::vector<uint16_t> random_tokens(size_t n, int vocab, Rng& rng) {
+    std::vector<uint16_t> t(n);
+    for (auto& x : t) x = (uint16_t)rng.below(vocab);
+    return t;
 }
 
 // a fresh empty directory under $TMPDIR (or /tmp), removed by the destructor

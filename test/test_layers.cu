@@ -106,7 +106,7 @@ bool all_finite(const std::vector<float>& v) {
 
 std::vector<float> gemm_workspace(int threads) { return std::vector<float>(gemm_workspace_floats(threads)); }
 
-std::vector<int> random_tokens(size_t n, int vocab, Rng& rng) {
+std::vector<int> random_token_ids(size_t n, int vocab, Rng& rng) {
     std::vector<int> t(n);
     for (auto& x : t) x = (int)rng.below(vocab);
     return t;
@@ -298,7 +298,7 @@ TEST_CASE("encoder backward matches finite differences and accumulates into wte 
     Rng rng(12);
     std::vector<float> wte = random_vector((size_t)V * C, rng), wpe = random_vector((size_t)T * C, rng),
                        w = random_vector(BT * C, rng);
-    std::vector<int> tokens = random_tokens(BT, V, rng);
+    std::vector<int> tokens = random_token_ids(BT, V, rng);
     // repeated tokens, in one sequence and across the batch, must add up in the same wte row
     tokens[1] = tokens[3] = tokens[T + 4] = 6;
     std::vector<float> out(BT * C);
@@ -486,7 +486,7 @@ TEST_CASE("cross-entropy backward matches finite differences of the mean loss an
     std::vector<float> logits = random_vector(BT * Vp, rng, 2.0f);
     for (long n = 0; n < BT; n++)  // padded columns hold large values that must not enter the softmax
         for (int v = V; v < Vp; v++) logits[n * Vp + v] = 50.0f + (float)v;
-    std::vector<int> targets = random_tokens(BT, V, rng);
+    std::vector<int> targets = random_token_ids(BT, V, rng);
     targets[0] = 0, targets[1] = V - 1;
     std::vector<float> losses(BT);
     auto f = [&]() {

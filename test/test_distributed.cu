@@ -1,0 +1,331 @@
+// Tests of the distributed runtime on the CPU, under `mpirun --oversubscribe`: the collectives against a naive
+// reference (build/comm_check), data parallelism against the single-rank run with the same global batch
+// (the equivalence principle), ZeRO-0..3 against each other bit for bit, the ledger against --plan, the counted
+// bytes against the formula, sharded checkpoints, the process grid, and a rank that stops answering.
+#include <time.h>
+#include <unistd.h>
+
+#include <map>
+#include <sstream>
+
+#include "llmc/checkpoint.h"
+#include "llmc/grid.cuh"
+#include "llmc/plan.h"
+#include "llmc/zero.cuh"
+#include "test_helpers.h"
+
+namespace {
+
+// every rank single-threaded and polite: the ranks share two cores
+const char* RUN_ENV =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
+    "OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive";
+
+CommandResult mpirun(int ranks, const std::string& program, const std::string& args) {
+    return run_command(strfmt("%s timeout 600 mpirun --oversubscribe --bind-to none -np %d %s %s", RUN_ENV, ranks,
+                              program.c_str(), args.c_str()));
+}
+CommandResult single(const std::string& args) { return run_command(std::string(RUN_ENV) + " ./train_gpt " + args); }
+
+// a model whose every tensor has an odd size (C=33), so buckets need padding at every dp size, and tokens for
+// it (vocab 301); buckets of 0.06 MiB pack the final norm with the last two layers, then layer 0, then the
+// embeddings
+struct Data {
+    TempDir dir;
+    Data() {
+        Rng rng(99);
+        write_shard(dir / "train.bin", random_tokens(6000, 301, rng));
+        write_shard(dir / "val.bin", random_tokens(1200, 301, rng));
+    }
+    // b micro-batch per rank, global batch d tokens, x steps
+    std::string flags(int b, int d, int x) const {
+        return strfmt("-e d3c33h3t32v301 -i '%s' -j '%s' -t 16 -b %d -d %d -x %d -v 10 -m 2 -s 0 -l 3e-3 -u 3 -q 0.1 "
+                      "-c 0.1 --seed 7 --bucket-mb 0.06",
+                      (dir / "train.bin").c_str(), (dir / "val.bin").c_str(), b, d, x);
+    }
+};
+
+std::string read_file(const std::string& path) {
+    File f(path, "rb");
+    std::string s(f.size(), '\0');
+    if (!s.empty()) f.read(&s[0], s.size());
+    return s;
+}
+
+// the losses of main.log, by kind and step ("trl 3", "tel 10")
+std::map<std::string, double> losses(const std::string& out_dir) {
+    std::map<std::string, double> v;
+    std::istringstream in(read_file(out_dir + "/main.log"));
+    std::string line;
+    while (std::getline(in, line)) {
+        int step;
+        char kind[4];
+        double loss;
+        if (sscanf(line.c_str(), "s:%d %3[a-z]:%lf", &step, kind, &loss) == 3) v[strfmt("%s %d", kind, step)] = loss;
+    }
+    return v;
+}
+
+void require_close(const std::map<std::string, double>& a, const std::map<std::string, double>& b, double tol) {
+    REQUIRE(a.size() == b.size());
+    REQUIRE(a.size() >= 20);
+    for (const auto& kv : a) {
+        INFO(kv.first << ": " << kv.second << " vs " << b.at(kv.first));
+        CHECK(fabs(kv.second - b.at(kv.first)) <= tol * fabs(b.at(kv.first)));
+    }
+}
+
+// runs train_gpt on `ranks` ranks into out_dir, checkpointing at the last step; returns the output
+std::string train(int ranks, const std::string& flags, const std::string& out_dir) {
+    CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    return r.output;
+}
+
+// "comm: rank 0 sent X bytes in this step; the formula for ZeRO-z says Y"
+void require_counted_equals_formula(const std::string& output) {
+    size_t at = output.find("comm: rank 0 sent ");
+    INFO(output);
+    REQUIRE(at != std::string::npos);
+    double sent = -1, formula = -2;
+    int zero;
+    REQUIRE(sscanf(output.c_str() + at, "comm: rank 0 sent %lf bytes in this step; the formula for ZeRO-%d says %lf", &sent,
+                   &zero, &formula) == 3);
+    CHECK(sent > 0);
+    CHECK(sent == formula);
+}
+
+}  // namespace
+
+TEST_CASE("every collective matches a naive reference on 2, 3 and 4 ranks, blocking and async", "[distributed]") {
+    REQUIRE(access("build/comm_check", X_OK) == 0);
+    for (int ranks : {2, 3, 4}) {
+        CommandResult r = mpirun(ranks, "build/comm_check", "");
+        INFO(r.output);
+        CHECK(r.status == 0);
+        int n = 0, passed = 0, failed = -1;
+        size_t at = r.output.find("comm_check: ");
+        REQUIRE(at != std::string::npos);
+        REQUIRE(sscanf(r.output.c_str() + at, "comm_check: %d ranks, %d passed, %d failed", &n, &passed, &failed) == 3);
+        CHECK(n == ranks);
+        CHECK(passed > 600);
+        CHECK(failed == 0);
+    }
+}
+
+TEST_CASE("dp = 2 and 4 give the single-rank run's losses over 20 steps, with gradient accumulation", "[distributed]") {
+    Data data;
+    TempDir out;
+    for (int ranks : {2, 4}) {
+        INFO(ranks << " ranks");
+        // the same global batch: 2 micro-steps of 2·ranks sequences, split across ranks or not
+        int d = 2 * (2 * ranks) * 16;
+        CommandResult one = single(data.flags(2 * ranks, d, 20) + " -o '" + out / strfmt("one%d", ranks) + "'");
+        INFO(one.output);
+        REQUIRE(one.status == 0);
+        train(ranks, data.flags(2, d, 20), out / strfmt("dp%d", ranks));
+        require_close(losses(out / strfmt("dp%d", ranks)), losses(out / strfmt("one%d", ranks)), 1e-5);
+    }
+}
+
+TEST_CASE("ZeRO-0, 1, 2 and 3 give identical losses and identical final parameters, bit for bit", "[distributed]") {
+    Data data;
+    TempDir out;
+    for (int ranks : {2, 4}) {
+        INFO(ranks << " ranks, one micro-step");
+        std::string flags = data.flags(2, 2 * ranks * 16, 20) + " -n 20";
+        std::string model0;
+        std::map<std::string, double> losses0;
+        for (int z = 0; z <= 3; z++) {
+            INFO("ZeRO-" << z);
+            std::string dir = out / strfmt("n%dz%d", ranks, z);
+            require_counted_equals_formula(train(ranks, flags + strfmt(" -z %d", z), dir));
+            std::string model = read_file(dir + "/ckpt_00000020/model.bin");
+            if (z == 0) model0 = model, losses0 = losses(dir);
+            CHECK(model == model0);
+            CHECK(losses(dir) == losses0);
+        }
+    }
+    // With accumulation, ZeRO-0/1 sum micro-steps before ranks and ZeRO-2/3 ranks before micro-steps (they hold
+    // no full gradient between micro-steps): each pair is identical, and the pairs agree to rounding.
+    SECTION("with gradient accumulation") {
+        std::string flags = data.flags(2, 2 * 2 * 2 * 16, 20) + " -n 20";
+        std::string model[4];
+        std::map<std::string, double> loss[4];
+        for (int z = 0; z <= 3; z++) {
+            std::string dir = out / strfmt("acc_z%d", z);
+            require_counted_equals_formula(train(2, flags + strfmt(" -z %d", z), dir));
+            model[z] = read_file(dir + "/ckpt_00000020/model.bin");
+            loss[z] = losses(dir);
+        }
+        CHECK(model[0] == model[1]);
+        CHECK(model[2] == model[3]);
+        CHECK(loss[0] == loss[1]);
+        CHECK(loss[2] == loss[3]);
+        require_close(loss[2], loss[0], 1e-5);
+    }
+}
+
+TEST_CASE("--plan predicts the ledger of every rank, for every ZeRO stage, dp size and bucket size", "[distributed]") {
+    for (int dp : {1, 2, 3, 4})
+        for (int zero = 0; zero <= 3; zero++)
+            for (size_t bucket : {(size_t)1000, (size_t)15728, DEFAULT_BUCKET_FLOATS})
+                for (int rank = 0; rank < dp; rank++) {
+                    INFO("dp " << dp << " rank " << rank << " ZeRO-" << zero << " bucket " << bucket);
+                    GPTConfig c = parse_model_descriptor("d3c33h3t32v301");
+                    Comm group;  // only the size and rank matter until a collective runs
+                    group.size = dp;
+                    group.rank = rank;
+                    GPT m;
+                    gpt_allocate(m, c, 2, 16, DataParallel::model_buffers(zero));
+                    DataParallel dpr(m, group, zero, bucket);
+                    MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), ParallelPlan{dp, zero, bucket, 1});
+                    for (int i = 0; i < MEM_CATEGORIES; i++) {
+                        INFO(mem_category_name(i));
+                        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                    }
+                }
+}
+
+TEST_CASE("the model states follow the Playbook's per-stage formulas", "[distributed]") {
+    // Ψ = 1000, a 4-way shard of 250 elements: bf16 mixed precision gives 2Ψ+2Ψ+12Ψ/N ... 16Ψ/N
+    size_t b[MEM_CATEGORIES] = {};
+    auto states = [&] { return b[MEM_PARAMS] + b[MEM_MASTER_WEIGHTS] + b[MEM_GRADS] + b[MEM_OPTIMIZER]; };
+    plan_model_states(b, 1000, 250, 0, BF16_MIXED);
+    CHECK(states() == 16 * 1000);
+    plan_model_states(b, 1000, 250, 1, BF16_MIXED);
+    CHECK(states() == 2 * 1000 + 2 * 1000 + 12 * 250);
+    plan_model_states(b, 1000, 250, 2, BF16_MIXED);
+    CHECK(states() == 2 * 1000 + 14 * 250);
+    plan_model_states(b, 1000, 250, 3, BF16_MIXED);
+    CHECK(states() == 16 * 250);
+    plan_model_states(b, 1000, 250, 3, CPU_FP32);
+    CHECK(states() == 16 * 250);
+}
+
+TEST_CASE("buckets: every rank's pieces together cover every parameter exactly once", "[distributed]") {
+    GPTConfig c = parse_model_descriptor("d3c33h3t32v301");
+    size_t psi = num_parameters(c);
+    for (int dp : {1, 2, 3, 4, 7})
+        for (size_t bucket : {(size_t)1, (size_t)15728, (size_t)1 << 30}) {
+            INFO("dp " << dp << " bucket " << bucket);
+            BucketLayout lay = bucket_layout(c, dp, bucket);
+            CHECK(lay.buckets.back().first_unit == embedding_unit(c));
+            std::vector<int> covered(psi, 0);
+            size_t shard = 0;
+            for (const Bucket& b : lay.buckets) {
+                CHECK(b.padded % dp == 0);
+                CHECK(b.padded - b.size < (size_t)dp);
+                shard += b.piece;
+            }
+            CHECK(shard == lay.shard_size);
+            for (int r = 0; r < dp; r++)
+                for (const Bucket& b : lay.buckets)
+                    for (const OwnedSegment& s : owned_segments(b, r)) {
+                        CHECK(s.shard_offset + s.size <= lay.shard_size);
+                        for (size_t i = 0; i < s.size; i++) covered[s.flat_offset + i]++;
+                    }
+            size_t wrong = 0;
+            for (int n : covered) wrong += n != 1;
+            CHECK(wrong == 0);
+        }
+}
+
+TEST_CASE("the counted bytes sent per step equal the formula for every stage, and --plan prints it", "[distributed]") {
+    Data data;
+    TempDir out;
+    for (int z = 0; z <= 3; z++) {
+        INFO("ZeRO-" << z);
+        // 4 ranks, 2 micro-steps: ZeRO-2 and 3 reduce in each
+        std::string flags = data.flags(2, 4 * 2 * 2 * 16, 1) + strfmt(" -z %d", z);
+        std::string run = train(4, flags, out / strfmt("z%d", z));
+        require_counted_equals_formula(run);
+        CommandResult plan = single(flags + " --plan --world 4");
+        INFO(plan.output);
+        REQUIRE(plan.status == 0);
+        double planned = -1, sent = -2;
+        size_t at = plan.output.find("communication per step per rank: ");
+        REQUIRE(at != std::string::npos);
+        sscanf(plan.output.c_str() + at, "communication per step per rank: %lf", &planned);
+        sscanf(run.c_str() + run.find("comm: rank 0 sent "), "comm: rank 0 sent %lf", &sent);
+        CHECK(planned == sent);
+    }
+}
+
+TEST_CASE("a resumed sharded run continues bit-exactly, and another layout is refused", "[distributed]") {
+    Data data;
+    TempDir out;
+    for (int z = 0; z <= 3; z++) {
+        INFO("ZeRO-" << z);
+        std::string flags = data.flags(2, 2 * 2 * 16, 6) + strfmt(" -z %d -n 3", z);
+        std::string whole = out / strfmt("whole%d", z), resumed = out / strfmt("resumed%d", z);
+        train(2, flags, whole);
+        // the run again from its step-3 checkpoint
+        REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(), resumed.c_str())).status == 0);
+        std::string again = train(2, flags + " -y 1", resumed);
+        CHECK(again.find("resumed from " + resumed + "/ckpt_00000003 at step 3") != std::string::npos);
+        for (const char* file : {"model.bin", "optimizer_rank0.bin", "state_rank0.bin", "manifest.txt"}) {
+            INFO(file);
+            CHECK(read_file(whole + "/ckpt_00000006/" + file) == read_file(resumed + "/ckpt_00000006/" + file));
+        }
+        CHECK(file_exists(whole + "/ckpt_00000006/optimizer_rank1.bin") == (z >= 1));
+        if (z >= 1)
+            CHECK(read_file(whole + "/ckpt_00000006/optimizer_rank1.bin") == read_file(resumed + "/ckpt_00000006/optimizer_rank1.bin"));
+    }
+    // the same checkpoint under another ZeRO stage: one line naming the layout, nothing written
+    CommandResult r = mpirun(2, "./train_gpt", data.flags(2, 2 * 2 * 16, 9) + " -z 1 -n 3 -y 1 -o '" + out / "whole2" + "'");
+    INFO(r.output);
+    CHECK(r.status != 0);
+    CHECK(r.output.find("-z 2") != std::string::npos);
+    CHECK(r.output.find("same settings") != std::string::npos);
+    CHECK(!file_exists(out / "whole2/ckpt_00000009"));
+}
+
+TEST_CASE("a rank that stops answering makes the job exit non-zero within the deadline, saying where", "[distributed]") {
+    Data data;
+    timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    CommandResult r = mpirun(2, "./train_gpt", data.flags(2, 64, 5) + " --debug-stall-rank 1 --comm-timeout 2");
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double seconds = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+    INFO(r.output);
+    CHECK(r.status != 0);
+    CHECK(seconds < 60);
+    CHECK(r.output.find("rank 0: comm timeout:") != std::string::npos);
+    CHECK(r.output.find("on group dp (rank 0 of 2)") != std::string::npos);
+    CHECK(r.output.find("unfinished after 2 s") != std::string::npos);
+}
+
+TEST_CASE("the process grid: tp fastest, then cp, dp, pp; groups and errors", "[distributed]") {
+    GridShape s{2, 2, 2, 1};
+    int world = 16, dp = grid_dp(world, s);
+    CHECK(dp == 2);
+    for (int r = 0; r < world; r++) {
+        GridCoords c = grid_coords(r, s, dp);
+        CHECK(grid_rank(c, s, dp) == r);
+        CHECK(c.tp == r % 2);
+        CHECK(c.pp == r / 8);
+    }
+    // rank 5 = tp 1, cp 0, dp 1, pp 0
+    GridCoords c = grid_coords(5, s, dp);
+    CHECK((c.tp == 1 && c.cp == 0 && c.dp == 1 && c.pp == 0));
+    CHECK_THROWS_WITH(grid_dp(6, GridShape{4, 1, 1, 1}), Catch::Contains("not divisible by tp·cp·pp = 4"));
+    CHECK_THROWS_WITH(grid_dp(8, GridShape{1, 1, 1, 3}), Catch::Contains("--ep 3: must divide the data-parallel size 8"));
+    CHECK(grid_coords(7, GridShape{1, 1, 1, 4}, 8).ep == 3);
+
+    // a single process forms every group alone
+    Comm self;
+    Grid g = make_grid(self, GridShape{});
+    CHECK((g.dp == 1 && g.dp_comm.size == 1 && g.tp_comm.size == 1));
+
+    // on the command line: a grid that does not fit, and a parallelism that is not built yet
+    Data data;
+    CommandResult bad = single(data.flags(2, 32, 1) + " --plan --world 6 --tp 4");
+    CHECK(bad.status == 1);
+    CHECK(bad.output.find("train_gpt: --tp 4 --cp 1 --pp 1: the world of 6 ranks is not divisible") != std::string::npos);
+    CommandResult tp = mpirun(2, "./train_gpt", data.flags(2, 32, 1) + " --tp 2");
+    INFO(tp.output);
+    CHECK(tp.status != 0);
+    CHECK(tp.output.find("--tp 2: tensor parallelism is not implemented yet") != std::string::npos);
+}
