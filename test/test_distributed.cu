@@ -34,8 +34,16 @@ struct Data {
     TempDir dir;
     Data() {
         Rng rng(99);
-        write_shard(dir / "train.bin", random_tokens(6000, 301, rng));
-        write_shard(dir / "val.bin", random_tokens(1200, 301, rng));
+        write_shard(dir / "train.bin", learnable_tokens(6000, rng));
+        write_shard(dir / "val.bin", learnable_tokens(1200, rng));
+    }
+    // mostly a fixed successor per token, sometimes a random one: a model learns it within a few steps, so the
+    // losses move and a wrong gradient shows
+    static std::vector<uint16_t> learnable_tokens(size_t n, Rng& rng) {
+        std::vector<uint16_t> t(n);
+        t[0] = 1;
+        for (size_t i = 1; i < n; i++) t[i] = rng.uniform() < 0.8f ? (t[i - 1] * 7 + 3) % 301 : (uint16_t)rng.below(301);
+        return t;
     }
     // b micro-batch per rank, global batch d tokens, x steps
     std::string flags(int b, int d, int x) const {
