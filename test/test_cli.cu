@@ -308,7 +308,7 @@ TEST_CASE("sampling with a tokenizer of the model's vocab size works", "[cli]") 
 TEST_CASE("an unknown flag and a flag without its value are rejected", "[cli]") {
     TinyRun run;
     expect_error(run.base() + std::vector<std::string>{"--bogus", "1"}, {"--bogus"}, {"unknown"});
-    expect_error(run.base() + std::vector<std::string>{"-z", "1"}, {"-z"}, {"unknown"});
+    expect_error(run.base() + std::vector<std::string>{"-w", "1"}, {"-w"}, {"unknown"});
     expect_error(run.base() + std::vector<std::string>{"stray", "1"}, {"stray"}, {"unknown"});
     for (const char* flag : {"-b", "-e", "-i", "-o", "--seed", "--tokenizer", "--device", "-nk"})
         expect_error(run.base() + std::vector<std::string>{flag}, {flag}, {"missing value", "needs a value", "expects a value"});
