@@ -12,7 +12,7 @@ CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=native -fopenmp -Wall -Wno-unknown-pragmas
 NVCC_FLAGS = -std=c++17 -O3 $(CUDA_ARCH) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
-LDLIBS = -lgomp
+LDLIBS = -lgomp -lcublasLt -lcublas
 # Debian's catch2 package puts the single header at /usr/include/catch2/catch.hpp; CATCH2_INCLUDE overrides.
 CATCH2_INCLUDE ?= /usr/include/catch2
 

@@ -96,16 +96,20 @@ inline Comparison compare(const std::vector<float>& gpu, const std::vector<float
     return c;
 }
 
+// tol is relative, to each element and (as the absolute floor) to the reference's RMS, so sums that cancel to
+// near zero are judged on the scale of their terms
+inline Comparison compare_rms(const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
+    double sq = 0.0;
+    for (float x : cpu) sq += (double)x * x;
+    double rms = cpu.empty() ? 0.0 : sqrt(sq / cpu.size());
+    return compare(gpu, cpu, tol * rms + 1e-30, tol);
+}
+
 // counts failures over a program's checks and prints one line per check
 struct Checks {
     int failed = 0, total = 0;
-    // tol is relative, to each element and (as the absolute floor) to the reference's RMS, so sums that cancel
-    // to near zero are judged on the scale of their terms
     bool check(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
-        double sq = 0.0;
-        for (float x : cpu) sq += (double)x * x;
-        double rms = cpu.empty() ? 0.0 : sqrt(sq / cpu.size());
-        Comparison c = compare(gpu, cpu, tol * rms + 1e-30, tol);
+        Comparison c = compare_rms(gpu, cpu, tol);
         total++;
         if (!c.pass()) failed++;
         printf("%-44s max error %.3e (%.2f of tolerance) %s\n", what, c.max_abs, c.worst_ratio,
