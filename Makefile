@@ -13,7 +13,7 @@ CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=native -fopenmp -Wall -Wno-unknown-pragmas
 NVCC_FLAGS = -std=c++17 -O3 $(CUDA_ARCH) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
-LDLIBS = -lgomp -lnccl
+LDLIBS = -lgomp -lnccl -lcublasLt -lcublas
 # MPI: found through its compiler wrapper (which honours the environment, e.g. a packed OpenMPI), unless NO_MPI=1
 MPICXX ?= mpicxx
 ifneq ($(NO_MPI),1)

@@ -38,3 +38,73 @@ inline void crossentropy_backward_inplace(float* logits, const int* targets, lon
         for (int v = V; v < Vp; v++) row[v] = 0.0f;
     }
 }
+
+// ==========================================================================================================
+// CUDA. The logits are the largest activation (N·Vp bf16, 3.3 GB for GPT-2 at B·T = 32K), so the kernel reads
+// each row twice and writes it once, never storing probabilities: a block owns a row, finds its log-sum-exp in
+// one pass (each thread keeps a running max and a sum rescaled to it, then the block merges the pairs in a
+// fixed order), writes the loss, and, in the fused backward, overwrites the row with its gradient. Each thread
+// touches the same columns in both passes, so the in-place write cannot race another thread's read; the target
+// logit is read before any write.
+
+#include "llmc/cuda_common.cuh"
+
+// merges a running (max, Σ exp(x - max)) pair into another; an empty pair has max -inf and sum 0
+static __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
+    float mm = fmaxf(m, m2);
+    if (mm == -INFINITY) return;
+    s = s * __expf(m - mm) + s2 * __expf(m2 - mm);
+    m = mm;
+}
+
+constexpr int CLASSIFIER_THREADS = 1024;
+
+template <bool WRITE_GRAD>
+static __global__ void __launch_bounds__(CLASSIFIER_THREADS)
+    crossentropy_kernel(bf16* logits, float* losses, const int* targets, int V, int Vp, float dloss) {
+    __shared__ float shared_m[32], shared_s[32];
+    long n = blockIdx.x;
+    bf16* row = logits + n * Vp;
+    int target = targets[n];
+    float target_logit = __bfloat162float(row[target]);
+    float m = -INFINITY, s = 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) softmax_merge(m, s, __bfloat162float(row[v]), 1.0f);
+    for (int offset = 16; offset > 0; offset >>= 1)
+        softmax_merge(m, s, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, s, offset));
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) {
+        shared_m[warp] = m;
+        shared_s[warp] = s;
+    }
+    __syncthreads();
+    m = lane < blockDim.x / 32 ? shared_m[lane] : -INFINITY;
+    s = lane < blockDim.x / 32 ? shared_s[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1)
+        softmax_merge(m, s, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, s, offset));
+    float lse = m + logf(s);
+    if (losses && threadIdx.x == 0) losses[n] = lse - target_logit;
+    if constexpr (WRITE_GRAD) {
+        for (int v = threadIdx.x; v < Vp; v += blockDim.x) {
+            float g = 0.0f;
+            if (v < V) g = __expf(__bfloat162float(row[v]) - lse) * dloss - (v == target ? dloss : 0.0f);
+            row[v] = __float2bfloat16(g);
+        }
+    }
+}
+
+// losses[n] = -log softmax(logits[n])[targets[n]]; the mean is left to the caller (returning it would
+// synchronize the stream)
+inline void crossentropy_forward_cuda(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp,
+                                      cudaStream_t stream) {
+    crossentropy_kernel<false><<<(unsigned int)N, CLASSIFIER_THREADS, 0, stream>>>(const_cast<bf16*>(logits), losses,
+                                                                                  targets, V, Vp, 0.0f);
+    cuda_check(cudaGetLastError());
+}
+
+// logits become dloss/dlogits in place, padding columns 0; losses (may be null) receives the forward's losses
+// from the same pass
+inline void crossentropy_backward_inplace_cuda(bf16* logits, float* losses, const int* targets, long N, int V, int Vp,
+                                               float dloss, cudaStream_t stream) {
+    crossentropy_kernel<true><<<(unsigned int)N, CLASSIFIER_THREADS, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
+    cuda_check(cudaGetLastError());
+}

@@ -25,3 +25,53 @@ inline void gelu_backward(float* dinp, const float* inp, const float* dout, long
         dinp[i] = grad * dout[i];
     }
 }
+
+// ==========================================================================================================
+// CUDA: elementwise and memory-bound (4 bytes moved per element forward, 6 backward, a few dozen FLOPs), so a
+// thread moves 16 bytes per access; N must be a multiple of 8 and the pointers 16-byte aligned, which every
+// activation in the model is (C is a multiple of 64).
+
+#include "llmc/cuda_common.cuh"
+
+static __device__ __forceinline__ float gelu_value(float x) {
+    return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+}
+
+static __device__ __forceinline__ float gelu_derivative(float x) {
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float sech2 = 1.0f - th * th;
+    return 0.5f * (1.0f + th) + 0.5f * x * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+static __global__ void gelu_forward_kernel(bf16* out, const bf16* inp, long N) {
+    long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= N) return;
+    bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i), y;
+    for (int j = 0; j < 4; j++) {
+        float2 v = __bfloat1622float2(x.h[j]);
+        y.h[j] = __floats2bfloat162_rn(gelu_value(v.x), gelu_value(v.y));
+    }
+    *reinterpret_cast<bf16x8*>(out + i) = y;
+}
+
+static __global__ void gelu_backward_kernel(bf16* dinp, const bf16* inp, const bf16* dout, long N) {
+    long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= N) return;
+    bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i), d = *reinterpret_cast<const bf16x8*>(dout + i), g;
+    for (int j = 0; j < 4; j++) {
+        float2 xv = __bfloat1622float2(x.h[j]), dv = __bfloat1622float2(d.h[j]);
+        g.h[j] = __floats2bfloat162_rn(gelu_derivative(xv.x) * dv.x, gelu_derivative(xv.y) * dv.y);
+    }
+    *reinterpret_cast<bf16x8*>(dinp + i) = g;
+}
+
+inline void gelu_forward_cuda(bf16* out, const bf16* inp, long N, cudaStream_t stream) {
+    gelu_forward_kernel<<<cuda_blocks(N / 8, 256), 256, 0, stream>>>(out, inp, N);
+    cuda_check(cudaGetLastError());
+}
+
+// dinp = dout * gelu'(inp), overwritten; dinp may alias dout
+inline void gelu_backward_cuda(bf16* dinp, const bf16* inp, const bf16* dout, long N, cudaStream_t stream) {
+    gelu_backward_kernel<<<cuda_blocks(N / 8, 256), 256, 0, stream>>>(dinp, inp, dout, N);
+    cuda_check(cudaGetLastError());
+}

@@ -22,3 +22,48 @@ inline double sum_of_squares(const float* x, long n) {
 
 // the factor that brings the gradient norm down to max_norm when it is above (1 otherwise)
 inline float clip_scale(double norm, float max_norm) { return norm > max_norm ? (float)(max_norm / norm) : 1.0f; }
+
+// ==========================================================================================================
+// CUDA. Memory-bound: two bytes read per element, one FMA. A fixed number of blocks (independent of the
+// device) sweep the buffer with a fixed stride, each reduces in a fixed tree order, and a second one-block pass
+// adds the partial sums in order, so the result is the same bits on every run and every GPU. Threads accumulate
+// in fp32: each sums only n / (blocks · threads) elements before the tree takes over.
+
+#include "llmc/cuda_common.cuh"
+
+constexpr int GLOBAL_NORM_BLOCKS = 1024, GLOBAL_NORM_THREADS = 512;
+
+static __global__ void __launch_bounds__(GLOBAL_NORM_THREADS)
+    sum_of_squares_partial_kernel(float* partial, const bf16* x, long n) {
+    __shared__ float shared[32];
+    float s = 0.0f;
+    long stride = (long)GLOBAL_NORM_BLOCKS * GLOBAL_NORM_THREADS;
+    long groups = n / 8;  // whole 16-byte groups; the tail is summed below
+    for (long g = (long)blockIdx.x * GLOBAL_NORM_THREADS + threadIdx.x; g < groups; g += stride) {
+        bf16x8 v = reinterpret_cast<const bf16x8*>(x)[g];
+        for (int j = 0; j < 4; j++) {
+            float2 f = __bfloat1622float2(v.h[j]);
+            s += f.x * f.x + f.y * f.y;
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x < n - 8 * groups) {
+        float f = __bfloat162float(x[8 * groups + threadIdx.x]);
+        s += f * f;
+    }
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+static __global__ void __launch_bounds__(GLOBAL_NORM_BLOCKS) sum_of_squares_final_kernel(float* out, const float* partial) {
+    __shared__ float shared[32];
+    float s = block_sum(partial[threadIdx.x], shared);
+    if (threadIdx.x == 0) *out = s;
+}
+
+// *out = Σ x² (device float); x must be 16-byte aligned; partial holds GLOBAL_NORM_BLOCKS floats
+inline void sum_of_squares_cuda(float* out, const bf16* x, long n, float* partial, cudaStream_t stream) {
+    sum_of_squares_partial_kernel<<<GLOBAL_NORM_BLOCKS, GLOBAL_NORM_THREADS, 0, stream>>>(partial, x, n);
+    cuda_check(cudaGetLastError());
+    sum_of_squares_final_kernel<<<1, GLOBAL_NORM_BLOCKS, 0, stream>>>(out, partial);
+    cuda_check(cudaGetLastError());
+}

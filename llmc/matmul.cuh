@@ -161,3 +161,163 @@ inline void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
         }
     }
 }
+
+// ==========================================================================================================
+// CUDA: bf16 GEMMs through cuBLASLt with fp32 accumulation.
+// The matmuls are nearly all of a step's FLOPs and are compute-bound (2·N·C·OC FLOPs against
+// 2·(N·C + C·OC + N·OC) bytes), so they go to cuBLASLt, whose Hopper kernels use the tensor cores far better
+// than anything hand-written here would; its epilogues add the bias and apply GELU while the tile is still in
+// registers, so the output is written once. Creating descriptors and running the heuristic costs tens of
+// microseconds per call, so both are cached per shape. Row-major X[r×c] is column-major Xᵀ[c×r], so every
+// product below is written as the column-major product of the transposes.
+
+#include <array>
+#include <map>
+
+#include "llmc/cuda_common.cuh"
+
+struct MatmulPlan {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, d;
+    cublasLtMatmulAlgo_t algo;
+};
+
+// the largest power of two (up to 256) dividing the address: the heuristic must only offer kernels whose
+// vector loads this alignment allows, and views into the flat parameter buffer are not always 256-aligned
+inline int pointer_alignment(const void* p) {
+    int align = 256;
+    while (align > 2 && (uintptr_t)p % align) align /= 2;
+    return align;
+}
+
+// D[m×n] (column-major, ld m) = op(A)·op(B) + beta·D, op(X) = Xᵀ when trans; leading dimensions follow from
+// the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks.
+inline void cublaslt_matmul(bf16* d, const bf16* a, const bf16* b, const bf16* bias, bf16* aux, bool transa,
+                            bool transb, long m, long n, long k, float beta, cublasLtEpilogue_t epilogue,
+                            cudaStream_t stream) {
+    static std::map<std::array<long, 11>, MatmulPlan> plans;
+    CublasLtContext& ctx = cublaslt();
+    std::array<long, 11> key{transa,     transb, m, n, k, beta != 0.0f, (long)epilogue, pointer_alignment(a),
+                             pointer_alignment(b), pointer_alignment(d), aux ? pointer_alignment(aux) : 0};
+    auto it = plans.find(key);
+    if (it == plans.end()) {
+        MatmulPlan p;
+        cublas_check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        cublasOperation_t opa = transa ? CUBLAS_OP_T : CUBLAS_OP_N, opb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                    sizeof(epilogue)));
+        cudaDataType_t bf16_type = CUDA_R_16BF;
+        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type,
+                                                    sizeof(bf16_type)));
+        if (aux) {
+            int64_t ld = m;
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                                        &bf16_type, sizeof(bf16_type)));
+        }
+        cublas_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, transa ? k : m, transa ? m : k, transa ? k : m));
+        cublas_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, transb ? n : k, transb ? k : n, transb ? n : k));
+        cublas_check(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, m, n, m));
+
+        cublasLtMatmulPreference_t pref;
+        cublas_check(cublasLtMatmulPreferenceCreate(&pref));
+        uint64_t ws = ctx.workspace_bytes;
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+        uint32_t align_a = (uint32_t)key[7], align_b = (uint32_t)key[8], align_d = (uint32_t)key[9];
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                          sizeof(align_a)));
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                          sizeof(align_b)));
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                                          sizeof(align_d)));
+        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                                          sizeof(align_d)));
+        // the heuristic may look at the pointers' epilogue attributes, so set them before asking
+        if (bias)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+        if (aux)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                        sizeof(aux)));
+        cublasLtMatmulHeuristicResult_t result;
+        int found = 0;
+        cublas_check(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found));
+        cublas_check(cublasLtMatmulPreferenceDestroy(pref));
+        if (found == 0)
+            fail("cuBLASLt has no algorithm for m=%ld n=%ld k=%ld transa=%d transb=%d epilogue=%d", m, n, k,
+                 (int)transa, (int)transb, (int)epilogue);
+        p.algo = result.algo;
+        it = plans.emplace(key, p).first;
+    }
+    MatmulPlan& p = it->second;
+    if (bias)
+        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    if (aux)
+        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+    float alpha = 1.0f;
+    cublas_check(cublasLtMatmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
+                                ctx.workspace, ctx.workspace_bytes, stream));
+}
+
+// out[N×OC] = inp[N×C] · weight[OC×C]ᵀ + bias[OC] (bias may be null). When pre_gelu is not null the GELU is
+// fused: pre_gelu receives inp·Wᵀ + bias and out its GELU (cuBLASLt's tanh approximation, as GPT-2's).
+inline void matmul_forward_cuda(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C,
+                                long OC, bf16* pre_gelu, cudaStream_t stream) {
+    cublasLtEpilogue_t epilogue = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                                           : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+    // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N)
+    cublaslt_matmul(out, weight, inp, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue, stream);
+}
+
+// The bias gradient is a column sum of dout: memory-bound (N·OC bf16 read once), and it must accumulate (+=)
+// into dbias, which cuBLASLt's BGRADB epilogue cannot (it overwrites). Rows are cut into fixed chunks whose
+// fp32 partial sums a second pass adds in chunk order, so the sum does not depend on scheduling.
+constexpr int MATMUL_DBIAS_ROWS = 256;
+
+inline long matmul_backward_scratch_floats(long N, long OC) {
+    return (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS * OC;
+}
+
+// a thread owns two adjacent columns of one chunk: a warp reads 128 contiguous bytes of each row
+static __global__ void matmul_dbias_partial_kernel(float* partial, const bf16* dout, long N, long OC) {
+    long col = 2 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (col >= OC) return;
+    long r0 = (long)blockIdx.y * MATMUL_DBIAS_ROWS, r1 = min(r0 + MATMUL_DBIAS_ROWS, N);
+    float s0 = 0.0f, s1 = 0.0f;
+    for (long r = r0; r < r1; r++) {
+        float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + r * OC + col));
+        s0 += v.x;
+        s1 += v.y;
+    }
+    partial[blockIdx.y * OC + col] = s0;
+    partial[blockIdx.y * OC + col + 1] = s1;
+}
+
+static __global__ void matmul_dbias_finish_kernel(bf16* dbias, const float* partial, long chunks, long OC) {
+    long col = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= OC) return;
+    float s = 0.0f;
+    for (long c = 0; c < chunks; c++) s += partial[c * OC + col];
+    dbias[col] = __float2bfloat16(__bfloat162float(dbias[col]) + s);
+}
+
+// dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout
+// (dbias may be null). scratch holds matmul_backward_scratch_floats(N, OC) floats. OC must be even.
+inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
+                                 const bf16* weight, long N, long C, long OC, float* scratch, cudaStream_t stream) {
+    // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N)
+    cublaslt_matmul(dinp, weight, dout, nullptr, nullptr, false, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                    stream);
+    // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ
+    cublaslt_matmul(dweight, inp, dout, nullptr, nullptr, false, true, C, OC, N, 1.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                    stream);
+    if (dbias) {
+        long chunks = (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS;
+        dim3 grid(cuda_blocks(OC / 2, 128), (unsigned int)chunks);
+        matmul_dbias_partial_kernel<<<grid, 128, 0, stream>>>(scratch, dout, N, OC);
+        cuda_check(cudaGetLastError());
+        matmul_dbias_finish_kernel<<<cuda_blocks(OC, 256), 256, 0, stream>>>(dbias, scratch, chunks, OC);
+        cuda_check(cudaGetLastError());
+    }
+}
