@@ -1,0 +1,167 @@
+// Helpers for the tests that run train_gpt (or build/comm_check) under `mpirun --oversubscribe` on the CPU:
+// launching, learnable token data, main.log's losses, and the "comm:" lines that compare the bytes a rank
+// counted with the formula. Shared by test_distributed.cu and test_tensor_parallel.cu.
+#pragma once
+
+#include <math.h>
+#include <stdio.h>
+
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "test_helpers.h"
+
+namespace {
+
+// every rank single-threaded and polite: the ranks share two cores
+constexpr const char* RUN_ENV =
+    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader "
+    "OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive";
+
+inline CommandResult mpirun(int ranks, const std::string& program, const std::string& args) {
+    return run_command(strfmt("%s timeout 600 mpirun --oversubscribe --bind-to none -np %d %s %s", RUN_ENV, ranks,
+                              program.c_str(), args.c_str()));
+}
+// ./train_gpt as one process, without mpirun
+inline CommandResult single(const std::string& args) { return run_command(std::string(RUN_ENV) + " ./train_gpt " + args); }
+
+// tokens for a vocab of 301, and the flags of a small run on them. The default model has an odd size in every
+// tensor (C=33), so buckets need padding at every dp size; buckets of 0.06 MiB pack the final norm with the
+// last two layers, then layer 0, then the embeddings.
+struct Data {
+    TempDir dir;
+    Data() {
+        Rng rng(99);
+        write_shard(dir / "train.bin", learnable_tokens(6000, rng));
+        write_shard(dir / "val.bin", learnable_tokens(1200, rng));
+    }
+    // mostly a fixed successor per token, sometimes a random one: a model learns it within a few steps, so the
+    // losses move and a wrong gradient shows
+    static std::vector<uint16_t> learnable_tokens(size_t n, Rng& rng) {
+        std::vector<uint16_t> t(n);
+        t[0] = 1;
+        for (size_t i = 1; i < n; i++) t[i] = rng.uniform() < 0.8f ? (t[i - 1] * 7 + 3) % 301 : (uint16_t)rng.below(301);
+        return t;
+    }
+    // b micro-batch per rank, global batch d tokens, x steps; `model` is a descriptor or a (quoted) model file
+    std::string flags(int b, int d, int x, const std::string& model = "d3c33h3t32v301") const {
+        return strfmt("-e %s -i '%s' -j '%s' -t 16 -b %d -d %d -x %d -v 10 -m 2 -s 0 -l 3e-3 -u 3 -q 0.1 "
+                      "-c 0.1 --seed 7 --bucket-mb 0.06",
+                      model.c_str(), (dir / "train.bin").c_str(), (dir / "val.bin").c_str(), b, d, x);
+    }
+};
+
+inline std::string read_file(const std::string& path) {
+    File f(path, "rb");
+    std::string s(f.size(), '\0');
+    if (!s.empty()) f.read(&s[0], s.size());
+    return s;
+}
+
+inline std::vector<std::string> lines_of(const std::string& s) {
+    std::vector<std::string> lines;
+    std::istringstream in(s);
+    std::string line;
+    while (std::getline(in, line)) lines.push_back(line);
+    return lines;
+}
+
+// the losses of main.log, by kind and step ("trl 3", "tel 10")
+inline std::map<std::string, double> losses(const std::string& out_dir) {
+    std::map<std::string, double> v;
+    for (const std::string& line : lines_of(read_file(out_dir + "/main.log"))) {
+        int step;
+        char kind[4];
+        double loss;
+        if (sscanf(line.c_str(), "s:%d %3[a-z]:%lf", &step, kind, &loss) == 3) v[strfmt("%s %d", kind, step)] = loss;
+    }
+    return v;
+}
+
+// the same losses at the same steps, each within tol relative; at least min_entries of them
+inline void require_close(const std::map<std::string, double>& a, const std::map<std::string, double>& b, double tol,
+                          size_t min_entries = 20) {
+    REQUIRE(a.size() == b.size());
+    REQUIRE(a.size() >= min_entries);
+    for (const auto& kv : a) {
+        INFO(kv.first << ": " << kv.second << " vs " << b.at(kv.first));
+        CHECK(fabs(kv.second - b.at(kv.first)) <= tol * fabs(b.at(kv.first)));
+    }
+}
+
+// runs train_gpt on `ranks` ranks into out_dir; returns the output
+inline std::string train(int ranks, const std::string& flags, const std::string& out_dir) {
+    CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    return r.output;
+}
+
+// the number after `prefix` on the first line that starts with it (a line, so that "communication per step per
+// rank: " does not match "tensor-parallel communication per step per rank: "); -1 when there is none
+inline double line_value(const std::string& output, const std::string& prefix) {
+    for (const std::string& line : lines_of(output))
+        if (line.compare(0, prefix.size(), prefix) == 0) {
+            double v = -1;
+            if (sscanf(line.c_str() + prefix.size(), "%lf", &v) == 1) return v;
+        }
+    return -1;
+}
+
+// what rank 0 printed after its first step about the bytes it sent on one group, and what the formula says:
+//   comm: rank 0 sent X bytes on dp in this step; the formula for ZeRO-Z says Y
+//   comm: rank 0 sent X bytes on tp in this step; the formula for tp=T sp=S says Y
+// (the dp line before tensor parallelism read "sent X bytes in this step", which is accepted too)
+struct CommLine {
+    bool found = false;
+    double sent = -1, formula = -2;
+    int zero = -1, tp = -1, sp = -1;
+};
+inline CommLine dp_comm_line(const std::string& output) {
+    CommLine c;
+    for (const std::string& line : lines_of(output)) {
+        const char* s = line.c_str();
+        if (sscanf(s, "comm: rank 0 sent %lf bytes on dp in this step; the formula for ZeRO-%d says %lf", &c.sent, &c.zero,
+                   &c.formula) == 3 ||
+            sscanf(s, "comm: rank 0 sent %lf bytes in this step; the formula for ZeRO-%d says %lf", &c.sent, &c.zero,
+                   &c.formula) == 3) {
+            c.found = true;
+            return c;
+        }
+    }
+    return CommLine{};
+}
+inline CommLine tp_comm_line(const std::string& output) {
+    CommLine c;
+    for (const std::string& line : lines_of(output))
+        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on tp in this step; the formula for tp=%d sp=%d says %lf",
+                   &c.sent, &c.tp, &c.sp, &c.formula) == 4) {
+            c.found = true;
+            return c;
+        }
+    return CommLine{};
+}
+
+// the dp line is there and its count equals the formula for the stage
+inline void require_counted_equals_formula(const std::string& output, int zero = -1) {
+    CommLine c = dp_comm_line(output);
+    INFO(output);
+    REQUIRE(c.found);
+    CHECK(c.sent > 0);
+    CHECK(c.sent == c.formula);
+    if (zero >= 0) CHECK(c.zero == zero);
+}
+// the tp line is there, names the layout and its count equals the formula
+inline void require_tp_counted_equals_formula(const std::string& output, int tp, int sp) {
+    CommLine c = tp_comm_line(output);
+    INFO(output);
+    REQUIRE(c.found);
+    CHECK(c.tp == tp);
+    CHECK(c.sp == sp);
+    CHECK(c.sent > 0);
+    CHECK(c.sent == c.formula);
+}
+
+}  // namespace
