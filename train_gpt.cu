@@ -57,30 +57,71 @@ static GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.p
 
 // the parallelisms whose issues have not landed are refused, after the grid has checked that they would fit
 static void refuse_unbuilt_parallelism(const Options& o) {
-    const char* names[] = {"--tp", "--cp", "--pp", "--ep"};
-    const char* what[] = {"tensor", "context", "pipeline", "expert"};
-    int sizes[] = {o.tp, o.cp, o.pp, o.ep};
-    for (int i = 0; i < 4; i++)
+    const char* names[] = {"--cp", "--pp", "--ep"};
+    const char* what[] = {"context", "pipeline", "expert"};
+    int sizes[] = {o.cp, o.pp, o.ep};
+    for (int i = 0; i < 3; i++)
         if (sizes[i] > 1) fail("%s %d: %s parallelism is not implemented yet", names[i], sizes[i], what[i]);
+}
+
+static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
+    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1};
+}
+
+// The whole model in llm.c's layout, gathered from every rank's share (a collective): over dp under ZeRO-3,
+// then over tp. Valid on every rank.
+static std::vector<float> gather_whole_model(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
+    std::vector<float> local;
+    const float* mine = m.params;
+    if (zero == 3) {
+        local.resize(m.num_parameters);
+        dpr.all_gather_params(local.data());
+        mine = local.data();
+    }
+    std::vector<float> whole(num_parameters(m.config));
+    if (!m.tp.on()) return std::copy(mine, mine + m.num_parameters, whole.begin()), whole;
+    std::vector<float> all(m.num_parameters * grid.tp);
+    grid.tp_comm.wait(grid.tp_comm.all_gather(mine, all.data(), m.num_parameters, DType::F32));
+    for (int r = 0; r < grid.tp; r++) tp_copy_params(m.config, grid.tp, r, whole.data(), &all[r * m.num_parameters], false);
+    return whole;
+}
+
+// every tensor that all tp ranks hold whole must hold the same bits on each (a test aid: --debug-check-replicas)
+static void check_replicas(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
+    std::vector<float> local(m.num_parameters);
+    if (zero == 3) dpr.all_gather_params(local.data());
+    else std::copy(m.params, m.params + m.num_parameters, local.begin());
+    std::vector<float> all(m.num_parameters * grid.tp);
+    grid.tp_comm.wait(grid.tp_comm.all_gather(local.data(), all.data(), m.num_parameters, DType::F32));
+    ParamViews mine = param_views(local.data(), m.param_sizes);
+    for (int r = 0; r < grid.tp; r++) {
+        ParamViews theirs = param_views(&all[r * m.num_parameters], m.param_sizes);
+        for (int t = 0; t < NUM_PARAM_TENSORS; t++)
+            if (is_replicated(t) && memcmp(mine[t], theirs[t], m.param_sizes[t] * sizeof(float)) != 0)
+                fail("replicas: differ: tensor %d on tp rank %d and tp rank %d", t, grid.at.tp, r);
+    }
+    if (grid.rank == 0) printf("replicas: identical across tp\n");
 }
 
 static void print_plan(const Options& o, const GPTConfig& config, const std::string& device, int world, int accumulation) {
     int dp = grid_dp(world, grid_shape(o));
-    ParallelPlan par{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation};
+    ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
     MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par);
     size_t psi = count_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
-    printf("layout: %d ranks, dp=%d, ZeRO-%d, %d micro-steps per step\n", world, dp, o.zero, accumulation);
+    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), ZeRO-%d, %d micro-steps per step\n", world, dp, o.tp,
+           o.sp ? "on" : "off", o.zero, accumulation);
     print_memory(strfmt("predicted memory per rank, B=%d T=%d, fp32 on cpu:", o.B, o.T).c_str(), plan.bytes, plan.total());
-    size_t shard = dp == 1 && o.zero == 0 ? psi : bucket_layout(config, dp, par.bucket_floats).shard_size;
+    size_t local = num_parameters(config, o.tp), shard = bucket_layout(config, dp, par.bucket_floats, o.tp).shard_size;
     size_t mixed[MEM_CATEGORIES] = {};
-    plan_model_states(mixed, psi, shard, o.zero, BF16_MIXED);
+    plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
     printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f MiB, "
            "optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
            mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
     printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par));
+    printf("tensor-parallel communication per step per rank: %.0f bytes\n", planned_tp_comm_bytes(config, par, o.B, o.T));
 }
 
 // Everything that can be refused (flags, model, data, tokenizer) is checked before the first line is
@@ -101,6 +142,9 @@ static int run(const Options& o) {
     if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
     int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
     int dp = grid_dp(world, grid_shape(o));
+    if (config.num_heads % o.tp != 0) fail("--tp %d: must divide the number of heads (%d)", o.tp, config.num_heads);
+    if (o.sp && o.T % o.tp != 0)
+        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", o.T, o.tp);
     long tokens_per_micro_step = (long)o.B * o.T * dp;
     long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
     if (total_batch % tokens_per_micro_step != 0)
@@ -113,36 +157,42 @@ static int run(const Options& o) {
     if (o.plan) return print_plan(o, config, device, world, accumulation), 0;
     refuse_unbuilt_parallelism(o);
 
-    // the ranks: one world, laid out on the grid (dp only, so far)
+    // the ranks: one world, laid out on the grid (dp and tp, so far)
     CommSettings cs{o.comm.empty() ? "mpi" : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
     Comm world_comm = comm_world(cs);
     Grid grid = make_grid(world_comm, grid_shape(o));
     const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
 
-    // the model and its data-parallel runtime; under ZeRO-3 the whole parameters exist only while they are
-    // initialized, loaded or saved
+    // the model (this rank's tensor-parallel share) and its data-parallel runtime
     GPT model;
-    gpt_allocate(model, config, o.B, o.T, DataParallel::model_buffers(o.zero));
+    gpt_allocate(model, config, o.B, o.T, DataParallel::model_buffers(o.zero), TPSpec{grid.tp, grid.at.tp, o.sp == 1});
+    model.tp.comm = &grid.tp_comm;
     DataParallel dpr(model, grid.dp_comm, o.zero, bucket_floats);
-    std::vector<float> whole(o.zero == 3 ? model.num_parameters : 0);
-    float* flat_params = o.zero == 3 ? whole.data() : model.params;
-    ModelState saved_state{config, flat_params, o.zero >= 1 ? dpr.shard_m : model.adam_m,
-                           o.zero >= 1 ? dpr.shard_v : model.adam_v,
-                           o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters, &model.adam_step};
     TrainState state;
     Rng sampler_rng(o.seed);
-    RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0};
-    if (!resume_dir.empty()) {
-        load_checkpoint(resume_dir, saved_state, state, layout, grid.rank);
-        sampler_rng.state = state.rng_state;
-    } else if (is_model_descriptor(o.model)) {
-        gpt_init_random(config, flat_params, o.seed);
-    } else {
-        gpt_load_params(config, flat_params, o.model);
-    }
-    if (o.zero == 3) {
-        dpr.scatter_params(flat_params);
-        std::vector<float>().swap(whole);
+    RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp};
+    int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp);
+    // the optimizer state a checkpoint holds for this rank; the whole model exists only while it is
+    // initialized, loaded or saved, and every rank keeps its share of it
+    auto model_state_with = [&](float* whole_params) {
+        return ModelState{config, whole_params, o.zero >= 1 ? dpr.shard_m : model.adam_m,
+                          o.zero >= 1 ? dpr.shard_v : model.adam_v,
+                          o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters, &model.adam_step};
+    };
+    {
+        std::vector<float> whole(num_parameters(config));
+        if (!resume_dir.empty()) {
+            load_checkpoint(resume_dir, model_state_with(whole.data()), state, layout, optimizer_file);
+            sampler_rng.state = state.rng_state;
+        } else if (is_model_descriptor(o.model)) {
+            gpt_init_random(config, whole.data(), o.seed);
+        } else {
+            gpt_load_params(config, whole.data(), o.model);
+        }
+        std::vector<float> share(o.zero == 3 ? model.num_parameters : 0);
+        float* local = o.zero == 3 ? share.data() : model.params;
+        tp_copy_params(config, grid.tp, grid.at.tp, whole.data(), local, true);
+        if (o.zero == 3) dpr.scatter_params(local);
     }
 
     // the data: this dp rank's slice of every global batch
@@ -167,13 +217,15 @@ static int run(const Options& o) {
     if (lead) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
-            printf("%d ranks over %s: dp=%d, ZeRO-%d, buckets of %zu floats (%zu buckets)\n", grid.world, o.comm.empty() ? "mpi" : o.comm.c_str(),
-                   grid.dp, o.zero, bucket_floats, dpr.layout.buckets.size());
+            printf("%d ranks over %s: dp=%d, tp=%d (sp %s), ZeRO-%d, buckets of %zu floats (%zu buckets)\n", grid.world,
+                   o.comm.empty() ? "mpi" : o.comm.c_str(), grid.dp, grid.tp, o.sp ? "on" : "off", o.zero, bucket_floats,
+                   dpr.layout.buckets.size());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
-        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters, %.1f MiB in all on each rank\n", config.num_layers,
-               config.channels, config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
-               model.num_parameters, model.ledger.total() / 1048576.0);
+        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters (%zu on each tp rank), %.1f MiB in all on "
+               "each rank\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
+               config.padded_vocab_size, config.max_seq_len, num_parameters(config), model.num_parameters,
+               model.ledger.total() / 1048576.0);
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
         if (!o.out_dir.empty()) {
@@ -182,18 +234,16 @@ static int run(const Options& o) {
         }
     }
     if (o.overfit) train.next_batch();  // the one batch every step will see
-    ParallelPlan par{grid.dp, o.zero, bucket_floats, accumulation};
+    ParallelPlan par = parallel_plan(o, grid.dp, accumulation);
 
     for (int step = state.step; step <= steps; step++) {
         bool last_step = step == steps;
         if (o.checkpoint_every > 0 && step > state.step && (step % o.checkpoint_every == 0 || last_step)) {
             TrainState now{step, train.state(), sampler_rng.state};
-            if (o.zero == 3) {
-                whole.resize(model.num_parameters);
-                dpr.all_gather_params(saved_state.params = whole.data());
-            }
-            save_checkpoint(o.out_dir, saved_state, now, layout, o.checkpoints_keep, grid.world_comm);
-            if (o.zero == 3) std::vector<float>().swap(whole);
+            std::vector<float> whole = gather_whole_model(model, dpr, grid, o.zero);
+            bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
+            save_checkpoint(o.out_dir, model_state_with(whole.data()), now, layout, o.checkpoints_keep, grid.world_comm,
+                            writes_optimizer ? optimizer_file : -1);
         }
         if (val && (step % o.val_every == 0 || last_step)) {
             float loss = (float)dpr.mean(validation_loss(model, *val, val_batches));
@@ -210,7 +260,7 @@ static int run(const Options& o) {
 
         // one optimizer step: the mean loss over the global batch, accumulated over micro-batches; gradient
         // buckets are reduced across dp while backward runs
-        double t0 = now_seconds(), sent0 = grid.dp_comm.bytes_sent;
+        double t0 = now_seconds(), sent0 = grid.dp_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
         dpr.zero_grad();
         double loss = 0.0;
         for (int micro = 0; micro < accumulation; micro++) {
@@ -223,15 +273,20 @@ static int run(const Options& o) {
         double norm = dpr.step(lr, o.weight_decay);
         loss = dpr.mean(loss);
         double ms = (now_seconds() - t0) * 1000.0, sent = grid.dp_comm.bytes_sent - sent0;
+        double tp_sent = grid.tp_comm.bytes_sent - tp_sent0;
         if (!lead) continue;
         printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s\n", step + 1, steps, loss, lr,
                norm, ms, total_batch / (ms / 1000.0));
         if (step == state.step && grid.dp > 1)
-            printf("comm: rank 0 sent %.0f bytes in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
+            printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
                    planned_comm_bytes(config, par));
+        if (step == state.step && grid.tp > 1)
+            printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
+                   grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T));
         fflush(stdout);
         log.train(step, (float)loss, lr, (float)norm);
     }
+    if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
     comm_finalize(world_comm);
     return 0;
 }

@@ -3,9 +3,10 @@
 // and a manifest of the layout. A checkpoint is written under a temporary name and renamed only when every
 // file is complete and synced, so a crash mid-write never damages or replaces a good checkpoint.
 //
-// Under data parallelism every rank writes its own optimizer shard (optimizer_rankR.bin; under ZeRO-0, where
-// every rank holds the same state, rank 0 writes it alone), rank 0 writes the whole model and the training
-// position, and rank 0 renames the directory into place only after every rank has finished writing.
+// The model file is always the whole model (gathered over tensor parallelism by the caller), so any layout can
+// start from it. Every rank that holds distinct optimizer state writes it (optimizer_rankR.bin, R its world
+// rank: every rank under ZeRO-1/2/3; under ZeRO-0 the ranks of dp rank 0, one per tp rank), rank 0 writes the
+// model and the training position, and renames the directory into place only after every rank has finished.
 #pragma once
 
 #include <dirent.h>
@@ -40,10 +41,14 @@ struct RunLayout {
     long total_batch = 0;
     int dp = 1, zero = 0;
     size_t bucket_floats = 0;  // decides which rank owns which elements under ZeRO
+    int tp = 1, sp = 0;
     bool operator==(const RunLayout& o) const {
         return B == o.B && T == o.T && world == o.world && total_batch == o.total_batch && dp == o.dp &&
-               zero == o.zero && bucket_floats == o.bucket_floats;
+               zero == o.zero && bucket_floats == o.bucket_floats && tp == o.tp && sp == o.sp;
     }
+    // how many optimizer files a checkpoint holds, and which one a rank (by world, dp and tp rank) reads
+    int optimizer_files() const { return zero >= 1 ? world : tp; }
+    int optimizer_file(int world_rank, int tp_rank) const { return zero >= 1 ? world_rank : tp_rank; }
 };
 
 // what one rank saves and restores: the whole flat parameters (read by every rank, written by rank 0) and its
@@ -121,13 +126,13 @@ inline std::vector<int> list_checkpoints(const std::string& out_dir) {
 
 inline void write_manifest(const std::string& path, const GPTConfig& c, const TrainState& s, const RunLayout& r) {
     std::string optimizer_files;
-    for (int i = 0; i < (r.zero >= 1 ? r.world : 1); i++) optimizer_files += strfmt(" optimizer_rank%d.bin", i);
+    for (int i = 0; i < r.optimizer_files(); i++) optimizer_files += strfmt(" optimizer_rank%d.bin", i);
     std::string text = strfmt(
         "format llm5d-checkpoint %d\nstep %d\nnum_parameters %zu\nmodel L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
-        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=1 cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu\n"
+        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu\n"
         "files model.bin state_rank0.bin%s\n",
         CHECKPOINT_VERSION, s.step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
-        c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.zero, r.bucket_floats,
+        c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.zero, r.bucket_floats,
         optimizer_files.c_str());
     File f(path, "wb");
     f.write(text.data(), text.size());
@@ -142,8 +147,8 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     const char* b = strstr(text.c_str(), "\nbatch ");
     const char* l = strstr(text.c_str(), "\nlayout ");
     if (!b || !l || sscanf(b, "\nbatch B=%d T=%d total=%ld", &r.B, &r.T, &r.total_batch) != 3 ||
-        sscanf(l, "\nlayout world=%d dp=%d tp=1 cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu", &r.world, &r.dp, &r.zero,
-               &r.bucket_floats) != 4)
+        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu", &r.world, &r.dp,
+               &r.tp, &r.sp, &r.zero, &r.bucket_floats) != 6)
         fail("%s: malformed manifest", path.c_str());
     return r;
 }
@@ -176,9 +181,10 @@ inline void read_optimizer(const std::string& path, const ModelState& m) {
 }
 
 // Writes out_dir/ckpt_STEP atomically, then keeps only the newest `keep` checkpoints (0 keeps all).
-// Collective over `world`: rank 0's m.params must hold the whole model.
+// Collective over `world`: rank 0's m.params must hold the whole model; optimizer_file is the file this rank
+// writes its optimizer state to, or -1 when another rank holds the same state.
 inline void save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
-                            int keep, Comm& world) {
+                            int keep, Comm& world, int optimizer_file = 0) {
     std::string final_dir = out_dir + "/" + checkpoint_name(s.step);
     std::string tmp_dir = final_dir + ".tmp";
     bool lead = world.rank == 0;
@@ -194,7 +200,7 @@ inline void save_checkpoint(const std::string& out_dir, const ModelState& m, con
         f.close();
     }
     world.wait(world.barrier());  // the directory exists
-    if (r.zero >= 1 || lead) write_optimizer(tmp_dir + strfmt("/optimizer_rank%d.bin", r.zero >= 1 ? world.rank : 0), m);
+    if (optimizer_file >= 0) write_optimizer(tmp_dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m);
     world.wait(world.barrier());  // every rank's files are complete and synced
     if (lead) {
         // the manifest goes last: its presence is what marks a checkpoint directory complete
@@ -228,13 +234,15 @@ inline GPTConfig checkpoint_config(const std::string& dir) {
 }
 
 // restores the whole parameters into m.params, this rank's optimizer state and the training position
-inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainState& s, const RunLayout& expected, int rank) {
+inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainState& s, const RunLayout& expected,
+                            int optimizer_file) {
     RunLayout r = read_manifest_layout(dir + "/manifest.txt");
     if (!(r == expected))
-        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, -z %d, bucket %zu floats); resume with the same "
-             "settings", dir.c_str(), r.B, r.T, r.total_batch, r.world, r.dp, r.zero, r.bucket_floats);
+        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, tp %d, sp %d, -z %d, bucket %zu floats); resume with "
+             "the same settings (or start from its model.bin with -e)", dir.c_str(), r.B, r.T, r.total_batch, r.world,
+             r.dp, r.tp, r.sp, r.zero, r.bucket_floats);
     gpt_load_params(m.config, m.params, dir + "/model.bin");
-    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", r.zero >= 1 ? rank : 0), m);
+    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m);
     std::string path = dir + "/state_rank0.bin";
     File f(path, "rb");
     int h[256];

@@ -166,7 +166,7 @@ struct Comm {
         return nccl_end(r);
     }
 
-    // every rank contributes count elements; recv holds them all in rank order
+    // every rank contributes count elements; recv holds them all in rank order (send may be this rank's slot)
     CommRequest all_gather(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("all_gather", ring(1.0), count * size * dtype_size(t));
         size_t bytes = count * dtype_size(t);
@@ -176,6 +176,8 @@ struct Comm {
             stage(r, send, bytes, recv, bytes * size);
             const void* s = r.host_send.empty() ? send : r.host_send.data();
             void* d = r.host_recv.empty() ? recv : r.host_recv.data();
+            // a piece already in place (send is this rank's slot of recv) must be named so to MPI
+            if (r.host_send.empty() && send == (const char*)recv + rank * bytes) s = MPI_IN_PLACE;
             mpi_check(MPI_Iallgather(s, mpi_count(count), mpi_type(t), d, mpi_count(count), mpi_type(t), mpi, &r.mpi));
             return r;
         }

@@ -20,6 +20,7 @@
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
 #include "llmc/residual.cuh"
+#include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
 constexpr int MODEL_MAGIC = 20240326;
@@ -99,29 +100,39 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, FCW, FCB, FCPROJW, FCPROJB, LNFW,
                    LNFB, NUM_PARAM_TENSORS };
 
-inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS]) {
-    size_t L = c.num_layers, C = c.channels;
-    sizes[WTE] = (size_t)c.padded_vocab_size * C;
+// the tensors' sizes on one rank of a tensor-parallel group of tp ranks (tp = 1: the whole model): QKV and fc
+// keep their rows of the rank's heads and hidden units, the projections their columns, wte its vocab rows
+inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp = 1) {
+    size_t L = c.num_layers, C = c.channels, Cl = C / tp, Hl = 4 * C / tp;
+    sizes[WTE] = (size_t)TensorParallel::vocab_rows(c.padded_vocab_size, tp) * C;
     sizes[WPE] = (size_t)c.max_seq_len * C;
     sizes[LN1W] = L * C;
     sizes[LN1B] = L * C;
-    sizes[QKVW] = L * 3 * C * C;
-    sizes[QKVB] = L * 3 * C;
-    sizes[ATTPROJW] = L * C * C;
+    sizes[QKVW] = L * 3 * Cl * C;
+    sizes[QKVB] = L * 3 * Cl;
+    sizes[ATTPROJW] = L * C * Cl;
     sizes[ATTPROJB] = L * C;
     sizes[LN2W] = L * C;
     sizes[LN2B] = L * C;
-    sizes[FCW] = L * 4 * C * C;
-    sizes[FCB] = L * 4 * C;
-    sizes[FCPROJW] = L * C * 4 * C;
+    sizes[FCW] = L * Hl * C;
+    sizes[FCB] = L * Hl;
+    sizes[FCPROJW] = L * C * Hl;
     sizes[FCPROJB] = L * C;
     sizes[LNFW] = C;
     sizes[LNFB] = C;
 }
 
-inline size_t num_parameters(const GPTConfig& c) {
+// tensors every rank of a tensor-parallel group holds whole
+inline bool is_replicated(int tensor) {
+    return tensor == WPE || tensor == LN1W || tensor == LN1B || tensor == ATTPROJB || tensor == LN2W ||
+           tensor == LN2B || tensor == FCPROJB || tensor == LNFW || tensor == LNFB;
+}
+// the replicated tensors whose gradients are partial sums under sequence parallelism (the others see every row)
+inline bool is_sequence_partial(int tensor) { return is_replicated(tensor) && tensor != ATTPROJB && tensor != FCPROJB; }
+
+inline size_t num_parameters(const GPTConfig& c, int tp = 1) {
     size_t sizes[NUM_PARAM_TENSORS], n = 0;
-    param_tensor_sizes(c, sizes);
+    param_tensor_sizes(c, sizes, tp);
     for (size_t s : sizes) n += s;
     return n;
 }
@@ -162,9 +173,9 @@ struct Segment {
 };
 
 // a unit's slices in llm.c tensor order; packed back to back, they are the unit's packed layout
-inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit) {
+inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp = 1) {
     size_t sizes[NUM_PARAM_TENSORS], start[NUM_PARAM_TENSORS], offset = 0;
-    param_tensor_sizes(c, sizes);
+    param_tensor_sizes(c, sizes, tp);
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) start[i] = offset, offset += sizes[i];
     std::vector<Segment> segs;
     if (unit == FINAL_NORM_UNIT) {
@@ -210,37 +221,57 @@ struct ParamStore {
 // ----------------------------------------------------------------------------------------------------------
 // activations: what forward keeps for backward, sized for B×T; per-layer slots are stacked layer 0 first
 
-struct Activations {
-    float *encoded, *ln1, *ln1_mean, *ln1_rstd, *qkv, *att, *atty, *attproj, *residual2, *ln2, *ln2_mean, *ln2_rstd,
-        *fch, *fch_gelu, *fcproj, *residual3, *lnf, *lnf_mean, *lnf_rstd, *logits, *losses;
+// the sizes one rank works with: BT token rows in the parallel regions, R rows between them (BT/tp under
+// sequence parallelism), and the rank's share of channels, hidden units, heads and vocab rows
+struct LocalDims {
+    int B, T, C;
+    long BT, R;
+    int Cl, Hl, NHl, Vl;
 };
 
-// layer l's slice of every per-layer activation slot, for a batch of B×T (the slots are stacked layer 0 first
-// with strides from B and T); the other fields are copied unchanged
-inline Activations layer_slice(const Activations& a, int l, int B, int T, int C, int NH) {
-    long BT = (long)B * T;
+inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T) {
+    LocalDims d;
+    d.B = B, d.T = T, d.C = c.channels;
+    d.BT = (long)B * T;
+    d.R = tp.sp ? d.BT / tp.size : d.BT;
+    d.Cl = c.channels / tp.size, d.Hl = 4 * c.channels / tp.size, d.NHl = c.num_heads / tp.size;
+    d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
+    return d;
+}
+
+struct Activations {
+    float *encoded, *ln1, *ln1_mean, *ln1_rstd, *qkv, *att, *atty, *attproj, *residual2, *ln2, *ln2_mean, *ln2_rstd,
+        *fch, *fch_gelu, *fcproj, *residual3, *lnf, *lnf_mean, *lnf_rstd, *logits, *losses, *lse;
+};
+
+// the floats of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
+// column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local
+inline std::vector<size_t> layer_slot_sizes(const LocalDims& d) {
+    size_t BT = d.BT, R = d.R, C = d.C;
+    return {BT * C, R, R, BT * 3 * d.Cl, (size_t)d.NHl * d.B * d.T * d.T, BT * d.Cl, R * C, R * C,
+            BT * C, R, R, BT * d.Hl, BT * d.Hl, R * C, R * C};
+}
+
+// the per-layer slot pointers of Activations, in the order of layer_slot_sizes
+inline std::vector<float**> layer_slots(Activations& a) {
+    return {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.atty, &a.attproj, &a.residual2,
+            &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fch, &a.fch_gelu, &a.fcproj, &a.residual3};
+}
+
+// layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
+inline Activations layer_slice(const Activations& a, int l, const LocalDims& d) {
     Activations v = a;
-    v.ln1 = a.ln1 + l * BT * C;
-    v.ln1_mean = a.ln1_mean + l * BT;
-    v.ln1_rstd = a.ln1_rstd + l * BT;
-    v.qkv = a.qkv + l * BT * 3 * C;
-    v.att = a.att + (long)l * B * NH * T * T;
-    v.atty = a.atty + l * BT * C;
-    v.attproj = a.attproj + l * BT * C;
-    v.residual2 = a.residual2 + l * BT * C;
-    v.ln2 = a.ln2 + l * BT * C;
-    v.ln2_mean = a.ln2_mean + l * BT;
-    v.ln2_rstd = a.ln2_rstd + l * BT;
-    v.fch = a.fch + l * BT * 4 * C;
-    v.fch_gelu = a.fch_gelu + l * BT * 4 * C;
-    v.fcproj = a.fcproj + l * BT * C;
-    v.residual3 = a.residual3 + l * BT * C;
+    std::vector<float**> slots = layer_slots(v);
+    std::vector<size_t> sizes = layer_slot_sizes(d);
+    for (size_t i = 0; i < slots.size(); i++) *slots[i] += l * sizes[i];
     return v;
 }
 
-// buffers that live only inside backward (activation gradients), plus per-thread kernel workspaces
+// buffers that live only inside backward (activation gradients), plus per-thread kernel workspaces; under
+// tensor parallelism also the partial sums of row-parallel outputs, and under sequence parallelism the
+// gathered output gradients and the reduced input gradients
 struct Scratch {
-    float *dresidual, *dln, *dqkv, *datty, *dfch, *attention, *gemm;
+    float *dresidual, *dln, *dqkv, *datty, *dfch, *attention, *gemm, *partial, *gather, *whole, *dchunk;
 };
 
 struct GPT {
@@ -256,6 +287,7 @@ struct GPT {
     std::vector<std::vector<Segment>> units;
     ParamStore* store = nullptr;  // null: parameters and gradients are the flat buffers above
     int adam_step = 0;  // updates taken so far (AdamW's t)
+    TensorParallel tp;  // this rank's place in its tensor-parallel group
     Activations acts;
     Scratch scratch;
     std::vector<int> inputs, targets;  // the batch of the last forward, which backward needs
@@ -268,60 +300,96 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
-inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}) {
+inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {}) {
     validate_config(config, "model");
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
+    if (config.num_heads % tp.size != 0)
+        fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
+    if (tp.sp && T % tp.size != 0)
+        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
     m.config = config;
     m.B = B;
     m.T = T;
-    param_tensor_sizes(config, m.param_sizes);
-    m.num_parameters = 0;
-    for (size_t s : m.param_sizes) m.num_parameters += s;
+    m.tp.spec = tp;
+    param_tensor_sizes(config, m.param_sizes, tp.size);
+    m.num_parameters = num_parameters(config, tp.size);
     if (own.params) m.params = m.ledger.alloc_floats(MEM_PARAMS, m.num_parameters);
     if (own.grads) m.grads = m.ledger.alloc_floats(MEM_GRADS, m.num_parameters);
     if (own.optimizer) {
         m.adam_m = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
         m.adam_v = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
     }
-    for (int u = 0; u < num_units(config); u++) m.units.push_back(unit_segments(config, u));
+    for (int u = 0; u < num_units(config); u++) m.units.push_back(unit_segments(config, u, tp.size));
 
-    size_t L = config.num_layers, C = config.channels, NH = config.num_heads, BT = (size_t)B * T;
+    LocalDims d = local_dims(config, tp, B, T);
+    size_t L = config.num_layers, C = config.channels, BT = d.BT, R = d.R;
     Activations& a = m.acts;
     auto act = [&](size_t n) { return m.ledger.alloc_floats(MEM_ACTIVATIONS, n); };
-    a.encoded = act(BT * C);
-    a.ln1 = act(L * BT * C);
-    a.ln1_mean = act(L * BT);
-    a.ln1_rstd = act(L * BT);
-    a.qkv = act(L * BT * 3 * C);
-    a.att = act(L * B * NH * T * T);
-    a.atty = act(L * BT * C);
-    a.attproj = act(L * BT * C);
-    a.residual2 = act(L * BT * C);
-    a.ln2 = act(L * BT * C);
-    a.ln2_mean = act(L * BT);
-    a.ln2_rstd = act(L * BT);
-    a.fch = act(L * BT * 4 * C);
-    a.fch_gelu = act(L * BT * 4 * C);
-    a.fcproj = act(L * BT * C);
-    a.residual3 = act(L * BT * C);
+    a.encoded = act(R * C);
+    std::vector<float**> slots = layer_slots(a);
+    std::vector<size_t> sizes = layer_slot_sizes(d);
+    for (size_t i = 0; i < slots.size(); i++) *slots[i] = act(L * sizes[i]);
     a.lnf = act(BT * C);
-    a.lnf_mean = act(BT);
-    a.lnf_rstd = act(BT);
-    a.logits = act(BT * config.padded_vocab_size);
+    a.lnf_mean = act(R);
+    a.lnf_rstd = act(R);
+    a.logits = act(BT * d.Vl);
     a.losses = act(BT);
+    a.lse = tp.size > 1 ? act(BT) : nullptr;
 
     Scratch& s = m.scratch;
     int threads = omp_get_max_threads();
     auto scr = [&](size_t n) { return m.ledger.alloc_floats(MEM_SCRATCH, n); };
-    s.dresidual = scr(BT * C);
+    s.dresidual = scr(R * C);
     s.dln = scr(BT * C);
-    s.dqkv = scr(BT * 3 * C);
-    s.datty = scr(BT * C);
-    s.dfch = scr(BT * 4 * C);
+    s.dqkv = scr(BT * 3 * d.Cl);
+    s.datty = scr(BT * d.Cl);
+    s.dfch = scr(BT * d.Hl);
     s.attention = scr((size_t)threads * T);
     s.gemm = scr(gemm_workspace_floats(threads));
+    s.partial = tp.size > 1 ? scr(BT * C) : nullptr;
+    s.gather = tp.size > 1 ? scr(BT * C / tp.size) : nullptr;
+    s.whole = tp.sp ? scr(BT * C) : nullptr;
+    s.dchunk = tp.sp ? scr(R * C) : nullptr;
+    m.tp.gather = s.gather;
     m.inputs.assign(BT, 0);
     m.targets.assign(BT, 0);
+}
+
+// Moves parameters between the whole model (llm.c's layout) and one tensor-parallel rank's share of it, in
+// either direction: what a checkpoint gathers on save and splits on load.
+inline void tp_copy_params(const GPTConfig& c, int tp, int rank, float* whole, float* local, bool to_local) {
+    size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, ws, 1);
+    param_tensor_sizes(c, ls, tp);
+    ParamViews w = param_views(whole, ws), l = param_views(local, ls);
+    auto move = [&](float* wp, float* lp, size_t n) {
+        if (to_local) memcpy(lp, wp, n * sizeof(float));
+        else memcpy(wp, lp, n * sizeof(float));
+    };
+    size_t L = c.num_layers, C = c.channels, Cl = C / tp, Hl = 4 * C / tp;
+    // rows of this rank, runs of `width` floats: a block of `rows` whole rows starting at row `first`
+    auto rows = [&](int t, size_t per_layer_whole, size_t per_layer_local, size_t first, size_t count, size_t width) {
+        for (size_t layer = 0; layer < L; layer++)
+            move(w[t] + layer * per_layer_whole + first * width, l[t] + layer * per_layer_local, count * width);
+    };
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++)
+        if (is_replicated(t)) move(w[t], l[t], ws[t]);
+    size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, tp), vlo = rank * Vl;
+    if (vlo < Vp) move(w[WTE] + vlo * C, l[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
+    for (size_t part = 0; part < 3; part++) {  // Q, K and V: this rank's heads of each
+        for (size_t layer = 0; layer < L; layer++) {
+            move(w[QKVW] + layer * 3 * C * C + (part * C + rank * Cl) * C, l[QKVW] + layer * 3 * Cl * C + part * Cl * C, Cl * C);
+            move(w[QKVB] + layer * 3 * C + part * C + rank * Cl, l[QKVB] + layer * 3 * Cl + part * Cl, Cl);
+        }
+    }
+    rows(FCW, 4 * C * C, Hl * C, rank * Hl, Hl, C);
+    rows(FCB, 4 * C, Hl, rank * Hl, Hl, 1);
+    // the projections: this rank's columns of every output row
+    for (size_t layer = 0; layer < L; layer++)
+        for (size_t o = 0; o < C; o++) {
+            move(w[ATTPROJW] + layer * C * C + o * C + rank * Cl, l[ATTPROJW] + layer * C * Cl + o * Cl, Cl);
+            move(w[FCPROJW] + layer * C * 4 * C + o * 4 * C + rank * Hl, l[FCPROJW] + layer * C * Hl + o * Hl, Hl);
+        }
 }
 
 // GPT-2's initialization: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero biases, unit
@@ -431,13 +499,16 @@ inline ParamViews unit_grads(GPT& m, int unit) {
     return m.store ? m.store->grads(unit) : unit_views(m.units[unit], m.grads, false);
 }
 
-// runs the model on inputs (B×T tokens, B and T at most what the model was allocated for). With targets, also
+// Runs the model on inputs (B×T tokens, B and T at most what the model was allocated for). With targets, also
 // the loss, which it returns (mean over the B×T tokens); without, returns -1 and leaves only the logits.
+// Under tensor parallelism every rank of the group calls it with the same tokens; tp wraps the layer calls
+// that cross ranks (llmc/tp.cuh), and R = BT/tp rows of the residual stream live on each rank under sp.
 inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, int T) {
     if (B > m.B || T > m.T) fail("forward: batch %dx%d exceeds the allocated %dx%d", B, T, m.B, m.T);
     const GPTConfig& c = m.config;
-    int L = c.num_layers, C = c.channels, NH = c.num_heads, V = c.vocab_size, Vp = c.padded_vocab_size;
-    long BT = (long)B * T;
+    int L = c.num_layers, V = c.vocab_size;
+    LocalDims d = local_dims(c, m.tp.spec, B, T);
+    long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
     for (long i = 0; i < BT; i++) {
         if (inputs[i] < 0 || inputs[i] >= V) fail("forward: input token %d outside the vocab [0, %d)", inputs[i], V);
         if (targets && (targets[i] < 0 || targets[i] >= V))
@@ -448,34 +519,51 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     m.last_B = B;
     m.last_T = T;
     Activations& a = m.acts;
-    float* ws = m.scratch.gemm;
+    TensorParallel& tp = m.tp;
+    float *ws = m.scratch.gemm, *partial = m.scratch.partial;
     if (m.store) m.store->begin_pass(false);
 
     ParamViews emb = unit_params(m, embedding_unit(c));
-    encoder_forward(a.encoded, inputs, emb[WTE], emb[WPE], B, T, C);
+    tp.embedding_forward(a.encoded, partial, inputs, emb[WTE], emb[WPE], B, T, C, d.Vl);
     const float* residual = a.encoded;
     for (int l = 0; l < L; l++) {
         ParamViews w = unit_params(m, layer_unit(c, l));
-        Activations la = layer_slice(a, l, B, T, C, NH);
-        layernorm_forward(la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], BT, C);
-        matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * C, ws);
-        attention_forward(la.atty, la.att, la.qkv, B, T, C, NH);
-        matmul_forward(la.attproj, la.atty, w[ATTPROJW], w[ATTPROJB], BT, C, C, ws);
-        residual_forward(la.residual2, residual, la.attproj, BT * C);
-        layernorm_forward(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B], BT, C);
-        matmul_forward(la.fch, la.ln2, w[FCW], w[FCB], BT, C, 4 * C, ws);
-        gelu_forward(la.fch_gelu, la.fch, BT * 4 * C);
-        matmul_forward(la.fcproj, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, 4 * C, C, ws);
-        residual_forward(la.residual3, la.residual2, la.fcproj, BT * C);
+        Activations la = layer_slice(a, l, d);
+        layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], R, C);
+        tp.gather_rows(la.ln1, BT, C);
+        matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * d.Cl, ws);
+        attention_forward(la.atty, la.att, la.qkv, B, T, d.Cl, d.NHl);
+        tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws);
+        residual_forward(la.residual2, residual, la.attproj, R * C);
+        layernorm_forward(la.ln2 + first, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B], R, C);
+        tp.gather_rows(la.ln2, BT, C);
+        matmul_forward(la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
+        gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
+        tp.row_parallel_forward(la.fcproj, partial, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
+        residual_forward(la.residual3, la.residual2, la.fcproj, R * C);
         residual = la.residual3;
     }
     ParamViews fin = unit_params(m, FINAL_NORM_UNIT);
-    layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, fin[LNFW], fin[LNFB], BT, C);
+    layernorm_forward(a.lnf + first, a.lnf_mean, a.lnf_rstd, residual, fin[LNFW], fin[LNFB], R, C);
+    tp.gather_rows(a.lnf, BT, C);
     emb = unit_params(m, embedding_unit(c));
-    matmul_forward(a.logits, a.lnf, emb[WTE], nullptr, BT, C, Vp, ws);
+    matmul_forward(a.logits, a.lnf, emb[WTE], nullptr, BT, C, d.Vl, ws);
     if (m.store) m.store->end_pass();
-    m.last_loss = targets ? crossentropy_forward(a.losses, a.logits, targets, BT, V, Vp) : -1.0f;
+    if (!targets) return m.last_loss = -1.0f;
+    m.last_loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, targets, BT, V, d.Vl)
+                          : crossentropy_forward(a.losses, a.logits, targets, BT, V, c.padded_vocab_size);
     return m.last_loss;
+}
+
+// the logits of one row over the whole vocab (gathered from the tensor-parallel group), for sampling
+inline std::vector<float> gpt_logits_row(GPT& m, long row) {
+    int Vl = TensorParallel::vocab_rows(m.config.padded_vocab_size, m.tp.size());
+    std::vector<float> whole((size_t)Vl * m.tp.size());
+    const float* mine = m.acts.logits + row * Vl;
+    if (m.tp.on()) m.tp.comm->wait(m.tp.comm->all_gather(mine, whole.data(), Vl, DType::F32));
+    else std::copy(mine, mine + Vl, whole.begin());
+    whole.resize(m.config.vocab_size);
+    return whole;
 }
 
 inline void gpt_zero_grad(GPT& m) { memset(m.grads, 0, m.num_parameters * sizeof(float)); }
@@ -485,46 +573,55 @@ inline void gpt_zero_grad(GPT& m) { memset(m.grads, 0, m.num_parameters * sizeof
 inline void gpt_backward(GPT& m, float dloss) {
     if (m.last_loss < 0) fail("backward: the last forward had no targets");
     const GPTConfig& c = m.config;
-    int B = m.last_B, T = m.last_T;
-    int L = c.num_layers, C = c.channels, NH = c.num_heads, V = c.vocab_size, Vp = c.padded_vocab_size;
-    long BT = (long)B * T;
+    int B = m.last_B, T = m.last_T, L = c.num_layers, V = c.vocab_size;
+    LocalDims d = local_dims(c, m.tp.spec, B, T);
+    long BT = d.BT, R = d.R, C = d.C;
     Activations& a = m.acts;
     Scratch& s = m.scratch;
+    TensorParallel& tp = m.tp;
     float* ws = s.gemm;
+    // the gradient of a layernorm's output for this rank's rows: the partial sums of every rank, reduced
+    float* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
     auto done = [&](int unit) {
         if (m.store) m.store->grads_done(unit);
     };
     if (m.store) m.store->begin_pass(true);
 
     // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
-    crossentropy_backward_inplace(a.logits, m.targets.data(), BT, V, Vp, dloss);
+    if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, m.targets.data(), BT, V, d.Vl, dloss);
+    else crossentropy_backward_inplace(a.logits, m.targets.data(), BT, V, c.padded_vocab_size, dloss);
     ParamViews emb = unit_params(m, embedding_unit(c)), demb = unit_grads(m, embedding_unit(c));
-    matmul_backward(s.dln, demb[WTE], nullptr, a.logits, a.lnf, emb[WTE], BT, C, Vp, ws);
-    memset(s.dresidual, 0, BT * C * sizeof(float));
-    const float* last_residual = a.residual3 + (L - 1) * BT * C;
+    matmul_backward(s.dln, demb[WTE], nullptr, a.logits, a.lnf, emb[WTE], BT, C, d.Vl, ws);
+    tp.reduce_rows(s.dln, dln_rows, BT, C);
+    memset(s.dresidual, 0, R * C * sizeof(float));
+    const float* last_residual = a.residual3 + (L - 1) * R * C;
     ParamViews fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
-    layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], s.dln, last_residual, fin[LNFW], a.lnf_mean, a.lnf_rstd, BT, C);
+    layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean, a.lnf_rstd, R, C);
     done(FINAL_NORM_UNIT);
 
     // dresidual carries the gradient of the residual stream down the layers: each branch reads it and adds
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
-        const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * BT * C;
-        Activations la = layer_slice(a, l, B, T, C, NH);
+        const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
+        Activations la = layer_slice(a, l, d);
         ParamViews w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
 
-        matmul_backward(s.dfch, dw[FCPROJW], dw[FCPROJB], s.dresidual, la.fch_gelu, w[FCPROJW], BT, 4 * C, C, ws);
-        gelu_backward(s.dfch, la.fch, s.dfch, BT * 4 * C);
-        matmul_backward(s.dln, dw[FCW], dw[FCB], s.dfch, la.ln2, w[FCW], BT, C, 4 * C, ws);
-        layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], s.dln, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, BT, C);
-        matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], s.dresidual, la.atty, w[ATTPROJW], BT, C, C, ws);
-        attention_backward(s.dqkv, s.datty, la.qkv, la.att, B, T, C, NH, s.attention);
-        matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * C, ws);
-        layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], s.dln, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, BT, C);
+        const float* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+        matmul_backward(s.dfch, dw[FCPROJW], dw[FCPROJB], dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
+        gelu_backward(s.dfch, la.fch, s.dfch, BT * d.Hl);
+        matmul_backward(s.dln, dw[FCW], dw[FCB], s.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        tp.reduce_rows(s.dln, dln_rows, BT, C);
+        layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
+        dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+        matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+        attention_backward(s.dqkv, s.datty, la.qkv, la.att, B, T, d.Cl, d.NHl, s.attention);
+        matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
+        tp.reduce_rows(s.dln, dln_rows, BT, C);
+        layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
         done(layer_unit(c, l));
     }
     demb = unit_grads(m, embedding_unit(c));
-    encoder_backward(demb[WTE], demb[WPE], s.dresidual, m.inputs.data(), B, T, C);
+    tp.embedding_backward(demb[WTE], demb[WPE], s.dresidual, s.whole, m.inputs.data(), B, T, C, d.Vl);
     done(embedding_unit(c));
     if (m.store) m.store->end_pass();
 }

@@ -41,6 +41,7 @@ struct Options {
     int plan_world = 0;                                 // --world: ranks to plan for (0: this job's)
     // parallelism and communication
     int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
+    int sp = -1;                                        // --sp: -1 = on when tp > 1
     int zero = 0;                                       // -z
     float bucket_mb = 25.0f;                            // --bucket-mb
     std::string comm;                                   // --comm: "" picks nccl on cuda, mpi on cpu
@@ -49,6 +50,7 @@ struct Options {
     std::string comm_dir;                               // --comm-dir
     float comm_timeout = 600.0f;                        // --comm-timeout
     int debug_stall_rank = -1;                          // --debug-stall-rank (tests only)
+    bool debug_check_replicas = false;                  // --debug-check-replicas (tests only)
 };
 
 inline const char* USAGE =
@@ -84,13 +86,16 @@ inline const char* USAGE =
     "parallelism (launch several ranks with mpirun; dp = ranks / (tp*cp*pp)):\n"
     "  -z 0|1|2|3   ZeRO stage: shard optimizer state (1), and gradients (2), and parameters (3) [0]\n"
     "  --bucket-mb F  gradient reduction bucket size in MiB                [25]\n"
-    "  --tp N --cp N --pp N --ep N  tensor, context, pipeline, expert parallel sizes (1 only, for now) [1]\n"
+    "  --tp N       tensor-parallel size: divides the heads; ranks of a group share a node [1]\n"
+    "  --sp 0|1     sequence parallelism between the tensor-parallel regions   [1 when --tp > 1]\n"
+    "  --cp N --pp N --ep N  context, pipeline, expert parallel sizes (1 only, for now) [1]\n"
     "  --comm mpi|nccl  communication backend                          [nccl on cuda, mpi on cpu]\n"
     "  --comm-init mpi|tcp|file  how NCCL ranks find each other            [mpi]\n"
     "  --comm-address HOST:PORT  --comm-init tcp: where rank 0 listens\n"
     "  --comm-dir DIR  --comm-init file: a directory all ranks share, fresh for each job\n"
     "  --comm-timeout S  abort the job when a collective waits longer than S seconds [600]\n"
     "  --debug-stall-rank R  (testing) rank R stops answering before its first step [-1]\n"
+    "  --debug-check-replicas 0|1  (testing) at the end, compare the replicated tensors across tp [0]\n"
     "  -h, --help   this text\n";
 
 inline long parse_long(const std::string& flag, const char* s, long lo, long hi) {
@@ -172,6 +177,8 @@ inline Options parse_options(int argc, char** argv) {
         {"--pp", integer(&o.pp, 1, 1 << 16)},
         {"--ep", integer(&o.ep, 1, 1 << 16)},
         {"-z", integer(&o.zero, 0, 3)},
+        {"--sp", integer(&o.sp, 0, 1)},
+        {"--debug-check-replicas", integer(&o.debug_check_replicas, 0, 1)},
         {"--bucket-mb", real(&o.bucket_mb, 1e-4f, 65536.0f)},
         {"--comm", choice(&o.comm, {"mpi", "nccl"})},
         {"--comm-init", choice(&o.comm_init, {"mpi", "tcp", "file"})},
@@ -200,6 +207,8 @@ inline Options parse_options(int argc, char** argv) {
     if (o.comm_init == "tcp" && o.comm_address.empty()) fail("--comm-init tcp needs --comm-address HOST:PORT");
     if (o.comm_init == "file" && o.comm_dir.empty()) fail("--comm-init file needs --comm-dir DIR");
     if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());
+    if (o.sp == 1 && o.tp == 1) fail("--sp 1: sequence parallelism needs tensor parallelism (--tp > 1)");
+    if (o.sp == -1) o.sp = o.tp > 1;
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
     if (o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
     return o;

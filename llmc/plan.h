@@ -26,6 +26,8 @@ struct ParallelPlan {
     int dp = 1, zero = 0;
     size_t bucket_floats = DEFAULT_BUCKET_FLOATS;
     int accumulation = 1;  // micro-steps per optimizer step
+    int tp = 1;
+    bool sp = false;
 };
 
 struct MemoryPlan {
@@ -42,6 +44,13 @@ struct MemoryPlan {
 inline size_t count_parameters(const GPTConfig& c) {
     size_t C = c.channels, L = c.num_layers;
     return (size_t)c.padded_vocab_size * C + (size_t)c.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+}
+
+// one rank's share under tensor parallelism over t ranks: ⌈Vp/t⌉ vocab rows, and per layer the 12C² weights and
+// 7C biases of QKV, fc and the projections split t ways, the 6C of layernorms and row-parallel biases whole
+inline size_t count_parameters_per_rank(const GPTConfig& c, int t) {
+    size_t C = c.channels, L = c.num_layers, Vl = (c.padded_vocab_size + t - 1) / t;
+    return Vl * C + (size_t)c.max_seq_len * C + L * (12 * C * C / t + 7 * C / t + 6 * C) + 2 * C;
 }
 
 // bytes per element of each model state: fp32 on the CPU; bf16 mixed precision on a GPU
@@ -61,13 +70,16 @@ inline void plan_model_states(size_t bytes[MEM_CATEGORIES], size_t psi, size_t s
 
 inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par = {}) {
     const size_t F = sizeof(float);
-    size_t psi = count_parameters(c);
+    size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp);
     size_t L = c.num_layers, C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
+    // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
+    // units of the rank's heads; Vl vocab rows
+    size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
     MemoryPlan p;
-    if (par.dp == 1 && par.zero == 0) {
+    if (par.dp == 1 && par.zero == 0 && t == 1) {
         plan_model_states(p.bytes, psi, psi, 0, CPU_FP32);
     } else {
-        BucketLayout lay = bucket_layout(c, par.dp, par.bucket_floats);
+        BucketLayout lay = bucket_layout(c, par.dp, par.bucket_floats, par.tp);
         plan_model_states(p.bytes, psi, lay.shard_size, par.zero, CPU_FP32);
         // staging for reductions in flight: the embeddings' bucket and two others, each with its piece; under
         // ZeRO-3 also the gathered parameters: the embeddings' bucket, the bucket in use and the next one
@@ -76,17 +88,22 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         if (par.zero == 3) staging += e.padded + 2 * lay.max_padded;
         p.bytes[MEM_COMM] = F * staging;
     }
-    // What forward keeps for backward. Per layer, in units of B·T·C: ln1 1, qkv 3, attention output 1,
-    // its projection 1, residual 1, ln2 1, MLP hidden 4 before and 4 after GELU, its projection 1, residual 1
-    // (18 in all), plus mean and 1/std for two layernorms (4·B·T) and the softmax probabilities NH·B·T².
-    // Around the layers: the embedding output (BTC), the final layernorm (BTC + 2BT), the logits (BT·Vp) and
-    // the per-token losses (BT).
-    size_t per_layer = 18 * BT * C + 4 * BT + NH * B * (size_t)T * T;
-    p.bytes[MEM_ACTIVATIONS] = F * (L * per_layer + BT * C + BT * C + 2 * BT + BT * c.padded_vocab_size + BT);
-    // Backward's activation gradients, reused by every layer: the residual stream, a layernorm input, qkv (3),
-    // attention output and MLP hidden (4), i.e. 10·BTC; T floats per thread for attention; the GEMM's packing
-    // panels per thread.
-    p.bytes[MEM_SCRATCH] = F * (10 * BT * C + (size_t)threads * T + gemm_workspace_floats(threads));
+    // What forward keeps for backward. Per layer: the two layernorm outputs whole (BT·C each: they enter a
+    // column-parallel layer) and their mean and 1/std on the rank's rows (4R); the rank's heads' qkv (3·BT·Cl),
+    // softmax probabilities (NH/t·B·T²) and attention output (BT·Cl); the MLP hidden layer before and after
+    // GELU (2·BT·Hl); and on the rank's rows the two projections' outputs and the two residual sums (4·R·C).
+    // With t = 1: 18·BTC + 4·BT + NH·B·T². Around the layers: the embedding output (R·C), the final layernorm
+    // (BT·C + 2R), the rank's logits (BT·Vl), the per-token losses (BT) and, under tp, their log-sum-exp (BT).
+    size_t per_layer = 2 * BT * C + 4 * R + 3 * BT * Cl + NH / t * B * (size_t)T * T + BT * Cl + 2 * BT * Hl + 4 * R * C;
+    p.bytes[MEM_ACTIVATIONS] = F * (L * per_layer + R * C + BT * C + 2 * R + BT * Vl + BT + (t > 1 ? BT : 0));
+    // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
+    // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (BT·Hl); T floats per thread for attention;
+    // the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the
+    // all-reduce (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C).
+    size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + BT * Hl + (size_t)threads * T + gemm_workspace_floats(threads);
+    if (t > 1) scratch += BT * C + BT * C / t;
+    if (par.sp) scratch += BT * C + R * C;
+    p.bytes[MEM_SCRATCH] = F * scratch;
     return p;
 }
 
@@ -96,16 +113,35 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
     printf("  %-16s %14zu bytes %10.1f MiB\n", "total", total, total / 1048576.0);
 }
 
-// Bytes one rank sends per optimizer step, counted as a ring algorithm sends them: (N-1)/N of every buffer
-// reduce-scattered or all-gathered, where a full pass over the model moves P = the padded parameter count.
-// ZeRO-0 and 1 reduce-scatter the gradients once and all-gather once (the gradients, or the updated
-// parameters): 2P, the all-reduce's volume. ZeRO-2 reduce-scatters in each of k micro-steps: (k+1)P. ZeRO-3
-// gathers the parameters for forward and again for backward and reduce-scatters, each micro-step: 3kP. Two
-// all-reduces of one double (the loss and the gradient norm) add 2·2(N-1)/N·8 bytes.
+// Bytes one rank sends to its dp group per optimizer step, counted as a ring algorithm sends them: (N-1)/N of
+// every buffer reduce-scattered or all-gathered, where a full pass over the rank's share of the model moves P =
+// its padded parameter count. ZeRO-0 and 1 reduce-scatter the gradients once and all-gather once (the
+// gradients, or the updated parameters): 2P, the all-reduce's volume. ZeRO-2 reduce-scatters in each of k
+// micro-steps: (k+1)P. ZeRO-3 gathers the parameters for forward and again for backward and reduce-scatters,
+// each micro-step: 3kP. The loss (an all-reduce of one double) and the gradient norm (an all-gather of one
+// double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes.
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par) {
-    if (par.dp == 1 && par.zero == 0) return 0.0;
-    double ring = (double)(par.dp - 1) / par.dp, P = (double)bucket_layout(c, par.dp, par.bucket_floats).padded_total;
+    if (par.dp == 1) return 0.0;
+    double N = par.dp, ring = (N - 1) / N;
+    double P = (double)bucket_layout(c, par.dp, par.bucket_floats, par.tp).padded_total;
     double k = par.accumulation;
     double passes = par.zero <= 1 ? 2.0 : par.zero == 2 ? k + 1.0 : 3.0 * k;
-    return ring * (passes * P * sizeof(float) + 2 * 2 * sizeof(double));
+    return ring * (passes * P * sizeof(float) + 2 * sizeof(double)) + (N - 1) * sizeof(double);
+}
+
+// Bytes one rank sends to its tensor-parallel group per optimizer step. A micro-step's forward enters and
+// leaves two parallel regions per layer, plus the embedding (leaving) and the classifier (entering): 2L + 2
+// crossings of a BT·C activation, each an all-reduce without sp (2 units of (t-1)/t·BT·C floats when leaving,
+// none when entering) or an all-gather / reduce-scatter with sp (1 unit each): 4L + 2 units either way, and as
+// many again in backward. The cross-entropy all-gathers three floats per token (max, sum, target logit).
+// Under sp, the gradients of the layernorms and wpe (4LC + 2C + maxT·C) are summed over the group
+// (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
+// all-gathers one double.
+inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T) {
+    if (par.tp == 1) return 0.0;
+    double t = par.tp, BT = (double)B * T, C = c.channels, L = c.num_layers, k = par.accumulation;
+    double per_micro_step = (8 * L + 4) * (t - 1) / t * BT * C * sizeof(float) + (t - 1) * BT * 3 * sizeof(float);
+    double partial_grads = par.sp ? (t - 1) * (4 * L * C + 2 * C + (double)c.max_seq_len * C) * sizeof(float) : 0.0;
+    double sums = par.zero <= 1 ? 1.0 : k;
+    return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
 }

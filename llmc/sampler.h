@@ -16,7 +16,8 @@ inline std::vector<int> sample_tokens(GPT& m, int eot, int count, int T, Rng& rn
     for (int t = 1; t <= count; t++) {
         // causal attention: positions after t-1 do not influence the logits at t-1, so padding them is harmless
         gpt_forward(m, tokens.data(), nullptr, 1, T);
-        const float* logits = m.acts.logits + (size_t)(t - 1) * c.padded_vocab_size;
+        std::vector<float> row = gpt_logits_row(m, t - 1);
+        const float* logits = row.data();
         float lse = logsumexp_row(logits, c.vocab_size);
         float coin = rng.uniform(), cdf = 0.0f;
         int next = c.vocab_size - 1;

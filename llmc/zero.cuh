@@ -57,7 +57,8 @@ struct BucketLayout {
     const Bucket& embeddings() const { return buckets.back(); }
 };
 
-inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats) {
+// the buckets of one rank's (tensor-parallel) share of the model
+inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp = 1) {
     BucketLayout lay;
     int units = num_units(c), emb = embedding_unit(c);
     lay.unit_bucket.assign(units, 0);
@@ -71,7 +72,7 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
         Bucket& b = lay.buckets.back();
         lay.unit_bucket[u] = (int)lay.buckets.size() - 1;
         lay.unit_offset[u] = b.size;
-        for (const Segment& s : unit_segments(c, u)) b.segments.push_back(s), b.size += s.size;
+        for (const Segment& s : unit_segments(c, u, tp)) b.segments.push_back(s), b.size += s.size;
         b.last_unit = u;
     }
     for (size_t i = 0; i < lay.buckets.size(); i++) {
@@ -141,7 +142,7 @@ struct DataParallel : ParamStore {
 
     DataParallel(GPT& model, Comm& dp_comm, int zero_stage, size_t bucket_floats)
         : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank) {
-        layout = bucket_layout(m.config, N, bucket_floats);
+        layout = bucket_layout(m.config, N, bucket_floats, m.tp.size());
         size_t nb = layout.buckets.size();
         for (const Bucket& b : layout.buckets) owned.push_back(owned_segments(b, rank));
         reduce_slot_of.assign(nb, -1);
@@ -170,7 +171,7 @@ struct DataParallel : ParamStore {
     }
 
     // one rank without sharding needs none of this: the model runs on its flat buffers
-    bool engaged() const { return N > 1 || stage > 0; }
+    bool engaged() const { return N > 1 || stage > 0 || m.tp.on(); }
     static ModelBuffers model_buffers(int stage) { return ModelBuffers{stage < 3, stage < 2, stage < 1}; }
     int emb_bucket() const { return (int)layout.buckets.size() - 1; }
 
@@ -226,7 +227,12 @@ struct DataParallel : ParamStore {
         int b = layout.unit_bucket[unit];
         const Bucket& bk = layout.buckets[b];
         if (++units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
-            if (stage < 2) pack_bucket(bk, m.grads, reduce_slots[acquire_reduce_slot(b)].packed);
+            if (stage < 2) {
+                sum_sequence_partials(bk, m.grads, false);
+                pack_bucket(bk, m.grads, reduce_slots[acquire_reduce_slot(b)].packed);
+            } else {
+                sum_sequence_partials(bk, reduce_slots[reduce_slot_of[b]].packed, true);
+            }
             Slot& s = reduce_slots[reduce_slot_of[b]];
             s.request = comm.reduce_scatter(s.packed, s.piece, bk.piece, DType::F32);
             s.order = ++started;
@@ -253,13 +259,16 @@ struct DataParallel : ParamStore {
             return norm;
         }
         finish_reductions();
-        // the norm from the owned pieces, summed in bucket order, then over ranks: the same sums in every stage
+        // The norm from the owned pieces, summed in bucket order, then over the dp ranks and over the tp ranks
+        // (a tensor every tp rank holds whole counts once): the same sums in every stage, on every rank.
         double local = 0.0;
         const float* g = stage >= 2 ? shard_grads : m.grads;
         for (auto& segs : owned)
-            for (const OwnedSegment& s : segs) local += sum_of_squares(g + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size);
-        double total = 0.0;
-        comm.wait(comm.all_reduce(&local, &total, 1, DType::F64));
+            for (const OwnedSegment& s : segs)
+                if (m.tp.spec.rank == 0 || !is_replicated(s.tensor))
+                    local += sum_of_squares(g + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size);
+        double total = sum_in_rank_order(comm, local);
+        if (m.tp.on()) total = sum_in_rank_order(*m.tp.comm, total);
         double norm = sqrt(total);
         float scale = clip_scale(norm, 1.0f);
         if (stage == 0) {
@@ -309,6 +318,42 @@ struct DataParallel : ParamStore {
     }
 
    private:
+    // x summed over a group in rank order, the same bits on every rank
+    static double sum_in_rank_order(Comm& group, double x) {
+        if (group.size == 1) return x;
+        std::vector<double> all(group.size);
+        group.wait(group.all_gather(&x, all.data(), 1, DType::F64));
+        double total = 0.0;
+        for (double v : all) total += v;
+        return total;
+    }
+
+    // Under sequence parallelism each tp rank has the layernorm and wpe gradients of its own rows only: the
+    // group's sum goes in before the bucket is reduced across dp. grads is the flat buffer or, packed, the
+    // bucket's staging.
+    void sum_sequence_partials(const Bucket& b, float* grads, bool packed) {
+        if (!m.tp.spec.sp) return;
+        std::vector<float> gathered;
+        std::vector<const Segment*> which;
+        std::vector<size_t> where;
+        size_t running = 0;
+        for (const Segment& s : b.segments) {
+            if (is_sequence_partial(s.tensor)) {
+                which.push_back(&s);
+                where.push_back(packed ? running : s.offset);
+                gathered.insert(gathered.end(), grads + where.back(), grads + where.back() + s.size);
+            }
+            running += s.size;
+        }
+        if (gathered.empty()) return;
+        m.tp.sum_in_rank_order(gathered.data(), (long)gathered.size());
+        size_t at = 0;
+        for (size_t i = 0; i < which.size(); i++) {
+            memcpy(grads + where[i], gathered.data() + at, which[i]->size * sizeof(float));
+            at += which[i]->size;
+        }
+    }
+
     // let MPI move the operations in flight while compute goes on
     void progress() {
         for (Slot& s : reduce_slots)
