@@ -14,18 +14,7 @@ PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=native -fopenmp -Wall -Wno-unknown-pragmas
 NVCC_FLAGS = -std=c++17 -O3 $(CUDA_ARCH) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
 LDLIBS = -lgomp -lnccl -lcublasLt -lcublas
-# MPI: found through its compiler wrapper (which honours the environment, e.g. a packed OpenMPI), unless NO_MPI=1
-MPICXX ?= mpicxx
-ifneq ($(NO_MPI),1)
-MPI_INCDIRS := $(shell $(MPICXX) --showme:incdirs 2>/dev/null)
-MPI_LIBDIRS := $(shell $(MPICXX) --showme:libdirs 2>/dev/null)
-ifneq ($(MPI_INCDIRS),)
-NVCC_FLAGS += -DLLM5D_MPI $(addprefix -I,$(MPI_INCDIRS))
-LDLIBS += $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -Xlinker -rpath -Xlinker ,$(MPI_LIBDIRS)) -lmpi
-else
-$(warning no MPI found ($(MPICXX) --showme failed): building for one process; set NO_MPI=1 to silence this)
-endif
-endif
+include mpi.mk
 # Debian's catch2 package puts the single header at /usr/include/catch2/catch.hpp; CATCH2_INCLUDE overrides.
 CATCH2_INCLUDE ?= /usr/include/catch2
 
