@@ -1,0 +1,302 @@
+// Tests of tensor parallelism with sequence parallelism (Megatron-LM's layout) on the CPU, under
+// `mpirun --oversubscribe`: tp 2 and 4, with and without sp, and tp × dp with ZeRO, against the single-rank run
+// with the same global batch (the equivalence principle); the replicated tensors identical across a tp group;
+// the ledger of every tp and dp rank against --plan; the counted tp and dp bytes against the formulas; the
+// whole model saved under one tp and loaded under another; and the layouts that are refused.
+//
+// The model, d3c36h4t32v301, has 4 heads and C=36 (4C=144), which tp 2 and 4 split, and a vocab of 301, which no
+// tp divides (padded to 384). -t 16 -b 2 gives B·T = 32 rows per micro-batch, which tp 2 and 4 divide under sp.
+#include <unistd.h>
+
+#include "llmc/checkpoint.h"
+#include "llmc/plan.h"
+#include "llmc/tp.cuh"
+#include "llmc/zero.cuh"
+#include "mpi_helpers.h"
+
+namespace {
+
+const char* TP_MODEL = "d3c36h4t32v301";
+
+// like train(), but a failed run is recorded and the test goes on with the next layout; false when it failed
+bool train_ok(int ranks, const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
+    CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");
+    INFO(ranks << " ranks: ./train_gpt " << flags << "\n" << r.output);
+    CHECK(r.status == 0);
+    if (output) *output = r.output;
+    return r.status == 0;
+}
+bool single_ok(const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
+    CommandResult r = single(flags + " -o '" + out_dir + "'");
+    INFO("./train_gpt " << flags << "\n" << r.output);
+    CHECK(r.status == 0);
+    if (output) *output = r.output;
+    return r.status == 0;
+}
+
+// the same losses at the same steps within tol relative (at least min_entries); a mismatch is recorded and the
+// test goes on
+void check_close(const std::map<std::string, double>& a, const std::map<std::string, double>& b, double tol,
+                 size_t min_entries = 20) {
+    CHECK(a.size() == b.size());
+    CHECK(a.size() >= min_entries);
+    for (const auto& kv : a) {
+        auto other = b.find(kv.first);
+        INFO(kv.first << ": " << kv.second);
+        CHECK(other != b.end());
+        if (other == b.end()) continue;
+        INFO(kv.first << ": " << kv.second << " vs " << other->second << " (relative difference "
+                      << fabs(kv.second - other->second) / fabs(other->second) << ")");
+        CHECK(fabs(kv.second - other->second) <= tol * fabs(other->second));
+    }
+}
+// one loss of main.log, NAN when it is missing
+double loss_at(const std::map<std::string, double>& v, const std::string& key) {
+    auto it = v.find(key);
+    return it == v.end() ? NAN : it->second;
+}
+bool rel_close(double a, double b, double tol) { return fabs(a - b) <= tol * fabs(b); }
+
+// the contract for a refused layout: exit status 1 and one line, "train_gpt: ...", mentioning every word
+void check_one_line_error(const CommandResult& r, const std::vector<std::string>& words) {
+    INFO("exit status " << r.status << ", output:\n" << r.output);
+    CHECK(r.status == 1);
+    std::vector<std::string> lines = lines_of(r.output);
+    CHECK(lines.size() == 1);
+    if (lines.empty()) return;
+    CHECK(lines[0].rfind("train_gpt: ", 0) == 0);
+    for (const std::string& w : words) {
+        INFO("the message should mention " << w);
+        CHECK(lines[0].find(w) != std::string::npos);
+    }
+}
+
+// "  <category>   <bytes> bytes   <MiB> MiB" of --plan's memory block; -1 when the category is missing
+long long plan_category_bytes(const std::string& output, const std::string& name) {
+    std::string prefix = "  " + name + " ";
+    for (const std::string& line : lines_of(output))
+        if (line.compare(0, prefix.size(), prefix) == 0) {
+            long long v = -1;
+            char unit[8] = {};
+            if (sscanf(line.c_str() + prefix.size(), " %lld %7s", &v, unit) == 2 && std::string(unit) == "bytes") return v;
+        }
+    return -1;
+}
+
+}  // namespace
+
+TEST_CASE("tp = 2 and 4, with and without sp, give the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
+    Data data;
+    TempDir out;
+    // one dp rank: 2 micro-steps of b=2 × t=16
+    std::string flags = data.flags(2, 64, 20, TP_MODEL);
+    REQUIRE(single_ok(flags, out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    for (int tp : {2, 4})
+        for (int sp : {0, 1}) {
+            INFO("tp " << tp << " sp " << sp);
+            std::string dir = out / strfmt("tp%d_sp%d", tp, sp), run;
+            if (!train_ok(tp, flags + strfmt(" --tp %d --sp %d", tp, sp), dir, &run)) continue;
+            check_close(losses(dir), reference, 1e-5);
+        }
+}
+
+TEST_CASE("tp 2 × dp 2 with ZeRO-0, 1 and 3 gives the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
+    Data data;
+    TempDir out;
+    // the same global batch, 2 micro-steps each: 4 sequences on one rank, or 2 on each of the 2 dp ranks
+    REQUIRE(single_ok(data.flags(4, 128, 20, TP_MODEL), out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    for (int z : {0, 1, 3}) {
+        INFO("ZeRO-" << z << ", tp 2 (sp by default), dp 2");
+        std::string dir = out / strfmt("z%d", z), run;
+        if (!train_ok(4, data.flags(2, 128, 20, TP_MODEL) + strfmt(" --tp 2 -z %d", z), dir, &run)) continue;
+        check_close(losses(dir), reference, 1e-5);
+    }
+}
+
+TEST_CASE("the replicated tensors stay identical across the tp group, bit for bit", "[tp]") {
+    Data data;
+    TempDir out;
+    struct Layout {
+        int ranks, tp, sp, zero;
+    };
+    for (Layout l : {Layout{4, 2, 1, 0}, Layout{4, 2, 1, 3}, Layout{4, 4, 1, 0}}) {
+        INFO(l.ranks << " ranks, tp " << l.tp << " sp " << l.sp << " ZeRO-" << l.zero);
+        std::string run;
+        std::string flags = data.flags(2, 2 * (l.ranks / l.tp) * 16 * 2, 10, TP_MODEL) +
+                            strfmt(" --tp %d --sp %d -z %d --debug-check-replicas 1", l.tp, l.sp, l.zero);
+        train_ok(l.ranks, flags, out / strfmt("n%dtp%dz%d", l.ranks, l.tp, l.zero), &run);
+        INFO(run);
+        CHECK(run.find("replicas: identical across tp") != std::string::npos);
+        CHECK(run.find("replicas: differ") == std::string::npos);
+    }
+}
+
+TEST_CASE("--plan predicts the ledger of every tp and dp rank, with and without sp, for ZeRO-0, 1 and 3", "[tp]") {
+    GPTConfig c = parse_model_descriptor(TP_MODEL);
+    size_t whole_params = 0;  // the params bytes of one rank without tp, dp 1
+    for (int tp : {1, 2, 4})
+        for (int sp : {0, 1}) {
+            if (sp && tp == 1) continue;
+            for (int zero : {0, 1, 3})
+                for (int dp : {1, 2})
+                    for (size_t bucket : {(size_t)1000, (size_t)15728})
+                        for (int dp_rank = 0; dp_rank < dp; dp_rank++)
+                            for (int tp_rank = 0; tp_rank < tp; tp_rank++) {
+                                INFO("tp " << tp << " rank " << tp_rank << " sp " << sp << ", dp " << dp << " rank " << dp_rank
+                                           << ", ZeRO-" << zero << ", bucket " << bucket);
+                                Comm group;  // only the size and rank matter until a collective runs
+                                group.size = dp;
+                                group.rank = dp_rank;
+                                GPT m;
+                                gpt_allocate(m, c, 2, 16, DataParallel::model_buffers(zero), TPSpec{tp, tp_rank, sp == 1});
+                                DataParallel dpr(m, group, zero, bucket);
+                                MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(),
+                                                              ParallelPlan{dp, zero, bucket, 1, tp, sp == 1});
+                                for (int i = 0; i < MEM_CATEGORIES; i++) {
+                                    INFO(mem_category_name(i));
+                                    CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                                }
+                                if (tp == 1 && dp == 1 && zero == 0) whole_params = m.ledger.bytes[MEM_PARAMS];
+                                // a tp rank holds a part of the model
+                                if (tp > 1 && zero == 0) CHECK(m.ledger.bytes[MEM_PARAMS] < whole_params);
+                            }
+        }
+    CHECK(whole_params > 0);
+
+    // the command line prints the same plan (for rank 0)
+    Data data;
+    for (int sp : {0, 1}) {
+        INFO("--plan --world 4 --tp 2 -z 1 --sp " << sp);
+        CommandResult r = single(data.flags(2, 128, 1, TP_MODEL) + strfmt(" -z 1 --plan --world 4 --tp 2 --sp %d", sp));
+        INFO(r.output);
+        REQUIRE(r.status == 0);
+        MemoryPlan plan = plan_memory(c, 2, 16, 1, ParallelPlan{2, 1, (size_t)(0.06f * 1048576.0 / 4.0), 2, 2, sp == 1});
+        for (int i = 0; i < MEM_CATEGORIES; i++) {
+            INFO(mem_category_name(i));
+            CHECK(plan_category_bytes(r.output, mem_category_name(i)) == (long long)plan.bytes[i]);
+        }
+        CHECK(plan_category_bytes(r.output, "total") == (long long)plan.total());
+    }
+}
+
+TEST_CASE("the counted tp and dp bytes equal the formulas, the same with and without sp, and --plan prints them", "[tp]") {
+    Data data;
+    TempDir out;
+    double tp_bytes = -1;  // the same on every layout below: each rank runs tp 2 on the same micro-batches
+    struct Layout {
+        int ranks, sp, zero;
+    };
+    for (Layout l : {Layout{2, 0, 0}, Layout{2, 1, 0}, Layout{4, 0, 0}, Layout{4, 1, 0}, Layout{4, 1, 3}}) {
+        INFO(l.ranks << " ranks, tp 2, sp " << l.sp << ", ZeRO-" << l.zero);
+        int dp = l.ranks / 2;
+        // 2 micro-steps of b=2 × t=16 on each dp rank
+        std::string flags = data.flags(2, dp * 2 * 2 * 16, 1, TP_MODEL) + strfmt(" --tp 2 --sp %d -z %d", l.sp, l.zero);
+        std::string run;
+        if (!train_ok(l.ranks, flags, out / strfmt("n%dsp%dz%d", l.ranks, l.sp, l.zero), &run)) continue;
+        require_tp_counted_equals_formula(run, 2, l.sp);
+        CommLine tpl = tp_comm_line(run), dpl = dp_comm_line(run);
+        if (tp_bytes < 0) tp_bytes = tpl.sent;
+        CHECK(tpl.sent == tp_bytes);
+        if (dp > 1) {
+            require_counted_equals_formula(run, l.zero);
+        } else {
+            INFO(run);
+            CHECK(!dpl.found);  // no dp line without dp
+        }
+        CommandResult plan = single(flags + strfmt(" --plan --world %d", l.ranks));
+        INFO(plan.output);
+        REQUIRE(plan.status == 0);
+        CHECK(line_value(plan.output, "tensor-parallel communication per step per rank: ") == tpl.sent);
+        if (dp > 1) CHECK(line_value(plan.output, "communication per step per rank: ") == dpl.sent);
+    }
+}
+
+TEST_CASE("the whole model saved under one tp loads under any other", "[tp]") {
+    Data data;
+    TempDir out;
+    GPTConfig c = parse_model_descriptor(TP_MODEL);
+    // the file is llm.c's: the whole model, gathered over tp, vocab padded to 384
+    auto check_model_file = [&](const std::string& path) {
+        INFO(path);
+        REQUIRE(file_exists(path));
+        std::string bytes = read_file(path);
+        CHECK(bytes.size() == 256 * sizeof(int32_t) + count_parameters(c) * sizeof(float));
+        REQUIRE(bytes.size() >= 256 * sizeof(int32_t));
+        const int32_t* header = (const int32_t*)bytes.data();
+        CHECK(header[0] == 20240326);
+        CHECK(header[1] == 3);
+        CHECK(header[7] == 384);
+    };
+    // loads a saved model in a fresh run of one step, on `tp` ranks (1: without mpirun); returns its main.log
+    auto load = [&](const std::string& model, int tp, const std::string& dir) {
+        std::string flags = data.flags(2, 32, 1, "'" + model + "'");
+        bool ok = tp == 1 ? single_ok(flags, dir) : train_ok(tp, flags + strfmt(" --tp %d", tp), dir);
+        return ok ? losses(dir) : std::map<std::string, double>{};
+    };
+
+    SECTION("saved under tp 2, loaded on one rank and under tp 2 and 4") {
+        std::string a = out / "A";
+        // 5 steps, validating at step 0 and at the last step, checkpointed at step 5
+        REQUIRE(train_ok(2, data.flags(2, 32, 5, TP_MODEL) + " --tp 2 -n 5", a));
+        std::string model = a + "/ckpt_00000005/model.bin";
+        check_model_file(model);
+        double a_val = loss_at(losses(a), "tel 5");
+        std::map<std::string, double> one = load(model, 1, out / "B");
+        for (int tp : {2, 4}) {
+            INFO("loaded under tp " << tp);
+            std::map<std::string, double> l = load(model, tp, out / strfmt("tp%d", tp));
+            for (const char* key : {"trl 0", "tel 0"}) {
+                INFO(key << ": " << loss_at(l, key) << " under tp, " << loss_at(one, key) << " on one rank");
+                CHECK(rel_close(loss_at(l, key), loss_at(one, key), 1e-5));
+            }
+        }
+        INFO("val loss: " << loss_at(one, "tel 0") << " loaded on one rank, " << a_val << " at step 5 of the tp 2 run");
+        CHECK(rel_close(loss_at(one, "tel 0"), a_val, 1e-5));
+    }
+    SECTION("saved on one rank, loaded under tp 4") {
+        std::string e = out / "E";
+        REQUIRE(single_ok(data.flags(2, 32, 5, TP_MODEL) + " -n 5", e));
+        std::string model = e + "/ckpt_00000005/model.bin";
+        check_model_file(model);
+        std::map<std::string, double> one = load(model, 1, out / "G"), tp4 = load(model, 4, out / "F");
+        for (const char* key : {"trl 0", "tel 0"}) {
+            INFO(key << ": " << loss_at(tp4, key) << " under tp 4, " << loss_at(one, key) << " on one rank");
+            CHECK(rel_close(loss_at(tp4, key), loss_at(one, key), 1e-5));
+        }
+        INFO("val loss: " << loss_at(one, "tel 0") << " loaded, " << loss_at(losses(e), "tel 5") << " at step 5 of the saving run");
+        CHECK(rel_close(loss_at(one, "tel 0"), loss_at(losses(e), "tel 5"), 1e-5));
+    }
+}
+
+TEST_CASE("layouts tensor parallelism cannot run are refused with one line naming the flag", "[tp]") {
+    Data data;
+    std::string flags = data.flags(2, 32, 1, TP_MODEL);
+    SECTION("--tp 3 does not divide the 4 heads") {
+        check_one_line_error(single(data.flags(2, 64, 1, TP_MODEL) + " --sp 0 --plan --world 6 --tp 3"), {"--tp 3", "head"});
+        CommandResult r = mpirun(3, "./train_gpt", flags + " --sp 0 --tp 3");
+        INFO(r.output);
+        CHECK(r.status != 0);
+        CHECK(r.output.find("train_gpt: --tp 3") != std::string::npos);
+    }
+    SECTION("--sp 1 needs tensor parallelism") {
+        check_one_line_error(single(flags + " --sp 1"), {"--sp"});
+    }
+    SECTION("under sp, tp must divide B·T") {
+        // -b 1 -t 15: 15 rows
+        std::string odd = data.flags(1, 15, 1, TP_MODEL) + " -t 15 --tp 2";
+        // the line may name --tp or --sp (both take part)
+        CommandResult plan = single(odd + " --plan --world 2");
+        check_one_line_error(plan, {});
+        CHECK((plan.output.find("--tp 2") != std::string::npos || plan.output.find("--sp") != std::string::npos));
+        CommandResult r = mpirun(2, "./train_gpt", odd);
+        INFO(r.output);
+        CHECK(r.status != 0);
+        CHECK((r.output.find("train_gpt: --tp 2") != std::string::npos || r.output.find("train_gpt: --sp") != std::string::npos));
+        // without sp the rows are whole on every rank: the same layout is fine
+        CommandResult no_sp = single(odd + " --sp 0 --plan --world 2");
+        INFO(no_sp.output);
+        CHECK(no_sp.status == 0);
+    }
+}
