@@ -113,7 +113,6 @@ inline double line_value(const std::string& output, const std::string& prefix) {
 // what rank 0 printed after its first step about the bytes it sent on one group, and what the formula says:
 //   comm: rank 0 sent X bytes on dp in this step; the formula for ZeRO-Z says Y
 //   comm: rank 0 sent X bytes on tp in this step; the formula for tp=T sp=S says Y
-// (the dp line before tensor parallelism read "sent X bytes in this step", which is accepted too)
 struct CommLine {
     bool found = false;
     double sent = -1, formula = -2;
@@ -124,8 +123,6 @@ inline CommLine dp_comm_line(const std::string& output) {
     for (const std::string& line : lines_of(output)) {
         const char* s = line.c_str();
         if (sscanf(s, "comm: rank 0 sent %lf bytes on dp in this step; the formula for ZeRO-%d says %lf", &c.sent, &c.zero,
-                   &c.formula) == 3 ||
-            sscanf(s, "comm: rank 0 sent %lf bytes in this step; the formula for ZeRO-%d says %lf", &c.sent, &c.zero,
                    &c.formula) == 3) {
             c.found = true;
             return c;

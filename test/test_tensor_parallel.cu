@@ -181,24 +181,35 @@ TEST_CASE("--plan predicts the ledger of every tp and dp rank, with and without 
     }
 }
 
-TEST_CASE("the counted tp and dp bytes equal the formulas, the same with and without sp, and --plan prints them", "[tp]") {
+TEST_CASE("the counted tp and dp bytes equal the formulas and --plan; sp adds only the layernorm and wpe gradients", "[tp]") {
     Data data;
     TempDir out;
-    double tp_bytes = -1;  // the same on every layout below: each rank runs tp 2 on the same micro-batches
+    // Every rank runs tp 2 on micro-batches of the same shape, so the activations move the same bytes in every
+    // layout below, with sp or without (sp's all-gathers and reduce-scatters are the all-reduce's two halves).
+    // Under sp the layernorm parameters and wpe see a rank's rows only: their gradients are partial and one
+    // all-reduce over tp adds them, in every gradient reduction (once per step under ZeRO-0/1, once per micro-step
+    // under ZeRO-2/3): 2(tp-1)/tp of their fp32 bytes each time.
+    GPTConfig c = parse_model_descriptor(TP_MODEL);
+    const int L = c.num_layers, C = c.channels, accumulation = 2;
+    const double sequence_split_floats = 4.0 * L * C + 2.0 * C + (double)c.max_seq_len * C;
+    double tp_bytes = -1;  // without sp
     struct Layout {
         int ranks, sp, zero;
     };
-    for (Layout l : {Layout{2, 0, 0}, Layout{2, 1, 0}, Layout{4, 0, 0}, Layout{4, 1, 0}, Layout{4, 1, 3}}) {
+    for (Layout l : {Layout{2, 0, 0}, Layout{2, 1, 0}, Layout{4, 0, 0}, Layout{4, 0, 3}, Layout{4, 1, 0}, Layout{4, 1, 3}}) {
         INFO(l.ranks << " ranks, tp 2, sp " << l.sp << ", ZeRO-" << l.zero);
         int dp = l.ranks / 2;
         // 2 micro-steps of b=2 × t=16 on each dp rank
-        std::string flags = data.flags(2, dp * 2 * 2 * 16, 1, TP_MODEL) + strfmt(" --tp 2 --sp %d -z %d", l.sp, l.zero);
+        std::string flags = data.flags(2, dp * accumulation * 2 * 16, 1, TP_MODEL) + strfmt(" --tp 2 --sp %d -z %d", l.sp, l.zero);
         std::string run;
         if (!train_ok(l.ranks, flags, out / strfmt("n%dsp%dz%d", l.ranks, l.sp, l.zero), &run)) continue;
         require_tp_counted_equals_formula(run, 2, l.sp);
         CommLine tpl = tp_comm_line(run), dpl = dp_comm_line(run);
         if (tp_bytes < 0) tp_bytes = tpl.sent;
-        CHECK(tpl.sent == tp_bytes);
+        double reductions = l.zero >= 2 ? accumulation : 1;
+        double sp_extra = l.sp ? reductions * 2.0 * (2 - 1) / 2 * sequence_split_floats * sizeof(float) : 0.0;
+        INFO("without sp " << tp_bytes << " bytes; sp adds " << sp_extra << " for the layernorm and wpe gradients");
+        CHECK(tpl.sent == tp_bytes + sp_extra);
         if (dp > 1) {
             require_counted_equals_formula(run, l.zero);
         } else {
