@@ -65,7 +65,7 @@ static void refuse_unbuilt_parallelism(const Options& o) {
 }
 
 static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
-    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1};
+    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute};
 }
 
 // The whole model in llm.c's layout, gathered from every rank's share (a collective): over dp under ZeRO-3,
@@ -111,8 +111,8 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
     size_t psi = count_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
-    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), ZeRO-%d, %d micro-steps per step\n", world, dp, o.tp,
-           o.sp ? "on" : "off", o.zero, accumulation);
+    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), ZeRO-%d, %d micro-steps per step, recompute %d\n", world, dp,
+           o.tp, o.sp ? "on" : "off", o.zero, accumulation, o.recompute);
     print_memory(strfmt("predicted memory per rank, B=%d T=%d, fp32 on cpu:", o.B, o.T).c_str(), plan.bytes, plan.total());
     size_t local = num_parameters(config, o.tp), shard = bucket_layout(config, dp, par.bucket_floats, o.tp).shard_size;
     size_t mixed[MEM_CATEGORIES] = {};
@@ -165,7 +165,8 @@ static int run(const Options& o) {
 
     // the model (this rank's tensor-parallel share) and its data-parallel runtime
     GPT model;
-    gpt_allocate(model, config, o.B, o.T, DataParallel::model_buffers(o.zero), TPSpec{grid.tp, grid.at.tp, o.sp == 1});
+    gpt_allocate(model, config, o.B, o.T, DataParallel::model_buffers(o.zero), TPSpec{grid.tp, grid.at.tp, o.sp == 1},
+                 o.recompute);
     model.tp.comm = &grid.tp_comm;
     DataParallel dpr(model, grid.dp_comm, o.zero, bucket_floats);
     TrainState state;

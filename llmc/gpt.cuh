@@ -244,12 +244,19 @@ struct Activations {
         *fch, *fch_gelu, *fcproj, *residual3, *lnf, *lnf_mean, *lnf_rstd, *logits, *losses, *lse;
 };
 
+// Activation recomputation (-r): 0 keeps everything; 1 recomputes GELU's output in backward from its input;
+// 2 also recomputes both layernorms' outputs from their inputs (the saved statistics make it cheap). What is
+// recomputed is not kept per layer: one buffer, shared by all layers, holds it while it is used.
+enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_GELU = 1, RECOMPUTE_LAYERNORM = 2 };
+
 // the floats of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
-// column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local
-inline std::vector<size_t> layer_slot_sizes(const LocalDims& d) {
+// column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local; 0
+// for a slot that is recomputed
+inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute) {
     size_t BT = d.BT, R = d.R, C = d.C;
-    return {BT * C, R, R, BT * 3 * d.Cl, (size_t)d.NHl * d.B * d.T * d.T, BT * d.Cl, R * C, R * C,
-            BT * C, R, R, BT * d.Hl, BT * d.Hl, R * C, R * C};
+    size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : BT * d.Hl;
+    return {ln, R, R, BT * 3 * d.Cl, (size_t)d.NHl * d.B * d.T * d.T, BT * d.Cl, R * C, R * C,
+            ln, R, R, BT * d.Hl, gelu, R * C, R * C};
 }
 
 // the per-layer slot pointers of Activations, in the order of layer_slot_sizes
@@ -259,10 +266,10 @@ inline std::vector<float**> layer_slots(Activations& a) {
 }
 
 // layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
-inline Activations layer_slice(const Activations& a, int l, const LocalDims& d) {
+inline Activations layer_slice(const Activations& a, int l, const LocalDims& d, int recompute) {
     Activations v = a;
     std::vector<float**> slots = layer_slots(v);
-    std::vector<size_t> sizes = layer_slot_sizes(d);
+    std::vector<size_t> sizes = layer_slot_sizes(d, recompute);
     for (size_t i = 0; i < slots.size(); i++) *slots[i] += l * sizes[i];
     return v;
 }
@@ -288,6 +295,7 @@ struct GPT {
     ParamStore* store = nullptr;  // null: parameters and gradients are the flat buffers above
     int adam_step = 0;  // updates taken so far (AdamW's t)
     TensorParallel tp;  // this rank's place in its tensor-parallel group
+    int recompute = RECOMPUTE_NONE;
     Activations acts;
     Scratch scratch;
     std::vector<int> inputs, targets;  // the batch of the last forward, which backward needs
@@ -300,7 +308,8 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
-inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {}) {
+inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
+                         int recompute = RECOMPUTE_NONE) {
     validate_config(config, "model");
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
     if (config.num_heads % tp.size != 0)
@@ -311,6 +320,7 @@ inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuf
     m.B = B;
     m.T = T;
     m.tp.spec = tp;
+    m.recompute = recompute;
     param_tensor_sizes(config, m.param_sizes, tp.size);
     m.num_parameters = num_parameters(config, tp.size);
     if (own.params) m.params = m.ledger.alloc_floats(MEM_PARAMS, m.num_parameters);
@@ -327,8 +337,11 @@ inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuf
     auto act = [&](size_t n) { return m.ledger.alloc_floats(MEM_ACTIVATIONS, n); };
     a.encoded = act(R * C);
     std::vector<float**> slots = layer_slots(a);
-    std::vector<size_t> sizes = layer_slot_sizes(d);
+    std::vector<size_t> sizes = layer_slot_sizes(d, recompute);
     for (size_t i = 0; i < slots.size(); i++) *slots[i] = act(L * sizes[i]);
+    // a recomputed slot is one buffer for every layer (layer_slice steps through it by 0)
+    if (recompute >= RECOMPUTE_GELU) a.fch_gelu = act(BT * d.Hl);
+    if (recompute >= RECOMPUTE_LAYERNORM) a.ln1 = a.ln2 = act(BT * C);
     a.lnf = act(BT * C);
     a.lnf_mean = act(R);
     a.lnf_rstd = act(R);
@@ -528,7 +541,7 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     const float* residual = a.encoded;
     for (int l = 0; l < L; l++) {
         ParamViews w = unit_params(m, layer_unit(c, l));
-        Activations la = layer_slice(a, l, d);
+        Activations la = layer_slice(a, l, d, m.recompute);
         layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], R, C);
         tp.gather_rows(la.ln1, BT, C);
         matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * d.Cl, ws);
@@ -575,7 +588,7 @@ inline void gpt_backward(GPT& m, float dloss) {
     const GPTConfig& c = m.config;
     int B = m.last_B, T = m.last_T, L = c.num_layers, V = c.vocab_size;
     LocalDims d = local_dims(c, m.tp.spec, B, T);
-    long BT = d.BT, R = d.R, C = d.C;
+    long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
     Activations& a = m.acts;
     Scratch& s = m.scratch;
     TensorParallel& tp = m.tp;
@@ -603,18 +616,27 @@ inline void gpt_backward(GPT& m, float dloss) {
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
         const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
-        Activations la = layer_slice(a, l, d);
+        Activations la = layer_slice(a, l, d, m.recompute);
         ParamViews w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
+        // what forward did not keep, computed again exactly as forward did (and gathered again under sp)
+        auto recompute_layernorm = [&](float* out, float* mean, float* rstd, const float* inp, int weight, int bias) {
+            layernorm_forward(out + first, mean, rstd, inp, w[weight], w[bias], R, C);
+            tp.gather_rows(out, BT, C);
+        };
+        if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
 
         const float* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
         matmul_backward(s.dfch, dw[FCPROJW], dw[FCPROJB], dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
         gelu_backward(s.dfch, la.fch, s.dfch, BT * d.Hl);
+        if (m.recompute >= RECOMPUTE_LAYERNORM)
+            recompute_layernorm(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, LN2W, LN2B);
         matmul_backward(s.dln, dw[FCW], dw[FCB], s.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
         dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
         matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
         attention_backward(s.dqkv, s.datty, la.qkv, la.att, B, T, d.Cl, d.NHl, s.attention);
+        if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
         matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);

@@ -43,6 +43,7 @@ struct Options {
     int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
     int sp = -1;                                        // --sp: -1 = on when tp > 1
     int zero = 0;                                       // -z
+    int recompute = 0;                                  // -r
     float bucket_mb = 25.0f;                            // --bucket-mb
     std::string comm;                                   // --comm: "" picks nccl on cuda, mpi on cpu
     std::string comm_init = "mpi";                      // --comm-init
@@ -77,6 +78,7 @@ inline const char* USAGE =
     "  -nk N        keep the newest N checkpoints; 0 = all                 [0]\n"
     "  -y 0|1       resume from the newest complete checkpoint in -o       [0]\n"
     "  -a 0|1       overfit a single batch                                 [0]\n"
+    "  -r 0|1|2     activation recomputation: none, GELU, GELU and layernorm [0]\n"
     "  --seed N     initialization, shuffling and sampling seed            [1337]\n"
     "  --shuffle 0|1  shuffle shard and batch order per epoch              [1]\n"
     "  --tokenizer PATH  tokenizer for decoding samples                    [data/gpt2_tokenizer.bin]\n"
@@ -177,6 +179,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--pp", integer(&o.pp, 1, 1 << 16)},
         {"--ep", integer(&o.ep, 1, 1 << 16)},
         {"-z", integer(&o.zero, 0, 3)},
+        {"-r", integer(&o.recompute, 0, 2)},
         {"--sp", integer(&o.sp, 0, 1)},
         {"--debug-check-replicas", integer(&o.debug_check_replicas, 0, 1)},
         {"--bucket-mb", real(&o.bucket_mb, 1e-4f, 65536.0f)},

@@ -21,13 +21,14 @@
 
 constexpr size_t DEFAULT_BUCKET_FLOATS = 25 * 1048576 / 4;  // --bucket-mb 25
 
-// the parallel layout a plan is for
+// the layout a plan is for: parallelism, accumulation and activation recomputation
 struct ParallelPlan {
     int dp = 1, zero = 0;
     size_t bucket_floats = DEFAULT_BUCKET_FLOATS;
     int accumulation = 1;  // micro-steps per optimizer step
     int tp = 1;
     bool sp = false;
+    int recompute = 0;  // -r
 };
 
 struct MemoryPlan {
@@ -94,8 +95,13 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // GELU (2·BT·Hl); and on the rank's rows the two projections' outputs and the two residual sums (4·R·C).
     // With t = 1: 18·BTC + 4·BT + NH·B·T². Around the layers: the embedding output (R·C), the final layernorm
     // (BT·C + 2R), the rank's logits (BT·Vl), the per-token losses (BT) and, under tp, their log-sum-exp (BT).
-    size_t per_layer = 2 * BT * C + 4 * R + 3 * BT * Cl + NH / t * B * (size_t)T * T + BT * Cl + 2 * BT * Hl + 4 * R * C;
-    p.bytes[MEM_ACTIVATIONS] = F * (L * per_layer + R * C + BT * C + 2 * R + BT * Vl + BT + (t > 1 ? BT : 0));
+    // With -r 1 GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only.
+    size_t ln_out = BT * C, gelu_out = BT * Hl;
+    size_t per_layer = 2 * ln_out + 4 * R + 3 * BT * Cl + NH / t * B * (size_t)T * T + BT * Cl + BT * Hl + gelu_out + 4 * R * C;
+    size_t shared = 0;
+    if (par.recompute >= 1) per_layer -= gelu_out, shared += gelu_out;
+    if (par.recompute >= 2) per_layer -= 2 * ln_out, shared += ln_out;
+    p.bytes[MEM_ACTIVATIONS] = F * (L * per_layer + shared + R * C + BT * C + 2 * R + BT * Vl + BT + (t > 1 ? BT : 0));
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
     // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (BT·Hl); T floats per thread for attention;
     // the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the
@@ -136,11 +142,13 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par) {
 // many again in backward. The cross-entropy all-gathers three floats per token (max, sum, target logit).
 // Under sp, the gradients of the layernorms and wpe (4LC + 2C + maxT·C) are summed over the group
 // (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
-// all-gathers one double.
+// all-gathers one double. Recomputing the layernorms (-r 2) under sp gathers their outputs again in backward:
+// 2L more units.
 inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T) {
     if (par.tp == 1) return 0.0;
     double t = par.tp, BT = (double)B * T, C = c.channels, L = c.num_layers, k = par.accumulation;
-    double per_micro_step = (8 * L + 4) * (t - 1) / t * BT * C * sizeof(float) + (t - 1) * BT * 3 * sizeof(float);
+    double units = 8 * L + 4 + (par.sp && par.recompute >= 2 ? 2 * L : 0);
+    double per_micro_step = units * (t - 1) / t * BT * C * sizeof(float) + (t - 1) * BT * 3 * sizeof(float);
     double partial_grads = par.sp ? (t - 1) * (4 * L * C + 2 * C + (double)c.max_seq_len * C) * sizeof(float) : 0.0;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
