@@ -311,3 +311,27 @@ TEST_CASE("layouts tensor parallelism cannot run are refused with one line namin
         CHECK(no_sp.status == 0);
     }
 }
+
+TEST_CASE("a tp × dp run resumed from its checkpoint continues bit-exactly", "[tp]") {
+    Data data;
+    TempDir out;
+    for (int z : {0, 1, 3}) {
+        INFO("tp 2 × dp 2, ZeRO-" << z);
+        std::string flags = data.flags(2, 2 * 2 * 16, 6, "d3c36h4t32v301") + strfmt(" --tp 2 -z %d -n 3", z);
+        std::string whole = out / strfmt("whole%d", z), resumed = out / strfmt("resumed%d", z);
+        train(4, flags, whole);
+        REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(),
+                                   resumed.c_str())).status == 0);
+        std::string again = train(4, flags + " -y 1", resumed);
+        CHECK(again.find("resumed from " + resumed + "/ckpt_00000003 at step 3") != std::string::npos);
+        // one optimizer file per tp rank under ZeRO-0, per rank under ZeRO-1 and 3
+        int files = z == 0 ? 2 : 4;
+        for (int r = 0; r < 4; r++) CHECK(file_exists(whole + strfmt("/ckpt_00000006/optimizer_rank%d.bin", r)) == (r < files));
+        std::vector<std::string> names = {"model.bin", "state_rank0.bin", "manifest.txt"};
+        for (int r = 0; r < files; r++) names.push_back(strfmt("optimizer_rank%d.bin", r));
+        for (const std::string& name : names) {
+            INFO(name);
+            CHECK(read_file(whole + "/ckpt_00000006/" + name) == read_file(resumed + "/ckpt_00000006/" + name));
+        }
+    }
+}
