@@ -1,21 +1,11 @@
 // Each CUDA kernel against the CPU reference in the same llmc header, on random bf16 inputs with the outputs
 // poisoned (NaN bytes) beforehand, for two shapes each: small and odd, so that rows, tiles and vector widths
 // do not line up. Tolerances are bf16's. Without a GPU every case says "skipped: no GPU" and passes.
-// dev/cuda/ runs the same checks on GPT-2-sized shapes and times them.
-#include <omp.h>
-
-#include <cstring>
-
-#include "dev/cuda/common.h"
-#include "llmc/adamw.cuh"
-#include "llmc/attention.cuh"
-#include "llmc/classifier.cuh"
-#include "llmc/encoder.cuh"
+// dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
+// are dev/cuda/kernel_cases.h's.
+#include "dev/cuda/kernel_cases.h"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
-#include "llmc/layernorm.cuh"
-#include "llmc/matmul.cuh"
-#include "llmc/residual.cuh"
 #include "test/test_helpers.h"
 
 namespace {
@@ -35,118 +25,48 @@ void require_close(const char* what, const std::vector<float>& gpu, const std::v
 }
 
 void check_encoder(int B, int T, int C, int V) {
-    Rng rng(11);
-    long BT = (long)B * T;
-    std::vector<int> tokens(BT);
-    for (auto& t : tokens) t = (int)rng.below(rng.uniform() < 0.5f ? 3 : V);  // repeats
-    std::vector<float> wte = random_bf16_values((size_t)V * C, rng), wpe = random_bf16_values((size_t)T * C, rng),
-                       dout = random_bf16_values(BT * C, rng), dwte = random_bf16_values((size_t)V * C, rng),
-                       dwpe = random_bf16_values((size_t)T * C, rng);
-    DeviceArray<int> d_tokens(BT);
-    DeviceArray<bf16> d_wte(wte.size()), d_wpe(wpe.size()), d_out(BT * C), d_dout(BT * C), d_dwte(wte.size()),
-        d_dwpe(wpe.size());
-    DeviceArray<char> scratch(encoder_backward_scratch_bytes(B, T));
-    upload(d_tokens, tokens);
-    upload(d_wte, wte);
-    upload(d_wpe, wpe);
-    upload(d_dout, dout);
-    upload(d_dwte, dwte);
-    upload(d_dwpe, dwpe);
-    std::vector<float> out(BT * C);
-    encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
-    encoder_forward_cuda(d_out.ptr, d_tokens.ptr, d_wte.ptr, d_wpe.ptr, B, T, C, 0);
-    require_close("encoder out", download(d_out), out, 1e-2);
-    encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
-    encoder_backward_cuda(d_dwte.ptr, d_dwpe.ptr, d_dout.ptr, d_tokens.ptr, B, T, C, scratch.ptr, 0);
-    require_close("encoder dwte", download(d_dwte), dwte, 2e-2);
-    require_close("encoder dwpe", download(d_dwpe), dwpe, 2e-2);
+    EncoderCase k(B, T, C, V, 11, 3, 1.0f);  // three hot tokens: many repeats
+    k.gpu_forward();
+    require_close("encoder out", download(k.d_out), k.out, 1e-2);
+    k.gpu_backward();
+    require_close("encoder dwte", download(k.d_dwte), k.dwte, 2e-2);
+    require_close("encoder dwpe", download(k.d_dwpe), k.dwpe, 2e-2);
 }
 
 void check_layernorm(long N, int C) {
-    Rng rng(12);
-    std::vector<float> a = random_bf16_values(N * C, rng), b = random_bf16_values(N * C, rng),
-                       w = random_bf16_values(C, rng), bias = random_bf16_values(C, rng),
-                       dout = random_bf16_values(N * C, rng), dinp = random_bf16_values(N * C, rng),
-                       dw = random_bf16_values(C, rng), db = random_bf16_values(C, rng);
-    DeviceArray<bf16> d_a(N * C), d_b(N * C), d_w(C), d_bias(C), d_res(N * C), d_out(N * C), d_dout(N * C),
-        d_dinp(N * C), d_dw(C), d_db(C);
-    DeviceArray<float> d_mean(N), d_rstd(N), scratch(layernorm_backward_scratch_floats(N, C));
-    upload(d_a, a);
-    upload(d_b, b);
-    upload(d_w, w);
-    upload(d_bias, bias);
-    upload(d_dout, dout);
-    upload(d_dinp, dinp);
-    upload(d_dw, dw);
-    upload(d_db, db);
-    std::vector<float> res(N * C), out(N * C), mean(N), rstd(N);
-    residual_forward(res.data(), a.data(), b.data(), N * C);
-    res = round_to_bf16(res);
-    layernorm_forward(out.data(), mean.data(), rstd.data(), res.data(), w.data(), bias.data(), N, C);
-    fused_residual_layernorm_forward_cuda(d_res.ptr, d_out.ptr, d_mean.ptr, d_rstd.ptr, d_a.ptr, d_b.ptr, d_w.ptr,
-                                          d_bias.ptr, N, C, 0);
-    require_close("residual", download(d_res), res, 1e-2);
-    require_close("layernorm out", download(d_out), out, 2e-2);
-    require_close("mean", download(d_mean), mean, 1e-3);
-    require_close("rstd", download(d_rstd), rstd, 1e-3);
-    upload(d_mean, mean);
-    upload(d_rstd, rstd);
-    layernorm_backward(dinp.data(), dw.data(), db.data(), dout.data(), res.data(), w.data(), mean.data(), rstd.data(),
-                       N, C);
-    layernorm_backward_cuda(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_res.ptr, d_w.ptr, d_mean.ptr, d_rstd.ptr, N,
-                            C, scratch.ptr, 0);
-    require_close("layernorm dinp", download(d_dinp), dinp, 2e-2);
-    require_close("layernorm dweight", download(d_dw), dw, 2e-2);
-    require_close("layernorm dbias", download(d_db), db, 2e-2);
+    LayernormCase k(N, C, 12);
+    k.gpu_fused_forward();
+    require_close("residual", download(k.d_res), k.res, 1e-2);
+    require_close("layernorm out", download(k.d_out), k.out, 2e-2);
+    require_close("mean", download(k.d_mean), k.mean, 1e-3);
+    require_close("rstd", download(k.d_rstd), k.rstd, 1e-3);
+    k.use_cpu_stats();
+    k.gpu_backward();
+    require_close("layernorm dinp", download(k.d_dinp), k.dinp, 2e-2);
+    require_close("layernorm dweight", download(k.d_dw), k.dweight, 2e-2);
+    require_close("layernorm dbias", download(k.d_db), k.dbias, 2e-2);
 }
 
 void check_matmul(long N, long C, long OC) {
-    Rng rng(13);
-    std::vector<float> inp = random_bf16_values(N * C, rng), w = random_bf16_values(OC * C, rng, 0.1f),
-                       bias = random_bf16_values(OC, rng), dout = random_bf16_values(N * OC, rng, 0.1f),
-                       dw = random_bf16_values(OC * C, rng), db = random_bf16_values(OC, rng);
-    DeviceArray<bf16> d_inp(N * C), d_w(OC * C), d_b(OC), d_out(N * OC), d_pre(N * OC), d_dout(N * OC),
-        d_dinp(N * C), d_dw(OC * C), d_db(OC);
-    DeviceArray<float> scratch(matmul_backward_scratch_floats(N, OC));
-    upload(d_inp, inp);
-    upload(d_w, w);
-    upload(d_b, bias);
-    upload(d_dout, dout);
-    upload(d_dw, dw);
-    upload(d_db, db);
-    std::vector<float> workspace(gemm_workspace_floats(omp_get_max_threads())), out(N * OC), act(N * OC), dinp(N * C);
-    matmul_forward(out.data(), inp.data(), w.data(), bias.data(), N, C, OC, workspace.data());
-    matmul_forward_cuda(d_out.ptr, d_inp.ptr, d_w.ptr, d_b.ptr, N, C, OC, nullptr, 0);
-    require_close("matmul out", download(d_out), out, 2e-2);
-    std::vector<float> pre = round_to_bf16(out);
-    gelu_forward(act.data(), pre.data(), N * OC);
-    d_out.poison();
-    matmul_forward_cuda(d_out.ptr, d_inp.ptr, d_w.ptr, d_b.ptr, N, C, OC, d_pre.ptr, 0);
-    require_close("matmul pre-GELU", download(d_pre), out, 2e-2);
-    require_close("matmul GELU out", download(d_out), act, 3e-2);
-    matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), N, C, OC, workspace.data());
-    matmul_backward_cuda(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_inp.ptr, d_w.ptr, N, C, OC, scratch.ptr, 0);
-    require_close("matmul dinp", download(d_dinp), dinp, 2e-2);
-    require_close("matmul dweight", download(d_dw), dw, 2e-2);
-    require_close("matmul dbias", download(d_db), db, 2e-2);
+    MatmulCase k(N, C, OC, 13, 0.1f);
+    k.gpu_forward();
+    require_close("matmul out", download(k.d_out), k.out, 2e-2);
+    k.d_out.poison();
+    k.gpu_forward_gelu();
+    require_close("matmul pre-GELU", download(k.d_pre), k.out, 2e-2);
+    require_close("matmul GELU out", download(k.d_out), k.act, 3e-2);
+    k.gpu_backward();
+    require_close("matmul dinp", download(k.d_dinp), k.dinp, 2e-2);
+    require_close("matmul dweight", download(k.d_dw), k.dweight, 2e-2);
+    require_close("matmul dbias", download(k.d_db), k.dbias, 2e-2);
 }
 
 void check_attention(int B, int T, int C, int NH) {
-    Rng rng(14);
-    long BT = (long)B * T;
-    std::vector<float> qkv = random_bf16_values(BT * 3 * C, rng), dout = random_bf16_values(BT * C, rng);
-    DeviceArray<bf16> d_qkv(BT * 3 * C), d_out(BT * C), d_dout(BT * C), d_dqkv(BT * 3 * C);
-    DeviceArray<float> d_lse((long)B * NH * T), d_delta((long)B * NH * T);
-    upload(d_qkv, qkv);
-    upload(d_dout, dout);
-    std::vector<float> out(BT * C), att((size_t)B * NH * T * T), dqkv(BT * 3 * C),
-        scratch((size_t)T * omp_get_max_threads());
-    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
-    attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
-    attention_forward_cuda(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0);
-    require_close("attention out", download(d_out), out, 2e-2);
-    attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_delta.ptr, B, T, C, NH, 0);
-    require_close("attention dqkv", download(d_dqkv), dqkv, 3e-2);
+    AttentionCase k(B, T, C, NH, 14);
+    k.gpu_forward();
+    require_close("attention out", download(k.d_out), k.out, 2e-2);
+    k.gpu_backward();
+    require_close("attention dqkv", download(k.d_dqkv), k.dqkv, 3e-2);
 }
 
 void check_gelu(long N) {
@@ -164,55 +84,30 @@ void check_gelu(long N) {
 }
 
 void check_classifier(long N, int V, int Vp) {
-    Rng rng(16);
-    std::vector<float> logits = random_bf16_values(N * Vp, rng, 2.0f), losses(N);
-    std::vector<int> targets(N);
-    for (auto& t : targets) t = (int)rng.below(V);
-    DeviceArray<bf16> d_logits(N * Vp);
-    DeviceArray<int> d_targets(N);
-    DeviceArray<float> d_losses(N);
-    upload(d_logits, logits);
-    upload(d_targets, targets);
-    crossentropy_forward(losses.data(), logits.data(), targets.data(), N, V, Vp);
-    crossentropy_forward_cuda(d_losses.ptr, d_logits.ptr, d_targets.ptr, N, V, Vp, 0);
-    require_close("losses", download(d_losses), losses, 1e-3);
-    d_losses.poison();
-    crossentropy_backward_inplace(logits.data(), targets.data(), N, V, Vp, 1.0f / N);
-    crossentropy_backward_inplace_cuda(d_logits.ptr, d_losses.ptr, d_targets.ptr, N, V, Vp, 1.0f / N, 0);
-    require_close("fused losses", download(d_losses), losses, 1e-3);
-    std::vector<float> grad = download(d_logits);
-    require_close("dlogits", grad, logits, 2e-2);
-    for (long n = 0; n < N; n++)
-        for (int v = V; v < Vp; v++) REQUIRE(grad[n * Vp + v] == 0.0f);
+    ClassifierCase k(N, V, Vp, 16);
+    k.gpu_forward();
+    require_close("losses", download(k.d_losses), k.losses, 1e-3);
+    k.d_losses.poison();
+    k.gpu_backward_inplace();
+    require_close("fused losses", download(k.d_losses), k.losses, 1e-3);
+    std::vector<float> grad = download(k.d_logits);
+    require_close("dlogits", grad, k.grad, 2e-2);
+    REQUIRE(k.padding_zero(grad));
 }
 
 void check_adamw(long n) {
-    Rng rng(17);
-    std::vector<float> master = random_bf16_values(n, rng, 0.1f), grads = random_bf16_values(n, rng, 0.01f),
-                       m = random_bf16_values(n, rng, 0.01f), v = random_bf16_values(n, rng, 1e-3f);
-    for (auto& x : v) x = x * x;
-    for (auto& x : master) x *= 1.0f + 1e-3f * rng.uniform();
-    DeviceArray<bf16> d_params(n), d_grads(n);
-    DeviceArray<float> d_master(n), d_m(n), d_v(n);
-    upload(d_master, master);
-    upload(d_m, m);
-    upload(d_v, v);
-    upload(d_grads, grads);
-    adamw_update(master.data(), grads.data(), m.data(), v.data(), n, 1e-3f, 0.1f, 0.7f, 3);
-    adamw_update_cuda(d_params.ptr, d_master.ptr, d_grads.ptr, d_m.ptr, d_v.ptr, n, 1e-3f, 0.1f, 0.7f, 3, 99,
-                      AdamWConfig{}, 0);
-    std::vector<float> gpu_master = download(d_master), params = download(d_params);
-    require_close("master", gpu_master, master, 1e-5);
-    require_close("m", download(d_m), m, 1e-5);
-    require_close("v", download(d_v), v, 1e-5);
+    AdamWCase k(n, 17, 3);
+    k.gpu_run(99);
+    std::vector<float> gpu_master = download(k.d_master), params = download(k.d_params);
+    require_close("master", gpu_master, k.master, 1e-5);
+    require_close("m", download(k.d_m), k.m, 1e-5);
+    require_close("v", download(k.d_v), k.v, 1e-5);
     for (long i = 0; i < n; i++) {
         // the parameter is the master weight truncated to bf16, or one bf16 step further from zero
-        uint32_t bits, p;
-        memcpy(&bits, &gpu_master[i], 4);
-        memcpy(&p, &params[i], 4);
-        uint32_t down = bits & 0xffff0000u;
+        float lo, hi;
+        bf16_neighbours(gpu_master[i], lo, hi);
         INFO("element " << i);
-        REQUIRE((p == down || p == down + 0x10000u));
+        REQUIRE((params[i] == lo || params[i] == hi));
     }
 }
 

@@ -1,49 +1,25 @@
 // attention_forward_cuda and attention_backward_cuda (flash attention) against the CPU reference
 // (llmc/attention.cuh), which materializes the T×T probabilities: head sizes 64 and 128, and a T that is not a
-// multiple of the 32-row tile. The backward must be bit-reproducible. Timed against the 8192³ GEMM.
-#include <omp.h>
-
-#include "dev/cuda/common.h"
-#include "llmc/attention.cuh"
+// multiple of the 32-row tile. The backward must be bit-reproducible. Timed against the 8192³ GEMM. Inputs and
+// the CPU reference: AttentionCase in kernel_cases.h.
+#include "dev/cuda/kernel_cases.h"
 
 static void check_shape(Checks& checks, int B, int T, int C, int NH) {
-    long BT = (long)B * T;
-    Rng rng(6 + T);
-    std::vector<float> qkv = random_bf16_values(BT * 3 * C, rng), dout = random_bf16_values(BT * C, rng);
-    DeviceArray<bf16> d_qkv(BT * 3 * C), d_out(BT * C), d_dout(BT * C), d_dqkv(BT * 3 * C);
-    DeviceArray<float> d_lse((long)B * NH * T), d_delta((long)B * NH * T);
-    upload(d_qkv, qkv);
-    upload(d_dout, dout);
-    char what[128];
-
-    std::vector<float> out(BT * C), att((size_t)B * NH * T * T), dqkv(BT * 3 * C),
-        scratch((size_t)T * omp_get_max_threads());
-    attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
-    attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
-
-    attention_forward_cuda(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0);
-    snprintf(what, sizeof(what), "forward B=%d T=%d C=%d NH=%d (hs %d)", B, T, C, NH, C / NH);
-    checks.check(what, download(d_out), out, 2e-2);
-    attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_delta.ptr, B, T, C, NH, 0);
-    std::vector<float> gpu_dqkv = download(d_dqkv);
-    snprintf(what, sizeof(what), "backward dqkv T=%d hs=%d", T, C / NH);
-    checks.check(what, gpu_dqkv, dqkv, 3e-2);
-    d_dqkv.poison();
-    attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_delta.ptr, B, T, C, NH, 0);
-    snprintf(what, sizeof(what), "backward bit-reproducible T=%d hs=%d", T, C / NH);
-    checks.require(what, download(d_dqkv) == gpu_dqkv);
+    AttentionCase k(B, T, C, NH, 6 + T);
+    k.gpu_forward();
+    checks.check(strfmt("forward B=%d T=%d C=%d NH=%d (hs %d)", B, T, C, NH, C / NH), download(k.d_out), k.out, 2e-2);
+    k.gpu_backward();
+    std::vector<float> gpu_dqkv = download(k.d_dqkv);
+    checks.check(strfmt("backward dqkv T=%d hs=%d", T, C / NH), gpu_dqkv, k.dqkv, 3e-2);
+    k.d_dqkv.poison();
+    k.gpu_backward();
+    checks.require(strfmt("backward bit-reproducible T=%d hs=%d", T, C / NH), download(k.d_dqkv) == gpu_dqkv);
 
     // useful FLOPs: QKᵀ and PV over the causal half; the backward does 2.5 times the forward's (FlashAttention's
     // convention, which leaves out this backward's recomputation of P in both of its kernels)
     double flops = 4.0 * B * NH * (double)T * T * (C / NH) / 2;
-    snprintf(what, sizeof(what), "forward B=%d T=%d hs=%d", B, T, C / NH);
-    report_compute_bound(what, time_ms([&] { attention_forward_cuda(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0); }),
-                         flops);
-    snprintf(what, sizeof(what), "backward B=%d T=%d hs=%d", B, T, C / NH);
-    report_compute_bound(what, time_ms([&] {
-                             attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr,
-                                                     d_delta.ptr, B, T, C, NH, 0);
-                         }),
+    report_compute_bound(strfmt("forward B=%d T=%d hs=%d", B, T, C / NH), time_ms([&] { k.gpu_forward(); }), flops);
+    report_compute_bound(strfmt("backward B=%d T=%d hs=%d", B, T, C / NH), time_ms([&] { k.gpu_backward(); }),
                          2.5 * flops);
 }
 

@@ -1,52 +1,24 @@
 // crossentropy_forward_cuda and the fused crossentropy_backward_inplace_cuda against the CPU reference
 // (llmc/classifier.cuh): GPT-2's padded vocabulary (50257 of 50304) and a small one not a multiple of 128;
-// the padding columns' gradient must be exactly 0. Timed against the copy bandwidth.
-#include "dev/cuda/common.h"
-#include "llmc/classifier.cuh"
+// the padding columns' gradient must be exactly 0. Timed against the copy bandwidth. Inputs and the CPU
+// reference: ClassifierCase in kernel_cases.h.
+#include "dev/cuda/kernel_cases.h"
 
 static void check_shape(Checks& checks, long N, int V, int Vp) {
-    Rng rng(7 + V);
-    std::vector<float> logits = random_bf16_values(N * Vp, rng, 2.0f);
-    std::vector<int> targets(N);
-    for (auto& t : targets) t = (int)rng.below(V);
-    DeviceArray<bf16> d_logits(N * Vp);
-    DeviceArray<int> d_targets(N);
-    DeviceArray<float> d_losses(N);
-    upload(d_logits, logits);
-    upload(d_targets, targets);
-    float dloss = 1.0f / N;
-    char what[128];
+    ClassifierCase k(N, V, Vp, 7 + V);
+    k.gpu_forward();
+    checks.check(strfmt("forward losses N=%ld V=%d Vp=%d", N, V, Vp), download(k.d_losses), k.losses, 1e-3);
+    k.d_losses.poison();
+    k.gpu_backward_inplace();
+    checks.check(strfmt("fused losses V=%d", V), download(k.d_losses), k.losses, 1e-3);
+    std::vector<float> gpu_grad = download(k.d_logits);
+    checks.check(strfmt("fused dlogits V=%d", V), gpu_grad, k.grad, 2e-2);
+    checks.require(strfmt("fused dlogits padding exactly 0 V=%d", V), k.padding_zero(gpu_grad));
 
-    std::vector<float> losses(N), grad = logits;
-    crossentropy_forward(losses.data(), logits.data(), targets.data(), N, V, Vp);
-    crossentropy_backward_inplace(grad.data(), targets.data(), N, V, Vp, dloss);
-
-    crossentropy_forward_cuda(d_losses.ptr, d_logits.ptr, d_targets.ptr, N, V, Vp, 0);
-    snprintf(what, sizeof(what), "forward losses N=%ld V=%d Vp=%d", N, V, Vp);
-    checks.check(what, download(d_losses), losses, 1e-3);
-    d_losses.poison();
-    crossentropy_backward_inplace_cuda(d_logits.ptr, d_losses.ptr, d_targets.ptr, N, V, Vp, dloss, 0);
-    snprintf(what, sizeof(what), "fused losses V=%d", V);
-    checks.check(what, download(d_losses), losses, 1e-3);
-    std::vector<float> gpu_grad = download(d_logits);
-    snprintf(what, sizeof(what), "fused dlogits V=%d", V);
-    checks.check(what, gpu_grad, grad, 2e-2);
-    bool padding_zero = true;
-    for (long n = 0; n < N; n++)
-        for (int v = V; v < Vp; v++) padding_zero = padding_zero && gpu_grad[n * Vp + v] == 0.0f;
-    snprintf(what, sizeof(what), "fused dlogits padding exactly 0 V=%d", V);
-    checks.require(what, padding_zero);
-
-    upload(d_logits, logits);
-    snprintf(what, sizeof(what), "forward N=%ld Vp=%d", N, Vp);
-    report_memory_bound(what, time_ms([&] { crossentropy_forward_cuda(d_losses.ptr, d_logits.ptr, d_targets.ptr, N, V, Vp, 0); }),
-                        2.0 * N * Vp);
+    k.reset_logits();
+    report_memory_bound(strfmt("forward N=%ld Vp=%d", N, Vp), time_ms([&] { k.gpu_forward(); }), 2.0 * N * Vp);
     // repeated in place on its own output: the values change, the work does not
-    snprintf(what, sizeof(what), "fused forward+backward N=%ld Vp=%d", N, Vp);
-    report_memory_bound(what, time_ms([&] {
-                            crossentropy_backward_inplace_cuda(d_logits.ptr, d_losses.ptr, d_targets.ptr, N, V, Vp,
-                                                               dloss, 0);
-                        }),
+    report_memory_bound(strfmt("fused forward+backward N=%ld Vp=%d", N, Vp), time_ms([&] { k.gpu_backward_inplace(); }),
                         3.0 * 2.0 * N * Vp);
 }
 

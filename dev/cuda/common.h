@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "llmc/cuda_common.cuh"
@@ -105,21 +106,21 @@ inline Comparison compare_rms(const std::vector<float>& gpu, const std::vector<f
     return compare(gpu, cpu, tol * rms + 1e-30, tol);
 }
 
-// counts failures over a program's checks and prints one line per check
+// counts failures over a program's checks and prints one line per check (names with parameters: strfmt)
 struct Checks {
     int failed = 0, total = 0;
-    bool check(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
+    bool check(const std::string& what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
         Comparison c = compare_rms(gpu, cpu, tol);
         total++;
         if (!c.pass()) failed++;
-        printf("%-44s max error %.3e (%.2f of tolerance) %s\n", what, c.max_abs, c.worst_ratio,
+        printf("%-44s max error %.3e (%.2f of tolerance) %s\n", what.c_str(), c.max_abs, c.worst_ratio,
                c.pass() ? "PASS" : "FAIL");
         return c.pass();
     }
-    bool require(const char* what, bool ok) {
+    bool require(const std::string& what, bool ok) {
         total++;
         if (!ok) failed++;
-        printf("%-44s %s\n", what, ok ? "PASS" : "FAIL");
+        printf("%-44s %s\n", what.c_str(), ok ? "PASS" : "FAIL");
         return ok;
     }
     int exit_code() const {
@@ -176,15 +177,15 @@ inline double gemm_tflops() {
 }
 
 // one timing line: memory-bound kernels are quoted against the copy bandwidth, compute-bound ones against the GEMM
-inline void report_memory_bound(const char* what, float ms, double bytes) {
+inline void report_memory_bound(const std::string& what, float ms, double bytes) {
     double gbs = bytes / (ms * 1e-3) / 1e9;
-    printf("%-44s %9.4f ms %8.1f GB/s  %5.1f%% of copy bandwidth (%.0f GB/s)\n", what, ms, gbs,
+    printf("%-44s %9.4f ms %8.1f GB/s  %5.1f%% of copy bandwidth (%.0f GB/s)\n", what.c_str(), ms, gbs,
            100.0 * gbs / copy_bandwidth_gbs(), copy_bandwidth_gbs());
 }
 
-inline void report_compute_bound(const char* what, float ms, double flops) {
+inline void report_compute_bound(const std::string& what, float ms, double flops) {
     double tflops = flops / (ms * 1e-3) / 1e12;
-    printf("%-44s %9.4f ms %8.1f TFLOP/s %5.1f%% of bf16 GEMM (%.0f TFLOP/s)\n", what, ms, tflops,
+    printf("%-44s %9.4f ms %8.1f TFLOP/s %5.1f%% of bf16 GEMM (%.0f TFLOP/s)\n", what.c_str(), ms, tflops,
            100.0 * tflops / gemm_tflops(), gemm_tflops());
 }
 
