@@ -36,7 +36,7 @@ build/catch_main.o: test/catch_main.cpp
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -I$(CATCH2_INCLUDE) -c $< -o $@
 
-build/test_%.o: test/test_%.cu $(HEADERS) test/test_helpers.h test/mpi_helpers.h
+build/test_%.o: test/test_%.cu $(HEADERS) test/test_helpers.h test/mpi_helpers.h $(wildcard dev/cuda/*.h)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -I$(CATCH2_INCLUDE) -c $< -o $@
 
