@@ -134,10 +134,9 @@ struct Comm {
         if (size == 1) return copy_any(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, send, bytes, recv, bytes);
-            const void* s = r.host_send.empty() ? send : r.host_send.data();
-            void* d = r.host_recv.empty() ? recv : r.host_recv.data();
-            mpi_check(MPI_Iallreduce(s == d ? MPI_IN_PLACE : s, d, mpi_count(count), mpi_type(t), MPI_SUM, mpi, &r.mpi));
+            HostView h = stage(r, send, bytes, recv, bytes);
+            const void* in = h.send == h.recv ? MPI_IN_PLACE : h.send;
+            mpi_check(MPI_Iallreduce(in, h.recv, mpi_count(count), mpi_type(t), MPI_SUM, mpi, &r.mpi));
             return r;
         }
 #endif
@@ -154,10 +153,8 @@ struct Comm {
         if (size == 1) return copy_any(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, send, bytes * size, recv, bytes);
-            const void* s = r.host_send.empty() ? send : r.host_send.data();
-            void* d = r.host_recv.empty() ? recv : r.host_recv.data();
-            mpi_check(MPI_Ireduce_scatter_block(s, d, mpi_count(count), mpi_type(t), MPI_SUM, mpi, &r.mpi));
+            HostView h = stage(r, send, bytes * size, recv, bytes);
+            mpi_check(MPI_Ireduce_scatter_block(h.send, h.recv, mpi_count(count), mpi_type(t), MPI_SUM, mpi, &r.mpi));
             return r;
         }
 #endif
@@ -173,12 +170,10 @@ struct Comm {
         if (size == 1) return copy_any(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, send, bytes, recv, bytes * size);
-            const void* s = r.host_send.empty() ? send : r.host_send.data();
-            void* d = r.host_recv.empty() ? recv : r.host_recv.data();
+            HostView h = stage(r, send, bytes, recv, bytes * size);
             // a piece already in place (send is this rank's slot of recv) must be named so to MPI
-            if (r.host_send.empty() && send == (const char*)recv + rank * bytes) s = MPI_IN_PLACE;
-            mpi_check(MPI_Iallgather(s, mpi_count(count), mpi_type(t), d, mpi_count(count), mpi_type(t), mpi, &r.mpi));
+            const void* in = r.host_send.empty() && send == (const char*)recv + rank * bytes ? MPI_IN_PLACE : h.send;
+            mpi_check(MPI_Iallgather(in, mpi_count(count), mpi_type(t), h.recv, mpi_count(count), mpi_type(t), mpi, &r.mpi));
             return r;
         }
 #endif
@@ -193,10 +188,8 @@ struct Comm {
         size_t bytes = count * dtype_size(t);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, buf, bytes, buf, bytes);
-            void* d = r.host_recv.empty() ? buf : r.host_recv.data();
-            if (!r.host_recv.empty()) memcpy(d, r.host_send.data(), bytes);
-            mpi_check(MPI_Ibcast(d, mpi_count(count), mpi_type(t), root, mpi, &r.mpi));
+            HostView h = stage(r, buf, bytes, buf, bytes);
+            mpi_check(MPI_Ibcast(h.recv, mpi_count(count), mpi_type(t), root, mpi, &r.mpi));
             return r;
         }
 #endif
@@ -211,9 +204,8 @@ struct Comm {
         size_t bytes = count * dtype_size(t);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, buf, bytes, nullptr, 0);
-            const void* s = r.host_send.empty() ? buf : r.host_send.data();
-            mpi_check(MPI_Isend(s, mpi_count(count), mpi_type(t), peer, 0, mpi, &r.mpi));
+            HostView h = stage(r, buf, bytes, nullptr, 0);
+            mpi_check(MPI_Isend(h.send, mpi_count(count), mpi_type(t), peer, 0, mpi, &r.mpi));
             return r;
         }
 #endif
@@ -228,9 +220,8 @@ struct Comm {
         size_t bytes = count * dtype_size(t);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, nullptr, 0, buf, bytes);
-            void* d = r.host_recv.empty() ? buf : r.host_recv.data();
-            mpi_check(MPI_Irecv(d, mpi_count(count), mpi_type(t), peer, 0, mpi, &r.mpi));
+            HostView h = stage(r, nullptr, 0, buf, bytes);
+            mpi_check(MPI_Irecv(h.recv, mpi_count(count), mpi_type(t), peer, 0, mpi, &r.mpi));
             return r;
         }
 #endif
@@ -249,10 +240,8 @@ struct Comm {
     // counts and offsets in elements, one per rank
     CommRequest all_to_allv(const void* send, const size_t* send_counts, const size_t* send_offsets, void* recv,
                             const size_t* recv_counts, const size_t* recv_offsets, DType t) {
-        size_t es = dtype_size(t), total_send = 0, total_recv = 0, span_send = 0, span_recv = 0, away = 0;
+        size_t es = dtype_size(t), span_send = 0, span_recv = 0, away = 0;
         for (int i = 0; i < size; i++) {
-            total_send += send_counts[i];
-            total_recv += recv_counts[i];
             span_send = std::max(span_send, send_offsets[i] + send_counts[i]);
             span_recv = std::max(span_recv, recv_offsets[i] + recv_counts[i]);
             if (i != rank) away += send_counts[i];
@@ -264,15 +253,14 @@ struct Comm {
         }
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
-            stage(r, send, span_send * es, recv, span_recv * es);
-            const void* s = r.host_send.empty() ? send : r.host_send.data();
-            void* d = r.host_recv.empty() ? recv : r.host_recv.data();
+            HostView h = stage(r, send, span_send * es, recv, span_recv * es);
             std::vector<int> sc(size), so(size), rc(size), ro(size);
             for (int i = 0; i < size; i++) {
                 sc[i] = mpi_count(send_counts[i]), so[i] = mpi_count(send_offsets[i]);
                 rc[i] = mpi_count(recv_counts[i]), ro[i] = mpi_count(recv_offsets[i]);
             }
-            mpi_check(MPI_Ialltoallv(s, sc.data(), so.data(), mpi_type(t), d, rc.data(), ro.data(), mpi_type(t), mpi, &r.mpi));
+            mpi_check(MPI_Ialltoallv(h.send, sc.data(), so.data(), mpi_type(t), h.recv, rc.data(), ro.data(), mpi_type(t), mpi,
+                                     &r.mpi));
             return r;
         }
 #endif
@@ -406,8 +394,13 @@ struct Comm {
         if (n > (size_t)INT32_MAX) fail("comm: %zu elements is more than one MPI call can carry", n);
         return (int)n;
     }
-    // device buffers go through host copies: send's content now, recv's back when the op completes
-    static void stage(CommRequest& r, const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+    // device buffers go through host copies: send's content now, recv's back when the op completes; returns the
+    // buffers the MPI call works on
+    struct HostView {
+        const void* send;
+        void* recv;
+    };
+    static HostView stage(CommRequest& r, const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
         if (send && is_device_pointer(send)) {
             r.host_send.resize(send_bytes);
             copy_any(r.host_send.data(), send, send_bytes);
@@ -420,6 +413,7 @@ struct Comm {
                 r.host_send.clear();
             }
         }
+        return {r.host_send.empty() ? send : r.host_send.data(), r.host_recv.empty() ? recv : (void*)r.host_recv.data()};
     }
 #endif
     static ncclDataType_t nccl_type(DType t) {
