@@ -271,7 +271,11 @@ static int run(const Options& o) {
             gpt_backward(model, 1.0f / (float)(tokens_per_micro_step * accumulation));
         }
         float lr = schedule.at(step);
-        double norm = dpr.step(lr, o.weight_decay);
+        double norm;
+        {
+            NvtxRange update("optimizer step");
+            norm = dpr.step(lr, o.weight_decay);
+        }
         loss = dpr.mean(loss);
         double ms = (now_seconds() - t0) * 1000.0, sent = grid.dp_comm.bytes_sent - sent0;
         double tp_sent = grid.tp_comm.bytes_sent - tp_sent0;

@@ -19,6 +19,7 @@
 #include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
+#include "llmc/nvtx.h"
 #include "llmc/residual.cuh"
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
@@ -534,12 +535,14 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     Activations& a = m.acts;
     TensorParallel& tp = m.tp;
     float *ws = m.scratch.gemm, *partial = m.scratch.partial;
+    NvtxRange pass("forward");
     if (m.store) m.store->begin_pass(false);
 
     ParamViews emb = unit_params(m, embedding_unit(c));
     tp.embedding_forward(a.encoded, partial, inputs, emb[WTE], emb[WPE], B, T, C, d.Vl);
     const float* residual = a.encoded;
     for (int l = 0; l < L; l++) {
+        NvtxRange layer(strfmt("layer %d", l));
         ParamViews w = unit_params(m, layer_unit(c, l));
         Activations la = layer_slice(a, l, d, m.recompute);
         layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], R, C);
@@ -598,6 +601,7 @@ inline void gpt_backward(GPT& m, float dloss) {
     auto done = [&](int unit) {
         if (m.store) m.store->grads_done(unit);
     };
+    NvtxRange pass("backward");
     if (m.store) m.store->begin_pass(true);
 
     // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
@@ -615,6 +619,7 @@ inline void gpt_backward(GPT& m, float dloss) {
     // dresidual carries the gradient of the residual stream down the layers: each branch reads it and adds
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
+        NvtxRange layer(strfmt("layer %d", l));
         const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
         Activations la = layer_slice(a, l, d, m.recompute);
         ParamViews w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
