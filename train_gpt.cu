@@ -68,34 +68,36 @@ static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute};
 }
 
-// The whole model in llm.c's layout, gathered from every rank's share (a collective): over dp under ZeRO-3,
-// then over tp. Valid on every rank.
-static std::vector<float> gather_whole_model(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
-    std::vector<float> local;
-    const float* mine = m.params;
-    if (zero == 3) {
-        local.resize(m.num_parameters);
-        dpr.all_gather_params(local.data());
-        mine = local.data();
-    }
-    std::vector<float> whole(num_parameters(m.config));
-    if (!m.tp.on()) return std::copy(mine, mine + m.num_parameters, whole.begin()), whole;
-    std::vector<float> all(m.num_parameters * grid.tp);
-    grid.tp_comm.wait(grid.tp_comm.all_gather(mine, all.data(), m.num_parameters, DType::F32));
-    for (int r = 0; r < grid.tp; r++) tp_copy_params(m.config, grid.tp, r, whole.data(), &all[r * m.num_parameters], false);
-    return whole;
+// every tp rank's share of the parameters, rank after rank (a collective: over dp first under ZeRO-3)
+static std::vector<float> gather_tp_shares(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
+    std::vector<float> local(m.num_parameters), all(m.num_parameters * grid.tp);
+    if (zero == 3) dpr.all_gather_params(local.data());
+    else std::copy(m.params, m.params + m.num_parameters, local.begin());
+    grid.tp_comm.wait(grid.tp_comm.all_gather(local.data(), all.data(), m.num_parameters, DType::F32));
+    return all;
+}
+
+// whether this rank's own parameter buffer is the whole model (no tp, no ZeRO-3): then nothing is copied to
+// initialize, load or save it
+static bool holds_whole_model(const Grid& grid, int zero) { return grid.tp == 1 && zero < 3; }
+
+// The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
+// share (a collective). Valid on every rank.
+static float* whole_model(GPT& m, DataParallel& dpr, Grid& grid, int zero, std::vector<float>& storage) {
+    if (holds_whole_model(grid, zero)) return m.params;
+    std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
+    storage.resize(num_parameters(m.config));
+    for (int r = 0; r < grid.tp; r++)
+        tp_copy_params(m.config, grid.tp, r, storage.data(), &shares[r * m.num_parameters], false);
+    return storage.data();
 }
 
 // every tensor that all tp ranks hold whole must hold the same bits on each (a test aid: --debug-check-replicas)
 static void check_replicas(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
-    std::vector<float> local(m.num_parameters);
-    if (zero == 3) dpr.all_gather_params(local.data());
-    else std::copy(m.params, m.params + m.num_parameters, local.begin());
-    std::vector<float> all(m.num_parameters * grid.tp);
-    grid.tp_comm.wait(grid.tp_comm.all_gather(local.data(), all.data(), m.num_parameters, DType::F32));
-    ParamViews mine = param_views(local.data(), m.param_sizes);
+    std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
+    ParamViews mine = param_views(&shares[grid.at.tp * m.num_parameters], m.param_sizes);
     for (int r = 0; r < grid.tp; r++) {
-        ParamViews theirs = param_views(&all[r * m.num_parameters], m.param_sizes);
+        ParamViews theirs = param_views(&shares[r * m.num_parameters], m.param_sizes);
         for (int t = 0; t < NUM_PARAM_TENSORS; t++)
             if (is_replicated(t) && memcmp(mine[t], theirs[t], m.param_sizes[t] * sizeof(float)) != 0)
                 fail("replicas: differ: tensor %d on tp rank %d and tp rank %d", t, grid.at.tp, r);
@@ -181,19 +183,23 @@ static int run(const Options& o) {
                           o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters, &model.adam_step};
     };
     {
-        std::vector<float> whole(num_parameters(config));
+        bool mine = holds_whole_model(grid, o.zero);
+        std::vector<float> storage(mine ? 0 : num_parameters(config));
+        float* whole = mine ? model.params : storage.data();
         if (!resume_dir.empty()) {
-            load_checkpoint(resume_dir, model_state_with(whole.data()), state, layout, optimizer_file);
+            load_checkpoint(resume_dir, model_state_with(whole), state, layout, optimizer_file);
             sampler_rng.state = state.rng_state;
         } else if (is_model_descriptor(o.model)) {
-            gpt_init_random(config, whole.data(), o.seed);
+            gpt_init_random(config, whole, o.seed);
         } else {
-            gpt_load_params(config, whole.data(), o.model);
+            gpt_load_params(config, whole, o.model);
         }
-        std::vector<float> share(o.zero == 3 ? model.num_parameters : 0);
-        float* local = o.zero == 3 ? share.data() : model.params;
-        tp_copy_params(config, grid.tp, grid.at.tp, whole.data(), local, true);
-        if (o.zero == 3) dpr.scatter_params(local);
+        if (!mine) {
+            std::vector<float> share(o.zero == 3 ? model.num_parameters : 0);
+            float* local = o.zero == 3 ? share.data() : model.params;
+            tp_copy_params(config, grid.tp, grid.at.tp, whole, local, true);
+            if (o.zero == 3) dpr.scatter_params(local);
+        }
     }
 
     // the data: this dp rank's slice of every global batch
@@ -241,9 +247,10 @@ static int run(const Options& o) {
         bool last_step = step == steps;
         if (o.checkpoint_every > 0 && step > state.step && (step % o.checkpoint_every == 0 || last_step)) {
             TrainState now{step, train.state(), sampler_rng.state};
-            std::vector<float> whole = gather_whole_model(model, dpr, grid, o.zero);
+            std::vector<float> storage;
+            float* whole = whole_model(model, dpr, grid, o.zero, storage);
             bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
-            save_checkpoint(o.out_dir, model_state_with(whole.data()), now, layout, o.checkpoints_keep, grid.world_comm,
+            save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
                             writes_optimizer ? optimizer_file : -1);
         }
         if (val && (step % o.val_every == 0 || last_step)) {

@@ -542,7 +542,7 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     tp.embedding_forward(a.encoded, partial, inputs, emb[WTE], emb[WPE], B, T, C, d.Vl);
     const float* residual = a.encoded;
     for (int l = 0; l < L; l++) {
-        NvtxRange layer(strfmt("layer %d", l));
+        NvtxRange layer("layer", l);
         ParamViews w = unit_params(m, layer_unit(c, l));
         Activations la = layer_slice(a, l, d, m.recompute);
         layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], R, C);
@@ -619,7 +619,7 @@ inline void gpt_backward(GPT& m, float dloss) {
     // dresidual carries the gradient of the residual stream down the layers: each branch reads it and adds
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
-        NvtxRange layer(strfmt("layer %d", l));
+        NvtxRange layer("layer", l);
         const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
         Activations la = layer_slice(a, l, d, m.recompute);
         ParamViews w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));

@@ -5,11 +5,16 @@
 
 #include <nvtx3/nvToolsExt.h>
 
-#include <string>
+#include <cstdio>
 
 struct NvtxRange {
     explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
-    explicit NvtxRange(const std::string& name) { nvtxRangePushA(name.c_str()); }
+    // "name index", e.g. "layer 3", formatted on the stack: ranges sit on the hot path
+    NvtxRange(const char* name, int index) {
+        char text[64];
+        snprintf(text, sizeof(text), "%s %d", name, index);
+        nvtxRangePushA(text);
+    }
     ~NvtxRange() { nvtxRangePop(); }
     NvtxRange(const NvtxRange&) = delete;
     NvtxRange& operator=(const NvtxRange&) = delete;

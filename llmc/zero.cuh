@@ -229,6 +229,7 @@ struct DataParallel : ParamStore {
         if (++units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
             if (stage < 2) {
                 sum_sequence_partials(bk, m.grads, false);
+                if (N == 1) return;  // one dp rank (tensor parallelism alone): the flat gradients are final
                 pack_bucket(bk, m.grads, reduce_slots[acquire_reduce_slot(b)].packed);
             } else {
                 sum_sequence_partials(bk, reduce_slots[reduce_slot_of[b]].packed, true);
