@@ -27,13 +27,21 @@ static double now_seconds() {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-// the CUDA backend is not built yet: --device cuda is refused, and a visible GPU is mentioned
-static std::string device_line(const std::string& requested) {
-    if (requested == "cuda") fail("--device cuda: the CUDA backend is not implemented yet; use --device cpu");
-    int gpus = 0;
-    if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-    return strfmt("device cpu (%d OpenMP threads)%s", omp_get_max_threads(),
-                  gpus > 0 && requested.empty() ? "; a GPU is visible, but the CUDA backend is not implemented yet" : "");
+// --device, or cuda when a GPU is visible; with --plan a GPU need not exist
+static Device pick_device(const Options& o) {
+    if (o.device == "cpu") return Device::CPU;
+    if (o.device == "cuda") {
+        if (!o.plan && !cuda_device_available()) fail("--device cuda: no GPU is visible (use --device cpu)");
+        return Device::CUDA;
+    }
+    return cuda_device_available() ? Device::CUDA : Device::CPU;
+}
+
+// the first line of a run: which device, and on the GPU which one (picked by the launcher's local rank)
+static std::string device_line(Device dev, bool plan) {
+    if (dev == Device::CPU) return strfmt("device: cpu, %d threads", omp_get_max_threads());
+    if (plan) return "device: cuda (planned)";
+    return "device: " + gpu_description(select_gpu());
 }
 
 static GPTConfig model_config(const Options& o, const std::string& checkpoint_dir) {
@@ -43,7 +51,8 @@ static GPTConfig model_config(const Options& o, const std::string& checkpoint_di
     return read_model_header(o.model, &version);
 }
 
-static float validation_loss(GPT& model, DataLoader& val, int batches) {
+template <typename floatX>
+static float validation_loss(GPTModel<floatX>& model, DataLoader& val, int batches) {
     val.reset();
     double total = 0.0;
     for (int i = 0; i < batches; i++) {
@@ -69,7 +78,7 @@ static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
 }
 
 // every tp rank's share of the parameters, rank after rank (a collective: over dp first under ZeRO-3)
-static std::vector<float> gather_tp_shares(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
+static std::vector<float> gather_tp_shares(GPT& m, DataParallel<float>& dpr, Grid& grid, int zero) {
     std::vector<float> local(m.num_parameters), all(m.num_parameters * grid.tp);
     if (zero == 3) dpr.all_gather_params(local.data());
     else std::copy(m.params, m.params + m.num_parameters, local.begin());
@@ -78,12 +87,37 @@ static std::vector<float> gather_tp_shares(GPT& m, DataParallel& dpr, Grid& grid
 }
 
 // whether this rank's own parameter buffer is the whole model (no tp, no ZeRO-3): then nothing is copied to
-// initialize, load or save it
+// initialize, load or save it on the CPU
 static bool holds_whole_model(const Grid& grid, int zero) { return grid.tp == 1 && zero < 3; }
 
+// Where the whole model in llm.c's layout (fp32, on the host) is assembled for initializing, loading or saving:
+// the CPU rank's own buffer when it holds the whole model, else `storage`. The GPU model always stages it.
+static float* whole_model_buffer(GPT& m, const Grid& grid, int zero, std::vector<float>& storage) {
+    if (holds_whole_model(grid, zero)) return m.params;
+    storage.resize(num_parameters(m.config));
+    return storage.data();
+}
+static float* whole_model_buffer(GPTCuda& m, const Grid&, int, std::vector<float>& storage) {
+    storage.resize(num_parameters(m.config));
+    return storage.data();
+}
+
+// The whole model, filled in whole_model_buffer(), becomes this rank's parameters: its tp share, and under
+// ZeRO-3 its shard of that
+static void install_whole_model(GPT& m, DataParallel<float>& dpr, const Grid& grid, int zero, float* whole) {
+    if (holds_whole_model(grid, zero)) return;
+    std::vector<float> share(zero == 3 ? m.num_parameters : 0);
+    float* local = zero == 3 ? share.data() : m.params;
+    tp_copy_params(m.config, grid.tp, grid.at.tp, whole, local, true);
+    if (zero == 3) dpr.scatter_params(local);
+}
+static void install_whole_model(GPTCuda& m, DataParallel<bf16>&, const Grid&, int, float* whole) {
+    gpt_set_params(m, whole);
+}
+
 // The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
-// share (a collective). Valid on every rank.
-static float* whole_model(GPT& m, DataParallel& dpr, Grid& grid, int zero, std::vector<float>& storage) {
+// share (a collective), or the GPU's master weights. Valid on every rank.
+static float* whole_model(GPT& m, DataParallel<float>& dpr, Grid& grid, int zero, std::vector<float>& storage) {
     if (holds_whole_model(grid, zero)) return m.params;
     std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
     storage.resize(num_parameters(m.config));
@@ -91,9 +125,14 @@ static float* whole_model(GPT& m, DataParallel& dpr, Grid& grid, int zero, std::
         tp_copy_params(m.config, grid.tp, r, storage.data(), &shares[r * m.num_parameters], false);
     return storage.data();
 }
+static float* whole_model(GPTCuda& m, DataParallel<bf16>&, Grid&, int, std::vector<float>& storage) {
+    storage.resize(m.num_parameters);
+    gpt_get_params(m, storage.data());
+    return storage.data();
+}
 
 // every tensor that all tp ranks hold whole must hold the same bits on each (a test aid: --debug-check-replicas)
-static void check_replicas(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
+static void check_replicas(GPT& m, DataParallel<float>& dpr, Grid& grid, int zero) {
     std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
     ParamViews mine = param_views(&shares[grid.at.tp * m.num_parameters], m.param_sizes);
     for (int r = 0; r < grid.tp; r++) {
@@ -105,101 +144,107 @@ static void check_replicas(GPT& m, DataParallel& dpr, Grid& grid, int zero) {
     if (grid.rank == 0) printf("replicas: identical across tp\n");
 }
 
-static void print_plan(const Options& o, const GPTConfig& config, const std::string& device, int world, int accumulation) {
+static void print_plan(const Options& o, const GPTConfig& config, const std::string& device, Device dev, int world,
+                       int accumulation) {
     int dp = grid_dp(world, grid_shape(o));
     ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
-    MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par);
+    MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
     size_t psi = count_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
     printf("layout: %d ranks, dp=%d, tp=%d (sp %s), ZeRO-%d, %d micro-steps per step, recompute %d\n", world, dp,
            o.tp, o.sp ? "on" : "off", o.zero, accumulation, o.recompute);
-    print_memory(strfmt("predicted memory per rank, B=%d T=%d, fp32 on cpu:", o.B, o.T).c_str(), plan.bytes, plan.total());
-    size_t local = num_parameters(config, o.tp), shard = bucket_layout(config, dp, par.bucket_floats, o.tp).shard_size;
-    size_t mixed[MEM_CATEGORIES] = {};
-    plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
-    printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f MiB, "
-           "optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
-           mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+    const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
+    print_memory(strfmt("predicted memory per rank, B=%d T=%d, %s:", o.B, o.T, precision).c_str(), plan.bytes,
+                 plan.total());
+    if (dev == Device::CUDA) {
+        // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
+        // (not counted: the run measures from after its creation)
+        printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES / 1048576.0);
+        printf("  %-16s %14s       about %.0f MiB per process (driver and kernels; not in the totals)\n",
+               "CUDA context", "", CUDA_CONTEXT_MIB);
+        printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
+               (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
+    } else {
+        size_t local = num_parameters(config, o.tp), shard = bucket_layout(config, dp, par.bucket_floats, o.tp).shard_size;
+        size_t mixed[MEM_CATEGORIES] = {};
+        plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
+        printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f MiB, "
+               "optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
+               mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+    }
     printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par));
     printf("tensor-parallel communication per step per rank: %.0f bytes\n", planned_tp_comm_bytes(config, par, o.B, o.T));
 }
 
-// Everything that can be refused (flags, model, data, tokenizer) is checked before the first line is
-// printed, so a bad input gets exactly one line.
-static int run(const Options& o) {
-    std::string device = device_line(o.device);
-    if (o.comm == "nccl") fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
-
+// what run() decided from the flags, for the training run
+struct RunSetup {
+    GPTConfig config;
     std::string resume_dir;
-    if (o.resume) {
-        std::vector<int> steps = list_checkpoints(o.out_dir);
-        if (!steps.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(steps.back());
-    }
-    // a fresh run never mixes its checkpoints with another run's (pruning could delete the new ones)
-    if (o.checkpoint_every > 0 && !o.resume && !list_checkpoints(o.out_dir).empty())
-        fail("-o %s: already holds checkpoints; resume with -y 1 or choose another directory", o.out_dir.c_str());
-    GPTConfig config = model_config(o, resume_dir);
-    if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
-    int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
-    int dp = grid_dp(world, grid_shape(o));
-    if (config.num_heads % o.tp != 0) fail("--tp %d: must divide the number of heads (%d)", o.tp, config.num_heads);
-    if (o.sp && o.T % o.tp != 0)
-        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", o.T, o.tp);
-    long tokens_per_micro_step = (long)o.B * o.T * dp;
-    long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
-    if (total_batch % tokens_per_micro_step != 0)
-        fail("-d %ld: must be a multiple of b*t*dp = %ld", total_batch, tokens_per_micro_step);
-    if (total_batch / tokens_per_micro_step > (1 << 20))
-        fail("-d %ld: needs %ld micro-steps of b*t*dp = %ld tokens; at most %d", total_batch,
-             total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
-    int accumulation = (int)(total_batch / tokens_per_micro_step);
-    size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
-    if (o.plan) return print_plan(o, config, device, world, accumulation), 0;
-    refuse_unbuilt_parallelism(o);
+    int accumulation;
+    long tokens_per_micro_step, total_batch;
+    size_t bucket_floats;
+};
+
+// The training run on the device whose storage type is floatX (llmc/device.cuh): float on the CPU, bf16 on
+// the GPU.
+template <typename floatX>
+static int train(const Options& o, const RunSetup& run) {
+    const GPTConfig& config = run.config;
+    const std::string& resume_dir = run.resume_dir;
+    const int accumulation = run.accumulation;
+    const long tokens_per_micro_step = run.tokens_per_micro_step, total_batch = run.total_batch;
+    const size_t bucket_floats = run.bucket_floats;
+    constexpr bool on_gpu = device_of<floatX> == Device::CUDA;
+    std::string device = device_line(device_of<floatX>, false);
+    size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
 
     // the ranks: one world, laid out on the grid (dp and tp, so far)
     CommSettings cs{o.comm.empty() ? "mpi" : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
     Comm world_comm = comm_world(cs);
+    if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
     Grid grid = make_grid(world_comm, grid_shape(o));
     const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
 
     // the model (this rank's tensor-parallel share) and its data-parallel runtime
-    GPT model;
-    gpt_allocate(model, config, o.B, o.T, DataParallel::model_buffers(o.zero), TPSpec{grid.tp, grid.at.tp, o.sp == 1},
-                 o.recompute);
+    GPTModel<floatX> model;
+    gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
+                 TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute);
     model.tp.comm = &grid.tp_comm;
-    DataParallel dpr(model, grid.dp_comm, o.zero, bucket_floats);
+    model.seed = o.seed;
+    DataParallel<floatX> dpr(model, grid.dp_comm, o.zero, bucket_floats);
     TrainState state;
     Rng sampler_rng(o.seed);
     RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp};
     int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp);
-    // the optimizer state a checkpoint holds for this rank; the whole model exists only while it is
-    // initialized, loaded or saved, and every rank keeps its share of it
+    // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
+    // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
+    // saved, and every rank keeps its share of it
+    float* adam_m = o.zero >= 1 ? dpr.shard_m : model.adam_m;
+    float* adam_v = o.zero >= 1 ? dpr.shard_v : model.adam_v;
+    size_t moments = o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters;
+    std::vector<float> staged_m(on_gpu ? moments : 0), staged_v(on_gpu ? moments : 0);
     auto model_state_with = [&](float* whole_params) {
-        return ModelState{config, whole_params, o.zero >= 1 ? dpr.shard_m : model.adam_m,
-                          o.zero >= 1 ? dpr.shard_v : model.adam_v,
-                          o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters, &model.adam_step};
+        return ModelState{config, whole_params, on_gpu ? staged_m.data() : adam_m, on_gpu ? staged_v.data() : adam_v,
+                          moments, &model.adam_step};
     };
     {
-        bool mine = holds_whole_model(grid, o.zero);
-        std::vector<float> storage(mine ? 0 : num_parameters(config));
-        float* whole = mine ? model.params : storage.data();
+        std::vector<float> storage;
+        float* whole = whole_model_buffer(model, grid, o.zero, storage);
         if (!resume_dir.empty()) {
             load_checkpoint(resume_dir, model_state_with(whole), state, layout, optimizer_file);
             sampler_rng.state = state.rng_state;
+            if (on_gpu) {
+                device_upload<floatX>(adam_m, staged_m.data(), moments);
+                device_upload<floatX>(adam_v, staged_v.data(), moments);
+            }
         } else if (is_model_descriptor(o.model)) {
             gpt_init_random(config, whole, o.seed);
         } else {
             gpt_load_params(config, whole, o.model);
         }
-        if (!mine) {
-            std::vector<float> share(o.zero == 3 ? model.num_parameters : 0);
-            float* local = o.zero == 3 ? share.data() : model.params;
-            tp_copy_params(config, grid.tp, grid.at.tp, whole, local, true);
-            if (o.zero == 3) dpr.scatter_params(local);
-        }
+        install_whole_model(model, dpr, grid, o.zero, whole);
     }
 
     // the data: this dp rank's slice of every global batch
@@ -249,6 +294,10 @@ static int run(const Options& o) {
             TrainState now{step, train.state(), sampler_rng.state};
             std::vector<float> storage;
             float* whole = whole_model(model, dpr, grid, o.zero, storage);
+            if (on_gpu) {
+                device_download<floatX>(staged_m.data(), adam_m, moments);
+                device_download<floatX>(staged_v.data(), adam_v, moments);
+            }
             bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
             save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
                             writes_optimizer ? optimizer_file : -1);
@@ -292,17 +341,58 @@ static int run(const Options& o) {
         if (step == state.step && grid.dp > 1)
             printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
                    planned_comm_bytes(config, par));
+        if (step == state.step && on_gpu)
+            printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
+                   "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
+                   CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
         if (step == state.step && grid.tp > 1)
             printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
                    grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T));
         fflush(stdout);
         log.train(step, (float)loss, lr, (float)norm);
     }
-    if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
+    if constexpr (!on_gpu)  // tensor parallelism runs on the CPU only, so far
+        if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
     comm_finalize(world_comm);
     return 0;
 }
 
+// Everything that can be refused (flags, model, data, tokenizer) is checked before the first line is
+// printed, so a bad input gets exactly one line.
+static int run(const Options& o) {
+    Device dev = pick_device(o);
+    if (o.comm == "nccl" && dev == Device::CPU)
+        fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
+
+    std::string resume_dir;
+    if (o.resume) {
+        std::vector<int> steps = list_checkpoints(o.out_dir);
+        if (!steps.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(steps.back());
+    }
+    // a fresh run never mixes its checkpoints with another run's (pruning could delete the new ones)
+    if (o.checkpoint_every > 0 && !o.resume && !list_checkpoints(o.out_dir).empty())
+        fail("-o %s: already holds checkpoints; resume with -y 1 or choose another directory", o.out_dir.c_str());
+    GPTConfig config = model_config(o, resume_dir);
+    if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
+    int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
+    int dp = grid_dp(world, grid_shape(o));
+    if (config.num_heads % o.tp != 0) fail("--tp %d: must divide the number of heads (%d)", o.tp, config.num_heads);
+    if (o.sp && o.T % o.tp != 0)
+        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", o.T, o.tp);
+    long tokens_per_micro_step = (long)o.B * o.T * dp;
+    long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
+    if (total_batch % tokens_per_micro_step != 0)
+        fail("-d %ld: must be a multiple of b*t*dp = %ld", total_batch, tokens_per_micro_step);
+    if (total_batch / tokens_per_micro_step > (1 << 20))
+        fail("-d %ld: needs %ld micro-steps of b*t*dp = %ld tokens; at most %d", total_batch,
+             total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
+    int accumulation = (int)(total_batch / tokens_per_micro_step);
+    size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;
+    refuse_unbuilt_parallelism(o);
+    RunSetup run{config, resume_dir, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
+    return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
+}
 int main(int argc, char** argv) {
     try {
         return run(parse_options(argc, argv));

@@ -84,3 +84,22 @@ inline void adamw_update_cuda(bf16* params, float* master, const bf16* grads, fl
                                              v_correction, seed, cfg);
     cuda_check(cudaGetLastError());
 }
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's update on either device. On the CPU the parameters are fp32 and are their own master copy
+// (master is null, and there is no rounding to draw bits for); on the GPU the fp32 master weights take the
+// step and the bf16 parameters are rounded from them with bits chosen by (seed, t, global_offset + i), the
+// element's place in the whole model, so a shard rounds an element exactly as the unsharded run does.
+
+#include "llmc/device.cuh"
+
+inline void adamw_update(float* params, float*, const float* grads, float* m, float* v, long n, float lr,
+                         float weight_decay, float grad_scale, int t, uint64_t, long) {
+    adamw_update(params, grads, m, v, n, lr, weight_decay, grad_scale, t);
+}
+inline void adamw_update(bf16* params, float* master, const bf16* grads, float* m, float* v, long n, float lr,
+                         float weight_decay, float grad_scale, int t, uint64_t seed, long global_offset) {
+    adamw_update_cuda(params, master, grads, m, v, n, lr, weight_decay, grad_scale, t,
+                      (uint32_t)(seed * 2654435761u + (uint64_t)t * 40503u + (uint64_t)global_offset), AdamWConfig{},
+                      main_stream());
+}

@@ -348,3 +348,24 @@ inline void attention_backward_cuda(bf16* dqkv, const bf16* dout, const bf16* qk
         cuda_check(cudaGetLastError());
     });
 }
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's entry points. What forward keeps for backward differs by device: the CPU keeps the softmax
+// probabilities (B, NH, T, T) in `att`, the GPU only each row's logsumexp (B, NH, T), from which the flash
+// backward recomputes them tile by tile; the GPU backward also reads the forward's output `out`.
+
+#include "llmc/device.cuh"
+
+inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float*, const float* att, int B,
+                               int T, int C, int NH, float* scratch) {
+    attention_backward(dqkv, dout, qkv, att, B, T, C, NH, scratch);
+}
+
+inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH) {
+    attention_forward_cuda(out, lse, qkv, B, T, C, NH, main_stream());
+}
+inline void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B,
+                               int T, int C, int NH, float*) {
+    float* scratch = gpu_scratch((size_t)B * NH * T, "attention_backward");
+    attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
+}

@@ -61,6 +61,7 @@ struct ModelState {
     int* adam_step;
 };
 
+// the CPU model's own buffers, which hold fp32 on the host (a GPU model stages them: see train_gpt.cu)
 inline ModelState model_state(GPT& m) { return {m.config, m.params, m.adam_m, m.adam_v, m.num_parameters, &m.adam_step}; }
 
 inline std::string checkpoint_name(int step) { return strfmt("ckpt_%08d", step); }

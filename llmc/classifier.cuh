@@ -108,3 +108,31 @@ inline void crossentropy_backward_inplace_cuda(bf16* logits, float* losses, cons
     crossentropy_kernel<true><<<(unsigned int)N, CLASSIFIER_THREADS, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
     cuda_check(cudaGetLastError());
 }
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's entry points on the GPU: the CPU functions' arguments, bf16 logits, targets in device memory.
+// The forward returns the mean loss, so it waits for the GPU: the one read of a forward pass.
+
+#include "llmc/device.cuh"
+
+// *mean = Σ losses / N, summed by one block in a fixed order
+static __global__ void mean_loss_kernel(float* mean, const float* losses, long N) {
+    __shared__ float shared[32];
+    float s = 0.0f;
+    for (long i = threadIdx.x; i < N; i += blockDim.x) s += losses[i];
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) *mean = s / (float)N;
+}
+
+inline float crossentropy_forward(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp) {
+    crossentropy_forward_cuda(losses, logits, targets, N, V, Vp, main_stream());
+    float* mean = gpu_scratch(1, "crossentropy_forward");
+    mean_loss_kernel<<<1, 1024, 0, main_stream()>>>(mean, losses, N);
+    cuda_check(cudaGetLastError());
+    float host;
+    device_download<bf16>(&host, mean, 1);
+    return host;
+}
+inline void crossentropy_backward_inplace(bf16* logits, const int* targets, long N, int V, int Vp, float dloss) {
+    crossentropy_backward_inplace_cuda(logits, nullptr, targets, N, V, Vp, dloss, main_stream());
+}

@@ -572,6 +572,9 @@ inline Comm comm_world(const CommSettings& s) {
     } else if (s.init == "file") {
         id = nccl_id_over_file(l, s.dir, deadline);
     } else {
+        if (!use_mpi)
+            fail("--comm-init mpi: NCCL's ranks find each other through MPI, but this job was not launched by mpirun; "
+                 "use --comm-init tcp or file");
 #ifdef LLM5D_MPI
         if (c.rank == 0 && ncclGetUniqueId(&id) != ncclSuccess) fail("comm: ncclGetUniqueId failed");
         MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);

@@ -81,10 +81,15 @@ struct alignas(16) bf16x8 {
 // cuBLASLt: one handle and one workspace per process, created on first use and never freed (freeing at exit
 // would race the CUDA runtime's own teardown). Matmuls sharing the workspace must be on one stream at a time.
 
+constexpr size_t CUBLASLT_WORKSPACE_BYTES = (size_t)32 << 20;  // what Hopper's split-K and stream-K kernels ask for
+// what the CUDA context itself holds on an H100 with CUDA 12-13 (driver, module images, cuBLAS's kernels),
+// roughly; --plan prints it beside the totals, which do not include it
+constexpr double CUDA_CONTEXT_MIB = 500.0;
+
 struct CublasLtContext {
     cublasLtHandle_t handle = nullptr;
     void* workspace = nullptr;
-    size_t workspace_bytes = (size_t)32 << 20;  // what Hopper's split-K and stream-K kernels ask for
+    size_t workspace_bytes = CUBLASLT_WORKSPACE_BYTES;
     CublasLtContext() {
         cublas_check(cublasLtCreate(&handle));
         cuda_check(cudaMalloc(&workspace, workspace_bytes));

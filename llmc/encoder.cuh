@@ -16,8 +16,8 @@ inline void encoder_forward(float* out, const int* tokens, const float* wte, con
         }
 }
 
-// dwte and dwpe accumulate (+=)
-inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C) {
+// dwte (V rows) and dwpe accumulate (+=); the CUDA kernel sizes its sort keys by V
+inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C, int V) {
     constexpr int CHUNK = 64;
 #pragma omp parallel for
     for (int c0 = 0; c0 < C; c0 += CHUNK) {
@@ -135,4 +135,18 @@ inline void encoder_backward_cuda(bf16* dwte, bf16* dwpe, const bf16* dout, cons
     cuda_check(cudaGetLastError());
     encoder_wpe_backward_kernel<<<cuda_blocks((long)T * C / 2, 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
     cuda_check(cudaGetLastError());
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's entry points on the GPU: the CPU functions' arguments, bf16 storage, tokens in device memory
+
+#include "llmc/device.cuh"
+
+inline void encoder_forward(bf16* out, const int* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C) {
+    encoder_forward_cuda(out, tokens, wte, wpe, B, T, C, main_stream());
+}
+inline void encoder_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C, int V) {
+    size_t floats = (encoder_backward_scratch_bytes(B, T) + sizeof(float) - 1) / sizeof(float);
+    encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, gpu_scratch(floats, "encoder_backward"), main_stream());
+    (void)V;
 }

@@ -75,3 +75,13 @@ inline void gelu_backward_cuda(bf16* dinp, const bf16* inp, const bf16* dout, lo
     gelu_backward_kernel<<<cuda_blocks(N / 8, 256), 256, 0, stream>>>(dinp, inp, dout, N);
     cuda_check(cudaGetLastError());
 }
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's entry points on the GPU: the CPU functions' arguments, bf16 storage
+
+#include "llmc/device.cuh"
+
+inline void gelu_forward(bf16* out, const bf16* inp, long N) { gelu_forward_cuda(out, inp, N, main_stream()); }
+inline void gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, long N) {
+    gelu_backward_cuda(dinp, inp, dout, N, main_stream());
+}

@@ -67,3 +67,14 @@ inline void sum_of_squares_cuda(float* out, const bf16* x, long n, float* partia
     sum_of_squares_final_kernel<<<1, GLOBAL_NORM_BLOCKS, 0, stream>>>(out, partial);
     cuda_check(cudaGetLastError());
 }
+
+// the model's entry point on the GPU: Σ x² of bf16 values, read back (the step's read of the gradient norm)
+#include "llmc/device.cuh"
+
+inline double sum_of_squares(const bf16* x, long n) {
+    float* scratch = gpu_scratch(GLOBAL_NORM_BLOCKS + 1, "sum_of_squares");
+    sum_of_squares_cuda(scratch + GLOBAL_NORM_BLOCKS, x, n, scratch, main_stream());
+    float host;
+    device_download<bf16>(&host, scratch + GLOBAL_NORM_BLOCKS, 1);
+    return host;
+}

@@ -1,6 +1,12 @@
 // The GPT-2 model: its configuration, the flat parameter/gradient/optimizer buffers in llm.c's tensor order,
 // the activation arena, llm.c-format model files, and forward()/backward()/update() written as explicit layer
 // calls. Everything the model owns is allocated through its Ledger.
+//
+// One model for both devices: GPTModel<floatX> stores its parameters, gradients and activations as floatX (llm.c's
+// name for it): float on the CPU and bf16 on the GPU (llmc/device.cuh), with fp32 master weights, moments and
+// statistics there. Every layer call below resolves by its pointer types to the CPU reference or the CUDA kernel
+// of the same name, so forward and backward are the same call sequence on both devices. GPT is the CPU model,
+// GPTCuda the GPU's.
 #pragma once
 
 #include <omp.h>
@@ -13,6 +19,7 @@
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
+#include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
@@ -144,13 +151,15 @@ inline bool is_decayed(int tensor) {
 }
 
 // pointers to the tensors of one flat buffer (parameters or gradients, same layout), or to one unit's slices
+template <typename floatX>
 struct ParamViews {
-    float* t[NUM_PARAM_TENSORS] = {};
-    float* operator[](int i) const { return t[i]; }
+    floatX* t[NUM_PARAM_TENSORS] = {};
+    floatX* operator[](int i) const { return t[i]; }
 };
 
-inline ParamViews param_views(float* base, const size_t sizes[NUM_PARAM_TENSORS]) {
-    ParamViews v;
+template <typename floatX>
+inline ParamViews<floatX> param_views(floatX* base, const size_t sizes[NUM_PARAM_TENSORS]) {
+    ParamViews<floatX> v;
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
         v.t[i] = base;
         base += sizes[i];
@@ -197,8 +206,9 @@ inline size_t segments_size(const std::vector<Segment>& segs) {
 }
 
 // views of a unit's tensors: inside the flat buffer at base, or packed back to back from base
-inline ParamViews unit_views(const std::vector<Segment>& segs, float* base, bool packed) {
-    ParamViews v;
+template <typename floatX>
+inline ParamViews<floatX> unit_views(const std::vector<Segment>& segs, floatX* base, bool packed) {
+    ParamViews<floatX> v;
     size_t running = 0;
     for (const Segment& s : segs) {
         v.t[s.tensor] = base + (packed ? running : s.offset);
@@ -210,11 +220,12 @@ inline ParamViews unit_views(const std::vector<Segment>& segs, float* base, bool
 // Where the parameters and gradients live when they are not the model's own flat buffers, and what to do when
 // backward has finished a unit's gradients: the hooks a data-parallel runtime (llmc/zero.cuh) plugs into the
 // model. Without one, everything is local and flat.
+template <typename floatX>
 struct ParamStore {
     virtual ~ParamStore() = default;
     virtual void begin_pass(bool backward) = 0;
-    virtual ParamViews params(int unit) = 0;  // ready to read when this returns
-    virtual ParamViews grads(int unit) = 0;   // where backward accumulates this unit's gradients
+    virtual ParamViews<floatX> params(int unit) = 0;  // ready to read when this returns
+    virtual ParamViews<floatX> grads(int unit) = 0;   // where backward accumulates this unit's gradients
     virtual void grads_done(int unit) = 0;    // this micro-step's gradients of the unit are complete
     virtual void end_pass() = 0;
 };
@@ -240,9 +251,19 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T) 
     return d;
 }
 
+// floatX: the storage type; statistics, losses and attention's saved state are fp32 on both devices
+template <typename floatX>
 struct Activations {
-    float *encoded, *ln1, *ln1_mean, *ln1_rstd, *qkv, *att, *atty, *attproj, *residual2, *ln2, *ln2_mean, *ln2_rstd,
-        *fch, *fch_gelu, *fcproj, *residual3, *lnf, *lnf_mean, *lnf_rstd, *logits, *losses, *lse;
+    floatX *encoded, *ln1;
+    float *ln1_mean, *ln1_rstd;
+    floatX* qkv;
+    float* att;  // attention's saved state: the probabilities on the CPU, the logsumexp on the GPU
+    floatX *atty, *attproj, *residual2, *ln2;
+    float *ln2_mean, *ln2_rstd;
+    floatX *fch, *fch_gelu, *fcproj, *residual3, *lnf;
+    float *lnf_mean, *lnf_rstd;
+    floatX* logits;
+    float *losses, *lse;
 };
 
 // Activation recomputation (-r): 0 keeps everything; 1 recomputes GELU's output in backward from its input;
@@ -250,73 +271,130 @@ struct Activations {
 // recomputed is not kept per layer: one buffer, shared by all layers, holds it while it is used.
 enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_GELU = 1, RECOMPUTE_LAYERNORM = 2 };
 
-// the floats of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
+// attention's saved state per layer: the T×T probabilities of every head on the CPU, T logsumexps on the GPU
+inline size_t attention_state_floats(const LocalDims& d, Device dev) {
+    return (size_t)d.NHl * d.B * d.T * (dev == Device::CUDA ? 1 : d.T);
+}
+
+// the elements of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
 // column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local; 0
 // for a slot that is recomputed
-inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute) {
+inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute, Device dev) {
     size_t BT = d.BT, R = d.R, C = d.C;
     size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : BT * d.Hl;
-    return {ln, R, R, BT * 3 * d.Cl, (size_t)d.NHl * d.B * d.T * d.T, BT * d.Cl, R * C, R * C,
+    return {ln, R, R, BT * 3 * d.Cl, attention_state_floats(d, dev), BT * d.Cl, R * C, R * C,
             ln, R, R, BT * d.Hl, gelu, R * C, R * C};
 }
 
+// a per-layer slot: where its pointer is, and the size of its elements
+struct SlotRef {
+    void** pointer;
+    size_t element;
+};
+template <typename E>
+inline SlotRef slot(E*& p) {
+    return {reinterpret_cast<void**>(&p), sizeof(E)};
+}
+
 // the per-layer slot pointers of Activations, in the order of layer_slot_sizes
-inline std::vector<float**> layer_slots(Activations& a) {
-    return {&a.ln1, &a.ln1_mean, &a.ln1_rstd, &a.qkv, &a.att, &a.atty, &a.attproj, &a.residual2,
-            &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.fch, &a.fch_gelu, &a.fcproj, &a.residual3};
+template <typename floatX>
+inline std::vector<SlotRef> layer_slots(Activations<floatX>& a) {
+    return {slot(a.ln1), slot(a.ln1_mean), slot(a.ln1_rstd), slot(a.qkv), slot(a.att), slot(a.atty), slot(a.attproj),
+            slot(a.residual2), slot(a.ln2), slot(a.ln2_mean), slot(a.ln2_rstd), slot(a.fch), slot(a.fch_gelu),
+            slot(a.fcproj), slot(a.residual3)};
 }
 
 // layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
-inline Activations layer_slice(const Activations& a, int l, const LocalDims& d, int recompute) {
-    Activations v = a;
-    std::vector<float**> slots = layer_slots(v);
-    std::vector<size_t> sizes = layer_slot_sizes(d, recompute);
-    for (size_t i = 0; i < slots.size(); i++) *slots[i] += l * sizes[i];
+template <typename floatX>
+inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute) {
+    Activations<floatX> v = a;
+    std::vector<SlotRef> slots = layer_slots(v);
+    std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>);
+    for (size_t i = 0; i < slots.size(); i++)
+        *slots[i].pointer = static_cast<char*>(*slots[i].pointer) + l * sizes[i] * slots[i].element;
     return v;
 }
 
-// buffers that live only inside backward (activation gradients), plus per-thread kernel workspaces; under
-// tensor parallelism also the partial sums of row-parallel outputs, and under sequence parallelism the
-// gathered output gradients and the reduced input gradients
+// buffers that live only inside backward (activation gradients), plus the kernels' workspaces (on the CPU the
+// GEMM's packing panels and attention's rows per thread; on the GPU the shared kernel scratch of
+// llmc/device.cuh); under tensor parallelism also the partial sums of row-parallel outputs, and under sequence
+// parallelism the gathered output gradients and the reduced input gradients
+template <typename floatX>
 struct Scratch {
-    float *dresidual, *dln, *dqkv, *datty, *dfch, *attention, *gemm, *partial, *gather, *whole, *dchunk;
+    floatX *dresidual, *dln, *dqkv, *datty, *dfch;
+    float *attention, *gemm;
+    floatX *partial, *gather, *whole, *dchunk;
 };
 
-struct GPT {
+// the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
+inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
+    size_t need = (size_t)layernorm_backward_scratch_floats(d.R, d.C);
+    for (long oc : {3L * d.Cl, (long)d.C, (long)d.Hl})  // the matmuls with a bias gradient
+        need = std::max(need, (size_t)matmul_backward_scratch_floats(d.BT, oc));
+    need = std::max(need, (size_t)d.NHl * d.B * d.T);  // attention's row sums
+    // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need, twice the keys
+    // and values sorted, plus 64 KiB of histograms
+    size_t sort_bytes = cuda_device_available() ? encoder_backward_scratch_bytes(d.B, d.T)
+                                                : 3 * d.BT * sizeof(int) + 2 * d.BT * 2 * sizeof(int) + 65536;
+    need = std::max(need, (sort_bytes + 3) / 4);
+    return std::max(need, (size_t)GLOBAL_NORM_BLOCKS + 1);
+}
+
+template <typename floatX>
+struct GPTModel {
     GPTConfig config;
     int B = 0, T = 0;  // the largest batch forward() accepts
     Ledger ledger;
     size_t param_sizes[NUM_PARAM_TENSORS];
     size_t num_parameters = 0;
-    float* params = nullptr;
-    float* grads = nullptr;
+    floatX* params = nullptr;
+    floatX* grads = nullptr;
+    float* master = nullptr;  // the GPU's fp32 copy of params, which AdamW updates; null on the CPU
     float* adam_m = nullptr;
     float* adam_v = nullptr;
     std::vector<std::vector<Segment>> units;
-    ParamStore* store = nullptr;  // null: parameters and gradients are the flat buffers above
+    ParamStore<floatX>* store = nullptr;  // null: parameters and gradients are the flat buffers above
     int adam_step = 0;  // updates taken so far (AdamW's t)
+    uint64_t seed = 0;  // the stochastic rounding's bits on the GPU
     TensorParallel tp;  // this rank's place in its tensor-parallel group
     int recompute = RECOMPUTE_NONE;
-    Activations acts;
-    Scratch scratch;
+    Activations<floatX> acts;
+    Scratch<floatX> scratch;
     std::vector<int> inputs, targets;  // the batch of the last forward, which backward needs
+    int *device_inputs = nullptr, *device_targets = nullptr;  // the same, where the kernels read them
     int last_B = 0, last_T = 0;
     float last_loss = -1.0f;
+
+    GPTModel() = default;
+    GPTModel(const GPTModel&) = delete;
+    GPTModel& operator=(const GPTModel&) = delete;
+    ~GPTModel() {
+        GpuScratch& registered = gpu_scratch_registry();
+        if (device_of<floatX> == Device::CUDA && registered.floats == scratch.gemm) registered = GpuScratch{};
+    }
 };
+using GPT = GPTModel<float>;
+using GPTCuda = GPTModel<bf16>;
 
 // which of the model states the model allocates itself; ZeRO allocates the rest as shards
 struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
-inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
+template <typename floatX>
+inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
                          int recompute = RECOMPUTE_NONE) {
+    constexpr bool gpu = device_of<floatX> == Device::CUDA;
     validate_config(config, "model");
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
     if (config.num_heads % tp.size != 0)
         fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
     if (tp.sp && T % tp.size != 0)
         fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
+    if (gpu && tp.size > 1) fail("--tp %d: tensor parallelism on the GPU is not implemented yet", tp.size);
+    int head_size = config.channels / config.num_heads;
+    if (gpu && head_size != 64 && head_size != 128)
+        fail("model: head size %d (channels / heads): the GPU attention kernels take 64 or 128", head_size);
     m.config = config;
     m.B = B;
     m.T = T;
@@ -324,42 +402,53 @@ inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuf
     m.recompute = recompute;
     param_tensor_sizes(config, m.param_sizes, tp.size);
     m.num_parameters = num_parameters(config, tp.size);
-    if (own.params) m.params = m.ledger.alloc_floats(MEM_PARAMS, m.num_parameters);
-    if (own.grads) m.grads = m.ledger.alloc_floats(MEM_GRADS, m.num_parameters);
+    Ledger& led = m.ledger;
+    if (own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
+    if (own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
     if (own.optimizer) {
-        m.adam_m = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
-        m.adam_v = m.ledger.alloc_floats(MEM_OPTIMIZER, m.num_parameters);
+        if (gpu) m.master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, m.num_parameters);
+        m.adam_m = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
+        m.adam_v = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
     }
     for (int u = 0; u < num_units(config); u++) m.units.push_back(unit_segments(config, u, tp.size));
 
     LocalDims d = local_dims(config, tp, B, T);
     size_t L = config.num_layers, C = config.channels, BT = d.BT, R = d.R;
-    Activations& a = m.acts;
-    auto act = [&](size_t n) { return m.ledger.alloc_floats(MEM_ACTIVATIONS, n); };
+    Activations<floatX>& a = m.acts;
+    auto act = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n); };
+    auto act_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_ACTIVATIONS, n); };
     a.encoded = act(R * C);
-    std::vector<float**> slots = layer_slots(a);
-    std::vector<size_t> sizes = layer_slot_sizes(d, recompute);
-    for (size_t i = 0; i < slots.size(); i++) *slots[i] = act(L * sizes[i]);
+    std::vector<SlotRef> slots = layer_slots(a);
+    std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>);
+    for (size_t i = 0; i < slots.size(); i++)
+        *slots[i].pointer = slots[i].element == sizeof(float) ? (void*)act_f(L * sizes[i]) : (void*)act(L * sizes[i]);
     // a recomputed slot is one buffer for every layer (layer_slice steps through it by 0)
     if (recompute >= RECOMPUTE_GELU) a.fch_gelu = act(BT * d.Hl);
     if (recompute >= RECOMPUTE_LAYERNORM) a.ln1 = a.ln2 = act(BT * C);
     a.lnf = act(BT * C);
-    a.lnf_mean = act(R);
-    a.lnf_rstd = act(R);
+    a.lnf_mean = act_f(R);
+    a.lnf_rstd = act_f(R);
     a.logits = act(BT * d.Vl);
-    a.losses = act(BT);
-    a.lse = tp.size > 1 ? act(BT) : nullptr;
+    a.losses = act_f(BT);
+    a.lse = tp.size > 1 ? act_f(BT) : nullptr;
 
-    Scratch& s = m.scratch;
+    Scratch<floatX>& s = m.scratch;
     int threads = omp_get_max_threads();
-    auto scr = [&](size_t n) { return m.ledger.alloc_floats(MEM_SCRATCH, n); };
+    auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
     s.dresidual = scr(R * C);
     s.dln = scr(BT * C);
     s.dqkv = scr(BT * 3 * d.Cl);
     s.datty = scr(BT * d.Cl);
     s.dfch = scr(BT * d.Hl);
-    s.attention = scr((size_t)threads * T);
-    s.gemm = scr(gemm_workspace_floats(threads));
+    if (gpu) {
+        size_t floats = gpu_kernel_scratch_floats(d);
+        s.attention = nullptr;
+        s.gemm = led.alloc<floatX, float>(MEM_SCRATCH, floats);
+        gpu_scratch_registry() = GpuScratch{s.gemm, floats};
+    } else {
+        s.attention = led.alloc<floatX, float>(MEM_SCRATCH, (size_t)threads * T);
+        s.gemm = led.alloc<floatX, float>(MEM_SCRATCH, gemm_workspace_floats(threads));
+    }
     s.partial = tp.size > 1 ? scr(BT * C) : nullptr;
     s.gather = tp.size > 1 ? scr(BT * C / tp.size) : nullptr;
     s.whole = tp.sp ? scr(BT * C) : nullptr;
@@ -367,6 +456,13 @@ inline void gpt_allocate(GPT& m, const GPTConfig& config, int B, int T, ModelBuf
     m.tp.gather = s.gather;
     m.inputs.assign(BT, 0);
     m.targets.assign(BT, 0);
+    if (gpu) {
+        m.device_inputs = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
+        m.device_targets = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
+    } else {
+        m.device_inputs = m.inputs.data();
+        m.device_targets = m.targets.data();
+    }
 }
 
 // Moves parameters between the whole model (llm.c's layout) and one tensor-parallel rank's share of it, in
@@ -506,18 +602,22 @@ inline void gpt_save_params(const GPTConfig& c, const float* params, const std::
 // forward, backward, update
 
 // a unit's parameters and gradients, from the store when there is one
-inline ParamViews unit_params(GPT& m, int unit) {
+template <typename floatX>
+inline ParamViews<floatX> unit_params(GPTModel<floatX>& m, int unit) {
     return m.store ? m.store->params(unit) : unit_views(m.units[unit], m.params, false);
 }
-inline ParamViews unit_grads(GPT& m, int unit) {
+template <typename floatX>
+inline ParamViews<floatX> unit_grads(GPTModel<floatX>& m, int unit) {
     return m.store ? m.store->grads(unit) : unit_views(m.units[unit], m.grads, false);
 }
 
 // Runs the model on inputs (B×T tokens, B and T at most what the model was allocated for). With targets, also
-// the loss, which it returns (mean over the B×T tokens); without, returns -1 and leaves only the logits.
+// the loss, which it returns (mean over the B×T tokens; on the GPU reading it waits for the forward to finish);
+// without, returns -1 and leaves only the logits.
 // Under tensor parallelism every rank of the group calls it with the same tokens; tp wraps the layer calls
 // that cross ranks (llmc/tp.cuh), and R = BT/tp rows of the residual stream live on each rank under sp.
-inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, int T) {
+template <typename floatX>
+inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targets, int B, int T) {
     if (B > m.B || T > m.T) fail("forward: batch %dx%d exceeds the allocated %dx%d", B, T, m.B, m.T);
     const GPTConfig& c = m.config;
     int L = c.num_layers, V = c.vocab_size;
@@ -530,74 +630,82 @@ inline float gpt_forward(GPT& m, const int* inputs, const int* targets, int B, i
     }
     std::copy(inputs, inputs + BT, m.inputs.begin());
     if (targets) std::copy(targets, targets + BT, m.targets.begin());
+    device_upload<floatX>(m.device_inputs, m.inputs.data(), BT);
+    if (targets) device_upload<floatX>(m.device_targets, m.targets.data(), BT);
     m.last_B = B;
     m.last_T = T;
-    Activations& a = m.acts;
+    Activations<floatX>& a = m.acts;
     TensorParallel& tp = m.tp;
-    float *ws = m.scratch.gemm, *partial = m.scratch.partial;
+    float* ws = m.scratch.gemm;
+    floatX* partial = m.scratch.partial;
     NvtxRange pass("forward");
     if (m.store) m.store->begin_pass(false);
 
-    ParamViews emb = unit_params(m, embedding_unit(c));
-    tp.embedding_forward(a.encoded, partial, inputs, emb[WTE], emb[WPE], B, T, C, d.Vl);
-    const float* residual = a.encoded;
+    ParamViews<floatX> emb = unit_params(m, embedding_unit(c));
+    tp.embedding_forward(a.encoded, partial, m.device_inputs, emb[WTE], emb[WPE], B, T, C, d.Vl);
     for (int l = 0; l < L; l++) {
         NvtxRange layer("layer", l);
-        ParamViews w = unit_params(m, layer_unit(c, l));
-        Activations la = layer_slice(a, l, d, m.recompute);
-        layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B], R, C);
+        ParamViews<floatX> w = unit_params(m, layer_unit(c, l));
+        Activations<floatX> la = layer_slice(a, l, d, m.recompute), prev = layer_slice(a, std::max(l - 1, 0), d, m.recompute);
+        // the residual add that ends the previous layer is fused with the layernorm that begins this one
+        if (l == 0) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, a.encoded, w[LN1W], w[LN1B], R, C);
+        else fused_residual_layernorm_forward(prev.residual3, la.ln1 + first, la.ln1_mean, la.ln1_rstd, prev.residual2,
+                                              prev.fcproj, w[LN1W], w[LN1B], R, C);
+        const floatX* residual = l == 0 ? a.encoded : prev.residual3;
         tp.gather_rows(la.ln1, BT, C);
         matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * d.Cl, ws);
         attention_forward(la.atty, la.att, la.qkv, B, T, d.Cl, d.NHl);
         tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws);
-        residual_forward(la.residual2, residual, la.attproj, R * C);
-        layernorm_forward(la.ln2 + first, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B], R, C);
+        fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, residual, la.attproj,
+                                         w[LN2W], w[LN2B], R, C);
         tp.gather_rows(la.ln2, BT, C);
-        matmul_forward(la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
-        gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
+        matmul_gelu_forward(la.fch_gelu, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
         tp.row_parallel_forward(la.fcproj, partial, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
-        residual_forward(la.residual3, la.residual2, la.fcproj, R * C);
-        residual = la.residual3;
     }
-    ParamViews fin = unit_params(m, FINAL_NORM_UNIT);
-    layernorm_forward(a.lnf + first, a.lnf_mean, a.lnf_rstd, residual, fin[LNFW], fin[LNFB], R, C);
+    Activations<floatX> last = layer_slice(a, L - 1, d, m.recompute);
+    ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT);
+    fused_residual_layernorm_forward(last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
+                                     fin[LNFW], fin[LNFB], R, C);
     tp.gather_rows(a.lnf, BT, C);
     emb = unit_params(m, embedding_unit(c));
-    matmul_forward(a.logits, a.lnf, emb[WTE], nullptr, BT, C, d.Vl, ws);
+    matmul_forward(a.logits, a.lnf, emb[WTE], (const floatX*)nullptr, BT, C, d.Vl, ws);
     if (m.store) m.store->end_pass();
     if (!targets) return m.last_loss = -1.0f;
-    m.last_loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, targets, BT, V, d.Vl)
-                          : crossentropy_forward(a.losses, a.logits, targets, BT, V, c.padded_vocab_size);
+    m.last_loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, m.device_targets, BT, V, d.Vl)
+                          : crossentropy_forward(a.losses, a.logits, m.device_targets, BT, V, c.padded_vocab_size);
     return m.last_loss;
 }
 
 // the logits of one row over the whole vocab (gathered from the tensor-parallel group), for sampling
-inline std::vector<float> gpt_logits_row(GPT& m, long row) {
+template <typename floatX>
+inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, long row) {
     int Vl = TensorParallel::vocab_rows(m.config.padded_vocab_size, m.tp.size());
-    std::vector<float> whole((size_t)Vl * m.tp.size());
-    const float* mine = m.acts.logits + row * Vl;
-    if (m.tp.on()) m.tp.comm->wait(m.tp.comm->all_gather(mine, whole.data(), Vl, DType::F32));
-    else std::copy(mine, mine + Vl, whole.begin());
+    std::vector<float> mine(Vl), whole((size_t)Vl * m.tp.size());
+    download_as_float(mine.data(), m.acts.logits + row * Vl, Vl);
+    if (m.tp.on()) m.tp.comm->wait(m.tp.comm->all_gather(mine.data(), whole.data(), Vl, DType::F32));
+    else whole = mine;
     whole.resize(m.config.vocab_size);
     return whole;
 }
 
-inline void gpt_zero_grad(GPT& m) { memset(m.grads, 0, m.num_parameters * sizeof(float)); }
+template <typename floatX>
+inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.num_parameters); }
 
 // accumulates into the gradients the backward of the last forward (which must have had targets); dloss is the
 // weight of each token's loss in the objective: 1 / (B·T·accumulation steps) for a mean over the global batch
-inline void gpt_backward(GPT& m, float dloss) {
+template <typename floatX>
+inline void gpt_backward(GPTModel<floatX>& m, float dloss) {
     if (m.last_loss < 0) fail("backward: the last forward had no targets");
     const GPTConfig& c = m.config;
     int B = m.last_B, T = m.last_T, L = c.num_layers, V = c.vocab_size;
     LocalDims d = local_dims(c, m.tp.spec, B, T);
     long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
-    Activations& a = m.acts;
-    Scratch& s = m.scratch;
+    Activations<floatX>& a = m.acts;
+    Scratch<floatX>& s = m.scratch;
     TensorParallel& tp = m.tp;
     float* ws = s.gemm;
     // the gradient of a layernorm's output for this rank's rows: the partial sums of every rank, reduced
-    float* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
+    floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
     auto done = [&](int unit) {
         if (m.store) m.store->grads_done(unit);
     };
@@ -605,14 +713,14 @@ inline void gpt_backward(GPT& m, float dloss) {
     if (m.store) m.store->begin_pass(true);
 
     // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
-    if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, m.targets.data(), BT, V, d.Vl, dloss);
-    else crossentropy_backward_inplace(a.logits, m.targets.data(), BT, V, c.padded_vocab_size, dloss);
-    ParamViews emb = unit_params(m, embedding_unit(c)), demb = unit_grads(m, embedding_unit(c));
-    matmul_backward(s.dln, demb[WTE], nullptr, a.logits, a.lnf, emb[WTE], BT, C, d.Vl, ws);
+    if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, m.device_targets, BT, V, d.Vl, dloss);
+    else crossentropy_backward_inplace(a.logits, m.device_targets, BT, V, c.padded_vocab_size, dloss);
+    ParamViews<floatX> emb = unit_params(m, embedding_unit(c)), demb = unit_grads(m, embedding_unit(c));
+    matmul_backward(s.dln, demb[WTE], (floatX*)nullptr, a.logits, a.lnf, emb[WTE], BT, C, d.Vl, ws);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
-    memset(s.dresidual, 0, R * C * sizeof(float));
-    const float* last_residual = a.residual3 + (L - 1) * R * C;
-    ParamViews fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
+    device_zero<floatX>(s.dresidual, R * C);
+    const floatX* last_residual = a.residual3 + (L - 1) * R * C;
+    ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
     layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean, a.lnf_rstd, R, C);
     done(FINAL_NORM_UNIT);
 
@@ -620,17 +728,17 @@ inline void gpt_backward(GPT& m, float dloss) {
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
     for (int l = L - 1; l >= 0; l--) {
         NvtxRange layer("layer", l);
-        const float* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
-        Activations la = layer_slice(a, l, d, m.recompute);
-        ParamViews w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
+        const floatX* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
+        Activations<floatX> la = layer_slice(a, l, d, m.recompute);
+        ParamViews<floatX> w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
         // what forward did not keep, computed again exactly as forward did (and gathered again under sp)
-        auto recompute_layernorm = [&](float* out, float* mean, float* rstd, const float* inp, int weight, int bias) {
+        auto recompute_layernorm = [&](floatX* out, float* mean, float* rstd, const floatX* inp, int weight, int bias) {
             layernorm_forward(out + first, mean, rstd, inp, w[weight], w[bias], R, C);
             tp.gather_rows(out, BT, C);
         };
         if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
 
-        const float* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+        const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
         matmul_backward(s.dfch, dw[FCPROJW], dw[FCPROJB], dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
         gelu_backward(s.dfch, la.fch, s.dfch, BT * d.Hl);
         if (m.recompute >= RECOMPUTE_LAYERNORM)
@@ -640,7 +748,7 @@ inline void gpt_backward(GPT& m, float dloss) {
         layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
         dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
         matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
-        attention_backward(s.dqkv, s.datty, la.qkv, la.att, B, T, d.Cl, d.NHl, s.attention);
+        attention_backward(s.dqkv, s.datty, la.qkv, la.atty, la.att, B, T, d.Cl, d.NHl, s.attention);
         if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
         matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
@@ -648,21 +756,42 @@ inline void gpt_backward(GPT& m, float dloss) {
         done(layer_unit(c, l));
     }
     demb = unit_grads(m, embedding_unit(c));
-    tp.embedding_backward(demb[WTE], demb[WPE], s.dresidual, s.whole, m.inputs.data(), B, T, C, d.Vl);
+    tp.embedding_backward(demb[WTE], demb[WPE], s.dresidual, s.whole, m.device_inputs, B, T, C, d.Vl);
     done(embedding_unit(c));
     if (m.store) m.store->end_pass();
 }
 
-inline double gpt_grad_norm(const GPT& m) { return sqrt(sum_of_squares(m.grads, (long)m.num_parameters)); }
+template <typename floatX>
+inline double gpt_grad_norm(const GPTModel<floatX>& m) {
+    return sqrt(sum_of_squares(m.grads, (long)m.num_parameters));
+}
 
 // one AdamW step over every tensor; grad_scale is the clipping factor
-inline void gpt_update(GPT& m, float lr, float weight_decay, float grad_scale) {
+template <typename floatX>
+inline void gpt_update(GPTModel<floatX>& m, float lr, float weight_decay, float grad_scale) {
     m.adam_step++;
     size_t offset = 0;
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
         size_t n = m.param_sizes[i];
-        adamw_update(m.params + offset, m.grads + offset, m.adam_m + offset, m.adam_v + offset, (long)n, lr,
-                     is_decayed(i) ? weight_decay : 0.0f, grad_scale, m.adam_step);
+        adamw_update(m.params + offset, m.master ? m.master + offset : nullptr, m.grads + offset, m.adam_m + offset,
+                     m.adam_v + offset, (long)n, lr, is_decayed(i) ? weight_decay : 0.0f, grad_scale, m.adam_step,
+                     m.seed, (long)offset);
         offset += n;
     }
+}
+
+// The parameters of this rank's share, from fp32 values on the host (initialized or read from a file): copied
+// on the CPU (unless they are the model's own buffer already); on the GPU the master weights take them exactly
+// and the bf16 parameters rounded to nearest.
+template <typename floatX>
+inline void gpt_set_params(GPTModel<floatX>& m, const float* host) {
+    if (m.master) device_upload<floatX>(m.master, host, m.num_parameters);
+    upload_from_float(m.params, host, m.num_parameters);
+}
+
+// ... and back: the fp32 values the model trains (the master weights where there are any), into host memory
+template <typename floatX>
+inline void gpt_get_params(const GPTModel<floatX>& m, float* host) {
+    if (m.master) device_download<floatX>(host, m.master, m.num_parameters);
+    else download_as_float(host, m.params, m.num_parameters);
 }

@@ -210,3 +210,31 @@ inline void layernorm_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, cons
     layernorm_param_grad_kernel<<<cuda_blocks(C, 256), 256, 0, stream>>>(dweight, dbias, scratch, blocks, C);
     cuda_check(cudaGetLastError());
 }
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's entry points: the CPU functions above and, for bf16, the kernels. GPT-2 adds the residual
+// stream right before every layernorm but the first, so both devices offer that pair as one call.
+
+#include "llmc/device.cuh"
+#include "llmc/residual.cuh"
+
+// residual = inp1 + inp2, out = layernorm(residual); no output may alias an input
+inline void fused_residual_layernorm_forward(float* residual, float* out, float* mean, float* rstd, const float* inp1,
+                                             const float* inp2, const float* weight, const float* bias, long N, int C) {
+    residual_forward(residual, inp1, inp2, N * C);
+    layernorm_forward(out, mean, rstd, residual, weight, bias, N, C);
+}
+
+inline void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight,
+                              const bf16* bias, long N, int C) {
+    layernorm_forward_cuda(out, mean, rstd, inp, weight, bias, N, C, main_stream());
+}
+inline void fused_residual_layernorm_forward(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* inp1,
+                                             const bf16* inp2, const bf16* weight, const bf16* bias, long N, int C) {
+    fused_residual_layernorm_forward_cuda(residual, out, mean, rstd, inp1, inp2, weight, bias, N, C, main_stream());
+}
+inline void layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
+                               const bf16* weight, const float* mean, const float* rstd, long N, int C) {
+    float* scratch = gpu_scratch((size_t)layernorm_backward_scratch_floats(N, C), "layernorm_backward");
+    layernorm_backward_cuda(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, scratch, main_stream());
+}

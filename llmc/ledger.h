@@ -1,11 +1,15 @@
 // Every buffer the trainer allocates goes through a Ledger, tagged with what it is for. The totals per
-// category are what `--plan` predicts, so the two can be compared exactly (tests do).
+// category are what `--plan` predicts, so the two can be compared exactly (tests do). Host buffers come from
+// aligned_alloc, device buffers from cudaMalloc; both start zeroed.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "llmc/device.cuh"
 #include "llmc/utils.h"
 
 enum MemCategory { MEM_PARAMS, MEM_MASTER_WEIGHTS, MEM_GRADS, MEM_OPTIMIZER, MEM_ACTIVATIONS, MEM_COMM, MEM_SCRATCH,
@@ -19,13 +23,14 @@ inline const char* mem_category_name(int c) {
 
 struct Ledger {
     size_t bytes[MEM_CATEGORIES] = {};
-    std::vector<void*> blocks;
+    std::vector<void*> blocks, device_blocks;
 
     Ledger() = default;
     Ledger(const Ledger&) = delete;
     Ledger& operator=(const Ledger&) = delete;
     ~Ledger() {
         for (void* p : blocks) free(p);
+        for (void* p : device_blocks) cudaFree(p);  // no check: a failing driver at exit has nothing left to say
     }
 
     // zero-filled and 64-byte aligned, so vector loads never straddle cache lines
@@ -38,6 +43,26 @@ struct Ledger {
         blocks.push_back(p);
         bytes[category] += n;
         return (float*)p;
+    }
+    // count elements of E on the device of the storage type T
+    template <typename T, typename E>
+    E* alloc(MemCategory category, size_t count) {
+        if constexpr (device_of<T> == Device::CPU) {
+            static_assert(sizeof(E) == sizeof(float), "host buffers hold fp32 or int32");
+            return reinterpret_cast<E*>(alloc_floats(category, count));
+        } else {
+            size_t n = count * sizeof(E);
+            void* p = nullptr;
+            if (cudaMalloc(&p, n ? n : 256) != cudaSuccess) {
+                (void)cudaGetLastError();
+                fail("out of GPU memory allocating %zu bytes for %s (%.1f MiB allocated so far)", n,
+                     mem_category_name(category), total() / 1048576.0);
+            }
+            cuda_check(cudaMemset(p, 0, n ? n : 256));
+            device_blocks.push_back(p);
+            bytes[category] += n;
+            return static_cast<E*>(p);
+        }
     }
     size_t total() const {
         size_t t = 0;

@@ -321,3 +321,32 @@ inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const b
         cuda_check(cudaGetLastError());
     }
 }
+
+// ----------------------------------------------------------------------------------------------------------
+// the model's entry points: the CPU functions above and, for bf16, cuBLASLt (which keeps its own workspace, so
+// `workspace` is the CPU's packing panels only). The MLP's first matmul and its GELU are one call on both
+// devices: a cuBLASLt epilogue on the GPU.
+
+#include "llmc/device.cuh"
+#include "llmc/gelu.cuh"
+
+// pre_gelu = inp · Wᵀ + bias, out = GELU(pre_gelu)
+inline void matmul_gelu_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias,
+                                long N, long C, long OC, float* workspace) {
+    matmul_forward(pre_gelu, inp, weight, bias, N, C, OC, workspace);
+    gelu_forward(out, pre_gelu, N * OC);
+}
+
+inline void matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C, long OC,
+                           float*) {
+    matmul_forward_cuda(out, inp, weight, bias, N, C, OC, nullptr, main_stream());
+}
+inline void matmul_gelu_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias,
+                                long N, long C, long OC, float*) {
+    matmul_forward_cuda(out, inp, weight, bias, N, C, OC, pre_gelu, main_stream());
+}
+inline void matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
+                            const bf16* weight, long N, long C, long OC, float*) {
+    float* scratch = gpu_scratch((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward");
+    matmul_backward_cuda(dinp, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream());
+}

@@ -4,7 +4,9 @@
 //
 // Notation as in the Ultra-Scale Playbook: Ψ parameters, L layers, C channels (h), NH heads (a), B×T tokens
 // (b, s), Vp padded vocab. On the CPU everything is fp32 (4 bytes), the parameters are their own master copy,
-// and AdamW keeps two moments, so the model states are 4Ψ + 4Ψ + 8Ψ = 16Ψ bytes.
+// and AdamW keeps two moments, so the model states are 4Ψ + 4Ψ + 8Ψ = 16Ψ bytes. On the GPU (bf16 mixed
+// precision) parameters, gradients and activations are 2-byte bf16 and the master weights, moments, layernorm
+// statistics, losses and attention's logsumexps 4-byte fp32; the kernels share one fp32 scratch (llmc/device.cuh).
 //
 // Under data parallelism over N ranks, ZeRO divides model states by N stage by stage (the Playbook's
 // formulas, per rank): ZeRO-1 4Ψ + 4Ψ + 8Ψ/N, ZeRO-2 4Ψ + (4+8)Ψ/N, ZeRO-3 (4+4+8)Ψ/N; with bf16 mixed
@@ -69,8 +71,11 @@ inline void plan_model_states(size_t bytes[MEM_CATEGORIES], size_t psi, size_t s
     bytes[MEM_OPTIMIZER] = e.optimizer * (zero >= 1 ? shard : psi);
 }
 
-inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par = {}) {
-    const size_t F = sizeof(float);
+inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par = {},
+                              Device dev = Device::CPU) {
+    const bool gpu = dev == Device::CUDA;
+    const size_t F = sizeof(float), X = gpu ? 2 : 4;  // fp32, and the storage type
+    const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
     size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp);
     size_t L = c.num_layers, C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
     // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
@@ -78,16 +83,16 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
     MemoryPlan p;
     if (par.dp == 1 && par.zero == 0 && t == 1) {
-        plan_model_states(p.bytes, psi, psi, 0, CPU_FP32);
+        plan_model_states(p.bytes, psi, psi, 0, precision);
     } else {
         BucketLayout lay = bucket_layout(c, par.dp, par.bucket_floats, par.tp);
-        plan_model_states(p.bytes, psi, lay.shard_size, par.zero, CPU_FP32);
+        plan_model_states(p.bytes, psi, lay.shard_size, par.zero, precision);
         // staging for reductions in flight: the embeddings' bucket and two others, each with its piece; under
         // ZeRO-3 also the gathered parameters: the embeddings' bucket, the bucket in use and the next one
         const Bucket& e = lay.embeddings();
         size_t staging = e.padded + e.piece + 2 * (lay.max_padded + lay.max_piece);
         if (par.zero == 3) staging += e.padded + 2 * lay.max_padded;
-        p.bytes[MEM_COMM] = F * staging;
+        p.bytes[MEM_COMM] = X * staging;
     }
     // What forward keeps for backward. Per layer: the two layernorm outputs whole (BT·C each: they enter a
     // column-parallel layer) and their mean and 1/std on the rank's rows (4R); the rank's heads' qkv (3·BT·Cl),
@@ -96,20 +101,27 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // With t = 1: 18·BTC + 4·BT + NH·B·T². Around the layers: the embedding output (R·C), the final layernorm
     // (BT·C + 2R), the rank's logits (BT·Vl), the per-token losses (BT) and, under tp, their log-sum-exp (BT).
     // With -r 1 GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only.
+    // On the GPU attention keeps NH/t·B·T logsumexps instead of the probabilities, and the tokens and targets
+    // have device copies (2·BT int32).
     size_t ln_out = BT * C, gelu_out = BT * Hl;
-    size_t per_layer = 2 * ln_out + 4 * R + 3 * BT * Cl + NH / t * B * (size_t)T * T + BT * Cl + BT * Hl + gelu_out + 4 * R * C;
+    size_t stored = 2 * ln_out + 3 * BT * Cl + BT * Cl + BT * Hl + gelu_out + 4 * R * C;  // storage type
+    size_t stats = 4 * R + NH / t * B * (size_t)T * (gpu ? 1 : T);                        // fp32
     size_t shared = 0;
-    if (par.recompute >= 1) per_layer -= gelu_out, shared += gelu_out;
-    if (par.recompute >= 2) per_layer -= 2 * ln_out, shared += ln_out;
-    p.bytes[MEM_ACTIVATIONS] = F * (L * per_layer + shared + R * C + BT * C + 2 * R + BT * Vl + BT + (t > 1 ? BT : 0));
+    if (par.recompute >= 1) stored -= gelu_out, shared += gelu_out;
+    if (par.recompute >= 2) stored -= 2 * ln_out, shared += ln_out;
+    p.bytes[MEM_ACTIVATIONS] = X * (L * stored + shared + R * C + BT * C + BT * Vl) +
+                               F * (L * stats + 2 * R + BT + (t > 1 ? BT : 0) + (gpu ? 2 * BT : 0));
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
     // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (BT·Hl); T floats per thread for attention;
     // the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the
     // all-reduce (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C).
-    size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + BT * Hl + (size_t)threads * T + gemm_workspace_floats(threads);
+    // On the GPU the kernels' shared scratch replaces the last two.
+    size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + BT * Hl;
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
-    p.bytes[MEM_SCRATCH] = F * scratch;
+    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, T);
+    size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
+    p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
     return p;
 }
 

@@ -8,7 +8,8 @@
 #include "llmc/gpt.cuh"
 #include "llmc/tokenizer.h"
 
-inline std::vector<int> sample_tokens(GPT& m, int eot, int count, int T, Rng& rng) {
+template <typename floatX>
+inline std::vector<int> sample_tokens(GPTModel<floatX>& m, int eot, int count, int T, Rng& rng) {
     const GPTConfig& c = m.config;
     if (count > T) fail("sampling: %d tokens need a context of at least %d", count, count);
     // tokens[0] is the start token; the logits at position t-1 < T give token t, so up to T tokens fit

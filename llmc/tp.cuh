@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "llmc/classifier.cuh"
@@ -32,10 +33,18 @@ struct TPSpec {
     bool sp = false;
 };
 
+// the element type of a buffer, as the communicator names it
+template <typename E>
+constexpr DType dtype_of() {
+    return std::is_same_v<E, float> ? DType::F32 : std::is_same_v<E, double> ? DType::F64 : DType::BF16;
+}
+
+// The methods are templates over the model's storage type (llmc/device.cuh); the collectives and loops they
+// wrap around the layers run on host buffers, so the model refuses tp > 1 on the GPU for now.
 struct TensorParallel {
     TPSpec spec;
     Comm* comm = nullptr;  // the tp group; null for a single rank
-    float* gather = nullptr;  // scratch for collectives that gather every rank's piece (set by the model)
+    void* gather = nullptr;  // scratch for collectives that gather every rank's piece (set by the model)
 
     int size() const { return spec.size; }
     bool on() const { return spec.size > 1; }
@@ -49,17 +58,19 @@ struct TensorParallel {
     // --- entering a column-parallel layer -------------------------------------------------------------------
 
     // whole holds this rank's rows at first_row; afterwards every row (sp); without sp it already does
-    void gather_rows(float* whole, long BT, int C) {
+    template <typename floatX>
+    void gather_rows(floatX* whole, long BT, int C) {
         if (!on() || !spec.sp) return;
         long n = rows(BT) * C;
-        comm->wait(comm->all_gather(whole + spec.rank * n, whole, n, DType::F32));
+        comm->wait(comm->all_gather(whole + spec.rank * n, whole, n, dtype_of<floatX>()));
     }
     // backward: the partial input gradients (BT rows) summed; into `mine` (this rank's rows: sp) or in place
-    void reduce_rows(float* partial, float* mine, long BT, int C) {
+    template <typename floatX>
+    void reduce_rows(floatX* partial, floatX* mine, long BT, int C) {
         if (!on()) return;
         long n = rows(BT) * C;
         if (spec.sp) {
-            comm->wait(comm->reduce_scatter(partial, mine, n, DType::F32));
+            comm->wait(comm->reduce_scatter(partial, mine, n, dtype_of<floatX>()));
         } else {
             all_reduce(partial, BT * C);
         }
@@ -68,12 +79,13 @@ struct TensorParallel {
     // --- row-parallel layers --------------------------------------------------------------------------------
 
     // out (this rank's rows) = inp · Wᵀ summed over the group, plus bias; partial is BT×OC scratch
-    void row_parallel_forward(float* out, float* partial, const float* inp, const float* W, const float* bias, long BT,
-                              int C, int OC, float* ws) {
+    template <typename floatX>
+    void row_parallel_forward(floatX* out, floatX* partial, const floatX* inp, const floatX* W, const floatX* bias,
+                              long BT, int C, int OC, float* ws) {
         if (!on()) return matmul_forward(out, inp, W, bias, BT, C, OC, ws);
         matmul_forward(partial, inp, W, nullptr, BT, C, OC, ws);
         reduce_rows(partial, out, BT, OC);
-        const float* sum = spec.sp ? out : partial;
+        const floatX* sum = spec.sp ? out : partial;
         long R = rows(BT);
 #pragma omp parallel for
         for (long r = 0; r < R; r++)
@@ -81,29 +93,31 @@ struct TensorParallel {
     }
 
     // the output gradient of a row-parallel layer for every row: gathered (sp) or as it is
-    const float* row_parallel_dout(const float* mine, float* whole, long BT, int C) {
+    template <typename floatX>
+    const floatX* row_parallel_dout(const floatX* mine, floatX* whole, long BT, int C) {
         if (!on() || !spec.sp) return mine;
         long n = rows(BT) * C;
-        comm->wait(comm->all_gather(mine, whole, n, DType::F32));
+        comm->wait(comm->all_gather(mine, whole, n, dtype_of<floatX>()));
         return whole;
     }
 
     // --- vocab-parallel embedding ---------------------------------------------------------------------------
 
     // out (this rank's rows) = wte[token] + wpe[t], wte split by vocab rows [vlo, vlo + Vl)
-    void embedding_forward(float* out, float* partial, const int* tokens, const float* wte, const float* wpe, int B,
+    template <typename floatX>
+    void embedding_forward(floatX* out, floatX* partial, const int* tokens, const floatX* wte, const floatX* wpe, int B,
                            int T, int C, int Vl) {
         if (!on()) return encoder_forward(out, tokens, wte, wpe, B, T, C);
         long BT = (long)B * T, vlo = (long)spec.rank * Vl;
 #pragma omp parallel for
         for (long i = 0; i < BT; i++) {
             long row = tokens[i] - vlo;
-            float* o = partial + i * C;
-            if (row >= 0 && row < Vl) memcpy(o, wte + row * C, C * sizeof(float));
-            else memset(o, 0, C * sizeof(float));
+            floatX* o = partial + i * C;
+            if (row >= 0 && row < Vl) memcpy(o, wte + row * C, C * sizeof(floatX));
+            else memset(o, 0, C * sizeof(floatX));
         }
         reduce_rows(partial, out, BT, C);
-        const float* sum = spec.sp ? out : partial;
+        const floatX* sum = spec.sp ? out : partial;
         long R = rows(BT), first = first_row(BT);
 #pragma omp parallel for
         for (long r = 0; r < R; r++)
@@ -111,15 +125,16 @@ struct TensorParallel {
     }
 
     // dwte (this rank's vocab rows) and dwpe accumulate; dout is this rank's rows, whole scratch BT×C
-    void embedding_backward(float* dwte, float* dwpe, const float* dout, float* whole, const int* tokens, int B, int T,
-                            int C, int Vl) {
-        if (!on()) return encoder_backward(dwte, dwpe, dout, tokens, B, T, C);
+    template <typename floatX>
+    void embedding_backward(floatX* dwte, floatX* dwpe, const floatX* dout, floatX* whole, const int* tokens, int B,
+                            int T, int C, int Vl) {
+        if (!on()) return encoder_backward(dwte, dwpe, dout, tokens, B, T, C, Vl);
         long BT = (long)B * T, R = rows(BT), first = first_row(BT), vlo = (long)spec.rank * Vl;
         // wpe: from this rank's rows (under sp a partial sum, completed by sum_replicated)
 #pragma omp parallel for
         for (int c = 0; c < C; c++)
             for (long r = 0; r < R; r++) dwpe[((first + r) % T) * C + c] += dout[r * C + c];
-        const float* d = row_parallel_dout(dout, whole, BT, C);
+        const floatX* d = row_parallel_dout(dout, whole, BT, C);
         // each channel is summed in token order by one thread: bit-reproducible
 #pragma omp parallel for
         for (int c = 0; c < C; c++)
@@ -133,14 +148,15 @@ struct TensorParallel {
 
     // losses[i] for every row from this rank's logit columns (BT×Vl, global column vlo + j, real below V); lse
     // keeps each row's log-sum-exp for the backward. Returns the mean loss.
-    float crossentropy_forward(float* losses, float* lse, const float* logits, const int* targets, long BT, int V, int Vl) {
+    template <typename floatX>
+    float crossentropy_forward(float* losses, float* lse, const floatX* logits, const int* targets, long BT, int V, int Vl) {
         long vlo = (long)spec.rank * Vl;
         int real = (int)std::max(0L, std::min((long)Vl, V - vlo));  // columns of real tokens here
         // per row: max, Σ exp(x - max), target logit (0 where another rank holds the target)
         std::vector<float> mine(BT * 3), all(BT * 3 * size());
 #pragma omp parallel for
         for (long i = 0; i < BT; i++) {
-            const float* x = logits + i * Vl;
+            const floatX* x = logits + i * Vl;
             float mx = -INFINITY;
             for (int j = 0; j < real; j++) mx = fmaxf(mx, x[j]);
             double s = 0.0;
@@ -148,7 +164,7 @@ struct TensorParallel {
             long t = targets[i] - vlo;
             mine[i * 3] = mx;
             mine[i * 3 + 1] = (float)s;
-            mine[i * 3 + 2] = t >= 0 && t < Vl ? x[t] : 0.0f;
+            mine[i * 3 + 2] = t >= 0 && t < Vl ? (float)x[t] : 0.0f;
         }
         comm->wait(comm->all_gather(mine.data(), all.data(), BT * 3, DType::F32));
         double total = 0.0;
@@ -169,14 +185,16 @@ struct TensorParallel {
     }
 
     // logits become their gradient in place: (softmax - onehot)·dloss on real columns, 0 on padding
-    void crossentropy_backward_inplace(float* logits, const float* lse, const int* targets, long BT, int V, int Vl, float dloss) {
+    template <typename floatX>
+    void crossentropy_backward_inplace(floatX* logits, const float* lse, const int* targets, long BT, int V, int Vl,
+                                       float dloss) {
         long vlo = (long)spec.rank * Vl;
 #pragma omp parallel for
         for (long i = 0; i < BT; i++) {
-            float* x = logits + i * Vl;
+            floatX* x = logits + i * Vl;
             for (int j = 0; j < Vl; j++) {
                 long v = vlo + j;
-                x[j] = v < V ? (expf(x[j] - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
+                x[j] = (floatX)(v < V ? (expf((float)x[j] - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f);
             }
         }
     }
@@ -184,24 +202,26 @@ struct TensorParallel {
     // --- group sums that leave every rank with the same bits -----------------------------------------------
 
     // x (n floats) summed over the group in rank order: every rank's x gathered, then added up locally
-    void sum_in_rank_order(float* x, long n) {
+    template <typename floatX>
+    void sum_in_rank_order(floatX* x, long n) {
         if (!on()) return;
-        std::vector<float> all(n * size());
-        comm->wait(comm->all_gather(x, all.data(), n, DType::F32));
+        std::vector<floatX> all(n * size());
+        comm->wait(comm->all_gather(x, all.data(), n, dtype_of<floatX>()));
 #pragma omp parallel for
         for (long i = 0; i < n; i++) {
             float s = 0.0f;
-            for (int r = 0; r < size(); r++) s += all[r * n + i];
-            x[i] = s;
+            for (int r = 0; r < size(); r++) s += (float)all[r * n + i];
+            x[i] = (floatX)s;
         }
     }
 
    private:
     // reduce-scatter then all-gather, n divisible by the group size: the result is one rank's sum, everywhere
-    void all_reduce(float* x, long n) {
+    template <typename floatX>
+    void all_reduce(floatX* x, long n) {
         long piece = n / size();
-        float* mine = gather;
-        comm->wait(comm->reduce_scatter(x, mine, piece, DType::F32));
-        comm->wait(comm->all_gather(mine, x, piece, DType::F32));
+        floatX* mine = static_cast<floatX*>(gather);
+        comm->wait(comm->reduce_scatter(x, mine, piece, dtype_of<floatX>()));
+        comm->wait(comm->all_gather(mine, x, piece, dtype_of<floatX>()));
     }
 };

@@ -103,30 +103,35 @@ inline std::vector<OwnedSegment> owned_segments(const Bucket& b, int rank) {
 }
 
 // flat buffer <-> a bucket's packed layout
-inline void pack_bucket(const Bucket& b, const float* flat, float* packed) {
-    for (const Segment& s : b.segments) memcpy(packed, flat + s.offset, s.size * sizeof(float)), packed += s.size;
-    memset(packed, 0, (b.padded - b.size) * sizeof(float));
+template <typename floatX>
+inline void pack_bucket(const Bucket& b, const floatX* flat, floatX* packed) {
+    for (const Segment& s : b.segments) device_copy<floatX>(packed, flat + s.offset, s.size), packed += s.size;
+    device_zero<floatX>(packed, b.padded - b.size);
 }
-inline void unpack_bucket(const Bucket& b, const float* packed, float* flat) {
-    for (const Segment& s : b.segments) memcpy(flat + s.offset, packed, s.size * sizeof(float)), packed += s.size;
+template <typename floatX>
+inline void unpack_bucket(const Bucket& b, const floatX* packed, floatX* flat) {
+    for (const Segment& s : b.segments) device_copy<floatX>(flat + s.offset, packed, s.size), packed += s.size;
 }
 
 enum ZeroBuffer { ZB_PARAMS, ZB_GRADS };
 
-struct DataParallel : ParamStore {
-    GPT& m;
+// The runtime is a template over the model's storage type (llmc/device.cuh); its packing, sums and updates
+// run on host buffers so far, so on the GPU it refuses to engage (more than one rank, ZeRO, or tp).
+template <typename floatX>
+struct DataParallel : ParamStore<floatX> {
+    GPTModel<floatX>& m;
     Comm& comm;
     int stage, N, rank;
     BucketLayout layout;
     std::vector<std::vector<OwnedSegment>> owned;  // per bucket
     float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
-    float* shard_grads = nullptr;                  // ZeRO >= 2
-    float* shard_params = nullptr;                 // ZeRO 3
+    floatX* shard_grads = nullptr;                 // ZeRO >= 2
+    floatX* shard_params = nullptr;                // ZeRO 3
 
     // A staging slot: a packed bucket and its piece, for a reduction in flight (or, in ZeRO-3, a gathered
     // bucket of parameters). The embeddings have slots of their own; the other buckets share two.
     struct Slot {
-        float *packed = nullptr, *piece = nullptr;
+        floatX *packed = nullptr, *piece = nullptr;
         int bucket = -1;         // the bucket using it; -1 when free
         bool in_flight = false;  // its reduction has started
         CommRequest request;
@@ -140,7 +145,7 @@ struct DataParallel : ParamStore {
     uint64_t started = 0;
     int current_gather = -1;  // ZeRO-3: the non-embedding bucket in use
 
-    DataParallel(GPT& model, Comm& dp_comm, int zero_stage, size_t bucket_floats)
+    DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats)
         : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank) {
         layout = bucket_layout(m.config, N, bucket_floats, m.tp.size());
         size_t nb = layout.buckets.size();
@@ -148,22 +153,24 @@ struct DataParallel : ParamStore {
         reduce_slot_of.assign(nb, -1);
         units_done.assign(nb, 0);
         if (!engaged()) return;
+        if (device_of<floatX> == Device::CUDA)
+            fail("data parallelism and ZeRO on the GPU are not implemented yet (--device cuda runs one rank with -z 0)");
         Ledger& led = m.ledger;
         if (stage >= 1) {
-            shard_m = led.alloc_floats(MEM_OPTIMIZER, layout.shard_size);
-            shard_v = led.alloc_floats(MEM_OPTIMIZER, layout.shard_size);
+            shard_m = led.alloc<floatX, float>(MEM_OPTIMIZER, layout.shard_size);
+            shard_v = led.alloc<floatX, float>(MEM_OPTIMIZER, layout.shard_size);
         }
-        if (stage >= 2) shard_grads = led.alloc_floats(MEM_GRADS, layout.shard_size);
-        if (stage >= 3) shard_params = led.alloc_floats(MEM_PARAMS, layout.shard_size);
+        if (stage >= 2) shard_grads = led.alloc<floatX, floatX>(MEM_GRADS, layout.shard_size);
+        if (stage >= 3) shard_params = led.alloc<floatX, floatX>(MEM_PARAMS, layout.shard_size);
         const Bucket& e = layout.embeddings();
         for (int i = 0; i < 3; i++) {
             Slot s;
-            s.packed = led.alloc_floats(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
-            s.piece = led.alloc_floats(MEM_COMM, i == 0 ? e.piece : layout.max_piece);
+            s.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
+            s.piece = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.piece : layout.max_piece);
             reduce_slots.push_back(s);
             if (stage == 3) {
                 Slot g;
-                g.packed = led.alloc_floats(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
+                g.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
                 gather_slots.push_back(g);
             }
         }
@@ -196,7 +203,7 @@ struct DataParallel : ParamStore {
         current_gather = -1;
     }
 
-    ParamViews params(int unit) override {
+    ParamViews<floatX> params(int unit) override {
         if (stage < 3) return unit_views(m.units[unit], m.params, false);
         int b = layout.unit_bucket[unit];
         Slot* slot = &gather_slots[0];
@@ -213,12 +220,12 @@ struct DataParallel : ParamStore {
         return unit_views(m.units[unit], slot->packed + layout.unit_offset[unit], true);
     }
 
-    ParamViews grads(int unit) override {
+    ParamViews<floatX> grads(int unit) override {
         if (stage < 2) return unit_views(m.units[unit], m.grads, false);
         int b = layout.unit_bucket[unit];
         if (reduce_slot_of[b] < 0) {
             int s = acquire_reduce_slot(b);
-            memset(reduce_slots[s].packed, 0, layout.buckets[b].padded * sizeof(float));
+            device_zero<floatX>(reduce_slots[s].packed, layout.buckets[b].padded);
         }
         return unit_views(m.units[unit], reduce_slots[reduce_slot_of[b]].packed + layout.unit_offset[unit], true);
     }
@@ -235,7 +242,7 @@ struct DataParallel : ParamStore {
                 sum_sequence_partials(bk, reduce_slots[reduce_slot_of[b]].packed, true);
             }
             Slot& s = reduce_slots[reduce_slot_of[b]];
-            s.request = comm.reduce_scatter(s.packed, s.piece, bk.piece, DType::F32);
+            s.request = comm.reduce_scatter(s.packed, s.piece, bk.piece, dtype_of<floatX>());
             s.order = ++started;
             s.in_flight = true;
             reduce_slot_of[b] = -1;  // the next micro-step's gradients of this bucket go to a fresh staging
@@ -249,7 +256,7 @@ struct DataParallel : ParamStore {
 
     void zero_grad() {
         if (stage < 2) gpt_zero_grad(m);
-        else memset(shard_grads, 0, layout.shard_size * sizeof(float));
+        else device_zero<floatX>(shard_grads, layout.shard_size);
     }
 
     // finishes the gradient reduction, clips and takes the optimizer step; returns the gradient norm
@@ -263,7 +270,7 @@ struct DataParallel : ParamStore {
         // The norm from the owned pieces, summed in bucket order, then over the dp ranks and over the tp ranks
         // (a tensor every tp rank holds whole counts once): the same sums in every stage, on every rank.
         double local = 0.0;
-        const float* g = stage >= 2 ? shard_grads : m.grads;
+        const floatX* g = stage >= 2 ? shard_grads : m.grads;
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs)
                 if (m.tp.spec.rank == 0 || !is_replicated(s.tensor))
@@ -277,12 +284,12 @@ struct DataParallel : ParamStore {
             return norm;
         }
         m.adam_step++;
-        float* p = stage == 3 ? shard_params : m.params;
+        floatX* p = stage == 3 ? shard_params : m.params;
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs) {
                 size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
-                adamw_update(p + pi, g + gi, shard_m + s.shard_offset, shard_v + s.shard_offset, (long)s.size, lr,
-                             is_decayed(s.tensor) ? weight_decay : 0.0f, scale, m.adam_step);
+                adamw_update(p + pi, nullptr, g + gi, shard_m + s.shard_offset, shard_v + s.shard_offset, (long)s.size, lr,
+                             is_decayed(s.tensor) ? weight_decay : 0.0f, scale, m.adam_step, m.seed, (long)s.flat_offset);
             }
         if (stage < 3) all_gather_params(m.params);
         return norm;
@@ -299,23 +306,23 @@ struct DataParallel : ParamStore {
     // Every rank's pieces of the parameters, gathered into the flat buffer `flat`: from the shards under ZeRO-3
     // (to save a checkpoint), or, under ZeRO-1 and 2, from the pieces each rank has just updated in its own
     // flat buffer. Collective.
-    void all_gather_params(float* flat) {
+    void all_gather_params(floatX* flat) {
         for (size_t b = 0; b < layout.buckets.size(); b++) {
             const Bucket& bk = layout.buckets[b];
             Slot& s = reduce_slots[b + 1 == layout.buckets.size() ? 0 : 1];
-            const float* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
+            const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
             if (!shard_params)
                 for (const OwnedSegment& o : owned[b])
-                    memcpy(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size * sizeof(float));
-            comm.wait(comm.all_gather(mine, s.packed, bk.piece, DType::F32));
+                    device_copy<floatX>(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size);
+            comm.wait(comm.all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
             unpack_bucket(bk, s.packed, flat);
         }
     }
 
     // ZeRO-3: keep this rank's pieces of full flat parameters (after initialization or loading)
-    void scatter_params(const float* flat) {
+    void scatter_params(const floatX* flat) {
         for (auto& segs : owned)
-            for (const OwnedSegment& s : segs) memcpy(shard_params + s.shard_offset, flat + s.flat_offset, s.size * sizeof(float));
+            for (const OwnedSegment& s : segs) device_copy<floatX>(shard_params + s.shard_offset, flat + s.flat_offset, s.size);
     }
 
    private:
@@ -332,9 +339,9 @@ struct DataParallel : ParamStore {
     // Under sequence parallelism each tp rank has the layernorm and wpe gradients of its own rows only: the
     // group's sum goes in before the bucket is reduced across dp. grads is the flat buffer or, packed, the
     // bucket's staging.
-    void sum_sequence_partials(const Bucket& b, float* grads, bool packed) {
+    void sum_sequence_partials(const Bucket& b, floatX* grads, bool packed) {
         if (!m.tp.spec.sp) return;
-        std::vector<float> gathered;
+        std::vector<floatX> gathered;
         std::vector<const Segment*> which;
         std::vector<size_t> where;
         size_t running = 0;
@@ -350,7 +357,7 @@ struct DataParallel : ParamStore {
         m.tp.sum_in_rank_order(gathered.data(), (long)gathered.size());
         size_t at = 0;
         for (size_t i = 0; i < which.size(); i++) {
-            memcpy(grads + where[i], gathered.data() + at, which[i]->size * sizeof(float));
+            memcpy(grads + where[i], gathered.data() + at, which[i]->size * sizeof(floatX));
             at += which[i]->size;
         }
     }
@@ -364,7 +371,7 @@ struct DataParallel : ParamStore {
     void gather(int b, Slot& slot) {
         const Bucket& bk = layout.buckets[b];
         slot.bucket = b;
-        slot.request = comm.all_gather(shard_params + bk.shard_offset, slot.packed, bk.piece, DType::F32);
+        slot.request = comm.all_gather(shard_params + bk.shard_offset, slot.packed, bk.piece, dtype_of<floatX>());
     }
     Slot* slot_for_gather(int b) {
         for (Slot& g : gather_slots)
@@ -405,13 +412,13 @@ struct DataParallel : ParamStore {
         const Bucket& bk = layout.buckets[s.bucket];
         comm.wait(s.request);
         if (stage >= 2) {
-            float* dst = shard_grads + bk.shard_offset;
+            floatX* dst = shard_grads + bk.shard_offset;
             for (size_t i = 0; i < bk.piece; i++) dst[i] += s.piece[i];
         } else if (stage == 1) {
             for (const OwnedSegment& o : owned[s.bucket])
-                memcpy(m.grads + o.flat_offset, s.piece + (o.shard_offset - bk.shard_offset), o.size * sizeof(float));
+                device_copy<floatX>(m.grads + o.flat_offset, s.piece + (o.shard_offset - bk.shard_offset), o.size);
         } else {
-            comm.wait(comm.all_gather(s.piece, s.packed, bk.piece, DType::F32));
+            comm.wait(comm.all_gather(s.piece, s.packed, bk.piece, dtype_of<floatX>()));
             unpack_bucket(bk, s.packed, m.grads);
         }
         s.bucket = -1;

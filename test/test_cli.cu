@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "llmc/cuda_common.cuh"
 #include "test_helpers.h"
 
 namespace {
@@ -380,9 +381,14 @@ TEST_CASE("float flags, -k and --device reject bad values", "[cli]") {
     expect_error(run.base() + std::vector<std::string>{"--device", "tpu"}, {"--device", "tpu"}, {"cpu"});
 }
 
-TEST_CASE("--device cuda is refused: the CUDA backend is not implemented yet", "[cli]") {
+TEST_CASE("--device cuda without a GPU: one line saying so; with one, a head size the kernels lack is refused", "[cli]") {
     TinyRun run;
-    expect_error(run.base() + std::vector<std::string>{"--device", "cuda"}, {"--device", "cuda"}, {"not implemented"});
+    std::vector<std::string> cuda = run.base() + std::vector<std::string>{"--device", "cuda"};
+    if (!cuda_device_available()) {
+        expect_error(cuda, {"--device", "cuda"}, {"no GPU"});
+        return;
+    }
+    expect_error(cuda, {"head size"}, {"64 or 128"});  // the tiny model's heads are 8 wide
 }
 
 TEST_CASE("-d must be a positive multiple of b*t", "[cli]") {

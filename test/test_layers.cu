@@ -314,7 +314,7 @@ TEST_CASE("encoder backward matches finite differences and accumulates into wte 
     CHECK(forward_exact);
 
     std::vector<float> dwte((size_t)V * C, 0.0f), dwpe((size_t)T * C, 0.0f);
-    encoder_backward(dwte.data(), dwpe.data(), w.data(), tokens.data(), B, T, C);
+    encoder_backward(dwte.data(), dwpe.data(), w.data(), tokens.data(), B, T, C, V);
     const float h = 0.1f;  // linear, as above
     double e_wte = gradient_error(wte, dwte, h, f);
     double e_wpe = gradient_error(wpe, dwpe, h, f);
@@ -327,7 +327,7 @@ TEST_CASE("encoder backward matches finite differences and accumulates into wte 
 
     std::vector<float> dwte0 = random_vector(dwte.size(), rng), dwpe0 = random_vector(dwpe.size(), rng);
     std::vector<float> dwte2 = dwte0, dwpe2 = dwpe0;
-    encoder_backward(dwte2.data(), dwpe2.data(), w.data(), tokens.data(), B, T, C);
+    encoder_backward(dwte2.data(), dwpe2.data(), w.data(), tokens.data(), B, T, C, V);
     CHECK(accumulation_error(dwte2, dwte0, dwte) < 1e-6);
     CHECK(accumulation_error(dwpe2, dwpe0, dwpe) < 1e-6);
 }

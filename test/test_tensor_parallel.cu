@@ -150,7 +150,7 @@ TEST_CASE("--plan predicts the ledger of every tp and dp rank, with and without 
                                 group.size = dp;
                                 group.rank = dp_rank;
                                 GPT m;
-                                gpt_allocate(m, c, 2, 16, DataParallel::model_buffers(zero), TPSpec{tp, tp_rank, sp == 1});
+                                gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, tp_rank, sp == 1});
                                 DataParallel dpr(m, group, zero, bucket);
                                 MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(),
                                                               ParallelPlan{dp, zero, bucket, 1, tp, sp == 1});

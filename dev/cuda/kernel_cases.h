@@ -53,7 +53,7 @@ struct EncoderCase {
         encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
         dwte = dwte0;
         dwpe = dwpe0;
-        encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+        encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C, V);
     }
     void reset_grads() {
         upload(d_dwte, dwte0);

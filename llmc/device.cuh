@@ -1,0 +1,177 @@
+// The two devices, and the few memory operations the model and the parallel runtimes need on either. A device
+// is named by the element type its model stores: float on the CPU (fp32 everywhere), bf16 on CUDA (bf16
+// parameters, gradients and activations; fp32 master weights, optimizer moments and statistics). So the model
+// code is one template over that type, and overload resolution on the pointer types is what sends each layer
+// call to its CPU loop or its CUDA kernel: gpt_forward/gpt_backward never ask which device they are on.
+// Buffers of fp32 elements exist on both devices; the helpers that touch them take the storage type too, to
+// know where they live.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/utils.h"
+
+enum class Device { CPU, CUDA };
+
+template <typename T>
+constexpr Device device_of = std::is_same_v<T, bf16> ? Device::CUDA : Device::CPU;
+
+inline const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
+
+// The one stream every kernel of a step runs on, in order; communication gets streams of its own
+// (llmc/comm.cuh) and is ordered after it by events. Created on first use, never destroyed (as cuBLASLt's
+// handle, for the same reason).
+inline cudaStream_t main_stream() {
+    static cudaStream_t stream = [] {
+        cudaStream_t s;
+        cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        return s;
+    }();
+    return stream;
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// memory on the device of T: zeroing and copying, in stream order on CUDA
+
+template <typename T, typename E>
+inline void device_zero(E* p, size_t count) {
+    if constexpr (device_of<T> == Device::CUDA) cuda_check(cudaMemsetAsync(p, 0, count * sizeof(E), main_stream()));
+    else memset(p, 0, count * sizeof(E));
+}
+
+template <typename T, typename E>
+inline void device_copy(E* dst, const E* src, size_t count) {
+    if constexpr (device_of<T> == Device::CUDA)
+        cuda_check(cudaMemcpyAsync(dst, src, count * sizeof(E), cudaMemcpyDeviceToDevice, main_stream()));
+    else memmove(dst, src, count * sizeof(E));
+}
+
+// fp32 host values into a buffer on the device of T, and back; the device work is finished when these return
+template <typename T, typename E>
+inline void device_upload(E* dst, const E* host, size_t count) {
+    if constexpr (device_of<T> == Device::CUDA) {
+        cuda_check(cudaMemcpyAsync(dst, host, count * sizeof(E), cudaMemcpyHostToDevice, main_stream()));
+        cuda_check(cudaStreamSynchronize(main_stream()));
+    } else if (dst != host) {
+        memcpy(dst, host, count * sizeof(E));
+    }
+}
+template <typename T, typename E>
+inline void device_download(E* host, const E* src, size_t count) {
+    if constexpr (device_of<T> == Device::CUDA) {
+        cuda_check(cudaMemcpyAsync(host, src, count * sizeof(E), cudaMemcpyDeviceToHost, main_stream()));
+        cuda_check(cudaStreamSynchronize(main_stream()));
+    } else if (host != src) {
+        memcpy(host, src, count * sizeof(E));
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// conversions between the fp32 the files hold and the storage type: round to nearest even into bf16, exact
+// back. On the CPU they are copies.
+
+static __global__ void float_to_bf16_kernel(bf16* dst, const float* src, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}
+static __global__ void bf16_to_float_kernel(float* dst, const bf16* src, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = __bfloat162float(src[i]);
+}
+
+inline unsigned int grid_stride_blocks(long n) { return (unsigned int)std::min<long>(cuda_blocks(n, 256), 65535L * 8); }
+
+// dst (storage type, on its device) = src (fp32, on the same device)
+inline void convert_on_device(float* dst, const float* src, long n) { device_copy<float>(dst, src, (size_t)n); }
+inline void convert_on_device(bf16* dst, const float* src, long n) {
+    if (n == 0) return;
+    float_to_bf16_kernel<<<grid_stride_blocks(n), 256, 0, main_stream()>>>(dst, src, n);
+    cuda_check(cudaGetLastError());
+}
+
+// host fp32 <- n elements of storage type T on their device, converted exactly to fp32
+inline void download_as_float(float* host, const float* src, size_t n) { device_download<float>(host, src, n); }
+inline void download_as_float(float* host, const bf16* src, size_t n) {
+    if (n == 0) return;
+    float* staging;
+    cuda_check(cudaMallocAsync(&staging, n * sizeof(float), main_stream()));
+    bf16_to_float_kernel<<<grid_stride_blocks((long)n), 256, 0, main_stream()>>>(staging, src, (long)n);
+    cuda_check(cudaGetLastError());
+    device_download<bf16>(host, staging, n);
+    cuda_check(cudaFreeAsync(staging, main_stream()));
+}
+
+// n elements of storage type T on their device <- host fp32, rounded to T
+inline void upload_from_float(float* dst, const float* host, size_t n) { device_upload<float>(dst, host, n); }
+inline void upload_from_float(bf16* dst, const float* host, size_t n) {
+    if (n == 0) return;
+    float* staging;
+    cuda_check(cudaMallocAsync(&staging, n * sizeof(float), main_stream()));
+    cuda_check(cudaMemcpyAsync(staging, host, n * sizeof(float), cudaMemcpyHostToDevice, main_stream()));
+    convert_on_device(dst, staging, (long)n);
+    cuda_check(cudaFreeAsync(staging, main_stream()));
+    cuda_check(cudaStreamSynchronize(main_stream()));
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// the GPU this process uses
+
+// Under a launcher every rank of a node sees every GPU: rank r of the node takes GPU r mod count (the local
+// rank comes from the launcher's environment: OpenMPI, Slurm, or torchrun-style LOCAL_RANK).
+inline int local_rank_from_launcher() {
+    for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "LOCAL_RANK"})
+        if (const char* v = getenv(var)) return atoi(v);
+    return 0;
+}
+
+inline int select_gpu() {
+    int count = 0;
+    cuda_check(cudaGetDeviceCount(&count));
+    int gpu = local_rank_from_launcher() % count;
+    cuda_check(cudaSetDevice(gpu));
+    return gpu;
+}
+
+// "cuda:0 NVIDIA H100 80GB HBM3, 79.1 GiB, compute capability 9.0"
+inline std::string gpu_description(int gpu) {
+    cudaDeviceProp prop;
+    cuda_check(cudaGetDeviceProperties(&prop, gpu));
+    return strfmt("cuda:%d %s, %.1f GiB, compute capability %d.%d", gpu, prop.name,
+                  prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor);
+}
+
+// device memory in use right now, by everything on this GPU (cudaMemGetInfo)
+inline size_t gpu_memory_used() {
+    size_t free_bytes = 0, total_bytes = 0;
+    cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return total_bytes - free_bytes;
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// The scratch the GPU kernels share: the layer entry points take the same arguments on both devices, so the
+// fp32 workspace some CUDA kernels need (partial sums, sort buffers, row statistics) comes from here. One
+// buffer serves every call, because every call runs on main_stream() in order. The model allocates it through
+// its ledger, sized for the largest call it will make, and registers it for as long as it lives.
+struct GpuScratch {
+    float* floats = nullptr;
+    size_t count = 0;
+};
+inline GpuScratch& gpu_scratch_registry() {
+    static GpuScratch scratch;
+    return scratch;
+}
+inline float* gpu_scratch(size_t floats_needed, const char* who) {
+    GpuScratch& s = gpu_scratch_registry();
+    if (floats_needed > s.count)
+        fail("%s: needs %zu floats of GPU scratch, %zu registered (the model sizes it for its batch)", who,
+             floats_needed, s.count);
+    return s.floats;
+}

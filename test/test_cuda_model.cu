@@ -1,0 +1,148 @@
+// The GPU model against the CPU model (the verification ladder's rung 5): the same weights and batch through
+// GPTCuda (bf16 storage, fp32 master weights) and GPT (fp32): the loss and logits at step 0, every parameter
+// tensor's gradient, and 20 AdamW steps' losses, each within a bf16 tolerance stated beside it. Without a GPU
+// these print "skipped: no GPU". Also the GPU's memory plan against a count made by hand, which needs no GPU.
+#include <catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "llmc/gpt.cuh"
+#include "llmc/plan.h"
+
+#define REQUIRE_GPU()                      \
+    do {                                   \
+        if (!cuda_device_available()) {    \
+            printf("skipped: no GPU\n");   \
+            return;                        \
+        }                                  \
+    } while (0)
+
+namespace {
+
+// ‖a − b‖ / ‖b‖ over n values: the error of a whole tensor, which is what bf16 rounding bounds (single elements
+// near zero can be off by far more, relatively)
+double relative_l2(const float* a, const float* b, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) num += (double)(a[i] - b[i]) * (a[i] - b[i]), den += (double)b[i] * b[i];
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+struct Pair {
+    GPTConfig config = parse_model_descriptor("d2c128h2t64v1000");  // head size 64, as the GPU kernels need
+    int B = 4, T = 64;
+    GPT cpu;
+    GPTCuda gpu;
+    std::vector<int> inputs, targets;
+
+    explicit Pair(uint64_t seed) {
+        gpt_allocate(cpu, config, B, T);
+        gpt_allocate(gpu, config, B, T);
+        gpt_init_random(config, cpu.params, seed);
+        // the GPU's bf16 weights are the fp32 ones rounded; the CPU runs on those rounded values too, so the
+        // comparison measures the arithmetic, not the rounding of the initialization
+        gpt_set_params(gpu, cpu.params);
+        download_as_float(cpu.params, gpu.params, cpu.num_parameters);
+        gpt_set_params(gpu, cpu.params);
+        cpu.seed = gpu.seed = seed;
+        Rng rng(seed + 1);
+        for (int i = 0; i < B * T; i++) inputs.push_back((int)rng.below(config.vocab_size));
+        for (int i = 0; i < B * T; i++) targets.push_back((int)rng.below(config.vocab_size));
+    }
+};
+
+}  // namespace
+
+TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at step 0", "[cuda][model]") {
+    REQUIRE_GPU();
+    Pair p(42);
+    float cpu_loss = gpt_forward(p.cpu, p.inputs.data(), p.targets.data(), p.B, p.T);
+    float gpu_loss = gpt_forward(p.gpu, p.inputs.data(), p.targets.data(), p.B, p.T);
+    INFO("loss cpu " << cpu_loss << " gpu " << gpu_loss);
+    CHECK(std::fabs(gpu_loss - cpu_loss) / cpu_loss < 1e-2);  // bf16 activations through 2 layers: ~0.3% seen
+
+    size_t n_logits = (size_t)p.B * p.T * p.config.padded_vocab_size;
+    std::vector<float> gpu_logits(n_logits);
+    download_as_float(gpu_logits.data(), p.gpu.acts.logits, n_logits);
+    CHECK(relative_l2(gpu_logits.data(), p.cpu.acts.logits, n_logits) < 2e-2);
+
+    float dloss = 1.0f / (p.B * p.T);
+    gpt_zero_grad(p.cpu);
+    gpt_zero_grad(p.gpu);
+    gpt_backward(p.cpu, dloss);
+    gpt_backward(p.gpu, dloss);
+    std::vector<float> gpu_grads(p.cpu.num_parameters);
+    download_as_float(gpu_grads.data(), p.gpu.grads, p.cpu.num_parameters);
+    size_t offset = 0;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        size_t n = p.cpu.param_sizes[t];
+        double err = relative_l2(gpu_grads.data() + offset, p.cpu.grads + offset, n);
+        INFO("tensor " << t << ": relative L2 error " << err);
+        CHECK(err < 5e-2);  // bf16 gradients summed over 256 tokens: a few percent at most
+        offset += n;
+    }
+    CHECK(std::fabs(sqrt(sum_of_squares(gpu_grads.data(), (long)gpu_grads.size())) - gpt_grad_norm(p.gpu)) <
+          1e-3 * gpt_grad_norm(p.gpu));
+}
+
+TEST_CASE("GPU model: 20 AdamW steps follow the CPU model's losses within 1e-2", "[cuda][model]") {
+    REQUIRE_GPU();
+    Pair p(7);
+    float dloss = 1.0f / (p.B * p.T);
+    for (int step = 0; step < 20; step++) {
+        float losses[2];
+        int i = 0;
+        auto train = [&](auto& m) {
+            losses[i++] = gpt_forward(m, p.inputs.data(), p.targets.data(), p.B, p.T);
+            gpt_zero_grad(m);
+            gpt_backward(m, dloss);
+            double norm = gpt_grad_norm(m);
+            gpt_update(m, 1e-3f, 0.0f, clip_scale(norm, 1.0f));
+        };
+        train(p.cpu);
+        train(p.gpu);
+        INFO("step " << step << ": cpu " << losses[0] << " gpu " << losses[1]);
+        CHECK(std::fabs(losses[1] - losses[0]) / losses[0] < 1e-2);
+    }
+}
+
+TEST_CASE("GPU model: two runs from the same weights give the same bits", "[cuda][model]") {
+    REQUIRE_GPU();
+    std::vector<float> losses[2], weights[2];
+    for (int run = 0; run < 2; run++) {
+        Pair p(3);
+        for (int step = 0; step < 3; step++) {
+            losses[run].push_back(gpt_forward(p.gpu, p.inputs.data(), p.targets.data(), p.B, p.T));
+            gpt_zero_grad(p.gpu);
+            gpt_backward(p.gpu, 1.0f / (p.B * p.T));
+            gpt_update(p.gpu, 1e-3f, 0.1f, clip_scale(gpt_grad_norm(p.gpu), 1.0f));
+        }
+        weights[run].resize(p.gpu.num_parameters);
+        gpt_get_params(p.gpu, weights[run].data());
+    }
+    CHECK(losses[0] == losses[1]);
+    CHECK(weights[0] == weights[1]);
+}
+
+TEST_CASE("--plan --device cuda: GPT-2 124M at B=4, T=1024 against a count by hand", "[plan]") {
+    // Ψ = 50304·768 + 1024·768 + 12·(12·768² + 13·768) + 2·768 = 124,475,904
+    GPTConfig c = parse_model_descriptor("d12");
+    MemoryPlan p = plan_memory(c, 4, 1024, 1, ParallelPlan{}, Device::CUDA);
+    CHECK(p.bytes[MEM_PARAMS] == 248951808ull);           // 2Ψ (bf16)
+    CHECK(p.bytes[MEM_MASTER_WEIGHTS] == 497903616ull);   // 4Ψ (fp32)
+    CHECK(p.bytes[MEM_GRADS] == 248951808ull);            // 2Ψ
+    CHECK(p.bytes[MEM_OPTIMIZER] == 995807232ull);        // 8Ψ
+    // bf16, per layer: 2 layernorm outputs 2·4096·768, qkv 3·4096·768, attention output 4096·768, MLP hidden
+    // before and after GELU 2·4096·3072, 2 projections and 2 residuals 4·4096·768: 56,623,104 elements; around
+    // the layers: embeddings and final layernorm 2·4096·768, logits 4096·50304: 212,336,640. fp32, per layer:
+    // 4·4096 layernorm statistics and 12·4·1024 logsumexps: 65,536; around: 2·4096 + 4096 losses + 2·4096 tokens
+    // and targets: 20,480. 2·(12·56,623,104 + 212,336,640) + 4·(12·65,536 + 20,480) = 1,786,855,424.
+    CHECK(p.bytes[MEM_ACTIVATIONS] == 1786855424ull);
+    // bf16 activation gradients: residual, layernorm input, qkv, attention output, MLP hidden: 31,457,280
+    // elements; fp32 kernel scratch, the largest need being the layernorm backward's partial sums, 64 blocks of
+    // 64 rows × 2·768: 98,304 floats. 2·31,457,280 + 4·98,304 = 63,307,776.
+    CHECK(p.bytes[MEM_SCRATCH] == 63307776ull);
+    CHECK(p.bytes[MEM_COMM] == 0);
+    CHECK(p.total() == 3841777664ull);
+}
