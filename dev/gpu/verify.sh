@@ -280,9 +280,15 @@ if has_phase build; then
         BINARY=train_gpt SOURCES=(train_gpt.cu "${LLMC_SOURCES[@]}")
         build_target train_gpt train_gpt
         if [[ $DEVICE == cuda ]]; then
-            BINARY=build/tests SOURCES=(test "${LLMC_SOURCES[@]}" dev/cuda)
+            BINARY=build/tests SOURCES=(test dev/cuda/*.h "${LLMC_SOURCES[@]}")
             build_target build/tests build/tests
-            BINARY=dev/cuda/global_norm SOURCES=(dev/cuda "${LLMC_SOURCES[@]}")
+            # the oldest of dev/cuda's programs stands for all of them
+            BINARY=""
+            read -ra programs <<<"$(sed -n 's/^PROGRAMS = //p' dev/cuda/Makefile)"
+            for program in "${programs[@]}"; do
+                [[ -z $BINARY || ! -e dev/cuda/$program || dev/cuda/$program -ot $BINARY ]] && BINARY=dev/cuda/$program
+            done
+            SOURCES=(dev/cuda/*.cu dev/cuda/*.h "${LLMC_SOURCES[@]}")
             build_target dev/cuda -C dev/cuda
             if command -v cuobjdump >/dev/null 2>&1 && [[ -x train_gpt ]]; then
                 echo "machine code in train_gpt: $(cuobjdump --list-elf train_gpt 2>/dev/null | grep -o 'sm_[0-9a-z]*' | sort -u | xargs)" \
@@ -523,8 +529,9 @@ fi
 if has_phase bench; then
     start_phase bench
     if ! needs_gpu; then
-        # gpu_bench.sh limits each of its own phases; this one only stops a run that hangs past all of them
-        PHASE_END=$((SECONDS + TIMEOUT * ($(wc -w <<<"$BENCH_PHASES") + 1)))
+        # gpu_bench.sh limits each of its own runs (one per phase and shape, and a build); this limit only
+        # stops a benchmark that hangs past all of them
+        PHASE_END=$((SECONDS + TIMEOUT * ($(wc -w <<<"$BENCH_PHASES") * ($(wc -w <<<"${SHAPES:-d12:64 d48:16}") + 1) + 1)))
         run env PHASES="$BENCH_PHASES" TIMEOUT="$TIMEOUT" BENCH_TMP="$LOGDIR/bench" NO_BUILD=1 PYTHON="$PYTHON" \
             DATA="$DATA" VAL="$VAL" bash dev/bench/gpu_bench.sh
         rc=$?
