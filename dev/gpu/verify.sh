@@ -383,7 +383,7 @@ fi
 # determinism: two identical runs give identical logs and identical checkpoints
 
 # --shuffle 0: a shuffled order permutes micro-step batches of dp·B·T tokens, so it would differ between the
-# layouts compared here (the same -d, dp·B from 2 to 8); in file order every layout reads the same tokens
+# layouts the mpi phase compares (the same -d, but dp·B differs); in file order every layout reads the same tokens
 CHECK_FLAGS=(-e "$CHECK_MODEL" -b "$CHECK_B" -t "$CHECK_T" -x "$CHECK_STEPS" --shuffle 0)
 CHECK_NAME="$CHECK_MODEL B=$CHECK_B T=$CHECK_T, $CHECK_STEPS steps"
 
@@ -400,19 +400,22 @@ if has_phase determinism; then
             if ! ran_on_device; then result FAIL determinism "run $r" "(ran on: $(device_of))"; ok=0; break; fi
         done
         if (( ok )); then
-            ckpt=$(printf 'ckpt_%08d/model.bin' "$CHECK_STEPS")
             if cmp -s "$dir/a/main.log" "$dir/b/main.log" && [[ -s $dir/a/main.log ]]; then
                 result PASS determinism "main.log, $CHECK_NAME" "identical ($(losses "$dir/a/main.log" | wc -l) losses)"
             else
                 result FAIL determinism "main.log, $CHECK_NAME" "(differ: $(diff "$dir/a/main.log" "$dir/b/main.log" | grep -m 1 '^>' || echo 'empty'))"
             fi
-            if [[ ! -f $dir/a/$ckpt ]]; then
-                result FAIL determinism "checkpoint model.bin" "($ckpt not written)"
-            elif cmp "$dir/a/$ckpt" "$dir/b/$ckpt" >>"$PHASE_LOG" 2>&1; then
-                result PASS determinism "checkpoint model.bin" "identical ($(stat -c %s "$dir/a/$ckpt") bytes)"
-            else
-                result FAIL determinism "checkpoint model.bin" "(differ: $(tail -n 1 "$PHASE_LOG"))"
-            fi
+            # the weights, and the optimizer's moments with them
+            for file in model.bin optimizer_rank0.bin; do
+                ckpt=$(printf 'ckpt_%08d/%s' "$CHECK_STEPS" "$file")
+                if [[ ! -f $dir/a/$ckpt ]]; then
+                    result FAIL determinism "checkpoint $file" "($ckpt not written)"
+                elif cmp "$dir/a/$ckpt" "$dir/b/$ckpt" >>"$PHASE_LOG" 2>&1; then
+                    result PASS determinism "checkpoint $file" "identical ($(stat -c %s "$dir/a/$ckpt") bytes)"
+                else
+                    result FAIL determinism "checkpoint $file" "(differ: $(tail -n 1 "$PHASE_LOG"))"
+                fi
+            done
         fi
     fi
 fi
