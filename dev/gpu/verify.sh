@@ -1,0 +1,567 @@
+#!/usr/bin/env bash
+# The GPU verification: one command on a host with an NVIDIA GPU that builds llm5d for the GPU it finds, checks
+# every rung of the verification ladder on it (kernels, the model against the CPU path and against PyTorch, bit
+# determinism, the parallel layouts, the memory plan) and runs the benchmark. Each phase fits in TIMEOUT
+# seconds, so a host that grants 10-minute calls runs one or a few phases per call (PHASES=...).
+#
+#   bash dev/gpu/verify.sh LOGDIR                          # every phase
+#   PHASES="build model pytorch" bash dev/gpu/verify.sh LOGDIR
+#   PHASES="pytorch determinism mpi" DEVICE=cpu bash dev/gpu/verify.sh LOGDIR   # the plumbing, on the CPU
+#
+# Every check prints one line "PASS|FAIL|SKIP <phase>: <check> <figure>"; the end is a table of the figures
+# and, last, "N passed, M failed, K skipped". Every command's output goes to LOGDIR/<phase>.log. Exit status 0
+# when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
+#
+# Variables (defaults in brackets):
+#   PHASES      build kernels tests model pytorch determinism mpi nccl plan bench, in this order      [all]
+#   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
+#               determinism, mpi): a test of this script's plumbing on a machine without a GPU        [cuda]
+#   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
+#   ENV_SCRIPT  sourced first (MPI, Catch2, NCCL paths)                    [.devdeps/env.sh when present]
+#   PREBUILT    1: binaries built elsewhere and newer than their sources are used as they are          [0]
+#   CUDA_ARCH   nvcc's -gencode flags           [from nvidia-smi's compute capability: sm_XY, 'a' from 9.0]
+#   JOBS        parallel make jobs                                                                   [nproc]
+#   PYTHON      an interpreter with torch                        [python3, else /usr/bin/python3 if it has torch]
+#   DATA, VAL   token shards for every run                          [data/sotu/train.bin, data/sotu/val.bin]
+#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi and nccl
+#                                              [cuda: d12, 4, 1024, 20; cpu: d2c128h2, 2, 64, 10]
+#   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
+#               initialization), batch, steps, constant lr, largest |loss difference|
+#                                              [cuda: 12:768:12, 4, 1024, 10, 3e-4, 0.05; cpu: 2:128:2, 4, 64, 1e-4]
+#   MPI_TOL     largest relative loss difference of a 2-rank layout from the single-rank run
+#               (bf16 sums in another order; fp32 on the cpu: the equivalence principle's 1e-5)  [cuda 2e-2; cpu 1e-5]
+#   NCCL_TOL    the same for one rank over NCCL (the same arithmetic as without it)                  [0]
+#   PLAN_RUNS   model:B:recompute triples whose --plan total is compared with the measured memory
+#                                                                       [d12:16:0 d12:16:2 d48:4:1]
+#   PLAN_TOL    largest relative difference of the plan from the measured memory                      [0.05]
+#   BENCH_PHASES  the phases of dev/bench/gpu_bench.sh the bench phase runs     [llm5d llmc pytorch profile]
+#   WORK        scratch for model files, checkpoints and run directories       [LOGDIR/work, removed at the
+#               end unless KEEP_WORK=1; it holds model files of GPT-2 size]
+
+set -uo pipefail
+
+usage() { sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[[ $# -eq 1 && $1 != -* ]] || usage
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+mkdir -p "$1" || exit 2
+LOGDIR=$(cd "$1" && pwd)
+cd "$ROOT" || exit 2
+
+ALL_PHASES="build kernels tests model pytorch determinism mpi nccl plan bench"
+PHASES=${PHASES:-$ALL_PHASES}
+DEVICE=${DEVICE:-cuda}
+TIMEOUT=${TIMEOUT:-600}
+PREBUILT=${PREBUILT:-0}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 4)}
+DATA=${DATA:-data/sotu/train.bin}
+VAL=${VAL:-data/sotu/val.bin}
+PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1}
+PLAN_TOL=${PLAN_TOL:-0.05}
+NCCL_TOL=${NCCL_TOL:-0}
+BENCH_PHASES=${BENCH_PHASES:-llm5d llmc pytorch profile}
+WORK=${WORK:-$LOGDIR/work}
+KEEP_WORK=${KEEP_WORK:-0}
+if [[ $DEVICE == cuda ]]; then
+    CHECK_MODEL=${CHECK_MODEL:-d12} CHECK_B=${CHECK_B:-4} CHECK_T=${CHECK_T:-1024} CHECK_STEPS=${CHECK_STEPS:-20}
+    PT_SHAPE=${PT_SHAPE:-12:768:12} PT_B=${PT_B:-4} PT_T=${PT_T:-1024} PT_TOL=${PT_TOL:-0.05}
+    MPI_TOL=${MPI_TOL:-2e-2}
+elif [[ $DEVICE == cpu ]]; then
+    CHECK_MODEL=${CHECK_MODEL:-d2c128h2} CHECK_B=${CHECK_B:-2} CHECK_T=${CHECK_T:-64} CHECK_STEPS=${CHECK_STEPS:-10}
+    PT_SHAPE=${PT_SHAPE:-2:128:2} PT_B=${PT_B:-4} PT_T=${PT_T:-64} PT_TOL=${PT_TOL:-1e-4}
+    MPI_TOL=${MPI_TOL:-1e-5}
+else
+    echo "verify: DEVICE must be cuda or cpu (got '$DEVICE')" >&2; exit 2
+fi
+PT_STEPS=${PT_STEPS:-10} PT_LR=${PT_LR:-3e-4}
+
+for p in $PHASES; do
+    [[ " $ALL_PHASES " == *" $p "* ]] || { echo "verify: PHASES: unknown phase '$p' (known: $ALL_PHASES)" >&2; exit 2; }
+done
+for n in TIMEOUT JOBS CHECK_B CHECK_T CHECK_STEPS PT_B PT_T PT_STEPS; do
+    [[ ${!n} =~ ^[0-9]+$ && ${!n} -ge 1 ]] || { echo "verify: $n must be a positive integer (got '${!n}')" >&2; exit 2; }
+done
+[[ $PT_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || { echo "verify: PT_SHAPE must be L:C:NH (got '$PT_SHAPE')" >&2; exit 2; }
+
+if [[ -n ${ENV_SCRIPT:-} ]]; then
+    [[ -f $ENV_SCRIPT ]] || { echo "verify: ENV_SCRIPT=$ENV_SCRIPT: no such file" >&2; exit 2; }
+    # shellcheck disable=SC1090
+    source "$ENV_SCRIPT"
+elif [[ -f .devdeps/env.sh ]]; then
+    ENV_SCRIPT=.devdeps/env.sh
+    # shellcheck disable=SC1091
+    source .devdeps/env.sh
+fi
+# mpirun as root, ranks on one host over shared memory (what a container or a bare GPU host allows)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl=${OMPI_MCA_btl:-self,vader} OMPI_MCA_pml=${OMPI_MCA_pml:-ob1}
+export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=python3
+    if ! python3 -c 'import torch' >/dev/null 2>&1 && /usr/bin/python3 -c 'import torch' >/dev/null 2>&1; then
+        PYTHON=/usr/bin/python3
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# the GPU, and the compute capability to build for
+
+GPU_NAME="" GPU_MIB="" GPU_CC=""
+if command -v nvidia-smi >/dev/null 2>&1 &&
+    gpu_line=$(nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader,nounits 2>/dev/null) &&
+    [[ -n $gpu_line ]]; then
+    IFS=, read -r GPU_NAME GPU_MIB GPU_CC <<<"$(head -n 1 <<<"$gpu_line")"
+    GPU_NAME=$(xargs <<<"$GPU_NAME") GPU_MIB=$(xargs <<<"$GPU_MIB") GPU_CC=$(xargs <<<"$GPU_CC")
+fi
+HAVE_GPU=0
+[[ -n $GPU_NAME ]] && HAVE_GPU=1
+if [[ -z ${CUDA_ARCH:-} && $GPU_CC =~ ^([0-9]+)\.([0-9])$ ]]; then
+    sm=${BASH_REMATCH[1]}${BASH_REMATCH[2]}
+    # from Hopper on, the arch-specific target ('a') admits the instructions of that chip alone (wgmma, TMA)
+    (( sm >= 90 )) && sm=${sm}a
+    CUDA_ARCH="-gencode arch=compute_$sm,code=sm_$sm"
+fi
+[[ -n ${CUDA_ARCH:-} ]] && export CUDA_ARCH
+
+mkdir -p "$WORK"
+cleanup() { [[ $KEEP_WORK == 1 ]] || rm -rf "$WORK"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+echo "== verify: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+echo "gpu:      ${GPU_NAME:-none}${GPU_NAME:+, $GPU_MIB MiB, compute capability $GPU_CC}"
+echo "device:   $DEVICE; phases: $PHASES; $TIMEOUT s per phase"
+echo "build:    CUDA_ARCH=${CUDA_ARCH:-the Makefile default}; PREBUILT=$PREBUILT; env ${ENV_SCRIPT:-none}"
+echo "llm5d:    $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
+echo "python:   $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no torch'))"
+echo "logs:     $LOGDIR/<phase>.log"
+
+# ---------------------------------------------------------------------------------------------------------
+# bookkeeping: one line per check, and the figures for the table at the end
+
+RESULTS=()        # "STATUS<TAB>phase<TAB>check<TAB>figure"
+PASSED=0 FAILED=0 SKIPPED=0
+result() {
+    local status=$1 phase=$2 check=$3 figure=${4:-}
+    echo "$status $phase: $check${figure:+ $figure}"
+    RESULTS+=("$status"$'\t'"$phase"$'\t'"$check"$'\t'"$figure")
+    case $status in PASS) PASSED=$((PASSED + 1)) ;; FAIL) FAILED=$((FAILED + 1)) ;; *) SKIPPED=$((SKIPPED + 1)) ;; esac
+}
+
+has_phase() { [[ " $PHASES " == *" $1 "* ]]; }
+
+PHASE="" PHASE_LOG="" PHASE_END=0 RUN_START=1
+start_phase() {
+    PHASE=$1 PHASE_LOG=$LOGDIR/$1.log PHASE_END=$((SECONDS + TIMEOUT))
+    : >"$PHASE_LOG"
+    echo
+    echo "== $PHASE"
+}
+
+# run CMD...: runs CMD in the phase's remaining time, its output appended to the phase log; returns its status
+# (124: out of time)
+run() {
+    local left=$((PHASE_END - SECONDS))
+    echo "\$ $*" >>"$PHASE_LOG"
+    RUN_START=$(($(wc -l <"$PHASE_LOG") + 1))
+    if (( left <= 0 )); then echo "verify: no time left in the phase" >>"$PHASE_LOG"; return 124; fi
+    timeout -k 10 "$left" "$@" >>"$PHASE_LOG" 2>&1
+    local rc=$?
+    (( rc == 124 )) && echo "verify: stopped after the phase's $TIMEOUT s" >>"$PHASE_LOG"
+    echo "(exit status $rc)" >>"$PHASE_LOG"
+    return "$rc"
+}
+
+# the output of the last run
+run_output() { tail -n +"$RUN_START" "$PHASE_LOG" | grep -v '^(exit status [0-9]*)$'; }
+
+# why the last run failed, in one line: its time limit, the program's own error line, or the exit status
+why() {
+    local rc=$1
+    if [[ $rc == 124 ]]; then echo "(timed out: the phase's $TIMEOUT s)"; return; fi
+    if [[ $rc == 127 ]]; then echo "(not found: $(run_output | grep -m 1 -i 'no such file\|not found'))"; return; fi
+    local line
+    line=$(run_output | grep -E '^(train_gpt|pytorch_check|Traceback|[A-Za-z]*Error)' | tail -n 1)
+    [[ $rc =~ ^[0-9]+$ ]] && rc="exit status $rc"
+    echo "($rc${line:+: \"$line\"})"
+}
+
+# the training losses "STEP LOSS" of a main.log
+losses() { sed -n 's/^s:\([0-9]*\) trl:\([^ ]*\).*/\1 \2/p' "$1" 2>/dev/null; }
+
+# compare_losses REF OTHER: the largest relative difference of OTHER's losses from REF's ("inf" when a step is
+# missing or not a number), and the number of steps compared
+compare_losses() {
+    awk 'NR == FNR { ref[$1] = $2; next }
+         { got[$1] = $2 }
+         END {
+             n = 0; worst = 0
+             for (s in ref) {
+                 n++
+                 if (!(s in got) || got[s] !~ /^-?[0-9]/ || ref[s] !~ /^-?[0-9]/) { worst = "inf"; break }
+                 d = got[s] - ref[s]; if (d < 0) d = -d
+                 r = ref[s] < 0 ? -ref[s] : ref[s]
+                 d = r > 0 ? d / r : d
+                 if (d > worst) worst = d
+             }
+             if (n == 0) worst = "inf"
+             printf "%s %d\n", worst == "inf" ? "inf" : sprintf("%.3e", worst), n
+         }' <(losses "$1") <(losses "$2")
+}
+within() { awk -v d="$1" -v t="$2" 'BEGIN { exit !(d != "inf" && d + 0 <= t + 0) }'; }
+
+# on cuda, the last run must say it ran there (a silent fall-back to the CPU is a failure)
+device_of() { run_output | grep -m 1 -E '^device'; }
+ran_on_device() { [[ $DEVICE == cpu || $(device_of) == "device: cuda"* ]]; }
+
+TRAIN_GPT=./train_gpt
+# train_gpt for the checks: --device, data, no validation or samples
+train() { run "$TRAIN_GPT" --device "$DEVICE" -i "$DATA" -j "$VAL" -v 0 -s 0 "$@"; }
+MPIRUN=(mpirun --oversubscribe --bind-to none -np 2)
+# on the cpu the two ranks share the cores: one thread each, as the distributed tests run
+[[ $DEVICE == cpu ]] && MPIRUN=(env OMP_NUM_THREADS=1 "${MPIRUN[@]}")
+
+# needs_gpu: SKIPs the phase (true) when it needs a GPU that is not there, or a device other than cuda
+needs_gpu() {
+    if [[ $DEVICE != cuda ]]; then result SKIP "$PHASE" "the GPU phase" "(DEVICE=$DEVICE)"; return 0; fi
+    if (( !HAVE_GPU )); then result SKIP "$PHASE" "the GPU phase" "(no GPU: nvidia-smi found none)"; return 0; fi
+    return 1
+}
+needs_device() {
+    if [[ $DEVICE == cuda ]] && (( !HAVE_GPU )); then result SKIP "$PHASE" "the GPU phase" "(no GPU: nvidia-smi found none)"; return 0; fi
+    if [[ ! -x $TRAIN_GPT ]]; then result FAIL "$PHASE" "train_gpt" "(not built: add the build phase)"; return 0; fi
+    if [[ ! -f $DATA ]]; then result FAIL "$PHASE" "data" "($DATA missing: make data, and take data/ along)"; return 0; fi
+    return 1
+}
+
+# Catch2's summary of LOG: PASS with the counts, or FAIL; a GPU test that skipped on a GPU host fails
+catch2_result() {
+    local rc=$1 log=$2 check=$3 summary
+    summary=$(grep -E '^(All tests passed|test cases:)' "$log" | tail -n 1)
+    if grep -q 'skipped: no GPU' "$log"; then
+        result FAIL "$PHASE" "$check" "(a test printed 'skipped: no GPU' on a GPU host)"
+    elif grep -qE 'No test cases matched|No tests ran' "$log"; then
+        result FAIL "$PHASE" "$check" "(no test matched)"
+    elif (( rc == 0 )) && [[ $summary == "All tests passed"* ]]; then
+        result PASS "$PHASE" "$check" "$summary"
+    else
+        result FAIL "$PHASE" "$check" "${summary:-$(why "$rc")}"
+    fi
+}
+
+# ---------------------------------------------------------------------------------------------------------
+# build: train_gpt, build/tests and dev/cuda for the GPU found
+
+# fresh BINARY SOURCES...: the binary exists and no source is newer
+fresh() {
+    local bin=$1; shift
+    [[ -x $bin ]] || return 1
+    [[ -z $(find "$@" -newer "$bin" -print -quit 2>/dev/null) ]]
+}
+LLMC_SOURCES=(llmc Makefile mpi.mk)
+build_target() {  # build_target NAME MAKE_ARGS... ; BINARY and SOURCES set by the caller
+    local name=$1; shift
+    if [[ $PREBUILT == 1 ]] && fresh "$BINARY" "${SOURCES[@]}"; then
+        result PASS build "$name" "(prebuilt, newer than its sources)"
+        return
+    fi
+    local t0=$SECONDS rc
+    run nice -n 5 make --no-print-directory -j"$JOBS" "$@"
+    rc=$?
+    if (( rc == 0 )); then result PASS build "$name" "$((SECONDS - t0)) s"
+    else result FAIL build "$name" "$(why "$rc")"; fi
+}
+
+if has_phase build; then
+    start_phase build
+    if [[ $DEVICE == cuda ]] && (( !HAVE_GPU )); then
+        result SKIP build "the GPU build" "(no GPU: nothing to build for)"
+    else
+        BINARY=train_gpt SOURCES=(train_gpt.cu "${LLMC_SOURCES[@]}")
+        build_target train_gpt train_gpt
+        if [[ $DEVICE == cuda ]]; then
+            BINARY=build/tests SOURCES=(test dev/cuda/*.h "${LLMC_SOURCES[@]}")
+            build_target build/tests build/tests
+            # the oldest of dev/cuda's programs stands for all of them
+            BINARY=""
+            read -ra programs <<<"$(sed -n 's/^PROGRAMS = //p' dev/cuda/Makefile)"
+            for program in "${programs[@]}"; do
+                [[ -z $BINARY || ! -e dev/cuda/$program || dev/cuda/$program -ot $BINARY ]] && BINARY=dev/cuda/$program
+            done
+            SOURCES=(dev/cuda/*.cu dev/cuda/*.h "${LLMC_SOURCES[@]}")
+            build_target dev/cuda -C dev/cuda
+            if command -v cuobjdump >/dev/null 2>&1 && [[ -x train_gpt ]]; then
+                echo "machine code in train_gpt: $(cuobjdump --list-elf train_gpt 2>/dev/null | grep -o 'sm_[0-9a-z]*' | sort -u | xargs)" \
+                    >>"$PHASE_LOG"
+            fi
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels: every dev/cuda check and timing, and PyTorch's SDPA beside the attention kernel
+
+if has_phase kernels; then
+    start_phase kernels
+    if ! needs_gpu; then
+        run dev/cuda/run_all.sh
+        rc=$?
+        line=$(run_output | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
+        if [[ $(run_output) == *"skipped: no GPU"* ]]; then
+            result FAIL kernels "dev/cuda/run_all.sh" "(a program printed 'skipped: no GPU' on a GPU host)"
+        elif (( rc == 0 )); then result PASS kernels "dev/cuda/run_all.sh" "$line"
+        else result FAIL kernels "dev/cuda/run_all.sh" "${line:-$(why "$rc")}"; fi
+        if [[ -f dev/cuda/attention_sdpa.py ]]; then
+            run "$PYTHON" dev/cuda/attention_sdpa.py
+            rc=$?
+            last=$(run_output | tail -n 1)
+            if (( rc == 0 )); then result PASS kernels "attention_sdpa.py" "$last"
+            else result FAIL kernels "attention_sdpa.py" "$(why "$rc")"; fi
+        else
+            result FAIL kernels "attention_sdpa.py" "(dev/cuda/attention_sdpa.py not found)"
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# tests and model: the Catch2 CUDA tests (the model's own when the model phase runs them)
+
+if has_phase tests; then
+    start_phase tests
+    if ! needs_gpu; then
+        filter="[cuda]"
+        has_phase model && filter="[cuda]~[model]"
+        run build/tests "$filter"
+        catch2_result $? "$PHASE_LOG" "build/tests \"$filter\""
+    fi
+fi
+
+if has_phase model; then
+    start_phase model
+    if ! needs_gpu; then
+        run build/tests "[cuda][model]"
+        catch2_result $? "$PHASE_LOG" 'build/tests "[cuda][model]" (GPU model against the CPU model)'
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# pytorch: the same model file and batches in PyTorch (bf16 autocast on the GPU), 10 AdamW steps
+
+if has_phase pytorch; then
+    start_phase pytorch
+    if ! needs_device; then
+        IFS=: read -r L C NH <<<"$PT_SHAPE"
+        dir=$WORK/pytorch
+        rm -rf "$dir" && mkdir -p "$dir"
+        run "$PYTHON" dev/gpu/pytorch_check.py init --out "$dir/model.bin" --layers "$L" --channels "$C" --heads "$NH"
+        rc=$?
+        if (( rc != 0 )); then
+            result FAIL pytorch "the model file" "$(why "$rc")"
+        else
+            train -e "$dir/model.bin" -b "$PT_B" -t "$PT_T" -x "$PT_STEPS" -l "$PT_LR" -c 0.1 -k constant -u 0 \
+                --shuffle 0 -o "$dir/run"
+            rc=$?
+            if (( rc != 0 )); then
+                result FAIL pytorch "train_gpt --device $DEVICE" "$(why "$rc")"
+            elif ! ran_on_device; then
+                result FAIL pytorch "train_gpt --device $DEVICE" "(ran on: $(device_of))"
+            else
+                run "$PYTHON" dev/gpu/pytorch_check.py train --model "$dir/model.bin" --data "$DATA" --batch "$PT_B" \
+                    --seq-len "$PT_T" --steps "$PT_STEPS" --lr "$PT_LR" --weight-decay 0.1 --device "$DEVICE" \
+                    --compare "$dir/run/main.log" --tol "$PT_TOL"
+                rc=$?
+                verdict=$(grep -E '^pytorch_check: max' "$PHASE_LOG" | tail -n 1 | sed 's/^pytorch_check: //; s/: \(PASS\|FAIL\)$//')
+                name="L=$L C=$C NH=$NH B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch"
+                if (( rc == 0 )); then result PASS pytorch "$name" "$verdict"
+                else result FAIL pytorch "$name" "${verdict:-$(why "$rc")}"; fi
+            fi
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# determinism: two identical runs give identical logs and identical checkpoints
+
+# --shuffle 0: a shuffled order permutes micro-step batches of dp·B·T tokens, so it would differ between the
+# layouts the mpi phase compares (the same -d, but dp·B differs); in file order every layout reads the same tokens
+CHECK_FLAGS=(-e "$CHECK_MODEL" -b "$CHECK_B" -t "$CHECK_T" -x "$CHECK_STEPS" --shuffle 0)
+CHECK_NAME="$CHECK_MODEL B=$CHECK_B T=$CHECK_T, $CHECK_STEPS steps"
+
+if has_phase determinism; then
+    start_phase determinism
+    if ! needs_device; then
+        dir=$WORK/determinism
+        rm -rf "$dir" && mkdir -p "$dir"
+        ok=1
+        for r in a b; do
+            train "${CHECK_FLAGS[@]}" -n "$CHECK_STEPS" -o "$dir/$r"
+            rc=$?
+            if (( rc != 0 )); then result FAIL determinism "run $r" "$(why "$rc")"; ok=0; break; fi
+            if ! ran_on_device; then result FAIL determinism "run $r" "(ran on: $(device_of))"; ok=0; break; fi
+        done
+        if (( ok )); then
+            if cmp -s "$dir/a/main.log" "$dir/b/main.log" && [[ -s $dir/a/main.log ]]; then
+                result PASS determinism "main.log, $CHECK_NAME" "identical ($(losses "$dir/a/main.log" | wc -l) losses)"
+            else
+                result FAIL determinism "main.log, $CHECK_NAME" "(differ: $(diff "$dir/a/main.log" "$dir/b/main.log" | grep -m 1 '^>' || echo 'empty'))"
+            fi
+            # the weights, and the optimizer's moments with them
+            for file in model.bin optimizer_rank0.bin; do
+                ckpt=$(printf 'ckpt_%08d/%s' "$CHECK_STEPS" "$file")
+                if [[ ! -f $dir/a/$ckpt ]]; then
+                    result FAIL determinism "checkpoint $file" "($ckpt not written)"
+                elif cmp "$dir/a/$ckpt" "$dir/b/$ckpt" >>"$PHASE_LOG" 2>&1; then
+                    result PASS determinism "checkpoint $file" "identical ($(stat -c %s "$dir/a/$ckpt") bytes)"
+                else
+                    result FAIL determinism "checkpoint $file" "(differ: $(tail -n 1 "$PHASE_LOG"))"
+                fi
+            done
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# mpi: 2 ranks sharing the device over MPI (dp with ZeRO-0..3 and 2 micro-steps; tp 2) against one rank, all
+# with the same global batch of 4 micro-batches
+
+GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
+
+# single_rank DIR [FLAGS...]: the one-rank run every layout is compared with; true when it ran on the device
+single_rank() {
+    local dir=$1; shift
+    train "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -o "$dir" "$@"
+    local rc=$?
+    if (( rc != 0 )); then result FAIL "$PHASE" "one rank, $CHECK_NAME" "$(why "$rc")"; return 1; fi
+    if ! ran_on_device; then result FAIL "$PHASE" "one rank" "(ran on: $(device_of))"; return 1; fi
+    result PASS "$PHASE" "one rank, $CHECK_NAME, 4 micro-steps" "final loss $(losses "$dir/main.log" | tail -n 1 | cut -d' ' -f2)"
+}
+
+# against REF DIR NAME TOL RC: a layout's run in DIR against the one-rank run in REF
+against() {
+    local ref=$1 dir=$2 name=$3 tol=$4 rc=$5
+    if (( rc != 0 )); then result FAIL "$PHASE" "$name" "$(why "$rc")"; return; fi
+    read -r diff n < <(compare_losses "$ref/main.log" "$dir/main.log")
+    if within "$diff" "$tol"; then result PASS "$PHASE" "$name" "max rel. loss difference $diff over $n steps (tolerance $tol)"
+    else result FAIL "$PHASE" "$name" "(max rel. loss difference $diff over $n steps, tolerance $tol)"; fi
+}
+
+if has_phase mpi; then
+    start_phase mpi
+    if needs_device; then
+        :
+    elif ! command -v mpirun >/dev/null 2>&1; then
+        result SKIP mpi "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"
+    elif [[ $(ldd "$TRAIN_GPT" 2>/dev/null) != *libmpi* ]]; then
+        result FAIL mpi "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"
+    else
+        dir=$WORK/mpi
+        rm -rf "$dir" && mkdir -p "$dir"
+        if single_rank "$dir/single"; then
+            for z in 0 1 2 3; do
+                run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
+                    "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -z "$z" -o "$dir/z$z"
+                against "$dir/single" "$dir/z$z" "dp 2, ZeRO-$z, 2 micro-steps" "$MPI_TOL" $?
+            done
+            run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
+                "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" --tp 2 -o "$dir/tp2"
+            against "$dir/single" "$dir/tp2" "tp 2 (sp), 4 micro-steps" "$MPI_TOL" $?
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# nccl: one rank over NCCL against the same rank without it
+
+if has_phase nccl; then
+    start_phase nccl
+    if ! needs_gpu && ! needs_device; then
+        dir=$WORK/nccl
+        rm -rf "$dir" && mkdir -p "$dir"
+        if single_rank "$dir/single"; then
+            train "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" --comm nccl -o "$dir/nccl"
+            against "$dir/single" "$dir/nccl" "one rank, --comm nccl" "$NCCL_TOL" $?
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# plan: --plan --device cuda's total against the memory a run measures after its first step
+
+if has_phase plan; then
+    start_phase plan
+    if ! needs_gpu && ! needs_device; then
+        for spec in $PLAN_RUNS; do
+            if ! [[ $spec =~ ^([A-Za-z0-9]+):([0-9]+):([0-2])$ ]]; then
+                result FAIL plan "$spec" "(PLAN_RUNS: not MODEL:B:RECOMPUTE)"; continue
+            fi
+            model=${BASH_REMATCH[1]} b=${BASH_REMATCH[2]} r=${BASH_REMATCH[3]}
+            name="$model B=$b T=1024 -r $r"
+            run "$TRAIN_GPT" --plan --device cuda -e "$model" -b "$b" -t 1024 -r "$r"
+            rc=$?
+            planned=$(run_output | sed -n 's/^ *total *\([0-9]*\) bytes.*/\1/p' | tail -n 1)
+            if (( rc != 0 )) || [[ -z $planned ]]; then
+                (( rc != 0 )) || rc="no total line"
+                result FAIL plan "$name: --plan" "$(why "$rc")"; continue
+            fi
+            train -e "$model" -b "$b" -t 1024 -r "$r" -x 2
+            rc=$?
+            line=$(run_output | grep -m 1 '^memory: planned')
+            if (( rc != 0 )) || [[ -z $line ]]; then
+                (( rc != 0 )) || rc="no memory: line"
+                result FAIL plan "$name: run" "$(why "$rc")"; continue
+            fi
+            if ! [[ $line =~ planned\ ([0-9.]+)\ MiB,\ measured\ ([0-9.]+)\ MiB ]]; then
+                result FAIL plan "$name" "(unreadable: $line)"; continue
+            fi
+            run_planned=${BASH_REMATCH[1]} measured=${BASH_REMATCH[2]}
+            read -r plan_mib off self_off < <(awk -v p="$planned" -v m="$measured" -v q="$run_planned" 'BEGIN {
+                mib = p / 1048576; printf "%.1f %.4f %.4f\n", mib, (mib - m) / m, (mib - q) / (q > 0 ? q : 1) }')
+            figure="--plan $plan_mib MiB, measured $measured MiB: $off relative (tolerance $PLAN_TOL)"
+            if within "${off#-}" "$PLAN_TOL"; then result PASS plan "$name" "$figure"
+            else result FAIL plan "$name" "($figure)"; fi
+            # the run's own prediction is --plan's, to the MiB its line prints
+            if within "${self_off#-}" 0.001; then result PASS plan "$name: the run's planned figure is --plan's" "$run_planned MiB"
+            else result FAIL plan "$name: the run's planned figure is --plan's" "(run $run_planned MiB, --plan $plan_mib MiB)"; fi
+        done
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# bench: dev/bench/gpu_bench.sh (llm5d, llm.c and PyTorch side by side; a per-kernel breakdown of one step)
+
+if has_phase bench; then
+    start_phase bench
+    if ! needs_gpu; then
+        # gpu_bench.sh limits each of its own runs (one per phase and shape, and a build); this limit only
+        # stops a benchmark that hangs past all of them
+        PHASE_END=$((SECONDS + TIMEOUT * ($(wc -w <<<"$BENCH_PHASES") * ($(wc -w <<<"${SHAPES:-d12:64 d48:16}") + 1) + 1)))
+        run env PHASES="$BENCH_PHASES" TIMEOUT="$TIMEOUT" BENCH_TMP="$LOGDIR/bench" NO_BUILD=1 PYTHON="$PYTHON" \
+            DATA="$DATA" VAL="$VAL" bash dev/bench/gpu_bench.sh
+        rc=$?
+        # its summary lines become checks here; its table of figures joins the table at the end
+        while IFS= read -r line; do
+            [[ $line =~ ^(PASS|FAIL|SKIP)\ \ (.*)$ ]] || continue
+            status=${BASH_REMATCH[1]} rest=${BASH_REMATCH[2]}
+            result "$status" bench "${rest%% | *}" "$([[ $rest == *" | "* ]] && echo "${rest#* | }")"
+        done < <(sed -n '/^== summary/,$p' "$PHASE_LOG")
+        grep -q '^== summary' "$PHASE_LOG" || result FAIL bench "dev/bench/gpu_bench.sh" "$(why "$rc")"
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# the table of figures, and the count
+
+echo
+echo "== figures"
+printf '%-4s  %-12s  %-60s  %s\n' "" phase check figure
+for row in "${RESULTS[@]}"; do
+    IFS=$'\t' read -r status phase check figure <<<"$row"
+    [[ $status == SKIP ]] && continue
+    printf '%-4s  %-12s  %-60s  %s\n' "$status" "$phase" "$check" "$figure"
+done
+if has_phase bench && [[ -f $LOGDIR/bench.log ]]; then
+    sed -n '/^== figures/,/^$/p' "$LOGDIR/bench.log"
+fi
+echo
+echo "$PASSED passed, $FAILED failed, $SKIPPED skipped"
+(( FAILED == 0 ))
