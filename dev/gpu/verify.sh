@@ -498,7 +498,7 @@ if has_phase plan; then
             name="$model B=$b T=1024 -r $r"
             run "$TRAIN_GPT" --plan --device cuda -e "$model" -b "$b" -t 1024 -r "$r"
             rc=$?
-            planned=$(run_output | sed -n 's/^ *total *\([0-9]*\) bytes.*/\1/p' | tail -n 1)
+            planned=$(run_output | sed -n 's/^ *total\( on device\)\{0,1\} *\([0-9]*\) bytes.*/\2/p' | tail -n 1)
             if (( rc != 0 )) || [[ -z $planned ]]; then
                 (( rc != 0 )) || rc="no total line"
                 result FAIL plan "$name: --plan" "$(why "$rc")"; continue
