@@ -76,6 +76,7 @@ static __global__ void __launch_bounds__(CLASSIFIER_THREADS)
     float target_logit = __bfloat162float(row[target]);
     int vectors = Vp / 8;
     float m = -INFINITY, s = 0.0f;
+#pragma unroll 4  // several loads in flight per thread; this pass only reads
     for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
         float x[8];
         unpack_bf16x8(*reinterpret_cast<const bf16x8*>(row + 8 * i), x);

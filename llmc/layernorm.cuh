@@ -183,6 +183,7 @@ inline void fused_residual_layernorm_forward_cuda(bf16* residual, bf16* out, flo
                                                   const bf16* inp2, const bf16* weight, const bf16* bias, long N, int C,
                                                   cudaStream_t stream) {
     layernorm_check_shape("fused_residual_layernorm_forward_cuda", C, {residual, out, inp1, inp2, weight, bias});
+    if (!residual || !inp2) fail("fused_residual_layernorm_forward_cuda: residual and inp2 are required");
     if (N == 0) return;
     layernorm_with_row_vectors(C, [&](auto k) {
         layernorm_forward_kernel<decltype(k)::value>
@@ -289,8 +290,10 @@ static __global__ void __launch_bounds__(LAYERNORM_PARAM_GRAD_WARPS * 32)
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int col = blockIdx.x * 32 + lane;
     float s = 0.0f;
-    if (col < 2 * C)
+    if (col < 2 * C) {
+#pragma unroll 8  // eight loads in flight before the adds that wait on them
         for (long b = warp; b < blocks; b += LAYERNORM_PARAM_GRAD_WARPS) s += partial[b * 2 * C + col];
+    }
     warp_sums[warp][lane] = s;
     __syncthreads();
     if (warp != 0 || col >= 2 * C) return;

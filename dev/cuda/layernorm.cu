@@ -156,7 +156,8 @@ inline void layernorm_backward_cuda_v1(bf16* dinp, bf16* dweight, bf16* dbias, c
 
 static void check_variant(Checks& checks, LayernormCase& k, int variant) {
     std::string v = strfmt("v%d N=%ld C=%d ", variant, k.N, k.C);
-    k.d_res.poison(), k.d_out.poison(), k.d_mean.poison(), k.d_rstd.poison();
+    for (auto* buffer : {&k.d_res, &k.d_out}) buffer->poison();
+    for (auto* buffer : {&k.d_mean, &k.d_rstd}) buffer->poison();
     if (variant == 1)
         fused_residual_layernorm_forward_cuda_v1(k.d_res.ptr, k.d_out.ptr, k.d_mean.ptr, k.d_rstd.ptr, k.d_a.ptr,
                                                  k.d_b.ptr, k.d_w.ptr, k.d_bias.ptr, k.N, k.C, 0);
@@ -167,7 +168,8 @@ static void check_variant(Checks& checks, LayernormCase& k, int variant) {
     checks.check(v + "fused: mean", download(k.d_mean), k.mean, 1e-3);
     checks.check(v + "fused: rstd", download(k.d_rstd), k.rstd, 1e-3);
     if (variant == 2) {
-        k.d_out.poison(), k.d_mean.poison(), k.d_rstd.poison();
+        k.d_out.poison();
+        for (auto* buffer : {&k.d_mean, &k.d_rstd}) buffer->poison();
         k.gpu_fused_forward_in_place();
         checks.check(v + "fused in place: residual", download(k.d_res), k.res, 1e-2);
         checks.check(v + "fused in place: out", download(k.d_out), k.out, 2e-2);
