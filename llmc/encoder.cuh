@@ -98,7 +98,7 @@ static __global__ void encoder_sort_input_kernel(Key* keys, int* positions, cons
     positions[i] = i;
 }
 
-// dwte[token, c:c+8] += Σ dout[position, c:c+8] over sorted indices [begin, end), in order
+// sum = Σ dout[sorted_positions[i], c:c+8] over sorted indices i in [begin, end), in order
 static __device__ __forceinline__ void encoder_sum_rows(float sum[8], const bf16* dout, const int* sorted_positions,
                                                         int begin, int end, int c, int C) {
     for (int j = 0; j < 8; j++) sum[j] = 0.0f;
