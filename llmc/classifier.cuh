@@ -40,12 +40,19 @@ inline void crossentropy_backward_inplace(float* logits, const int* targets, lon
 }
 
 // ==========================================================================================================
-// CUDA. The logits are the largest activation (N·Vp bf16, 3.3 GB for GPT-2 at B·T = 32K), so the kernel reads
-// each row twice and writes it once, never storing probabilities: a block owns a row, finds its log-sum-exp in
-// one pass (each thread keeps a running max and a sum rescaled to it, then the block merges the pairs in a
-// fixed order), writes the loss, and, in the fused backward, overwrites the row with its gradient. Each thread
-// touches the same columns in both passes, so the in-place write cannot race another thread's read; the target
-// logit is read before any write.
+// CUDA. The logits are the largest activation (N·Vp bf16, 6.6 GB for GPT-2 at B·T = 64K), so the kernel is
+// built around bytes: a block owns a row and reads it 16 bytes at a time, finds its log-sum-exp in one pass,
+// writes the loss and, in the fused backward, reads the row again and overwrites it with its gradient, never
+// storing probabilities. A thread keeps a running maximum and a sum of exponentials relative to it: per
+// vector it takes the 8 values' maximum, rescales the sum only when that raises the running maximum, and adds
+// 8 exponentials, so each element costs one exponential per pass (the rescales are one per 8 elements at
+// most, and rare after the first few vectors). The block merges the threads' (max, sum) pairs in a fixed
+// order. The first pass leaves the row in L2 (a block's row is 100 KB, and the blocks in flight hold a few
+// tens of MB), so the second pass reads it from there and DRAM sees the row read once and written once; the
+// second pass marks its reads and writes as streaming so they do not evict rows still to be read.
+// Each thread reads and writes the same vectors in both passes, so the in-place write cannot race another
+// thread's read, and the target's logit is read before the block's first barrier, before any write.
+// Vp must be a multiple of 8 and the logits 16-byte aligned (checked); V may be anything up to Vp.
 
 #include "llmc/cuda_common.cuh"
 
@@ -67,8 +74,24 @@ static __global__ void __launch_bounds__(CLASSIFIER_THREADS)
     bf16* row = logits + n * Vp;
     int target = targets[n];
     float target_logit = __bfloat162float(row[target]);
+    int vectors = Vp / 8;
     float m = -INFINITY, s = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) softmax_merge(m, s, __bfloat162float(row[v]), 1.0f);
+#pragma unroll 4  // several loads in flight per thread; this pass only reads
+    for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+        float x[8];
+        unpack_bf16x8(*reinterpret_cast<const bf16x8*>(row + 8 * i), x);
+        float vmax = -INFINITY;
+        for (int j = 0; j < 8; j++) {
+            if (8 * i + j >= V) x[j] = -INFINITY;  // padding columns take no part
+            vmax = fmaxf(vmax, x[j]);
+        }
+        if (vmax == -INFINITY) continue;  // all padding: exp(-inf - -inf) would be NaN
+        if (vmax > m) {
+            s *= __expf(m - vmax);  // exp(-inf) = 0 on the first vector
+            m = vmax;
+        }
+        for (int j = 0; j < 8; j++) s += __expf(x[j] - m);
+    }
     for (int offset = 16; offset > 0; offset >>= 1)
         softmax_merge(m, s, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, s, offset));
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -84,18 +107,32 @@ static __global__ void __launch_bounds__(CLASSIFIER_THREADS)
     float lse = m + logf(s);
     if (losses && threadIdx.x == 0) losses[n] = lse - target_logit;
     if constexpr (WRITE_GRAD) {
-        for (int v = threadIdx.x; v < Vp; v += blockDim.x) {
-            float g = 0.0f;
-            if (v < V) g = __expf(__bfloat162float(row[v]) - lse) * dloss - (v == target ? dloss : 0.0f);
-            row[v] = __float2bfloat16(g);
+        for (int i = threadIdx.x; i < vectors; i += blockDim.x) {
+            int4* p = reinterpret_cast<int4*>(row + 8 * i);
+            int4 raw = __ldcs(p);
+            float x[8];
+            unpack_bf16x8(*reinterpret_cast<const bf16x8*>(&raw), x);
+            for (int j = 0; j < 8; j++) {
+                int col = 8 * i + j;
+                x[j] = col < V ? __expf(x[j] - lse) * dloss - (col == target ? dloss : 0.0f) : 0.0f;
+            }
+            bf16x8 grad = pack_bf16x8(x);
+            __stcs(p, *reinterpret_cast<const int4*>(&grad));
         }
     }
+}
+
+inline void crossentropy_check_shape(const char* what, const bf16* logits, int V, int Vp) {
+    if (V <= 0 || V > Vp || Vp % 8 != 0) fail("%s: V = %d, Vp = %d: need 0 < V <= Vp and Vp a multiple of 8", what, V, Vp);
+    require_aligned_16(what, logits);
 }
 
 // losses[n] = -log softmax(logits[n])[targets[n]]; the mean is left to the caller (returning it would
 // synchronize the stream)
 inline void crossentropy_forward_cuda(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp,
                                       cudaStream_t stream) {
+    crossentropy_check_shape("crossentropy_forward_cuda", logits, V, Vp);
+    if (N == 0) return;
     crossentropy_kernel<false><<<(unsigned int)N, CLASSIFIER_THREADS, 0, stream>>>(const_cast<bf16*>(logits), losses,
                                                                                   targets, V, Vp, 0.0f);
     cuda_check(cudaGetLastError());
@@ -105,6 +142,8 @@ inline void crossentropy_forward_cuda(float* losses, const bf16* logits, const i
 // from the same pass
 inline void crossentropy_backward_inplace_cuda(bf16* logits, float* losses, const int* targets, long N, int V, int Vp,
                                                float dloss, cudaStream_t stream) {
+    crossentropy_check_shape("crossentropy_backward_inplace_cuda", logits, V, Vp);
+    if (N == 0) return;
     crossentropy_kernel<true><<<(unsigned int)N, CLASSIFIER_THREADS, 0, stream>>>(logits, losses, targets, V, Vp, dloss);
     cuda_check(cudaGetLastError());
 }

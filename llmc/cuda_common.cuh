@@ -46,6 +46,11 @@ inline int cuda_sm_count() {
 
 inline unsigned int cuda_blocks(long work, int per_block) { return (unsigned int)((work + per_block - 1) / per_block); }
 
+// kernels that move 16 bytes per access refuse a pointer they cannot read that way, rather than fault or misread
+inline void require_aligned_16(const char* what, const void* p) {
+    if ((uintptr_t)p % 16) fail("%s: pointer %p is not 16-byte aligned", what, p);
+}
+
 // ----------------------------------------------------------------------------------------------------------
 // device helpers
 
@@ -76,6 +81,20 @@ static __device__ float block_sum(float v, float* shared /* 32 floats */) {
 struct alignas(16) bf16x8 {
     __nv_bfloat162 h[4];
 };
+
+static __device__ __forceinline__ void unpack_bf16x8(const bf16x8& v, float f[8]) {
+    for (int j = 0; j < 4; j++) {
+        float2 p = __bfloat1622float2(v.h[j]);
+        f[2 * j] = p.x;
+        f[2 * j + 1] = p.y;
+    }
+}
+
+static __device__ __forceinline__ bf16x8 pack_bf16x8(const float f[8]) {
+    bf16x8 v;
+    for (int j = 0; j < 4; j++) v.h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+    return v;
+}
 
 // ----------------------------------------------------------------------------------------------------------
 // cuBLASLt: one handle and one workspace per process, created on first use and never freed (freeing at exit

@@ -37,16 +37,36 @@ inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const 
 
 // ==========================================================================================================
 // CUDA. The forward is a gather, memory-bound at 6 bytes per output element; a thread moves 16 bytes.
-// The backward must add each position's gradient row into its token's row of dwte. Atomic adds would make the
-// sum's order, and so its bits, vary from run to run; instead the positions are stably sorted by token (CUB's
-// radix sort is deterministic), so each token's occurrences form a run in position order, and one thread per
-// channel pair sums a run in that order and owns the result. A very frequent token makes a long serial run;
-// the channel dimension is cut into 64-wide blocks so that such a run is at least spread over C/64 warps.
-// C must be a multiple of 8 (and of 2 for the backward).
+// The backward adds each position's gradient row into its token's row of dwte and its position's row of dwpe.
+// Atomic adds would make the order of each sum, and so its bits, vary from run to run; instead the positions
+// are stably sorted by token (CUB's radix sort is deterministic), so each token's occurrences form a run in
+// position order. The sort looks only at the bits a token id can have: below 65536 tokens the keys are 16-bit,
+// which halves the key traffic and the radix passes. The runs are then summed by two kernels:
+// - a short run (at most ENCODER_SHORT_RUN positions: nearly every token) by one warp, lanes over channels,
+//   in position order;
+// - a long run (the hot tokens, such as "the", ",", newline or end of text, thousands of positions in a
+//   64K-token batch) by a block of 1024 threads: the run is cut into contiguous slices, one per group of
+//   threads, each summed in position order, and the block adds the slices' sums in slice order. The cut
+//   depends only on the run's length and C, so the order of every sum is fixed and the bits reproducible.
+// The warp that finds a long run's start puts it on a list (an atomic counter hands out the slots, so the
+// list's order varies, but which block sums a run does not change the sum), and the warp at its last position
+// notes where it ends. dwpe is summed over the batch, one thread per 8 channels of a position, in batch order.
+// C must be a multiple of 8, at most ENCODER_MAX_C, and the pointers 16-byte aligned; the entry points check.
 
+#include <algorithm>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "llmc/cuda_common.cuh"
+
+constexpr int ENCODER_MAX_C = 8192;  // a long-run block's 1024 threads cover the row, 8 channels each
+constexpr int ENCODER_SHORT_RUN = 32;  // a warp's lanes look at a run's next 32 positions at once
+constexpr int ENCODER_LONG_RUN_THREADS = 1024;
+
+inline void encoder_check_shape(const char* what, int C, std::initializer_list<const void*> pointers) {
+    if (C <= 0 || C % 8 != 0 || C > ENCODER_MAX_C)
+        fail("%s: C = %d must be a positive multiple of 8, at most %d", what, C, ENCODER_MAX_C);
+    for (const void* p : pointers) require_aligned_16(what, p);
+}
 
 static __global__ void encoder_forward_kernel(bf16* out, const int* tokens, const bf16* wte, const bf16* wpe, int B,
                                               int T, int C) {
@@ -54,86 +74,186 @@ static __global__ void encoder_forward_kernel(bf16* out, const int* tokens, cons
     if (i >= (long)B * T * C) return;
     long bt = i / C;
     int c = (int)(i % C), t = (int)(bt % T);
-    bf16x8 tok = *reinterpret_cast<const bf16x8*>(wte + (long)tokens[bt] * C + c);
-    bf16x8 pos = *reinterpret_cast<const bf16x8*>(wpe + (long)t * C + c), o;
-    for (int j = 0; j < 4; j++) {
-        float2 a = __bfloat1622float2(tok.h[j]), b = __bfloat1622float2(pos.h[j]);
-        o.h[j] = __floats2bfloat162_rn(a.x + b.x, a.y + b.y);
-    }
-    *reinterpret_cast<bf16x8*>(out + i) = o;
+    float tok[8], pos[8];
+    unpack_bf16x8(*reinterpret_cast<const bf16x8*>(wte + (long)tokens[bt] * C + c), tok);
+    unpack_bf16x8(*reinterpret_cast<const bf16x8*>(wpe + (long)t * C + c), pos);
+    for (int j = 0; j < 8; j++) tok[j] += pos[j];
+    *reinterpret_cast<bf16x8*>(out + i) = pack_bf16x8(tok);
 }
 
 inline void encoder_forward_cuda(bf16* out, const int* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,
                                  cudaStream_t stream) {
+    encoder_check_shape("encoder_forward_cuda", C, {out, wte, wpe});
+    if ((long)B * T == 0) return;
     encoder_forward_kernel<<<cuda_blocks((long)B * T * C / 8, 256), 256, 0, stream>>>(out, tokens, wte, wpe, B, T, C);
     cuda_check(cudaGetLastError());
 }
 
-static __global__ void encoder_iota_kernel(int* positions, int n) {
+// the sort's input: each position's token as a Key, and the position itself
+template <typename Key>
+static __global__ void encoder_sort_input_kernel(Key* keys, int* positions, const int* tokens, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) positions[i] = i;
+    if (i >= n) return;
+    keys[i] = (Key)tokens[i];
+    positions[i] = i;
 }
 
-// block (x: a sorted index, y: 64 channels); only the block at the start of a token's run does work
-static __global__ void encoder_wte_backward_kernel(bf16* dwte, const bf16* dout, const int* sorted_tokens,
-                                                   const int* sorted_positions, int BT, int C) {
-    int start = blockIdx.x;
-    int token = sorted_tokens[start];
-    if (start > 0 && sorted_tokens[start - 1] == token) return;
-    int c = 2 * (blockIdx.y * 32 + threadIdx.x);
-    if (c >= C) return;
-    float s0 = 0.0f, s1 = 0.0f;
-    for (int i = start; i < BT && sorted_tokens[i] == token; i++) {
-        float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + (long)sorted_positions[i] * C + c));
-        s0 += v.x;
-        s1 += v.y;
+// sum = Σ dout[sorted_positions[i], c:c+8] over sorted indices i in [begin, end), in order
+static __device__ __forceinline__ void encoder_sum_rows(float sum[8], const bf16* dout, const int* sorted_positions,
+                                                        int begin, int end, int c, int C) {
+    for (int j = 0; j < 8; j++) sum[j] = 0.0f;
+#pragma unroll 4
+    for (int i = begin; i < end; i++) {
+        float v[8];
+        unpack_bf16x8(*reinterpret_cast<const bf16x8*>(dout + (long)sorted_positions[i] * C + c), v);
+        for (int j = 0; j < 8; j++) sum[j] += v[j];
     }
-    __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(dwte + (long)token * C + c);
-    float2 old = __bfloat1622float2(*w);
-    *w = __floats2bfloat162_rn(old.x + s0, old.y + s1);
 }
 
-// a thread owns a channel pair of one position and sums over the batch in order
+// a warp per sorted index: the warp at a run's first index sums a short run into dwte, or lists a long one;
+// the warp at a run's last index records where it ends, by token
+template <typename Key>
+static __global__ void encoder_wte_short_runs_kernel(bf16* dwte, int* long_runs, int* long_run_count, int* run_end,
+                                                     const bf16* dout, const Key* sorted_tokens,
+                                                     const int* sorted_positions, int n, int C) {
+    int i = (int)(((long)blockIdx.x * blockDim.x + threadIdx.x) / 32), lane = threadIdx.x % 32;
+    if (i >= n) return;
+    Key token = sorted_tokens[i];
+    if (lane == 0 && (i == n - 1 || sorted_tokens[i + 1] != token)) run_end[token] = i + 1;
+    if (i > 0 && sorted_tokens[i - 1] == token) return;
+    // the lanes look at the next 32 indices at once: the run's length is 1 + how many of them match in a row
+    unsigned same = __ballot_sync(0xffffffffu, i + 1 + lane < n && sorted_tokens[i + 1 + lane] == token);
+    if (same == 0xffffffffu) {
+        if (lane == 0) long_runs[atomicAdd(long_run_count, 1)] = i;
+        return;
+    }
+    int end = i + __ffs(~same);
+    for (int c = 8 * lane; c < C; c += 8 * 32) {
+        float sum[8], old[8];
+        encoder_sum_rows(sum, dout, sorted_positions, i, end, c, C);
+        bf16x8* w = reinterpret_cast<bf16x8*>(dwte + (long)token * C + c);
+        unpack_bf16x8(*w, old);
+        for (int j = 0; j < 8; j++) old[j] += sum[j];
+        *w = pack_bf16x8(old);
+    }
+}
+
+// a block per long run (blocks stride over the list): thread t takes channels 8·(t mod C/8) of slice t / (C/8)
+template <typename Key>
+static __global__ void __launch_bounds__(ENCODER_LONG_RUN_THREADS)
+    encoder_wte_long_runs_kernel(bf16* dwte, const int* long_runs, const int* long_run_count, const int* run_end,
+                                 const bf16* dout, const Key* sorted_tokens, const int* sorted_positions, int C) {
+    extern __shared__ float slice_sums[];  // [slice][C]
+    int vectors = C / 8, slices = blockDim.x / vectors;
+    int slice = threadIdx.x / vectors, c = 8 * (threadIdx.x % vectors);
+    for (int r = blockIdx.x; r < *long_run_count; r += gridDim.x) {
+        int start = long_runs[r];
+        Key token = sorted_tokens[start];
+        int length = run_end[token] - start;
+        if (slice < slices) {
+            float sum[8];
+            encoder_sum_rows(sum, dout, sorted_positions, start + (int)((long)length * slice / slices),
+                             start + (int)((long)length * (slice + 1) / slices), c, C);
+            for (int j = 0; j < 8; j++) slice_sums[slice * C + c + j] = sum[j];
+        }
+        __syncthreads();
+        for (int ch = threadIdx.x; ch < C; ch += blockDim.x) {
+            float total = 0.0f;
+            for (int s = 0; s < slices; s++) total += slice_sums[s * C + ch];
+            bf16* w = dwte + (long)token * C + ch;
+            *w = __float2bfloat16(__bfloat162float(*w) + total);
+        }
+        __syncthreads();  // slice_sums is reused by the next run
+    }
+}
+
+// a thread owns 8 channels of one position and sums over the batch in order
 static __global__ void encoder_wpe_backward_kernel(bf16* dwpe, const bf16* dout, int B, int T, int C) {
-    long i = 2 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= (long)T * C) return;
-    float s0 = 0.0f, s1 = 0.0f;
+    float sum[8] = {}, v[8];
+#pragma unroll 8
     for (int b = 0; b < B; b++) {
-        float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + (long)b * T * C + i));
-        s0 += v.x;
-        s1 += v.y;
+        unpack_bf16x8(*reinterpret_cast<const bf16x8*>(dout + (long)b * T * C + i), v);
+        for (int j = 0; j < 8; j++) sum[j] += v[j];
     }
-    __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(dwpe + i);
-    float2 old = __bfloat1622float2(*w);
-    *w = __floats2bfloat162_rn(old.x + s0, old.y + s1);
+    bf16x8* w = reinterpret_cast<bf16x8*>(dwpe + i);
+    unpack_bf16x8(*w, v);
+    for (int j = 0; j < 8; j++) v[j] += sum[j];
+    *w = pack_bf16x8(v);
 }
 
-// the sort's temporary space, after three int arrays of B*T (sorted tokens, positions, sorted positions)
-inline size_t encoder_backward_scratch_bytes(int B, int T) {
-    int n = B * T;
-    size_t cub_bytes = 0;
-    cuda_check(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, (const int*)nullptr, (int*)nullptr,
-                                               (const int*)nullptr, (int*)nullptr, n));
-    return 3 * (size_t)n * sizeof(int) + cub_bytes;
+// The backward's scratch, in order, each piece starting on 16 bytes: unsorted and sorted keys (Key each),
+// positions and sorted positions (int each), the long-run count, the long-run list (at most n / (SHORT + 1)),
+// the run ends by token (V ints), and CUB's temporary space.
+template <typename Key>
+struct EncoderScratch {
+    Key *keys, *sorted_keys;
+    int *positions, *sorted_positions, *long_run_count, *long_runs, *run_end;
+    void* sort_space;
+    size_t sort_bytes, total_bytes;
+
+    EncoderScratch(void* base, int n, int V) {
+        cuda_check(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const Key*)nullptr, (Key*)nullptr,
+                                                   (const int*)nullptr, (int*)nullptr, n));
+        uintptr_t p = reinterpret_cast<uintptr_t>(base);  // base may be null: then only total_bytes is wanted
+        auto take = [&](size_t bytes) {
+            void* piece = reinterpret_cast<void*>(p);
+            p += (bytes + 15) / 16 * 16;
+            return piece;
+        };
+        keys = static_cast<Key*>(take((size_t)n * sizeof(Key)));
+        sorted_keys = static_cast<Key*>(take((size_t)n * sizeof(Key)));
+        positions = static_cast<int*>(take((size_t)n * sizeof(int)));
+        sorted_positions = static_cast<int*>(take((size_t)n * sizeof(int)));
+        long_run_count = static_cast<int*>(take(sizeof(int)));
+        long_runs = static_cast<int*>(take((size_t)(n / (ENCODER_SHORT_RUN + 1) + 1) * sizeof(int)));
+        run_end = static_cast<int*>(take((size_t)V * sizeof(int)));
+        sort_space = take(sort_bytes);
+        total_bytes = (size_t)(p - reinterpret_cast<uintptr_t>(base));
+    }
+};
+
+inline bool encoder_short_keys(int V) { return V <= 65536; }
+
+inline size_t encoder_backward_scratch_bytes(int B, int T, int V) {
+    if (encoder_short_keys(V)) return EncoderScratch<uint16_t>(nullptr, B * T, V).total_bytes;
+    return EncoderScratch<uint32_t>(nullptr, B * T, V).total_bytes;
 }
 
-// dwte and dwpe accumulate (+=); scratch holds encoder_backward_scratch_bytes(B, T) bytes, 16-byte aligned
+template <typename Key>
+inline void encoder_backward_wte(bf16* dwte, const bf16* dout, const int* tokens, int n, int C, int V, void* scratch,
+                                 cudaStream_t stream) {
+    EncoderScratch<Key> s(scratch, n, V);
+    int key_bits = 1;  // the sort looks at the bits that can differ between token ids 0 .. V-1
+    while (key_bits < (int)(8 * sizeof(Key)) && (1L << key_bits) < V) key_bits++;
+    encoder_sort_input_kernel<Key><<<cuda_blocks(n, 256), 256, 0, stream>>>(s.keys, s.positions, tokens, n);
+    cuda_check(cudaGetLastError());
+    cuda_check(cub::DeviceRadixSort::SortPairs(s.sort_space, s.sort_bytes, s.keys, s.sorted_keys, s.positions,
+                                               s.sorted_positions, n, 0, key_bits, stream));
+    cuda_check(cudaMemsetAsync(s.long_run_count, 0, sizeof(int), stream));
+    encoder_wte_short_runs_kernel<Key><<<cuda_blocks(32L * n, 256), 256, 0, stream>>>(
+        dwte, s.long_runs, s.long_run_count, s.run_end, dout, s.sorted_keys, s.sorted_positions, n, C);
+    cuda_check(cudaGetLastError());
+    int most_long_runs = n / (ENCODER_SHORT_RUN + 1);
+    if (most_long_runs == 0) return;
+    int slices = ENCODER_LONG_RUN_THREADS / (C / 8);
+    unsigned int blocks = (unsigned int)std::min(most_long_runs, 2 * cuda_sm_count());
+    encoder_wte_long_runs_kernel<Key><<<blocks, ENCODER_LONG_RUN_THREADS, (size_t)slices * C * sizeof(float), stream>>>(
+        dwte, s.long_runs, s.long_run_count, s.run_end, dout, s.sorted_keys, s.sorted_positions, C);
+    cuda_check(cudaGetLastError());
+}
+
+// dwte (V rows) and dwpe accumulate (+=); every token must be below V; scratch holds
+// encoder_backward_scratch_bytes(B, T, V) bytes, 16-byte aligned
 inline void encoder_backward_cuda(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C,
-                                  void* scratch, cudaStream_t stream) {
+                                  int V, void* scratch, cudaStream_t stream) {
+    encoder_check_shape("encoder_backward_cuda", C, {dwte, dwpe, dout, scratch});
     int n = B * T;
-    int* sorted_tokens = static_cast<int*>(scratch);
-    int* positions = sorted_tokens + n;
-    int* sorted_positions = positions + n;
-    void* cub_space = sorted_positions + n;
-    size_t cub_bytes = encoder_backward_scratch_bytes(B, T) - 3 * (size_t)n * sizeof(int);
-    encoder_iota_kernel<<<cuda_blocks(n, 256), 256, 0, stream>>>(positions, n);
-    cuda_check(cudaGetLastError());
-    cuda_check(cub::DeviceRadixSort::SortPairs(cub_space, cub_bytes, tokens, sorted_tokens, positions,
-                                               sorted_positions, n, 0, (int)sizeof(int) * 8, stream));
-    encoder_wte_backward_kernel<<<dim3(n, cuda_blocks(C, 64)), 32, 0, stream>>>(dwte, dout, sorted_tokens,
-                                                                              sorted_positions, n, C);
-    cuda_check(cudaGetLastError());
-    encoder_wpe_backward_kernel<<<cuda_blocks((long)T * C / 2, 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
+    if (n == 0) return;
+    if (encoder_short_keys(V)) encoder_backward_wte<uint16_t>(dwte, dout, tokens, n, C, V, scratch, stream);
+    else encoder_backward_wte<uint32_t>(dwte, dout, tokens, n, C, V, scratch, stream);
+    encoder_wpe_backward_kernel<<<cuda_blocks((long)T * C / 8, 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
     cuda_check(cudaGetLastError());
 }
 
@@ -146,7 +266,6 @@ inline void encoder_forward(bf16* out, const int* tokens, const bf16* wte, const
     encoder_forward_cuda(out, tokens, wte, wpe, B, T, C, main_stream());
 }
 inline void encoder_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C, int V) {
-    size_t floats = (encoder_backward_scratch_bytes(B, T) + sizeof(float) - 1) / sizeof(float);
-    encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, gpu_scratch(floats, "encoder_backward"), main_stream());
-    (void)V;
+    size_t floats = (encoder_backward_scratch_bytes(B, T, V) + sizeof(float) - 1) / sizeof(float);
+    encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, V, gpu_scratch(floats, "encoder_backward"), main_stream());
 }

@@ -28,8 +28,8 @@ inline void gelu_backward(float* dinp, const float* inp, const float* dout, long
 
 // ==========================================================================================================
 // CUDA: elementwise and memory-bound (4 bytes moved per element forward, 6 backward, a few dozen FLOPs), so a
-// thread moves 16 bytes per access; N must be a multiple of 8 and the pointers 16-byte aligned, which every
-// activation in the model is (C is a multiple of 64).
+// thread moves 16 bytes per access. Any N: the thread whose 8 elements run past the end takes them one by one.
+// The pointers must be 16-byte aligned (checked), which every activation in the model is.
 
 #include "llmc/cuda_common.cuh"
 
@@ -45,34 +45,48 @@ static __device__ __forceinline__ float gelu_derivative(float x) {
 
 static __global__ void gelu_forward_kernel(bf16* out, const bf16* inp, long N) {
     long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
-    if (i >= N) return;
-    bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i), y;
-    for (int j = 0; j < 4; j++) {
-        float2 v = __bfloat1622float2(x.h[j]);
-        y.h[j] = __floats2bfloat162_rn(gelu_value(v.x), gelu_value(v.y));
+    if (i + 8 <= N) {
+        bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i), y;
+        for (int j = 0; j < 4; j++) {
+            float2 v = __bfloat1622float2(x.h[j]);
+            y.h[j] = __floats2bfloat162_rn(gelu_value(v.x), gelu_value(v.y));
+        }
+        *reinterpret_cast<bf16x8*>(out + i) = y;
+    } else {
+        for (; i < N; i++) out[i] = __float2bfloat16(gelu_value(__bfloat162float(inp[i])));
     }
-    *reinterpret_cast<bf16x8*>(out + i) = y;
 }
 
 static __global__ void gelu_backward_kernel(bf16* dinp, const bf16* inp, const bf16* dout, long N) {
     long i = 8 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
-    if (i >= N) return;
-    bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i), d = *reinterpret_cast<const bf16x8*>(dout + i), g;
-    for (int j = 0; j < 4; j++) {
-        float2 xv = __bfloat1622float2(x.h[j]), dv = __bfloat1622float2(d.h[j]);
-        g.h[j] = __floats2bfloat162_rn(gelu_derivative(xv.x) * dv.x, gelu_derivative(xv.y) * dv.y);
+    if (i + 8 <= N) {
+        bf16x8 x = *reinterpret_cast<const bf16x8*>(inp + i), d = *reinterpret_cast<const bf16x8*>(dout + i), g;
+        for (int j = 0; j < 4; j++) {
+            float2 xv = __bfloat1622float2(x.h[j]), dv = __bfloat1622float2(d.h[j]);
+            g.h[j] = __floats2bfloat162_rn(gelu_derivative(xv.x) * dv.x, gelu_derivative(xv.y) * dv.y);
+        }
+        *reinterpret_cast<bf16x8*>(dinp + i) = g;
+    } else {
+        for (; i < N; i++)
+            dinp[i] = __float2bfloat16(gelu_derivative(__bfloat162float(inp[i])) * __bfloat162float(dout[i]));
     }
-    *reinterpret_cast<bf16x8*>(dinp + i) = g;
 }
 
 inline void gelu_forward_cuda(bf16* out, const bf16* inp, long N, cudaStream_t stream) {
-    gelu_forward_kernel<<<cuda_blocks(N / 8, 256), 256, 0, stream>>>(out, inp, N);
+    require_aligned_16("gelu_forward_cuda out", out);
+    require_aligned_16("gelu_forward_cuda inp", inp);
+    if (N == 0) return;
+    gelu_forward_kernel<<<cuda_blocks((N + 7) / 8, 256), 256, 0, stream>>>(out, inp, N);
     cuda_check(cudaGetLastError());
 }
 
 // dinp = dout * gelu'(inp), overwritten; dinp may alias dout
 inline void gelu_backward_cuda(bf16* dinp, const bf16* inp, const bf16* dout, long N, cudaStream_t stream) {
-    gelu_backward_kernel<<<cuda_blocks(N / 8, 256), 256, 0, stream>>>(dinp, inp, dout, N);
+    require_aligned_16("gelu_backward_cuda dinp", dinp);
+    require_aligned_16("gelu_backward_cuda inp", inp);
+    require_aligned_16("gelu_backward_cuda dout", dout);
+    if (N == 0) return;
+    gelu_backward_kernel<<<cuda_blocks((N + 7) / 8, 256), 256, 0, stream>>>(dinp, inp, dout, N);
     cuda_check(cudaGetLastError());
 }
 

@@ -332,10 +332,11 @@ inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     for (long oc : {3L * d.Cl, (long)d.C, (long)d.Hl})  // the matmuls with a bias gradient
         need = std::max(need, (size_t)matmul_backward_scratch_floats(d.BT, oc));
     need = std::max(need, (size_t)d.NHl * d.B * d.T);  // attention's row sums
-    // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need, twice the keys
-    // and values sorted, plus 64 KiB of histograms
-    size_t sort_bytes = cuda_device_available() ? encoder_backward_scratch_bytes(d.B, d.T)
-                                                : 3 * d.BT * sizeof(int) + 2 * d.BT * 2 * sizeof(int) + 65536;
+    // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions
+    // and their sorted copies (4·BT int32 at most), the runs (BT + V), and the sort's own buffers and histograms
+    // (2·BT int32 + 64 KiB)
+    size_t sort_bytes = cuda_device_available() ? encoder_backward_scratch_bytes(d.B, d.T, d.Vl)
+                                                : (7 * d.BT + d.Vl) * sizeof(int) + 65536;
     need = std::max(need, (sort_bytes + 3) / 4);
     return std::max(need, (size_t)GLOBAL_NORM_BLOCKS + 1);
 }

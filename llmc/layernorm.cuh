@@ -63,49 +63,102 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
 }
 
 // ==========================================================================================================
-// CUDA. Both directions are memory-bound (a few FLOPs per byte). The forward fuses the residual add that
-// precedes every layernorm in GPT-2, so the residual stream is read twice and written once instead of being
-// written by one kernel and re-read by the next. A warp owns a row (C ≤ a few thousand: the row stays in L1
-// between its passes, so the second and third reads cost no DRAM traffic). The backward's weight and bias
-// gradients are sums over all rows: each block sums a fixed range of rows in order and a second pass adds the
-// blocks' partial sums in block order, so the result is bit-reproducible without atomics. C must be even.
+// CUDA. Both directions are memory-bound (a few FLOPs per byte), so each moves every byte once, 16 bytes per
+// access. A warp owns a row and holds it in registers, K bf16x8 vectors per lane (K·256 channels): the forward
+// reads the row (and adds the residual) once, takes the mean and then the variance around it from registers
+// (no E[x²] - mean² cancellation), and writes; the backward reads x, dout and dinp once and writes dinp. A
+// lane writes only the elements it has already read into registers, so an output may alias an input
+// (residual == inp1, out == inp, dinp == dout all work).
+// The parameter gradients are sums over all rows. Each block of the backward takes a fixed range of rows; each
+// of its warps adds its rows' dout·norm and dout into its own slice of shared memory (no atomics), and the block
+// adds its warps' slices in warp order into one partial sum per block. A second kernel adds the blocks' partials
+// in block order, spread over column groups and row phases so that it does not run on a handful of threads.
+// Every sum has a fixed order, so the bits are reproducible. C must be a multiple of 8 and at most
+// LAYERNORM_MAX_C, the pointers 16-byte aligned; the entry points check.
+
+#include <type_traits>
 
 #include "llmc/cuda_common.cuh"
 
-// x = inp1 + inp2 rounded to bf16 (the value the residual stream stores, which the backward will see), or inp1
-static __device__ __forceinline__ float2 layernorm_input(const bf16* inp1, const bf16* inp2, long i) {
-    float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(inp1 + i));
-    if (!inp2) return a;
-    float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(inp2 + i));
-    return __bfloat1622float2(__floats2bfloat162_rn(a.x + b.x, a.y + b.y));
+constexpr int LAYERNORM_MAX_C = 4096;
+
+// calls launch(std::integral_constant<int, K>) with the fewest vectors per lane K that hold a row of C channels
+template <typename Launch>
+inline void layernorm_with_row_vectors(int C, Launch&& launch) {
+    if (C <= 1024) launch(std::integral_constant<int, 4>{});
+    else if (C <= 2048) launch(std::integral_constant<int, 8>{});
+    else launch(std::integral_constant<int, 16>{});
 }
 
-static __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* inp1,
-                                                const bf16* inp2, const bf16* weight, const bf16* bias, long N, int C) {
+inline void layernorm_check_shape(const char* what, int C, std::initializer_list<const void*> pointers) {
+    if (C <= 0 || C % 8 != 0 || C > LAYERNORM_MAX_C)
+        fail("%s: C = %d must be a positive multiple of 8, at most %d", what, C, LAYERNORM_MAX_C);
+    for (const void* p : pointers) require_aligned_16(what, p);
+}
+
+// inp2 may be null (plain layernorm); residual is written only when inp2 is given
+template <int K>
+static __global__ void __launch_bounds__(256)
+    layernorm_forward_kernel(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* inp1, const bf16* inp2,
+                             const bf16* weight, const bf16* bias, long N, int C) {
     long n = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (n >= N) return;
-    const bf16* a = inp1 + n * C;
-    const bf16* b = inp2 ? inp2 + n * C : nullptr;
+    long row = n * C;
+    bf16x8 x[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        int c = (k * 32 + lane) * 8;
+        if (c < C) x[k] = *reinterpret_cast<const bf16x8*>(inp1 + row + c);
+    }
+    if (inp2) {
+        bf16x8 y[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c = (k * 32 + lane) * 8;
+            if (c < C) y[k] = *reinterpret_cast<const bf16x8*>(inp2 + row + c);
+        }
+        // the residual stream stores bf16(inp1 + inp2), and that stored value is what the layernorm normalizes
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c = (k * 32 + lane) * 8;
+            if (c >= C) continue;
+            float a[8], b[8];
+            unpack_bf16x8(x[k], a);
+            unpack_bf16x8(y[k], b);
+            for (int j = 0; j < 8; j++) a[j] += b[j];
+            x[k] = pack_bf16x8(a);
+            *reinterpret_cast<bf16x8*>(residual + row + c) = x[k];
+        }
+    }
     float sum = 0.0f;
-    for (int c = 2 * lane; c < C; c += 64) {
-        float2 x = layernorm_input(a, b, c);
-        if (residual) *reinterpret_cast<__nv_bfloat162*>(residual + n * C + c) = __floats2bfloat162_rn(x.x, x.y);
-        sum += x.x + x.y;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        if ((k * 32 + lane) * 8 >= C) continue;
+        float f[8];
+        unpack_bf16x8(x[k], f);
+        for (int j = 0; j < 8; j++) sum += f[j];
     }
     float m = warp_sum(sum) / C;
     float var = 0.0f;
-    for (int c = 2 * lane; c < C; c += 64) {
-        float2 x = layernorm_input(a, b, c);
-        var += (x.x - m) * (x.x - m) + (x.y - m) * (x.y - m);
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        if ((k * 32 + lane) * 8 >= C) continue;
+        float f[8];
+        unpack_bf16x8(x[k], f);
+        for (int j = 0; j < 8; j++) var += (f[j] - m) * (f[j] - m);
     }
     float s = rsqrtf(warp_sum(var) / C + 1e-5f);
-    for (int c = 2 * lane; c < C; c += 64) {
-        float2 x = layernorm_input(a, b, c);
-        float2 w = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(weight + c));
-        float2 bi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + c));
-        *reinterpret_cast<__nv_bfloat162*>(out + n * C + c) =
-            __floats2bfloat162_rn((x.x - m) * s * w.x + bi.x, (x.y - m) * s * w.y + bi.y);
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        int c = (k * 32 + lane) * 8;
+        if (c >= C) continue;
+        float f[8], w[8], b[8];
+        unpack_bf16x8(x[k], f);
+        unpack_bf16x8(*reinterpret_cast<const bf16x8*>(weight + c), w);
+        unpack_bf16x8(*reinterpret_cast<const bf16x8*>(bias + c), b);
+        for (int j = 0; j < 8; j++) f[j] = (f[j] - m) * s * w[j] + b[j];
+        *reinterpret_cast<bf16x8*>(out + row + c) = pack_bf16x8(f);
     }
     if (lane == 0) {
         mean[n] = m;
@@ -115,99 +168,166 @@ static __global__ void layernorm_forward_kernel(bf16* residual, bf16* out, float
 
 inline void layernorm_forward_cuda(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight,
                                    const bf16* bias, long N, int C, cudaStream_t stream) {
-    layernorm_forward_kernel<<<cuda_blocks(N, 8), 256, 0, stream>>>(nullptr, out, mean, rstd, inp, nullptr, weight,
-                                                                   bias, N, C);
+    layernorm_check_shape("layernorm_forward_cuda", C, {out, inp, weight, bias});
+    if (N == 0) return;
+    layernorm_with_row_vectors(C, [&](auto k) {
+        layernorm_forward_kernel<decltype(k)::value>
+            <<<cuda_blocks(N, 8), 256, 0, stream>>>(nullptr, out, mean, rstd, inp, nullptr, weight, bias, N, C);
+    });
     cuda_check(cudaGetLastError());
 }
 
-// residual = inp1 + inp2, then out = layernorm(residual): the residual connection and the next layernorm
+// residual = inp1 + inp2, then out = layernorm(residual): the residual connection and the next layernorm.
+// residual may be inp1 or inp2 (the stream updated in place), and out may alias any input.
 inline void fused_residual_layernorm_forward_cuda(bf16* residual, bf16* out, float* mean, float* rstd, const bf16* inp1,
                                                   const bf16* inp2, const bf16* weight, const bf16* bias, long N, int C,
                                                   cudaStream_t stream) {
-    layernorm_forward_kernel<<<cuda_blocks(N, 8), 256, 0, stream>>>(residual, out, mean, rstd, inp1, inp2, weight,
-                                                                   bias, N, C);
+    layernorm_check_shape("fused_residual_layernorm_forward_cuda", C, {residual, out, inp1, inp2, weight, bias});
+    if (!residual || !inp2) fail("fused_residual_layernorm_forward_cuda: residual and inp2 are required");
+    if (N == 0) return;
+    layernorm_with_row_vectors(C, [&](auto k) {
+        layernorm_forward_kernel<decltype(k)::value>
+            <<<cuda_blocks(N, 8), 256, 0, stream>>>(residual, out, mean, rstd, inp1, inp2, weight, bias, N, C);
+    });
     cuda_check(cudaGetLastError());
 }
 
-constexpr int LAYERNORM_BWD_ROWS = 64;  // rows per block: the granularity of the parameter-gradient partial sums
+constexpr int LAYERNORM_BWD_WARPS = 4;  // warps per backward block, each with its own 2·C floats of shared memory
+
+// rows per backward block, a function of N alone (so the summation order, and the bits, do not depend on the
+// GPU): about 1024 blocks to fill any GPU, and at least 16 rows each so the partial sums stay a small fraction
+// of the traffic
+inline int layernorm_backward_rows_per_block(long N) {
+    int rows = 16;
+    while (rows < 64 && (long)rows * 1024 < N) rows *= 2;
+    return rows;
+}
 
 inline long layernorm_backward_scratch_floats(long N, int C) {
-    return (N + LAYERNORM_BWD_ROWS - 1) / LAYERNORM_BWD_ROWS * 2 * (long)C;
+    long rows = layernorm_backward_rows_per_block(N);
+    return (N + rows - 1) / rows * 2 * (long)C;
 }
 
-// 256 threads. First each warp takes rows and adds their input gradient into dinp; then the block turns to
-// channels, each thread summing its channel pairs over the block's rows in row order into `partial`.
-static __global__ void layernorm_backward_kernel(bf16* dinp, float* partial, const bf16* dout, const bf16* inp,
-                                                 const bf16* weight, const float* mean, const float* rstd, long N,
-                                                 int C) {
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    long r0 = (long)blockIdx.x * LAYERNORM_BWD_ROWS, r1 = min(r0 + LAYERNORM_BWD_ROWS, N);
-    for (long n = r0 + warp; n < r1; n += warps) {
-        const bf16* x = inp + n * C;
-        const bf16* d = dout + n * C;
+// partial[block] = (Σ dout·norm, Σ dout) over the block's rows, 2·C floats; dinp += the input gradient
+template <int K>
+static __global__ void __launch_bounds__(LAYERNORM_BWD_WARPS * 32)
+    layernorm_backward_kernel(bf16* dinp, float* partial, const bf16* dout, const bf16* inp, const bf16* weight,
+                              const float* mean, const float* rstd, long N, int C, int rows_per_block) {
+    extern __shared__ float warp_sums[];  // [warp][2·C]: Σ dout·norm in the first C, Σ dout in the next C
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float* my_sums = warp_sums + (long)warp * 2 * C;
+    for (int c = lane; c < 2 * C; c += 32) my_sums[c] = 0.0f;
+    __syncwarp();
+    long r0 = (long)blockIdx.x * rows_per_block, r1 = min(r0 + rows_per_block, N);
+    for (long n = r0 + warp; n < r1; n += LAYERNORM_BWD_WARPS) {
+        long row = n * C;
+        bf16x8 x[K], d[K], g[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c = (k * 32 + lane) * 8;
+            if (c >= C) continue;
+            x[k] = *reinterpret_cast<const bf16x8*>(inp + row + c);
+            d[k] = *reinterpret_cast<const bf16x8*>(dout + row + c);
+            g[k] = *reinterpret_cast<const bf16x8*>(dinp + row + c);
+        }
         float m = mean[n], s = rstd[n];
+        // dx = s * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), with dnorm = dout * weight
         float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
-        for (int c = 2 * lane; c < C; c += 64) {
-            float2 xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + c));
-            float2 dv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d + c));
-            float2 wv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(weight + c));
-            dnorm_sum += dv.x * wv.x + dv.y * wv.y;
-            dnorm_norm_sum += dv.x * wv.x * (xv.x - m) * s + dv.y * wv.y * (xv.y - m) * s;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c = (k * 32 + lane) * 8;
+            if (c >= C) continue;
+            float xf[8], df[8], wf[8];
+            unpack_bf16x8(x[k], xf);
+            unpack_bf16x8(d[k], df);
+            unpack_bf16x8(*reinterpret_cast<const bf16x8*>(weight + c), wf);
+            float4* dw = reinterpret_cast<float4*>(my_sums + c);
+            float4* db = reinterpret_cast<float4*>(my_sums + C + c);
+            float4 dw0 = dw[0], dw1 = dw[1], db0 = db[0], db1 = db[1];
+            float norm[8];
+            for (int j = 0; j < 8; j++) {
+                norm[j] = (xf[j] - m) * s;
+                float dnorm = df[j] * wf[j];
+                dnorm_sum += dnorm;
+                dnorm_norm_sum += dnorm * norm[j];
+            }
+            dw0.x += df[0] * norm[0], dw0.y += df[1] * norm[1], dw0.z += df[2] * norm[2], dw0.w += df[3] * norm[3];
+            dw1.x += df[4] * norm[4], dw1.y += df[5] * norm[5], dw1.z += df[6] * norm[6], dw1.w += df[7] * norm[7];
+            db0.x += df[0], db0.y += df[1], db0.z += df[2], db0.w += df[3];
+            db1.x += df[4], db1.y += df[5], db1.z += df[6], db1.w += df[7];
+            dw[0] = dw0, dw[1] = dw1, db[0] = db0, db[1] = db1;
         }
         float dnorm_mean = warp_sum(dnorm_sum) / C, dnorm_norm_mean = warp_sum(dnorm_norm_sum) / C;
-        for (int c = 2 * lane; c < C; c += 64) {
-            float2 xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + c));
-            float2 dv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d + c));
-            float2 wv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(weight + c));
-            __nv_bfloat162* dx = reinterpret_cast<__nv_bfloat162*>(dinp + n * C + c);
-            float2 old = __bfloat1622float2(*dx);
-            float gx = s * (dv.x * wv.x - dnorm_mean - (xv.x - m) * s * dnorm_norm_mean);
-            float gy = s * (dv.y * wv.y - dnorm_mean - (xv.y - m) * s * dnorm_norm_mean);
-            *dx = __floats2bfloat162_rn(old.x + gx, old.y + gy);
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            int c = (k * 32 + lane) * 8;
+            if (c >= C) continue;
+            float xf[8], df[8], wf[8], gf[8];
+            unpack_bf16x8(x[k], xf);
+            unpack_bf16x8(d[k], df);
+            unpack_bf16x8(*reinterpret_cast<const bf16x8*>(weight + c), wf);
+            unpack_bf16x8(g[k], gf);
+            for (int j = 0; j < 8; j++) gf[j] += s * (df[j] * wf[j] - dnorm_mean - (xf[j] - m) * s * dnorm_norm_mean);
+            *reinterpret_cast<bf16x8*>(dinp + row + c) = pack_bf16x8(gf);
         }
     }
-    float* dw_partial = partial + (long)blockIdx.x * 2 * C;
-    float* db_partial = dw_partial + C;
-    for (int c = 2 * threadIdx.x; c < C; c += 2 * blockDim.x) {
-        float dw0 = 0.0f, dw1 = 0.0f, db0 = 0.0f, db1 = 0.0f;
-        for (long n = r0; n < r1; n++) {
-            float2 xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(inp + n * C + c));
-            float2 dv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + n * C + c));
-            float m = mean[n], s = rstd[n];
-            dw0 += dv.x * (xv.x - m) * s;
-            dw1 += dv.y * (xv.y - m) * s;
-            db0 += dv.x;
-            db1 += dv.y;
-        }
-        dw_partial[c] = dw0;
-        dw_partial[c + 1] = dw1;
-        db_partial[c] = db0;
-        db_partial[c + 1] = db1;
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        float total = 0.0f;
+        for (int w = 0; w < LAYERNORM_BWD_WARPS; w++) total += warp_sums[(long)w * 2 * C + c];
+        partial[(long)blockIdx.x * 2 * C + c] = total;
     }
 }
 
-static __global__ void layernorm_param_grad_kernel(bf16* dweight, bf16* dbias, const float* partial, long blocks,
-                                                   int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float dw = 0.0f, db = 0.0f;
-    for (long b = 0; b < blocks; b++) {
-        dw += partial[b * 2 * C + c];
-        db += partial[b * 2 * C + C + c];
+constexpr int LAYERNORM_PARAM_GRAD_WARPS = 32;
+
+// dweight += Σ over blocks of partial[.][0:C], dbias += Σ of partial[.][C:2C], in block order split in a fixed
+// way: a block takes 32 of the 2·C columns (a warp reads them as one 128-byte line), warp w sums the partial
+// rows w, w + 32, ... in order, and warp 0 adds the 32 warp sums in warp order
+static __global__ void __launch_bounds__(LAYERNORM_PARAM_GRAD_WARPS * 32)
+    layernorm_param_grad_kernel(bf16* dweight, bf16* dbias, const float* partial, long blocks, int C) {
+    __shared__ float warp_sums[LAYERNORM_PARAM_GRAD_WARPS][33];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int col = blockIdx.x * 32 + lane;
+    float s = 0.0f;
+    if (col < 2 * C) {
+#pragma unroll 8  // eight loads in flight before the adds that wait on them
+        for (long b = warp; b < blocks; b += LAYERNORM_PARAM_GRAD_WARPS) s += partial[b * 2 * C + col];
     }
-    dweight[c] = __float2bfloat16(__bfloat162float(dweight[c]) + dw);
-    dbias[c] = __float2bfloat16(__bfloat162float(dbias[c]) + db);
+    warp_sums[warp][lane] = s;
+    __syncthreads();
+    if (warp != 0 || col >= 2 * C) return;
+    float total = 0.0f;
+    for (int w = 0; w < LAYERNORM_PARAM_GRAD_WARPS; w++) total += warp_sums[w][lane];
+    bf16* dst = col < C ? dweight + col : dbias + (col - C);
+    *dst = __float2bfloat16(__bfloat162float(*dst) + total);
 }
 
 // dinp, dweight and dbias accumulate (+=), as on the CPU; scratch holds layernorm_backward_scratch_floats(N, C)
 inline void layernorm_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                                     const bf16* weight, const float* mean, const float* rstd, long N, int C,
                                     float* scratch, cudaStream_t stream) {
-    long blocks = (N + LAYERNORM_BWD_ROWS - 1) / LAYERNORM_BWD_ROWS;
-    layernorm_backward_kernel<<<(unsigned int)blocks, 256, 0, stream>>>(dinp, scratch, dout, inp, weight, mean, rstd,
-                                                                       N, C);
+    layernorm_check_shape("layernorm_backward_cuda", C, {dinp, dout, inp, weight});
+    if (N == 0) return;
+    int rows = layernorm_backward_rows_per_block(N);
+    long blocks = (N + rows - 1) / rows;
+    size_t shared_bytes = (size_t)LAYERNORM_BWD_WARPS * 2 * C * sizeof(float);
+    layernorm_with_row_vectors(C, [&](auto k) {
+        constexpr int K = decltype(k)::value;
+        // above 48 KiB a kernel must ask for its shared memory; ask once for the most this K can need
+        static bool raised = [] {
+            int most = LAYERNORM_BWD_WARPS * 2 * (K * 256) * (int)sizeof(float);
+            cuda_check(cudaFuncSetAttribute(layernorm_backward_kernel<K>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+            return true;
+        }();
+        (void)raised;
+        layernorm_backward_kernel<K><<<(unsigned int)blocks, LAYERNORM_BWD_WARPS * 32, shared_bytes, stream>>>(
+            dinp, scratch, dout, inp, weight, mean, rstd, N, C, rows);
+    });
     cuda_check(cudaGetLastError());
-    layernorm_param_grad_kernel<<<cuda_blocks(C, 256), 256, 0, stream>>>(dweight, dbias, scratch, blocks, C);
+    layernorm_param_grad_kernel<<<cuda_blocks(2L * C, 32), LAYERNORM_PARAM_GRAD_WARPS * 32, 0, stream>>>(
+        dweight, dbias, scratch, blocks, C);
     cuda_check(cudaGetLastError());
 }
 

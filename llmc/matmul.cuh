@@ -195,10 +195,22 @@ inline int pointer_alignment(const void* p) {
 inline void cublaslt_matmul(bf16* d, const bf16* a, const bf16* b, const bf16* bias, bf16* aux, bool transa,
                             bool transb, long m, long n, long k, float beta, cublasLtEpilogue_t epilogue,
                             cudaStream_t stream) {
-    static std::map<std::array<long, 11>, MatmulPlan> plans;
+    // the key holds everything the heuristic sees: the shapes, the epilogue, and the alignment of every pointer
+    // set before it runs (a, b, d, and the epilogue's bias and aux), so no plan is reused on a less-aligned pointer
+    static std::map<std::array<long, 12>, MatmulPlan> plans;
     CublasLtContext& ctx = cublaslt();
-    std::array<long, 11> key{transa,     transb, m, n, k, beta != 0.0f, (long)epilogue, pointer_alignment(a),
-                             pointer_alignment(b), pointer_alignment(d), aux ? pointer_alignment(aux) : 0};
+    std::array<long, 12> key{transa,
+                             transb,
+                             m,
+                             n,
+                             k,
+                             beta != 0.0f,
+                             (long)epilogue,
+                             pointer_alignment(a),
+                             pointer_alignment(b),
+                             pointer_alignment(d),
+                             aux ? pointer_alignment(aux) : 0,
+                             bias ? pointer_alignment(bias) : 0};
     auto it = plans.find(key);
     if (it == plans.end()) {
         MatmulPlan p;

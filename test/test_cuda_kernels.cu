@@ -1,6 +1,7 @@
 // Each CUDA kernel against the CPU reference in the same llmc header, on random bf16 inputs with the outputs
-// poisoned (NaN bytes) beforehand, for two shapes each: small and odd, so that rows, tiles and vector widths
-// do not line up. Tolerances are bf16's. Without a GPU every case says "skipped: no GPU" and passes.
+// poisoned (NaN bytes) beforehand, on small and odd shapes, so that rows, tiles and vector widths do not line
+// up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
+// case says "skipped: no GPU" and passes, except the host-side precondition checks, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
 // are dev/cuda/kernel_cases.h's.
 #include "dev/cuda/kernel_cases.h"
@@ -29,8 +30,13 @@ void check_encoder(int B, int T, int C, int V) {
     k.gpu_forward();
     require_close("encoder out", download(k.d_out), k.out, 1e-2);
     k.gpu_backward();
-    require_close("encoder dwte", download(k.d_dwte), k.dwte, 2e-2);
-    require_close("encoder dwpe", download(k.d_dwpe), k.dwpe, 2e-2);
+    std::vector<float> dwte = download(k.d_dwte), dwpe = download(k.d_dwpe);
+    require_close("encoder dwte", dwte, k.dwte, 2e-2);
+    require_close("encoder dwpe", dwpe, k.dwpe, 2e-2);
+    k.reset_grads();
+    k.gpu_backward();
+    REQUIRE(download(k.d_dwte) == dwte);  // bit-reproducible
+    REQUIRE(download(k.d_dwpe) == dwpe);
 }
 
 void check_layernorm(long N, int C) {
@@ -40,11 +46,24 @@ void check_layernorm(long N, int C) {
     require_close("layernorm out", download(k.d_out), k.out, 2e-2);
     require_close("mean", download(k.d_mean), k.mean, 1e-3);
     require_close("rstd", download(k.d_rstd), k.rstd, 1e-3);
+    k.d_out.poison();
+    k.gpu_fused_forward_in_place();
+    require_close("residual updated in place", download(k.d_res), k.res, 1e-2);
+    require_close("layernorm out, residual in place", download(k.d_out), k.out, 2e-2);
+    k.d_out.poison();
+    k.gpu_forward();
+    require_close("plain layernorm out", download(k.d_out), k.out, 2e-2);
     k.use_cpu_stats();
     k.gpu_backward();
-    require_close("layernorm dinp", download(k.d_dinp), k.dinp, 2e-2);
-    require_close("layernorm dweight", download(k.d_dw), k.dweight, 2e-2);
-    require_close("layernorm dbias", download(k.d_db), k.dbias, 2e-2);
+    std::vector<float> dinp = download(k.d_dinp), dw = download(k.d_dw), db = download(k.d_db);
+    require_close("layernorm dinp", dinp, k.dinp, 2e-2);
+    require_close("layernorm dweight", dw, k.dweight, 2e-2);
+    require_close("layernorm dbias", db, k.dbias, 2e-2);
+    k.reset_grads();
+    k.gpu_backward();
+    REQUIRE(download(k.d_dinp) == dinp);  // bit-reproducible
+    REQUIRE(download(k.d_dw) == dw);
+    REQUIRE(download(k.d_db) == db);
 }
 
 void check_matmul(long N, long C, long OC) {
@@ -93,6 +112,9 @@ void check_classifier(long N, int V, int Vp) {
     std::vector<float> grad = download(k.d_logits);
     require_close("dlogits", grad, k.grad, 2e-2);
     REQUIRE(k.padding_zero(grad));
+    k.reset_logits();
+    k.gpu_backward_inplace();
+    REQUIRE(download(k.d_logits) == grad);  // bit-reproducible
 }
 
 void check_adamw(long n) {
@@ -109,6 +131,11 @@ void check_adamw(long n) {
         INFO("element " << i);
         REQUIRE((params[i] == lo || params[i] == hi));
     }
+    // the rounding bits follow the element's global index: a sharded update draws the unsharded bits
+    k.gpu_run(99, 3);
+    REQUIRE(download(k.d_params) == params);
+    k.gpu_run(100);
+    REQUIRE(download(k.d_params) != params);
 }
 
 void check_global_norm(long n) {
@@ -127,12 +154,17 @@ TEST_CASE("CUDA encoder forward and deterministic backward match the CPU", "[cud
     SKIP_WITHOUT_GPU_CASE();
     check_encoder(2, 64, 64, 100);
     check_encoder(3, 33, 200, 1000);
+    check_encoder(4, 128, 1600, 3000);   // runs of ~85 positions: the long-run path, C past one lane's reach
+    check_encoder(2, 100, 64, 70000);    // past 16-bit keys
 }
 
 TEST_CASE("CUDA fused residual + layernorm and layernorm backward match the CPU", "[cuda]") {
     SKIP_WITHOUT_GPU_CASE();
     check_layernorm(64, 64);
     check_layernorm(130, 200);
+    check_layernorm(37, 1600);  // 8 vectors a lane
+    check_layernorm(9, 4096);   // 16 vectors a lane, the widest row held in registers
+    check_layernorm(3000, 96);  // more rows per backward block than the minimum
 }
 
 TEST_CASE("CUDA cuBLASLt matmul forward (bias, GELU) and backward match the CPU", "[cuda]") {
@@ -151,6 +183,8 @@ TEST_CASE("CUDA GELU forward and backward match the CPU", "[cuda]") {
     SKIP_WITHOUT_GPU_CASE();
     check_gelu(1024);
     check_gelu(8 * 1001);
+    check_gelu(1001);  // a tail past the vector width
+    check_gelu(5);     // only a tail
 }
 
 TEST_CASE("CUDA fused classifier matches the CPU and zeroes the padding columns", "[cuda]") {
@@ -169,4 +203,27 @@ TEST_CASE("CUDA sum of squares matches the CPU", "[cuda]") {
     SKIP_WITHOUT_GPU_CASE();
     check_global_norm(1000);
     check_global_norm(100003);
+}
+
+// The preconditions are checked on the host before anything reaches the device, so these run without a GPU;
+// the pointers are never dereferenced.
+TEST_CASE("CUDA entry points refuse shapes and pointers their 16-byte accesses cannot serve", "[cuda]") {
+    bf16* aligned = reinterpret_cast<bf16*>(uintptr_t{0x1000});
+    bf16* misaligned = reinterpret_cast<bf16*>(uintptr_t{0x1002});
+    float* stats = reinterpret_cast<float*>(uintptr_t{0x2000});
+    REQUIRE_THROWS_WITH(layernorm_forward_cuda(aligned, stats, stats, aligned, aligned, aligned, 4, 100, 0),
+                        Catch::Contains("C = 100"));
+    REQUIRE_THROWS_WITH(layernorm_forward_cuda(aligned, stats, stats, aligned, aligned, aligned, 4, 8192, 0),
+                        Catch::Contains("at most 4096"));
+    REQUIRE_THROWS_WITH(fused_residual_layernorm_forward_cuda(aligned, aligned, stats, stats, misaligned, aligned,
+                                                              aligned, aligned, 4, 64, 0),
+                        Catch::Contains("not 16-byte aligned"));
+    REQUIRE_THROWS_WITH(layernorm_backward_cuda(aligned, aligned, aligned, aligned, aligned, aligned, stats, stats, 4,
+                                                36, stats, 0),
+                        Catch::Contains("C = 36"));
+    REQUIRE_THROWS_WITH(gelu_forward_cuda(misaligned, aligned, 16, 0), Catch::Contains("not 16-byte aligned"));
+    REQUIRE_THROWS_WITH(encoder_forward_cuda(aligned, nullptr, aligned, aligned, 1, 4, 12, 0),
+                        Catch::Contains("C = 12"));
+    REQUIRE_THROWS_WITH(crossentropy_forward_cuda(stats, aligned, nullptr, 4, 77, 100, 0),
+                        Catch::Contains("Vp = 100"));
 }

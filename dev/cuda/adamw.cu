@@ -1,7 +1,8 @@
 // adamw_update_cuda against the CPU reference (llmc/adamw.cuh) on the fp32 master weights and moments, and
 // the stochastic rounding of the bf16 parameters: each must be one of the two bf16 values around its master
 // weight, the rounding must be unbiased over many elements, and the same seed must give the same bits while
-// another seed gives different ones. Timed against the copy bandwidth. Inputs and the CPU reference: AdamWCase
+// another seed gives different ones, and the update cut into shards (each with its global offset) gives the
+// unsharded bits. Timed against the copy bandwidth. Inputs and the CPU reference: AdamWCase
 // in kernel_cases.h.
 #include "dev/cuda/kernel_cases.h"
 
@@ -32,7 +33,19 @@ int main() {
     checks.require("adamw same seed, same bits", download(k.d_params) == params);
     k.gpu_run(1235);
     checks.require("adamw another seed, other bits", download(k.d_params) != params);
+    k.gpu_run(1234, 3);
+    checks.require("adamw in 3 shards (global offsets), the unsharded bits", download(k.d_params) == params);
 
-    report_memory_bound("adamw n=10M", time_ms([&] { k.gpu_update(1); }), 28.0 * n);
+    // 28 bytes per parameter: bf16 gradient and parameter, fp32 master, m and v read and written
+    int sets = timing_sets(28.0 * n);
+    TimingCopies<bf16> p(k.d_params, sets), g(k.d_grads, sets);
+    TimingCopies<float> master(k.d_master, sets), m(k.d_m, sets), v(k.d_v, sets);
+    float ms = median_ms(
+        [&](int s) {
+            adamw_update_cuda(p[s], master[s], g[s], m[s], v[s], n, k.lr, k.wd, k.grad_scale, k.t, 1, 0,
+                              AdamWConfig{}, 0);
+        },
+        sets);
+    report_memory_bound("adamw n=10M", ms, 28.0 * n);
     return checks.exit_code();
 }

@@ -1,11 +1,13 @@
 // Shared by the dev/cuda kernel checks (and test/test_cuda_kernels.cu): device buffers filled from host
 // vectors, bf16 rounding so the CPU reference sees exactly the GPU's inputs, tolerance checks, timing with CUDA
-// events, and the two ceilings a kernel's speed is quoted against: device-to-device copy bandwidth for
+// events (medians, cycling through buffer copies that outsize the L2), and the two ceilings a kernel's speed is quoted against: device-to-device copy bandwidth for
 // memory-bound kernels, a large cuBLASLt bf16 GEMM for compute-bound ones.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -132,30 +134,71 @@ struct Checks {
 // ------------------------------------------------------------------------------------------------------------
 // timing
 
-// mean milliseconds per call of f over reps calls, after warmup calls
+// Timings quote the median of single calls, each bracketed by its own pair of events, so one slow call (a clock
+// ramp, another process) does not move the figure. Memory-bound kernels are timed on inputs that do not sit in
+// the L2 (50 MB on an H100): a program keeps several copies of a call's buffers and the calls cycle through
+// them (timing_sets says how many), so each call finds its inputs in DRAM, as in training.
+
+// median milliseconds per call of f(set), set = 0, 1, ..., sets - 1, 0, 1, ... over reps calls, after one
+// warm-up pass over every set
 template <typename F>
-inline float time_ms(F&& f, int reps = 20, int warmup = 3) {
-    for (int i = 0; i < warmup; i++) f();
-    cudaEvent_t start, stop;
-    cuda_check(cudaEventCreate(&start));
-    cuda_check(cudaEventCreate(&stop));
-    cuda_check(cudaEventRecord(start));
-    for (int i = 0; i < reps; i++) f();
-    cuda_check(cudaEventRecord(stop));
-    cuda_check(cudaEventSynchronize(stop));
-    float ms = 0.0f;
-    cuda_check(cudaEventElapsedTime(&ms, start, stop));
-    cuda_check(cudaEventDestroy(start));
-    cuda_check(cudaEventDestroy(stop));
-    return ms / reps;
+inline float median_ms(F&& f, int sets, int reps = 30) {
+    for (int s = 0; s < sets; s++) f(s);
+    std::vector<cudaEvent_t> events(2 * reps);
+    for (auto& e : events) cuda_check(cudaEventCreate(&e));
+    for (int r = 0; r < reps; r++) {
+        cuda_check(cudaEventRecord(events[2 * r]));
+        f(r % sets);
+        cuda_check(cudaEventRecord(events[2 * r + 1]));
+    }
+    cuda_check(cudaEventSynchronize(events.back()));
+    std::vector<float> ms(reps);
+    for (int r = 0; r < reps; r++) cuda_check(cudaEventElapsedTime(&ms[r], events[2 * r], events[2 * r + 1]));
+    for (auto& e : events) cuda_check(cudaEventDestroy(e));
+    std::sort(ms.begin(), ms.end());
+    return reps % 2 ? ms[reps / 2] : 0.5f * (ms[reps / 2 - 1] + ms[reps / 2]);
 }
+
+// median milliseconds per call of f() (one buffer set: for compute-bound kernels, whose inputs L2 cannot hold
+// a meaningful share of anyway)
+template <typename F>
+inline float time_ms(F&& f, int reps = 20) {
+    return median_ms([&](int) { f(); }, 1, reps);
+}
+
+inline size_t l2_cache_bytes() {
+    int dev = 0, bytes = 0;
+    cuda_check(cudaGetDevice(&dev));
+    cuda_check(cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev));
+    return (size_t)bytes;
+}
+
+// how many copies of a call's buffers (bytes_per_call: what one call reads and writes) the timing cycles through:
+// together at least four times the L2, and never fewer than two, so no call starts on what the previous left
+inline int timing_sets(double bytes_per_call) {
+    double sets = ceil(4.0 * (double)l2_cache_bytes() / bytes_per_call);
+    return (int)std::min(64.0, std::max(2.0, sets));
+}
+
+// `sets` device copies of one buffer, for timings that cycle through their inputs and outputs
+template <typename T>
+struct TimingCopies {
+    std::vector<std::unique_ptr<DeviceArray<T>>> copies;
+    TimingCopies(const DeviceArray<T>& src, int sets) {
+        for (int s = 0; s < sets; s++) {
+            copies.emplace_back(new DeviceArray<T>(src.n));
+            cuda_check(cudaMemcpy(copies.back()->ptr, src.ptr, src.bytes(), cudaMemcpyDeviceToDevice));
+        }
+    }
+    T* operator[](int s) const { return copies[s]->ptr; }
+};
 
 // GB/s of a 1 GiB device-to-device copy, counting its read and its write
 inline double copy_bandwidth_gbs() {
     static double gbs = [] {
         size_t bytes = (size_t)1 << 30;
         DeviceArray<char> a(bytes), b(bytes);
-        float ms = time_ms([&] { cuda_check(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice)); }, 10);
+        float ms = time_ms([&] { cuda_check(cudaMemcpyAsync(b.ptr, a.ptr, bytes, cudaMemcpyDeviceToDevice)); }, 11);
         return 2.0 * bytes / (ms * 1e-3) / 1e9;
     }();
     return gbs;
@@ -170,7 +213,7 @@ inline double gemm_tflops() {
         std::vector<float> values = random_bf16_values(n * n, rng);  // random, as in training: zeros draw less power
         upload(a, values);
         upload(b, values);
-        float ms = time_ms([&] { matmul_forward_cuda(c.ptr, a.ptr, b.ptr, nullptr, n, n, n, nullptr, 0); }, 10);
+        float ms = time_ms([&] { matmul_forward_cuda(c.ptr, a.ptr, b.ptr, nullptr, n, n, n, nullptr, 0); }, 11);
         return 2.0 * n * n * n / (ms * 1e-3) / 1e12;
     }();
     return tflops;

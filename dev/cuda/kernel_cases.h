@@ -36,7 +36,7 @@ struct EncoderCase {
     EncoderCase(int B_, int T_, int C_, int V_, uint64_t seed, int hot_vocab, float grad_scale)
         : B(B_), T(T_), C(C_), V(V_), BT((long)B_ * T_), tokens(BT), d_tokens(BT), d_wte((size_t)V * C),
           d_wpe((size_t)T * C), d_out(BT * C), d_dout(BT * C), d_dwte((size_t)V * C), d_dwpe((size_t)T * C),
-          scratch(encoder_backward_scratch_bytes(B, T)) {
+          scratch(encoder_backward_scratch_bytes(B, T, V)) {
         Rng rng(seed);
         for (auto& t : tokens) t = (int)rng.below(rng.uniform() < 0.5f ? hot_vocab : V);
         wte = random_bf16_values((size_t)V * C, rng);
@@ -61,7 +61,7 @@ struct EncoderCase {
     }
     void gpu_forward() { encoder_forward_cuda(d_out.ptr, d_tokens.ptr, d_wte.ptr, d_wpe.ptr, B, T, C, 0); }
     void gpu_backward() {
-        encoder_backward_cuda(d_dwte.ptr, d_dwpe.ptr, d_dout.ptr, d_tokens.ptr, B, T, C, scratch.ptr, 0);
+        encoder_backward_cuda(d_dwte.ptr, d_dwpe.ptr, d_dout.ptr, d_tokens.ptr, B, T, C, V, scratch.ptr, 0);
     }
 };
 
@@ -116,6 +116,12 @@ struct LayernormCase {
     }
     void gpu_fused_forward() {
         fused_residual_layernorm_forward_cuda(d_res.ptr, d_out.ptr, d_mean.ptr, d_rstd.ptr, d_a.ptr, d_b.ptr,
+                                              d_w.ptr, d_bias.ptr, N, C, 0);
+    }
+    // the residual stream updated in place (residual and inp1 one buffer, starting as a copy of a)
+    void gpu_fused_forward_in_place() {
+        cuda_check(cudaMemcpy(d_res.ptr, d_a.ptr, d_a.bytes(), cudaMemcpyDeviceToDevice));
+        fused_residual_layernorm_forward_cuda(d_res.ptr, d_out.ptr, d_mean.ptr, d_rstd.ptr, d_res.ptr, d_b.ptr,
                                               d_w.ptr, d_bias.ptr, N, C, 0);
     }
     void gpu_forward() {
@@ -275,17 +281,21 @@ struct AdamWCase {
         v = v0;
         adamw_update(master.data(), grads.data(), m.data(), v.data(), n, lr, wd, grad_scale, t);
     }
-    // from the inputs, parameters poisoned: one update with this rounding seed
-    void gpu_run(uint32_t seed) {
+    // from the inputs, parameters poisoned: one update with this rounding seed, as one call or cut into `shards`
+    // contiguous calls (a ZeRO shard's view: each call's global_offset is its first element's index)
+    void gpu_run(uint64_t seed, int shards = 1) {
         upload(d_master, master0);
         upload(d_m, m0);
         upload(d_v, v0);
         upload(d_grads, grads);
         d_params.poison();
-        gpu_update(seed);
+        for (int s = 0; s < shards; s++) {
+            long begin = n * s / shards, end = n * (s + 1) / shards;
+            gpu_update(seed, begin, end - begin);
+        }
     }
-    void gpu_update(uint32_t seed) {
-        adamw_update_cuda(d_params.ptr, d_master.ptr, d_grads.ptr, d_m.ptr, d_v.ptr, n, lr, wd, grad_scale, t, seed,
-                          AdamWConfig{}, 0);
+    void gpu_update(uint64_t seed, long begin, long count) {
+        adamw_update_cuda(d_params.ptr + begin, d_master.ptr + begin, d_grads.ptr + begin, d_m.ptr + begin,
+                          d_v.ptr + begin, count, lr, wd, grad_scale, t, seed, begin, AdamWConfig{}, 0);
     }
 };
