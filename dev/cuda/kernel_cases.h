@@ -174,30 +174,35 @@ struct MatmulCase {
 };
 
 // attention_forward (which materializes the T×T probabilities) and attention_backward, causal, NH heads of
-// C / NH; the GPU's flash attention keeps the log-sum-exp (d_lse) for its backward.
+// C / NH; the GPU's flash attention keeps the log-sum-exp (d_lse) for its backward and takes its D = rowsum(dO∘O)
+// scratch from d_scratch. with_reference = false skips the CPU runs (shapes that are only timed).
 struct AttentionCase {
     int B, T, C, NH;
     long BT;
     std::vector<float> qkv, dout;  // inputs
     std::vector<float> out, dqkv;  // CPU reference
     DeviceArray<bf16> d_qkv, d_out, d_dout, d_dqkv;
-    DeviceArray<float> d_lse, d_delta;
+    DeviceArray<float> d_lse, d_scratch;
 
-    AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed)
-        : B(B_), T(T_), C(C_), NH(NH_), BT((long)B_ * T_), out(BT * C), dqkv(BT * 3 * C), d_qkv(BT * 3 * C),
-          d_out(BT * C), d_dout(BT * C), d_dqkv(BT * 3 * C), d_lse((long)B * NH * T), d_delta((long)B * NH * T) {
+    AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed, bool with_reference = true)
+        : B(B_), T(T_), C(C_), NH(NH_), BT((long)B_ * T_), d_qkv(BT * 3 * C), d_out(BT * C), d_dout(BT * C),
+          d_dqkv(BT * 3 * C), d_lse((long)B * NH * T), d_scratch(attention_backward_scratch_floats(B, T, C, NH)) {
         Rng rng(seed);
         qkv = random_bf16_values(BT * 3 * C, rng);
         dout = random_bf16_values(BT * C, rng);
         upload(d_qkv, qkv);
         upload(d_dout, dout);
+        if (!with_reference) return;
+        out.resize(BT * C);
+        dqkv.resize(BT * 3 * C);
         std::vector<float> att((size_t)B * NH * T * T), scratch((size_t)T * omp_get_max_threads());
         attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
         attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
     }
     void gpu_forward() { attention_forward_cuda(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0); }
     void gpu_backward() {
-        attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_delta.ptr, B, T, C, NH, 0);
+        attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_scratch.ptr, B, T, C, NH,
+                                0);
     }
 };
 
