@@ -95,10 +95,11 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 // stored: the forward streams key/value tiles past a block of queries, keeping a running row maximum, a
 // running sum rescaled to it and the unnormalized output (online softmax), and saves only each row's
 // log-sum-exp. The backward recomputes the probabilities from it, tile by tile.
-// Every product runs on `mma.sync.m16n8k16` (bf16 in, fp32 accumulators): a block of 4 warps owns 64 rows
-// (queries in the forward and dQ, keys in dK/dV), each warp 16 of them, and the tiles of the other operand
-// are staged in shared memory by `cp.async`, the next tile loading while the current one is used. Tiles
-// entirely above the diagonal are skipped; the diagonal ones are masked element by element.
+// Every product runs on `mma.sync.m16n8k16` (bf16 in, fp32 accumulators): a block of 4 warps owns a block of
+// rows (128 queries in the forward, 32 per warp; 64 queries for dQ or 64 keys for dK/dV, 16 per warp), and
+// the tiles of the other operand are staged in shared memory by `cp.async`, the next tile loading while the
+// current one is used. Tiles entirely above the diagonal are skipped; the diagonal ones are masked element by
+// element.
 // The backward is deterministic without atomics: one kernel owns a key tile and sums dK and dV over query
 // tiles in order, another owns a query tile and sums dQ over key tiles in order. That recomputes QKᵀ and
 // dO·Vᵀ in both (7 tile products where FlashAttention-2 has 5 and adds dQ with atomics in arbitrary order).
@@ -111,8 +112,13 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 #include "llmc/cuda_common.cuh"
 
 constexpr int ATT_WARPS = 4;
-constexpr int ATT_ROWS = 16 * ATT_WARPS;  // rows a block owns: one m16 slab per warp
-constexpr int ATT_FWD_COLS = 64;          // keys per tile in the forward
+constexpr int ATT_ROWS = 16 * ATT_WARPS;  // rows a backward block owns: one m16 slab per warp
+// the forward gives each warp two slabs (32 queries), so every K and V fragment read from shared memory
+// feeds two mma instead of one: at one slab, ldmatrix traffic (512 bytes per two mma) rather than the tensor
+// cores would bound it on Hopper
+// (dev/cuda/attention's variant 3 runs the forward at one slab to compare)
+constexpr int ATT_FWD_SLABS = 2;
+constexpr int ATT_FWD_COLS = 64;  // keys per tile in the forward
 constexpr int ATT_PAD = 8;                // bf16 of padding per shared-memory row (see attention_async_rows)
 
 // keys (dQ kernel) or queries (dK/dV kernel) per tile in the backward: two accumulators of hs/8 fragments
@@ -230,88 +236,164 @@ static __device__ __forceinline__ void attention_async_rows(bf16* tile, const bf
     }
 }
 
-// acc = rows [row0, row0+16) of a times the first COLS rows of b, transposed: a warp's 16×COLS block of a·bᵀ
-// over the HS columns both tiles hold (QKᵀ, dO·Vᵀ, K·Qᵀ, V·dOᵀ)
-template <int HS, int COLS>
-static __device__ __forceinline__ void warp_abt(float (&acc)[COLS / 8][4], const bf16* a, int row0, const bf16* b) {
+// acc[m] = rows [row0 + 16m, row0 + 16m + 16) of a times the first COLS rows of b, transposed: a warp's
+// (16·SLABS)×COLS block of a·bᵀ over the HS columns both tiles hold (QKᵀ, dO·Vᵀ, K·Qᵀ, V·dOᵀ)
+template <int HS, int COLS, int SLABS>
+static __device__ __forceinline__ void warp_abt(float (&acc)[SLABS][COLS / 8][4], const bf16* a, int row0,
+                                                const bf16* b) {
     constexpr int LD = HS + ATT_PAD;
     int lane = threadIdx.x % 32;
     FragmentCoord ac = ldmatrix_rowmajor_coord(lane), bc = ldmatrix_nk_coord(lane);
-    for (int j = 0; j < COLS / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll
+    for (int m = 0; m < SLABS; m++)
+#pragma unroll
+        for (int j = 0; j < COLS / 8; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
 #pragma unroll
     for (int k0 = 0; k0 < HS; k0 += 16) {
-        uint32_t af[4];
-        ldmatrix_x4(af, a + (row0 + ac.row) * LD + k0 + ac.col);
+        uint32_t af[SLABS][4];
+#pragma unroll
+        for (int m = 0; m < SLABS; m++) ldmatrix_x4(af[m], a + (row0 + 16 * m + ac.row) * LD + k0 + ac.col);
 #pragma unroll
         for (int n0 = 0; n0 < COLS; n0 += 16) {
             uint32_t bf[4];
             ldmatrix_x4(bf, b + (n0 + bc.row) * LD + k0 + bc.col);
-            mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-            mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+#pragma unroll
+            for (int m = 0; m < SLABS; m++) {
+                mma_bf16_16816(acc[m][n0 / 8], af[m], bf[0], bf[1]);
+                mma_bf16_16816(acc[m][n0 / 8 + 1], af[m], bf[2], bf[3]);
+            }
         }
     }
 }
 
-// acc += p·m: p a warp's 16×COLS block held as accumulators (rounded to bf16 here), m the first COLS rows of a
-// COLS×HS tile (PV, dS·K, Pᵀ·dO, dSᵀ·Q)
-template <int HS, int COLS>
-static __device__ __forceinline__ void warp_pm(float (&acc)[HS / 8][4], const float (&p)[COLS / 8][4], const bf16* m) {
+// acc[m] += p[m]·mat: p a warp's (16·SLABS)×COLS block held as accumulators (rounded to bf16 here), mat the
+// first COLS rows of a COLS×HS tile (PV, dS·K, Pᵀ·dO, dSᵀ·Q)
+template <int HS, int COLS, int SLABS>
+static __device__ __forceinline__ void warp_pm(float (&acc)[SLABS][HS / 8][4], const float (&p)[SLABS][COLS / 8][4],
+                                               const bf16* mat) {
     constexpr int LD = HS + ATT_PAD;
     FragmentCoord mc = ldmatrix_rowmajor_coord(threadIdx.x % 32);
 #pragma unroll
     for (int k0 = 0; k0 < COLS; k0 += 16) {
-        uint32_t af[4];
-        accumulators_to_a(af, p[k0 / 8], p[k0 / 8 + 1]);
+        uint32_t af[SLABS][4];
+#pragma unroll
+        for (int m = 0; m < SLABS; m++) accumulators_to_a(af[m], p[m][k0 / 8], p[m][k0 / 8 + 1]);
 #pragma unroll
         for (int n0 = 0; n0 < HS; n0 += 16) {
             uint32_t bf[4];
-            ldmatrix_x4_trans(bf, m + (k0 + mc.row) * LD + n0 + mc.col);
-            mma_bf16_16816(acc[n0 / 8], af, bf[0], bf[1]);
-            mma_bf16_16816(acc[n0 / 8 + 1], af, bf[2], bf[3]);
+            ldmatrix_x4_trans(bf, mat + (k0 + mc.row) * LD + n0 + mc.col);
+#pragma unroll
+            for (int m = 0; m < SLABS; m++) {
+                mma_bf16_16816(acc[m][n0 / 8], af[m], bf[0], bf[1]);
+                mma_bf16_16816(acc[m][n0 / 8 + 1], af[m], bf[2], bf[3]);
+            }
         }
     }
 }
 
-// a warp's 16×HS accumulator rows scaled by `scale`, as bf16 pairs at dst + row·row_stride, rows past T skipped
-template <int HS>
-static __device__ __forceinline__ void warp_store_rows(bf16* dst, long row_stride, const float (&acc)[HS / 8][4],
-                                                       int t0, int T, const float (&scale)[2]) {
+// a warp's (16·SLABS)×HS accumulator rows, row r scaled by scale[r / 16][r % 16 / 8], as bf16 pairs at
+// dst + (t0 + r)·row_stride; rows at or past T skipped
+template <int HS, int SLABS>
+static __device__ __forceinline__ void warp_store_rows(bf16* dst, long row_stride,
+                                                       const float (&acc)[SLABS][HS / 8][4], int t0, int T,
+                                                       const float (&scale)[SLABS][2]) {
     int lane = threadIdx.x % 32;
-    for (int half = 0; half < 2; half++) {
-        FragmentCoord c = accumulator_coord(lane, 2 * half);
-        if (t0 + c.row >= T) continue;
-        for (int j = 0; j < HS / 8; j++)
-            *reinterpret_cast<__nv_bfloat162*>(dst + (long)(t0 + c.row) * row_stride + 8 * j + c.col) =
-                __floats2bfloat162_rn(acc[j][2 * half] * scale[half], acc[j][2 * half + 1] * scale[half]);
-    }
+#pragma unroll
+    for (int m = 0; m < SLABS; m++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int t = t0 + 16 * m + accumulator_coord(lane, 2 * half).row, col = accumulator_coord(lane, 0).col;
+            if (t >= T) continue;
+#pragma unroll
+            for (int j = 0; j < HS / 8; j++)
+                *reinterpret_cast<__nv_bfloat162*>(dst + (long)t * row_stride + 8 * j + col) = __floats2bfloat162_rn(
+                    acc[m][j][2 * half] * scale[m][half], acc[m][j][2 * half + 1] * scale[m][half]);
+        }
 }
 
 // ----------------------------------------------------------------------------------------------------------
 // kernels
 
+// one key tile of the forward for a warp's queries, rows [row0, row0 + 16·SLABS) of the block's q_s, query
+// q0 + row0 the first: scores, the online softmax
+// update of the running max m and sum l (this lane's share), and o rescaled then += P·V. diagonal: mask keys
+// after their query (this also hides keys past T, which are after every query).
+template <int HS, int SLABS>
+static __device__ __forceinline__ void attention_forward_tile(float (&o)[SLABS][HS / 8][4], float (&m)[SLABS][2],
+                                                              float (&l)[SLABS][2], const bf16* q_s, int row0,
+                                                              const bf16* k_t, const bf16* v_t, int q0, int k0,
+                                                              bool diagonal, float scale_log2) {
+    constexpr int COLS = ATT_FWD_COLS;
+    int lane = threadIdx.x % 32;
+    float s[SLABS][COLS / 8][4];
+    warp_abt<HS, COLS, SLABS>(s, q_s, row0, k_t);
+#pragma unroll
+    for (int sl = 0; sl < SLABS; sl++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int query = q0 + row0 + 16 * sl + accumulator_coord(lane, 2 * half).row;
+            float m_new = m[sl][half];
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int key = k0 + 8 * j + accumulator_coord(lane, e).col;
+                    float x = diagonal && key > query ? -INFINITY : s[sl][j][2 * half + e] * scale_log2;
+                    s[sl][j][2 * half + e] = x;
+                    m_new = fmaxf(m_new, x);
+                }
+            // the 4 lanes of a quad hold the row between them
+            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));
+            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
+            // key 0 is visible to every row and every warp takes tile 0, so m_new is finite from there on
+            // and the first rescale is exp2(-inf) = 0
+            float rescale = exp2f(m[sl][half] - m_new), sum = 0.0f;
+            m[sl][half] = m_new;
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    float p = exp2f(s[sl][j][2 * half + e] - m_new);
+                    s[sl][j][2 * half + e] = p;
+                    sum += p;
+                }
+            l[sl][half] = l[sl][half] * rescale + sum;
+#pragma unroll
+            for (int j = 0; j < HS / 8; j++) {
+                o[sl][j][2 * half] *= rescale;
+                o[sl][j][2 * half + 1] *= rescale;
+            }
+        }
+    warp_pm<HS, COLS, SLABS>(o, s, v_t);
+}
+
 // grid (query blocks, B·NH); the longest rows (last blocks) start first so the tail of the grid is short.
-// scale_log2 = log2(e)/√hs: scores are kept in base 2 so each exponential is one exp2.
-template <int HS>
+// Warp w owns queries [16·SLABS·w, 16·SLABS·(w+1)) of the block, as SLABS m16 slabs. scale_log2 = log2(e)/√hs:
+// scores are kept in base 2 so each exponential is one exp2.
+template <int HS, int SLABS>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
     attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int C, int NH, float scale_log2) {
-    constexpr int LD = HS + ATT_PAD, COLS = ATT_FWD_COLS;
+    constexpr int LD = HS + ATT_PAD, COLS = ATT_FWD_COLS, ROWS = 16 * SLABS * ATT_WARPS;
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* q_s = reinterpret_cast<bf16*>(attention_shared);
-    bf16* k_s = q_s + ATT_ROWS * LD;  // two buffers each
+    bf16* k_s = q_s + ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
     int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_ROWS, row0 = warp * 16;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, row0 = warp * 16 * SLABS;
     long stride = 3L * C;
     const bf16* q_g = qkv + (long)b * T * stride + h * HS;
-    int tiles = (min(q0 + ATT_ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
+    int tiles = (min(q0 + ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
 
-    attention_async_rows<HS>(q_s, q_g, stride, q0, ATT_ROWS, T);
+    attention_async_rows<HS>(q_s, q_g, stride, q0, ROWS, T);
     attention_async_rows<HS>(k_s, q_g + C, stride, 0, COLS, T);
     attention_async_rows<HS>(v_s, q_g + 2 * C, stride, 0, COLS, T);
     cp_async_commit();
 
-    // this lane's two rows (accumulator rows g and g+8): running max and this lane's share of the running sum
-    float o[HS / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    // per slab, this lane's two rows (accumulator rows g and g+8): the running max and this lane's share of
+    // the running sum (the quad's shares are added at the end)
+    float o[SLABS][HS / 8][4] = {}, m[SLABS][2], l[SLABS][2] = {};
+#pragma unroll
+    for (int sl = 0; sl < SLABS; sl++) m[sl][0] = m[sl][1] = -INFINITY;
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
         if (kt + 1 < tiles) {
@@ -323,54 +405,29 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
             cp_async_wait<0>();
         }
         __syncthreads();  // this tile has landed for every thread
-
-        float s[COLS / 8][4];
-        warp_abt<HS, COLS>(s, q_s, row0, k_s + buf * COLS * LD);
-        // a key after a query of the block: mask (this also hides keys past T, which are after every query)
-        bool diagonal = k0 + COLS - 1 > q0;
-        for (int half = 0; half < 2; half++) {
-            int query = q0 + row0 + accumulator_coord(lane, 2 * half).row;
-            float m_new = m[half];
-            for (int j = 0; j < COLS / 8; j++)
-                for (int e = 0; e < 2; e++) {
-                    int key = k0 + 8 * j + accumulator_coord(lane, e).col;
-                    float x = diagonal && key > query ? -INFINITY : s[j][2 * half + e] * scale_log2;
-                    s[j][2 * half + e] = x;
-                    m_new = fmaxf(m_new, x);
-                }
-            // the 4 lanes of a quad hold the row between them
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
-            // key 0 is visible to every row and is in the first tile, so m_new is finite from there on and
-            // the first rescale is exp2(-inf) = 0
-            float rescale = exp2f(m[half] - m_new), sum = 0.0f;
-            m[half] = m_new;
-            for (int j = 0; j < COLS / 8; j++)
-                for (int e = 0; e < 2; e++) {
-                    float p = exp2f(s[j][2 * half + e] - m_new);
-                    s[j][2 * half + e] = p;
-                    sum += p;
-                }
-            l[half] = l[half] * rescale + sum;
-            for (int j = 0; j < HS / 8; j++) {
-                o[j][2 * half] *= rescale;
-                o[j][2 * half + 1] *= rescale;
-            }
+        // a diagonal tile can lie wholly after this warp's queries (the block's last tile, for its first
+        // warps): then the warp has nothing to add
+        if (k0 <= q0 + row0 + 16 * SLABS - 1) {
+            attention_forward_tile<HS, SLABS>(o, m, l, q_s, row0, k_s + buf * COLS * LD, v_s + buf * COLS * LD, q0,
+                                              k0, k0 + COLS - 1 > q0, scale_log2);
         }
-        warp_pm<HS, COLS>(o, s, v_s + buf * COLS * LD);
         __syncthreads();  // everyone is done with this buffer before the next iteration refills it
     }
 
-    float inv[2];
-    for (int half = 0; half < 2; half++) {
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-        inv[half] = 1.0f / l[half];
-        int query = q0 + row0 + accumulator_coord(lane, 2 * half).row;
-        // lse = ln Σ exp(score) = (m + log2 l)·ln 2, with m in base 2
-        if (lane % 4 == 0 && query < T) lse[(long)bh * T + query] = (m[half] + log2f(l[half])) * 0.69314718f;
-    }
-    warp_store_rows<HS>(out + (long)b * T * C + h * HS, C, o, q0 + row0, T, inv);
+    float inv[SLABS][2];
+#pragma unroll
+    for (int sl = 0; sl < SLABS; sl++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float sum = l[sl][half];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            inv[sl][half] = 1.0f / sum;
+            int query = q0 + row0 + 16 * sl + accumulator_coord(lane, 2 * half).row;
+            // lse = ln Σ exp(score) = (m + log2 Σ)·ln 2, with m in base 2
+            if (lane % 4 == 0 && query < T) lse[(long)bh * T + query] = (m[sl][half] + log2f(sum)) * 0.69314718f;
+        }
+    warp_store_rows<HS, SLABS>(out + (long)b * T * C + h * HS, C, o, q0 + row0, T, inv);
 }
 
 // D[b,h,t] = dO·O over the head: Σ_j P·dP for the row, which the softmax backward subtracts. HS/8 lanes
@@ -445,7 +502,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     fetch_stats(first);
     store_stats(0);
 
-    float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
+    float dk[1][HS / 8][4] = {}, dv[1][HS / 8][4] = {};
     for (int qt = first; qt <= last; qt++) {
         int buf = (qt - first) % 2, q0 = qt * COLS;
         if (qt < last) {
@@ -462,27 +519,32 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
         const float* lse_t = lse_s + buf * COLS;
         const float* delta_t = delta_s + buf * COLS;
 
-        float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warp's keys; columns: the tile's queries
-        warp_abt<HS, COLS>(p, k_s, row0, q_t);
-        warp_abt<HS, COLS>(ds, v_s, row0, do_t);
-        bool diagonal = q0 < k0 + ATT_ROWS - 1;  // some query of the tile comes before some key of the block
-        for (int j = 0; j < COLS / 8; j++)
-            for (int i = 0; i < 4; i++) {
-                FragmentCoord c = accumulator_coord(lane, i);
-                int key = k0 + row0 + c.row, col = 8 * j + c.col;
-                float x = exp2f(p[j][i] * scale_log2 - lse_t[col]);
-                p[j][i] = diagonal && key > q0 + col ? 0.0f : x;
-                ds[j][i] = p[j][i] * (ds[j][i] - delta_t[col]);
-            }
-        warp_pm<HS, COLS>(dv, p, do_t);
-        warp_pm<HS, COLS>(dk, ds, q_t);
+        // a diagonal tile can lie wholly before this warp's keys (hs 128's narrow tiles, for the last warps)
+        if (k0 + row0 <= q0 + COLS - 1) {
+            float p[1][COLS / 8][4], ds[1][COLS / 8][4];  // rows: this warp's keys; columns: the tile's queries
+            warp_abt<HS, COLS, 1>(p, k_s, row0, q_t);
+            warp_abt<HS, COLS, 1>(ds, v_s, row0, do_t);
+            bool diagonal = q0 < k0 + ATT_ROWS - 1;  // some query of the tile comes before some key of the block
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    FragmentCoord c = accumulator_coord(lane, i);
+                    int key = k0 + row0 + c.row, col = 8 * j + c.col;
+                    float x = exp2f(p[0][j][i] * scale_log2 - lse_t[col]);
+                    p[0][j][i] = diagonal && key > q0 + col ? 0.0f : x;
+                    ds[0][j][i] = p[0][j][i] * (ds[0][j][i] - delta_t[col]);
+                }
+            warp_pm<HS, COLS, 1>(dv, p, do_t);
+            warp_pm<HS, COLS, 1>(dk, ds, q_t);
+        }
         if (qt < last) store_stats(buf ^ 1);  // that buffer was last read in the previous iteration
         __syncthreads();
     }
-    float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
+    float dk_scale[1][2] = {{scale, scale}}, one[1][2] = {{1.0f, 1.0f}};
     bf16* dkey = dqkv + (long)b * T * stride + C + h * HS;
-    warp_store_rows<HS>(dkey, stride, dk, k0 + row0, T, dk_scale);
-    warp_store_rows<HS>(dkey + C, stride, dv, k0 + row0, T, one);
+    warp_store_rows<HS, 1>(dkey, stride, dk, k0 + row0, T, dk_scale);
+    warp_store_rows<HS, 1>(dkey + C, stride, dv, k0 + row0, T, one);
 }
 
 // dQ for a block of queries (grid as the forward's): each warp holds 16 queries' dQ and walks the key tiles
@@ -516,7 +578,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
         row_delta[half] = query < T ? delta[(long)bh * T + query] : 0.0f;
     }
 
-    float dq[HS / 8][4] = {};
+    float dq[1][HS / 8][4] = {};
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
         if (kt + 1 < tiles) {
@@ -530,23 +592,28 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
         __syncthreads();
         const bf16* k_t = k_s + buf * COLS * LD;
 
-        float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warp's queries; columns: the tile's keys
-        warp_abt<HS, COLS>(p, q_s, row0, k_t);
-        warp_abt<HS, COLS>(ds, do_s, row0, v_s + buf * COLS * LD);
-        bool diagonal = k0 + COLS - 1 > q0;
-        for (int j = 0; j < COLS / 8; j++)
-            for (int i = 0; i < 4; i++) {
-                FragmentCoord c = accumulator_coord(lane, i);
-                int query = q0 + row0 + c.row, key = k0 + 8 * j + c.col;
-                float x = exp2f(p[j][i] * scale_log2 - row_lse[i / 2]);
-                p[j][i] = diagonal && key > query ? 0.0f : x;
-                ds[j][i] = p[j][i] * (ds[j][i] - row_delta[i / 2]);
-            }
-        warp_pm<HS, COLS>(dq, ds, k_t);
+        // a diagonal tile can lie wholly after this warp's queries (hs 128's narrow tiles, for the first warps)
+        if (k0 <= q0 + row0 + 15) {
+            float p[1][COLS / 8][4], ds[1][COLS / 8][4];  // rows: this warp's queries; columns: the tile's keys
+            warp_abt<HS, COLS, 1>(p, q_s, row0, k_t);
+            warp_abt<HS, COLS, 1>(ds, do_s, row0, v_s + buf * COLS * LD);
+            bool diagonal = k0 + COLS - 1 > q0;
+#pragma unroll
+            for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    FragmentCoord c = accumulator_coord(lane, i);
+                    int query = q0 + row0 + c.row, key = k0 + 8 * j + c.col;
+                    float x = exp2f(p[0][j][i] * scale_log2 - row_lse[i / 2]);
+                    p[0][j][i] = diagonal && key > query ? 0.0f : x;
+                    ds[0][j][i] = p[0][j][i] * (ds[0][j][i] - row_delta[i / 2]);
+                }
+            warp_pm<HS, COLS, 1>(dq, ds, k_t);
+        }
         __syncthreads();
     }
-    float dq_scale[2] = {scale, scale};
-    warp_store_rows<HS>(dqkv + (long)b * T * stride + h * HS, stride, dq, q0 + row0, T, dq_scale);
+    float dq_scale[1][2] = {{scale, scale}};
+    warp_store_rows<HS, 1>(dqkv + (long)b * T * stride + h * HS, stride, dq, q0 + row0, T, dq_scale);
 }
 
 // ----------------------------------------------------------------------------------------------------------
@@ -576,15 +643,22 @@ inline void attention_launch(dim3 grid, size_t bytes, cudaStream_t stream, Args.
     cuda_check(cudaGetLastError());
 }
 
+// the forward with SLABS m16 slabs per warp (blocks of 16·SLABS·ATT_WARPS queries)
+template <int HS, int SLABS>
+inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+                                     cudaStream_t stream) {
+    constexpr int ROWS = 16 * SLABS * ATT_WARPS;
+    size_t bytes = (size_t)(ROWS + 4 * ATT_FWD_COLS) * (HS + ATT_PAD) * sizeof(bf16);
+    float scale_log2 = 1.44269504f / sqrtf((float)HS);
+    attention_launch<attention_forward_kernel<HS, SLABS>>(dim3(cuda_blocks(T, ROWS), B * NH), bytes, stream, out,
+                                                          lse, qkv, T, C, NH, scale_log2);
+}
+
 // out (B, T, C) and lse (B, NH, T) from qkv (B, T, 3C), causal, head size C/NH in {64, 128}; any T >= 1
 inline void attention_forward_cuda(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
                                    cudaStream_t stream) {
     attention_dispatch(C, NH, [&](auto hs) {
-        constexpr int HS = decltype(hs)::value;
-        size_t bytes = (size_t)(ATT_ROWS + 4 * ATT_FWD_COLS) * (HS + ATT_PAD) * sizeof(bf16);
-        float scale_log2 = 1.44269504f / sqrtf((float)HS);
-        attention_launch<attention_forward_kernel<HS>>(dim3(cuda_blocks(T, ATT_ROWS), B * NH), bytes, stream, out,
-                                                       lse, qkv, T, C, NH, scale_log2);
+        attention_forward_launch<decltype(hs)::value, ATT_FWD_SLABS>(out, lse, qkv, B, T, C, NH, stream);
     });
 }
 

@@ -7,6 +7,8 @@
 //   variant 2: FlashAttention-2 on the tensor cores (mma.sync m16n8k16, cp.async double buffering), the
 //              kernels of llmc/attention.cuh that the model runs; `cuobjdump -sass attention | grep HMMA`
 //              shows its tensor-core instructions
+//   variant 3: variant 2 with the forward at one m16 slab per warp (64-query blocks, twice the blocks and
+//              fewer registers, but each K/V fragment feeds one mma instead of two); the backward is variant 2's
 // Usage: ./attention [variant]   (no argument: every variant). Inputs and CPU reference: AttentionCase in
 // kernel_cases.h.
 #include <cstdlib>
@@ -247,6 +249,14 @@ struct Variant {
 static const Variant variants[] = {
     {"scalar FMAs", scalar_forward, scalar_backward},
     {"mma.sync FA2", [](AttentionCase& k) { k.gpu_forward(); }, [](AttentionCase& k) { k.gpu_backward(); }},
+    {"mma.sync FA2, forward at one slab per warp",
+     [](AttentionCase& k) {
+         attention_dispatch(k.C, k.NH, [&](auto hs) {
+             attention_forward_launch<decltype(hs)::value, 1>(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, k.B, k.T, k.C,
+                                                               k.NH, 0);
+         });
+     },
+     [](AttentionCase& k) { k.gpu_backward(); }},
 };
 constexpr int VARIANTS = sizeof(variants) / sizeof(variants[0]);
 
