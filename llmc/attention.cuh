@@ -104,7 +104,8 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 // tiles in order, another owns a query tile and sums dQ over key tiles in order. That recomputes QKᵀ and
 // dO·Vᵀ in both (7 tile products where FlashAttention-2 has 5 and adds dQ with atomics in arbitrary order).
 // out is (B, T, C) with head h in channels [h·hs, (h+1)·hs); lse is (B, NH, T) natural-log log-sum-exps of
-// the scaled scores; the backward's scratch holds D = rowsum(dO∘O), also (B, NH, T).
+// the scaled scores; the backward's scratch holds D = rowsum(dO∘O), also (B, NH, T). qkv, out and dout must be
+// 16-byte aligned (tiles move in 16-byte pieces); B·NH is the grid's second dimension, at most 65535.
 // `cuobjdump -sass dev/cuda/attention | grep HMMA` lists the tensor-core instructions of these kernels.
 
 #include <type_traits>
@@ -114,12 +115,11 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 constexpr int ATT_WARPS = 4;
 constexpr int ATT_ROWS = 16 * ATT_WARPS;  // rows a backward block owns: one m16 slab per warp
 // the forward gives each warp two slabs (32 queries), so every K and V fragment read from shared memory
-// feeds two mma instead of one: at one slab, ldmatrix traffic (512 bytes per two mma) rather than the tensor
-// cores would bound it on Hopper
-// (dev/cuda/attention's variant 3 runs the forward at one slab to compare)
+// feeds four mma instead of two: at one slab, ldmatrix traffic (512 bytes per two mma) rather than the tensor
+// cores would bound it on Hopper (dev/cuda/attention's variant 3 runs the forward at one slab to compare)
 constexpr int ATT_FWD_SLABS = 2;
 constexpr int ATT_FWD_COLS = 64;  // keys per tile in the forward
-constexpr int ATT_PAD = 8;                // bf16 of padding per shared-memory row (see attention_async_rows)
+constexpr int ATT_PAD = 8;        // bf16 of padding per shared-memory row (see attention_async_rows)
 
 // keys (dQ kernel) or queries (dK/dV kernel) per tile in the backward: two accumulators of hs/8 fragments
 // plus two 16×cols score tiles must fit in the registers, so hs 128 takes narrower tiles
