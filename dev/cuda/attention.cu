@@ -270,6 +270,7 @@ static void check_shape(Checks& checks, int first, int last, int B, int T, int C
         k.d_lse.poison();
         variant.forward(k);
         checks.check(shape + " forward", download(k.d_out), k.out, 2e-2);
+        checks.check(shape + " forward lse", download(k.d_lse), k.lse, 1e-3);
         k.d_dqkv.poison();
         k.d_scratch.poison();
         variant.backward(k);
