@@ -331,7 +331,7 @@ inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     size_t need = (size_t)layernorm_backward_scratch_floats(d.R, d.C);
     for (long oc : {3L * d.Cl, (long)d.C, (long)d.Hl})  // the matmuls with a bias gradient
         need = std::max(need, (size_t)matmul_backward_scratch_floats(d.BT, oc));
-    need = std::max(need, (size_t)d.NHl * d.B * d.T);  // attention's row sums
+    need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
     // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions
     // and their sorted copies (4·BT int32 at most), the runs (BT + V), and the sort's own buffers and histograms
     // (2·BT int32 + 64 KiB)

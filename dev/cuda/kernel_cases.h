@@ -179,31 +179,62 @@ struct MatmulCase {
     }
 };
 
+// ln Σ_{t2 ≤ t} exp(q_t·k_t2 / √hs) for each (b, h, t), in double: the log-sum-exp the GPU forward saves
+inline std::vector<float> attention_lse_reference(const std::vector<float>& qkv, int B, int T, int C, int NH) {
+    int hs = C / NH;
+    std::vector<float> lse((size_t)B * NH * T);
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < T; t++) {
+                const float* q = &qkv[((size_t)b * T + t) * 3 * C + h * hs];
+                std::vector<double> s(t + 1);
+                double mx = -INFINITY, sum = 0.0;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* k = &qkv[((size_t)b * T + t2) * 3 * C + C + h * hs];
+                    double dot = 0.0;
+                    for (int i = 0; i < hs; i++) dot += (double)q[i] * k[i];
+                    s[t2] = dot / sqrt((double)hs);
+                    mx = fmax(mx, s[t2]);
+                }
+                for (int t2 = 0; t2 <= t; t2++) sum += exp(s[t2] - mx);
+                lse[((size_t)b * NH + h) * T + t] = (float)(mx + log(sum));
+            }
+    return lse;
+}
+
 // attention_forward (which materializes the T×T probabilities) and attention_backward, causal, NH heads of
-// C / NH; the GPU's flash attention keeps the log-sum-exp (d_lse) for its backward.
+// C / NH; the GPU's flash attention keeps the log-sum-exp (d_lse, checked against attention_lse_reference) for
+// its backward and takes its D = rowsum(dO∘O) scratch from d_scratch. with_reference = false skips the CPU runs
+// (shapes that are only timed).
 struct AttentionCase {
     int B, T, C, NH;
     long BT;
-    std::vector<float> qkv, dout;  // inputs
-    std::vector<float> out, dqkv;  // CPU reference
+    std::vector<float> qkv, dout;       // inputs
+    std::vector<float> out, lse, dqkv;  // CPU reference
     DeviceArray<bf16> d_qkv, d_out, d_dout, d_dqkv;
-    DeviceArray<float> d_lse, d_delta;
+    DeviceArray<float> d_lse, d_scratch;
 
-    AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed)
-        : B(B_), T(T_), C(C_), NH(NH_), BT((long)B_ * T_), out(BT * C), dqkv(BT * 3 * C), d_qkv(BT * 3 * C),
-          d_out(BT * C), d_dout(BT * C), d_dqkv(BT * 3 * C), d_lse((long)B * NH * T), d_delta((long)B * NH * T) {
+    AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed, bool with_reference = true)
+        : B(B_), T(T_), C(C_), NH(NH_), BT((long)B_ * T_), d_qkv(BT * 3 * C), d_out(BT * C), d_dout(BT * C),
+          d_dqkv(BT * 3 * C), d_lse((long)B * NH * T), d_scratch(attention_backward_scratch_floats(B, T, C, NH)) {
         Rng rng(seed);
         qkv = random_bf16_values(BT * 3 * C, rng);
         dout = random_bf16_values(BT * C, rng);
         upload(d_qkv, qkv);
         upload(d_dout, dout);
+        if (!with_reference) return;
+        out.resize(BT * C);
+        dqkv.resize(BT * 3 * C);
         std::vector<float> att((size_t)B * NH * T * T), scratch((size_t)T * omp_get_max_threads());
         attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
         attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
+        lse = attention_lse_reference(qkv, B, T, C, NH);
     }
     void gpu_forward() { attention_forward_cuda(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0); }
     void gpu_backward() {
-        attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_delta.ptr, B, T, C, NH, 0);
+        attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_scratch.ptr, B, T, C, NH,
+                                0);
     }
 };
 
