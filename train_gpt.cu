@@ -77,11 +77,25 @@ static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute};
 }
 
-// every tp rank's share of the parameters, rank after rank (a collective: over dp first under ZeRO-3)
-static std::vector<float> gather_tp_shares(GPT& m, DataParallel<float>& dpr, Grid& grid, int zero) {
-    std::vector<float> local(m.num_parameters), all(m.num_parameters * grid.tp);
+// this rank's tp share of the parameters, fp32 on the host: the CPU's own (gathered over dp under ZeRO-3), or
+// the GPU's master weights (gathered over dp under ZeRO >= 1). A collective under ZeRO.
+static std::vector<float> local_share(GPT& m, DataParallel<float>& dpr, int zero) {
+    std::vector<float> local(m.num_parameters);
     if (zero == 3) dpr.all_gather_params(local.data());
     else std::copy(m.params, m.params + m.num_parameters, local.begin());
+    return local;
+}
+static std::vector<float> local_share(GPTCuda& m, DataParallel<bf16>& dpr, int zero) {
+    std::vector<float> local(m.num_parameters);
+    if (zero >= 1) dpr.get_master(local.data());
+    else gpt_get_params(m, local.data());
+    return local;
+}
+
+// every tp rank's share of the parameters, rank after rank (a collective)
+template <typename floatX>
+static std::vector<float> gather_tp_shares(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero) {
+    std::vector<float> local = local_share(m, dpr, zero), all(m.num_parameters * grid.tp);
     grid.tp_comm.wait(grid.tp_comm.all_gather(local.data(), all.data(), m.num_parameters, DType::F32));
     return all;
 }
@@ -111,28 +125,32 @@ static void install_whole_model(GPT& m, DataParallel<float>& dpr, const Grid& gr
     tp_copy_params(m.config, grid.tp, grid.at.tp, whole, local, true);
     if (zero == 3) dpr.scatter_params(local);
 }
-static void install_whole_model(GPTCuda& m, DataParallel<bf16>&, const Grid&, int, float* whole) {
-    gpt_set_params(m, whole);
+// on the GPU: the master weights (sharded under ZeRO >= 1) take the fp32 values, the bf16 parameters (sharded
+// under ZeRO-3) their rounding
+static void install_whole_model(GPTCuda& m, DataParallel<bf16>& dpr, const Grid& grid, int zero, float* whole) {
+    std::vector<float> share(m.num_parameters);
+    tp_copy_params(m.config, grid.tp, grid.at.tp, whole, share.data(), true);
+    if (zero >= 1) dpr.set_master(share.data());
+    if (zero < 3) gpt_set_params(m, share.data());
 }
 
 // The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
-// share (a collective), or the GPU's master weights. Valid on every rank.
-static float* whole_model(GPT& m, DataParallel<float>& dpr, Grid& grid, int zero, std::vector<float>& storage) {
-    if (holds_whole_model(grid, zero)) return m.params;
+// share (a collective; on the GPU the master weights). Valid on every rank.
+template <typename floatX>
+static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero, std::vector<float>& storage) {
+    if constexpr (device_of<floatX> == Device::CPU)
+        if (holds_whole_model(grid, zero)) return m.params;
     std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
     storage.resize(num_parameters(m.config));
     for (int r = 0; r < grid.tp; r++)
         tp_copy_params(m.config, grid.tp, r, storage.data(), &shares[r * m.num_parameters], false);
     return storage.data();
 }
-static float* whole_model(GPTCuda& m, DataParallel<bf16>&, Grid&, int, std::vector<float>& storage) {
-    storage.resize(m.num_parameters);
-    gpt_get_params(m, storage.data());
-    return storage.data();
-}
 
-// every tensor that all tp ranks hold whole must hold the same bits on each (a test aid: --debug-check-replicas)
-static void check_replicas(GPT& m, DataParallel<float>& dpr, Grid& grid, int zero) {
+// every tensor that all tp ranks hold whole must hold the same bits on each (a test aid: --debug-check-replicas;
+// on the GPU the master weights are compared)
+template <typename floatX>
+static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero) {
     std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
     ParamViews mine = param_views(&shares[grid.at.tp * m.num_parameters], m.param_sizes);
     for (int r = 0; r < grid.tp; r++) {
@@ -351,8 +369,7 @@ static int train(const Options& o, const RunSetup& run) {
         fflush(stdout);
         log.train(step, (float)loss, lr, (float)norm);
     }
-    if constexpr (!on_gpu)  // tensor parallelism runs on the CPU only, so far
-        if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
+    if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
     comm_finalize(world_comm);
     return 0;
 }

@@ -5,8 +5,12 @@
 // Three backends behind one interface:
 //   SELF  a group of one rank: every collective is a local copy (a run without mpirun needs nothing else);
 //   MPI   host buffers (the CPU device; device buffers are staged through host memory, which lets several
-//         ranks share one GPU);
-//   NCCL  device buffers, on the communicator's own stream, ordered after the compute stream by an event.
+//         ranks share one GPU: the compute stream is drained before a device buffer is read, and the result
+//         is copied back on it when the op completes);
+//   NCCL  device buffers, on the communicator's own stream, ordered after the compute stream by an event (host
+//         buffers, a few scalars per step, are staged through device memory).
+// Sums of bf16 add in fp32 and round to nearest on both backends (MPI through an op of its own), so a packed
+// bf16 gradient bucket reduces the same way whichever backend carries it.
 //
 // Every wait has a deadline. A collective that a peer never joins would otherwise hang the whole job; past
 // the deadline the waiting rank prints its rank, the group, the op and its sequence number, and aborts the job.
@@ -65,13 +69,19 @@ inline bool is_device_pointer(const void* p) {
     return a.type == cudaMemoryTypeDevice;
 }
 
-inline void copy_any(void* dst, const void* src, size_t bytes) {
-    if (bytes == 0 || dst == src) return;
-    if (is_device_pointer(dst) || is_device_pointer(src)) {
-        if (cudaMemcpy(dst, src, bytes, cudaMemcpyDefault) != cudaSuccess) fail("comm: cudaMemcpy failed");
-    } else {
-        memmove(dst, src, bytes);
-    }
+// bf16 as its 16 bits: exact widening to fp32, and fp32 rounded to the nearest bf16 (ties to even; a NaN stays NaN)
+inline float bf16_bits_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+inline uint16_t float_to_bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x0040u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
 }
 
 #ifdef LLM5D_MPI
@@ -80,8 +90,26 @@ inline MPI_Datatype mpi_type(DType t) {
         case DType::F32: return MPI_FLOAT;
         case DType::F64: return MPI_DOUBLE;
         case DType::I32: return MPI_INT;
-        default: return MPI_UINT16_T;  // bf16 moves as raw 16-bit words; it is never reduced through MPI
+        default: return MPI_UINT16_T;  // bf16 moves as raw 16-bit words; its sums go through mpi_bf16_sum
     }
+}
+
+// MPI has no bf16: its sum is a user op over the 16-bit words, each pair added in fp32 and rounded to nearest
+// (as NCCL does). MPI applies it in an order fixed by the algorithm it picks for a size and a rank count, so a
+// given layout gives the same bits on every run.
+inline void bf16_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
+    const uint16_t* a = static_cast<const uint16_t*>(in);
+    uint16_t* b = static_cast<uint16_t*>(inout);
+    for (int i = 0; i < *len; i++) b[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
+}
+inline MPI_Op mpi_sum(DType t) {
+    if (t != DType::BF16) return MPI_SUM;
+    static MPI_Op bf16_sum = [] {
+        MPI_Op op;
+        MPI_Op_create(bf16_sum_op, 1, &op);
+        return op;
+    }();
+    return bf16_sum;
 }
 #endif
 
@@ -97,6 +125,11 @@ struct CommRequest {
     cudaEvent_t done_event = nullptr;  // NCCL
     std::vector<char> host_send, host_recv;
     void* device_recv = nullptr;
+    // NCCL with a host recv buffer: the device copy the op writes, to be copied into host_target on completion;
+    // and every staging buffer to free then
+    void *staged_recv = nullptr, *host_target = nullptr;
+    size_t staged_bytes = 0;
+    std::vector<void*> staging;
 };
 
 struct Comm {
@@ -129,37 +162,37 @@ struct Comm {
     // recv = Σ over ranks of send (count elements); send == recv works in place
     CommRequest all_reduce(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("all_reduce", ring(2.0), count * dtype_size(t));
-        if (t == DType::BF16 && backend == Backend::MPI) fail("comm: all_reduce of bf16 is not supported over MPI");
         size_t bytes = count * dtype_size(t);
-        if (size == 1) return copy_any(recv, send, bytes), done(r);
+        if (size == 1) return copy(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
             HostView h = stage(r, send, bytes, recv, bytes);
             const void* in = h.send == h.recv ? MPI_IN_PLACE : h.send;
-            mpi_check(MPI_Iallreduce(in, h.recv, mpi_count(count), mpi_type(t), MPI_SUM, mpi, &r.mpi));
+            mpi_check(MPI_Iallreduce(in, h.recv, mpi_count(count), mpi_type(t), mpi_sum(t), mpi, &r.mpi));
             return r;
         }
 #endif
         nccl_begin();
-        nccl_check(ncclAllReduce(send, recv, count, nccl_type(t), ncclSum, nccl, stream), "all_reduce");
+        DeviceView d = nccl_stage(r, send, bytes, recv, bytes);
+        nccl_check(ncclAllReduce(d.send, d.recv, count, nccl_type(t), ncclSum, nccl, stream), "all_reduce");
         return nccl_end(r);
     }
 
     // send holds size·count elements; rank i receives Σ over ranks of piece i (count elements)
     CommRequest reduce_scatter(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("reduce_scatter", ring(1.0), count * size * dtype_size(t));
-        if (t == DType::BF16 && backend == Backend::MPI) fail("comm: reduce_scatter of bf16 is not supported over MPI");
         size_t bytes = count * dtype_size(t);
-        if (size == 1) return copy_any(recv, send, bytes), done(r);
+        if (size == 1) return copy(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
             HostView h = stage(r, send, bytes * size, recv, bytes);
-            mpi_check(MPI_Ireduce_scatter_block(h.send, h.recv, mpi_count(count), mpi_type(t), MPI_SUM, mpi, &r.mpi));
+            mpi_check(MPI_Ireduce_scatter_block(h.send, h.recv, mpi_count(count), mpi_type(t), mpi_sum(t), mpi, &r.mpi));
             return r;
         }
 #endif
         nccl_begin();
-        nccl_check(ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, nccl, stream), "reduce_scatter");
+        DeviceView d = nccl_stage(r, send, bytes * size, recv, bytes);
+        nccl_check(ncclReduceScatter(d.send, d.recv, count, nccl_type(t), ncclSum, nccl, stream), "reduce_scatter");
         return nccl_end(r);
     }
 
@@ -167,7 +200,7 @@ struct Comm {
     CommRequest all_gather(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("all_gather", ring(1.0), count * size * dtype_size(t));
         size_t bytes = count * dtype_size(t);
-        if (size == 1) return copy_any(recv, send, bytes), done(r);
+        if (size == 1) return copy(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
             HostView h = stage(r, send, bytes, recv, bytes * size);
@@ -178,7 +211,8 @@ struct Comm {
         }
 #endif
         nccl_begin();
-        nccl_check(ncclAllGather(send, recv, count, nccl_type(t), nccl, stream), "all_gather");
+        DeviceView d = nccl_stage(r, send, bytes, recv, bytes * size);
+        nccl_check(ncclAllGather(d.send, d.recv, count, nccl_type(t), nccl, stream), "all_gather");
         return nccl_end(r);
     }
 
@@ -194,7 +228,8 @@ struct Comm {
         }
 #endif
         nccl_begin();
-        nccl_check(ncclBroadcast(buf, buf, count, nccl_type(t), root, nccl, stream), "broadcast");
+        DeviceView d = nccl_stage(r, buf, bytes, buf, bytes);
+        nccl_check(ncclBroadcast(d.send, d.recv, count, nccl_type(t), root, nccl, stream), "broadcast");
         return nccl_end(r);
     }
 
@@ -210,7 +245,8 @@ struct Comm {
         }
 #endif
         nccl_begin();
-        nccl_check(ncclSend(buf, count, nccl_type(t), peer, nccl, stream), "send");
+        DeviceView d = nccl_stage(r, buf, bytes, nullptr, 0);
+        nccl_check(ncclSend(d.send, count, nccl_type(t), peer, nccl, stream), "send");
         return nccl_end(r);
     }
 
@@ -226,7 +262,8 @@ struct Comm {
         }
 #endif
         nccl_begin();
-        nccl_check(ncclRecv(buf, count, nccl_type(t), peer, nccl, stream), "recv");
+        DeviceView d = nccl_stage(r, nullptr, 0, buf, bytes);
+        nccl_check(ncclRecv(d.recv, count, nccl_type(t), peer, nccl, stream), "recv");
         return nccl_end(r);
     }
 
@@ -248,7 +285,7 @@ struct Comm {
         }
         CommRequest r = begin("all_to_all", 1.0, away * es);
         if (size == 1) {
-            copy_any((char*)recv + recv_offsets[0] * es, (const char*)send + send_offsets[0] * es, send_counts[0] * es);
+            copy((char*)recv + recv_offsets[0] * es, (const char*)send + send_offsets[0] * es, send_counts[0] * es);
             return done(r);
         }
 #ifdef LLM5D_MPI
@@ -265,10 +302,11 @@ struct Comm {
         }
 #endif
         nccl_begin();
+        DeviceView d = nccl_stage(r, send, span_send * es, recv, span_recv * es);
         nccl_check(ncclGroupStart(), "all_to_all");
         for (int i = 0; i < size; i++) {
-            nccl_check(ncclSend((const char*)send + send_offsets[i] * es, send_counts[i], nccl_type(t), i, nccl, stream), "all_to_all");
-            nccl_check(ncclRecv((char*)recv + recv_offsets[i] * es, recv_counts[i], nccl_type(t), i, nccl, stream), "all_to_all");
+            nccl_check(ncclSend((const char*)d.send + send_offsets[i] * es, send_counts[i], nccl_type(t), i, nccl, stream), "all_to_all");
+            nccl_check(ncclRecv((char*)d.recv + recv_offsets[i] * es, recv_counts[i], nccl_type(t), i, nccl, stream), "all_to_all");
         }
         nccl_check(ncclGroupEnd(), "all_to_all");
         return nccl_end(r);
@@ -313,9 +351,10 @@ struct Comm {
                 fail("comm: %s on group %s: NCCL error %s", r.op, name.c_str(), ncclGetErrorString(async));
             finished = e == cudaSuccess;
             if (finished) cudaEventDestroy(r.done_event);
+            if (finished) nccl_unstage(r);
         }
         if (finished) {
-            if (r.device_recv) copy_any(r.device_recv, r.host_recv.data(), r.host_recv.size());
+            if (r.device_recv) copy(r.device_recv, r.host_recv.data(), r.host_recv.size());
             r.pending = false;
         }
         return finished;
@@ -373,6 +412,18 @@ struct Comm {
     }
 
    private:
+    // A copy that may involve device memory runs on the compute stream, after the kernels queued before it, and
+    // is finished when this returns (so a host source may be reused, and a device result read by later kernels).
+    void copy(void* dst, const void* src, size_t bytes) {
+        if (bytes == 0 || dst == src) return;
+        if (is_device_pointer(dst) || is_device_pointer(src)) {
+            if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_stream) != cudaSuccess ||
+                cudaStreamSynchronize(compute_stream) != cudaSuccess)
+                fail("comm: a copy of %zu bytes on group %s failed", bytes, name.c_str());
+        } else {
+            memmove(dst, src, bytes);
+        }
+    }
     CommRequest done(CommRequest& r) {
         r.pending = false;
         return r;
@@ -400,22 +451,62 @@ struct Comm {
         const void* send;
         void* recv;
     };
-    static HostView stage(CommRequest& r, const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+    HostView stage(CommRequest& r, const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+        HostView h{send, recv};
         if (send && is_device_pointer(send)) {
             r.host_send.resize(send_bytes);
-            copy_any(r.host_send.data(), send, send_bytes);
+            copy(r.host_send.data(), send, send_bytes);  // waits for the kernels that wrote send
+            h.send = r.host_send.data();
         }
         if (recv && is_device_pointer(recv)) {
-            r.host_recv.resize(recv_bytes);
             r.device_recv = recv;
-            if (send == recv && !r.host_send.empty()) {
-                r.host_recv = r.host_send;
-                r.host_send.clear();
+            if (send == recv) {  // in place: one host copy serves as both
+                r.host_recv.swap(r.host_send);
+                h.send = r.host_recv.data();
+            } else {
+                r.host_recv.resize(recv_bytes);
             }
+            h.recv = r.host_recv.data();
         }
-        return {r.host_send.empty() ? send : r.host_send.data(), r.host_recv.empty() ? recv : (void*)r.host_recv.data()};
+        return h;
     }
 #endif
+    // NCCL moves device memory only: host buffers are copied into device buffers of the request's own, on the
+    // communication stream (a host send buffer is free again when this returns); a host recv buffer gets its
+    // result in nccl_unstage, when the op has completed. Returns the buffers the NCCL call works on.
+    struct DeviceView {
+        const void* send;
+        void* recv;
+    };
+    DeviceView nccl_stage(CommRequest& r, const void* send, size_t send_bytes, void* recv, size_t recv_bytes) {
+        auto device_buffer = [&](size_t bytes) {
+            void* p = nullptr;
+            if (cudaMallocAsync(&p, bytes ? bytes : 1, stream) != cudaSuccess) fail("comm: cannot stage %zu bytes on the GPU", bytes);
+            r.staging.push_back(p);
+            return p;
+        };
+        DeviceView d{send, recv};
+        if (send && !is_device_pointer(send)) {
+            void* p = device_buffer(send_bytes);
+            if (cudaMemcpyAsync(p, send, send_bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess) fail("comm: staging failed");
+            d.send = p;
+        }
+        if (recv && !is_device_pointer(recv)) {
+            d.recv = r.staged_recv = device_buffer(recv_bytes);
+            r.host_target = recv;
+            r.staged_bytes = recv_bytes;
+        }
+        return d;
+    }
+    void nccl_unstage(CommRequest& r) {
+        if (r.host_target &&
+            (cudaMemcpyAsync(r.host_target, r.staged_recv, r.staged_bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+             cudaStreamSynchronize(stream) != cudaSuccess))
+            fail("comm: %s on group %s: copying the result to the host failed", r.op, name.c_str());
+        for (void* p : r.staging) cudaFreeAsync(p, stream);
+        r.staging.clear();
+        r.host_target = nullptr;
+    }
     static ncclDataType_t nccl_type(DType t) {
         switch (t) {
             case DType::F32: return ncclFloat32;

@@ -78,3 +78,24 @@ inline double sum_of_squares(const bf16* x, long n) {
     device_download<bf16>(&host, scratch + GLOBAL_NORM_BLOCKS, 1);
     return host;
 }
+
+// Σ x² of bf16 values that may start at any element (a ZeRO shard's segment does), into *out on the device, in
+// stream order: the 16-byte aligned body through the kernels above, then the up to 7 elements before it added
+// by one thread, so the result is as reproducible as the aligned sum. partial holds GLOBAL_NORM_BLOCKS floats.
+static __global__ void sum_of_squares_add_head_kernel(float* out, const bf16* head, int count) {
+    float s = *out;
+    for (int i = 0; i < count; i++) {
+        float f = __bfloat162float(head[i]);
+        s += f * f;
+    }
+    *out = s;
+}
+
+inline void sum_of_squares_cuda_any_offset(float* out, const bf16* x, long n, float* partial, cudaStream_t stream) {
+    long misaligned = (long)((reinterpret_cast<uintptr_t>(x) % 16) / sizeof(bf16));
+    long head = std::min(n, misaligned ? 8 - misaligned : 0L);
+    sum_of_squares_cuda(out, x + head, n - head, partial, stream);
+    if (head == 0) return;
+    sum_of_squares_add_head_kernel<<<1, 1, 0, stream>>>(out, x, (int)head);
+    cuda_check(cudaGetLastError());
+}

@@ -392,7 +392,6 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
     if (tp.sp && T % tp.size != 0)
         fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
-    if (gpu && tp.size > 1) fail("--tp %d: tensor parallelism on the GPU is not implemented yet", tp.size);
     int head_size = config.channels / config.num_heads;
     if (gpu && head_size != 64 && head_size != 128)
         fail("model: head size %d (channels / heads): the GPU attention kernels take 64 or 128", head_size);

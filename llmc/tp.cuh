@@ -16,6 +16,11 @@
 //
 // Under sp, the layernorm parameters and wpe see only a rank's rows, so their gradients are partial sums,
 // added over the group (in rank order, identically on every rank) before data parallelism reduces them.
+//
+// On both devices: the collectives take the model's buffers where they live, and the few element-wise steps
+// tp adds around the layers (the row-parallel bias, the masked lookup, the cross-entropy's statistics, the
+// rank-order sums) are each a CPU loop with its CUDA kernel beside it, picked by the buffer's type as the
+// layer headers pick theirs.
 #pragma once
 
 #include <cmath>
@@ -24,6 +29,7 @@
 
 #include "llmc/classifier.cuh"
 #include "llmc/comm.cuh"
+#include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
@@ -39,8 +45,275 @@ constexpr DType dtype_of() {
     return std::is_same_v<E, float> ? DType::F32 : std::is_same_v<E, double> ? DType::F64 : DType::BF16;
 }
 
-// The methods are templates over the model's storage type (llmc/device.cuh); the collectives and loops they
-// wrap around the layers run on host buffers, so the model refuses tp > 1 on the GPU for now.
+// A transient buffer of n elements of E on the device of the storage type floatX, for what a collective
+// gathers: a vector on the CPU; stream-ordered device memory on the GPU, freed in stream order after the
+// kernels queued to use it.
+template <typename floatX, typename E>
+struct DeviceTemp {
+    std::vector<E> host;
+    E* data = nullptr;
+    explicit DeviceTemp(size_t n) {
+        if constexpr (device_of<floatX> == Device::CUDA) cuda_check(cudaMallocAsync(&data, std::max<size_t>(n, 1) * sizeof(E), main_stream()));
+        else host.resize(n), data = host.data();
+    }
+    ~DeviceTemp() {
+        if constexpr (device_of<floatX> == Device::CUDA) cudaFreeAsync(data, main_stream());
+    }
+    DeviceTemp(const DeviceTemp&) = delete;
+    DeviceTemp& operator=(const DeviceTemp&) = delete;
+};
+
+// ----------------------------------------------------------------------------------------------------------
+// The element-wise steps, each a CPU loop and its CUDA kernel (one thread per element, grid-stride, fp32
+// arithmetic on bf16 storage, on the compute stream).
+
+// an element-wise kernel over n elements, on the compute stream
+template <typename... Params, typename... Args>
+inline void launch_elementwise(void (*kernel)(Params...), long n, Args... args) {
+    if (n <= 0) return;
+    kernel<<<grid_stride_blocks(n), 256, 0, main_stream()>>>(args...);
+    cuda_check(cudaGetLastError());
+}
+
+// out (R×OC) = sum + bias on every row; sum may be out
+inline void add_bias_rows(float* out, const float* sum, const float* bias, long R, int OC) {
+#pragma omp parallel for
+    for (long r = 0; r < R; r++)
+        for (int o = 0; o < OC; o++) out[r * OC + o] = sum[r * OC + o] + bias[o];
+}
+static __global__ void add_bias_rows_kernel(bf16* out, const bf16* sum, const bf16* bias, long R, int OC) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < R * OC; i += (long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16(__bfloat162float(sum[i]) + __bfloat162float(bias[i % OC]));
+}
+inline void add_bias_rows(bf16* out, const bf16* sum, const bf16* bias, long R, int OC) {
+    launch_elementwise(add_bias_rows_kernel, R * OC, out, sum, bias, R, OC);
+}
+
+// out[i] = wte row (tokens[i] - vlo) when this rank holds it (rows [0, Vl)), else zeros
+inline void masked_lookup(float* out, const int* tokens, const float* wte, long BT, int C, long vlo, int Vl) {
+#pragma omp parallel for
+    for (long i = 0; i < BT; i++) {
+        long row = tokens[i] - vlo;
+        float* o = out + i * C;
+        if (row >= 0 && row < Vl) memcpy(o, wte + row * C, C * sizeof(float));
+        else memset(o, 0, C * sizeof(float));
+    }
+}
+static __global__ void masked_lookup_kernel(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x) {
+        long row = tokens[i / C] - vlo;
+        out[i] = row >= 0 && row < Vl ? wte[row * C + i % C] : __float2bfloat16(0.0f);
+    }
+}
+inline void masked_lookup(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
+    launch_elementwise(masked_lookup_kernel, BT * C, out, tokens, wte, BT, C, vlo, Vl);
+}
+
+// out (R rows from token row `first`) = sum + wpe at each row's position; sum may be out
+inline void add_positions(float* out, const float* sum, const float* wpe, long R, long first, int T, int C) {
+#pragma omp parallel for
+    for (long r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r * C + c] = sum[r * C + c] + wpe[((first + r) % T) * C + c];
+}
+static __global__ void add_positions_kernel(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < R * C; i += (long)gridDim.x * blockDim.x) {
+        long r = i / C;
+        int c = (int)(i % C);
+        out[i] = __float2bfloat16(__bfloat162float(sum[i]) + __bfloat162float(wpe[((first + r) % T) * C + c]));
+    }
+}
+inline void add_positions(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
+    launch_elementwise(add_positions_kernel, R * C, out, sum, wpe, R, first, T, C);
+}
+
+// dwpe += dout's rows (R rows from token row `first`) at their positions, each entry summed in row order
+inline void position_grads(float* dwpe, const float* dout, long R, long first, int T, int C) {
+#pragma omp parallel for
+    for (int c = 0; c < C; c++)
+        for (long r = 0; r < R; r++) dwpe[((first + r) % T) * C + c] += dout[r * C + c];
+}
+// a thread owns one entry of dwpe and walks the rows at its position (every T-th from the first)
+static __global__ void position_grads_kernel(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)T * C; i += (long)gridDim.x * blockDim.x) {
+        long t = i / C;
+        int c = (int)(i % C);
+        float s = 0.0f;
+        for (long r = ((t - first) % T + T) % T; r < R; r += T) s += __bfloat162float(dout[r * C + c]);
+        dwpe[i] = __float2bfloat16(__bfloat162float(dwpe[i]) + s);
+    }
+}
+inline void position_grads(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
+    launch_elementwise(position_grads_kernel, (long)T * C, dwpe, dout, R, first, T, C);
+}
+
+// dwte (this rank's Vl vocab rows) += d's rows whose token this rank holds; each entry summed in token order
+inline void masked_embedding_grads(float* dwte, const float* d, const int* tokens, long BT, int C, long vlo, int Vl) {
+    // each channel is summed in token order by one thread: bit-reproducible
+#pragma omp parallel for
+    for (int c = 0; c < C; c++)
+        for (long i = 0; i < BT; i++) {
+            long row = tokens[i] - vlo;
+            if (row >= 0 && row < Vl) dwte[row * C + c] += d[i * C + c];
+        }
+}
+// A block owns a tile of 128 vocab rows × 64 channels and scans the tokens in order, adding the rows of its
+// tokens into an fp32 tile in shared memory; a thread owns one channel of the tile, so every entry is summed
+// in token order by one thread (reproducible, no atomics). The cost is the scan: every tile reads all BT token
+// ids (from cache), where the single-rank encoder sorts them once.
+constexpr int VOCAB_TILE_ROWS = 128, VOCAB_TILE_CHANNELS = 64;
+static __global__ void masked_embedding_grads_kernel(bf16* dwte, const bf16* d, const int* tokens, long BT, int C,
+                                                     long vlo, int Vl) {
+    __shared__ float tile[VOCAB_TILE_ROWS][VOCAB_TILE_CHANNELS];
+    long row0 = (long)blockIdx.x * VOCAB_TILE_ROWS;
+    int c = blockIdx.y * VOCAB_TILE_CHANNELS + threadIdx.x;
+    for (int j = 0; j < VOCAB_TILE_ROWS; j++) tile[j][threadIdx.x] = 0.0f;
+    if (c >= C) return;  // the threads share no shared-memory entry, so none waits for another
+    for (long i = 0; i < BT; i++) {
+        long j = tokens[i] - vlo - row0;
+        if (j >= 0 && j < VOCAB_TILE_ROWS) tile[j][threadIdx.x] += __bfloat162float(d[i * C + c]);
+    }
+    for (int j = 0; j < VOCAB_TILE_ROWS && row0 + j < Vl; j++) {
+        bf16* w = dwte + (row0 + j) * C + c;
+        *w = __float2bfloat16(__bfloat162float(*w) + tile[j][threadIdx.x]);
+    }
+}
+inline void masked_embedding_grads(bf16* dwte, const bf16* d, const int* tokens, long BT, int C, long vlo, int Vl) {
+    dim3 grid(cuda_blocks(Vl, VOCAB_TILE_ROWS), cuda_blocks(C, VOCAB_TILE_CHANNELS));
+    masked_embedding_grads_kernel<<<grid, VOCAB_TILE_CHANNELS, 0, main_stream()>>>(dwte, d, tokens, BT, C, vlo, Vl);
+    cuda_check(cudaGetLastError());
+}
+
+// Per row of this rank's logits (BT×Vl, `real` columns of real tokens), stats[3i..3i+2] = the max, Σ exp(x -
+// max) and the target logit (0 where another rank holds the target; max -inf and sum 0 with no real column)
+inline void vocab_row_stats(float* stats, const float* logits, const int* targets, long BT, int Vl, int real, long vlo) {
+#pragma omp parallel for
+    for (long i = 0; i < BT; i++) {
+        const float* x = logits + i * Vl;
+        float mx = -INFINITY;
+        for (int j = 0; j < real; j++) mx = fmaxf(mx, x[j]);
+        double s = 0.0;
+        for (int j = 0; j < real; j++) s += exp((double)x[j] - mx);
+        long t = targets[i] - vlo;
+        stats[i * 3] = mx;
+        stats[i * 3 + 1] = (float)s;
+        stats[i * 3 + 2] = t >= 0 && t < Vl ? (float)x[t] : 0.0f;
+    }
+}
+// a block per row, in two sweeps (the max, then the sum), each reduced over the block in a fixed order
+static __global__ void vocab_row_stats_kernel(float* stats, const bf16* logits, const int* targets, int Vl, int real,
+                                              long vlo) {
+    __shared__ float shared[32];
+    long i = blockIdx.x;
+    const bf16* x = logits + i * Vl;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < real; j += blockDim.x) mx = fmaxf(mx, __bfloat162float(x[j]));
+    mx = warp_max(mx);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = mx;
+    __syncthreads();
+    mx = threadIdx.x % 32 < blockDim.x / 32 ? shared[threadIdx.x % 32] : -INFINITY;
+    mx = warp_max(mx);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < real; j += blockDim.x) s += expf(__bfloat162float(x[j]) - mx);
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) {
+        long t = targets[i] - vlo;
+        stats[i * 3] = mx;
+        stats[i * 3 + 1] = s;
+        stats[i * 3 + 2] = t >= 0 && t < Vl ? __bfloat162float(x[t]) : 0.0f;
+    }
+}
+inline void vocab_row_stats(float* stats, const bf16* logits, const int* targets, long BT, int Vl, int real, long vlo) {
+    vocab_row_stats_kernel<<<(unsigned int)BT, 256, 0, main_stream()>>>(stats, logits, targets, Vl, real, vlo);
+    cuda_check(cudaGetLastError());
+}
+
+// every rank's row statistics (all: ranks × BT × 3, rank-major) combined in rank order into each row's log-sum-exp
+// and loss
+static __host__ __device__ inline void combine_row(float* losses, float* lse, const float* all, long BT, int ranks, long i) {
+    float mx = -INFINITY, target = 0.0f;
+    for (int r = 0; r < ranks; r++) mx = fmaxf(mx, all[(r * BT + i) * 3]);
+    double s = 0.0;
+    for (int r = 0; r < ranks; r++) {
+        const float* p = &all[(r * BT + i) * 3];
+        if (p[1] > 0) s += (double)p[1] * exp((double)p[0] - mx);
+        target += p[2];
+    }
+    lse[i] = (float)(log(s) + mx);
+    losses[i] = lse[i] - target;
+}
+static __global__ void combine_rows_kernel(float* losses, float* lse, const float* all, long BT, int ranks) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT; i += (long)gridDim.x * blockDim.x)
+        combine_row(losses, lse, all, BT, ranks, i);
+}
+// the combined rows and the mean loss (on the GPU reading it waits for the forward: the pass's one read)
+template <typename floatX>
+inline float combine_rows(float* losses, float* lse, const float* all, long BT, int ranks) {
+    if constexpr (device_of<floatX> == Device::CUDA) {
+        launch_elementwise(combine_rows_kernel, BT, losses, lse, all, BT, ranks);
+        float* mean = gpu_scratch(1, "crossentropy_forward");
+        mean_loss_kernel<<<1, 1024, 0, main_stream()>>>(mean, losses, BT);
+        cuda_check(cudaGetLastError());
+        float host;
+        device_download<bf16>(&host, mean, 1);
+        return host;
+    } else {
+        double total = 0.0;
+        for (long i = 0; i < BT; i++) {
+            combine_row(losses, lse, all, BT, ranks, i);
+            total += losses[i];
+        }
+        return (float)(total / BT);
+    }
+}
+
+// logits (BT×Vl, global column vlo + j) become (softmax - onehot)·dloss on real columns, 0 on padding
+inline void vocab_crossentropy_grad(float* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
+                                    float dloss) {
+#pragma omp parallel for
+    for (long i = 0; i < BT; i++) {
+        float* x = logits + i * Vl;
+        for (int j = 0; j < Vl; j++) {
+            long v = vlo + j;
+            x[j] = v < V ? (expf(x[j] - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
+        }
+    }
+}
+static __global__ void vocab_crossentropy_grad_kernel(bf16* logits, const float* lse, const int* targets, long BT, int V,
+                                                      int Vl, long vlo, float dloss) {
+    for (long k = (long)blockIdx.x * blockDim.x + threadIdx.x; k < BT * Vl; k += (long)gridDim.x * blockDim.x) {
+        long i = k / Vl, v = vlo + k % Vl;
+        float g = v < V ? (expf(__bfloat162float(logits[k]) - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
+        logits[k] = __float2bfloat16(g);
+    }
+}
+inline void vocab_crossentropy_grad(bf16* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
+                                    float dloss) {
+    launch_elementwise(vocab_crossentropy_grad_kernel, BT * Vl, logits, lse, targets, BT, V, Vl, vlo, dloss);
+}
+
+// x[i] = Σ over ranks of all[r·n + i], added in rank order in fp32
+inline void sum_ranks(float* x, const float* all, long n, int ranks) {
+#pragma omp parallel for
+    for (long i = 0; i < n; i++) {
+        float s = 0.0f;
+        for (int r = 0; r < ranks; r++) s += all[r * n + i];
+        x[i] = s;
+    }
+}
+static __global__ void sum_ranks_kernel(bf16* x, const bf16* all, long n, int ranks) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < ranks; r++) s += __bfloat162float(all[r * n + i]);
+        x[i] = __float2bfloat16(s);
+    }
+}
+inline void sum_ranks(bf16* x, const bf16* all, long n, int ranks) { launch_elementwise(sum_ranks_kernel, n, x, all, n, ranks); }
+
+// ----------------------------------------------------------------------------------------------------------
+
+// The methods are templates over the model's storage type (llmc/device.cuh): the same code moves host
+// buffers on the CPU and device buffers on the GPU.
 struct TensorParallel {
     TPSpec spec;
     Comm* comm = nullptr;  // the tp group; null for a single rank
@@ -85,11 +358,7 @@ struct TensorParallel {
         if (!on()) return matmul_forward(out, inp, W, bias, BT, C, OC, ws);
         matmul_forward(partial, inp, W, nullptr, BT, C, OC, ws);
         reduce_rows(partial, out, BT, OC);
-        const floatX* sum = spec.sp ? out : partial;
-        long R = rows(BT);
-#pragma omp parallel for
-        for (long r = 0; r < R; r++)
-            for (int o = 0; o < OC; o++) out[r * OC + o] = sum[r * OC + o] + bias[o];
+        add_bias_rows(out, spec.sp ? out : partial, bias, rows(BT), OC);
     }
 
     // the output gradient of a row-parallel layer for every row: gathered (sp) or as it is
@@ -108,20 +377,10 @@ struct TensorParallel {
     void embedding_forward(floatX* out, floatX* partial, const int* tokens, const floatX* wte, const floatX* wpe, int B,
                            int T, int C, int Vl) {
         if (!on()) return encoder_forward(out, tokens, wte, wpe, B, T, C);
-        long BT = (long)B * T, vlo = (long)spec.rank * Vl;
-#pragma omp parallel for
-        for (long i = 0; i < BT; i++) {
-            long row = tokens[i] - vlo;
-            floatX* o = partial + i * C;
-            if (row >= 0 && row < Vl) memcpy(o, wte + row * C, C * sizeof(floatX));
-            else memset(o, 0, C * sizeof(floatX));
-        }
+        long BT = (long)B * T;
+        masked_lookup(partial, tokens, wte, BT, C, (long)spec.rank * Vl, Vl);
         reduce_rows(partial, out, BT, C);
-        const floatX* sum = spec.sp ? out : partial;
-        long R = rows(BT), first = first_row(BT);
-#pragma omp parallel for
-        for (long r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) out[r * C + c] = sum[r * C + c] + wpe[((first + r) % T) * C + c];
+        add_positions(out, spec.sp ? out : partial, wpe, rows(BT), first_row(BT), T, C);
     }
 
     // dwte (this rank's vocab rows) and dwpe accumulate; dout is this rank's rows, whole scratch BT×C
@@ -129,19 +388,11 @@ struct TensorParallel {
     void embedding_backward(floatX* dwte, floatX* dwpe, const floatX* dout, floatX* whole, const int* tokens, int B,
                             int T, int C, int Vl) {
         if (!on()) return encoder_backward(dwte, dwpe, dout, tokens, B, T, C, Vl);
-        long BT = (long)B * T, R = rows(BT), first = first_row(BT), vlo = (long)spec.rank * Vl;
-        // wpe: from this rank's rows (under sp a partial sum, completed by sum_replicated)
-#pragma omp parallel for
-        for (int c = 0; c < C; c++)
-            for (long r = 0; r < R; r++) dwpe[((first + r) % T) * C + c] += dout[r * C + c];
+        long BT = (long)B * T;
+        // wpe: from this rank's rows (under sp a partial sum, completed before the dp reduction)
+        position_grads(dwpe, dout, rows(BT), first_row(BT), T, C);
         const floatX* d = row_parallel_dout(dout, whole, BT, C);
-        // each channel is summed in token order by one thread: bit-reproducible
-#pragma omp parallel for
-        for (int c = 0; c < C; c++)
-            for (long i = 0; i < BT; i++) {
-                long row = tokens[i] - vlo;
-                if (row >= 0 && row < Vl) dwte[row * C + c] += d[i * C + c];
-            }
+        masked_embedding_grads(dwte, d, tokens, BT, C, (long)spec.rank * Vl, Vl);
     }
 
     // --- vocab-parallel cross-entropy -----------------------------------------------------------------------
@@ -152,67 +403,28 @@ struct TensorParallel {
     float crossentropy_forward(float* losses, float* lse, const floatX* logits, const int* targets, long BT, int V, int Vl) {
         long vlo = (long)spec.rank * Vl;
         int real = (int)std::max(0L, std::min((long)Vl, V - vlo));  // columns of real tokens here
-        // per row: max, Σ exp(x - max), target logit (0 where another rank holds the target)
-        std::vector<float> mine(BT * 3), all(BT * 3 * size());
-#pragma omp parallel for
-        for (long i = 0; i < BT; i++) {
-            const floatX* x = logits + i * Vl;
-            float mx = -INFINITY;
-            for (int j = 0; j < real; j++) mx = fmaxf(mx, x[j]);
-            double s = 0.0;
-            for (int j = 0; j < real; j++) s += exp((double)x[j] - mx);
-            long t = targets[i] - vlo;
-            mine[i * 3] = mx;
-            mine[i * 3 + 1] = (float)s;
-            mine[i * 3 + 2] = t >= 0 && t < Vl ? (float)x[t] : 0.0f;
-        }
-        comm->wait(comm->all_gather(mine.data(), all.data(), BT * 3, DType::F32));
-        double total = 0.0;
-        for (long i = 0; i < BT; i++) {
-            float mx = -INFINITY, target = 0.0f;
-            for (int r = 0; r < size(); r++) mx = fmaxf(mx, all[(r * BT + i) * 3]);
-            double s = 0.0;
-            for (int r = 0; r < size(); r++) {
-                const float* p = &all[(r * BT + i) * 3];
-                if (p[1] > 0) s += (double)p[1] * exp((double)p[0] - mx);
-                target += p[2];
-            }
-            lse[i] = (float)(log(s) + mx);
-            losses[i] = lse[i] - target;
-            total += losses[i];
-        }
-        return (float)(total / BT);
+        DeviceTemp<floatX, float> mine(BT * 3), all(BT * 3 * size());
+        vocab_row_stats(mine.data, logits, targets, BT, Vl, real, vlo);
+        comm->wait(comm->all_gather(mine.data, all.data, BT * 3, DType::F32));
+        return combine_rows<floatX>(losses, lse, all.data, BT, size());
     }
 
     // logits become their gradient in place: (softmax - onehot)·dloss on real columns, 0 on padding
     template <typename floatX>
     void crossentropy_backward_inplace(floatX* logits, const float* lse, const int* targets, long BT, int V, int Vl,
                                        float dloss) {
-        long vlo = (long)spec.rank * Vl;
-#pragma omp parallel for
-        for (long i = 0; i < BT; i++) {
-            floatX* x = logits + i * Vl;
-            for (int j = 0; j < Vl; j++) {
-                long v = vlo + j;
-                x[j] = (floatX)(v < V ? (expf((float)x[j] - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f);
-            }
-        }
+        vocab_crossentropy_grad(logits, lse, targets, BT, V, Vl, (long)spec.rank * Vl, dloss);
     }
 
     // --- group sums that leave every rank with the same bits -----------------------------------------------
 
-    // x (n floats) summed over the group in rank order: every rank's x gathered, then added up locally
+    // x (n elements) summed over the group in rank order: every rank's x gathered, then added up locally
     template <typename floatX>
     void sum_in_rank_order(floatX* x, long n) {
         if (!on()) return;
-        std::vector<floatX> all(n * size());
-        comm->wait(comm->all_gather(x, all.data(), n, dtype_of<floatX>()));
-#pragma omp parallel for
-        for (long i = 0; i < n; i++) {
-            float s = 0.0f;
-            for (int r = 0; r < size(); r++) s += (float)all[r * n + i];
-            x[i] = (floatX)s;
-        }
+        DeviceTemp<floatX, floatX> all(n * size());
+        comm->wait(comm->all_gather(x, all.data, n, dtype_of<floatX>()));
+        sum_ranks(x, all.data, n, size());
     }
 
    private:

@@ -23,6 +23,12 @@
 //
 // Collectives start only at points every rank reaches in the same order (a bucket completing, a bucket being
 // needed, the step's end), never when a test happens to succeed, as MPI requires.
+//
+// On the GPU every buffer here is device memory (the communicator moves it, staging through the host for MPI):
+// packing and unpacking are device copies, and the two sums ZeRO adds (a reduced piece into the gradient
+// shard, the tp group's partial sums) are small kernels beside their CPU loops. The fp32 master weights, which
+// AdamW updates, are sharded like the moments under ZeRO >= 1; each owned segment is updated with its offset
+// in the rank's whole share (adamw_update's global_offset), which the stochastic rounding draws its bits from.
 #pragma once
 
 #include <cmath>
@@ -115,8 +121,38 @@ inline void unpack_bucket(const Bucket& b, const floatX* packed, floatX* flat) {
 
 enum ZeroBuffer { ZB_PARAMS, ZB_GRADS };
 
-// The runtime is a template over the model's storage type (llmc/device.cuh); its packing, sums and updates
-// run on host buffers so far, so on the GPU it refuses to engage (more than one rank, ZeRO, or tp).
+// dst += src, n elements (a reduced piece into the gradient shard)
+inline void accumulate(float* dst, const float* src, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] += src[i];
+}
+static __global__ void accumulate_kernel(bf16* dst, const bf16* src, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16(__bfloat162float(dst[i]) + __bfloat162float(src[i]));
+}
+inline void accumulate(bf16* dst, const bf16* src, size_t n) { launch_elementwise(accumulate_kernel, (long)n, dst, src, (long)n); }
+
+// Σ x² over spans of a gradient buffer, added in span order in double: the same sums on every rank and stage.
+// On the GPU each span's sum is a float on the device (a span may start at any element), read back together.
+inline double sum_of_squares_spans(const std::vector<std::pair<const float*, long>>& spans) {
+    double total = 0.0;
+    for (const auto& [x, n] : spans) total += sum_of_squares(x, n);
+    return total;
+}
+inline double sum_of_squares_spans(const std::vector<std::pair<const bf16*, long>>& spans) {
+    if (spans.empty()) return 0.0;
+    DeviceTemp<bf16, float> each(spans.size());
+    float* partial = gpu_scratch(GLOBAL_NORM_BLOCKS, "gradient norm");
+    for (size_t k = 0; k < spans.size(); k++)
+        sum_of_squares_cuda_any_offset(each.data + k, spans[k].first, spans[k].second, partial, main_stream());
+    std::vector<float> host(spans.size());
+    device_download<bf16>(host.data(), each.data, spans.size());
+    double total = 0.0;
+    for (float v : host) total += v;
+    return total;
+}
+
+// The runtime is a template over the model's storage type (llmc/device.cuh): the same code on host buffers
+// (CPU) and device buffers (GPU).
 template <typename floatX>
 struct DataParallel : ParamStore<floatX> {
     GPTModel<floatX>& m;
@@ -125,6 +161,7 @@ struct DataParallel : ParamStore<floatX> {
     BucketLayout layout;
     std::vector<std::vector<OwnedSegment>> owned;  // per bucket
     float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
+    float* shard_master = nullptr;                 // ZeRO >= 1 on the GPU (the CPU's parameters are fp32)
     floatX* shard_grads = nullptr;                 // ZeRO >= 2
     floatX* shard_params = nullptr;                // ZeRO 3
 
@@ -153,10 +190,9 @@ struct DataParallel : ParamStore<floatX> {
         reduce_slot_of.assign(nb, -1);
         units_done.assign(nb, 0);
         if (!engaged()) return;
-        if (device_of<floatX> == Device::CUDA)
-            fail("data parallelism and ZeRO on the GPU are not implemented yet (--device cuda runs one rank with -z 0)");
         Ledger& led = m.ledger;
         if (stage >= 1) {
+            if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, layout.shard_size);
             shard_m = led.alloc<floatX, float>(MEM_OPTIMIZER, layout.shard_size);
             shard_v = led.alloc<floatX, float>(MEM_OPTIMIZER, layout.shard_size);
         }
@@ -269,13 +305,13 @@ struct DataParallel : ParamStore<floatX> {
         finish_reductions();
         // The norm from the owned pieces, summed in bucket order, then over the dp ranks and over the tp ranks
         // (a tensor every tp rank holds whole counts once): the same sums in every stage, on every rank.
-        double local = 0.0;
         const floatX* g = stage >= 2 ? shard_grads : m.grads;
+        std::vector<std::pair<const floatX*, long>> spans;
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs)
                 if (m.tp.spec.rank == 0 || !is_replicated(s.tensor))
-                    local += sum_of_squares(g + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size);
-        double total = sum_in_rank_order(comm, local);
+                    spans.push_back({g + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
+        double total = sum_in_rank_order(comm, sum_of_squares_spans(spans));
         if (m.tp.on()) total = sum_in_rank_order(*m.tp.comm, total);
         double norm = sqrt(total);
         float scale = clip_scale(norm, 1.0f);
@@ -288,8 +324,9 @@ struct DataParallel : ParamStore<floatX> {
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs) {
                 size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
-                adamw_update(p + pi, nullptr, g + gi, shard_m + s.shard_offset, shard_v + s.shard_offset, (long)s.size, lr,
-                             is_decayed(s.tensor) ? weight_decay : 0.0f, scale, m.adam_step, m.seed, (long)s.flat_offset);
+                adamw_update(p + pi, shard_master ? shard_master + s.shard_offset : nullptr, g + gi, shard_m + s.shard_offset,
+                             shard_v + s.shard_offset, (long)s.size, lr, is_decayed(s.tensor) ? weight_decay : 0.0f, scale,
+                             m.adam_step, m.seed, (long)s.flat_offset);
             }
         if (stage < 3) all_gather_params(m.params);
         return norm;
@@ -325,6 +362,29 @@ struct DataParallel : ParamStore<floatX> {
             for (const OwnedSegment& s : segs) device_copy<floatX>(shard_params + s.shard_offset, flat + s.flat_offset, s.size);
     }
 
+    // ZeRO >= 1 on the GPU: this rank's pieces of the fp32 parameters `share` (its whole tp share, on the host)
+    // become its master weights, and under ZeRO-3 its parameter shard, rounded to nearest as gpt_set_params does
+    void set_master(const float* share) {
+        for (auto& segs : owned)
+            for (const OwnedSegment& s : segs) device_upload<floatX>(shard_master + s.shard_offset, share + s.flat_offset, s.size);
+        if (shard_params) convert_on_device(shard_params, shard_master, (long)layout.shard_size);
+    }
+
+    // ... and back: every rank's pieces of the master weights, gathered bucket by bucket into `share` on the host
+    // (the fp32 values a checkpoint saves). Collective.
+    void get_master(float* share) {
+        std::vector<float> host;
+        for (size_t b = 0; b < layout.buckets.size(); b++) {
+            const Bucket& bk = layout.buckets[b];
+            DeviceTemp<floatX, float> packed(bk.padded);
+            comm.wait(comm.all_gather(shard_master + bk.shard_offset, packed.data, bk.piece, DType::F32));
+            host.resize(bk.padded);
+            device_download<floatX>(host.data(), packed.data, bk.padded);
+            size_t at = 0;
+            for (const Segment& s : bk.segments) memcpy(share + s.offset, host.data() + at, s.size * sizeof(float)), at += s.size;
+        }
+    }
+
    private:
     // x summed over a group in rank order, the same bits on every rank
     static double sum_in_rank_order(Comm& group, double x) {
@@ -341,25 +401,19 @@ struct DataParallel : ParamStore<floatX> {
     // bucket's staging.
     void sum_sequence_partials(const Bucket& b, floatX* grads, bool packed) {
         if (!m.tp.spec.sp) return;
-        std::vector<floatX> gathered;
-        std::vector<const Segment*> which;
-        std::vector<size_t> where;
-        size_t running = 0;
+        std::vector<std::pair<size_t, size_t>> partials;  // (where in grads, size)
+        size_t running = 0, count = 0;
         for (const Segment& s : b.segments) {
-            if (is_sequence_partial(s.tensor)) {
-                which.push_back(&s);
-                where.push_back(packed ? running : s.offset);
-                gathered.insert(gathered.end(), grads + where.back(), grads + where.back() + s.size);
-            }
+            if (is_sequence_partial(s.tensor)) partials.push_back({packed ? running : s.offset, s.size}), count += s.size;
             running += s.size;
         }
-        if (gathered.empty()) return;
-        m.tp.sum_in_rank_order(gathered.data(), (long)gathered.size());
+        if (count == 0) return;
+        DeviceTemp<floatX, floatX> gathered(count);
         size_t at = 0;
-        for (size_t i = 0; i < which.size(); i++) {
-            memcpy(grads + where[i], gathered.data() + at, which[i]->size * sizeof(floatX));
-            at += which[i]->size;
-        }
+        for (const auto& [where, size] : partials) device_copy<floatX>(gathered.data + at, grads + where, size), at += size;
+        m.tp.sum_in_rank_order(gathered.data, (long)count);
+        at = 0;
+        for (const auto& [where, size] : partials) device_copy<floatX>(grads + where, gathered.data + at, size), at += size;
     }
 
     // let MPI move the operations in flight while compute goes on
@@ -412,8 +466,7 @@ struct DataParallel : ParamStore<floatX> {
         const Bucket& bk = layout.buckets[s.bucket];
         comm.wait(s.request);
         if (stage >= 2) {
-            floatX* dst = shard_grads + bk.shard_offset;
-            for (size_t i = 0; i < bk.piece; i++) dst[i] += s.piece[i];
+            accumulate(shard_grads + bk.shard_offset, s.piece, bk.piece);
         } else if (stage == 1) {
             for (const OwnedSegment& o : owned[s.bucket])
                 device_copy<floatX>(m.grads + o.flat_offset, s.piece + (o.shard_offset - bk.shard_offset), o.size);

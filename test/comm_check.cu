@@ -4,6 +4,7 @@
 // integers, so sums are exact whatever order a backend adds them in. Sizes are odd (1, 7, 1001, 65537) to catch
 // off-by-one and chunking errors. Each op runs blocking, and asynchronously with compute between start and
 // wait; point-to-point runs around the ring in both directions. The counted bytes are checked per op too.
+// bf16 moves bit for bit, and its sums (MPI has no bf16: llmc/comm.cuh adds in fp32 and rounds) are checked.
 // Last line on rank 0: "comm_check: R ranks, N passed, M failed"; the exit status is 1 if anything failed.
 #include <cmath>
 #include <cstdio>
@@ -187,6 +188,29 @@ static void check_bf16(Comm& c, size_t n) {
     for (int r = 0; r < R; r++)
         for (size_t i = 0; i < n && ok; i++) ok = recv[r * n + i] == (uint16_t)(r * 40503u + i * 2654435761u);
     check(c, ok, strfmt("bf16 all_gather n=%zu", n));
+
+    // sums: small integers are exact in bf16 whatever the order, so all_reduce and reduce_scatter must match
+    std::vector<uint16_t> piece(n * R), summed(n * R), mine(n);
+    for (size_t i = 0; i < n * R; i++) piece[i] = float_to_bf16_bits((float)value(11, me, i));
+    c.wait(c.all_reduce(piece.data(), summed.data(), n * R, DType::BF16));
+    c.wait(c.reduce_scatter(piece.data(), mine.data(), n, DType::BF16));
+    bool all_ok = true, scatter_ok = true;
+    for (size_t i = 0; i < n * R; i++) {
+        double want = 0;
+        for (int r = 0; r < R; r++) want += value(11, r, i);
+        all_ok = all_ok && bf16_bits_to_float(summed[i]) == want;
+        if (i / n == (size_t)me) scatter_ok = scatter_ok && mine[i - me * n] == summed[i];
+    }
+    check(c, all_ok, strfmt("bf16 all_reduce n=%zu", n * R));
+    check(c, scatter_ok, strfmt("bf16 reduce_scatter n=%zu", n));
+    // with two ranks, a sum that falls halfway between two bf16 values rounds to the even one: 1 + 2^-8 to 1,
+    // and (1 + 2^-7) + 2^-8 up to 1 + 2^-6
+    if (R == 2) {
+        uint16_t tie[2] = {float_to_bf16_bits(me == 0 ? 1.0f : 0.00390625f),
+                           float_to_bf16_bits(me == 0 ? 1.0078125f : 0.00390625f)}, got[2];
+        c.wait(c.all_reduce(tie, got, 2, DType::BF16));
+        check(c, got[0] == float_to_bf16_bits(1.0f) && got[1] == float_to_bf16_bits(1.015625f), "bf16 sums round to nearest even");
+    }
 }
 
 int main() {
