@@ -1,7 +1,8 @@
 # llm5d build. nvcc compiles everything, host code included (with OpenMP), so one toolchain serves the CPU and
 # the CUDA backends.
 #   make            ./train_gpt
-#   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample
+#   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
+#                   plot its losses (build/demo/loss.png)
 #   make test       install what is missing, build, run the unit, reference and CLI tests; last line "N passed, N failed"
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
@@ -41,8 +42,8 @@ HEADERS = $(wildcard llmc/*.h llmc/*.cuh)
 TEST_SOURCES = $(wildcard test/test_*.cu)
 TEST_OBJECTS = $(patsubst test/%.cu,build/%.o,$(TEST_SOURCES))
 
-# the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores; its log goes to
-# TRAIN_OUT
+# the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores; its log and plot go
+# to TRAIN_OUT
 TRAIN_FLAGS ?= -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64
 TRAIN_OUT ?= build/demo
 
@@ -94,6 +95,7 @@ test: deps
 train: deps
 	$(MAKE) data train_gpt
 	./train_gpt $(TRAIN_FLAGS) -o $(TRAIN_OUT)
+	$(PYTHON) scripts/plot_log.py $(TRAIN_OUT)/main.log -o $(TRAIN_OUT)/loss.png
 
 bench: train_gpt data
 	bash dev/bench/cpu_bench.sh
