@@ -7,8 +7,8 @@
 #
 # What is there is found the way the build finds it, so a tool from elsewhere counts: Catch2's header in
 # CATCH2_INCLUDE, an MPI whose compiler wrapper MPICXX answers, Python modules that PYTHON imports. The rest is
-# installed with apt-get, as root or through sudo; without either the script prints one line naming the packages
-# to install and exits 1.
+# installed with apt-get, as root or through sudo (which may ask for a password at a terminal); without either
+# the script prints one line naming the packages to install and exits 1.
 #
 # Variables (default in brackets):
 #   NVCC            the CUDA compiler                                        [/usr/local/cuda/bin/nvcc]
@@ -46,8 +46,9 @@ for package in "${extra[@]}"; do have_package "$package" || missing+=("$package"
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=()
     if [ "$(id -u)" -ne 0 ]; then
-        if ! command -v sudo >/dev/null; then
-            echo "install_deps.sh: missing ${missing[*]}; not root and no sudo here: as root, run apt-get install ${missing[*]}" >&2
+        # sudo that can ask for a password (a terminal) or needs none; anything else cannot install
+        if ! command -v sudo >/dev/null || ! { [ -t 0 ] || sudo -n true 2>/dev/null; }; then
+            echo "install_deps.sh: missing ${missing[*]}; not root and no usable sudo here: as root, run apt-get install ${missing[*]}" >&2
             exit 1
         fi
         sudo=(sudo)
