@@ -9,7 +9,7 @@
 # Variables:
 #   CUDA_ARCH   GPU code to embed [Ampere (sm_80) and Hopper (sm_90) machine code, and Hopper PTX that newer GPUs
 #               such as Blackwell compile when they load it]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a"
-#               for a Hopper-only build that compiles in half the time
+#               for a Hopper-only build that compiles faster (train_gpt on two cores: 26 s instead of 38 s)
 #   HOST_ARCH   the CPU the host code may assume, passed to -march [native: this machine]; a binary for the nodes
 #               of a cluster needs one they all run, e.g. HOST_ARCH=x86-64-v3 (AVX2) or x86-64-v4 (AVX-512)
 #   NO_MPI=1    build without MPI: one process only; MPICXX: the MPI compiler wrapper that says where MPI is
