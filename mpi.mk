@@ -1,5 +1,8 @@
 # MPI for the Makefiles that build with it (the top level and dev/comm): found through its compiler wrapper,
-# which honours the environment (e.g. a packed OpenMPI), unless NO_MPI=1. Adds to NVCC_FLAGS and LDLIBS.
+# which honours the environment (e.g. a packed OpenMPI), unless NO_MPI=1; MPI_QUIET=1 leaves out the warning
+# when there is none. Adds to NVCC_FLAGS and LDLIBS, then writes the compile line to FLAGS_STAMP (a path the
+# includer sets) when it differs from what the stamp holds: targets that depend on the stamp are rebuilt when
+# MPI appears, goes or moves, or any other flag changes, and only then.
 MPICXX ?= mpicxx
 ifneq ($(NO_MPI),1)
 MPI_INCDIRS := $(shell $(MPICXX) --showme:incdirs 2>/dev/null)
@@ -7,7 +10,13 @@ MPI_LIBDIRS := $(shell $(MPICXX) --showme:libdirs 2>/dev/null)
 ifneq ($(MPI_INCDIRS),)
 NVCC_FLAGS += -DLLM5D_MPI $(addprefix -I,$(MPI_INCDIRS))
 LDLIBS += $(addprefix -L,$(MPI_LIBDIRS)) $(addprefix -Xlinker -rpath -Xlinker ,$(MPI_LIBDIRS)) -lmpi
-else
+else ifneq ($(MPI_QUIET),1)
 $(warning no MPI found ($(MPICXX) --showme failed): building for one process; set NO_MPI=1 to silence this)
 endif
+endif
+
+FLAGS_STAMP_TEXT := $(NVCC) $(NVCC_FLAGS) $(LDLIBS)
+ifneq ($(file < $(FLAGS_STAMP)),$(FLAGS_STAMP_TEXT))
+$(shell mkdir -p $(dir $(FLAGS_STAMP)))
+$(file > $(FLAGS_STAMP),$(FLAGS_STAMP_TEXT))
 endif

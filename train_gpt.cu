@@ -265,14 +265,16 @@ static int train(const Options& o, const RunSetup& run) {
         install_whole_model(model, dpr, grid, o.zero, whole);
     }
 
-    // the data: this dp rank's slice of every global batch
-    DataLoader train(o.train_pattern, o.B, o.T, grid.at.dp, grid.dp, o.shuffle, o.seed, config.vocab_size);
+    // the data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
+    // depends on -t and -d, not on -b or dp
+    DataLoader train(o.train_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, o.shuffle, o.seed, config.vocab_size);
     if (!resume_dir.empty()) train.restore(state.loader);
     std::unique_ptr<DataLoader> val;
     int val_batches = 0;
     if (o.val_every > 0) {
-        val.reset(new DataLoader(o.val_pattern, o.B, o.T, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
-        val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch);
+        // -m global batches of -d tokens, each read as the training steps read theirs: the same tokens on any layout
+        val.reset(new DataLoader(o.val_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
+        val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch) * accumulation;
     }
     std::unique_ptr<Tokenizer> tokenizer;
     if (o.sample_every > 0) {

@@ -1,8 +1,11 @@
 // Reads training batches from token shards in llm.c's format (256 x int32 header: magic 20240520, version 1,
-// token count; then uint16 tokens) and slices every global batch across data-parallel ranks.
-// The read order (optionally shuffled per epoch) is a pure function of (seed, epoch, shard, sample), so the
-// loader's whole position is three integers: a checkpoint saves them and a restored loader continues with
-// exactly the batches an uninterrupted one would have produced, on every rank.
+// token count; then uint16 tokens). The unit of the read order is the global batch: -d consecutive tokens
+// (plus one for the last target), cut into rows of T. Shuffling permutes whole global batches (and shards), and
+// each global batch is then sliced the same fixed way among micro-steps and data-parallel ranks, so the tokens an
+// optimizer step sees depend on the data, the seed, T and the global batch size alone, never on B or the number
+// of ranks. The order is a pure function of (seed, epoch, shard, global batch), so the loader's whole position
+// is three integers: a checkpoint saves them and a restored loader continues with exactly the batches an
+// uninterrupted one would have produced, on every rank.
 #pragma once
 
 #include <glob.h>
@@ -22,8 +25,9 @@ constexpr int SHARD_VERSION = 1;
 constexpr int SHARD_HEADER_INTS = 256;
 constexpr long SHARD_HEADER_BYTES = SHARD_HEADER_INTS * sizeof(int32_t);
 
-// The position of the next batch: epoch, index into that epoch's shard order, index into that shard's
-// sample order. Always points at a sample that exists (the loader rolls over eagerly).
+// The position of the next micro-batch: epoch, index into that epoch's shard order, and index of the micro-batch
+// within that shard: global batch sample_pos / micro_steps of the shard's global-batch order, micro-step
+// sample_pos % micro_steps. Always points at a micro-batch that exists (the loader rolls over eagerly).
 struct DataLoaderState {
     uint64_t epoch = 0, shard_pos = 0, sample_pos = 0;
     bool operator==(const DataLoaderState& o) const {
@@ -48,6 +52,8 @@ struct DataLoader {
     };
 
     int B, T, rank, world;
+    size_t global_batch;  // tokens per global batch (-d): world * B * T * micro_steps
+    size_t micro_steps;   // next_batch() calls per global batch on each rank
     bool shuffle;
     uint64_t seed;
     int vocab_size;
@@ -58,12 +64,14 @@ struct DataLoader {
 
     std::vector<int> inputs, targets;  // B*T each, filled by next_batch()
 
-    DataLoader(const std::string& glob_pattern, int B_, int T_, int rank_, int world_, bool shuffle_, uint64_t seed_,
-               int vocab_size_)
+    DataLoader(const std::string& glob_pattern, int B_, int T_, long global_batch_, int rank_, int world_, bool shuffle_,
+               uint64_t seed_, int vocab_size_)
         : B(B_),
           T(T_),
           rank(rank_),
           world(world_),
+          global_batch((size_t)global_batch_),
+          micro_steps(0),
           shuffle(shuffle_),
           seed(seed_),
           vocab_size(vocab_size_),
@@ -72,6 +80,11 @@ struct DataLoader {
         if (world < 1) fail("dataloader: world size %d must be >= 1", world);
         if (rank < 0 || rank >= world) fail("dataloader: rank %d is out of range for world size %d", rank, world);
         if (vocab_size < 1) fail("dataloader: vocab size %d must be >= 1", vocab_size);
+        const size_t micro_batch = (size_t)world * B * T;
+        if (global_batch_ < 1 || global_batch % micro_batch != 0)
+            fail("dataloader: global batch %ld tokens must be a positive multiple of world*B*T = %d*%d*%d", global_batch_,
+                 world, B, T);
+        micro_steps = global_batch / micro_batch;
         for (const std::string& path : glob_sorted(glob_pattern)) shards.push_back(read_shard_header(path));
         for (const Shard& s : shards) {
             total_tokens += s.num_tokens;
@@ -82,7 +95,6 @@ struct DataLoader {
         reset();
     }
 
-    size_t tokens_per_global_batch() const { return (size_t)world * B * T; }
     size_t num_shards() const { return shards.size(); }
     // the file the next batch comes from, for log lines
     const std::string& current_file() const { return shards[shard_order[pos.shard_pos]].path; }
@@ -98,9 +110,9 @@ struct DataLoader {
         // checked before anything changes, so a rejected state leaves the loader where it was
         std::vector<size_t> order = shard_order_for(s.epoch);
         const Shard& shard = shards[order[s.shard_pos]];
-        if (s.sample_pos >= shard.num_samples)
-            fail("dataloader state: sample position %llu is out of range (%s holds %zu samples)",
-                 (unsigned long long)s.sample_pos, shard.path.c_str(), shard.num_samples);
+        if (s.sample_pos >= shard.num_samples * micro_steps)
+            fail("dataloader state: sample position %llu is out of range (%s holds %zu micro-batches)",
+                 (unsigned long long)s.sample_pos, shard.path.c_str(), shard.num_samples * micro_steps);
         // the shard is read (and its tokens checked) now, so a bad file stops the run before training starts
         load_tokens(order[s.shard_pos]);
         pos = s;
@@ -108,12 +120,14 @@ struct DataLoader {
         make_sample_order();
     }
 
+    // this rank's B rows of the next micro-step: micro-step m gives rank r rows (m*world + r)*B onwards of the
+    // global batch, so the micro-steps and ranks of one step together read each of its rows once
     void next_batch() {
         const size_t shard_index = shard_order[pos.shard_pos];
         load_tokens(shard_index);
-        const size_t sample = sample_order[pos.sample_pos];
+        const size_t sample = sample_order[pos.sample_pos / micro_steps], micro = pos.sample_pos % micro_steps;
         const size_t bt = (size_t)B * T;
-        const uint16_t* window = loaded_tokens.data() + sample * tokens_per_global_batch() + (size_t)rank * bt;
+        const uint16_t* window = loaded_tokens.data() + sample * global_batch + (micro * world + rank) * bt;
         for (size_t i = 0; i < bt; i++) {
             inputs[i] = window[i];
             targets[i] = window[i + 1];
@@ -163,11 +177,10 @@ struct DataLoader {
         if (count < 0 || expected != size)
             fail("%s: file size %ld bytes disagrees with the header's token count %lld (expected %lld bytes)",
                  path.c_str(), size, count, expected);
-        const size_t need = tokens_per_global_batch() + 1;
-        if ((size_t)count < need)
-            fail("%s: only %lld tokens, fewer than one global batch needs (world*B*T+1 = %d*%d*%d+1 = %zu)",
-                 path.c_str(), count, world, B, T, need);
-        return Shard{path, (size_t)count, ((size_t)count - 1) / tokens_per_global_batch()};
+        if ((size_t)count < global_batch + 1)
+            fail("%s: only %lld tokens, fewer than one global batch needs (%zu: -d %zu plus one for the last target)",
+                 path.c_str(), count, global_batch + 1, global_batch);
+        return Shard{path, (size_t)count, ((size_t)count - 1) / global_batch};
     }
 
     std::vector<size_t> shard_order_for(uint64_t epoch) const {
@@ -213,7 +226,7 @@ struct DataLoader {
 
     void advance() {
         pos.sample_pos++;
-        if (pos.sample_pos < sample_order.size()) return;
+        if (pos.sample_pos < sample_order.size() * micro_steps) return;
         pos.sample_pos = 0;
         pos.shard_pos++;
         if (pos.shard_pos == shards.size()) {

@@ -23,6 +23,8 @@
 #   MPIRUN        the MPI launcher                                                          [mpirun]
 #   MPI_ARGS      more launcher flags, split on spaces (e.g. --oversubscribe)               []
 #   BUILD         1 = `make train_gpt` first; 0 = use the ./train_gpt that is there          [1]
+#                 (one node: the build's default -march=native suits it; for a binary built elsewhere, build it
+#                 with `make HOST_ARCH=x86-64-v3` or the -march of this node's CPU)
 #
 # Usage: scripts/run_gpt2_124M.sh                 (from anywhere; it runs from the repository root)
 #        DEVICE=cpu NUM_GPUS=2 MPI_ARGS=--oversubscribe MICRO_BATCH=4 SEQ_LEN=256 TOTAL_BATCH=2048 MAX_STEPS=10 \

@@ -219,6 +219,53 @@ TEST_CASE("train_gpt --help and -h print the usage and exit 0", "[cli]") {
     }
 }
 
+TEST_CASE("--help lists every flag parse_options accepts, each with its default, in groups, and names the README",
+          "[cli]") {
+    // the flags as parse_options spells them: every string literal in its body that is a flag and nothing else
+    std::ifstream source("llmc/options.h");
+    REQUIRE(source.good());
+    std::string text((std::istreambuf_iterator<char>(source)), std::istreambuf_iterator<char>());
+    size_t body = text.find("inline Options parse_options(");
+    REQUIRE(body != std::string::npos);
+    std::set<std::string> flags;
+    const std::regex literal("\"(--?[a-z][a-z-]*)\"");
+    for (std::sregex_iterator it(text.begin() + body, text.end(), literal), end; it != end; ++it)
+        flags.insert((*it)[1]);
+    REQUIRE(flags.size() > 40);
+    REQUIRE(flags.count("--plan") == 1);
+
+    CommandResult r = train_gpt({"--help"});
+    REQUIRE(r.status == 0);
+    std::vector<std::string> lines = lines_of(r.output);
+    // an entry is a line that starts "  -" and the more indented lines that continue it
+    std::vector<std::string> entries;
+    for (const std::string& line : lines) {
+        if (line.rfind("  -", 0) == 0) entries.push_back(line);
+        else if (line.rfind("      ", 0) == 0 && !entries.empty()) entries.back() += line;
+    }
+    for (const std::string& flag : flags) {
+        INFO("flag " << flag);
+        const std::regex named("(^|[ ,])" + flag + "([ ,]|$)");
+        int found = 0;
+        for (const std::string& entry : entries) {
+            std::string head = entry.substr(0, entry.find("  ", 2));  // the flag column, before the description
+            if (!std::regex_search(head, named)) continue;
+            found++;
+            INFO(entry);
+            if (flag != "-h" && flag != "--help") CHECK(std::regex_search(entry, std::regex(R"(\[[^\]]+\]\s*$)")));
+        }
+        CHECK(found == 1);
+    }
+    for (const char* group : {"data:", "model:", "optimization:", "evaluation and output:", "checkpoints:",
+                              "parallelism", "planning and debugging:"})
+        CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.rfind(group, 0) == 0; }) == 1);
+    // the README section it points to exists
+    CHECK(r.output.find("README.md, \"Using train_gpt\"") != std::string::npos);
+    std::ifstream readme("README.md");
+    std::string readme_text((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());
+    CHECK(readme_text.find("\n## Using train_gpt\n") != std::string::npos);
+}
+
 TEST_CASE("a valid tiny run exits 0 and prints one line per step", "[cli]") {
     TinyRun run;
     for (const std::vector<std::string>& extra : {std::vector<std::string>{}, {"--device", "cpu"}}) {

@@ -1,5 +1,6 @@
-// Tests of the token-shard dataloader: headers and totals, how a global batch is sliced across ranks,
-// deterministic shuffling with exact resume from state(), and a clear error for every kind of bad shard.
+// Tests of the token-shard dataloader: headers and totals, how a global batch is sliced across ranks and
+// micro-steps, an order that does not depend on B or the ranks, deterministic shuffling with exact resume from
+// state(), and a clear error for every kind of bad shard.
 #include <climits>
 #include <map>
 #include <set>
@@ -80,7 +81,7 @@ TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
     write_shard(dir / "train_001.bin", random_tokens(777, GPT2_VOCAB, rng));
     write_shard(dir / "val_000.bin", random_tokens(300, GPT2_VOCAB, rng));
 
-    DataLoader dl(dir / "train_*.bin", 2, 8, 0, 1, false, 0, GPT2_VOCAB);
+    DataLoader dl(dir / "train_*.bin", 2, 8, 16, 0, 1, false, 0, GPT2_VOCAB);
     REQUIRE(dl.num_shards() == 3);
     REQUIRE(dl.shards[0].path == dir / "train_000.bin");
     REQUIRE(dl.shards[1].path == dir / "train_001.bin");
@@ -92,58 +93,93 @@ TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
     REQUIRE(dl.inputs.size() == 16);
     REQUIRE(dl.targets.size() == 16);
 
-    DataLoader dl4(dir / "train_*.bin", 2, 8, 3, 4, true, 7, GPT2_VOCAB);
+    DataLoader dl4(dir / "train_*.bin", 2, 8, 64, 3, 4, true, 7, GPT2_VOCAB);
     REQUIRE(dl4.batches_per_epoch == 999 / 64 + 776 / 64 + 512 / 64);
-    REQUIRE(dl4.tokens_per_global_batch() == 64);
+    REQUIRE(dl4.global_batch == 64);
+    REQUIRE(dl4.micro_steps == 1);
 
     // exactly one global batch plus one token is the smallest shard that works
     write_shard(dir / "tiny.bin", random_tokens(4 * 2 * 8 + 1, GPT2_VOCAB, rng));
-    DataLoader tiny(dir / "tiny.bin", 2, 8, 3, 4, false, 0, GPT2_VOCAB);
+    DataLoader tiny(dir / "tiny.bin", 2, 8, 64, 3, 4, false, 0, GPT2_VOCAB);
     REQUIRE(tiny.batches_per_epoch == 1);
 }
 
-TEST_CASE("dataloader: one pass reads every window of every sample exactly once across ranks", "[dataloader]") {
+TEST_CASE("dataloader: one pass reads every window of every global batch exactly once across ranks and micro-steps",
+          "[dataloader]") {
     TempDir dir;
-    // sizes leave a ragged tail in each shard that no sample covers
+    // sizes leave a ragged tail in each shard that no global batch covers
     DistinctShards data(dir, {1201, 950, 2048, 613}, 42);
     const int B = 2, T = 5;
     const size_t bt = (size_t)B * T;
     for (int world : {1, 2, 3, 4}) {
-        for (bool shuffle : {false, true}) {
-            INFO("world " << world << ", shuffle " << shuffle);
-            std::vector<DataLoader> ranks;
-            for (int r = 0; r < world; r++)
-                ranks.emplace_back(dir / "shard_*.bin", B, T, r, world, shuffle, 99, GPT2_VOCAB);
-            const size_t steps = ranks[0].batches_per_epoch;
-            std::set<std::pair<size_t, size_t>> seen;
-            for (size_t step = 0; step < steps; step++) {
-                size_t sample_shard = 0, sample_start = 0;
-                for (int r = 0; r < world; r++) {
-                    ranks[r].next_batch();
-                    auto [shard, start] = locate(ranks[r], data);
-                    REQUIRE(start >= r * bt);
-                    REQUIRE((start - r * bt) % (world * bt) == 0);
-                    // all ranks read their slice of the same global batch
-                    if (r == 0) {
-                        sample_shard = shard;
-                        sample_start = start;
-                    } else {
-                        REQUIRE(shard == sample_shard);
-                        REQUIRE(start == sample_start + r * bt);
-                    }
-                    REQUIRE(seen.insert({shard, start}).second);
+        for (size_t micro_steps : {1, 2, 3}) {
+            for (bool shuffle : {false, true}) {
+                INFO("world " << world << ", " << micro_steps << " micro-steps, shuffle " << shuffle);
+                const size_t global = micro_steps * world * bt;
+                std::vector<DataLoader> ranks;
+                for (int r = 0; r < world; r++)
+                    ranks.emplace_back(dir / "shard_*.bin", B, T, (long)global, r, world, shuffle, 99, GPT2_VOCAB);
+                std::set<std::pair<size_t, size_t>> seen;
+                for (size_t step = 0; step < ranks[0].batches_per_epoch; step++) {
+                    size_t batch_shard = 0, batch_start = 0;
+                    for (size_t m = 0; m < micro_steps; m++)
+                        for (int r = 0; r < world; r++) {
+                            ranks[r].next_batch();
+                            auto [shard, start] = locate(ranks[r], data);
+                            // every rank and micro-step reads its fixed slice of the same global batch
+                            const size_t slice = (m * world + r) * bt;
+                            if (m == 0 && r == 0) {
+                                REQUIRE(start % global == 0);
+                                batch_shard = shard;
+                                batch_start = start;
+                            }
+                            REQUIRE(shard == batch_shard);
+                            REQUIRE(start == batch_start + slice);
+                            REQUIRE(seen.insert({shard, start}).second);
+                        }
                 }
+                std::set<std::pair<size_t, size_t>> expected;
+                for (size_t s = 0; s < data.tokens.size(); s++)
+                    for (size_t k = 0; k < (data.tokens[s].size() - 1) / global; k++)
+                        for (size_t w = 0; w < global / bt; w++) expected.insert({s, k * global + w * bt});
+                REQUIRE(seen == expected);
+                for (auto& dl : ranks) REQUIRE(dl.state() == DataLoaderState{1, 0, 0});
             }
-            std::set<std::pair<size_t, size_t>> expected;
-            for (size_t s = 0; s < data.tokens.size(); s++) {
-                const size_t samples = (data.tokens[s].size() - 1) / (world * bt);
-                for (size_t k = 0; k < samples; k++)
-                    for (int r = 0; r < world; r++) expected.insert({s, k * world * bt + r * bt});
-            }
-            REQUIRE(seen == expected);
-            for (auto& dl : ranks) REQUIRE(dl.state() == DataLoaderState{1, 0, 0});
         }
     }
+}
+
+TEST_CASE("dataloader: the rows of every step depend on the data, seed, T and global batch alone, not on B or ranks",
+          "[dataloader]") {
+    TempDir dir;
+    DistinctShards data(dir, {700, 455, 981}, 8);
+    const int T = 5;
+    // the rows of `steps` steps in the global batch's order: micro-step m, rank r, row b is row (m*world + r)*B + b
+    auto rows_of = [&](int B, int world, bool shuffle, size_t steps, long global) {
+        std::vector<DataLoader> ranks;
+        for (int r = 0; r < world; r++) ranks.emplace_back(dir / "shard_*.bin", B, T, global, r, world, shuffle, 5, GPT2_VOCAB);
+        std::vector<std::pair<size_t, size_t>> rows;
+        for (size_t step = 0; step < steps; step++)
+            for (size_t m = 0; m < ranks[0].micro_steps; m++)
+                for (DataLoader& dl : ranks) {
+                    dl.next_batch();
+                    auto [shard, start] = locate(dl, data);
+                    for (int b = 0; b < B; b++) rows.push_back({shard, start + (size_t)b * T});
+                }
+        return rows;
+    };
+    const size_t steps = 2 * (699 / 60 + 454 / 60 + 980 / 60) + 3;  // two epochs of 60-token steps, and more
+    for (bool shuffle : {true, false}) {
+        INFO("shuffle " << shuffle);
+        const auto reference = rows_of(1, 1, shuffle, steps, 60);  // 12 micro-steps of one row
+        for (auto [B, world] : std::vector<std::pair<int, int>>{{2, 1}, {12, 1}, {3, 2}, {6, 2}, {2, 3}, {1, 4}, {3, 4}}) {
+            INFO("B " << B << ", " << world << " ranks");
+            REQUIRE(rows_of(B, world, shuffle, steps, 60) == reference);
+        }
+    }
+    // the shuffle does move the rows, and another global batch size shuffles other units
+    REQUIRE(rows_of(1, 1, true, steps, 60) != rows_of(1, 1, false, steps, 60));
+    REQUIRE(rows_of(1, 1, true, 2 * steps, 30) != rows_of(1, 1, true, steps, 60));
 }
 
 TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
@@ -151,12 +187,12 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
     DistinctShards data(dir, {400, 333, 520, 275, 610}, 5);
     const std::string pattern = dir / "shard_*.bin";
     const int B = 3, T = 4;  // 12 tokens per sample: 33 + 27 + 43 + 22 + 50 samples
-    DataLoader probe(pattern, B, T, 0, 1, false, 0, GPT2_VOCAB);
+    DataLoader probe(pattern, B, T, B * T, 0, 1, false, 0, GPT2_VOCAB);
     const size_t epoch = probe.batches_per_epoch;
     REQUIRE(epoch == 33 + 27 + 43 + 22 + 50);
 
     SECTION("shuffle off reads files in order and samples in order, every epoch") {
-        DataLoader dl(pattern, B, T, 0, 1, false, 1234, GPT2_VOCAB);
+        DataLoader dl(pattern, B, T, B * T, 0, 1, false, 1234, GPT2_VOCAB);
         auto order = read_order(dl, data, 2 * epoch);
         size_t i = 0;
         for (int e = 0; e < 2; e++)
@@ -166,10 +202,10 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
     }
 
     SECTION("same seed gives the same sequence, another seed another order") {
-        DataLoader a(pattern, B, T, 0, 1, true, 1234, GPT2_VOCAB);
-        DataLoader b(pattern, B, T, 0, 1, true, 1234, GPT2_VOCAB);
-        DataLoader c(pattern, B, T, 0, 1, true, 4321, GPT2_VOCAB);
-        DataLoader off(pattern, B, T, 0, 1, false, 1234, GPT2_VOCAB);
+        DataLoader a(pattern, B, T, B * T, 0, 1, true, 1234, GPT2_VOCAB);
+        DataLoader b(pattern, B, T, B * T, 0, 1, true, 1234, GPT2_VOCAB);
+        DataLoader c(pattern, B, T, B * T, 0, 1, true, 4321, GPT2_VOCAB);
+        DataLoader off(pattern, B, T, B * T, 0, 1, false, 1234, GPT2_VOCAB);
         auto oa = read_order(a, data, 2 * epoch);
         auto ob = read_order(b, data, 2 * epoch);
         auto oc = read_order(c, data, 2 * epoch);
@@ -192,7 +228,7 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
         REQUIRE(shard_sequence.size() == data.tokens.size());  // each shard is read in one stretch
         std::vector<std::vector<size_t>> shard_orders;
         for (uint64_t seed = 0; seed < 8; seed++) {
-            DataLoader d(pattern, B, T, 0, 1, true, seed, GPT2_VOCAB);
+            DataLoader d(pattern, B, T, B * T, 0, 1, true, seed, GPT2_VOCAB);
             std::vector<size_t> seq;
             for (auto& w : read_order(d, data, epoch))
                 if (seq.empty() || seq.back() != w.first) seq.push_back(w.first);
@@ -203,17 +239,17 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
 
     SECTION("restore continues exactly like an uninterrupted loader") {
         for (bool shuffle : {true, false}) {
-            DataLoader reference(pattern, B, T, 0, 1, shuffle, 77, GPT2_VOCAB);
+            DataLoader reference(pattern, B, T, B * T, 0, 1, shuffle, 77, GPT2_VOCAB);
             const size_t total = 2 * epoch + 10;
             auto expected = read_batches(reference, total);
             // mid-shard, the first shard boundary, the last batch of an epoch, the epoch boundary, beyond it
             for (size_t k : {size_t(0), size_t(5), size_t(33), epoch - 1, epoch, epoch + 1, epoch + 40}) {
                 INFO("shuffle " << shuffle << ", restored after " << k << " batches");
-                DataLoader first(pattern, B, T, 0, 1, shuffle, 77, GPT2_VOCAB);
+                DataLoader first(pattern, B, T, B * T, 0, 1, shuffle, 77, GPT2_VOCAB);
                 read_batches(first, k);
                 const DataLoaderState saved = first.state();
                 REQUIRE(saved.epoch == k / epoch);
-                DataLoader resumed(pattern, B, T, 0, 1, shuffle, 77, GPT2_VOCAB);
+                DataLoader resumed(pattern, B, T, B * T, 0, 1, shuffle, 77, GPT2_VOCAB);
                 resumed.next_batch();  // a loader that has already moved on is restored just the same
                 resumed.restore(saved);
                 REQUIRE(resumed.state() == saved);
@@ -223,8 +259,25 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
         }
     }
 
+    SECTION("with micro-steps, restore continues exactly, also between the micro-steps of a global batch") {
+        const long global = 3 * B * T;
+        DataLoader reference(pattern, B, T, global, 0, 1, true, 77, GPT2_VOCAB);
+        const size_t micro_epoch = reference.batches_per_epoch * 3;
+        const size_t total = micro_epoch + 10;
+        auto expected = read_batches(reference, total);
+        for (size_t k : {size_t(1), size_t(2), size_t(3), micro_epoch - 1, micro_epoch, micro_epoch + 4}) {
+            INFO("restored after " << k << " micro-batches");
+            DataLoader first(pattern, B, T, global, 0, 1, true, 77, GPT2_VOCAB);
+            read_batches(first, k);
+            DataLoader resumed(pattern, B, T, global, 0, 1, true, 77, GPT2_VOCAB);
+            resumed.restore(first.state());
+            auto rest = read_batches(resumed, total - k);
+            REQUIRE(std::equal(rest.begin(), rest.end(), expected.begin() + 2 * k));
+        }
+    }
+
     SECTION("reset goes back to the start of epoch 0") {
-        DataLoader dl(pattern, B, T, 0, 1, true, 9, GPT2_VOCAB);
+        DataLoader dl(pattern, B, T, B * T, 0, 1, true, 9, GPT2_VOCAB);
         auto first = read_batches(dl, epoch + 3);
         REQUIRE(dl.state().epoch == 1);
         dl.reset();
@@ -234,12 +287,12 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
     }
 
     SECTION("a state that does not fit the data is rejected") {
-        DataLoader dl(pattern, B, T, 0, 1, true, 9, GPT2_VOCAB);
+        DataLoader dl(pattern, B, T, B * T, 0, 1, true, 9, GPT2_VOCAB);
         REQUIRE_THROWS_WITH(dl.restore(DataLoaderState{0, 5, 0}), Catch::Contains("shard position 5"));
         REQUIRE_THROWS_WITH(dl.restore(DataLoaderState{3, 0, 1000}), Catch::Contains("sample position 1000"));
         // and leaves the loader where it was
         REQUIRE(dl.state() == DataLoaderState{0, 0, 0});
-        DataLoader fresh(pattern, B, T, 0, 1, true, 9, GPT2_VOCAB);
+        DataLoader fresh(pattern, B, T, B * T, 0, 1, true, 9, GPT2_VOCAB);
         REQUIRE(read_batches(dl, epoch + 2) == read_batches(fresh, epoch + 2));
     }
 }
@@ -248,7 +301,7 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
     TempDir dir;
     Rng rng(3);
     const std::string path = dir / "shard.bin";
-    auto load = [&](const std::string& pattern) { return DataLoader(pattern, 2, 4, 0, 1, false, 0, GPT2_VOCAB); };
+    auto load = [&](const std::string& pattern) { return DataLoader(pattern, 2, 4, 8, 0, 1, false, 0, GPT2_VOCAB); };
 
     SECTION("no files match") {
         const std::string pattern = dir / "nothing_*.bin";
@@ -280,10 +333,10 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
     SECTION("fewer tokens than one global batch") {
         write_shard(path, random_tokens(3 * 2 * 4, GPT2_VOCAB, rng));  // world*B*T, one short
         REQUIRE_THROWS_WITH(
-            DataLoader(path, 2, 4, 1, 3, false, 0, GPT2_VOCAB),
+            DataLoader(path, 2, 4, 24, 1, 3, false, 0, GPT2_VOCAB),
             Catch::Contains(path) && Catch::Contains("fewer than one global batch") && Catch::Contains("25"));
         // the same file is fine for a single rank
-        REQUIRE_NOTHROW(DataLoader(path, 2, 4, 0, 1, false, 0, GPT2_VOCAB));
+        REQUIRE_NOTHROW(DataLoader(path, 2, 4, 8, 0, 1, false, 0, GPT2_VOCAB));
     }
     SECTION("a token outside the vocabulary") {
         auto tokens = random_tokens(100, GPT2_VOCAB, rng);
@@ -298,7 +351,7 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         two.next_batch();
         REQUIRE_THROWS_WITH(two.next_batch(), Catch::Contains(path) && Catch::Contains("token 50257 at position 37"));
         // a bigger vocabulary accepts it
-        DataLoader wide(path, 2, 4, 0, 1, false, 0, 50304);
+        DataLoader wide(path, 2, 4, 8, 0, 1, false, 0, 50304);
         REQUIRE_NOTHROW(wide.next_batch());
     }
     SECTION("a shard that disappears after the loader opened it") {
@@ -317,11 +370,14 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
     }
     SECTION("bad batch geometry or rank") {
         write_shard(path, random_tokens(100, GPT2_VOCAB, rng));
-        REQUIRE_THROWS_WITH(DataLoader(path, 0, 4, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("B=0"));
-        REQUIRE_THROWS_WITH(DataLoader(path, 2, 0, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("T=0"));
-        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 0, 0, false, 0, GPT2_VOCAB), Catch::Contains("world size 0"));
-        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, -1, 2, false, 0, GPT2_VOCAB), Catch::Contains("rank -1"));
-        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 2, 2, false, 0, GPT2_VOCAB), Catch::Contains("rank 2"));
-        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 0, 1, false, 0, 0), Catch::Contains("vocab size 0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 0, 4, 0, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("B=0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 0, 0, 0, 1, false, 0, GPT2_VOCAB), Catch::Contains("T=0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 0, 0, 0, false, 0, GPT2_VOCAB), Catch::Contains("world size 0"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 16, -1, 2, false, 0, GPT2_VOCAB), Catch::Contains("rank -1"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 16, 2, 2, false, 0, GPT2_VOCAB), Catch::Contains("rank 2"));
+        REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, 8, 0, 1, false, 0, 0), Catch::Contains("vocab size 0"));
+        for (long global : {0L, 12L, 24L})
+            REQUIRE_THROWS_WITH(DataLoader(path, 2, 4, global, 0, 2, false, 0, GPT2_VOCAB),
+                                Catch::Contains("global batch") && Catch::Contains("multiple of world*B*T"));
     }
 }

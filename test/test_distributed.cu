@@ -30,15 +30,47 @@ TEST_CASE("every collective matches a naive reference on 2, 3 and 4 ranks, block
 TEST_CASE("dp = 2 and 4 give the single-rank run's losses over 20 steps, with gradient accumulation", "[distributed]") {
     Data data;
     TempDir out;
-    for (int ranks : {2, 4}) {
-        INFO(ranks << " ranks");
-        // the same global batch: 2 micro-steps of 2·ranks sequences, split across ranks or not
-        int d = 2 * (2 * ranks) * 16;
-        CommandResult one = single(data.flags(2 * ranks, d, 20) + " -o '" + out / strfmt("one%d", ranks) + "'");
-        INFO(one.output);
-        REQUIRE(one.status == 0);
-        train(ranks, data.flags(2, d, 20), out / strfmt("dp%d", ranks));
-        require_close(losses(out / strfmt("dp%d", ranks)), losses(out / strfmt("one%d", ranks)), 1e-5);
+    for (int shuffle : {1, 0})
+        for (int ranks : {2, 4}) {
+            INFO(ranks << " ranks, --shuffle " << shuffle);
+            // the same global batch: 2 micro-steps of 2·ranks sequences, split across ranks or not
+            int d = 2 * (2 * ranks) * 16;
+            std::string one = out / strfmt("one%d_s%d", ranks, shuffle), dp = out / strfmt("dp%d_s%d", ranks, shuffle);
+            CommandResult r = single(data.flags(2 * ranks, d, 20) + strfmt(" --shuffle %d -o '%s'", shuffle, one.c_str()));
+            INFO(r.output);
+            REQUIRE(r.status == 0);
+            train(ranks, data.flags(2, d, 20) + strfmt(" --shuffle %d", shuffle), dp);
+            require_close(losses(dp), losses(one), 1e-5);
+        }
+}
+
+TEST_CASE("the same data at -b 1, 2, 4 on one rank and -b 1, 2 on two ranks: the same losses, shuffled or not",
+          "[distributed]") {
+    Data data;
+    TempDir out;
+    // -d 64 = 4 sequences of 16 per step: 4, 2 or 1 micro-steps on one rank; 2 or 1 on each of two
+    const int d = 64;
+    for (const char* shuffle : {"", " --shuffle 0"}) {
+        INFO("flags" << shuffle);
+        const char* tag = *shuffle ? "_s0" : "";
+        std::string reference = out / strfmt("b4%s", tag);
+        CommandResult r = single(data.flags(4, d, 20) + shuffle + " -o '" + reference + "'");
+        INFO(r.output);
+        REQUIRE(r.status == 0);
+        for (int b : {1, 2}) {
+            INFO("-b " << b << ", one rank");
+            std::string dir = out / strfmt("b%d%s", b, tag);
+            CommandResult one = single(data.flags(b, d, 20) + shuffle + " -o '" + dir + "'");
+            INFO(one.output);
+            REQUIRE(one.status == 0);
+            require_close(losses(dir), losses(reference), 1e-5);
+        }
+        for (int b : {1, 2}) {
+            INFO("-b " << b << ", 2 ranks");
+            std::string dir = out / strfmt("dp2_b%d%s", b, tag);
+            train(2, data.flags(b, d, 20) + shuffle, dir);
+            require_close(losses(dir), losses(reference), 1e-5);
+        }
     }
 }
 

@@ -88,30 +88,35 @@ long long plan_category_bytes(const std::string& output, const std::string& name
 TEST_CASE("tp = 2 and 4, with and without sp, give the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
     Data data;
     TempDir out;
-    // one dp rank: 2 micro-steps of b=2 × t=16
-    std::string flags = data.flags(2, 64, 20, TP_MODEL);
-    REQUIRE(single_ok(flags, out / "one"));
-    std::map<std::string, double> reference = losses(out / "one");
-    for (int tp : {2, 4})
-        for (int sp : {0, 1}) {
-            INFO("tp " << tp << " sp " << sp);
-            std::string dir = out / strfmt("tp%d_sp%d", tp, sp), run;
-            if (!train_ok(tp, flags + strfmt(" --tp %d --sp %d", tp, sp), dir, &run)) continue;
-            check_close(losses(dir), reference, 1e-5);
-        }
+    for (int shuffle : {1, 0}) {
+        // one dp rank: 2 micro-steps of b=2 × t=16
+        std::string flags = data.flags(2, 64, 20, TP_MODEL) + strfmt(" --shuffle %d", shuffle);
+        REQUIRE(single_ok(flags, out / strfmt("one_s%d", shuffle)));
+        std::map<std::string, double> reference = losses(out / strfmt("one_s%d", shuffle));
+        for (int tp : {2, 4})
+            for (int sp : {0, 1}) {
+                INFO("tp " << tp << " sp " << sp << " --shuffle " << shuffle);
+                std::string dir = out / strfmt("tp%d_sp%d_s%d", tp, sp, shuffle), run;
+                if (!train_ok(tp, flags + strfmt(" --tp %d --sp %d", tp, sp), dir, &run)) continue;
+                check_close(losses(dir), reference, 1e-5);
+            }
+    }
 }
 
 TEST_CASE("tp 2 × dp 2 with ZeRO-0, 1 and 3 gives the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
     Data data;
     TempDir out;
-    // the same global batch, 2 micro-steps each: 4 sequences on one rank, or 2 on each of the 2 dp ranks
-    REQUIRE(single_ok(data.flags(4, 128, 20, TP_MODEL), out / "one"));
-    std::map<std::string, double> reference = losses(out / "one");
-    for (int z : {0, 1, 3}) {
-        INFO("ZeRO-" << z << ", tp 2 (sp by default), dp 2");
-        std::string dir = out / strfmt("z%d", z), run;
-        if (!train_ok(4, data.flags(2, 128, 20, TP_MODEL) + strfmt(" --tp 2 -z %d", z), dir, &run)) continue;
-        check_close(losses(dir), reference, 1e-5);
+    for (int shuffle : {1, 0}) {
+        // the same global batch, 2 micro-steps each: 4 sequences on one rank, or 2 on each of the 2 dp ranks
+        std::string shuffled = strfmt(" --shuffle %d", shuffle), one = out / strfmt("one_s%d", shuffle);
+        REQUIRE(single_ok(data.flags(4, 128, 20, TP_MODEL) + shuffled, one));
+        std::map<std::string, double> reference = losses(one);
+        for (int z : {0, 1, 3}) {
+            INFO("ZeRO-" << z << ", tp 2 (sp by default), dp 2, --shuffle " << shuffle);
+            std::string dir = out / strfmt("z%d_s%d", z, shuffle), run;
+            if (!train_ok(4, data.flags(2, 128, 20, TP_MODEL) + shuffled + strfmt(" --tp 2 -z %d", z), dir, &run)) continue;
+            check_close(losses(dir), reference, 1e-5);
+        }
     }
 }
 

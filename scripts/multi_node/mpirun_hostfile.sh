@@ -2,7 +2,9 @@
 # Trains GPT-2 124M (d12) across several nodes with OpenMPI's mpirun and a hostfile: NUM_NODES x GPUS_PER_NODE
 # ranks, GPUS_PER_NODE per node (--map-by ppr:GPUS_PER_NODE:node), NCCL bootstrapped through MPI. Every NCCL_*
 # variable set here is exported to every rank, with PATH and LD_LIBRARY_PATH. The repository (built train_gpt
-# and data included) must sit at the same path on every node, e.g. on a shared filesystem.
+# and data included) must sit at the same path on every node, e.g. on a shared filesystem, and train_gpt must
+# run on every node's CPU: build it with `make HOST_ARCH=x86-64-v3` (or the -march of the oldest node), not a
+# plain `make`, whose -march=native binary can die with an illegal instruction on another CPU.
 # Same recipe as scripts/run_gpt2_124M.sh (llm.c's GPT-2 124M run).
 #
 # Status: train_gpt's CUDA backend is not built yet, so with DEVICE=cuda (the default) train_gpt refuses
@@ -17,6 +19,8 @@
 #   HOSTFILE      OpenMPI hostfile                                                          [hostfile]
 #   NUM_NODES     nodes to use (the first NUM_NODES of the hostfile)                         [2]
 #   GPUS_PER_NODE ranks per node, one per GPU; -np is NUM_NODES x GPUS_PER_NODE             [8]
+#   MICRO_BATCH   -b, set here so that -np x MICRO_BATCH x SEQ_LEN divides TOTAL_BATCH: 16 x 32 x 1024 = 524288
+#                 (scale it with the ranks)                                                 [32]
 #   DEVICE, COMM, TRAIN_DATA, VAL_DATA, MODEL, OUT_DIR, MICRO_BATCH, SEQ_LEN, TOTAL_BATCH, LR, FINAL_LR_FRAC,
 #   WARMUP, WEIGHT_DECAY, MAX_STEPS, VAL_EVERY, SAMPLE_EVERY, GEN_TOKENS, CKPT_EVERY, RESUME, ZERO, EXTRA_ARGS
 #                 the training settings and their train_gpt flags: listed, with their defaults, in
@@ -32,10 +36,11 @@ set -euo pipefail
 : "${GPUS_PER_NODE:=8}"
 : "${MPIRUN:=mpirun}"
 : "${MPI_ARGS:=}"
+: "${MICRO_BATCH:=32}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [ -f "$HOSTFILE" ] || { echo "mpirun_hostfile.sh: HOSTFILE=$HOSTFILE does not exist (one line per node: NAME slots=$GPUS_PER_NODE)" >&2; exit 1; }
-[ -x ./train_gpt ] || { echo "mpirun_hostfile.sh: ./train_gpt is missing; run make first" >&2; exit 1; }
+[ -x ./train_gpt ] || { echo "mpirun_hostfile.sh: ./train_gpt is missing; build it with make HOST_ARCH=x86-64-v3 (or the -march of the nodes' oldest CPU)" >&2; exit 1; }
 NP=$((NUM_NODES * GPUS_PER_NODE))
 source scripts/gpt2_124M_flags.sh
 read -r -a mpi_args <<< "$MPI_ARGS"
