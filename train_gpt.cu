@@ -219,7 +219,7 @@ static int train(const Options& o, const RunSetup& run) {
     size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
 
     // the ranks: one world, laid out on the grid (dp and tp, so far)
-    CommSettings cs{o.comm.empty() ? "mpi" : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
+    CommSettings cs{o.comm.empty() ? (on_gpu ? "nccl" : "mpi") : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
     Comm world_comm = comm_world(cs);
     if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
     Grid grid = make_grid(world_comm, grid_shape(o));
@@ -290,7 +290,7 @@ static int train(const Options& o, const RunSetup& run) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
             printf("%d ranks over %s: dp=%d, tp=%d (sp %s), ZeRO-%d, buckets of %zu floats (%zu buckets)\n", grid.world,
-                   o.comm.empty() ? "mpi" : o.comm.c_str(), grid.dp, grid.tp, o.sp ? "on" : "off", o.zero, bucket_floats,
+                   cs.backend.c_str(), grid.dp, grid.tp, o.sp ? "on" : "off", o.zero, bucket_floats,
                    dpr.layout.buckets.size());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
