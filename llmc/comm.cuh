@@ -365,10 +365,44 @@ struct Comm {
     void wait(CommRequest&& r) { wait(r); }
 
     void wait_until(CommRequest& r, double deadline) {
+        // NCCL on device buffers: the compute stream waits for the op on the GPU and the host goes on; the
+        // deadline is enforced the next time the host itself waits (settle_device_waits)
+        if (backend == Backend::NCCL && r.pending && !r.host_target && r.staging.empty() && !r.device_recv) {
+            if (cudaStreamWaitEvent(compute_stream, r.done_event, 0) != cudaSuccess)
+                fail("comm: %s on group %s: cannot order the compute stream after it", r.op, name.c_str());
+            device_waits.push_back({r.op, r.seq, r.done_event, deadline});
+            r.pending = false;
+            return;
+        }
+        settle_device_waits();
+        poll_until(r, deadline);
+    }
+    void poll_until(CommRequest& r, double deadline) {
         for (int spins = 0; !test(r); spins++) {
             if (comm_clock() > deadline) timeout(r);
             if (spins > 100) usleep(spins > 10000 ? 1000 : 20);
         }
+    }
+
+    // The ops the GPU was told to wait for (above) must finish within their own deadlines: checked, in the order
+    // they were waited for, whenever the host blocks on this group, and at the end of the run.
+    struct DeviceWait {
+        const char* op;
+        uint64_t seq;
+        cudaEvent_t done;
+        double deadline;
+    };
+    std::vector<DeviceWait> device_waits;
+    void settle_device_waits() {
+        for (DeviceWait& w : device_waits) {
+            CommRequest r;
+            r.op = w.op;
+            r.seq = w.seq;
+            r.pending = true;
+            r.done_event = w.done;
+            poll_until(r, w.deadline);  // r holds no host buffers: test() polls the event and destroys it
+        }
+        device_waits.clear();
     }
 
     [[noreturn]] void timeout(const CommRequest& r) {
@@ -679,6 +713,7 @@ inline Comm comm_world(const CommSettings& s) {
 
 // the end of a clean run: NCCL communicators destroyed, MPI finalized
 inline void comm_finalize(Comm& c) {
+    c.settle_device_waits();
     if (c.nccl) ncclCommDestroy(c.nccl);
 #ifdef LLM5D_MPI
     int up = 0, down = 0;
