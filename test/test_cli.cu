@@ -9,7 +9,6 @@
 #include <set>
 #include <sstream>
 
-#include "llmc/cuda_common.cuh"
 #include "test_helpers.h"
 
 namespace {

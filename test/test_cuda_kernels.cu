@@ -15,14 +15,6 @@
 
 namespace {
 
-#define SKIP_WITHOUT_GPU_CASE()                \
-    do {                                       \
-        if (!cuda_device_available()) {        \
-            WARN("skipped: no GPU");           \
-            return;                            \
-        }                                      \
-    } while (0)
-
 void require_close(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
     Comparison c = compare_rms(gpu, cpu, tol);
     INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance");

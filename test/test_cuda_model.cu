@@ -10,14 +10,8 @@
 
 #include "llmc/gpt.cuh"
 #include "llmc/plan.h"
+#include "test/test_helpers.h"
 
-#define REQUIRE_GPU()                      \
-    do {                                   \
-        if (!cuda_device_available()) {    \
-            printf("skipped: no GPU\n");   \
-            return;                        \
-        }                                  \
-    } while (0)
 
 namespace {
 
@@ -55,7 +49,7 @@ struct Pair {
 }  // namespace
 
 TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at step 0", "[cuda][model]") {
-    REQUIRE_GPU();
+    SKIP_WITHOUT_GPU_CASE();
     Pair p(42);
     float cpu_loss = gpt_forward(p.cpu, p.inputs.data(), p.targets.data(), p.B, p.T);
     float gpu_loss = gpt_forward(p.gpu, p.inputs.data(), p.targets.data(), p.B, p.T);
@@ -87,7 +81,7 @@ TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at s
 }
 
 TEST_CASE("GPU model: 20 AdamW steps follow the CPU model's losses within 1e-2", "[cuda][model]") {
-    REQUIRE_GPU();
+    SKIP_WITHOUT_GPU_CASE();
     Pair p(7);
     float dloss = 1.0f / (p.B * p.T);
     for (int step = 0; step < 20; step++) {
@@ -108,7 +102,7 @@ TEST_CASE("GPU model: 20 AdamW steps follow the CPU model's losses within 1e-2",
 }
 
 TEST_CASE("GPU model: two runs from the same weights give the same bits", "[cuda][model]") {
-    REQUIRE_GPU();
+    SKIP_WITHOUT_GPU_CASE();
     std::vector<float> losses[2], weights[2];
     for (int run = 0; run < 2; run++) {
         Pair p(3);

@@ -7,7 +7,17 @@
 #include <string>
 #include <vector>
 
+#include "llmc/cuda_common.cuh"
 #include "llmc/utils.h"
+
+// the first line of a test that needs a GPU: without one it says so and passes
+#define SKIP_WITHOUT_GPU_CASE()                \
+    do {                                       \
+        if (!cuda_device_available()) {        \
+            WARN("skipped: no GPU");           \
+            return;                            \
+        }                                      \
+    } while (0)
 
 inline std::vector<float> random_vector(size_t n, Rng& rng, float scale = 1.0f) {
     std::vector<float> v(n);
