@@ -236,6 +236,24 @@ static __device__ __forceinline__ void attention_async_rows(bf16* tile, const bf
     }
 }
 
+// The double-buffered key/value loop of the forward and of the dQ pass: tile kt + 1 starts loading into the
+// other buffer, then tile kt (in buffer kt % 2) is waited for by every thread.
+template <int HS, int COLS>
+static __device__ __forceinline__ void attention_next_kv_tile(bf16* k_s, bf16* v_s, const bf16* q_g, int C, long stride,
+                                                              int kt, int tiles, int T) {
+    constexpr int LD = HS + ATT_PAD;
+    int buf = kt % 2, k0 = kt * COLS;
+    if (kt + 1 < tiles) {
+        attention_async_rows<HS>(k_s + (buf ^ 1) * COLS * LD, q_g + C, stride, k0 + COLS, COLS, T);
+        attention_async_rows<HS>(v_s + (buf ^ 1) * COLS * LD, q_g + 2 * C, stride, k0 + COLS, COLS, T);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 // acc[m] = rows [row0 + 16m, row0 + 16m + 16) of a times the first COLS rows of b, transposed: a warp's
 // (16·SLABS)×COLS block of a·bᵀ over the HS columns both tiles hold (QKᵀ, dO·Vᵀ, K·Qᵀ, V·dOᵀ)
 template <int HS, int COLS, int SLABS>
@@ -396,15 +414,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     for (int sl = 0; sl < SLABS; sl++) m[sl][0] = m[sl][1] = -INFINITY;
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
-        if (kt + 1 < tiles) {
-            attention_async_rows<HS>(k_s + (buf ^ 1) * COLS * LD, q_g + C, stride, k0 + COLS, COLS, T);
-            attention_async_rows<HS>(v_s + (buf ^ 1) * COLS * LD, q_g + 2 * C, stride, k0 + COLS, COLS, T);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();  // this tile has landed for every thread
+        attention_next_kv_tile<HS, COLS>(k_s, v_s, q_g, C, stride, kt, tiles, T);  // this tile has landed for every thread
         // a diagonal tile can lie wholly after this warp's queries (the block's last tile, for its first
         // warps): then the warp has nothing to add
         if (k0 <= q0 + row0 + 16 * SLABS - 1) {
@@ -581,15 +591,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     float dq[1][HS / 8][4] = {};
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
-        if (kt + 1 < tiles) {
-            attention_async_rows<HS>(k_s + (buf ^ 1) * COLS * LD, q_g + C, stride, k0 + COLS, COLS, T);
-            attention_async_rows<HS>(v_s + (buf ^ 1) * COLS * LD, q_g + 2 * C, stride, k0 + COLS, COLS, T);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        attention_next_kv_tile<HS, COLS>(k_s, v_s, q_g, C, stride, kt, tiles, T);
         const bf16* k_t = k_s + buf * COLS * LD;
 
         // a diagonal tile can lie wholly after this warp's queries (hs 128's narrow tiles, for the first warps)
