@@ -44,7 +44,7 @@ TEST_OBJECTS = $(patsubst test/%.cu,build/%.o,$(TEST_SOURCES))
 
 # the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores; its log and plot go
 # to TRAIN_OUT
-TRAIN_FLAGS ?= -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64
+TRAIN_FLAGS ?= --device cpu -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64
 TRAIN_OUT ?= build/demo
 
 .PHONY: all train test bench data deps clean
