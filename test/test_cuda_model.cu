@@ -28,7 +28,8 @@ struct Pair {
     int B = 4, T = 64;
     GPT cpu;
     GPTCuda gpu;
-    std::vector<int> inputs, targets;
+    std::vector<int> inputs, targets;  // MICRO_STEPS batches of B×T, back to back
+    static constexpr int MICRO_STEPS = 2;
 
     explicit Pair(uint64_t seed) {
         gpt_allocate(cpu, config, B, T);
@@ -41,8 +42,8 @@ struct Pair {
         gpt_set_params(gpu, cpu.params);
         cpu.seed = gpu.seed = seed;
         Rng rng(seed + 1);
-        for (int i = 0; i < B * T; i++) inputs.push_back((int)rng.below(config.vocab_size));
-        for (int i = 0; i < B * T; i++) targets.push_back((int)rng.below(config.vocab_size));
+        for (int i = 0; i < MICRO_STEPS * B * T; i++) inputs.push_back((int)rng.below(config.vocab_size));
+        for (int i = 0; i < MICRO_STEPS * B * T; i++) targets.push_back((int)rng.below(config.vocab_size));
     }
 };
 
@@ -80,17 +81,21 @@ TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at s
           1e-3 * gpt_grad_norm(p.gpu));
 }
 
-TEST_CASE("GPU model: 20 AdamW steps follow the CPU model's losses within 1e-2", "[cuda][model]") {
+TEST_CASE("GPU model: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2", "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
     Pair p(7);
-    float dloss = 1.0f / (p.B * p.T);
+    const int micro_steps = Pair::MICRO_STEPS, BT = p.B * p.T;
+    float dloss = 1.0f / (micro_steps * BT);  // gradients accumulate over the micro-steps (bf16 on the GPU)
     for (int step = 0; step < 20; step++) {
-        float losses[2];
+        float losses[2] = {};
         int i = 0;
         auto train = [&](auto& m) {
-            losses[i++] = gpt_forward(m, p.inputs.data(), p.targets.data(), p.B, p.T);
             gpt_zero_grad(m);
-            gpt_backward(m, dloss);
+            for (int micro = 0; micro < micro_steps; micro++) {
+                losses[i] += gpt_forward(m, &p.inputs[micro * BT], &p.targets[micro * BT], p.B, p.T) / micro_steps;
+                gpt_backward(m, dloss);
+            }
+            i++;
             double norm = gpt_grad_norm(m);
             gpt_update(m, 1e-3f, 0.0f, clip_scale(norm, 1.0f));
         };

@@ -382,9 +382,9 @@ fi
 # ---------------------------------------------------------------------------------------------------------
 # determinism: two identical runs give identical logs and identical checkpoints
 
-# --shuffle 0: a shuffled order permutes micro-step batches of dp·B·T tokens, so it would differ between the
-# layouts the mpi phase compares (the same -d, but dp·B differs); in file order every layout reads the same tokens
-CHECK_FLAGS=(-e "$CHECK_MODEL" -b "$CHECK_B" -t "$CHECK_T" -x "$CHECK_STEPS" --shuffle 0)
+# the default shuffle: the data order depends on -t and -d alone, so every layout the mpi phase compares (the
+# same -d, other dp and -b) reads the same tokens
+CHECK_FLAGS=(-e "$CHECK_MODEL" -b "$CHECK_B" -t "$CHECK_T" -x "$CHECK_STEPS")
 CHECK_NAME="$CHECK_MODEL B=$CHECK_B T=$CHECK_T, $CHECK_STEPS steps"
 
 if has_phase determinism; then
