@@ -359,6 +359,7 @@ inline void matmul_gelu_forward(bf16* out, bf16* pre_gelu, const bf16* inp, cons
 }
 inline void matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                             const bf16* weight, long N, long C, long OC, float*) {
-    float* scratch = gpu_scratch((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward");
+    // the scratch holds the bias gradient's partial sums: none without a bias (the classifier's 50304 columns)
+    float* scratch = dbias ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward") : nullptr;
     matmul_backward_cuda(dinp, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream());
 }
