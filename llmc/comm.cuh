@@ -494,8 +494,9 @@ struct Comm {
         }
         if (recv && is_device_pointer(recv)) {
             r.device_recv = recv;
-            if (send == recv) {  // in place: one host copy serves as both
+            if (send == recv) {  // in place: one host copy serves as both, as long as the longer of the two
                 r.host_recv.swap(r.host_send);
+                r.host_recv.resize(std::max(send_bytes, recv_bytes));
                 h.send = r.host_recv.data();
             } else {
                 r.host_recv.resize(recv_bytes);
