@@ -25,6 +25,37 @@ def time_ms(torch, fn, reps=20, warmup=3):
     return start.elapsed_time(stop) / reps
 
 
+# the shapes dev/cuda/attention checks (B, NH, T, hs), with its tolerances (AttentionCase in
+# dev/cuda/kernel_cases.h): forward 3e-2, backward 7.5e-2, each relative to the element and, as a floor, to the
+# reference's RMS
+ACCURACY_SHAPES = [(4, 12, 1024, 64), (2, 6, 1024, 128), (2, 12, 1000, 64), (2, 6, 1000, 128)]
+
+
+def worst_ratio(torch, got, ref, tol):
+    ref = ref.double()
+    rms = ref.pow(2).mean().sqrt()
+    return ((got.double() - ref).abs() / (tol * rms + tol * ref.abs())).max().item()
+
+
+def accuracy(torch, F, generator):
+    """SDPA's flash attention against an exact (float64) reference on dev/cuda/attention's inputs, in its
+    measure: the tensor-core error a bf16 flash attention has, beside which that program's figures are read."""
+    for B, NH, T, hs in ACCURACY_SHAPES:
+        q, k, v, dout = (torch.randn(B, NH, T, hs, device="cuda", generator=generator).bfloat16() for _ in range(4))
+        exact = [x.double().requires_grad_() for x in (q, k, v)]
+        out64 = F.scaled_dot_product_attention(*exact, is_causal=True)
+        grads64 = torch.autograd.grad(out64, exact, dout.double())
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+            grads = torch.autograd.grad(out, leaves, dout)
+        # dev/cuda/attention lays q, k and v side by side per token: one tensor for the three gradients
+        cat = lambda gs: torch.cat([g.transpose(1, 2).reshape(B, T, NH * hs) for g in gs], dim=-1)
+        shape = f"sdpa B={B} T={T} hs={hs}"
+        print(f"{shape + ' forward':<44} {worst_ratio(torch, out, out64, 3e-2):.2f} of tolerance")
+        print(f"{shape + ' backward dqkv':<44} {worst_ratio(torch, cat(grads), cat(grads64), 7.5e-2):.2f} of tolerance")
+
+
 def main():
     try:
         import torch
@@ -38,6 +69,7 @@ def main():
     F = torch.nn.functional
     print(f"PyTorch {torch.__version__} SDPA, flash backend, bf16, causal on {torch.cuda.get_device_name()}")
     generator = torch.Generator(device="cuda").manual_seed(1)
+    accuracy(torch, F, generator)
     for B, NH, T, hs in SHAPES:
         q, k, v = (torch.randn(B, NH, T, hs, device="cuda", dtype=torch.bfloat16, generator=generator,
                                requires_grad=True) for _ in range(3))

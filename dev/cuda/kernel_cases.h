@@ -210,8 +210,13 @@ inline std::vector<float> attention_lse_reference(const std::vector<float>& qkv,
 struct AttentionCase {
     int B, T, C, NH;
     long BT;
-    std::vector<float> qkv, dout;       // inputs
-    std::vector<float> out, lse, dqkv;  // CPU reference
+    std::vector<float> qkv, dout;            // inputs
+    std::vector<float> out, lse, dqkv, att;  // CPU reference
+    // Tolerances (compare_rms) for out and dqkv. The tensor-core kernels feed bf16 P and dS to their products, as
+    // FlashAttention-2 does. On an H100 (2026-11-23), on these inputs, the worst |error| / (RMS + |reference|)
+    // of PyTorch's flash SDPA came to 0.012-0.017 forward and 0.046-0.068 backward (dev/cuda/attention_sdpa.py),
+    // of the mma.sync kernels to 0.006-0.020 and 0.018-0.055: the tolerances sit above SDPA's error.
+    static constexpr double OUT_TOL = 3e-2, DQKV_TOL = 7.5e-2;
     DeviceArray<bf16> d_qkv, d_out, d_dout, d_dqkv;
     DeviceArray<float> d_lse, d_scratch;
 
@@ -226,10 +231,43 @@ struct AttentionCase {
         if (!with_reference) return;
         out.resize(BT * C);
         dqkv.resize(BT * 3 * C);
-        std::vector<float> att((size_t)B * NH * T * T), scratch((size_t)T * omp_get_max_threads());
+        att.resize((size_t)B * NH * T * T);
+        std::vector<float> scratch((size_t)T * omp_get_max_threads());
         attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
         attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
         lse = attention_lse_reference(qkv, B, T, C, NH);
+    }
+    // The reference gradient for a backward given o_used as the forward's output. Its D = rowsum(dO∘O) then
+    // comes from that bf16 O, not the exact one, as in every flash attention (PyTorch's too): dS = P∘(dP - D)
+    // moves by -P·δD, so dQ_i by -scale·δD_i·Σ_j P_ij K_j and dK_j by -scale·Σ_i P_ij δD_i Q_i; dV is untouched.
+    std::vector<float> dqkv_for_out(const std::vector<float>& o_used) const {
+        std::vector<float> ref = dqkv;
+        int hs = C / NH;
+        double scale = 1.0 / sqrt((double)hs);
+#pragma omp parallel for collapse(2)
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < NH; h++) {
+                std::vector<double> dD(T);
+                for (int i = 0; i < T; i++) {
+                    size_t o = ((size_t)b * T + i) * C + h * hs;
+                    double sum = 0.0;
+                    for (int e = 0; e < hs; e++) sum += (double)dout[o + e] * ((double)o_used[o + e] - out[o + e]);
+                    dD[i] = sum;
+                }
+                for (int i = 0; i < T; i++) {
+                    const float* p = &att[(((size_t)b * NH + h) * T + i) * T];
+                    size_t qi = ((size_t)b * T + i) * 3 * C + h * hs;
+                    for (int j = 0; j <= i; j++) {
+                        size_t kj = ((size_t)b * T + j) * 3 * C + C + h * hs;
+                        double w = scale * p[j] * dD[i];
+                        for (int e = 0; e < hs; e++) {
+                            ref[qi + e] -= (float)(w * qkv[kj + e]);
+                            ref[kj + e] -= (float)(w * qkv[qi + e]);
+                        }
+                    }
+                }
+            }
+        return ref;
     }
     void gpu_forward() { attention_forward_cuda(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0); }
     void gpu_backward() {
