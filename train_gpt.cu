@@ -192,8 +192,8 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
                "optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
                mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
     }
-    printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par));
-    printf("tensor-parallel communication per step per rank: %.0f bytes\n", planned_tp_comm_bytes(config, par, o.B, o.T));
+    printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par, dev));
+    printf("tensor-parallel communication per step per rank: %.0f bytes\n", planned_tp_comm_bytes(config, par, o.B, o.T, dev));
 }
 
 // what run() decided from the flags, for the training run
@@ -360,14 +360,14 @@ static int train(const Options& o, const RunSetup& run) {
                norm, ms, total_batch / (ms / 1000.0));
         if (step == state.step && grid.dp > 1)
             printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
-                   planned_comm_bytes(config, par));
+                   planned_comm_bytes(config, par, device_of<floatX>));
         if (step == state.step && on_gpu)
             printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
                    "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
                    CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
         if (step == state.step && grid.tp > 1)
             printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
-                   grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T));
+                   grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
         fflush(stdout);
         log.train(step, (float)loss, lr, (float)norm);
     }

@@ -71,10 +71,14 @@ inline void plan_model_states(size_t bytes[MEM_CATEGORIES], size_t psi, size_t s
     bytes[MEM_OPTIMIZER] = e.optimizer * (zero >= 1 ? shard : psi);
 }
 
+// the bytes of one stored value: parameters, gradients and activations are fp32 on the CPU and bf16 on the GPU,
+// and the collectives move them as they are stored
+inline double stored_value_bytes(Device device) { return device == Device::CUDA ? 2.0 : 4.0; }
+
 inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par = {},
                               Device dev = Device::CPU) {
     const bool gpu = dev == Device::CUDA;
-    const size_t F = sizeof(float), X = gpu ? 2 : 4;  // fp32, and the storage type
+    const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
     const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
     size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp);
     size_t L = c.num_layers, C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
@@ -137,14 +141,14 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 // gradients, or the updated parameters): 2P, the all-reduce's volume. ZeRO-2 reduce-scatters in each of k
 // micro-steps: (k+1)P. ZeRO-3 gathers the parameters for forward and again for backward and reduce-scatters,
 // each micro-step: 3kP. The loss (an all-reduce of one double) and the gradient norm (an all-gather of one
-// double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes.
-inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par) {
+// double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes. Values move as stored on the device.
+inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.dp == 1) return 0.0;
     double N = par.dp, ring = (N - 1) / N;
     double P = (double)bucket_layout(c, par.dp, par.bucket_floats, par.tp).padded_total;
     double k = par.accumulation;
     double passes = par.zero <= 1 ? 2.0 : par.zero == 2 ? k + 1.0 : 3.0 * k;
-    return ring * (passes * P * sizeof(float) + 2 * sizeof(double)) + (N - 1) * sizeof(double);
+    return ring * (passes * P * stored_value_bytes(device) + 2 * sizeof(double)) + (N - 1) * sizeof(double);
 }
 
 // Bytes one rank sends to its tensor-parallel group per optimizer step. A micro-step's forward enters and
@@ -155,13 +159,13 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par) {
 // Under sp, the gradients of the layernorms and wpe (4LC + 2C + maxT·C) are summed over the group
 // (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
 // all-gathers one double. Recomputing the layernorms (-r 2) under sp gathers their outputs again in backward:
-// 2L more units.
-inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T) {
+// 2L more units. Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three as fp32.
+inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.tp == 1) return 0.0;
     double t = par.tp, BT = (double)B * T, C = c.channels, L = c.num_layers, k = par.accumulation;
-    double units = 8 * L + 4 + (par.sp && par.recompute >= 2 ? 2 * L : 0);
-    double per_micro_step = units * (t - 1) / t * BT * C * sizeof(float) + (t - 1) * BT * 3 * sizeof(float);
-    double partial_grads = par.sp ? (t - 1) * (4 * L * C + 2 * C + (double)c.max_seq_len * C) * sizeof(float) : 0.0;
+    double units = 8 * L + 4 + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
+    double per_micro_step = units * (t - 1) / t * BT * C * value + (t - 1) * BT * 3 * sizeof(float);
+    double partial_grads = par.sp ? (t - 1) * (4 * L * C + 2 * C + (double)c.max_seq_len * C) * value : 0.0;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
 }

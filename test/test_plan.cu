@@ -116,6 +116,22 @@ TEST_CASE("count_parameters counts llm.c's GPT-2 124M (d12): 124,475,904 with th
     CHECK(count_parameters(unpadded) == 124439808ull);
 }
 
+TEST_CASE("the GPU's dp and tp byte formulas equal the bytes counted on an H100", "[plan]") {
+    // counted by the ranks of dev/gpu/verify.sh's mpi phase (2 ranks on one H100, 2026-11-23): d12 B=4 T=1024,
+    // 4 micro-batches per step, the default 25 MiB buckets; gradients and activations move as bf16 there
+    GPTConfig d12 = parse_model_descriptor("d12");
+    const double counted_dp[4] = {248951824, 248951824, 373427728, 746855440};  // ZeRO-0..3, 2 micro-steps
+    for (int zero = 0; zero <= 3; zero++) {
+        ParallelPlan dp2;
+        dp2.dp = 2, dp2.zero = zero, dp2.accumulation = 2;
+        CHECK(planned_comm_bytes(d12, dp2, Device::CUDA) == counted_dp[zero]);
+        CHECK(planned_comm_bytes(d12, dp2, Device::CPU) == 2 * counted_dp[zero] - 16);  // fp32 values, same scalars
+    }
+    ParallelPlan tp2;
+    tp2.tp = 2, tp2.sp = true, tp2.accumulation = 4, tp2.recompute = 1;
+    CHECK(planned_tp_comm_bytes(d12, tp2, 4, 1024, Device::CUDA) == 1260137480.0);
+}
+
 TEST_CASE("plan_memory for d12 at B=4 T=64 matches a hand count", "[plan]") {
     GPTConfig d12 = parse_model_descriptor("d12");
     const int threads = omp_get_max_threads();
