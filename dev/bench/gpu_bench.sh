@@ -82,6 +82,7 @@ KEEP_LOGS=${KEEP_LOGS:-0}
 VOCAB=50257
 
 die() { echo "gpu_bench: $*" >&2; exit 2; }
+absolute() { [[ $1 == /* ]] && echo "$1" || echo "$ROOT/$1"; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
@@ -373,11 +374,14 @@ if has_phase llmc; then
         name="llmc: $model B=$batch"
         if (( !llmc_ready )); then record "$name" SKIP "no train_gpt2cu"; continue; fi
         if [[ ! $model =~ ^d(12|24|36|48)$ ]]; then record "$name" SKIP "llm.c builds only d12 d24 d36 d48"; continue; fi
-        # from its own directory: it looks for its tokenizer there, and writes nothing without -o
+        # from its own directory: it looks for its tokenizer there, and writes nothing without -o. llm.c takes
+        # the step modulo -v and -s (0 divides by zero): both past the last step, so validation and a sample
+        # run only around the timed steps. Its validation reads B·T+1 tokens of one shard at least, more than
+        # the SOTU validation shard holds: it validates on the training shard, which changes no timed step.
         # shellcheck disable=SC2016  # the inner script's own arguments
         phase "$name" bash -c 'cd "$1" && shift && exec ./train_gpt2cu "$@"' llmc "$LLMC_OUT" \
-            -i "$ROOT/$DATA" -j "$ROOT/$VAL" -e "$model" -b "$batch" -t "$SEQ_LEN" -x "$LLM5D_STEPS" \
-            -v 0 -s 0 -h 0 -r 0 -ge 1
+            -i "$(absolute "$DATA")" -j "$(absolute "$DATA")" -e "$model" -b "$batch" -t "$SEQ_LEN" \
+            -x "$LLM5D_STEPS" -v $((LLM5D_STEPS + 1)) -s $((LLM5D_STEPS + 1)) -m 1 -h 0 -r 0 -ge 1
         figures llmc "$model" "$batch" $((batch * SEQ_LEN)) "$fpt"
         mem=$(sed -n 's/^device memory usage: \([0-9]*\) MiB.*/\1/p' "$LAST_LOG" | head -n 1)
         [[ -n $mem ]] && OWN_MEM[llmc:$model:$batch]=$mem && note "device memory usage $mem MiB (llm.c's line)"
