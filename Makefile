@@ -65,8 +65,11 @@ build/test_%.o: test/test_%.cu $(HEADERS) test/test_helpers.h test/mpi_helpers.h
 build/tests: build/catch_main.o $(TEST_OBJECTS) $(FLAGS_STAMP)
 	$(NVCC) $(NVCC_FLAGS) $(filter %.o,$^) -o $@ $(LDLIBS)
 
-# the collectives against a naive reference, started under mpirun by test/test_distributed.cu
-build/comm_check: test/comm_check.cu $(HEADERS) $(FLAGS_STAMP)
+# programs that tests start under mpirun: comm_check (the collectives against a naive reference, from
+# test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
+# test/test_context_parallel.cu)
+MPI_CHECKS = build/comm_check build/cp_check
+$(MPI_CHECKS): build/%: test/%.cu $(HEADERS) $(FLAGS_STAMP)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) $< -o $@ $(LDLIBS)
 
@@ -89,7 +92,7 @@ build/reference/model.bin: test/reference/make_reference.py
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them
 test: deps
-	$(MAKE) train_gpt build/tests build/comm_check build/reference/model.bin dev/data/node_modules
+	$(MAKE) train_gpt build/tests $(MPI_CHECKS) build/reference/model.bin dev/data/node_modules
 	bash test/run_tests.sh
 
 train: deps

@@ -1,0 +1,560 @@
+// Context parallelism: ring attention over a sequence split across the ranks of the cp group (the Playbook's
+// "Context Parallelism", "Discovering Ring Attention" and "Zig-Zag Ring Attention" sections).
+//
+// The split. The T positions of every sequence are cut into 2N chunks of T/(2N) tokens, and each of the N
+// ranks holds two of them, in order, as its T/N local rows:
+//   zig-zag     rank r holds chunks r and 2N-1-r: a causal mask gives late chunks more keys to look at than
+//               early ones, and pairing an early chunk with a late one gives every rank the same work;
+//   contiguous  rank r holds chunks 2r and 2r+1 (the plain split, kept to show the imbalance zig-zag removes).
+// Layers other than attention treat tokens independently, so the split only has to permute the rows of the
+// inputs, targets and positions alike (cp_positions, cp_select).
+//
+// Ring attention. Each rank keeps the queries of its own tokens; the keys and values travel. At step s a rank
+// holds the K and V of rank r-s, and before it computes with them it posts their send to rank r+1 and the
+// receive of the next block from rank r-1 into a second buffer, so the transfer overlaps the compute; after N-1
+// transfers every rank has seen every block once. Each (query chunk, key chunk) pair is a block of attention
+// whose mask follows from where the chunks sit in the sequence: an earlier key chunk is seen whole, the same
+// chunk causally, a later one not at all. With zig-zag that leaves, for a block from an earlier rank, all
+// queries against its first chunk, and for a block from a later rank, only the second chunk's queries. A
+// block gives its own softmax-weighted output and log-sum-exp; the running output and log-sum-exp are merged
+// with them in fp32 (the online softmax across blocks), and the final log-sum-exp is the global one.
+//
+// The backward makes the same trip. From the global log-sum-exp and D = rowsum(dO∘O) each block recomputes
+// its probabilities exactly, so the blocks' gradients simply add: dQ stays home, while the fp32 dK/dV
+// accumulators travel the ring with the K and V they belong to, each rank adding its queries' share; one last
+// hop brings every accumulator back to the rank that owns the keys. No rank ever holds the whole sequence's K
+// and V or a T×T matrix.
+//
+// Both devices run the same ring code: the per-block kernels, the merge and the small element-wise steps are
+// each a CPU loop (fp32, OpenMP) with a CUDA kernel beside it (bf16 storage, fp32 arithmetic and fp32 running
+// output, log-sum-exp and gradient accumulators), picked by the storage type's pointers as the layer headers
+// pick theirs. The CUDA block kernels are plain (a warp per row, fp32 on CUDA cores) rather than fast, and are
+// compiled here but have not yet run on a GPU; the tensor-core flash kernels of llmc/attention.cuh, given a
+// block offset and a mask mode, are to replace them.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "llmc/comm.cuh"
+#include "llmc/device.cuh"
+#include "llmc/tp.cuh"
+#include "llmc/utils.h"
+
+enum class CPSplit { ZigZag, Contiguous };
+
+inline const char* cp_split_name(CPSplit s) { return s == CPSplit::ZigZag ? "zigzag" : "contiguous"; }
+
+// Where the tokens of a sequence of T positions live on a cp group of `size` ranks.
+struct CPLayout {
+    int size = 1, rank = 0;
+    CPSplit split = CPSplit::ZigZag;
+    int T = 0;
+
+    int chunk_tokens() const { return T / (2 * size); }
+    int local_tokens() const { return T / size; }
+    // the sequence chunk (0 .. 2·size-1) held by rank r as its local chunk i (0 or 1)
+    int chunk_of(int r, int i) const {
+        if (split == CPSplit::ZigZag) return i == 0 ? r : 2 * size - 1 - r;
+        return 2 * r + i;
+    }
+};
+
+inline CPLayout cp_layout(int T, int size, int rank, CPSplit split) {
+    if (size < 1 || rank < 0 || rank >= size) fail("context parallelism: rank %d of a group of %d", rank, size);
+    // both splits cut the sequence into the same 2N chunks, so a T that one accepts the other accepts too
+    if (T < 2 * size || T % (2 * size) != 0)
+        fail("context parallelism: the sequence length T=%d must be a multiple of 2·cp = %d (cp=%d ranks, two "
+             "chunks of T/(2·cp) tokens each)",
+             T, 2 * size, size);
+    return CPLayout{size, rank, split, T};
+}
+
+// the sequence positions of this rank's local rows, in local order
+inline std::vector<int> cp_positions(const CPLayout& l) {
+    std::vector<int> pos;
+    pos.reserve(l.local_tokens());
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < l.chunk_tokens(); t++) pos.push_back(l.chunk_of(l.rank, i) * l.chunk_tokens() + t);
+    return pos;
+}
+
+// dst (outer, positions.size(), width) = the rows of src (outer, T, width) at `positions`: a rank's slice of
+// token ids, targets, activations or per-token statistics (lse is (B·NH, T, 1))
+template <typename E>
+inline void cp_select(E* dst, const E* src, long outer, int T, int width, const std::vector<int>& positions) {
+    long n = (long)positions.size();
+    for (long o = 0; o < outer; o++)
+        for (long i = 0; i < n; i++)
+            memcpy(dst + (o * n + i) * width, src + (o * T + positions[i]) * width, width * sizeof(E));
+}
+
+// how a chunk of queries sees a chunk of keys, from the chunks' places in the sequence
+enum class BlockMask { Skip, Full, Causal };
+inline BlockMask block_mask(int query_chunk, int key_chunk) {
+    return key_chunk < query_chunk ? BlockMask::Full : key_chunk == query_chunk ? BlockMask::Causal : BlockMask::Skip;
+}
+
+// ==========================================================================================================
+// The per-block kernels. A block is n local query rows starting at q0 of qkv (B, Tl, 3C) against n key rows
+// starting at k0 of kv (B, Tl, 2C: K then V, the layout that travels), per (batch, head); causal masks key j
+// after query i of the block (both chunks are the same n positions of the sequence).
+//
+// forward: out_blk (B, n, C) = the block's softmax over its keys applied to V, lse_blk (B, NH, n) its
+// log-sum-exp (natural log, of the scaled scores).
+// backward: with the global lse and D = rowsum(dO∘O) of the query rows (B, NH, Tl), adds the block's share to
+// dq (B, Tl, C) at the query rows and to dkv (B, Tl, 2C) at the key rows, all fp32.
+
+inline void cp_block_forward(float* out_blk, float* lse_blk, const float* qkv, int q0, const float* kv, int k0, int n,
+                             bool causal, int B, int Tl, int C, int NH) {
+    int hs = C / NH;
+    float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < n; i++) {
+                const float* q = qkv + ((size_t)b * Tl + q0 + i) * 3 * C + h * hs;
+                float* o = out_blk + ((size_t)b * n + i) * C + h * hs;
+                for (int d = 0; d < hs; d++) o[d] = 0.0f;
+                // one pass of the online softmax: o and sum stay scaled to the running maximum
+                float maxv = -INFINITY, sum = 0.0f;
+                int keys = causal ? i + 1 : n;
+                for (int j = 0; j < keys; j++) {
+                    const float* k = kv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
+                    const float* v = k + C;
+                    float s = 0.0f;
+                    for (int d = 0; d < hs; d++) s += q[d] * k[d];
+                    s *= scale;
+                    float m = fmaxf(maxv, s), rescale = expf(maxv - m), p = expf(s - m);
+                    sum = sum * rescale + p;
+                    for (int d = 0; d < hs; d++) o[d] = o[d] * rescale + p * v[d];
+                    maxv = m;
+                }
+                for (int d = 0; d < hs; d++) o[d] /= sum;
+                lse_blk[((size_t)b * NH + h) * n + i] = maxv + logf(sum);
+            }
+}
+
+// Two passes, one owning the query rows (dQ) and one the key rows (dK, dV), so no two threads add to the same
+// entry; each recomputes the probabilities it needs.
+inline void cp_block_backward(float* dq, float* dkv, const float* dout, const float* qkv, int q0, const float* kv, int k0,
+                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, int C, int NH) {
+    int hs = C / NH;
+    float scale = 1.0f / sqrtf((float)hs);
+    // P and dS = P·(dO·v - D) of query i (local row q0 + i) and key j (local row k0 + j)
+    auto scores = [&](int b, int h, int i, int j, float* p, float* ds) {
+        const float* q = qkv + ((size_t)b * Tl + q0 + i) * 3 * C + h * hs;
+        const float* k = kv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
+        const float* v = k + C;
+        const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
+        float s = 0.0f, dp = 0.0f;
+        for (int e = 0; e < hs; e++) s += q[e] * k[e], dp += d[e] * v[e];
+        size_t row = ((size_t)b * NH + h) * Tl + q0 + i;
+        *p = expf(s * scale - lse[row]);
+        *ds = *p * (dp - delta[row]);
+    };
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < n; i++) {
+                float* g = dq + ((size_t)b * Tl + q0 + i) * C + h * hs;
+                for (int j = 0; j < (causal ? i + 1 : n); j++) {
+                    float p, ds;
+                    scores(b, h, i, j, &p, &ds);
+                    const float* k = kv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
+                    for (int e = 0; e < hs; e++) g[e] += ds * scale * k[e];
+                }
+            }
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < n; j++) {
+                float* dk = dkv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
+                float* dv = dk + C;
+                for (int i = causal ? j : 0; i < n; i++) {
+                    float p, ds;
+                    scores(b, h, i, j, &p, &ds);
+                    const float* q = qkv + ((size_t)b * Tl + q0 + i) * 3 * C + h * hs;
+                    const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
+                    for (int e = 0; e < hs; e++) dk[e] += ds * scale * q[e], dv[e] += p * d[e];
+                }
+            }
+}
+
+// CUDA: a warp per row of the block and (batch, head); lane l holds head dimensions l, l+32, ... (hs at most
+// CP_MAX_HS), so every score is a warp sum. Deterministic: every entry is written by one warp, in key order.
+constexpr int CP_MAX_HS = 256, CP_DIMS_PER_LANE = CP_MAX_HS / 32, CP_WARPS = 4;
+
+static __global__ void cp_block_forward_kernel(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv,
+                                               int k0, int n, bool causal, int Tl, int C, int NH, float scale) {
+    int i = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH;
+    if (i >= n) return;
+    const bf16* q_g = qkv + ((long)b * Tl + q0 + i) * 3 * C + h * hs;
+    float q[CP_DIMS_PER_LANE], o[CP_DIMS_PER_LANE];
+#pragma unroll
+    for (int u = 0; u < CP_DIMS_PER_LANE; u++) {
+        int d = lane + 32 * u;
+        q[u] = d < hs ? __bfloat162float(q_g[d]) : 0.0f;
+        o[u] = 0.0f;
+    }
+    float maxv = -INFINITY, sum = 0.0f;
+    for (int j = 0; j < (causal ? i + 1 : n); j++) {
+        const bf16* k = kv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+        float s = 0.0f;
+#pragma unroll
+        for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+            if (lane + 32 * u < hs) s += q[u] * __bfloat162float(k[lane + 32 * u]);
+        s = warp_sum(s) * scale;
+        float m = fmaxf(maxv, s), rescale = expf(maxv - m), p = expf(s - m);
+        sum = sum * rescale + p;
+#pragma unroll
+        for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+            if (lane + 32 * u < hs) o[u] = o[u] * rescale + p * __bfloat162float(k[C + lane + 32 * u]);
+        maxv = m;
+    }
+    float* o_g = out_blk + ((long)b * n + i) * C + h * hs;
+#pragma unroll
+    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+        if (lane + 32 * u < hs) o_g[lane + 32 * u] = o[u] / sum;
+    if (lane == 0) lse_blk[(long)bh * n + i] = maxv + logf(sum);
+}
+
+// P and dS for query row qrow (local) against key row krow of (b, h): q, dO of the query held by the lane, the
+// key's K and V read here
+static __device__ __forceinline__ void cp_warp_scores(float* p, float* ds, const float (&q)[CP_DIMS_PER_LANE],
+                                                      const float (&d)[CP_DIMS_PER_LANE], const bf16* k, int C, int hs,
+                                                      float scale, float lse, float delta) {
+    int lane = threadIdx.x % 32;
+    float s = 0.0f, dp = 0.0f;
+#pragma unroll
+    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+        if (lane + 32 * u < hs) {
+            s += q[u] * __bfloat162float(k[lane + 32 * u]);
+            dp += d[u] * __bfloat162float(k[C + lane + 32 * u]);
+        }
+    *p = expf(warp_sum(s) * scale - lse);
+    *ds = *p * (warp_sum(dp) - delta);
+}
+
+// the lane's head dimensions of a bf16 row, as fp32
+static __device__ __forceinline__ void cp_load_row(float (&dst)[CP_DIMS_PER_LANE], const bf16* row, int hs) {
+    int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int u = 0; u < CP_DIMS_PER_LANE; u++) dst[u] = lane + 32 * u < hs ? __bfloat162float(row[lane + 32 * u]) : 0.0f;
+}
+
+// dQ: a warp per query row, walking the keys it sees
+static __global__ void cp_block_backward_dq_kernel(float* dq, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
+                                                   int k0, int n, bool causal, const float* lse, const float* delta,
+                                                   int Tl, int C, int NH, float scale) {
+    int i = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH;
+    if (i >= n) return;
+    float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE], g[CP_DIMS_PER_LANE] = {};
+    cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * 3 * C + h * hs, hs);
+    cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
+    float row_lse = lse[(long)bh * Tl + q0 + i], row_delta = delta[(long)bh * Tl + q0 + i];
+    for (int j = 0; j < (causal ? i + 1 : n); j++) {
+        const bf16* k = kv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+        float p, ds;
+        cp_warp_scores(&p, &ds, q, d, k, C, hs, scale, row_lse, row_delta);
+#pragma unroll
+        for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+            if (lane + 32 * u < hs) g[u] += ds * scale * __bfloat162float(k[lane + 32 * u]);
+    }
+    float* g_g = dq + ((long)b * Tl + q0 + i) * C + h * hs;
+#pragma unroll
+    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+        if (lane + 32 * u < hs) g_g[lane + 32 * u] += g[u];
+}
+
+// dK and dV: a warp per key row, walking the queries that see it
+static __global__ void cp_block_backward_dkv_kernel(float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
+                                                    int k0, int n, bool causal, const float* lse, const float* delta,
+                                                    int Tl, int C, int NH, float scale) {
+    int j = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH;
+    if (j >= n) return;
+    const bf16* k = kv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+    float dk[CP_DIMS_PER_LANE] = {}, dv[CP_DIMS_PER_LANE] = {};
+    for (int i = causal ? j : 0; i < n; i++) {
+        float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE];
+        cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * 3 * C + h * hs, hs);
+        cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
+        float p, ds;
+        cp_warp_scores(&p, &ds, q, d, k, C, hs, scale, lse[(long)bh * Tl + q0 + i], delta[(long)bh * Tl + q0 + i]);
+#pragma unroll
+        for (int u = 0; u < CP_DIMS_PER_LANE; u++) dk[u] += ds * scale * q[u], dv[u] += p * d[u];
+    }
+    float* dk_g = dkv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+#pragma unroll
+    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
+        if (lane + 32 * u < hs) dk_g[lane + 32 * u] += dk[u], dk_g[C + lane + 32 * u] += dv[u];
+}
+
+
+// the head sizes the CUDA block kernels hold in registers
+inline void cp_check_heads(int C, int NH) {
+    if (NH < 1 || C % NH != 0) fail("ring attention: C=%d is not a multiple of NH=%d", C, NH);
+    if (C / NH > CP_MAX_HS) fail("ring attention: head size %d is more than the %d the CUDA block kernels hold", C / NH, CP_MAX_HS);
+}
+
+inline void cp_block_forward(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv, int k0, int n,
+                             bool causal, int B, int Tl, int C, int NH) {
+    dim3 grid(cuda_blocks(n, CP_WARPS), B * NH);
+    cp_block_forward_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(out_blk, lse_blk, qkv, q0, kv, k0, n, causal, Tl,
+                                                                        C, NH, 1.0f / sqrtf((float)(C / NH)));
+    cuda_check(cudaGetLastError());
+}
+
+inline void cp_block_backward(float* dq, float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv, int k0,
+                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, int C, int NH) {
+    dim3 grid(cuda_blocks(n, CP_WARPS), B * NH);
+    float scale = 1.0f / sqrtf((float)(C / NH));
+    cp_block_backward_dq_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(dq, dout, qkv, q0, kv, k0, n, causal, lse,
+                                                                            delta, Tl, C, NH, scale);
+    cuda_check(cudaGetLastError());
+    cp_block_backward_dkv_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(dkv, dout, qkv, q0, kv, k0, n, causal, lse,
+                                                                             delta, Tl, C, NH, scale);
+    cuda_check(cudaGetLastError());
+}
+
+// ==========================================================================================================
+// The element-wise steps around the blocks, each a CPU loop and its CUDA kernel. The fp32 buffers exist on
+// both devices, so the steps that touch only them take the storage type as a template argument to know where
+// they live.
+
+// kv (rows, 2C) = the K and V columns of qkv (rows, 3C): what travels the ring
+inline void cp_pack_kv(float* kv, const float* qkv, long rows, int C) {
+#pragma omp parallel for
+    for (long r = 0; r < rows; r++) memcpy(kv + r * 2 * C, qkv + r * 3 * C + C, 2 * C * sizeof(float));
+}
+static __global__ void cp_pack_kv_kernel(bf16* kv, const bf16* qkv, long rows, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * 2 * C; i += (long)gridDim.x * blockDim.x)
+        kv[i] = qkv[i / (2 * C) * 3 * C + C + i % (2 * C)];
+}
+inline void cp_pack_kv(bf16* kv, const bf16* qkv, long rows, int C) {
+    launch_elementwise(cp_pack_kv_kernel, rows * 2 * C, kv, qkv, rows, C);
+}
+
+// dqkv (rows, 3C) = dq (rows, C) beside dkv (rows, 2C), in the storage type
+inline void cp_store_grads(float* dqkv, const float* dq, const float* dkv, long rows, int C) {
+#pragma omp parallel for
+    for (long r = 0; r < rows; r++) {
+        memcpy(dqkv + r * 3 * C, dq + r * C, C * sizeof(float));
+        memcpy(dqkv + r * 3 * C + C, dkv + r * 2 * C, 2 * C * sizeof(float));
+    }
+}
+static __global__ void cp_store_grads_kernel(bf16* dqkv, const float* dq, const float* dkv, long rows, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * 3 * C; i += (long)gridDim.x * blockDim.x) {
+        long r = i / (3 * C);
+        int c = (int)(i % (3 * C));
+        dqkv[i] = __float2bfloat16(c < C ? dq[r * C + c] : dkv[r * 2 * C + c - C]);
+    }
+}
+inline void cp_store_grads(bf16* dqkv, const float* dq, const float* dkv, long rows, int C) {
+    launch_elementwise(cp_store_grads_kernel, rows * 3 * C, dqkv, dq, dkv, rows, C);
+}
+
+// delta (B, NH, Tl) = dO·O over each head: the softmax backward's Σ_j P·dP of the row
+inline void cp_delta(float* delta, const float* dout, const float* out, int B, int Tl, int C, int NH) {
+    int hs = C / NH;
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < Tl; t++) {
+                size_t at = ((size_t)b * Tl + t) * C + h * hs;
+                float s = 0.0f;
+                for (int e = 0; e < hs; e++) s += dout[at + e] * out[at + e];
+                delta[((size_t)b * NH + h) * Tl + t] = s;
+            }
+}
+static __global__ void cp_delta_kernel(float* delta, const bf16* dout, const bf16* out, long rows, int Tl, int C, int NH) {
+    int hs = C / NH;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += (long)gridDim.x * blockDim.x) {
+        long b = i / ((long)NH * Tl), at = (b * Tl + i % Tl) * C + i / Tl % NH * hs;
+        float s = 0.0f;
+        for (int e = 0; e < hs; e++) s += __bfloat162float(dout[at + e]) * __bfloat162float(out[at + e]);
+        delta[i] = s;
+    }
+}
+inline void cp_delta(float* delta, const bf16* dout, const bf16* out, int B, int Tl, int C, int NH) {
+    launch_elementwise(cp_delta_kernel, (long)B * NH * Tl, delta, dout, out, (long)B * NH * Tl, Tl, C, NH);
+}
+
+// One query row's running output (hs wide, normalized over the keys seen so far) and log-sum-exp take in a
+// block's: the log-sum-exp of the union, and each output weighted by its share of the new total. A running
+// log-sum-exp of -inf (no keys yet) gives the block's own.
+static __host__ __device__ inline void cp_merge_row(float* out, float* lse, const float* out_blk, float lse_blk, int hs) {
+    float hi = fmaxf(*lse, lse_blk), lo = fminf(*lse, lse_blk);
+    float merged = hi + log1pf(expf(lo - hi));
+    float keep = expf(*lse - merged), take = expf(lse_blk - merged);
+    for (int e = 0; e < hs; e++) out[e] = out[e] * keep + out_blk[e] * take;
+    *lse = merged;
+}
+static __global__ void cp_merge_kernel(float* out, float* lse, int q0, const float* out_blk, const float* lse_blk, int n,
+                                       long rows, int Tl, int C, int NH) {
+    int hs = C / NH;
+    for (long r = (long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long)gridDim.x * blockDim.x) {
+        long b = r / ((long)NH * n), h = r / n % NH, i = r % n;
+        cp_merge_row(out + (b * Tl + q0 + i) * C + h * hs, lse + (b * NH + h) * Tl + q0 + i,
+                     out_blk + (b * n + i) * C + h * hs, lse_blk[r], hs);
+    }
+}
+// the block's rows (B, n) merged into the running ones at local rows q0..q0+n
+template <typename floatX>
+inline void cp_merge(float* out, float* lse, int q0, const float* out_blk, const float* lse_blk, int n, int B, int Tl,
+                     int C, int NH) {
+    long rows = (long)B * NH * n;
+    if constexpr (device_of<floatX> == Device::CUDA) {
+        launch_elementwise(cp_merge_kernel, rows, out, lse, q0, out_blk, lse_blk, n, rows, Tl, C, NH);
+    } else {
+        int hs = C / NH;
+#pragma omp parallel for
+        for (long r = 0; r < rows; r++) {
+            long b = r / ((long)NH * n), h = r / n % NH, i = r % n;
+            cp_merge_row(out + (b * Tl + q0 + i) * C + h * hs, lse + (b * NH + h) * Tl + q0 + i,
+                         out_blk + (b * n + i) * C + h * hs, lse_blk[r], hs);
+        }
+    }
+}
+
+static __global__ void cp_fill_kernel(float* x, long n, float value) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] = value;
+}
+template <typename floatX>
+inline void cp_fill(float* x, long n, float value) {
+    if constexpr (device_of<floatX> == Device::CUDA) launch_elementwise(cp_fill_kernel, n, x, n, value);
+    else std::fill(x, x + n, value);
+}
+
+static __global__ void cp_accumulate_kernel(float* acc, const float* x, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) acc[i] += x[i];
+}
+template <typename floatX>
+inline void cp_accumulate(float* acc, const float* x, long n) {
+    if constexpr (device_of<floatX> == Device::CUDA) {
+        launch_elementwise(cp_accumulate_kernel, n, acc, x, n);
+    } else {
+#pragma omp parallel for
+        for (long i = 0; i < n; i++) acc[i] += x[i];
+    }
+}
+
+// ==========================================================================================================
+// The ring
+
+// One hop around the ring: `send` to the next rank, the previous rank's into `recv`. NCCL runs a rank's
+// point-to-point ops in the order they are issued, and a send may not complete before its receive is posted:
+// if every rank sent first, each could wait on a neighbour that is itself stuck sending, so odd ranks receive
+// first (MPI's nonblocking calls do not mind either order).
+struct RingHop {
+    CommRequest sent, received;
+};
+inline RingHop ring_hop(Comm& comm, const void* send, void* recv, size_t count, DType t) {
+    int next = (comm.rank + 1) % comm.size, prev = (comm.rank + comm.size - 1) % comm.size;
+    RingHop hop;
+    if (comm.rank % 2 == 0) {
+        hop.sent = comm.send(send, count, t, next);
+        hop.received = comm.recv(recv, count, t, prev);
+    } else {
+        hop.received = comm.recv(recv, count, t, prev);
+        hop.sent = comm.send(send, count, t, next);
+    }
+    return hop;
+}
+inline void ring_wait(Comm& comm, RingHop& hop) {
+    comm.wait(hop.sent);
+    comm.wait(hop.received);
+}
+
+inline void cp_check_group(const CPLayout& l, const Comm& comm, int C, int NH) {
+    if (comm.size != l.size || comm.rank != l.rank)
+        fail("ring attention: the layout is rank %d of %d, the group rank %d of %d", l.rank, l.size, comm.rank, comm.size);
+    cp_check_heads(C, NH);
+}
+
+// out (B, Tl, C) and lse (B, NH, Tl, the global log-sum-exp of each query's scaled scores) of causal attention
+// over the whole sequence, for this rank's Tl = T/N local rows of qkv (B, Tl, 3C); comm is the cp group.
+template <typename floatX>
+void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int C, int NH, const CPLayout& l, Comm& comm) {
+    cp_check_group(l, comm, C, NH);
+    int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens();
+    size_t kv_count = (size_t)B * Tl * 2 * C;
+    DeviceTemp<floatX, floatX> kv_a(kv_count), kv_b(kv_count);
+    DeviceTemp<floatX, float> running(B * Tl * C), out_blk(B * n * C), lse_blk(B * NH * n);
+    floatX *held = kv_a.data, *incoming = kv_b.data;
+    cp_pack_kv(held, qkv, (long)B * Tl, C);
+    device_zero<floatX>(running.data, (size_t)B * Tl * C);
+    cp_fill<floatX>(lse, (long)B * NH * Tl, -INFINITY);
+    for (int step = 0; step < N; step++) {
+        int source = (l.rank + N - step) % N;  // whose keys and values are held now
+        bool more = step + 1 < N;
+        RingHop hop;
+        if (more) hop = ring_hop(comm, held, incoming, kv_count, dtype_of<floatX>());
+        for (int qi = 0; qi < 2; qi++)
+            for (int ki = 0; ki < 2; ki++) {
+                BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
+                if (mask == BlockMask::Skip) continue;
+                cp_block_forward(out_blk.data, lse_blk.data, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, B,
+                                 Tl, C, NH);
+                cp_merge<floatX>(running.data, lse, qi * n, out_blk.data, lse_blk.data, n, B, Tl, C, NH);
+            }
+        if (more) {
+            ring_wait(comm, hop);
+            std::swap(held, incoming);
+        }
+    }
+    convert_on_device(out, running.data, (long)B * Tl * C);
+}
+
+// dqkv (B, Tl, 3C) overwritten with the gradient of this rank's rows, from dout and the forward's out and lse
+template <typename floatX>
+void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
+                             int B, int C, int NH, const CPLayout& l, Comm& comm) {
+    cp_check_group(l, comm, C, NH);
+    int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens();
+    size_t kv_count = (size_t)B * Tl * 2 * C;
+    DeviceTemp<floatX, floatX> kv_a(kv_count), kv_b(kv_count);
+    // the accumulator being added to alternates with the one still on its way to the next rank
+    DeviceTemp<floatX, float> dq(B * Tl * C), acc_a(kv_count), acc_b(kv_count), arrived(kv_count), delta(B * NH * Tl);
+    floatX *held = kv_a.data, *incoming = kv_b.data;
+    float* accumulators[2] = {acc_a.data, acc_b.data};
+    cp_pack_kv(held, qkv, (long)B * Tl, C);
+    cp_delta(delta.data, dout, out, B, Tl, C, NH);
+    device_zero<floatX>(dq.data, (size_t)B * Tl * C);
+    RingHop grads;  // the accumulator sent on at the end of the previous step
+    for (int step = 0; step < N; step++) {
+        int source = (l.rank + N - step) % N;
+        bool more = step + 1 < N;
+        RingHop hop;
+        if (more) hop = ring_hop(comm, held, incoming, kv_count, dtype_of<floatX>());
+        float* acc = accumulators[step % 2];
+        device_zero<floatX>(acc, kv_count);
+        for (int qi = 0; qi < 2; qi++)
+            for (int ki = 0; ki < 2; ki++) {
+                BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
+                if (mask == BlockMask::Skip) continue;
+                cp_block_backward(dq.data, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse,
+                                  delta.data, B, Tl, C, NH);
+            }
+        // the accumulator for the source's keys arrives from the rank that held them a step ago, and leaves with
+        // this rank's share added; after the last step's hop every rank holds its own keys' gradient
+        if (N > 1) {
+            if (step > 0) {
+                ring_wait(comm, grads);
+                cp_accumulate<floatX>(acc, arrived.data, (long)kv_count);
+            }
+            grads = ring_hop(comm, acc, arrived.data, kv_count, DType::F32);
+        }
+        if (more) {
+            ring_wait(comm, hop);
+            std::swap(held, incoming);
+        }
+    }
+    if (N > 1) ring_wait(comm, grads);
+    cp_store_grads(dqkv, dq.data, N > 1 ? arrived.data : accumulators[0], (long)B * Tl, C);
+}
