@@ -179,13 +179,34 @@ inline void read_optimizer(const std::string& path, const ModelState& m) {
     *m.adam_step = h[2];
     f.read(m.adam_m, n * 4);
     f.read(m.adam_v, n * 4);
+    const char* moment_names[2] = {"first moment (m)", "second moment (v)"};
+    const float* moments[2] = {m.adam_m, m.adam_v};
+    for (int k = 0; k < 2; k++) {
+        size_t bad = first_non_finite(moments[k], n);
+        if (bad < n) fail("%s: %g in the %s, element %zu (the optimizer state must be finite)", path.c_str(),
+                          moments[k][bad], moment_names[k], bad);
+    }
+}
+
+// whether the state a checkpoint would hold is finite on every rank: rank 0's whole parameters and every rank's
+// optimizer state (collective over `world`, so that every rank agrees)
+inline bool state_is_finite(const ModelState& m, Comm& world) {
+    int bad = first_non_finite(m.adam_m, m.optimizer_count) < m.optimizer_count ||
+              first_non_finite(m.adam_v, m.optimizer_count) < m.optimizer_count;
+    if (world.rank == 0) bad |= first_non_finite(m.params, num_parameters(m.config)) < num_parameters(m.config);
+    int total = 0;
+    world.wait(world.all_reduce(&bad, &total, 1, DType::I32));
+    return total == 0;
 }
 
 // Writes out_dir/ckpt_STEP atomically, then keeps only the newest `keep` checkpoints (0 keeps all).
 // Collective over `world`: rank 0's m.params must hold the whole model; optimizer_file is the file this rank
 // writes its optimizer state to, or -1 when another rank holds the same state.
-inline void save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
+// A state with a NaN or Inf is not written, and nothing is pruned: returns false. So every checkpoint on disk is
+// finite, and pruning, which follows only a successful save, never removes the newest finite one.
+inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
                             int keep, Comm& world, int optimizer_file = 0) {
+    if (!state_is_finite(m, world)) return false;
     std::string final_dir = out_dir + "/" + checkpoint_name(s.step);
     std::string tmp_dir = final_dir + ".tmp";
     bool lead = world.rank == 0;
@@ -226,6 +247,7 @@ inline void save_checkpoint(const std::string& out_dir, const ModelState& m, con
         }
     }
     world.wait(world.barrier());
+    return true;
 }
 
 // the model shape stored in a checkpoint, to allocate the model before load_checkpoint

@@ -1,5 +1,6 @@
 // DIR/main.log in llm.c's line format, which scripts and tests parse: "s:STEP trl:LOSS lr:LR norm:NORM" per
-// training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals.
+// training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals. A step whose update was skipped
+// (a non-finite loss or gradient norm) adds "skipped:1".
 #pragma once
 
 #include <string>
@@ -17,9 +18,9 @@ struct Logger {
     ~Logger() {
         if (f) fclose(f);
     }
-    void train(int step, float loss, float lr, float norm) {
+    void train(int step, float loss, float lr, float norm, bool skipped) {
         if (!f) return;
-        fprintf(f, "s:%d trl:%.6f lr:%.6e norm:%.6f\n", step, loss, lr, norm);
+        fprintf(f, "s:%d trl:%.6f lr:%.6e norm:%.6f%s\n", step, loss, lr, norm, skipped ? " skipped:1" : "");
         fflush(f);
     }
     void val(int step, float loss) {
