@@ -17,6 +17,7 @@
 #include "llmc/logger.h"
 #include "llmc/options.h"
 #include "llmc/plan.h"
+#include "llmc/run_guard.h"
 #include "llmc/sampler.h"
 #include "llmc/tokenizer.h"
 #include "llmc/zero.cuh"
@@ -417,6 +418,12 @@ static int run(const Options& o) {
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
 
+    // one run per output directory: rank 0 holds the lock for the whole run, from before it reads the directory
+    RunLock lock;
+    if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) {
+        make_dirs(o.out_dir);
+        lock.acquire(o.out_dir);
+    }
     std::string resume_dir;
     if (o.resume) {
         std::vector<int> steps = list_checkpoints(o.out_dir);

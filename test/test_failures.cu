@@ -2,7 +2,10 @@
 // file or a checkpoint is refused, naming the file and the tensor; a step with a NaN gradient skips its update
 // (on one rank and on two, under ZeRO-1 and 3, every rank alike) and the run goes on; --max-bad-steps such steps
 // in a row stop the run with exit code 4; a state that turned non-finite is never saved, and never pruned to.
+// One run per output directory: a second run on the same -o, started later or at the same moment, stops at once.
 // The binary tests run ./train_gpt from the repository root (`make test` builds it first).
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "llmc/checkpoint.h"
@@ -35,6 +38,41 @@ int count_lines_with(const std::string& text, const std::string& what) {
 }
 
 const char* MODEL = "d3c33h3t32v301";
+
+// starts ./train_gpt with args in the background, its output going to `log`; the pid is train_gpt's own (the
+// shell execs it), so that signals reach it
+pid_t start(const std::string& args, const std::string& log) {
+    std::string cmd = "exec env " + std::string(RUN_ENV) + " ./train_gpt " + args + " > '" + log + "' 2>&1";
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
+        _exit(127);
+    }
+    REQUIRE(pid > 0);
+    return pid;
+}
+
+// waits until `log` holds `text` (true) or `seconds` pass (false)
+bool wait_for(const std::string& log, const std::string& text, double seconds = 120) {
+    for (double waited = 0; waited < seconds; waited += 0.01) {
+        if (file_exists(log) && read_file(log).find(text) != std::string::npos) return true;
+        usleep(10000);
+    }
+    return false;
+}
+
+// the exit status of a started process, as the shell reports it (128 + the signal when one ended it)
+int finish(pid_t pid) {
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string hostname() {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    return host;
+}
 
 }  // namespace
 
@@ -212,4 +250,58 @@ TEST_CASE("save_checkpoint writes nothing and prunes nothing when the state is n
     CHECK(read_file(out / "ckpt_00000001/model.bin") == before);
     CHECK(save_checkpoint(out.path, model_state(m), TrainState{2}, layout, 1, solo));
     CHECK(list_checkpoints(out.path) == std::vector<int>{2});
+}
+
+TEST_CASE("a second run on the same -o stops at once, naming the run that holds it", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run", first_log = out / "first.log";
+    // a run that goes on until it is killed
+    pid_t first = start(data.flags(2, 32, 1000000) + " -o '" + dir + "'", first_log);
+    REQUIRE(wait_for(first_log, "step     2/"));
+
+    CommandResult second = single(data.flags(2, 32, 3) + " -n 1 -o '" + dir + "'");
+    INFO(second.output);
+    CHECK(second.status == 1);
+    CHECK(second.output == strfmt("train_gpt: -o %s: another run is using it (host %s pid %d); wait for it to end or "
+                                  "choose another directory\n", dir.c_str(), hostname().c_str(), (int)first));
+    // it wrote nothing: no checkpoint, and the first run's log was not started anew
+    CHECK(list_checkpoints(dir).empty());
+    CHECK(read_file(dir + "/main.log").rfind("s:0 tel:", 0) == 0);
+
+    // the lock goes with the process that held it, however it ends
+    kill(first, SIGKILL);
+    CHECK(finish(first) == 128 + SIGKILL);
+    CommandResult third = single(data.flags(2, 32, 2) + " -o '" + dir + "'");
+    INFO(third.output);
+    CHECK(third.status == 0);
+    CHECK(read_file(dir + "/train_gpt.lock").rfind(strfmt("host %s pid ", hostname().c_str()), 0) == 0);
+}
+
+TEST_CASE("of two runs started together on one -o, exactly one runs", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run";
+    const std::string args = data.flags(2, 32, 1000000) + " -n 5 -o '" + dir + "'";
+    pid_t a = start(args, out / "a.log"), b = start(args, out / "b.log");
+    // the one that lost exits within seconds; the other trains on
+    int status = -1;
+    pid_t lost = -1;
+    for (int waited = 0; waited < 12000 && lost < 0; waited++) {
+        int st;
+        for (pid_t p : {a, b})
+            if (waitpid(p, &st, WNOHANG) == p) lost = p, status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        usleep(10000);
+    }
+    REQUIRE(lost > 0);
+    pid_t won = lost == a ? b : a;
+    const std::string lost_log = read_file(out / (lost == a ? "a.log" : "b.log"));
+    INFO(lost_log);
+    CHECK(status == 1);
+    CHECK(lost_log == strfmt("train_gpt: -o %s: another run is using it (host %s pid %d); wait for it to end or "
+                             "choose another directory\n", dir.c_str(), hostname().c_str(), (int)won));
+    CHECK(wait_for(out / (won == a ? "a.log" : "b.log"), "step    10/"));
+    CHECK(waitpid(won, &status, WNOHANG) == 0);  // still running
+    kill(won, SIGKILL);
+    finish(won);
 }
