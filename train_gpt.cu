@@ -25,6 +25,7 @@
 // exit codes besides 0 (done) and 1 (a refused input or an error; 3 is a comm timeout, llmc/comm.cuh): README's
 // "Failures and recovery" lists them all, for the scripts that restart runs
 constexpr int EXIT_NON_FINITE = 4;  // --max-bad-steps steps in a row were skipped, or the state was not finite
+constexpr int EXIT_STOPPED = 5;     // SIGTERM or SIGINT: stopped after a step, with a checkpoint when -o is given
 
 // what the newest checkpoint in out_dir is, for the line that says why a run stopped
 static std::string newest_checkpoint(const std::string& out_dir) {
@@ -298,7 +299,9 @@ static int train(const Options& o, const RunSetup& run) {
     LRSchedule schedule = o.schedule;
     schedule.total_steps = steps;
     Logger log;
-    int bad_steps = 0;  // steps skipped in a row for a non-finite loss or gradient norm
+    int bad_steps = 0;      // steps skipped in a row for a non-finite loss or gradient norm
+    bool stopping = false;  // some rank was sent SIGTERM or SIGINT: checkpoint, then end
+    install_stop_handlers();
     if (lead) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
@@ -323,7 +326,8 @@ static int train(const Options& o, const RunSetup& run) {
 
     for (int step = state.step; step <= steps; step++) {
         bool last_step = step == steps;
-        if (o.checkpoint_every > 0 && step > state.step && (step % o.checkpoint_every == 0 || last_step)) {
+        bool scheduled = o.checkpoint_every > 0 && (step % o.checkpoint_every == 0 || last_step);
+        if (step > state.step && (scheduled || (stopping && !o.out_dir.empty()))) {
             TrainState now{step, train.state(), sampler_rng.state};
             std::vector<float> storage;
             float* whole = whole_model(model, dpr, grid, o.zero, storage);
@@ -342,6 +346,15 @@ static int train(const Options& o, const RunSetup& run) {
                 return EXIT_NON_FINITE;
             }
         }
+        if (stopping) {
+            if (lead)
+                fprintf(stderr, "train_gpt: stopped after step %d on %s; %s\n", step, stop_reason(),
+                        o.out_dir.empty() ? "no checkpoint (no -o)"
+                                          : ("checkpoint " + o.out_dir + "/" + checkpoint_name(step) +
+                                             " written; resume with -y 1").c_str());
+            comm_finalize(world_comm);
+            return EXIT_STOPPED;
+        }
         if (val && (step % o.val_every == 0 || last_step)) {
             float loss = (float)dpr.mean(validation_loss(model, *val, val_batches));
             if (lead) printf("val loss %.6f\n", loss);
@@ -354,6 +367,7 @@ static int train(const Options& o, const RunSetup& run) {
         }
         if (last_step) break;
         if (step == state.step && grid.rank == o.debug_stall_rank) sleep(1000000);
+        if (step == o.debug_sigterm_step && grid.rank == grid.world - 1) raise(SIGTERM);
 
         // one optimizer step: the mean loss over the global batch, accumulated over micro-batches; gradient
         // buckets are reduced across dp while backward runs
@@ -405,6 +419,7 @@ static int train(const Options& o, const RunSetup& run) {
             comm_finalize(world_comm);
             return EXIT_NON_FINITE;
         }
+        stopping = stop_requested(grid.world_comm);
     }
     if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
     comm_finalize(world_comm);

@@ -54,6 +54,7 @@ struct Options {
     int debug_stall_rank = -1;                          // --debug-stall-rank (tests only)
     bool debug_check_replicas = false;                  // --debug-check-replicas (tests only)
     int debug_nan_step = -1;                            // --debug-nan-step (tests only)
+    int debug_sigterm_step = -1;                        // --debug-sigterm-step (tests only)
 };
 
 // --help: every flag parse_options accepts, by group, with its default in brackets (a test holds the two equal)
@@ -92,7 +93,8 @@ inline const char* USAGE =
     "  -n N              checkpoint every N steps and at the end; 0 = never (needs -o) [0]\n"
     "  -nk N             keep the newest N checkpoints; 0 = all                    [0]\n"
     "  -y 0|1            resume from the newest complete checkpoint in -o          [0]\n"
-    "failures:\n"
+    "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
+    "is given, exit code 5; a second one ends it at once):\n"
     "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"
     "                    in a row stop the run (exit code 4)                       [3]\n"
     "parallelism (dp = ranks / (tp*cp*pp)):\n"
@@ -113,6 +115,7 @@ inline const char* USAGE =
     "  --debug-stall-rank R        (testing) rank R stops answering before its first step [-1]\n"
     "  --debug-check-replicas 0|1  (testing) at the end, compare the replicated tensors across tp [0]\n"
     "  --debug-nan-step S  (testing) rank 0's gradients of step S (main.log's s:S) are NaN [-1]\n"
+    "  --debug-sigterm-step S  (testing) the last rank sends itself SIGTERM during step S [-1]\n"
     "  -h, --help        this text\n"
     "README.md, \"Using train_gpt\" and the sections after it, tells the rest: the log lines, ZeRO, tp and sp,\n"
     "the launch scripts, checkpoints and the data order.\n";
@@ -208,6 +211,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--debug-stall-rank", integer(&o.debug_stall_rank, -1, 1 << 20)},
         {"--max-bad-steps", integer(&o.max_bad_steps, 1, INT_MAX)},
         {"--debug-nan-step", integer(&o.debug_nan_step, -1, INT_MAX)},
+        {"--debug-sigterm-step", integer(&o.debug_sigterm_step, -1, INT_MAX)},
     };
     for (int i = 1; i < argc; i++) {
         std::string flag = argv[i];

@@ -1,15 +1,18 @@
-// What guards a run against the world around it: a lock that keeps a second run out of its output directory.
-// It is state of the whole process (a file descriptor held open for the whole run), so it lives here rather
-// than in the training story of train_gpt.cu.
+// What guards a run against the world around it: a lock that keeps a second run out of its output directory,
+// and the handling of SIGTERM and SIGINT that turns the first of them into a checkpoint and a clean stop. Both
+// are state of the whole process (a file descriptor held open, a signal handler), so they live here rather than
+// in the training story of train_gpt.cu.
 #pragma once
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
 
 #include <string>
 
+#include "llmc/comm.cuh"
 #include "llmc/utils.h"
 
 // An flock on DIR/train_gpt.lock, held from acquire() to the end of the process: the kernel releases it however
@@ -45,3 +48,37 @@ struct RunLock {
             fail("%s: cannot write (%s)", path.c_str(), strerror(errno));
     }
 };
+
+// The first SIGTERM (what Slurm sends before a job's time limit) or SIGINT asks the run to stop after the
+// current step; a second one, while the first is being honoured, ends the process at once.
+inline volatile sig_atomic_t stop_signal = 0;  // the number of the first signal received, 0 before any
+
+inline void on_stop_signal(int sig) {
+    if (stop_signal != 0) {
+        signal(sig, SIG_DFL);
+        raise(sig);  // delivered, by default, when this handler returns
+        return;
+    }
+    stop_signal = sig;
+}
+
+inline void install_stop_handlers() {
+    struct sigaction sa = {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, nullptr);
+    sigaction(SIGINT, &sa, nullptr);
+}
+
+// Whether any rank has been asked to stop: a sum over all ranks, so that every rank stops after the same step
+// (a signal may reach only some of them). Collective over `world`.
+inline bool stop_requested(Comm& world) {
+    int mine = stop_signal != 0, any = 0;
+    world.wait(world.all_reduce(&mine, &any, 1, DType::I32));
+    return any > 0;
+}
+
+// what asked this run to stop, for the line that says so
+inline const char* stop_reason() {
+    return stop_signal == SIGTERM ? "SIGTERM" : stop_signal == SIGINT ? "SIGINT" : "a signal to another rank";
+}

@@ -3,6 +3,8 @@
 // (on one rank and on two, under ZeRO-1 and 3, every rank alike) and the run goes on; --max-bad-steps such steps
 // in a row stop the run with exit code 4; a state that turned non-finite is never saved, and never pruned to.
 // One run per output directory: a second run on the same -o, started later or at the same moment, stops at once.
+// SIGTERM (from the run itself on its last rank, or from outside) stops the run after its step with a checkpoint
+// from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once.
 // The binary tests run ./train_gpt from the repository root (`make test` builds it first).
 #include <signal.h>
 #include <sys/wait.h>
@@ -304,4 +306,73 @@ TEST_CASE("of two runs started together on one -o, exactly one runs", "[failures
     CHECK(waitpid(won, &status, WNOHANG) == 0);  // still running
     kill(won, SIGKILL);
     finish(won);
+}
+
+TEST_CASE("SIGTERM during a step: the step finishes, a checkpoint is written, exit 5; -y 1 continues bit-exactly",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    // one rank, and two under ZeRO-1 where only the last rank (1) is signalled: rank 0, which writes the
+    // checkpoint, learns of it through the per-step reduction
+    for (int ranks : {1, 2}) {
+        INFO(ranks << " ranks");
+        const std::string flags = data.flags(2, 64, 8) + " -n 8" + (ranks == 2 ? " -z 1" : "");
+        const std::string whole = out / strfmt("whole%d", ranks), stopped = out / strfmt("stopped%d", ranks);
+        train(ranks, flags, whole);
+
+        CommandResult r = mpirun(ranks, "./train_gpt", flags + " --debug-sigterm-step 3 -o '" + stopped + "'");
+        INFO(r.output);
+        CHECK(r.status == 5);
+        CHECK(r.output.find(strfmt("train_gpt: stopped after step 4 on %s; checkpoint %s/ckpt_00000004 written; resume "
+                                   "with -y 1", ranks == 1 ? "SIGTERM" : "a signal to another rank", stopped.c_str())) !=
+              std::string::npos);
+        CHECK(r.output.find("step     4/8") != std::string::npos);
+        CHECK(r.output.find("step     5/8") == std::string::npos);
+        CHECK(list_checkpoints(stopped) == std::vector<int>{4});
+
+        std::string again = train(ranks, flags + " -y 1", stopped);
+        CHECK(again.find("resumed from " + stopped + "/ckpt_00000004 at step 4") != std::string::npos);
+        CHECK(read_file(stopped + "/main.log") == read_file(whole + "/main.log"));
+        std::vector<std::string> files{"model.bin", "state_rank0.bin", "optimizer_rank0.bin"};
+        if (ranks == 2) files.push_back("optimizer_rank1.bin");
+        for (const std::string& f : files) {
+            INFO(f);
+            CHECK(read_file(stopped + "/ckpt_00000008/" + f) == read_file(whole + "/ckpt_00000008/" + f));
+        }
+    }
+}
+
+TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint; a second signal ends it at once",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string args = data.flags(2, 32, 1000000);
+
+    SECTION("one SIGTERM") {
+        const std::string dir = out / "one", log = out / "one.log";
+        pid_t pid = start(args + " -o '" + dir + "'", log);
+        REQUIRE(wait_for(log, "step     2/"));
+        kill(pid, SIGTERM);
+        CHECK(finish(pid) == 5);
+        std::string output = read_file(log);
+        INFO(output);
+        // the step it stopped after is the last one printed, and its checkpoint is there
+        int stopped_after = -1;
+        for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &stopped_after);
+        REQUIRE(stopped_after >= 2);
+        CHECK(output.find(strfmt("train_gpt: stopped after step %d on SIGTERM; checkpoint %s/%s written; resume with -y 1",
+                                 stopped_after, dir.c_str(), checkpoint_name(stopped_after).c_str())) != std::string::npos);
+        CHECK(list_checkpoints(dir) == std::vector<int>{stopped_after});
+    }
+    SECTION("SIGTERM and SIGINT at once") {
+        const std::string dir = out / "two", log = out / "two.log";
+        pid_t pid = start(args + " -o '" + dir + "'", log);
+        REQUIRE(wait_for(log, "step     2/"));
+        kill(pid, SIGTERM);
+        kill(pid, SIGINT);
+        int status = finish(pid);
+        INFO(read_file(log));
+        CHECK((status == 128 + SIGINT || status == 128 + SIGTERM));
+        CHECK(list_checkpoints(dir).empty());
+    }
 }
