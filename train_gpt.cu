@@ -318,7 +318,7 @@ static int train(const Options& o, const RunSetup& run) {
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
         if (!o.out_dir.empty()) {
             make_dirs(o.out_dir);
-            log.open(o.out_dir, !resume_dir.empty());
+            log.open(o.out_dir, resume_dir.empty() ? -1 : state.step);
         }
     }
     if (o.overfit) train.next_batch();  // the one batch every step will see

@@ -4,7 +4,8 @@
 // in a row stop the run with exit code 4; a state that turned non-finite is never saved, and never pruned to.
 // One run per output directory: a second run on the same -o, started later or at the same moment, stops at once.
 // SIGTERM (from the run itself on its last rank, or from outside) stops the run after its step with a checkpoint
-// from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once.
+// from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once. main.log: a
+// write error (a full disk) stops the run, and a resumed run cuts the log back to its checkpoint's step.
 // The binary tests run ./train_gpt from the repository root (`make test` builds it first).
 #include <signal.h>
 #include <sys/wait.h>
@@ -374,5 +375,37 @@ TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint
         INFO(read_file(log));
         CHECK((status == 128 + SIGINT || status == 128 + SIGTERM));
         CHECK(list_checkpoints(dir).empty());
+    }
+}
+
+TEST_CASE("a write error to main.log stops the run with one line", "[failures]") {
+    Data data;
+    TempDir out;
+    // a full disk: every write to /dev/full fails with ENOSPC
+    REQUIRE(symlink("/dev/full", (out / "main.log").c_str()) == 0);
+    CommandResult r = single(data.flags(2, 32, 3) + " -o '" + out.path + "'");
+    INFO(r.output);
+    CHECK(r.status == 1);
+    std::vector<std::string> errors = error_lines(r.output);
+    REQUIRE(errors.size() == 1);
+    CHECK(errors[0] == "train_gpt: " + out.path + "/main.log: cannot write (No space left on device)");
+    CHECK(r.output.find("step     1/3") == std::string::npos);
+}
+
+TEST_CASE("a resumed run cuts main.log back to its checkpoint's step: no step is logged twice", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string flags = data.flags(2, 32, 12) + " -n 4", whole = out / "whole", resumed = out / "resumed";
+    train(1, flags, whole);
+    // the directory a run leaves when it dies after step 11, past its checkpoint at 8, and one that lost its
+    // last two checkpoints: both hold log lines of steps the resumed run takes again
+    for (int from : {8, 4}) {
+        INFO("resumed from step " << from);
+        REQUIRE(run_command("rm -rf '" + resumed + "' && cp -r '" + whole + "' '" + resumed + "'").status == 0);
+        for (int s = from + 4; s <= 12; s += 4) remove_checkpoint(resumed, s);
+        REQUIRE(list_checkpoints(resumed).back() == from);
+        std::string again = train(1, flags + " -y 1", resumed);
+        CHECK(again.find(strfmt("at step %d", from)) != std::string::npos);
+        CHECK(read_file(resumed + "/main.log") == read_file(whole + "/main.log"));
     }
 }
