@@ -2,7 +2,8 @@
 // top to bottom: read the flags, pick the device, join the other ranks and lay them out on the process grid,
 // build the model (fresh, from an llm.c file, or from the newest checkpoint) with its data-parallel runtime,
 // open this rank's slice of the data, then loop: checkpoint, validate, sample, and take one optimizer step
-// over a global batch of micro-batches.
+// over a global batch of micro-batches (skipped when its loss or gradient norm is not finite), until the last
+// step, too many bad steps in a row, or a SIGTERM or SIGINT to any rank.
 #include <cuda_runtime.h>
 #include <omp.h>
 #include <time.h>

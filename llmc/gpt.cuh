@@ -556,8 +556,9 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
 }
 
 inline const char* param_tensor_name(int tensor) {
-    static const char* names[NUM_PARAM_TENSORS] = {"wte",  "wpe",  "ln1w", "ln1b",   "qkvw", "qkvb", "attprojw", "attprojb",
-                                                   "ln2w", "ln2b", "fcw",  "fcb",    "fcprojw", "fcprojb", "lnfw", "lnfb"};
+    static const char* names[NUM_PARAM_TENSORS] = {"wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw",
+                                                   "attprojb", "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb",
+                                                   "lnfw", "lnfb"};
     return names[tensor];
 }
 
@@ -605,7 +606,8 @@ inline void gpt_load_params(const GPTConfig& mc, float* params, const std::strin
         }
     }
     size_t bad = first_non_finite(params, count);
-    if (bad < count) fail("%s: %g in %s (a model must be finite)", path.c_str(), params[bad], describe_param(c, bad).c_str());
+    if (bad < count)
+        fail("%s: %g in %s (a model must be finite)", path.c_str(), params[bad], describe_param(c, bad).c_str());
 }
 
 // writes an fp32 (version 3) llm.c model file from a flat parameter buffer
