@@ -165,7 +165,9 @@ inline void write_optimizer(const std::string& path, const ModelState& m) {
     f.close();
 }
 
-inline void read_optimizer(const std::string& path, const ModelState& m) {
+// A NaN or Inf in the moments is refused, named by parameter tensor where the file holds the whole model's
+// moments in its flat order (`flat`: ZeRO-0 without tp), else by its place in this rank's share.
+inline void read_optimizer(const std::string& path, const ModelState& m, bool flat) {
     File f(path, "rb");
     int h[256];
     if (f.size() < (long)sizeof(h)) fail("%s: not an optimizer state file", path.c_str());
@@ -183,8 +185,11 @@ inline void read_optimizer(const std::string& path, const ModelState& m) {
     const float* moments[2] = {m.adam_m, m.adam_v};
     for (int k = 0; k < 2; k++) {
         size_t bad = first_non_finite(moments[k], n);
-        if (bad < n) fail("%s: %g in the %s, element %zu (the optimizer state must be finite)", path.c_str(),
-                          moments[k][bad], moment_names[k], bad);
+        if (bad == n) continue;
+        std::string where =
+            flat ? "of " + describe_param(m.config, bad) : strfmt("at element %zu of this rank's share", bad);
+        fail("%s: %g in the %s %s (the optimizer state must be finite)", path.c_str(), moments[k][bad],
+             moment_names[k], where.c_str());
     }
 }
 
@@ -265,7 +270,7 @@ inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainSt
              "the same settings (or start from its model.bin with -e)", dir.c_str(), r.B, r.T, r.total_batch, r.world,
              r.dp, r.tp, r.sp, r.zero, r.bucket_floats);
     gpt_load_params(m.config, m.params, dir + "/model.bin");
-    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m);
+    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m, r.zero == 0 && r.tp == 1);
     std::string path = dir + "/state_rank0.bin";
     File f(path, "rb");
     int h[256];

@@ -127,8 +127,9 @@ TEST_CASE("a checkpoint with a NaN in its model or optimizer state is refused, n
         size_t index;
         const char* says;
     } cases[] = {{"model.bin", n - 1, "model.bin: nan in lnfb, element 32"},
-                 {"optimizer_rank0.bin", 7, "optimizer_rank0.bin: nan in the first moment (m), element 7"},
-                 {"optimizer_rank0.bin", n + 7, "optimizer_rank0.bin: nan in the second moment (v), element 7"}};
+                 {"optimizer_rank0.bin", 7, "optimizer_rank0.bin: nan in the first moment (m) of wte, element 7"},
+                 {"optimizer_rank0.bin", n + n - 33 - 1,
+                  "optimizer_rank0.bin: nan in the second moment (v) of lnfw, element 32"}};
     for (const Case& k : cases) {
         INFO(k.says);
         const std::string dir = out / "bad";
@@ -143,6 +144,19 @@ TEST_CASE("a checkpoint with a NaN in its model or optimizer state is refused, n
         CHECK(r.output.find("step ") == std::string::npos);
         CHECK(list_checkpoints(dir) == std::vector<int>{2, 4});
     }
+
+    // a sharded optimizer state (ZeRO-1 on two ranks) is named by the place in the rank's share
+    const std::string sharded = out / "sharded";
+    train(2, data.flags(2, 64, 2) + " -z 1 -n 2", sharded);
+    plant_float(sharded + "/ckpt_00000002/optimizer_rank1.bin", 3, INFINITY);
+    CommandResult r = mpirun(2, "./train_gpt", data.flags(2, 64, 4) + " -z 1 -n 2 -y 1 -o '" + sharded + "'");
+    INFO(r.output);
+    CHECK(r.status != 0);
+    std::vector<std::string> errors = error_lines(r.output);
+    REQUIRE(errors.size() == 1);
+    CHECK(errors[0].find(sharded + "/ckpt_00000002/optimizer_rank1.bin: inf in the first moment (m) at element 3 of "
+                         "this rank's share") != std::string::npos);
+    CHECK(list_checkpoints(sharded) == std::vector<int>{2});
 }
 
 TEST_CASE("a step with a NaN gradient skips its update, says so, and the run goes on", "[failures]") {
