@@ -2,7 +2,8 @@
 // top to bottom: read the flags, pick the device, join the other ranks and lay them out on the process grid,
 // build the model (fresh, from an llm.c file, or from the newest checkpoint) with its data-parallel runtime,
 // open this rank's slice of the data, then loop: checkpoint, validate, sample, and take one optimizer step
-// over a global batch of micro-batches.
+// over a global batch of micro-batches (skipped when its loss or gradient norm is not finite), until the last
+// step, too many bad steps in a row, or a SIGTERM or SIGINT to any rank.
 #include <cuda_runtime.h>
 #include <omp.h>
 #include <time.h>
@@ -17,9 +18,22 @@
 #include "llmc/logger.h"
 #include "llmc/options.h"
 #include "llmc/plan.h"
+#include "llmc/run_guard.h"
 #include "llmc/sampler.h"
 #include "llmc/tokenizer.h"
 #include "llmc/zero.cuh"
+
+// exit codes besides 0 (done) and 1 (a refused input or an error; 3 is a comm timeout, llmc/comm.cuh): README's
+// "Failures and recovery" lists them all, for the scripts that restart runs
+constexpr int EXIT_NON_FINITE = 4;  // --max-bad-steps steps in a row were skipped, or the state was not finite
+constexpr int EXIT_STOPPED = 5;     // SIGTERM or SIGINT: stopped after a step, with a checkpoint when -o is given
+
+// what the newest checkpoint in out_dir is, for the line that says why a run stopped
+static std::string newest_checkpoint(const std::string& out_dir) {
+    std::vector<int> steps = list_checkpoints(out_dir);
+    if (steps.empty()) return "there is no checkpoint in " + out_dir;
+    return "the newest checkpoint is " + out_dir + "/" + checkpoint_name(steps.back());
+}
 
 static double now_seconds() {
     timespec ts;
@@ -286,6 +300,9 @@ static int train(const Options& o, const RunSetup& run) {
     LRSchedule schedule = o.schedule;
     schedule.total_steps = steps;
     Logger log;
+    int bad_steps = 0;      // steps skipped in a row for a non-finite loss or gradient norm
+    bool stopping = false;  // some rank was sent SIGTERM or SIGINT: checkpoint, then end
+    install_stop_handlers();
     if (lead) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
@@ -302,7 +319,7 @@ static int train(const Options& o, const RunSetup& run) {
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
         if (!o.out_dir.empty()) {
             make_dirs(o.out_dir);
-            log.open(o.out_dir, !resume_dir.empty());
+            log.open(o.out_dir, resume_dir.empty() ? -1 : state.step);
         }
     }
     if (o.overfit) train.next_batch();  // the one batch every step will see
@@ -310,7 +327,8 @@ static int train(const Options& o, const RunSetup& run) {
 
     for (int step = state.step; step <= steps; step++) {
         bool last_step = step == steps;
-        if (o.checkpoint_every > 0 && step > state.step && (step % o.checkpoint_every == 0 || last_step)) {
+        bool scheduled = o.checkpoint_every > 0 && (step % o.checkpoint_every == 0 || last_step);
+        if (step > state.step && (scheduled || (stopping && !o.out_dir.empty()))) {
             TrainState now{step, train.state(), sampler_rng.state};
             std::vector<float> storage;
             float* whole = whole_model(model, dpr, grid, o.zero, storage);
@@ -319,8 +337,24 @@ static int train(const Options& o, const RunSetup& run) {
                 device_download<floatX>(staged_v.data(), adam_v, moments);
             }
             bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
-            save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
-                            writes_optimizer ? optimizer_file : -1);
+            if (!save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
+                                 writes_optimizer ? optimizer_file : -1)) {
+                // a finite update that overflowed: every later step would be skipped, so the run ends here
+                if (lead)
+                    fprintf(stderr, "train_gpt: step %d: the parameters or the optimizer state hold a NaN or Inf; no "
+                            "checkpoint written (%s), stopping\n", step, newest_checkpoint(o.out_dir).c_str());
+                comm_finalize(world_comm);
+                return EXIT_NON_FINITE;
+            }
+        }
+        if (stopping) {
+            if (lead)
+                fprintf(stderr, "train_gpt: stopped after step %d on %s; %s\n", step, stop_reason(),
+                        o.out_dir.empty() ? "no checkpoint (no -o)"
+                                          : ("checkpoint " + o.out_dir + "/" + checkpoint_name(step) +
+                                             " written; resume with -y 1").c_str());
+            comm_finalize(world_comm);
+            return EXIT_STOPPED;
         }
         if (val && (step % o.val_every == 0 || last_step)) {
             float loss = (float)dpr.mean(validation_loss(model, *val, val_batches));
@@ -334,42 +368,59 @@ static int train(const Options& o, const RunSetup& run) {
         }
         if (last_step) break;
         if (step == state.step && grid.rank == o.debug_stall_rank) sleep(1000000);
+        if (step == o.debug_sigterm_step && grid.rank == grid.world - 1) raise(SIGTERM);
 
         // one optimizer step: the mean loss over the global batch, accumulated over micro-batches; gradient
         // buckets are reduced across dp while backward runs
         double t0 = now_seconds(), sent0 = grid.dp_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
         dpr.zero_grad();
         double loss = 0.0;
+        float dloss = 1.0f / (float)(tokens_per_micro_step * accumulation);
+        if (step == o.debug_nan_step && grid.rank == 0) dloss = NAN;
         for (int micro = 0; micro < accumulation; micro++) {
             dpr.begin_micro_step(micro == accumulation - 1);
             if (!o.overfit) train.next_batch();
             loss += gpt_forward(model, train.inputs.data(), train.targets.data(), o.B, o.T) / accumulation;
-            gpt_backward(model, 1.0f / (float)(tokens_per_micro_step * accumulation));
+            gpt_backward(model, dloss);
         }
         float lr = schedule.at(step);
-        double norm;
-        {
-            NvtxRange update("optimizer step");
-            norm = dpr.step(lr, o.weight_decay);
-        }
+        // a NaN or Inf in the loss or the gradient norm skips the update, leaving the parameters and the optimizer
+        // state as they were; both values are reduced already, so every rank takes the same decision
+        double norm = dpr.grad_norm();
         loss = dpr.mean(loss);
+        bool skipped = !std::isfinite(loss) || !std::isfinite(norm);
+        bad_steps = skipped ? bad_steps + 1 : 0;
+        if (!skipped) {
+            NvtxRange update("optimizer step");
+            dpr.update(lr, o.weight_decay, norm);
+        }
         double ms = (now_seconds() - t0) * 1000.0, sent = grid.dp_comm.bytes_sent - sent0;
         double tp_sent = grid.tp_comm.bytes_sent - tp_sent0;
-        if (!lead) continue;
-        printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s\n", step + 1, steps, loss, lr,
-               norm, ms, total_batch / (ms / 1000.0));
-        if (step == state.step && grid.dp > 1)
-            printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
-                   planned_comm_bytes(config, par, device_of<floatX>));
-        if (step == state.step && on_gpu)
-            printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
-                   "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
-                   CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
-        if (step == state.step && grid.tp > 1)
-            printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
-                   grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
-        fflush(stdout);
-        log.train(step, (float)loss, lr, (float)norm);
+        if (lead) {
+            printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
+                   lr, norm, ms, total_batch / (ms / 1000.0),
+                   skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
+            if (step == state.step && grid.dp > 1)
+                printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent,
+                       o.zero, planned_comm_bytes(config, par, device_of<floatX>));
+            if (step == state.step && on_gpu)
+                printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
+                       "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
+                       CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
+            if (step == state.step && grid.tp > 1)
+                printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n",
+                       tp_sent, grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+            fflush(stdout);
+            log.train(step, (float)loss, lr, (float)norm, skipped);
+        }
+        if (bad_steps == o.max_bad_steps) {
+            if (lead)
+                fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row with a non-finite loss or gradient "
+                        "norm (--max-bad-steps %d)\n", step + 1, bad_steps, o.max_bad_steps);
+            comm_finalize(world_comm);
+            return EXIT_NON_FINITE;
+        }
+        stopping = stop_requested(grid.world_comm);
     }
     if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
     comm_finalize(world_comm);
@@ -383,6 +434,12 @@ static int run(const Options& o) {
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
 
+    // one run per output directory: rank 0 holds the lock for the whole run, from before it reads the directory
+    RunLock lock;
+    if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) {
+        make_dirs(o.out_dir);
+        lock.acquire(o.out_dir);
+    }
     std::string resume_dir;
     if (o.resume) {
         std::vector<int> steps = list_checkpoints(o.out_dir);

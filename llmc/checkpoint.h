@@ -165,7 +165,9 @@ inline void write_optimizer(const std::string& path, const ModelState& m) {
     f.close();
 }
 
-inline void read_optimizer(const std::string& path, const ModelState& m) {
+// A NaN or Inf in the moments is refused, named by parameter tensor where the file holds the whole model's
+// moments in its flat order (`flat`: ZeRO-0 without tp), else by its place in this rank's share.
+inline void read_optimizer(const std::string& path, const ModelState& m, bool flat) {
     File f(path, "rb");
     int h[256];
     if (f.size() < (long)sizeof(h)) fail("%s: not an optimizer state file", path.c_str());
@@ -179,13 +181,37 @@ inline void read_optimizer(const std::string& path, const ModelState& m) {
     *m.adam_step = h[2];
     f.read(m.adam_m, n * 4);
     f.read(m.adam_v, n * 4);
+    const char* moment_names[2] = {"first moment (m)", "second moment (v)"};
+    const float* moments[2] = {m.adam_m, m.adam_v};
+    for (int k = 0; k < 2; k++) {
+        size_t bad = first_non_finite(moments[k], n);
+        if (bad == n) continue;
+        std::string where =
+            flat ? "of " + describe_param(m.config, bad) : strfmt("at element %zu of this rank's share", bad);
+        fail("%s: %g in the %s %s (the optimizer state must be finite)", path.c_str(), moments[k][bad],
+             moment_names[k], where.c_str());
+    }
+}
+
+// whether the state a checkpoint would hold is finite on every rank: rank 0's whole parameters and every rank's
+// optimizer state (collective over `world`, so that every rank agrees)
+inline bool state_is_finite(const ModelState& m, Comm& world) {
+    int bad = first_non_finite(m.adam_m, m.optimizer_count) < m.optimizer_count ||
+              first_non_finite(m.adam_v, m.optimizer_count) < m.optimizer_count;
+    if (world.rank == 0) bad |= first_non_finite(m.params, num_parameters(m.config)) < num_parameters(m.config);
+    int total = 0;
+    world.wait(world.all_reduce(&bad, &total, 1, DType::I32));
+    return total == 0;
 }
 
 // Writes out_dir/ckpt_STEP atomically, then keeps only the newest `keep` checkpoints (0 keeps all).
 // Collective over `world`: rank 0's m.params must hold the whole model; optimizer_file is the file this rank
 // writes its optimizer state to, or -1 when another rank holds the same state.
-inline void save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
+// A state with a NaN or Inf is not written, and nothing is pruned: returns false. So every checkpoint on disk is
+// finite, and pruning, which follows only a successful save, never removes the newest finite one.
+inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
                             int keep, Comm& world, int optimizer_file = 0) {
+    if (!state_is_finite(m, world)) return false;
     std::string final_dir = out_dir + "/" + checkpoint_name(s.step);
     std::string tmp_dir = final_dir + ".tmp";
     bool lead = world.rank == 0;
@@ -226,6 +252,7 @@ inline void save_checkpoint(const std::string& out_dir, const ModelState& m, con
         }
     }
     world.wait(world.barrier());
+    return true;
 }
 
 // the model shape stored in a checkpoint, to allocate the model before load_checkpoint
@@ -243,7 +270,7 @@ inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainSt
              "the same settings (or start from its model.bin with -e)", dir.c_str(), r.B, r.T, r.total_batch, r.world,
              r.dp, r.tp, r.sp, r.zero, r.bucket_floats);
     gpt_load_params(m.config, m.params, dir + "/model.bin");
-    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m);
+    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m, r.zero == 0 && r.tp == 1);
     std::string path = dir + "/state_rank0.bin";
     File f(path, "rb");
     int h[256];

@@ -555,7 +555,34 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
     return c;
 }
 
-// reads into params (a flat buffer) the parameters of a model file whose header matches mc
+inline const char* param_tensor_name(int tensor) {
+    static const char* names[NUM_PARAM_TENSORS] = {"wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw",
+                                                   "attprojb", "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb",
+                                                   "lnfw", "lnfb"};
+    return names[tensor];
+}
+
+// where element i of the whole model's flat buffer lies, in words: "ln1w of layer 1, element 5"
+inline std::string describe_param(const GPTConfig& c, size_t i) {
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    int t = 0;
+    while (t + 1 < NUM_PARAM_TENSORS && i >= sizes[t]) i -= sizes[t++];
+    bool per_layer = t != WTE && t != WPE && t != LNFW && t != LNFB;
+    if (!per_layer) return strfmt("%s, element %zu", param_tensor_name(t), i);
+    size_t per = sizes[t] / c.num_layers;
+    return strfmt("%s of layer %zu, element %zu", param_tensor_name(t), i / per, i % per);
+}
+
+// the index of the first NaN or Inf among n floats, or n when every one is finite
+inline size_t first_non_finite(const float* x, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!std::isfinite(x[i])) return i;
+    return n;
+}
+
+// reads into params (a flat buffer) the parameters of a model file whose header matches mc; a NaN or Inf in it
+// is refused, naming the tensor, since training from it could only produce NaN
 inline void gpt_load_params(const GPTConfig& mc, float* params, const std::string& path) {
     int version;
     GPTConfig c = read_model_header(path, &version);
@@ -578,6 +605,9 @@ inline void gpt_load_params(const GPTConfig& mc, float* params, const std::strin
             }
         }
     }
+    size_t bad = first_non_finite(params, count);
+    if (bad < count)
+        fail("%s: %g in %s (a model must be finite)", path.c_str(), params[bad], describe_param(c, bad).c_str());
 }
 
 // writes an fp32 (version 3) llm.c model file from a flat parameter buffer

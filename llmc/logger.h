@@ -1,6 +1,10 @@
 // DIR/main.log in llm.c's line format, which scripts and tests parse: "s:STEP trl:LOSS lr:LR norm:NORM" per
-// training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals.
+// training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals. A step whose update was skipped
+// (a non-finite loss or gradient norm) adds "skipped:1". A line that cannot be written stops the run.
 #pragma once
+
+#include <stdarg.h>
+#include <unistd.h>
 
 #include <string>
 
@@ -8,23 +12,45 @@
 
 struct Logger {
     FILE* f = nullptr;
-    // a resumed run appends; a fresh one starts the log anew
-    void open(const std::string& dir, bool append) {
-        std::string path = dir + "/main.log";
-        f = fopen(path.c_str(), append ? "a" : "w");
+    std::string path;
+    // A fresh run starts the log anew. A resumed one first cuts it before the first line of step resume_step or
+    // later (what a run that went further, or died before its next checkpoint, logged), so that no step appears
+    // twice, then appends.
+    void open(const std::string& dir, int resume_step) {
+        path = dir + "/main.log";
+        if (resume_step >= 0) cut_from(resume_step);
+        f = fopen(path.c_str(), resume_step >= 0 ? "a" : "w");
         if (!f) fail("%s: cannot open for writing (%s)", path.c_str(), strerror(errno));
     }
     ~Logger() {
         if (f) fclose(f);
     }
-    void train(int step, float loss, float lr, float norm) {
-        if (!f) return;
-        fprintf(f, "s:%d trl:%.6f lr:%.6e norm:%.6f\n", step, loss, lr, norm);
-        fflush(f);
+    void train(int step, float loss, float lr, float norm, bool skipped) {
+        line("s:%d trl:%.6f lr:%.6e norm:%.6f%s\n", step, loss, lr, norm, skipped ? " skipped:1" : "");
     }
-    void val(int step, float loss) {
+    void val(int step, float loss) { line("s:%d tel:%.6f\n", step, loss); }
+
+   private:
+    // a line that cannot be written (a full disk) stops the run: a run whose log is lost cannot be followed
+    void line(const char* fmt, ...) __attribute__((format(printf, 2, 3))) {
         if (!f) return;
-        fprintf(f, "s:%d tel:%.6f\n", step, loss);
-        fflush(f);
+        va_list args;
+        va_start(args, fmt);
+        int n = vfprintf(f, fmt, args);
+        va_end(args);
+        if (n < 0 || fflush(f) != 0 || ferror(f)) fail("%s: cannot write (%s)", path.c_str(), strerror(errno));
+    }
+    void cut_from(int step) {
+        FILE* in = fopen(path.c_str(), "rb");
+        if (!in) return;  // no log yet (a checkpoint copied into a new directory)
+        long keep = 0;
+        char buf[4096];
+        while (fgets(buf, sizeof(buf), in)) {
+            int s;
+            if (sscanf(buf, "s:%d", &s) == 1 && s >= step) break;
+            keep = ftell(in);
+        }
+        fclose(in);
+        if (truncate(path.c_str(), keep) != 0) fail("%s: cannot truncate (%s)", path.c_str(), strerror(errno));
     }
 };

@@ -34,6 +34,7 @@ struct Options {
     int checkpoint_every = 0;                           // -n
     int checkpoints_keep = 0;                           // -nk
     bool resume = false;                                // -y
+    int max_bad_steps = 3;                              // --max-bad-steps
     bool overfit = false;                               // -a
     uint64_t seed = 1337;                               // --seed
     bool shuffle = true;                                // --shuffle
@@ -52,6 +53,8 @@ struct Options {
     float comm_timeout = 600.0f;                        // --comm-timeout
     int debug_stall_rank = -1;                          // --debug-stall-rank (tests only)
     bool debug_check_replicas = false;                  // --debug-check-replicas (tests only)
+    int debug_nan_step = -1;                            // --debug-nan-step (tests only)
+    int debug_sigterm_step = -1;                        // --debug-sigterm-step (tests only)
 };
 
 // --help: every flag parse_options accepts, by group, with its default in brackets (a test holds the two equal)
@@ -90,6 +93,10 @@ inline const char* USAGE =
     "  -n N              checkpoint every N steps and at the end; 0 = never (needs -o) [0]\n"
     "  -nk N             keep the newest N checkpoints; 0 = all                    [0]\n"
     "  -y 0|1            resume from the newest complete checkpoint in -o          [0]\n"
+    "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
+    "is given, exit code 5; a second one ends it at once):\n"
+    "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"
+    "                    in a row stop the run (exit code 4)                       [3]\n"
     "parallelism (dp = ranks / (tp*cp*pp)):\n"
     "  -z 0|1|2|3        ZeRO stage: shard optimizer state (1), and gradients (2), and parameters (3) [0]\n"
     "  --bucket-mb F     gradient reduction bucket size in MiB                     [25]\n"
@@ -107,6 +114,8 @@ inline const char* USAGE =
     "  -a 0|1            overfit a single batch                                    [0]\n"
     "  --debug-stall-rank R        (testing) rank R stops answering before its first step [-1]\n"
     "  --debug-check-replicas 0|1  (testing) at the end, compare the replicated tensors across tp [0]\n"
+    "  --debug-nan-step S  (testing) rank 0's gradients of step S (main.log's s:S) are NaN [-1]\n"
+    "  --debug-sigterm-step S  (testing) the last rank sends itself SIGTERM during step S [-1]\n"
     "  -h, --help        this text\n"
     "README.md, \"Using train_gpt\" and the sections after it, tells the rest: the log lines, ZeRO, tp and sp,\n"
     "the launch scripts, checkpoints and the data order.\n";
@@ -200,6 +209,9 @@ inline Options parse_options(int argc, char** argv) {
         {"--comm-dir", text(&o.comm_dir)},
         {"--comm-timeout", real(&o.comm_timeout, 0.1f, 1e7f)},
         {"--debug-stall-rank", integer(&o.debug_stall_rank, -1, 1 << 20)},
+        {"--max-bad-steps", integer(&o.max_bad_steps, 1, INT_MAX)},
+        {"--debug-nan-step", integer(&o.debug_nan_step, -1, INT_MAX)},
+        {"--debug-sigterm-step", integer(&o.debug_sigterm_step, -1, INT_MAX)},
     };
     for (int i = 1; i < argc; i++) {
         std::string flag = argv[i];

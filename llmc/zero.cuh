@@ -295,32 +295,30 @@ struct DataParallel : ParamStore<floatX> {
         else device_zero<floatX>(shard_grads, layout.shard_size);
     }
 
-    // finishes the gradient reduction, clips and takes the optimizer step; returns the gradient norm
-    double step(float lr, float weight_decay) {
-        if (!engaged()) {
-            double norm = gpt_grad_norm(m);
-            gpt_update(m, lr, weight_decay, clip_scale(norm, 1.0f));
-            return norm;
-        }
+    // finishes the gradient reduction and returns the global gradient norm, the same value on every rank, so
+    // that the trainer's decision to take or skip the update (a non-finite norm) is the same everywhere
+    double grad_norm() {
+        if (!engaged()) return gpt_grad_norm(m);
         finish_reductions();
         // The norm from the owned pieces, summed in bucket order, then over the dp ranks and over the tp ranks
         // (a tensor every tp rank holds whole counts once): the same sums in every stage, on every rank.
-        const floatX* g = stage >= 2 ? shard_grads : m.grads;
         std::vector<std::pair<const floatX*, long>> spans;
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs)
                 if (m.tp.spec.rank == 0 || !is_replicated(s.tensor))
-                    spans.push_back({g + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
+                    spans.push_back({reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
         double total = sum_in_rank_order(comm, sum_of_squares_spans(spans));
         if (m.tp.on()) total = sum_in_rank_order(*m.tp.comm, total);
-        double norm = sqrt(total);
+        return sqrt(total);
+    }
+
+    // the optimizer step on the reduced gradients, clipped to a global norm of 1 (norm: from grad_norm())
+    void update(float lr, float weight_decay, double norm) {
         float scale = clip_scale(norm, 1.0f);
-        if (stage == 0) {
-            gpt_update(m, lr, weight_decay, scale);
-            return norm;
-        }
+        if (stage == 0) return gpt_update(m, lr, weight_decay, scale);
         m.adam_step++;
         floatX* p = stage == 3 ? shard_params : m.params;
+        const floatX* g = reduced_grads();
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs) {
                 size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
@@ -329,7 +327,6 @@ struct DataParallel : ParamStore<floatX> {
                              m.adam_step, m.seed, (long)s.flat_offset);
             }
         if (stage < 3) all_gather_params(m.params);
-        return norm;
     }
 
     // the mean of a value over the dp group (the loss, for logging)
@@ -386,6 +383,9 @@ struct DataParallel : ParamStore<floatX> {
     }
 
    private:
+    // where the reduced gradients are: the shard under ZeRO-2/3, the flat buffer otherwise
+    const floatX* reduced_grads() const { return stage >= 2 ? shard_grads : m.grads; }
+
     // x summed over a group in rank order, the same bits on every rank
     static double sum_in_rank_order(Comm& group, double x) {
         if (group.size == 1) return x;

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Plots the loss curves of one or more train_gpt runs into a PNG: train loss (line) and validation loss (dots
 joined by a dashed line) against the step, one colour per run, with a legend. Reads the main.log files that
-`train_gpt -o DIR` writes (lines `s:STEP trl:LOSS lr:LR norm:NORM` and `s:STEP tel:LOSS`); a resumed run appends
-to its log and so repeats steps, and the last value logged for a step is the one plotted.
+`train_gpt -o DIR` writes (lines `s:STEP trl:LOSS lr:LR norm:NORM` and `s:STEP tel:LOSS`); where a step appears
+twice (a log concatenated by hand, or written before resumed runs cut theirs back), the last value is plotted.
 
     scripts/plot_log.py build/demo/main.log                       # writes build/demo/loss.png
     scripts/plot_log.py runA/main.log runB/main.log -o cmp.png --labels "b=8,b=16"

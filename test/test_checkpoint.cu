@@ -272,7 +272,8 @@ TEST_CASE("-nk keeps only the newest checkpoints", "[checkpoint]") {
         CommandResult r = train_gpt(data.flags(8) + " -n 2 -nk 2 -o '" + runs.path + "'");
         INFO(r.output);
         REQUIRE(r.status == 0);
-        CHECK(list_dir(runs.path) == std::vector<std::string>{"ckpt_00000006", "ckpt_00000008", "main.log"});
+        CHECK(list_dir(runs.path) ==
+              std::vector<std::string>{"ckpt_00000006", "ckpt_00000008", "main.log", "train_gpt.lock"});
         CHECK(list_checkpoints(runs.path) == std::vector<int>{6, 8});
     }
     SECTION("without -nk every checkpoint stays") {
@@ -280,7 +281,7 @@ TEST_CASE("-nk keeps only the newest checkpoints", "[checkpoint]") {
         INFO(r.output);
         REQUIRE(r.status == 0);
         CHECK(list_dir(runs.path) ==
-              std::vector<std::string>{"ckpt_00000003", "ckpt_00000006", "ckpt_00000008", "main.log"});
+              std::vector<std::string>{"ckpt_00000003", "ckpt_00000006", "ckpt_00000008", "main.log", "train_gpt.lock"});
     }
 }
 
@@ -499,7 +500,7 @@ TEST_CASE("a checkpoint written with a different batch layout is refused with on
     }
     // nothing was written
     CHECK(read_bytes(out / "main.log") == log_before);
-    CHECK(list_dir(out.path) == std::vector<std::string>{"ckpt_00000002", "main.log"});
+    CHECK(list_dir(out.path) == std::vector<std::string>{"ckpt_00000002", "main.log", "train_gpt.lock"});
 
     // the same check in process: nothing is loaded when the layout differs
     GPT m;

@@ -1,0 +1,425 @@
+// Tests of what a run does when something goes wrong, each with the failure planted: a NaN or Inf in a model
+// file or a checkpoint is refused, naming the file and the tensor; a step with a NaN gradient skips its update
+// (on one rank and on two, under ZeRO-1 and 3, every rank alike) and the run goes on; --max-bad-steps such steps
+// in a row stop the run with exit code 4; a state that turned non-finite is never saved, and never pruned to.
+// One run per output directory: a second run on the same -o, started later or at the same moment, stops at once.
+// SIGTERM (from the run itself on its last rank, or from outside) stops the run after its step with a checkpoint
+// from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once. main.log: a
+// write error (a full disk) stops the run, and a resumed run cuts the log back to its checkpoint's step.
+// The binary tests run ./train_gpt from the repository root (`make test` builds it first).
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "llmc/checkpoint.h"
+#include "mpi_helpers.h"
+
+namespace {
+
+// the directory's ckpt_STEP with a file's bytes changed: one float at element i after the file's 1024-byte header
+void plant_float(const std::string& path, size_t i, float value) {
+    std::string bytes = read_file(path);
+    REQUIRE(1024 + 4 * (i + 1) <= bytes.size());
+    memcpy(&bytes[1024 + 4 * i], &value, 4);
+    File f(path, "wb");
+    f.write(bytes.data(), bytes.size());
+    f.close();
+}
+
+// the lines of an output that start with "train_gpt:" (the errors)
+std::vector<std::string> error_lines(const std::string& output) {
+    std::vector<std::string> errors;
+    for (const std::string& line : lines_of(output))
+        if (line.rfind("train_gpt:", 0) == 0) errors.push_back(line);
+    return errors;
+}
+
+int count_lines_with(const std::string& text, const std::string& what) {
+    int n = 0;
+    for (const std::string& line : lines_of(text)) n += line.find(what) != std::string::npos;
+    return n;
+}
+
+const char* MODEL = "d3c33h3t32v301";
+
+// starts ./train_gpt with args in the background, its output going to `log`; the pid is train_gpt's own (the
+// shell execs it), so that signals reach it
+pid_t start(const std::string& args, const std::string& log) {
+    std::string cmd = "exec env " + std::string(RUN_ENV) + " ./train_gpt " + args + " > '" + log + "' 2>&1";
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
+        _exit(127);
+    }
+    REQUIRE(pid > 0);
+    return pid;
+}
+
+// waits until `log` holds `text` (true) or `seconds` pass (false)
+bool wait_for(const std::string& log, const std::string& text, double seconds = 120) {
+    for (double waited = 0; waited < seconds; waited += 0.01) {
+        if (file_exists(log) && read_file(log).find(text) != std::string::npos) return true;
+        usleep(10000);
+    }
+    return false;
+}
+
+// the exit status of a started process, as the shell reports it (128 + the signal when one ended it)
+int finish(pid_t pid) {
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string hostname() {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    return host;
+}
+
+}  // namespace
+
+TEST_CASE("a model file with a NaN or an Inf is refused, naming the file and the tensor", "[failures]") {
+    Data data;
+    GPTConfig c = parse_model_descriptor(MODEL);
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 5);
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    // element 5 of layer 1's ln1w, and the first element of wte
+    size_t ln1w_layer1 = sizes[WTE] + sizes[WPE] + c.channels + 5;
+    struct Case {
+        size_t index;
+        float value;
+        const char* says;
+    } cases[] = {{ln1w_layer1, NAN, "nan in ln1w of layer 1, element 5"}, {0, -INFINITY, "-inf in wte, element 0"}};
+    for (const Case& k : cases) {
+        INFO(k.says);
+        std::vector<float> bad = params;
+        bad[k.index] = k.value;
+        const std::string path = data.dir / "bad_model.bin";
+        gpt_save_params(c, bad.data(), path);
+        CommandResult r = single(data.flags(2, 32, 2, "'" + path + "'"));
+        INFO(r.output);
+        CHECK(r.status == 1);
+        REQUIRE(lines_of(r.output).size() == 1);
+        CHECK(r.output.find("train_gpt: " + path + ": " + k.says) != std::string::npos);
+    }
+    // the same file, finite, trains
+    gpt_save_params(c, params.data(), data.dir / "good_model.bin");
+    CommandResult ok = single(data.flags(2, 32, 2, "'" + (data.dir / "good_model.bin") + "'"));
+    INFO(ok.output);
+    CHECK(ok.status == 0);
+}
+
+TEST_CASE("a checkpoint with a NaN in its model or optimizer state is refused, naming the file and the tensor",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string flags = data.flags(2, 32, 4) + " -n 2";
+    const std::string good = out / "good";
+    train(1, flags, good);
+    REQUIRE(list_checkpoints(good) == std::vector<int>{2, 4});
+    size_t n = num_parameters(parse_model_descriptor(MODEL));
+
+    struct Case {
+        const char* file;
+        size_t index;
+        const char* says;
+    } cases[] = {{"model.bin", n - 1, "model.bin: nan in lnfb, element 32"},
+                 {"optimizer_rank0.bin", 7, "optimizer_rank0.bin: nan in the first moment (m) of wte, element 7"},
+                 {"optimizer_rank0.bin", n + n - 33 - 1,
+                  "optimizer_rank0.bin: nan in the second moment (v) of lnfw, element 32"}};
+    for (const Case& k : cases) {
+        INFO(k.says);
+        const std::string dir = out / "bad";
+        REQUIRE(run_command("rm -rf '" + dir + "' && cp -r '" + good + "' '" + dir + "'").status == 0);
+        plant_float(dir + "/ckpt_00000004/" + k.file, k.index, NAN);
+        CommandResult r = single(data.flags(2, 32, 6) + " -n 2 -y 1 -o '" + dir + "'");
+        INFO(r.output);
+        CHECK(r.status == 1);
+        std::vector<std::string> errors = error_lines(r.output);
+        REQUIRE(errors.size() == 1);
+        CHECK(errors[0].find(dir + "/ckpt_00000004/" + k.says) != std::string::npos);
+        CHECK(r.output.find("step ") == std::string::npos);
+        CHECK(list_checkpoints(dir) == std::vector<int>{2, 4});
+    }
+
+    // a sharded optimizer state (ZeRO-1 on two ranks) is named by the place in the rank's share
+    const std::string sharded = out / "sharded";
+    train(2, data.flags(2, 64, 2) + " -z 1 -n 2", sharded);
+    plant_float(sharded + "/ckpt_00000002/optimizer_rank1.bin", 3, INFINITY);
+    CommandResult r = mpirun(2, "./train_gpt", data.flags(2, 64, 4) + " -z 1 -n 2 -y 1 -o '" + sharded + "'");
+    INFO(r.output);
+    CHECK(r.status != 0);
+    std::vector<std::string> errors = error_lines(r.output);
+    REQUIRE(errors.size() == 1);
+    CHECK(errors[0].find(sharded + "/ckpt_00000002/optimizer_rank1.bin: inf in the first moment (m) at element 3 of "
+                         "this rank's share") != std::string::npos);
+    CHECK(list_checkpoints(sharded) == std::vector<int>{2});
+}
+
+TEST_CASE("a step with a NaN gradient skips its update, says so, and the run goes on", "[failures]") {
+    Data data;
+    TempDir out;
+    // one rank, and two ranks under ZeRO-1 and ZeRO-3 (where each rank updates only its own shard): the NaN is in
+    // rank 0's gradients only, and every rank must skip
+    struct Layout {
+        int ranks;
+        const char* flags;
+        std::vector<std::string> optimizer_files;
+    } layouts[] = {{1, "", {"optimizer_rank0.bin"}},
+                   {2, " -z 1", {"optimizer_rank0.bin", "optimizer_rank1.bin"}},
+                   {2, " -z 3", {"optimizer_rank0.bin", "optimizer_rank1.bin"}}};
+    for (const Layout& l : layouts) {
+        INFO(l.ranks << " ranks" << l.flags);
+        const std::string dir = out / strfmt("r%d%s", l.ranks, l.flags + (l.flags[0] ? 1 : 0));
+        std::string output = train(l.ranks, data.flags(2, 2 * 2 * 16, 5) + l.flags + " -n 1 --debug-nan-step 2", dir);
+        // the step line and main.log say so
+        CHECK(count_lines_with(output, "update skipped") == 1);
+        CHECK(count_lines_with(output, "step     3/5") == 1);
+        CHECK(output.find("step     3/5 | loss") != std::string::npos);
+        std::string log = read_file(dir + "/main.log");
+        CHECK(count_lines_with(log, "skipped:1") == 1);
+        CHECK(count_lines_with(log, "s:2 trl:") == 1);
+        CHECK(log.find("norm:nan skipped:1") != std::string::npos);
+        // the step after the skipped one is finite again
+        std::map<std::string, double> l2 = losses(dir);
+        REQUIRE(l2.count("trl 3") == 1);
+        CHECK(std::isfinite(l2["trl 3"]));
+        CHECK(std::isfinite(l2["trl 4"]));
+        // the parameters and the optimizer state after the skipped step (ckpt 3) are those before it (ckpt 2)
+        for (const std::string& file : l.optimizer_files) {
+            INFO(file);
+            CHECK(read_file(dir + "/ckpt_00000002/" + file) == read_file(dir + "/ckpt_00000003/" + file));
+        }
+        CHECK(read_file(dir + "/ckpt_00000002/model.bin") == read_file(dir + "/ckpt_00000003/model.bin"));
+        // ... while a step that is not skipped changes them
+        CHECK(read_file(dir + "/ckpt_00000003/model.bin") != read_file(dir + "/ckpt_00000004/model.bin"));
+    }
+}
+
+TEST_CASE("a state that overflows is never saved; --max-bad-steps bad steps in a row stop the run with exit 4",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string start = out / "start";
+    train(1, data.flags(2, 32, 2) + " -n 2", start);
+    // a first moment of 3e38 for lnfw's first element, finite and so accepted on loading, overflows in the first
+    // update after resuming (its bias correction alone exceeds the float range): lnfw becomes infinite and
+    // every later forward gives NaN
+    GPTConfig c = parse_model_descriptor(MODEL);
+    plant_float(start + "/ckpt_00000002/optimizer_rank0.bin", num_parameters(c) - 2 * c.channels, 3e38f);
+    auto resume_in = [&](const std::string& name) {
+        std::string dir = out / name;
+        REQUIRE(run_command("cp -r '" + start + "' '" + dir + "'").status == 0);
+        return dir;
+    };
+
+    SECTION("the checkpoint after the overflow is not written, -nk prunes nothing, and the run stops") {
+        std::string dir = resume_in("ckpt");
+        CommandResult r = single(data.flags(2, 32, 8) + " -n 1 -nk 1 -y 1 -o '" + dir + "'");
+        INFO(r.output);
+        CHECK(r.status == 4);
+        std::vector<std::string> errors = error_lines(r.output);
+        REQUIRE(errors.size() == 1);
+        CHECK(errors[0] == "train_gpt: step 3: the parameters or the optimizer state hold a NaN or Inf; no checkpoint "
+                           "written (the newest checkpoint is " + dir + "/ckpt_00000002), stopping");
+        CHECK(list_checkpoints(dir) == std::vector<int>{2});
+        CHECK(!file_exists(dir + "/ckpt_00000003.tmp"));
+    }
+    for (int max_bad : {3, 1}) {
+        SECTION(strfmt("without checkpoints, --max-bad-steps %d ends the run after %d bad steps", max_bad, max_bad)) {
+            std::string dir = resume_in(strfmt("max%d", max_bad));
+            CommandResult r = single(data.flags(2, 32, 20) + strfmt(" -y 1 --max-bad-steps %d -o '%s'", max_bad, dir.c_str()));
+            INFO(r.output);
+            CHECK(r.status == 4);
+            // step 3 overflowed (its own loss and norm were finite), steps 4.. are skipped
+            CHECK(count_lines_with(r.output, "update skipped") == max_bad);
+            CHECK(count_lines_with(r.output, strfmt("update skipped: not finite (%d in a row)", max_bad)) == 1);
+            std::vector<std::string> errors = error_lines(r.output);
+            REQUIRE(errors.size() == 1);
+            CHECK(errors[0] == strfmt("train_gpt: stopped after step %d: %d steps in a row with a non-finite loss or "
+                                      "gradient norm (--max-bad-steps %d)", 3 + max_bad, max_bad, max_bad));
+            CHECK(count_lines_with(read_file(dir + "/main.log"), "skipped:1") == max_bad);
+            CHECK(list_checkpoints(dir) == std::vector<int>{2});
+        }
+    }
+}
+
+TEST_CASE("save_checkpoint writes nothing and prunes nothing when the state is not finite", "[failures]") {
+    TempDir out;
+    Comm solo;
+    GPT m;
+    gpt_allocate(m, parse_model_descriptor(MODEL), 2, 16);
+    gpt_init_random(m.config, m.params, 3);
+    const RunLayout layout{2, 16, 1, 32};
+    REQUIRE(save_checkpoint(out.path, model_state(m), TrainState{1}, layout, 1, solo));
+    const std::string before = read_file(out / "ckpt_00000001/model.bin");
+    for (float* where : {&m.params[100], &m.adam_m[7], &m.adam_v[9]}) {
+        float kept = *where;
+        *where = NAN;
+        CHECK(!save_checkpoint(out.path, model_state(m), TrainState{2}, layout, 1, solo));
+        CHECK(list_checkpoints(out.path) == std::vector<int>{1});
+        CHECK(!file_exists(out / "ckpt_00000002.tmp"));
+        *where = kept;
+    }
+    CHECK(read_file(out / "ckpt_00000001/model.bin") == before);
+    CHECK(save_checkpoint(out.path, model_state(m), TrainState{2}, layout, 1, solo));
+    CHECK(list_checkpoints(out.path) == std::vector<int>{2});
+}
+
+TEST_CASE("a second run on the same -o stops at once, naming the run that holds it", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run", first_log = out / "first.log";
+    // a run that goes on until it is killed
+    pid_t first = start(data.flags(2, 32, 1000000) + " -o '" + dir + "'", first_log);
+    REQUIRE(wait_for(first_log, "step     2/"));
+
+    CommandResult second = single(data.flags(2, 32, 3) + " -n 1 -o '" + dir + "'");
+    INFO(second.output);
+    CHECK(second.status == 1);
+    CHECK(second.output == strfmt("train_gpt: -o %s: another run is using it (host %s pid %d); wait for it to end or "
+                                  "choose another directory\n", dir.c_str(), hostname().c_str(), (int)first));
+    // it wrote nothing: no checkpoint, and the first run's log was not started anew
+    CHECK(list_checkpoints(dir).empty());
+    CHECK(read_file(dir + "/main.log").rfind("s:0 tel:", 0) == 0);
+
+    // the lock goes with the process that held it, however it ends
+    kill(first, SIGKILL);
+    CHECK(finish(first) == 128 + SIGKILL);
+    CommandResult third = single(data.flags(2, 32, 2) + " -o '" + dir + "'");
+    INFO(third.output);
+    CHECK(third.status == 0);
+    CHECK(read_file(dir + "/train_gpt.lock").rfind(strfmt("host %s pid ", hostname().c_str()), 0) == 0);
+}
+
+TEST_CASE("of two runs started together on one -o, exactly one runs", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run";
+    const std::string args = data.flags(2, 32, 1000000) + " -n 5 -o '" + dir + "'";
+    pid_t a = start(args, out / "a.log"), b = start(args, out / "b.log");
+    // the one that lost exits within seconds; the other trains on
+    int status = -1;
+    pid_t lost = -1;
+    for (int waited = 0; waited < 12000 && lost < 0; waited++) {
+        int st;
+        for (pid_t p : {a, b})
+            if (waitpid(p, &st, WNOHANG) == p) lost = p, status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        usleep(10000);
+    }
+    REQUIRE(lost > 0);
+    pid_t won = lost == a ? b : a;
+    const std::string lost_log = read_file(out / (lost == a ? "a.log" : "b.log"));
+    INFO(lost_log);
+    CHECK(status == 1);
+    CHECK(lost_log == strfmt("train_gpt: -o %s: another run is using it (host %s pid %d); wait for it to end or "
+                             "choose another directory\n", dir.c_str(), hostname().c_str(), (int)won));
+    CHECK(wait_for(out / (won == a ? "a.log" : "b.log"), "step    10/"));
+    CHECK(waitpid(won, &status, WNOHANG) == 0);  // still running
+    kill(won, SIGKILL);
+    finish(won);
+}
+
+TEST_CASE("SIGTERM during a step: the step finishes, a checkpoint is written, exit 5; -y 1 continues bit-exactly",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    // one rank, and two under ZeRO-1 where only the last rank (1) is signalled: rank 0, which writes the
+    // checkpoint, learns of it through the per-step reduction
+    for (int ranks : {1, 2}) {
+        INFO(ranks << " ranks");
+        const std::string flags = data.flags(2, 64, 8) + " -n 8" + (ranks == 2 ? " -z 1" : "");
+        const std::string whole = out / strfmt("whole%d", ranks), stopped = out / strfmt("stopped%d", ranks);
+        train(ranks, flags, whole);
+
+        CommandResult r = mpirun(ranks, "./train_gpt", flags + " --debug-sigterm-step 3 -o '" + stopped + "'");
+        INFO(r.output);
+        CHECK(r.status == 5);
+        CHECK(r.output.find(strfmt("train_gpt: stopped after step 4 on %s; checkpoint %s/ckpt_00000004 written; resume "
+                                   "with -y 1", ranks == 1 ? "SIGTERM" : "a signal to another rank", stopped.c_str())) !=
+              std::string::npos);
+        CHECK(r.output.find("step     4/8") != std::string::npos);
+        CHECK(r.output.find("step     5/8") == std::string::npos);
+        CHECK(list_checkpoints(stopped) == std::vector<int>{4});
+
+        std::string again = train(ranks, flags + " -y 1", stopped);
+        CHECK(again.find("resumed from " + stopped + "/ckpt_00000004 at step 4") != std::string::npos);
+        CHECK(read_file(stopped + "/main.log") == read_file(whole + "/main.log"));
+        std::vector<std::string> files{"model.bin", "state_rank0.bin", "optimizer_rank0.bin"};
+        if (ranks == 2) files.push_back("optimizer_rank1.bin");
+        for (const std::string& f : files) {
+            INFO(f);
+            CHECK(read_file(stopped + "/ckpt_00000008/" + f) == read_file(whole + "/ckpt_00000008/" + f));
+        }
+    }
+}
+
+TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint; a second signal ends it at once",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string args = data.flags(2, 32, 1000000);
+
+    SECTION("one SIGTERM") {
+        const std::string dir = out / "one", log = out / "one.log";
+        pid_t pid = start(args + " -o '" + dir + "'", log);
+        REQUIRE(wait_for(log, "step     2/"));
+        kill(pid, SIGTERM);
+        CHECK(finish(pid) == 5);
+        std::string output = read_file(log);
+        INFO(output);
+        // the step it stopped after is the last one printed, and its checkpoint is there
+        int stopped_after = -1;
+        for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &stopped_after);
+        REQUIRE(stopped_after >= 2);
+        CHECK(output.find(strfmt("train_gpt: stopped after step %d on SIGTERM; checkpoint %s/%s written; resume with -y 1",
+                                 stopped_after, dir.c_str(), checkpoint_name(stopped_after).c_str())) != std::string::npos);
+        CHECK(list_checkpoints(dir) == std::vector<int>{stopped_after});
+    }
+    SECTION("SIGTERM and SIGINT at once") {
+        const std::string dir = out / "two", log = out / "two.log";
+        pid_t pid = start(args + " -o '" + dir + "'", log);
+        REQUIRE(wait_for(log, "step     2/"));
+        kill(pid, SIGTERM);
+        kill(pid, SIGINT);
+        int status = finish(pid);
+        INFO(read_file(log));
+        CHECK((status == 128 + SIGINT || status == 128 + SIGTERM));
+        CHECK(list_checkpoints(dir).empty());
+    }
+}
+
+TEST_CASE("a write error to main.log stops the run with one line", "[failures]") {
+    Data data;
+    TempDir out;
+    // a full disk: every write to /dev/full fails with ENOSPC
+    REQUIRE(symlink("/dev/full", (out / "main.log").c_str()) == 0);
+    CommandResult r = single(data.flags(2, 32, 3) + " -o '" + out.path + "'");
+    INFO(r.output);
+    CHECK(r.status == 1);
+    std::vector<std::string> errors = error_lines(r.output);
+    REQUIRE(errors.size() == 1);
+    CHECK(errors[0] == "train_gpt: " + out.path + "/main.log: cannot write (No space left on device)");
+    CHECK(r.output.find("step     1/3") == std::string::npos);
+}
+
+TEST_CASE("a resumed run cuts main.log back to its checkpoint's step: no step is logged twice", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string flags = data.flags(2, 32, 12) + " -n 4", whole = out / "whole", resumed = out / "resumed";
+    train(1, flags, whole);
+    // the directory a run leaves when it dies after step 11, past its checkpoint at 8, and one that lost its
+    // last two checkpoints: both hold log lines of steps the resumed run takes again
+    for (int from : {8, 4}) {
+        INFO("resumed from step " << from);
+        REQUIRE(run_command("rm -rf '" + resumed + "' && cp -r '" + whole + "' '" + resumed + "'").status == 0);
+        for (int s = from + 4; s <= 12; s += 4) remove_checkpoint(resumed, s);
+        REQUIRE(list_checkpoints(resumed).back() == from);
+        std::string again = train(1, flags + " -y 1", resumed);
+        CHECK(again.find(strfmt("at step %d", from)) != std::string::npos);
+        CHECK(read_file(resumed + "/main.log") == read_file(whole + "/main.log"));
+    }
+}
