@@ -1,8 +1,9 @@
-// Helpers for the tests that run train_gpt (or build/comm_check) under `mpirun --oversubscribe` on the CPU:
-// launching, learnable token data, main.log's losses, and the "comm:" lines that compare the bytes a rank
-// counted with the formula. Shared by test_distributed.cu and test_tensor_parallel.cu.
+// Helpers for the tests that run train_gpt (or a check program such as build/comm_check) under `mpirun
+// --oversubscribe` on the CPU: launching, learnable token data, main.log's losses, and the "comm:" lines that
+// compare the bytes a rank counted with the formula. Shared by the distributed, tp, cp and failure tests.
 #pragma once
 
+#include <catch.hpp>
 #include <math.h>
 #include <stdio.h>
 
@@ -24,6 +25,25 @@ inline CommandResult mpirun(int ranks, const std::string& program, const std::st
     return run_command(strfmt("%s timeout 600 mpirun --oversubscribe --bind-to none -np %d %s %s", RUN_ENV, ranks,
                               program.c_str(), args.c_str()));
 }
+// runs a check program (build/comm_check, build/cp_check) on `ranks` ranks: it exits 0 and its summary line,
+// "NAME: N ranks, P passed, F failed", names all the ranks; returns the passed and failed counts
+struct CheckCounts {
+    int passed = 0, failed = -1;
+};
+inline CheckCounts run_check_program(int ranks, const std::string& name) {
+    CommandResult r = mpirun(ranks, "build/" + name, "");
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CheckCounts counts;
+    int n = 0;
+    size_t at = r.output.find(name + ": ");
+    REQUIRE(at != std::string::npos);
+    std::string format = name + ": %d ranks, %d passed, %d failed";
+    REQUIRE(sscanf(r.output.c_str() + at, format.c_str(), &n, &counts.passed, &counts.failed) == 3);
+    CHECK(n == ranks);
+    return counts;
+}
+
 // ./train_gpt as one process, without mpirun
 inline CommandResult single(const std::string& args) { return run_command(std::string(RUN_ENV) + " ./train_gpt " + args); }
 

@@ -77,16 +77,9 @@ TEST_CASE("under a causal mask zig-zag gives every rank the same attention work,
 TEST_CASE("ring attention equals whole-sequence attention on every rank's slice, cp = 2, 3, 4, both splits", "[cp]") {
     REQUIRE(access("build/cp_check", X_OK) == 0);
     for (int ranks : {2, 3, 4}) {
-        CommandResult r = mpirun(ranks, "build/cp_check", "");
-        INFO(r.output);
-        CHECK(r.status == 0);
-        int n = 0, passed = 0, failed = -1;
-        size_t at = r.output.find("cp_check: ");
-        REQUIRE(at != std::string::npos);
-        REQUIRE(sscanf(r.output.c_str() + at, "cp_check: %d ranks, %d passed, %d failed", &n, &passed, &failed) == 3);
-        CHECK(n == ranks);
-        CHECK(passed == 2 * 5 * ranks);  // per rank and split: out, lse, dq, dk, dv
-        CHECK(failed == 0);
+        CheckCounts counts = run_check_program(ranks, "cp_check");
+        CHECK(counts.passed == 2 * 5 * ranks);  // per rank and split: out, lse, dq, dk, dv
+        CHECK(counts.failed == 0);
     }
 }
 
