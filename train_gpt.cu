@@ -325,20 +325,38 @@ static int train(const Options& o, const RunSetup& run) {
     if (o.overfit) train.next_batch();  // the one batch every step will see
     ParallelPlan par = parallel_plan(o, grid.dp, accumulation);
 
+    // writes the checkpoint of the state before `step`; false when the state is not finite (nothing written)
+    auto checkpoint = [&](int step) {
+        TrainState now{step, train.state(), sampler_rng.state};
+        std::vector<float> storage;
+        float* whole = whole_model(model, dpr, grid, o.zero, storage);
+        if (on_gpu) {
+            device_download<floatX>(staged_m.data(), adam_m, moments);
+            device_download<floatX>(staged_v.data(), adam_v, moments);
+        }
+        bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
+        return save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
+                               writes_optimizer ? optimizer_file : -1);
+    };
+    // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
+    auto report_against_plan = [&](double sent, double tp_sent) {
+        if (grid.dp > 1)
+            printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
+                   planned_comm_bytes(config, par, device_of<floatX>));
+        if (on_gpu)
+            printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
+                   "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
+                   CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
+        if (grid.tp > 1)
+            printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
+                   grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+    };
+
     for (int step = state.step; step <= steps; step++) {
         bool last_step = step == steps;
         bool scheduled = o.checkpoint_every > 0 && (step % o.checkpoint_every == 0 || last_step);
         if (step > state.step && (scheduled || (stopping && !o.out_dir.empty()))) {
-            TrainState now{step, train.state(), sampler_rng.state};
-            std::vector<float> storage;
-            float* whole = whole_model(model, dpr, grid, o.zero, storage);
-            if (on_gpu) {
-                device_download<floatX>(staged_m.data(), adam_m, moments);
-                device_download<floatX>(staged_v.data(), adam_v, moments);
-            }
-            bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
-            if (!save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
-                                 writes_optimizer ? optimizer_file : -1)) {
+            if (!checkpoint(step)) {
                 // a finite update that overflowed: every later step would be skipped, so the run ends here
                 if (lead)
                     fprintf(stderr, "train_gpt: step %d: the parameters or the optimizer state hold a NaN or Inf; no "
@@ -400,16 +418,7 @@ static int train(const Options& o, const RunSetup& run) {
             printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    lr, norm, ms, total_batch / (ms / 1000.0),
                    skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
-            if (step == state.step && grid.dp > 1)
-                printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent,
-                       o.zero, planned_comm_bytes(config, par, device_of<floatX>));
-            if (step == state.step && on_gpu)
-                printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
-                       "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
-                       CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
-            if (step == state.step && grid.tp > 1)
-                printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n",
-                       tp_sent, grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+            if (step == state.step) report_against_plan(sent, tp_sent);
             fflush(stdout);
             log.train(step, (float)loss, lr, (float)norm, skipped);
         }
