@@ -451,8 +451,35 @@ static int run(const Options& o) {
     }
     std::string resume_dir;
     if (o.resume) {
+        // the newest checkpoint that verifies. Those that do not are named, never loaded, and kept as evidence:
+        // moved aside when the run goes on, so that its own checkpoints of those steps cannot replace them and
+        // pruning cannot count them as good ones
         std::vector<int> steps = list_checkpoints(o.out_dir);
-        if (!steps.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(steps.back());
+        std::vector<std::pair<int, std::string>> failed;
+        for (size_t i = steps.size(); i-- > 0 && resume_dir.empty();) {
+            try {
+                verify_checkpoint(o.out_dir, steps[i]);
+                resume_dir = o.out_dir + "/" + checkpoint_name(steps[i]);
+            } catch (const Error& e) {
+                failed.push_back({steps[i], e.what()});
+            }
+        }
+        bool lead = detect_launch().rank == 0;
+        for (const auto& [step, why] : failed) {
+            std::string dir = o.out_dir + "/" + checkpoint_name(step), kept = "kept";
+            if (lead && !resume_dir.empty()) {
+                std::string aside = dir + ".unverified";
+                for (int n = 2; access(aside.c_str(), F_OK) == 0; n++) aside = dir + strfmt(".unverified%d", n);
+                if (rename(dir.c_str(), aside.c_str()) != 0)
+                    fail("%s: cannot move aside (%s)", dir.c_str(), strerror(errno));
+                kept = "kept as " + aside;
+            }
+            if (lead) printf("checkpoint %s fails verification, skipped and %s: %s\n", dir.c_str(), kept.c_str(), why.c_str());
+        }
+        fflush(stdout);
+        if (!steps.empty() && resume_dir.empty())
+            fail("-y 1: none of the %zu checkpoints in %s verifies (each is named above and kept)", steps.size(),
+                 o.out_dir.c_str());
     }
     // a fresh run never mixes its checkpoints with another run's (pruning could delete the new ones)
     if (o.checkpoint_every > 0 && !o.resume && !list_checkpoints(o.out_dir).empty())

@@ -7,6 +7,9 @@
 // start from it. Every rank that holds distinct optimizer state writes it (optimizer_rankR.bin, R its world
 // rank: every rank under ZeRO-1/2/3; under ZeRO-0 the ranks of dp rank 0, one per tp rank), rank 0 writes the
 // model and the training position, and renames the directory into place only after every rank has finished.
+//
+// The manifest records each file's checksum, taken as it is written, and the steps; -y 1 resumes only from a
+// checkpoint whose files match them (verify_checkpoint), since a damaged file can otherwise load without error.
 #pragma once
 
 #include <dirent.h>
@@ -125,16 +128,20 @@ inline std::vector<int> list_checkpoints(const std::string& out_dir) {
     return steps;
 }
 
-inline void write_manifest(const std::string& path, const GPTConfig& c, const TrainState& s, const RunLayout& r) {
+// `checksums` holds each file's name and checksum, model.bin and the state first, then the optimizer files
+inline void write_manifest(const std::string& path, const GPTConfig& c, const TrainState& s, int adam_step,
+                           const RunLayout& r, const std::vector<std::pair<std::string, uint64_t>>& checksums) {
     std::string optimizer_files;
     for (int i = 0; i < r.optimizer_files(); i++) optimizer_files += strfmt(" optimizer_rank%d.bin", i);
     std::string text = strfmt(
-        "format llm5d-checkpoint %d\nstep %d\nnum_parameters %zu\nmodel L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
+        "format llm5d-checkpoint %d\nstep %d\nadam_step %d\nnum_parameters %zu\n"
+        "model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
         "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu\n"
         "files model.bin state_rank0.bin%s\n",
-        CHECKPOINT_VERSION, s.step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
+        CHECKPOINT_VERSION, s.step, adam_step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
         c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.zero, r.bucket_floats,
         optimizer_files.c_str());
+    for (const auto& [name, sum] : checksums) text += strfmt("checksum %s fnv1a64=%016llx\n", name.c_str(), (unsigned long long)sum);
     File f(path, "wb");
     f.write(text.data(), text.size());
     f.close();
@@ -154,7 +161,8 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     return r;
 }
 
-inline void write_optimizer(const std::string& path, const ModelState& m) {
+// returns the checksum of the bytes written
+inline uint64_t write_optimizer(const std::string& path, const ModelState& m) {
     File f(path, "wb");
     int h[256] = {OPTIMIZER_MAGIC, CHECKPOINT_VERSION, *m.adam_step};
     uint64_t n = m.optimizer_count;
@@ -163,6 +171,7 @@ inline void write_optimizer(const std::string& path, const ModelState& m) {
     f.write(m.adam_m, n * 4);
     f.write(m.adam_v, n * 4);
     f.close();
+    return f.written.value;
 }
 
 // A NaN or Inf in the moments is refused, named by parameter tensor where the file holds the whole model's
@@ -215,23 +224,38 @@ inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, con
     std::string final_dir = out_dir + "/" + checkpoint_name(s.step);
     std::string tmp_dir = final_dir + ".tmp";
     bool lead = world.rank == 0;
+    uint64_t model_sum = 0, state_sum = 0;
     if (lead) {
         remove_tree(tmp_dir);
         make_dirs(tmp_dir);
-        gpt_save_params(m.config, m.params, tmp_dir + "/model.bin");
+        model_sum = gpt_save_params(m.config, m.params, tmp_dir + "/model.bin");
         File f(tmp_dir + "/state_rank0.bin", "wb");
         int h[256] = {TRAIN_STATE_MAGIC, CHECKPOINT_VERSION, s.step};
         uint64_t fields[4] = {s.loader.epoch, s.loader.shard_pos, s.loader.sample_pos, s.rng_state};
         memcpy(&h[4], fields, sizeof(fields));
         f.write(h, sizeof(h));
         f.close();
+        state_sum = f.written.value;
     }
     world.wait(world.barrier());  // the directory exists
-    if (optimizer_file >= 0) write_optimizer(tmp_dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m);
-    world.wait(world.barrier());  // every rank's files are complete and synced
+    // each optimizer file's checksum travels to rank 0 as two 32-bit halves in its own slots, zero elsewhere,
+    // so a sum over the ranks delivers every one exactly
+    std::vector<int> mine(2 * r.optimizer_files(), 0), sums(mine.size(), 0);
+    if (optimizer_file >= 0) {
+        uint64_t sum = write_optimizer(tmp_dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m);
+        memcpy(&mine[2 * optimizer_file], &sum, 8);
+    }
+    // every rank's files are complete and synced once their checksums have arrived
+    world.wait(world.all_reduce(mine.data(), sums.data(), (int)mine.size(), DType::I32));
     if (lead) {
+        std::vector<std::pair<std::string, uint64_t>> checksums{{"model.bin", model_sum}, {"state_rank0.bin", state_sum}};
+        for (int i = 0; i < r.optimizer_files(); i++) {
+            uint64_t sum;
+            memcpy(&sum, &sums[2 * i], 8);
+            checksums.push_back({strfmt("optimizer_rank%d.bin", i), sum});
+        }
         // the manifest goes last: its presence is what marks a checkpoint directory complete
-        write_manifest(tmp_dir + "/manifest.txt", m.config, s, r);
+        write_manifest(tmp_dir + "/manifest.txt", m.config, s, *m.adam_step, r, checksums);
         fsync_dir(tmp_dir);
         if (file_exists(final_dir + "/manifest.txt")) {
             // the same step again: swap the new directory in atomically, so one complete ckpt_STEP exists at
@@ -253,6 +277,68 @@ inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, con
     }
     world.wait(world.barrier());
     return true;
+}
+
+// the FNV-1a 64 of a whole file, read back
+inline uint64_t file_checksum(const std::string& path) {
+    File f(path, "rb");
+    Fnv1a64 sum;
+    std::vector<char> buf(1 << 20);
+    for (size_t got; (got = fread(buf.data(), 1, buf.size(), f.f)) > 0;) sum.update(buf.data(), got);
+    return sum.value;
+}
+
+// the step a checkpoint file records in its header (word 2 of the 256-int header, after magic and version)
+inline int header_step(const std::string& path, int magic, const char* kind) {
+    File f(path, "rb");
+    int h[256];
+    if (f.size() < (long)sizeof(h)) fail("%s: not %s file", path.c_str(), kind);
+    f.read(h, sizeof(h));
+    if (h[0] != magic || h[1] != CHECKPOINT_VERSION) fail("%s: not %s file", path.c_str(), kind);
+    return h[2];
+}
+
+// Fails with one line naming the file and the reason unless every file of out_dir/ckpt_STEP matches the
+// checksum its manifest records and the directory name, the manifest, the state and the optimizer files agree
+// on the step (the optimizer files on AdamW's, which trails the step by the updates skipped as non-finite).
+inline void verify_checkpoint(const std::string& out_dir, int step) {
+    std::string dir = out_dir + "/" + checkpoint_name(step);
+    std::string manifest = dir + "/manifest.txt";
+    File f(manifest, "rb");
+    std::string text(f.size(), '\0');
+    f.read(&text[0], text.size());
+    int manifest_step, adam_step;
+    const char* st = strstr(text.c_str(), "\nstep ");
+    const char* ad = strstr(text.c_str(), "\nadam_step ");
+    if (!st || !ad || sscanf(st, "\nstep %d", &manifest_step) != 1 || sscanf(ad, "\nadam_step %d", &adam_step) != 1)
+        fail("%s: malformed manifest (no step or adam_step)", manifest.c_str());
+    if (manifest_step != step)
+        fail("%s: records step %d, its directory is named for step %d", manifest.c_str(), manifest_step, step);
+    std::vector<std::string> files;
+    for (const char* at = strstr(text.c_str(), "\nchecksum "); at; at = strstr(at + 1, "\nchecksum ")) {
+        char name[256];
+        unsigned long long want;
+        if (sscanf(at, "\nchecksum %255s fnv1a64=%llx", name, &want) != 2)
+            fail("%s: malformed checksum line", manifest.c_str());
+        std::string path = dir + "/" + name;
+        if (!file_exists(path)) fail("%s: missing (the manifest lists it)", path.c_str());
+        unsigned long long got = file_checksum(path);
+        if (got != want)
+            fail("%s: checksum fnv1a64=%016llx, the manifest records %016llx (the file is damaged)", path.c_str(), got,
+                 want);
+        files.push_back(name);
+    }
+    if (files.size() < 3 || files[0] != "model.bin" || files[1] != "state_rank0.bin")
+        fail("%s: malformed manifest (lists no checksum of model.bin, the state and an optimizer file)", manifest.c_str());
+    int state_step = header_step(dir + "/state_rank0.bin", TRAIN_STATE_MAGIC, "a training state");
+    if (state_step != step)
+        fail("%s: records step %d, the manifest step %d", (dir + "/state_rank0.bin").c_str(), state_step, step);
+    for (size_t i = 2; i < files.size(); i++) {
+        std::string path = dir + "/" + files[i];
+        int file_adam_step = header_step(path, OPTIMIZER_MAGIC, "an optimizer state");
+        if (file_adam_step != adam_step)
+            fail("%s: records AdamW step %d, the manifest %d", path.c_str(), file_adam_step, adam_step);
+    }
 }
 
 // the model shape stored in a checkpoint, to allocate the model before load_checkpoint

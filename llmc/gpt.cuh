@@ -611,7 +611,8 @@ inline void gpt_load_params(const GPTConfig& mc, float* params, const std::strin
 }
 
 // writes an fp32 (version 3) llm.c model file from a flat parameter buffer
-inline void gpt_save_params(const GPTConfig& c, const float* params, const std::string& path) {
+// returns the checksum of the bytes written
+inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const std::string& path) {
     int h[256] = {};
     h[0] = MODEL_MAGIC;
     h[1] = MODEL_VERSION_FP32;
@@ -626,6 +627,7 @@ inline void gpt_save_params(const GPTConfig& c, const float* params, const std::
     f.write(h, sizeof(h));
     f.write(params, count * 4);
     f.close();
+    return f.written.value;
 }
 
 // ----------------------------------------------------------------------------------------------------------

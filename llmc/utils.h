@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "llmc/checksum.h"
+
 struct Error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
@@ -32,6 +34,7 @@ struct Error : std::runtime_error {
 struct File {
     FILE* f = nullptr;
     std::string path;
+    Fnv1a64 written;  // of every byte written, for a checkpoint's manifest
     File(const std::string& p, const char* mode) : path(p) {
         f = fopen(p.c_str(), mode);
         if (!f) fail("%s: cannot open (%s)", p.c_str(), strerror(errno));
@@ -46,6 +49,7 @@ struct File {
     }
     void write(const void* src, size_t bytes) {
         if (fwrite(src, 1, bytes, f) != bytes) fail("%s: write failed (%s)", path.c_str(), strerror(errno));
+        written.update(src, bytes);
     }
     // flushes and fsyncs so that a rename after close() publishes complete bytes
     void close();

@@ -2,6 +2,8 @@
 // file or a checkpoint is refused, naming the file and the tensor; a step with a NaN gradient skips its update
 // (on one rank and on two, under ZeRO-1 and 3, every rank alike) and the run goes on; --max-bad-steps such steps
 // in a row stop the run with exit code 4; a state that turned non-finite is never saved, and never pruned to.
+// A checkpoint that fails verification (flipped bytes, steps that disagree) is named, kept and skipped by -y 1,
+// which resumes from the newest one that verifies, or, when none does, stops with one line.
 // One run per output directory: a second run on the same -o, started later or at the same moment, stops at once.
 // SIGTERM (from the run itself on its last rank, or from outside) stops the run after its step with a checkpoint
 // from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once. main.log: a
@@ -16,7 +18,23 @@
 
 namespace {
 
-// the directory's ckpt_STEP with a file's bytes changed: one float at element i after the file's 1024-byte header
+// the manifest of a checkpoint file's directory records the file's present checksum: a planted change is then as
+// if the run had written it, so that the check after the checksum is what must refuse it
+void rerecord_checksum(const std::string& path) {
+    size_t slash = path.rfind('/');
+    const std::string manifest = path.substr(0, slash) + "/manifest.txt", name = path.substr(slash + 1);
+    std::string text = read_file(manifest);
+    size_t line = text.find("\nchecksum " + name + " fnv1a64=");
+    REQUIRE(line != std::string::npos);
+    size_t hex = text.find('=', line) + 1;
+    text.replace(hex, 16, strfmt("%016llx", (unsigned long long)file_checksum(path)));
+    File m(manifest, "wb");
+    m.write(text.data(), text.size());
+    m.close();
+}
+
+// a checkpoint file with one float changed, at element i after the file's 1024-byte header, its checksum
+// re-recorded
 void plant_float(const std::string& path, size_t i, float value) {
     std::string bytes = read_file(path);
     REQUIRE(1024 + 4 * (i + 1) <= bytes.size());
@@ -24,6 +42,26 @@ void plant_float(const std::string& path, size_t i, float value) {
     File f(path, "wb");
     f.write(bytes.data(), bytes.size());
     f.close();
+    rerecord_checksum(path);
+}
+
+// a checkpoint file with each byte from `at` on xor-ed with one of `mask`, its checksum left as it was: damage
+// on disk
+void damage(const std::string& path, size_t at, const std::string& mask) {
+    std::string content = read_file(path);
+    REQUIRE(at + mask.size() <= content.size());
+    for (size_t i = 0; i < mask.size(); i++) content[at + i] ^= mask[i];
+    File f(path, "wb");
+    f.write(content.data(), content.size());
+    f.close();
+}
+
+// the losses of main.log from step `first` on
+std::map<std::string, double> losses_from(const std::string& out_dir, int first) {
+    std::map<std::string, double> v;
+    for (const auto& [key, loss] : losses(out_dir))
+        if (atoi(key.c_str() + key.find(' ')) >= first) v[key] = loss;
+    return v;
 }
 
 // the lines of an output that start with "train_gpt:" (the errors)
@@ -157,6 +195,80 @@ TEST_CASE("a checkpoint with a NaN in its model or optimizer state is refused, n
     CHECK(errors[0].find(sharded + "/ckpt_00000002/optimizer_rank1.bin: inf in the first moment (m) at element 3 of "
                          "this rank's share") != std::string::npos);
     CHECK(list_checkpoints(sharded) == std::vector<int>{2});
+}
+
+TEST_CASE("a checkpoint that fails verification is named, kept and skipped: -y 1 resumes from the newest good one",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string good = out / "good", direct = out / "direct";
+    train(1, data.flags(2, 32, 4) + " -n 2", good);
+    REQUIRE(list_checkpoints(good) == std::vector<int>{2, 4});
+    const std::string flags = data.flags(2, 32, 6) + " -n 2";
+    // what resuming from ckpt_2 gives: a directory that holds only it
+    make_dirs(direct);
+    REQUIRE(run_command("cp -r '" + good + "/ckpt_00000002' '" + direct + "/'").status == 0);
+    train(1, flags + " -y 1", direct);
+    const std::map<std::string, double> expected = losses_from(direct, 3);
+    REQUIRE(expected.size() >= 4);
+
+    auto copy_of = [&](const std::string& name) {
+        const std::string dir = out / name;
+        REQUIRE(run_command("cp -r '" + good + "' '" + dir + "'").status == 0);
+        return dir;
+    };
+
+    // 40 bytes flipped in the newest checkpoint's model: named on the first line, moved aside, ckpt_2 resumed
+    const std::string flipped = copy_of("flipped");
+    const std::string model = flipped + "/ckpt_00000004/model.bin";
+    damage(model, 4000, std::string(40, '\x5a'));
+    CommandResult r = single(flags + " -y 1 -o '" + flipped + "'");
+    INFO(r.output);
+    CHECK(r.status == 0);
+    std::vector<std::string> lines = lines_of(r.output);
+    REQUIRE(!lines.empty());
+    CHECK(lines[0].rfind("checkpoint " + flipped + "/ckpt_00000004 fails verification, skipped and kept as " + flipped +
+                             "/ckpt_00000004.unverified: " + model + ": checksum fnv1a64=",
+                         0) == 0);
+    CHECK(lines[0].find("the manifest records") != std::string::npos);
+    CHECK(r.output.find("resumed from " + flipped + "/ckpt_00000002 at step 2") != std::string::npos);
+    CHECK(losses_from(flipped, 3) == expected);
+    CHECK(list_checkpoints(flipped) == std::vector<int>{2, 4, 6});
+    CHECK(file_exists(flipped + "/ckpt_00000004.unverified/model.bin"));
+
+    // the state's step edited (its checksum re-recorded, so that only the steps disagree)
+    const std::string edited = copy_of("edited");
+    const std::string state = edited + "/ckpt_00000004/state_rank0.bin";
+    int one = 1;
+    std::string bytes = read_file(state);
+    memcpy(&bytes[8], &one, 4);
+    {
+        File f(state, "wb");
+        f.write(bytes.data(), bytes.size());
+        f.close();
+    }
+    rerecord_checksum(state);
+    r = single(flags + " -y 1 -o '" + edited + "'");
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(lines_of(r.output).at(0).find(state + ": records step 1, the manifest step 4") != std::string::npos);
+    CHECK(losses_from(edited, 3) == expected);
+
+    // every checkpoint damaged: each named, one error line, nothing run, nothing moved or deleted
+    const std::string all = copy_of("all");
+    damage(all + "/ckpt_00000004/optimizer_rank0.bin", 2000, "\x01");
+    damage(all + "/ckpt_00000002/state_rank0.bin", 20, "\x01");
+    r = single(flags + " -y 1 -o '" + all + "'");
+    INFO(r.output);
+    CHECK(r.status == 1);
+    std::vector<std::string> errors = error_lines(r.output);
+    REQUIRE(errors.size() == 1);
+    CHECK(errors[0] == "train_gpt: -y 1: none of the 2 checkpoints in " + all + " verifies (each is named above and kept)");
+    CHECK(count_lines_with(r.output, "fails verification, skipped and kept: ") == 2);
+    CHECK(r.output.find(all + "/ckpt_00000004/optimizer_rank0.bin: checksum") != std::string::npos);
+    CHECK(r.output.find(all + "/ckpt_00000002/state_rank0.bin: checksum") != std::string::npos);
+    CHECK(r.output.find("step ") == std::string::npos);
+    CHECK(list_checkpoints(all) == std::vector<int>{2, 4});
 }
 
 TEST_CASE("a step with a NaN gradient skips its update, says so, and the run goes on", "[failures]") {
