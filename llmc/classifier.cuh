@@ -163,14 +163,18 @@ static __global__ void mean_loss_kernel(float* mean, const float* losses, long N
     if (threadIdx.x == 0) *mean = s / (float)N;
 }
 
-inline float crossentropy_forward(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp) {
-    crossentropy_forward_cuda(losses, logits, targets, N, V, Vp, main_stream());
+// the mean of N per-token losses on the GPU, read back (the one wait of the forward pass)
+inline float mean_loss_from_device(const float* losses, long N) {
     float* mean = gpu_scratch(1, "crossentropy_forward");
     mean_loss_kernel<<<1, 1024, 0, main_stream()>>>(mean, losses, N);
     cuda_check(cudaGetLastError());
     float host;
     device_download<bf16>(&host, mean, 1);
     return host;
+}
+inline float crossentropy_forward(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp) {
+    crossentropy_forward_cuda(losses, logits, targets, N, V, Vp, main_stream());
+    return mean_loss_from_device(losses, N);
 }
 inline void crossentropy_backward_inplace(bf16* logits, const int* targets, long N, int V, int Vp, float dloss) {
     crossentropy_backward_inplace_cuda(logits, nullptr, targets, N, V, Vp, dloss, main_stream());

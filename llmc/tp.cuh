@@ -251,12 +251,7 @@ template <typename floatX>
 inline float combine_rows(float* losses, float* lse, const float* all, long BT, int ranks) {
     if constexpr (device_of<floatX> == Device::CUDA) {
         launch_elementwise(combine_rows_kernel, BT, losses, lse, all, BT, ranks);
-        float* mean = gpu_scratch(1, "crossentropy_forward");
-        mean_loss_kernel<<<1, 1024, 0, main_stream()>>>(mean, losses, BT);
-        cuda_check(cudaGetLastError());
-        float host;
-        device_download<bf16>(&host, mean, 1);
-        return host;
+        return mean_loss_from_device(losses, BT);
     } else {
         double total = 0.0;
         for (long i = 0; i < BT; i++) {
