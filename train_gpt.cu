@@ -80,16 +80,19 @@ static GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.p
 
 // the parallelisms whose issues have not landed are refused, after the grid has checked that they would fit
 static void refuse_unbuilt_parallelism(const Options& o) {
-    const char* names[] = {"--cp", "--pp", "--ep"};
-    const char* what[] = {"context", "pipeline", "expert"};
-    int sizes[] = {o.cp, o.pp, o.ep};
-    for (int i = 0; i < 3; i++)
+    const char* names[] = {"--pp", "--ep"};
+    const char* what[] = {"pipeline", "expert"};
+    int sizes[] = {o.pp, o.ep};
+    for (int i = 0; i < 2; i++)
         if (sizes[i] > 1) fail("%s %d: %s parallelism is not implemented yet", names[i], sizes[i], what[i]);
 }
 
 static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
-    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute};
+    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute,
+                        o.cp};
 }
+
+static CPSplit cp_split(const Options& o) { return o.cp_split == "contiguous" ? CPSplit::Contiguous : CPSplit::ZigZag; }
 
 // this rank's tp share of the parameters, fp32 on the host: the CPU's own (gathered over dp under ZeRO-3), or
 // the GPU's master weights (gathered over dp under ZeRO >= 1). A collective under ZeRO.
@@ -185,8 +188,9 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
     size_t psi = count_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
-    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), ZeRO-%d, %d micro-steps per step, recompute %d\n", world, dp,
-           o.tp, o.sp ? "on" : "off", o.zero, accumulation, o.recompute);
+    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), ZeRO-%d over dp·cp = %d ranks, %d micro-steps per step, "
+           "recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.zero, par.grad_ranks(),
+           accumulation, o.recompute);
     const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
     print_memory(strfmt("predicted memory per rank, B=%d T=%d, %s:", o.B, o.T, precision).c_str(), plan.bytes,
                  plan.total());
@@ -199,7 +203,8 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
         printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
                (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
     } else {
-        size_t local = num_parameters(config, o.tp), shard = bucket_layout(config, dp, par.bucket_floats, o.tp).shard_size;
+        size_t local = num_parameters(config, o.tp);
+        size_t shard = bucket_layout(config, par.grad_ranks(), par.bucket_floats, o.tp).shard_size;
         size_t mixed[MEM_CATEGORIES] = {};
         plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
         printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f MiB, "
@@ -208,6 +213,7 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
     }
     printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par, dev));
     printf("tensor-parallel communication per step per rank: %.0f bytes\n", planned_tp_comm_bytes(config, par, o.B, o.T, dev));
+    printf("context-parallel communication per step per rank: %.0f bytes\n", planned_cp_comm_bytes(config, par, o.B, o.T, dev));
 }
 
 // what run() decided from the flags, for the training run
@@ -242,13 +248,17 @@ static int train(const Options& o, const RunSetup& run) {
     // the model (this rank's tensor-parallel share) and its data-parallel runtime
     GPTModel<floatX> model;
     gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
-                 TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute);
+                 TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)});
     model.tp.comm = &grid.tp_comm;
+    model.cp.comm = &grid.cp_comm;
     model.seed = o.seed;
-    DataParallel<floatX> dpr(model, grid.dp_comm, o.zero, bucket_floats);
+    // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
+    Comm& grad_comm = grid.dp_cp();
+    DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats);
     TrainState state;
     Rng sampler_rng(o.seed);
-    RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp};
+    RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp,
+                     grid.cp, o.cp_split};
     int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp);
     // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
     // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
@@ -306,9 +316,9 @@ static int train(const Options& o, const RunSetup& run) {
     if (lead) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
-            printf("%d ranks over %s: dp=%d, tp=%d (sp %s), ZeRO-%d, buckets of %zu floats (%zu buckets)\n", grid.world,
-                   cs.backend.c_str(), grid.dp, grid.tp, o.sp ? "on" : "off", o.zero, bucket_floats,
-                   dpr.layout.buckets.size());
+            printf("%d ranks over %s: dp=%d, tp=%d (sp %s), cp=%d (%s), ZeRO-%d over %d ranks, buckets of %zu floats "
+                   "(%zu buckets)\n", grid.world, cs.backend.c_str(), grid.dp, grid.tp, o.sp ? "on" : "off", grid.cp,
+                   o.cp_split.c_str(), o.zero, grad_comm.size, bucket_floats, dpr.layout.buckets.size());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters (%zu on each tp rank), %.1f MiB in all on "
@@ -334,13 +344,13 @@ static int train(const Options& o, const RunSetup& run) {
             device_download<floatX>(staged_m.data(), adam_m, moments);
             device_download<floatX>(staged_v.data(), adam_v, moments);
         }
-        bool writes_optimizer = o.zero >= 1 || grid.at.dp == 0;
+        bool writes_optimizer = o.zero >= 1 || (grid.at.dp == 0 && grid.at.cp == 0);
         return save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
                                writes_optimizer ? optimizer_file : -1);
     };
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
-    auto report_against_plan = [&](double sent, double tp_sent) {
-        if (grid.dp > 1)
+    auto report_against_plan = [&](double sent, double tp_sent, double cp_sent) {
+        if (grad_comm.size > 1)
             printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
                    planned_comm_bytes(config, par, device_of<floatX>));
         if (on_gpu)
@@ -350,6 +360,23 @@ static int train(const Options& o, const RunSetup& run) {
         if (grid.tp > 1)
             printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
                    grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+        if (grid.cp > 1)
+            printf("comm: rank 0 sent %.0f bytes on cp in this step; the formula for cp=%d says %.0f\n", cp_sent, grid.cp,
+                   planned_cp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+    };
+    // after the first step, the attention work of each rank of rank 0's cp group and its step time: equal work
+    // under zig-zag, and under a contiguous split the imbalance and what it costs (a collective of every cp group)
+    auto report_cp_balance = [&](double ms) {
+        CPLayout l = cp_layout(o.T, grid.cp, grid.at.cp, cp_split(o));
+        long pairs = cp_attention_pairs(l);
+        // per pair and channel: 4 FLOPs forward (Q·K and P·V), 8 backward (dQ, dK, dV and dP)
+        double mine[3] = {(double)pairs, 12.0 * pairs * o.B * (config.channels / grid.tp) * config.num_layers * accumulation,
+                          ms};
+        std::vector<double> all(3 * grid.cp);
+        grid.cp_comm.wait(grid.cp_comm.all_gather(mine, all.data(), 3, DType::F64));
+        for (int r = 0; lead && r < grid.cp; r++)
+            printf("cp: rank %d (%s) scores %.0f query-key pairs per sequence and head; attention %.4f GFLOP in this "
+                   "step; step %.1f ms\n", r, o.cp_split.c_str(), all[3 * r], all[3 * r + 1] / 1e9, all[3 * r + 2]);
     };
 
     for (int step = state.step; step <= steps; step++) {
@@ -390,7 +417,8 @@ static int train(const Options& o, const RunSetup& run) {
 
         // one optimizer step: the mean loss over the global batch, accumulated over micro-batches; gradient
         // buckets are reduced across dp while backward runs
-        double t0 = now_seconds(), sent0 = grid.dp_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
+        double t0 = now_seconds(), sent0 = grad_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
+        double cp_sent0 = grid.cp_comm.bytes_sent;
         dpr.zero_grad();
         double loss = 0.0;
         float dloss = 1.0f / (float)(tokens_per_micro_step * accumulation);
@@ -412,16 +440,17 @@ static int train(const Options& o, const RunSetup& run) {
             NvtxRange update("optimizer step");
             dpr.update(lr, o.weight_decay, norm);
         }
-        double ms = (now_seconds() - t0) * 1000.0, sent = grid.dp_comm.bytes_sent - sent0;
-        double tp_sent = grid.tp_comm.bytes_sent - tp_sent0;
+        double ms = (now_seconds() - t0) * 1000.0, sent = grad_comm.bytes_sent - sent0;
+        double tp_sent = grid.tp_comm.bytes_sent - tp_sent0, cp_sent = grid.cp_comm.bytes_sent - cp_sent0;
         if (lead) {
             printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    lr, norm, ms, total_batch / (ms / 1000.0),
                    skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
-            if (step == state.step) report_against_plan(sent, tp_sent);
+            if (step == state.step) report_against_plan(sent, tp_sent, cp_sent);
             fflush(stdout);
             log.train(step, (float)loss, lr, (float)norm, skipped);
         }
+        if (step == state.step && grid.cp > 1) report_cp_balance(ms);
         if (bad_steps == o.max_bad_steps) {
             if (lead)
                 fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row with a non-finite loss or gradient "
@@ -485,12 +514,9 @@ static int run(const Options& o) {
     if (o.checkpoint_every > 0 && !o.resume && !list_checkpoints(o.out_dir).empty())
         fail("-o %s: already holds checkpoints; resume with -y 1 or choose another directory", o.out_dir.c_str());
     GPTConfig config = model_config(o, resume_dir);
-    if (o.T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", o.T, config.max_seq_len);
     int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
     int dp = grid_dp(world, grid_shape(o));
-    if (config.num_heads % o.tp != 0) fail("--tp %d: must divide the number of heads (%d)", o.tp, config.num_heads);
-    if (o.sp && o.T % o.tp != 0)
-        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", o.T, o.tp);
+    check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
     long tokens_per_micro_step = (long)o.B * o.T * dp;
     long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
     if (total_batch % tokens_per_micro_step != 0)

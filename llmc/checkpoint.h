@@ -45,9 +45,12 @@ struct RunLayout {
     int dp = 1, zero = 0;
     size_t bucket_floats = 0;  // decides which rank owns which elements under ZeRO
     int tp = 1, sp = 0;
+    int cp = 1;
+    std::string cp_split = "zigzag";
     bool operator==(const RunLayout& o) const {
         return B == o.B && T == o.T && world == o.world && total_batch == o.total_batch && dp == o.dp &&
-               zero == o.zero && bucket_floats == o.bucket_floats && tp == o.tp && sp == o.sp;
+               zero == o.zero && bucket_floats == o.bucket_floats && tp == o.tp && sp == o.sp && cp == o.cp &&
+               cp_split == o.cp_split;
     }
     // how many optimizer files a checkpoint holds, and which one a rank (by world, dp and tp rank) reads
     int optimizer_files() const { return zero >= 1 ? world : tp; }
@@ -136,11 +139,11 @@ inline void write_manifest(const std::string& path, const GPTConfig& c, const Tr
     std::string text = strfmt(
         "format llm5d-checkpoint %d\nstep %d\nadam_step %d\nnum_parameters %zu\n"
         "model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
-        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu\n"
-        "files model.bin state_rank0.bin%s\n",
+        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%s pp=1 ep=1 zero=%d "
+        "bucket_floats=%zu\nfiles model.bin state_rank0.bin%s\n",
         CHECKPOINT_VERSION, s.step, adam_step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
-        c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.zero, r.bucket_floats,
-        optimizer_files.c_str());
+        c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(),
+        r.zero, r.bucket_floats, optimizer_files.c_str());
     for (const auto& [name, sum] : checksums) text += strfmt("checksum %s fnv1a64=%016llx\n", name.c_str(), (unsigned long long)sum);
     File f(path, "wb");
     f.write(text.data(), text.size());
@@ -152,12 +155,14 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     std::string text(f.size(), '\0');
     f.read(&text[0], text.size());
     RunLayout r;
+    char split[16] = {};
     const char* b = strstr(text.c_str(), "\nbatch ");
     const char* l = strstr(text.c_str(), "\nlayout ");
     if (!b || !l || sscanf(b, "\nbatch B=%d T=%d total=%ld", &r.B, &r.T, &r.total_batch) != 3 ||
-        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=1 pp=1 ep=1 zero=%d bucket_floats=%zu", &r.world, &r.dp,
-               &r.tp, &r.sp, &r.zero, &r.bucket_floats) != 6)
+        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%15[a-z] pp=1 ep=1 zero=%d bucket_floats=%zu",
+               &r.world, &r.dp, &r.tp, &r.sp, &r.cp, split, &r.zero, &r.bucket_floats) != 8)
         fail("%s: malformed manifest", path.c_str());
+    r.cp_split = split;
     return r;
 }
 
@@ -352,9 +357,9 @@ inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainSt
                             int optimizer_file) {
     RunLayout r = read_manifest_layout(dir + "/manifest.txt");
     if (!(r == expected))
-        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, tp %d, sp %d, -z %d, bucket %zu floats); resume with "
-             "the same settings (or start from its model.bin with -e)", dir.c_str(), r.B, r.T, r.total_batch, r.world,
-             r.dp, r.tp, r.sp, r.zero, r.bucket_floats);
+        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, tp %d, sp %d, cp %d %s, -z %d, bucket %zu floats); "
+             "resume with the same settings (or start from its model.bin with -e)", dir.c_str(), r.B, r.T, r.total_batch,
+             r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(), r.zero, r.bucket_floats);
     gpt_load_params(m.config, m.params, dir + "/model.bin");
     read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m, r.zero == 0 && r.tp == 1);
     std::string path = dir + "/state_rank0.bin";

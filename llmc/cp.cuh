@@ -7,7 +7,10 @@
 //               early ones, and pairing an early chunk with a late one gives every rank the same work;
 //   contiguous  rank r holds chunks 2r and 2r+1 (the plain split, kept to show the imbalance zig-zag removes).
 // Layers other than attention treat tokens independently, so the split only has to permute the rows of the
-// inputs, targets and positions alike (cp_positions, cp_select).
+// inputs, targets and positions alike (cp_positions, cp_select): every rank of the group is given the same
+// batch and keeps its rows, and the position embedding is read at each row's real position. The ranks of a
+// group hold the same parameters; their gradients are partial sums over other tokens, reduced over dp × cp by
+// the data-parallel runtime (llmc/grid.cuh). ContextParallel, at the end, is what the model calls.
 //
 // Ring attention. Each rank keeps the queries of its own tokens; the keys and values travel. At step s a rank
 // holds the K and V of rank r-s, and before it computes with them it posts their send to rank r+1 and the
@@ -38,8 +41,10 @@
 #include <utility>
 #include <vector>
 
+#include "llmc/attention.cuh"
 #include "llmc/comm.cuh"
 #include "llmc/device.cuh"
+#include "llmc/ledger.h"
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
@@ -95,6 +100,18 @@ inline void cp_select(E* dst, const E* src, long outer, int T, int width, const 
 enum class BlockMask { Skip, Full, Causal };
 inline BlockMask block_mask(int query_chunk, int key_chunk) {
     return key_chunk < query_chunk ? BlockMask::Full : key_chunk == query_chunk ? BlockMask::Causal : BlockMask::Skip;
+}
+
+// the (query, key) pairs a rank scores per sequence and head over the whole ring: its share of attention's work
+inline long cp_attention_pairs(const CPLayout& l) {
+    long n = l.chunk_tokens(), pairs = 0;
+    for (int source = 0; source < l.size; source++)
+        for (int qi = 0; qi < 2; qi++)
+            for (int ki = 0; ki < 2; ki++) {
+                BlockMask m = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
+                pairs += m == BlockMask::Full ? n * n : m == BlockMask::Causal ? n * (n + 1) / 2 : 0;
+            }
+    return pairs;
 }
 
 // ==========================================================================================================
@@ -471,6 +488,42 @@ inline void ring_wait(Comm& comm, RingHop& hop) {
     comm.wait(hop.received);
 }
 
+// What the ring works in, allocated once for the largest batch through the model's ledger (so --plan counts
+// it): the K/V block held and the one arriving, in the storage type; the fp32 dK/dV accumulators (the one
+// being added to, the one still on its way to the next rank, and the one arriving); and fp32 scratch, the
+// running output (forward) or dQ (backward), one block's output and log-sum-exp, and D. The K/V and
+// accumulator buffers are what travels, counted as comm buffers.
+template <typename floatX>
+struct RingBuffers {
+    floatX *kv_held = nullptr, *kv_incoming = nullptr;
+    float *acc[2] = {}, *acc_arrived = nullptr;
+    float *rows = nullptr, *out_blk = nullptr, *lse_blk = nullptr, *delta = nullptr;
+};
+
+// the elements of each buffer for B sequences of Tl local tokens (chunks of Tl/2), C channels and NH heads
+struct RingSizes {
+    size_t kv, rows, out_blk, lse_blk, delta;
+};
+inline RingSizes ring_sizes(int B, int Tl, int C, int NH) {
+    size_t rows = (size_t)B * Tl, n = (size_t)Tl / 2;
+    return {rows * 2 * C, rows * C, B * n * C, B * NH * n, rows * NH};
+}
+
+template <typename floatX>
+inline RingBuffers<floatX> ring_buffers(Ledger& led, int B, int Tl, int C, int NH) {
+    RingSizes z = ring_sizes(B, Tl, C, NH);
+    RingBuffers<floatX> r;
+    r.kv_held = led.alloc<floatX, floatX>(MEM_COMM, z.kv);
+    r.kv_incoming = led.alloc<floatX, floatX>(MEM_COMM, z.kv);
+    for (float*& a : r.acc) a = led.alloc<floatX, float>(MEM_COMM, z.kv);
+    r.acc_arrived = led.alloc<floatX, float>(MEM_COMM, z.kv);
+    r.rows = led.alloc<floatX, float>(MEM_SCRATCH, z.rows);
+    r.out_blk = led.alloc<floatX, float>(MEM_SCRATCH, z.out_blk);
+    r.lse_blk = led.alloc<floatX, float>(MEM_SCRATCH, z.lse_blk);
+    r.delta = led.alloc<floatX, float>(MEM_SCRATCH, z.delta);
+    return r;
+}
+
 inline void cp_check_group(const CPLayout& l, const Comm& comm, int C, int NH) {
     if (comm.size != l.size || comm.rank != l.rank)
         fail("ring attention: the layout is rank %d of %d, the group rank %d of %d", l.rank, l.size, comm.rank, comm.size);
@@ -478,17 +531,18 @@ inline void cp_check_group(const CPLayout& l, const Comm& comm, int C, int NH) {
 }
 
 // out (B, Tl, C) and lse (B, NH, Tl, the global log-sum-exp of each query's scaled scores) of causal attention
-// over the whole sequence, for this rank's Tl = T/N local rows of qkv (B, Tl, 3C); comm is the cp group.
+// over the whole sequence, for this rank's Tl = T/N local rows of qkv (B, Tl, 3C); comm is the cp group, buf
+// sized for at least B sequences of Tl tokens
 template <typename floatX>
-void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int C, int NH, const CPLayout& l, Comm& comm) {
+void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int C, int NH, const CPLayout& l, Comm& comm,
+                            RingBuffers<floatX>& buf) {
     cp_check_group(l, comm, C, NH);
     int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens();
     size_t kv_count = (size_t)B * Tl * 2 * C;
-    DeviceTemp<floatX, floatX> kv_a(kv_count), kv_b(kv_count);
-    DeviceTemp<floatX, float> running(B * Tl * C), out_blk(B * n * C), lse_blk(B * NH * n);
-    floatX *held = kv_a.data, *incoming = kv_b.data;
+    floatX *held = buf.kv_held, *incoming = buf.kv_incoming;
+    float* running = buf.rows;
     cp_pack_kv(held, qkv, (long)B * Tl, C);
-    device_zero<floatX>(running.data, (size_t)B * Tl * C);
+    device_zero<floatX>(running, (size_t)B * Tl * C);
     cp_fill<floatX>(lse, (long)B * NH * Tl, -INFINITY);
     for (int step = 0; step < N; step++) {
         int source = (l.rank + N - step) % N;  // whose keys and values are held now
@@ -499,56 +553,54 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, i
             for (int ki = 0; ki < 2; ki++) {
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
-                cp_block_forward(out_blk.data, lse_blk.data, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, B,
+                cp_block_forward(buf.out_blk, buf.lse_blk, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, B,
                                  Tl, C, NH);
-                cp_merge<floatX>(running.data, lse, qi * n, out_blk.data, lse_blk.data, n, B, Tl, C, NH);
+                cp_merge<floatX>(running, lse, qi * n, buf.out_blk, buf.lse_blk, n, B, Tl, C, NH);
             }
         if (more) {
             ring_wait(comm, hop);
             std::swap(held, incoming);
         }
     }
-    convert_on_device(out, running.data, (long)B * Tl * C);
+    convert_on_device(out, running, (long)B * Tl * C);
 }
 
 // dqkv (B, Tl, 3C) overwritten with the gradient of this rank's rows, from dout and the forward's out and lse
 template <typename floatX>
 void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, int C, int NH, const CPLayout& l, Comm& comm) {
+                             int B, int C, int NH, const CPLayout& l, Comm& comm, RingBuffers<floatX>& buf) {
     cp_check_group(l, comm, C, NH);
     int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens();
     size_t kv_count = (size_t)B * Tl * 2 * C;
-    DeviceTemp<floatX, floatX> kv_a(kv_count), kv_b(kv_count);
-    // the accumulator being added to alternates with the one still on its way to the next rank
-    DeviceTemp<floatX, float> dq(B * Tl * C), acc_a(kv_count), acc_b(kv_count), arrived(kv_count), delta(B * NH * Tl);
-    floatX *held = kv_a.data, *incoming = kv_b.data;
-    float* accumulators[2] = {acc_a.data, acc_b.data};
+    floatX *held = buf.kv_held, *incoming = buf.kv_incoming;
+    float *dq = buf.rows, *arrived = buf.acc_arrived;
     cp_pack_kv(held, qkv, (long)B * Tl, C);
-    cp_delta(delta.data, dout, out, B, Tl, C, NH);
-    device_zero<floatX>(dq.data, (size_t)B * Tl * C);
+    cp_delta(buf.delta, dout, out, B, Tl, C, NH);
+    device_zero<floatX>(dq, (size_t)B * Tl * C);
     RingHop grads;  // the accumulator sent on at the end of the previous step
     for (int step = 0; step < N; step++) {
         int source = (l.rank + N - step) % N;
         bool more = step + 1 < N;
         RingHop hop;
         if (more) hop = ring_hop(comm, held, incoming, kv_count, dtype_of<floatX>());
-        float* acc = accumulators[step % 2];
+        // the accumulator being added to alternates with the one still on its way to the next rank
+        float* acc = buf.acc[step % 2];
         device_zero<floatX>(acc, kv_count);
         for (int qi = 0; qi < 2; qi++)
             for (int ki = 0; ki < 2; ki++) {
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
-                cp_block_backward(dq.data, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse,
-                                  delta.data, B, Tl, C, NH);
+                cp_block_backward(dq, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse, buf.delta,
+                                  B, Tl, C, NH);
             }
         // the accumulator for the source's keys arrives from the rank that held them a step ago, and leaves with
         // this rank's share added; after the last step's hop every rank holds its own keys' gradient
         if (N > 1) {
             if (step > 0) {
                 ring_wait(comm, grads);
-                cp_accumulate<floatX>(acc, arrived.data, (long)kv_count);
+                cp_accumulate<floatX>(acc, arrived, (long)kv_count);
             }
-            grads = ring_hop(comm, acc, arrived.data, kv_count, DType::F32);
+            grads = ring_hop(comm, acc, arrived, kv_count, DType::F32);
         }
         if (more) {
             ring_wait(comm, hop);
@@ -556,5 +608,131 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
         }
     }
     if (N > 1) ring_wait(comm, grads);
-    cp_store_grads(dqkv, dq.data, N > 1 ? arrived.data : accumulators[0], (long)B * Tl, C);
+    cp_store_grads(dqkv, dq, N > 1 ? arrived : buf.acc[0], (long)B * Tl, C);
 }
+
+// ==========================================================================================================
+// The position embedding at the tokens' real positions. The encoder adds row t of wpe to local row t of each
+// sequence, so a rank hands it the rows of its own positions, gathered into a Tl-row table, and adds the
+// table's gradient back at those positions (each position is held by one rank, so the sums over the group
+// that data parallelism makes see each position's gradient once).
+
+// dst (n rows of C) = the rows of src at positions
+inline void gather_position_rows(float* dst, const float* src, const int* positions, int n, int C) {
+#pragma omp parallel for
+    for (int i = 0; i < n; i++) memcpy(dst + (size_t)i * C, src + (size_t)positions[i] * C, C * sizeof(float));
+}
+static __global__ void gather_position_rows_kernel(bf16* dst, const bf16* src, const int* positions, int n, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)n * C; i += (long)gridDim.x * blockDim.x)
+        dst[i] = src[(long)positions[i / C] * C + i % C];
+}
+inline void gather_position_rows(bf16* dst, const bf16* src, const int* positions, int n, int C) {
+    launch_elementwise(gather_position_rows_kernel, (long)n * C, dst, src, positions, n, C);
+}
+
+// the rows of dst at positions += src (n rows of C); positions are distinct
+inline void add_position_rows(float* dst, const float* src, const int* positions, int n, int C) {
+#pragma omp parallel for
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < C; c++) dst[(size_t)positions[i] * C + c] += src[(size_t)i * C + c];
+}
+static __global__ void add_position_rows_kernel(bf16* dst, const bf16* src, const int* positions, int n, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)n * C; i += (long)gridDim.x * blockDim.x) {
+        bf16* d = dst + (long)positions[i / C] * C + i % C;
+        *d = __float2bfloat16(__bfloat162float(*d) + __bfloat162float(src[i]));
+    }
+}
+inline void add_position_rows(bf16* dst, const bf16* src, const int* positions, int n, int C) {
+    launch_elementwise(add_position_rows_kernel, (long)n * C, dst, src, positions, n, C);
+}
+
+// ==========================================================================================================
+// What the model calls: this rank's place in its cp group, and the few steps cp adds to a forward and a
+// backward. With a group of one each step is the plain one (the whole sequence, attention of llmc/attention.cuh).
+
+struct CPSpec {
+    int size = 1, rank = 0;
+    CPSplit split = CPSplit::ZigZag;
+};
+
+template <typename floatX>
+struct ContextParallel {
+    CPSpec spec;
+    Comm* comm = nullptr;  // the cp group; null for a single rank
+    CPLayout layout;       // of the last forward's sequence length
+    std::vector<int> positions;  // this rank's positions, in local order
+    int* device_positions = nullptr;
+    floatX *position_table = nullptr, *position_table_grads = nullptr;  // wpe's rows at them, and their gradient
+    RingBuffers<floatX> ring;
+
+    bool on() const { return spec.size > 1; }
+
+    // the buffers for up to B sequences of T tokens (through the model's ledger): positions, the position
+    // table and its gradient, and the ring's
+    void allocate(Ledger& led, int B, int T, int C, int Cl, int NHl) {
+        if (!on()) return;
+        layout = cp_layout(T, spec.size, spec.rank, spec.split);
+        int Tl = layout.local_tokens();
+        cp_check_heads(Cl, NHl);
+        if constexpr (device_of<floatX> == Device::CUDA) device_positions = led.alloc<floatX, int>(MEM_ACTIVATIONS, Tl);
+        position_table = led.alloc<floatX, floatX>(MEM_ACTIVATIONS, (size_t)Tl * C);
+        position_table_grads = led.alloc<floatX, floatX>(MEM_SCRATCH, (size_t)Tl * C);
+        ring = ring_buffers<floatX>(led, B, Tl, Cl, NHl);
+    }
+
+    // a forward on sequences of T tokens begins: the split for T, and where the kernels find its positions
+    void begin(int T) {
+        if (!on() || (T == layout.T && !positions.empty())) return;
+        layout = cp_layout(T, spec.size, spec.rank, spec.split);
+        positions = cp_positions(layout);
+        if constexpr (device_of<floatX> == Device::CUDA) device_upload<floatX>(device_positions, positions.data(), positions.size());
+        else device_positions = positions.data();
+    }
+    int local_tokens(int T) const { return T / spec.size; }
+
+    // this rank's tokens (B sequences of local_tokens(T)) from the whole batch (B sequences of T), on the host
+    void select_tokens(int* mine, const int* all, int B, int T) const {
+        if (on()) cp_select(mine, all, B, T, 1, positions);
+        else std::copy(all, all + (long)B * T, mine);
+    }
+
+    // the position embedding rows the encoder adds, one per local position
+    const floatX* position_rows(const floatX* wpe, int C) {
+        if (!on()) return wpe;
+        gather_position_rows(position_table, wpe, device_positions, (int)positions.size(), C);
+        return position_table;
+    }
+    // where the encoder's backward accumulates the gradient of those rows, and then back into dwpe
+    floatX* position_grads_begin(floatX* dwpe, int C) {
+        if (!on()) return dwpe;
+        device_zero<floatX>(position_table_grads, positions.size() * C);
+        return position_table_grads;
+    }
+    void position_grads_end(floatX* dwpe, int C) {
+        if (on()) add_position_rows(dwpe, position_table_grads, device_positions, (int)positions.size(), C);
+    }
+
+    // attention over the whole sequence for this rank's Tl local rows; state is what backward needs (the
+    // probabilities or log-sum-exps of llmc/attention.cuh, or the ring's global log-sum-exps (B, NH, Tl))
+    void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH) {
+        if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH);
+        ring_attention_forward(out, state, qkv, B, C, NH, layout, *comm, ring);
+    }
+    void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* state,
+                            int B, int Tl, int C, int NH, float* scratch) {
+        if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, scratch);
+        ring_attention_backward(dqkv, dout, qkv, out, state, B, C, NH, layout, *comm, ring);
+    }
+
+    // which rank holds position t of a sequence, and at which local index
+    int owner(int t) const {
+        int chunk = t / layout.chunk_tokens();
+        for (int r = 0; r < spec.size; r++)
+            if (layout.chunk_of(r, 0) == chunk || layout.chunk_of(r, 1) == chunk) return r;
+        fail("context parallelism: position %d is outside the sequence of %d", t, layout.T);
+    }
+    int local_index(int t) const {
+        int n = layout.chunk_tokens(), chunk = t / n;
+        return (layout.chunk_of(owner(t), 0) == chunk ? 0 : n) + t % n;
+    }
+};

@@ -19,6 +19,7 @@
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
+#include "llmc/cp.cuh"
 #include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/gelu.cuh"
@@ -233,18 +234,20 @@ struct ParamStore {
 // ----------------------------------------------------------------------------------------------------------
 // activations: what forward keeps for backward, sized for B×T; per-layer slots are stacked layer 0 first
 
-// the sizes one rank works with: BT token rows in the parallel regions, R rows between them (BT/tp under
-// sequence parallelism), and the rank's share of channels, hidden units, heads and vocab rows
+// the sizes one rank works with: T its tokens of each sequence (T/cp under context parallelism), BT token rows
+// in the parallel regions, R rows between them (BT/tp under sequence parallelism), and the rank's share of
+// channels, hidden units, heads and vocab rows; ring: attention runs around a cp group
 struct LocalDims {
     int B, T, C;
     long BT, R;
     int Cl, Hl, NHl, Vl;
+    bool ring;
 };
 
-inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T) {
+inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1) {
     LocalDims d;
-    d.B = B, d.T = T, d.C = c.channels;
-    d.BT = (long)B * T;
+    d.B = B, d.T = T / cp, d.C = c.channels, d.ring = cp > 1;
+    d.BT = (long)B * d.T;
     d.R = tp.sp ? d.BT / tp.size : d.BT;
     d.Cl = c.channels / tp.size, d.Hl = 4 * c.channels / tp.size, d.NHl = c.num_heads / tp.size;
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
@@ -272,8 +275,9 @@ struct Activations {
 enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_GELU = 1, RECOMPUTE_LAYERNORM = 2 };
 
 // attention's saved state per layer: the T×T probabilities of every head on the CPU, T logsumexps on the GPU
+// and around a cp ring
 inline size_t attention_state_floats(const LocalDims& d, Device dev) {
-    return (size_t)d.NHl * d.B * d.T * (dev == Device::CUDA ? 1 : d.T);
+    return (size_t)d.NHl * d.B * d.T * (dev == Device::CUDA || d.ring ? 1 : d.T);
 }
 
 // the elements of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
@@ -358,6 +362,7 @@ struct GPTModel {
     int adam_step = 0;  // updates taken so far (AdamW's t)
     uint64_t seed = 0;  // the stochastic rounding's bits on the GPU
     TensorParallel tp;  // this rank's place in its tensor-parallel group
+    ContextParallel<floatX> cp;  // ... and in its context-parallel group
     int recompute = RECOMPUTE_NONE;
     Activations<floatX> acts;
     Scratch<floatX> scratch;
@@ -377,6 +382,21 @@ struct GPTModel {
 using GPT = GPTModel<float>;
 using GPTCuda = GPTModel<bf16>;
 
+// that the model and its sequences of T tokens split over tp × cp ranks as asked, or one line naming the flag
+// that does not fit
+inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const CPSpec& cp) {
+    validate_config(config, "model");
+    if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
+    if (config.num_heads % tp.size != 0)
+        fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
+    if (cp.size > 1) cp_layout(T, cp.size, cp.rank, cp.split);  // T splits into 2·cp chunks
+    if (tp.sp && cp.size == 1 && T % tp.size != 0)
+        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
+    if (tp.sp && (T / cp.size) % tp.size != 0)
+        fail("--sp 1: the %d tokens of a sequence on each cp rank (-t %d / --cp %d) must be divisible by --tp %d", T / cp.size,
+             T, cp.size, tp.size);
+}
+
 // which of the model states the model allocates itself; ZeRO allocates the rest as shards
 struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
@@ -384,14 +404,10 @@ struct ModelBuffers {
 
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
-                         int recompute = RECOMPUTE_NONE) {
+                         int recompute = RECOMPUTE_NONE, CPSpec cp = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
-    validate_config(config, "model");
-    if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
-    if (config.num_heads % tp.size != 0)
-        fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
-    if (tp.sp && T % tp.size != 0)
-        fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
+    check_split(config, T, tp, cp);
+    m.cp.spec = cp;
     int head_size = config.channels / config.num_heads;
     if (gpu && head_size != 64 && head_size != 128)
         fail("model: head size %d (channels / heads): the GPU attention kernels take 64 or 128", head_size);
@@ -412,7 +428,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     }
     for (int u = 0; u < num_units(config); u++) m.units.push_back(unit_segments(config, u, tp.size));
 
-    LocalDims d = local_dims(config, tp, B, T);
+    LocalDims d = local_dims(config, tp, B, T, cp.size);
     size_t L = config.num_layers, C = config.channels, BT = d.BT, R = d.R;
     Activations<floatX>& a = m.acts;
     auto act = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n); };
@@ -446,7 +462,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         s.gemm = led.alloc<floatX, float>(MEM_SCRATCH, floats);
         gpu_scratch_registry() = GpuScratch{s.gemm, floats};
     } else {
-        s.attention = led.alloc<floatX, float>(MEM_SCRATCH, (size_t)threads * T);
+        s.attention = led.alloc<floatX, float>(MEM_SCRATCH, (size_t)threads * d.T);
         s.gemm = led.alloc<floatX, float>(MEM_SCRATCH, gemm_workspace_floats(threads));
     }
     s.partial = tp.size > 1 ? scr(BT * C) : nullptr;
@@ -454,6 +470,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.whole = tp.sp ? scr(BT * C) : nullptr;
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
     m.tp.gather = s.gather;
+    m.cp.allocate(led, B, T, (int)C, d.Cl, d.NHl);
     m.inputs.assign(BT, 0);
     m.targets.assign(BT, 0);
     if (gpu) {
@@ -644,24 +661,28 @@ inline ParamViews<floatX> unit_grads(GPTModel<floatX>& m, int unit) {
 }
 
 // Runs the model on inputs (B×T tokens, B and T at most what the model was allocated for). With targets, also
-// the loss, which it returns (mean over the B×T tokens; on the GPU reading it waits for the forward to finish);
-// without, returns -1 and leaves only the logits.
+// the loss, which it returns (mean over the rank's tokens; on the GPU reading it waits for the forward to
+// finish); without, returns -1 and leaves only the logits.
 // Under tensor parallelism every rank of the group calls it with the same tokens; tp wraps the layer calls
 // that cross ranks (llmc/tp.cuh), and R = BT/tp rows of the residual stream live on each rank under sp.
+// Under context parallelism every rank of the cp group calls it with the same B×T tokens too, and keeps its
+// T/cp positions of each sequence (llmc/cp.cuh): only attention and the position embedding see where they are.
 template <typename floatX>
 inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targets, int B, int T) {
     if (B > m.B || T > m.T) fail("forward: batch %dx%d exceeds the allocated %dx%d", B, T, m.B, m.T);
     const GPTConfig& c = m.config;
     int L = c.num_layers, V = c.vocab_size;
-    LocalDims d = local_dims(c, m.tp.spec, B, T);
+    ContextParallel<floatX>& cp = m.cp;
+    LocalDims d = local_dims(c, m.tp.spec, B, T, cp.spec.size);
     long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
-    for (long i = 0; i < BT; i++) {
+    for (long i = 0; i < (long)B * T; i++) {
         if (inputs[i] < 0 || inputs[i] >= V) fail("forward: input token %d outside the vocab [0, %d)", inputs[i], V);
         if (targets && (targets[i] < 0 || targets[i] >= V))
             fail("forward: target token %d outside the vocab [0, %d)", targets[i], V);
     }
-    std::copy(inputs, inputs + BT, m.inputs.begin());
-    if (targets) std::copy(targets, targets + BT, m.targets.begin());
+    cp.begin(T);
+    cp.select_tokens(m.inputs.data(), inputs, B, T);
+    if (targets) cp.select_tokens(m.targets.data(), targets, B, T);
     device_upload<floatX>(m.device_inputs, m.inputs.data(), BT);
     if (targets) device_upload<floatX>(m.device_targets, m.targets.data(), BT);
     m.last_B = B;
@@ -674,7 +695,7 @@ inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targ
     if (m.store) m.store->begin_pass(false);
 
     ParamViews<floatX> emb = unit_params(m, embedding_unit(c));
-    tp.embedding_forward(a.encoded, partial, m.device_inputs, emb[WTE], emb[WPE], B, T, C, d.Vl);
+    tp.embedding_forward(a.encoded, partial, m.device_inputs, emb[WTE], cp.position_rows(emb[WPE], C), B, d.T, C, d.Vl);
     for (int l = 0; l < L; l++) {
         NvtxRange layer("layer", l);
         ParamViews<floatX> w = unit_params(m, layer_unit(c, l));
@@ -686,7 +707,7 @@ inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targ
         const floatX* residual = l == 0 ? a.encoded : prev.residual3;
         tp.gather_rows(la.ln1, BT, C);
         matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * d.Cl, ws);
-        attention_forward(la.atty, la.att, la.qkv, B, T, d.Cl, d.NHl);
+        cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl);
         tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws);
         fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, residual, la.attproj,
                                          w[LN2W], w[LN2B], R, C);
@@ -708,12 +729,22 @@ inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targ
     return m.last_loss;
 }
 
-// the logits of one row over the whole vocab (gathered from the tensor-parallel group), for sampling
+// the logits at position t of sequence b of the last forward, over the whole vocab, for sampling: from the cp
+// rank that holds the position, gathered over the tensor-parallel group (a collective of both groups)
 template <typename floatX>
-inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, long row) {
+inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t) {
     int Vl = TensorParallel::vocab_rows(m.config.padded_vocab_size, m.tp.size());
     std::vector<float> mine(Vl), whole((size_t)Vl * m.tp.size());
-    download_as_float(mine.data(), m.acts.logits + row * Vl, Vl);
+    const ContextParallel<floatX>& cp = m.cp;
+    long row = cp.on() ? (long)b * cp.local_tokens(m.last_T) + cp.local_index(t) : (long)b * m.last_T + t;
+    if (cp.on()) {
+        std::vector<float> held(Vl, 0.0f), every((size_t)Vl * cp.spec.size);
+        if (cp.owner(t) == cp.spec.rank) download_as_float(held.data(), m.acts.logits + row * Vl, Vl);
+        cp.comm->wait(cp.comm->all_gather(held.data(), every.data(), Vl, DType::F32));
+        std::copy(every.begin() + (long)cp.owner(t) * Vl, every.begin() + (long)(cp.owner(t) + 1) * Vl, mine.begin());
+    } else {
+        download_as_float(mine.data(), m.acts.logits + row * Vl, Vl);
+    }
     if (m.tp.on()) m.tp.comm->wait(m.tp.comm->all_gather(mine.data(), whole.data(), Vl, DType::F32));
     else whole = mine;
     whole.resize(m.config.vocab_size);
@@ -730,11 +761,12 @@ inline void gpt_backward(GPTModel<floatX>& m, float dloss) {
     if (m.last_loss < 0) fail("backward: the last forward had no targets");
     const GPTConfig& c = m.config;
     int B = m.last_B, T = m.last_T, L = c.num_layers, V = c.vocab_size;
-    LocalDims d = local_dims(c, m.tp.spec, B, T);
+    LocalDims d = local_dims(c, m.tp.spec, B, T, m.cp.spec.size);
     long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
     Activations<floatX>& a = m.acts;
     Scratch<floatX>& s = m.scratch;
     TensorParallel& tp = m.tp;
+    ContextParallel<floatX>& cp = m.cp;
     float* ws = s.gemm;
     // the gradient of a layernorm's output for this rank's rows: the partial sums of every rank, reduced
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
@@ -780,7 +812,7 @@ inline void gpt_backward(GPTModel<floatX>& m, float dloss) {
         layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
         dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
         matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
-        attention_backward(s.dqkv, s.datty, la.qkv, la.atty, la.att, B, T, d.Cl, d.NHl, s.attention);
+        cp.attention_backward(s.dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, s.attention);
         if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
         matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
@@ -788,7 +820,9 @@ inline void gpt_backward(GPTModel<floatX>& m, float dloss) {
         done(layer_unit(c, l));
     }
     demb = unit_grads(m, embedding_unit(c));
-    tp.embedding_backward(demb[WTE], demb[WPE], s.dresidual, s.whole, m.device_inputs, B, T, C, d.Vl);
+    tp.embedding_backward(demb[WTE], cp.position_grads_begin(demb[WPE], C), s.dresidual, s.whole, m.device_inputs, B, d.T,
+                          C, d.Vl);
+    cp.position_grads_end(demb[WPE], C);
     done(embedding_unit(c));
     if (m.store) m.store->end_pass();
 }

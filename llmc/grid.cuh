@@ -5,6 +5,10 @@
 //
 // Expert parallelism is carved out of dp: the dp ranks of one pipeline stage form dp/ep groups of ep
 // consecutive dp ranks each (ep_rank = dp_rank mod ep).
+//
+// The ranks of a cp group hold the same parameters and see other tokens of the same sequences, so the
+// gradients are reduced (and ZeRO shards its states) over dp × cp: the ranks that share tp and pp coordinates,
+// numbered cp fastest (Megatron-LM's data-parallel group with context parallelism).
 #pragma once
 
 #include <string>
@@ -24,6 +28,11 @@ struct Grid {
     int tp = 1, cp = 1, dp = 1, pp = 1, ep = 1;
     GridCoords at;  // this rank's coordinates
     Comm world_comm, tp_comm, cp_comm, dp_comm, pp_comm, ep_comm;
+    Comm dp_cp_comm;  // only with cp > 1: without, dp_cp() is the dp group itself
+
+    // the group that reduces gradients and shards the optimizer: dp × cp
+    Comm& dp_cp() { return cp > 1 ? dp_cp_comm : dp_comm; }
+    int dp_cp_rank() const { return at.cp + cp * at.dp; }
 };
 
 // dp for a world size, or one line naming the flag that does not fit
@@ -70,6 +79,11 @@ inline Grid make_grid(Comm& world, const GridShape& s) {
     g.cp_comm = world.split(without(c, &GridCoords::cp), c.cp, "cp");
     g.dp_comm = world.split(without(c, &GridCoords::dp), c.dp, "dp");
     g.pp_comm = world.split(without(c, &GridCoords::pp), c.pp, "pp");
+    if (s.cp > 1) {
+        GridCoords first = c;
+        first.cp = first.dp = 0;
+        g.dp_cp_comm = world.split(grid_rank(first, s, g.dp), g.dp_cp_rank(), "dp_cp");
+    }
     // an ep group: the dp ranks that share dp_rank / ep
     GridCoords e = c;
     e.dp = c.dp / s.ep * s.ep;

@@ -43,6 +43,7 @@ struct Options {
     // parallelism and communication
     int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
     int sp = -1;                                        // --sp: -1 = on when tp > 1
+    std::string cp_split = "zigzag";                    // --cp-split
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r
     float bucket_mb = 25.0f;                            // --bucket-mb
@@ -102,7 +103,9 @@ inline const char* USAGE =
     "  --bucket-mb F     gradient reduction bucket size in MiB                     [25]\n"
     "  --tp N            tensor-parallel size: divides the heads; a group shares a node [1]\n"
     "  --sp 0|1          sequence parallelism between the tensor-parallel regions  [1 when --tp > 1]\n"
-    "  --cp N, --pp N, --ep N  context, pipeline, expert parallel sizes (1 only, for now) [1]\n"
+    "  --cp N            context-parallel size: splits every sequence, 2N chunks of -t/(2N) tokens [1]\n"
+    "  --cp-split zigzag|contiguous  rank r holds chunks r and 2N-1-r, or 2r and 2r+1 [zigzag]\n"
+    "  --pp N, --ep N    pipeline, expert parallel sizes (1 only, for now)         [1]\n"
     "  --comm mpi|nccl   communication backend                                     [nccl on cuda, mpi on cpu]\n"
     "  --comm-init mpi|tcp|file  how NCCL ranks find each other                    [mpi]\n"
     "  --comm-address HOST:PORT  with --comm-init tcp: where rank 0 listens        [none]\n"
@@ -201,6 +204,7 @@ inline Options parse_options(int argc, char** argv) {
         {"-z", integer(&o.zero, 0, 3)},
         {"-r", integer(&o.recompute, 0, 2)},
         {"--sp", integer(&o.sp, 0, 1)},
+        {"--cp-split", choice(&o.cp_split, {"zigzag", "contiguous"})},
         {"--debug-check-replicas", integer(&o.debug_check_replicas, 0, 1)},
         {"--bucket-mb", real(&o.bucket_mb, 1e-4f, 65536.0f)},
         {"--comm", choice(&o.comm, {"mpi", "nccl"})},

@@ -12,7 +12,8 @@
 // formulas, per rank): ZeRO-1 4Ψ + 4Ψ + 8Ψ/N, ZeRO-2 4Ψ + (4+8)Ψ/N, ZeRO-3 (4+4+8)Ψ/N; with bf16 mixed
 // precision (2-byte parameters and gradients, a 4-byte master copy and two 4-byte moments) the same stages
 // give 2Ψ + 2Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N. Here Ψ/N is a rank's shard: the buckets of llmc/zero.cuh
-// padded to multiples of N, divided by N.
+// padded to multiples of N, divided by N. Under context parallelism N is dp·cp: the ranks of a cp group hold
+// the same parameters and reduce their gradients together.
 #pragma once
 
 #include <cstdio>
@@ -31,6 +32,9 @@ struct ParallelPlan {
     int tp = 1;
     bool sp = false;
     int recompute = 0;  // -r
+    int cp = 1;
+    // the ranks that reduce gradients and shard model states together
+    int grad_ranks() const { return dp * cp; }
 };
 
 struct MemoryPlan {
@@ -81,15 +85,17 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
     const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
     size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp);
+    // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
+    T /= par.cp;
     size_t L = c.num_layers, C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
     // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
     // units of the rank's heads; Vl vocab rows
     size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
     MemoryPlan p;
-    if (par.dp == 1 && par.zero == 0 && t == 1) {
+    if (par.grad_ranks() == 1 && par.zero == 0 && t == 1) {
         plan_model_states(p.bytes, psi, psi, 0, precision);
     } else {
-        BucketLayout lay = bucket_layout(c, par.dp, par.bucket_floats, par.tp);
+        BucketLayout lay = bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp);
         plan_model_states(p.bytes, psi, lay.shard_size, par.zero, precision);
         // staging for reductions in flight: the embeddings' bucket and two others, each with its piece; under
         // ZeRO-3 also the gathered parameters: the embeddings' bucket, the bucket in use and the next one
@@ -106,15 +112,17 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // (BT·C + 2R), the rank's logits (BT·Vl), the per-token losses (BT) and, under tp, their log-sum-exp (BT).
     // With -r 1 GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only.
     // On the GPU attention keeps NH/t·B·T logsumexps instead of the probabilities, and the tokens and targets
-    // have device copies (2·BT int32).
+    // have device copies (2·BT int32); so does ring attention (cp > 1) on both devices, which also keeps the
+    // position embedding's T rows of this rank's positions (T·C) and, on the GPU, the positions (T int32).
+    const bool ring = par.cp > 1;
     size_t ln_out = BT * C, gelu_out = BT * Hl;
     size_t stored = 2 * ln_out + 3 * BT * Cl + BT * Cl + BT * Hl + gelu_out + 4 * R * C;  // storage type
-    size_t stats = 4 * R + NH / t * B * (size_t)T * (gpu ? 1 : T);                        // fp32
+    size_t stats = 4 * R + NH / t * B * (size_t)T * (gpu || ring ? 1 : T);                // fp32
     size_t shared = 0;
     if (par.recompute >= 1) stored -= gelu_out, shared += gelu_out;
     if (par.recompute >= 2) stored -= 2 * ln_out, shared += ln_out;
-    p.bytes[MEM_ACTIVATIONS] = X * (L * stored + shared + R * C + BT * C + BT * Vl) +
-                               F * (L * stats + 2 * R + BT + (t > 1 ? BT : 0) + (gpu ? 2 * BT : 0));
+    p.bytes[MEM_ACTIVATIONS] = X * (L * stored + shared + R * C + BT * C + BT * Vl + (ring ? T * C : 0)) +
+                               F * (L * stats + 2 * R + BT + (t > 1 ? BT : 0) + (gpu ? 2 * BT : 0) + (ring && gpu ? T : 0));
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
     // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (BT·Hl); T floats per thread for attention;
     // the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the
@@ -123,8 +131,18 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + BT * Hl;
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
-    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, T);
+    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, T * par.cp, par.cp);
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
+    // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Cl, storage type) and three fp32
+    // dK/dV accumulators of the same size, counted as comm buffers; in fp32 scratch the running output or dQ
+    // (BT·Cl), one block's output and log-sum-exps (B·T/2 rows: B·T/2·Cl and NH/t·B·T/2) and D (NH/t·BT); and
+    // the position embedding's gradient rows (T·C, storage type).
+    if (ring) {
+        size_t kv = BT * 2 * Cl, half = (size_t)B * (T / 2);
+        p.bytes[MEM_COMM] += X * 2 * kv + F * 3 * kv;
+        scratch += T * C;
+        kernels += BT * Cl + half * Cl + NH / t * half + NH / t * BT;
+    }
     p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
     return p;
 }
@@ -143,9 +161,9 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 // each micro-step: 3kP. The loss (an all-reduce of one double) and the gradient norm (an all-gather of one
 // double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes. Values move as stored on the device.
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
-    if (par.dp == 1) return 0.0;
-    double N = par.dp, ring = (N - 1) / N;
-    double P = (double)bucket_layout(c, par.dp, par.bucket_floats, par.tp).padded_total;
+    if (par.grad_ranks() == 1) return 0.0;
+    double N = par.grad_ranks(), ring = (N - 1) / N;
+    double P = (double)bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp).padded_total;
     double k = par.accumulation;
     double passes = par.zero <= 1 ? 2.0 : par.zero == 2 ? k + 1.0 : 3.0 * k;
     return ring * (passes * P * stored_value_bytes(device) + 2 * sizeof(double)) + (N - 1) * sizeof(double);
@@ -162,10 +180,20 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // 2L more units. Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three as fp32.
 inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.tp == 1) return 0.0;
-    double t = par.tp, BT = (double)B * T, C = c.channels, L = c.num_layers, k = par.accumulation;
+    double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = c.num_layers, k = par.accumulation;
     double units = 8 * L + 4 + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
     double per_micro_step = units * (t - 1) / t * BT * C * value + (t - 1) * BT * 3 * sizeof(float);
     double partial_grads = par.sp ? (t - 1) * (4 * L * C + 2 * C + (double)c.max_seq_len * C) * value : 0.0;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
+}
+
+// Bytes one rank sends to its cp group per optimizer step: in each layer of each micro-step, forward passes
+// the K/V block on N-1 times (BT·2Cl values as stored, BT = B·T/N local rows), and backward passes it on N-1
+// times again and its fp32 dK/dV accumulator N times (the last hop brings each one home to the keys' rank).
+inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
+    if (par.cp == 1) return 0.0;
+    double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.channels / par.tp);
+    double per_layer = 2 * (N - 1) * kv * stored_value_bytes(device) + N * kv * sizeof(float);
+    return par.accumulation * c.num_layers * per_layer;
 }

@@ -17,7 +17,7 @@ inline std::vector<int> sample_tokens(GPTModel<floatX>& m, int eot, int count, i
     for (int t = 1; t <= count; t++) {
         // causal attention: positions after t-1 do not influence the logits at t-1, so padding them is harmless
         gpt_forward(m, tokens.data(), nullptr, 1, T);
-        std::vector<float> row = gpt_logits_row(m, t - 1);
+        std::vector<float> row = gpt_logits_row(m, 0, t - 1);
         const float* logits = row.data();
         float lse = logsumexp_row(logits, c.vocab_size);
         float coin = rng.uniform(), cdf = 0.0f;

@@ -87,9 +87,11 @@ int main() {
             std::vector<float> my_qkv = slice(qkv, B, 3 * C), my_dout = slice(dout, B, C);
             std::vector<float> my_out((size_t)B * Tl * C, NAN), my_lse((size_t)B * NH * Tl, NAN),
                 my_dqkv((size_t)B * Tl * 3 * C, NAN);
-            ring_attention_forward(my_out.data(), my_lse.data(), my_qkv.data(), B, C, NH, layout, world);
+            Ledger ledger;
+            RingBuffers<float> ring = ring_buffers<float>(ledger, B, Tl, C, NH);
+            ring_attention_forward(my_out.data(), my_lse.data(), my_qkv.data(), B, C, NH, layout, world, ring);
             ring_attention_backward(my_dqkv.data(), my_dout.data(), my_qkv.data(), my_out.data(), my_lse.data(), B, C, NH,
-                                    layout, world);
+                                    layout, world, ring);
 
             std::vector<float> want_dqkv = slice(dqkv, B, 3 * C);
             // the Q, K and V columns of a (B·Tl, 3C) gradient apart

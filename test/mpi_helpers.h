@@ -181,4 +181,69 @@ inline void require_tp_counted_equals_formula(const std::string& output, int tp,
     CHECK(c.sent == c.formula);
 }
 
+// like train(), but a failed run is recorded and the test goes on with the next layout; false when it failed
+inline bool train_ok(int ranks, const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
+    CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");
+    INFO(ranks << " ranks: ./train_gpt " << flags << "\n" << r.output);
+    CHECK(r.status == 0);
+    if (output) *output = r.output;
+    return r.status == 0;
+}
+inline bool single_ok(const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
+    CommandResult r = single(flags + " -o '" + out_dir + "'");
+    INFO("./train_gpt " << flags << "\n" << r.output);
+    CHECK(r.status == 0);
+    if (output) *output = r.output;
+    return r.status == 0;
+}
+
+// the same losses at the same steps within tol relative (at least min_entries); a mismatch is recorded and the
+// test goes on
+inline void check_close(const std::map<std::string, double>& a, const std::map<std::string, double>& b, double tol,
+                 size_t min_entries = 20) {
+    CHECK(a.size() == b.size());
+    CHECK(a.size() >= min_entries);
+    for (const auto& kv : a) {
+        auto other = b.find(kv.first);
+        INFO(kv.first << ": " << kv.second);
+        CHECK(other != b.end());
+        if (other == b.end()) continue;
+        INFO(kv.first << ": " << kv.second << " vs " << other->second << " (relative difference "
+                      << fabs(kv.second - other->second) / fabs(other->second) << ")");
+        CHECK(fabs(kv.second - other->second) <= tol * fabs(other->second));
+    }
+}
+// one loss of main.log, NAN when it is missing
+inline double loss_at(const std::map<std::string, double>& v, const std::string& key) {
+    auto it = v.find(key);
+    return it == v.end() ? NAN : it->second;
+}
+inline bool rel_close(double a, double b, double tol) { return fabs(a - b) <= tol * fabs(b); }
+
+// the contract for a refused layout: exit status 1 and one line, "train_gpt: ...", mentioning every word
+inline void check_one_line_error(const CommandResult& r, const std::vector<std::string>& words) {
+    INFO("exit status " << r.status << ", output:\n" << r.output);
+    CHECK(r.status == 1);
+    std::vector<std::string> lines = lines_of(r.output);
+    CHECK(lines.size() == 1);
+    if (lines.empty()) return;
+    CHECK(lines[0].rfind("train_gpt: ", 0) == 0);
+    for (const std::string& w : words) {
+        INFO("the message should mention " << w);
+        CHECK(lines[0].find(w) != std::string::npos);
+    }
+}
+
+// "  <category>   <bytes> bytes   <MiB> MiB" of --plan's memory block; -1 when the category is missing
+inline long long plan_category_bytes(const std::string& output, const std::string& name) {
+    std::string prefix = "  " + name + " ";
+    for (const std::string& line : lines_of(output))
+        if (line.compare(0, prefix.size(), prefix) == 0) {
+            long long v = -1;
+            char unit[8] = {};
+            if (sscanf(line.c_str() + prefix.size(), " %lld %7s", &v, unit) == 2 && std::string(unit) == "bytes") return v;
+        }
+    return -1;
+}
+
 }  // namespace

@@ -1,14 +1,56 @@
 // Tests of context parallelism (llmc/cp.cuh): on the CPU the zig-zag and contiguous splits, the refusal of a T
 // the chunks do not divide, the balance zig-zag buys, and ring attention against attention over the whole
-// sequence under `mpirun --oversubscribe` on 2, 3 and 4 ranks (build/cp_check); on a GPU, the ring's CUDA path
-// on one rank against the CPU reference.
+// sequence under `mpirun --oversubscribe` on 2, 3 and 4 ranks (build/cp_check); the trainer under cp 2 and 4,
+// cp × tp (sp) and cp × dp with ZeRO against the single-rank run with the same global batch (the equivalence
+// principle); the ledger of every cp rank against --plan; the counted cp bytes against the formula; a cp run
+// resumed bit-exactly; and on a GPU, the ring's CUDA path on one rank against the CPU reference.
+//
+// The model, d3c36h4t32v301 (4 heads of 9, a vocab no tp divides), at -t 16: cp 2 keeps 8 positions of each
+// sequence per rank in chunks of 4, cp 4 keeps 4 in chunks of 2, and cp 2 × tp 2 under sp splits each rank's
+// 2·8 rows of a micro-batch of 2 sequences again.
 #include <unistd.h>
 
 #include <algorithm>
 
 #include "dev/cuda/kernel_cases.h"
 #include "llmc/cp.cuh"
+#include "llmc/plan.h"
+#include "llmc/zero.cuh"
 #include "mpi_helpers.h"
+
+namespace {
+
+const char* CP_MODEL = "d3c36h4t32v301";
+
+// "cp: rank R (SPLIT) scores P query-key pairs ..." of each rank of rank 0's cp group, in rank order
+std::vector<long> cp_pairs_lines(const std::string& output) {
+    std::vector<long> pairs;
+    for (const std::string& line : lines_of(output)) {
+        int rank;
+        long p;
+        char split[16];
+        if (sscanf(line.c_str(), "cp: rank %d (%15[a-z]) scores %ld query-key pairs", &rank, split, &p) == 3 &&
+            rank == (int)pairs.size())
+            pairs.push_back(p);
+    }
+    return pairs;
+}
+
+// "comm: rank 0 sent X bytes on cp in this step; the formula for cp=N says Y": X equals Y, and is not 0
+void require_cp_counted_equals_formula(const std::string& output, int cp) {
+    double sent = -1, formula = -2;
+    int n = 0;
+    for (const std::string& line : lines_of(output))
+        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on cp in this step; the formula for cp=%d says %lf", &sent,
+                   &n, &formula) == 3)
+            break;
+    INFO(output);
+    REQUIRE(n == cp);
+    CHECK(sent > 0);
+    CHECK(sent == formula);
+}
+
+}  // namespace
 
 TEST_CASE("the zig-zag split gives rank r chunks r and 2N-1-r, the contiguous split chunks 2r and 2r+1", "[cp]") {
     CHECK(cp_positions(cp_layout(8, 2, 0, CPSplit::ZigZag)) == std::vector<int>{0, 1, 6, 7});
@@ -56,15 +98,7 @@ TEST_CASE("under a causal mask zig-zag gives every rank the same attention work,
         int n = 7;  // tokens per chunk
         for (CPSplit split : {CPSplit::ZigZag, CPSplit::Contiguous}) {
             std::vector<long> pairs(N);  // (query, key) pairs each rank scores over the whole ring
-            for (int r = 0; r < N; r++) {
-                CPLayout l = cp_layout(2 * N * n, N, r, split);
-                for (int source = 0; source < N; source++)
-                    for (int qi = 0; qi < 2; qi++)
-                        for (int ki = 0; ki < 2; ki++) {
-                            BlockMask m = block_mask(l.chunk_of(r, qi), l.chunk_of(source, ki));
-                            pairs[r] += m == BlockMask::Full ? n * n : m == BlockMask::Causal ? n * (n + 1) / 2 : 0;
-                        }
-            }
+            for (int r = 0; r < N; r++) pairs[r] = cp_attention_pairs(cp_layout(2 * N * n, N, r, split));
             long total = 0;
             for (long p : pairs) total += p;
             CHECK(total == (long)(2 * N * n) * (2 * N * n + 1) / 2);  // the causal triangle, once
@@ -101,12 +135,179 @@ TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference", "[
             INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance");
             CHECK(c.pass());
         };
-        ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, s.C, s.NH, l, self);
+        Ledger ledger;
+        RingBuffers<bf16> ring = ring_buffers<bf16>(ledger, s.B, s.T, s.C, s.NH);
+        ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, s.C, s.NH, l, self, ring);
         cuda_check(cudaStreamSynchronize(main_stream()));
         close("out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
         close("lse", download(k.d_lse), k.lse, 1e-3);
-        ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, s.C, s.NH, l, self);
+        ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, s.C, s.NH, l, self,
+                                ring);
         cuda_check(cudaStreamSynchronize(main_stream()));
         close("dqkv", download(k.d_dqkv), k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
     }
+}
+
+TEST_CASE("cp = 2 (both splits) and 4 give the single-rank run's losses over 20 steps with accumulation; the cp bytes "
+          "equal the formula; zig-zag balances the attention work", "[cp]") {
+    Data data;
+    TempDir out;
+    // one dp rank: 2 micro-steps of b=2 × t=16, on one rank or split over the cp group
+    std::string flags = data.flags(2, 64, 20, CP_MODEL);
+    REQUIRE(single_ok(flags, out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    struct Layout {
+        int cp;
+        const char* split;
+    };
+    for (Layout l : {Layout{2, "zigzag"}, Layout{2, "contiguous"}, Layout{4, "zigzag"}}) {
+        INFO("cp " << l.cp << " " << l.split);
+        std::string dir = out / strfmt("cp%d_%s", l.cp, l.split), run;
+        if (!train_ok(l.cp, flags + strfmt(" --cp %d --cp-split %s", l.cp, l.split), dir, &run)) continue;
+        check_close(losses(dir), reference, 1e-5);
+        require_cp_counted_equals_formula(run, l.cp);
+        require_counted_equals_formula(run, 0);  // the gradients, reduced over the cp group
+        std::vector<long> pairs = cp_pairs_lines(run);
+        REQUIRE((int)pairs.size() == l.cp);
+        long total = 0;
+        for (long p : pairs) total += p;
+        CHECK(total == 16 * 17 / 2);  // the causal triangle of a sequence, once
+        bool balanced = std::all_of(pairs.begin(), pairs.end(), [&](long p) { return p == pairs[0]; });
+        CHECK(balanced == (std::string(l.split) == "zigzag"));
+    }
+}
+
+TEST_CASE("cp 2 × tp 2 (sp) and cp 2 × dp 2 under ZeRO-1 and ZeRO-3 (with -r 2) give the single-rank run's losses over "
+          "20 steps with accumulation", "[cp]") {
+    Data data;
+    TempDir out;
+    // the same global batch, 2 micro-steps each: 4 sequences on one rank, or 2 on each of the 2 dp ranks
+    REQUIRE(single_ok(data.flags(4, 128, 20, CP_MODEL), out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    struct Layout {
+        const char* name;
+        int b;
+        const char* flags;
+    };
+    for (Layout l : {Layout{"cp2_tp2", 4, " --cp 2 --tp 2"}, Layout{"cp2_dp2_z1", 2, " --cp 2 -z 1"},
+                     Layout{"cp2_dp2_z3_r2", 2, " --cp 2 -z 3 -r 2"}}) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(4, data.flags(l.b, 128, 20, CP_MODEL) + l.flags, dir, &run)) continue;
+        check_close(losses(dir), reference, 1e-5);
+        require_cp_counted_equals_formula(run, 2);
+        require_counted_equals_formula(run);
+        if (std::string(l.flags).find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, 1);
+    }
+}
+
+TEST_CASE("--plan predicts the ledger of every cp rank, with tp and sp, dp and ZeRO-0, 1 and 3", "[cp]") {
+    GPTConfig c = parse_model_descriptor(CP_MODEL);
+    size_t whole_activations = 0;  // without cp, tp 1
+    for (int cp : {1, 2, 4})
+        for (int tp : {1, 2})
+            for (int zero : {0, 1, 3})
+                for (int dp : {1, 2})
+                    for (int cp_rank = 0; cp_rank < cp; cp_rank++) {
+                        INFO("cp " << cp << " rank " << cp_rank << ", tp " << tp << " (sp), dp " << dp << ", ZeRO-" << zero);
+                        Comm group;  // dp × cp: only the size and rank matter until a collective runs
+                        group.size = dp * cp;
+                        group.rank = cp_rank;
+                        GPT m;
+                        gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, 0, tp > 1},
+                                     RECOMPUTE_NONE, CPSpec{cp, cp_rank, CPSplit::ZigZag});
+                        DataParallel dpr(m, group, zero, 1000);
+                        ParallelPlan par{dp, zero, 1000, 1, tp, tp > 1};
+                        par.cp = cp;
+                        MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
+                        for (int i = 0; i < MEM_CATEGORIES; i++) {
+                            INFO(mem_category_name(i));
+                            CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                        }
+                        if (cp == 1 && tp == 1 && dp == 1 && zero == 0) whole_activations = m.ledger.bytes[MEM_ACTIVATIONS];
+                        if (cp > 1 && tp == 1) CHECK(m.ledger.bytes[MEM_ACTIVATIONS] < whole_activations);
+                    }
+    CHECK(whole_activations > 0);
+
+    // the command line prints the same plan (for rank 0) and the cp bytes
+    Data data;
+    CommandResult r = single(data.flags(2, 128, 1, CP_MODEL) + " -z 1 --plan --world 4 --cp 2");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    ParallelPlan par{2, 1, (size_t)(0.06f * 1048576.0 / 4.0), 2, 1, false};
+    par.cp = 2;
+    MemoryPlan plan = plan_memory(c, 2, 16, 1, par);
+    for (int i = 0; i < MEM_CATEGORIES; i++) {
+        INFO(mem_category_name(i));
+        CHECK(plan_category_bytes(r.output, mem_category_name(i)) == (long long)plan.bytes[i]);
+    }
+    CHECK(line_value(r.output, "context-parallel communication per step per rank: ") ==
+          planned_cp_comm_bytes(c, par, 2, 16, Device::CPU));
+}
+
+TEST_CASE("a sequence cp cannot split is refused with one line, before any rank starts", "[cp]") {
+    Data data;
+    SECTION("-t 12 is not a multiple of 2·cp = 8") {
+        std::string flags = data.flags(2, 24, 1, CP_MODEL) + " -t 12 --cp 4";
+        check_one_line_error(single(flags + " --plan --world 4"), {"T=12", "2·cp = 8"});
+        CommandResult r = mpirun(4, "./train_gpt", flags);
+        INFO(r.output);
+        CHECK(r.status != 0);
+        CHECK(r.output.find("train_gpt: context parallelism: the sequence length T=12") != std::string::npos);
+    }
+    SECTION("under sp, tp must divide each cp rank's positions") {
+        // -t 12 --cp 2: 6 positions per rank, which --tp 4 does not divide
+        check_one_line_error(single(data.flags(2, 24, 1, CP_MODEL) + " -t 12 --cp 2 --tp 4 --plan --world 8"),
+                             {"--sp 1", "--tp 4", "--cp 2"});
+    }
+}
+
+TEST_CASE("a cp × dp run resumed from its checkpoint continues bit-exactly; its model file is the whole model", "[cp]") {
+    Data data;
+    TempDir out;
+    GPTConfig c = parse_model_descriptor(CP_MODEL);
+    for (int z : {0, 1}) {
+        INFO("cp 2 × dp 2, ZeRO-" << z);
+        std::string flags = data.flags(2, 2 * 2 * 16, 6, CP_MODEL) + strfmt(" --cp 2 -z %d -n 3", z);
+        std::string whole = out / strfmt("whole%d", z), resumed = out / strfmt("resumed%d", z);
+        train(4, flags, whole);
+        REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(),
+                                   resumed.c_str())).status == 0);
+        train(4, flags + " -y 1", resumed);
+        std::map<std::string, double> a = losses(whole), b = losses(resumed);
+        for (int step = 3; step < 6; step++) {
+            std::string key = strfmt("trl %d", step);
+            INFO(key);
+            REQUIRE(a.count(key) == 1);
+            REQUIRE(b.count(key) == 1);
+            CHECK(a[key] == b[key]);
+        }
+        // llm.c's file of the whole model: 256 int32 of header, then every parameter in fp32
+        CHECK(read_file(whole + "/ckpt_00000006/model.bin").size() == 256 * 4 + count_parameters(c) * 4);
+    }
+}
+
+TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every cp rank, with tp and ZeRO", "[cp][cuda]") {
+    SKIP_WITHOUT_GPU_CASE();
+    GPTConfig c = parse_model_descriptor("d2c256h4t64v301");  // head size 64, which the GPU kernels take
+    for (int cp : {2, 4})
+        for (int tp : {1, 2})
+            for (int zero : {0, 1, 3})
+                for (int cp_rank = 0; cp_rank < cp; cp_rank++) {
+                    INFO("cp " << cp << " rank " << cp_rank << ", tp " << tp << " (sp), ZeRO-" << zero);
+                    Comm group;  // dp 1 × cp: only the size and rank matter until a collective runs
+                    group.size = cp;
+                    group.rank = cp_rank;
+                    GPTCuda m;
+                    gpt_allocate(m, c, 2, 32, DataParallel<bf16>::model_buffers(zero), TPSpec{tp, 0, tp > 1},
+                                 RECOMPUTE_NONE, CPSpec{cp, cp_rank, CPSplit::ZigZag});
+                    DataParallel<bf16> dpr(m, group, zero, 1000);
+                    ParallelPlan par{1, zero, 1000, 1, tp, tp > 1};
+                    par.cp = cp;
+                    MemoryPlan plan = plan_memory(c, 2, 32, 1, par, Device::CUDA);
+                    for (int i = 0; i < MEM_CATEGORIES; i++) {
+                        INFO(mem_category_name(i));
+                        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                    }
+                }
 }

@@ -253,14 +253,15 @@ TEST_CASE("the process grid: tp fastest, then cp, dp, pp; groups and errors", "[
     Comm self;
     Grid g = make_grid(self, GridShape{});
     CHECK((g.dp == 1 && g.dp_comm.size == 1 && g.tp_comm.size == 1));
+    CHECK(&g.dp_cp() == &g.dp_comm);  // without cp, gradients are reduced over dp alone
 
     // on the command line: a grid that does not fit, and a parallelism that is not built yet
     Data data;
     CommandResult bad = single(data.flags(2, 32, 1) + " --plan --world 6 --tp 4");
     CHECK(bad.status == 1);
     CHECK(bad.output.find("train_gpt: --tp 4 --cp 1 --pp 1: the world of 6 ranks is not divisible") != std::string::npos);
-    CommandResult cp = mpirun(2, "./train_gpt", data.flags(2, 32, 1) + " --cp 2");
-    INFO(cp.output);
-    CHECK(cp.status != 0);
-    CHECK(cp.output.find("--cp 2: context parallelism is not implemented yet") != std::string::npos);
+    CommandResult pp = mpirun(2, "./train_gpt", data.flags(2, 32, 1) + " --pp 2");
+    INFO(pp.output);
+    CHECK(pp.status != 0);
+    CHECK(pp.output.find("--pp 2: pipeline parallelism is not implemented yet") != std::string::npos);
 }

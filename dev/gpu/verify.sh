@@ -13,7 +13,7 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi nccl plan bench, in this order      [all]
+#   PHASES      build kernels tests model pytorch determinism mpi cp nccl plan bench, in this order   [all]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi): a test of this script's plumbing on a machine without a GPU        [cuda]
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
@@ -47,7 +47,7 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi nccl plan bench"
+ALL_PHASES="build kernels tests model pytorch determinism mpi cp nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
@@ -465,6 +465,31 @@ if has_phase mpi; then
             run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
                 "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" --tp 2 -o "$dir/tp2"
             against "$dir/single" "$dir/tp2" "tp 2 (sp), 4 micro-steps" "$MPI_TOL" $?
+        fi
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# cp: context parallelism on 2 ranks sharing the device over MPI (ring attention with the zig-zag and the
+# contiguous split, 2 micro-steps), against one rank with the same global batch
+
+if has_phase cp; then
+    start_phase cp
+    if needs_device; then
+        :
+    elif ! command -v mpirun >/dev/null 2>&1; then
+        result SKIP cp "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"
+    elif [[ $(ldd "$TRAIN_GPT" 2>/dev/null) != *libmpi* ]]; then
+        result FAIL cp "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"
+    else
+        dir=$WORK/cp
+        rm -rf "$dir" && mkdir -p "$dir"
+        if single_rank "$dir/single"; then
+            for split in zigzag contiguous; do
+                run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
+                    "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" --cp 2 --cp-split "$split" -o "$dir/$split"
+                against "$dir/single" "$dir/$split" "cp 2 ($split), 4 micro-steps" "$MPI_TOL" $?
+            done
         fi
     fi
 fi
