@@ -177,7 +177,7 @@ TEST_CASE("cp = 2 (both splits) and 4 give the single-rank run's losses over 20 
     }
 }
 
-TEST_CASE("cp 2 × tp 2 (sp) and cp 2 × dp 2 under ZeRO-1 and ZeRO-3 (with -r 2) give the single-rank run's losses over "
+TEST_CASE("cp 2 × tp 2 (sp) and cp 2 × dp 2 under ZeRO-1, 2 and 3 (with -r 2) give the single-rank run's losses over "
           "20 steps with accumulation", "[cp]") {
     Data data;
     TempDir out;
@@ -190,7 +190,7 @@ TEST_CASE("cp 2 × tp 2 (sp) and cp 2 × dp 2 under ZeRO-1 and ZeRO-3 (with -r 2
         const char* flags;
     };
     for (Layout l : {Layout{"cp2_tp2", 4, " --cp 2 --tp 2"}, Layout{"cp2_dp2_z1", 2, " --cp 2 -z 1"},
-                     Layout{"cp2_dp2_z3_r2", 2, " --cp 2 -z 3 -r 2"}}) {
+                     Layout{"cp2_dp2_z2", 2, " --cp 2 -z 2"}, Layout{"cp2_dp2_z3_r2", 2, " --cp 2 -z 3 -r 2"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
         if (!train_ok(4, data.flags(l.b, 128, 20, CP_MODEL) + l.flags, dir, &run)) continue;
