@@ -445,27 +445,35 @@ against() {
     else result FAIL "$PHASE" "$name" "(max rel. loss difference $diff over $n steps, tolerance $tol)"; fi
 }
 
+# two_ranks_ready DIR: true when 2 ranks can run here and the one-rank reference ran in DIR/single; otherwise
+# the phase's SKIP or FAIL is recorded
+two_ranks_ready() {
+    local dir=$1
+    if needs_device; then return 1; fi
+    if ! command -v mpirun >/dev/null 2>&1; then
+        result SKIP "$PHASE" "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"; return 1
+    fi
+    if [[ $(ldd "$TRAIN_GPT" 2>/dev/null) != *libmpi* ]]; then
+        result FAIL "$PHASE" "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"; return 1
+    fi
+    rm -rf "$dir" && mkdir -p "$dir"
+    single_rank "$dir/single"
+}
+
+# two_ranks DIR NAME FLAGS...: a layout on 2 ranks sharing the device over MPI, against DIR/single
+two_ranks() {
+    local dir=$1 name=$2; shift 2
+    local out="$dir/$(printf %s "$name" | tr -c 'a-zA-Z0-9' '_')"
+    run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 "${CHECK_FLAGS[@]}" \
+        -d "$GLOBAL_BATCH" -o "$out" "$@"
+    against "$dir/single" "$out" "$name" "$MPI_TOL" $?
+}
+
 if has_phase mpi; then
     start_phase mpi
-    if needs_device; then
-        :
-    elif ! command -v mpirun >/dev/null 2>&1; then
-        result SKIP mpi "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"
-    elif [[ $(ldd "$TRAIN_GPT" 2>/dev/null) != *libmpi* ]]; then
-        result FAIL mpi "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"
-    else
-        dir=$WORK/mpi
-        rm -rf "$dir" && mkdir -p "$dir"
-        if single_rank "$dir/single"; then
-            for z in 0 1 2 3; do
-                run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
-                    "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -z "$z" -o "$dir/z$z"
-                against "$dir/single" "$dir/z$z" "dp 2, ZeRO-$z, 2 micro-steps" "$MPI_TOL" $?
-            done
-            run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
-                "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" --tp 2 -o "$dir/tp2"
-            against "$dir/single" "$dir/tp2" "tp 2 (sp), 4 micro-steps" "$MPI_TOL" $?
-        fi
+    if two_ranks_ready "$WORK/mpi"; then
+        for z in 0 1 2 3; do two_ranks "$WORK/mpi" "dp 2, ZeRO-$z, 2 micro-steps" -z "$z"; done
+        two_ranks "$WORK/mpi" "tp 2 (sp), 4 micro-steps" --tp 2
     fi
 fi
 
@@ -475,22 +483,8 @@ fi
 
 if has_phase cp; then
     start_phase cp
-    if needs_device; then
-        :
-    elif ! command -v mpirun >/dev/null 2>&1; then
-        result SKIP cp "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"
-    elif [[ $(ldd "$TRAIN_GPT" 2>/dev/null) != *libmpi* ]]; then
-        result FAIL cp "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"
-    else
-        dir=$WORK/cp
-        rm -rf "$dir" && mkdir -p "$dir"
-        if single_rank "$dir/single"; then
-            for split in zigzag contiguous; do
-                run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
-                    "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" --cp 2 --cp-split "$split" -o "$dir/$split"
-                against "$dir/single" "$dir/$split" "cp 2 ($split), 4 micro-steps" "$MPI_TOL" $?
-            done
-        fi
+    if two_ranks_ready "$WORK/cp"; then
+        for split in zigzag contiguous; do two_ranks "$WORK/cp" "cp 2 ($split), 4 micro-steps" --cp 2 --cp-split "$split"; done
     fi
 fi
 
