@@ -461,7 +461,8 @@ static void open_out_dir(const Options& o, RunLock& lock) {
 }
 
 // Everything that can be refused (flags, -o, model, data, tokenizer) is checked before the first line is
-// printed, so a bad input gets exactly one line.
+// printed, so a bad input gets exactly one line; only the lines that name what was removed from -o or skipped
+// there (open_out_dir, and the checkpoints that fail verification) may come before it.
 static int run(const Options& o) {
     Device dev = pick_device(o);
     if (o.comm == "nccl" && dev == Device::CPU)
