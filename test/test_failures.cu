@@ -24,6 +24,14 @@
 
 namespace {
 
+// a manifest's text with its last line, its own checksum, recomputed for what precedes it
+void rerecord_own_checksum(std::string& text) {
+    size_t own = text.rfind("\nmanifest fnv1a64=") + 1;
+    Fnv1a64 sum;
+    sum.update(text.data(), own);
+    text.replace(own + strlen("manifest fnv1a64="), 16, strfmt("%016llx", (unsigned long long)sum.value));
+}
+
 // the manifest of a checkpoint file's directory records the file's present checksum (and its own, anew): a
 // planted change is then as if the run had written it, so that the check after the checksum is what must refuse it
 void rerecord_checksum(const std::string& path) {
@@ -34,10 +42,7 @@ void rerecord_checksum(const std::string& path) {
     REQUIRE(line != std::string::npos);
     size_t hex = text.find('=', line) + 1;
     text.replace(hex, 16, strfmt("%016llx", (unsigned long long)file_checksum(path)));
-    size_t own = text.rfind("\nmanifest fnv1a64=") + 1;
-    Fnv1a64 own_sum;
-    own_sum.update(text.data(), own);
-    text.replace(own + strlen("manifest fnv1a64="), 16, strfmt("%016llx", (unsigned long long)own_sum.value));
+    rerecord_own_checksum(text);
     File m(manifest, "wb");
     m.write(text.data(), text.size());
     m.close();
@@ -264,7 +269,8 @@ TEST_CASE("a checkpoint that fails verification is named, kept and skipped: -y 1
     CHECK(lines_of(r.output).at(0).find(state + ": records step 1, the manifest step 4") != std::string::npos);
     CHECK(losses_from(edited, 3) == expected);
 
-    // the newest manifest cut short, or edited (the seed it records changed): its own checksum no longer holds
+    // the newest manifest cut short, or edited (the seed it records changed): its own checksum no longer holds; or
+    // one that lacks the run's inputs
     struct ManifestDamage {
         const char* name;
         std::function<void(std::string&)> plant;
@@ -274,7 +280,13 @@ TEST_CASE("a checkpoint that fails verification is named, kept and skipped: -y 1
          "manifest.txt: malformed manifest (its last line is not its own checksum: cut short, or written by an older "
          "train_gpt?)"},
         {"seed", [](std::string& text) { text.replace(text.find("\nseed 7\n"), 8, "\nseed 8\n"); },
-         "manifest.txt: its checksum fnv1a64="}};
+         "manifest.txt: its checksum fnv1a64="},
+        // as an older train_gpt wrote it: without the run's inputs (its own checksum recorded, to reach that check)
+        {"old", [](std::string& text) {
+             text.erase(text.find("\nmodel_source "), text.find("\nchecksum ") - text.find("\nmodel_source "));
+             rerecord_own_checksum(text);
+         },
+         "manifest.txt: malformed manifest (no model_source line)"}};
     for (const ManifestDamage& k : manifest_cases) {
         INFO("manifest damaged: " << k.name);
         const std::string dir = copy_of(std::string("manifest_") + k.name), manifest = dir + "/ckpt_00000004/manifest.txt";
