@@ -220,6 +220,7 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
 struct RunSetup {
     GPTConfig config;
     std::string resume_dir;
+    RunInputs inputs;  // recorded in every checkpoint's manifest
     int accumulation;
     long tokens_per_micro_step, total_batch;
     size_t bucket_floats;
@@ -345,8 +346,8 @@ static int train(const Options& o, const RunSetup& run) {
             device_download<floatX>(staged_v.data(), adam_v, moments);
         }
         bool writes_optimizer = o.zero >= 1 || (grid.at.dp == 0 && grid.at.cp == 0);
-        return save_checkpoint(o.out_dir, model_state_with(whole), now, layout, o.checkpoints_keep, grid.world_comm,
-                               writes_optimizer ? optimizer_file : -1);
+        return save_checkpoint(o.out_dir, model_state_with(whole), now, layout, run.inputs, o.checkpoints_keep,
+                               grid.world_comm, writes_optimizer ? optimizer_file : -1);
     };
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
     auto report_against_plan = [&](double sent, double tp_sent, double cp_sent) {
@@ -465,8 +466,32 @@ static int train(const Options& o, const RunSetup& run) {
     return 0;
 }
 
-// Everything that can be refused (flags, model, data, tokenizer) is checked before the first line is
-// printed, so a bad input gets exactly one line.
+// Rank 0 makes -o, refuses it in one line when it is not a writable directory, another run holds it, or (for a
+// fresh run) an earlier run left its log or checkpoints there, and takes the lock. Then, under the lock, it
+// removes the incomplete checkpoint directories an interrupted run leaves, saying so: a ckpt_STEP.tmp being
+// written, or a ckpt_STEP being deleted (its manifest, which marks it complete, goes first).
+static void open_out_dir(const Options& o, RunLock& lock) {
+    const char* dir = o.out_dir.c_str();
+    struct stat st;
+    if (stat(dir, &st) == 0 && !S_ISDIR(st.st_mode)) fail("-o %s: not a directory", dir);
+    make_dirs(o.out_dir);
+    if (access(dir, W_OK | X_OK) != 0) fail("-o %s: not writable (%s)", dir, strerror(errno));
+    lock.acquire(o.out_dir);
+    // a fresh run never mixes with another run's files: pruning could delete its checkpoints, and a later -y 1
+    // would resume the other run
+    bool log = file_exists(o.out_dir + "/main.log"), checkpoints = !list_checkpoints(o.out_dir).empty();
+    if (!o.resume && (log || checkpoints))
+        fail("-o %s: already holds %s of another run; resume that run with -y 1, choose another directory, or "
+             "remove them", dir,
+             log && checkpoints ? "checkpoints and the main.log" : log ? "the main.log" : "checkpoints");
+    for (const std::string& removed : remove_incomplete_checkpoints(o.out_dir))
+        printf("removed %s: an incomplete checkpoint, left by a run interrupted while writing or deleting it\n",
+               removed.c_str());
+}
+
+// Everything that can be refused (flags, -o, model, data, tokenizer) is checked before the first line is
+// printed, so a bad input gets exactly one line; only the lines that name what was removed from -o or skipped
+// there (open_out_dir, and the checkpoints that fail verification) may come before it.
 static int run(const Options& o) {
     Device dev = pick_device(o);
     if (o.comm == "nccl" && dev == Device::CPU)
@@ -474,11 +499,9 @@ static int run(const Options& o) {
 
     // one run per output directory: rank 0 holds the lock for the whole run, from before it reads the directory
     RunLock lock;
-    if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) {
-        make_dirs(o.out_dir);
-        lock.acquire(o.out_dir);
-    }
+    if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) open_out_dir(o, lock);
     std::string resume_dir;
+    int resume_step = 0;
     if (o.resume) {
         // the newest checkpoint that verifies. Those that do not are named, never loaded, and kept as evidence:
         // moved aside when the run goes on, so that its own checkpoints of those steps cannot replace them and
@@ -489,6 +512,7 @@ static int run(const Options& o) {
             try {
                 verify_checkpoint(o.out_dir, steps[i]);
                 resume_dir = o.out_dir + "/" + checkpoint_name(steps[i]);
+                resume_step = steps[i];
             } catch (const Error& e) {
                 failed.push_back({steps[i], e.what()});
             }
@@ -510,9 +534,15 @@ static int run(const Options& o) {
             fail("-y 1: none of the %zu checkpoints in %s verifies (each is named above and kept)", steps.size(),
                  o.out_dir.c_str());
     }
-    // a fresh run never mixes its checkpoints with another run's (pruning could delete the new ones)
-    if (o.checkpoint_every > 0 && !o.resume && !list_checkpoints(o.out_dir).empty())
-        fail("-o %s: already holds checkpoints; resume with -y 1 or choose another directory", o.out_dir.c_str());
+    // the run goes on from the checkpoint only with what it was started from and on, and only forward
+    RunInputs inputs;
+    if (!o.plan) inputs = run_inputs(o.model, o.seed, o.shuffle, o.train_pattern);
+    if (!o.plan && !resume_dir.empty()) {
+        if (o.max_steps >= 0 && o.max_steps <= resume_step)
+            fail("-x %d: %s has done %d steps already; -x counts the steps from the start of the run, so resume with "
+                 "a larger -x", o.max_steps, resume_dir.c_str(), resume_step);
+        check_run_inputs(inputs, read_manifest_inputs(resume_dir + "/manifest.txt"), resume_dir);
+    }
     GPTConfig config = model_config(o, resume_dir);
     int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
     int dp = grid_dp(world, grid_shape(o));
@@ -528,7 +558,7 @@ static int run(const Options& o) {
     size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
     if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;
     refuse_unbuilt_parallelism(o);
-    RunSetup run{config, resume_dir, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
+    RunSetup run{config, resume_dir, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
     return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
 }
 int main(int argc, char** argv) {

@@ -10,6 +10,8 @@
 //
 // The manifest records each file's checksum, taken as it is written, and the steps; -y 1 resumes only from a
 // checkpoint whose files match them (verify_checkpoint), since a damaged file can otherwise load without error.
+// Its last line is its own checksum, so that an edited or truncated manifest fails verification too. It also
+// records what the run was started from and on (RunInputs), which a resumed run must name again.
 #pragma once
 
 #include <dirent.h>
@@ -56,6 +58,43 @@ struct RunLayout {
     int optimizer_files() const { return zero >= 1 ? world : tp; }
     int optimizer_file(int world_rank, int tp_rank) const { return zero >= 1 ? world_rank : tp_rank; }
 };
+
+// What a run is started from and trained on, besides its layout: the model (-e), --seed, --shuffle and the
+// train data (-i). A resumed run that names other ones would go on training another run under this one's name, so
+// -y 1 refuses it (check_run_inputs).
+struct RunInputs {
+    std::string model;            // -e: a descriptor, or a model file's path
+    uint64_t model_checksum = 0;  // the model file's FNV-1a 64; 0 for a descriptor
+    uint64_t seed = 0;
+    bool shuffle = true;
+    std::string train_pattern;  // -i
+    struct Shard {
+        std::string path;
+        long bytes;
+        uint64_t header_checksum;  // FNV-1a 64 of its 1024-byte header, which holds the token count
+    };
+    std::vector<Shard> shards;  // the files -i matches, in the loader's order
+};
+
+// the FNV-1a 64 of a file's first `limit` bytes (all of them by default), read back
+inline uint64_t file_checksum(const std::string& path, size_t limit = SIZE_MAX) {
+    File f(path, "rb");
+    Fnv1a64 sum;
+    std::vector<char> buf(1 << 20);
+    for (size_t got; limit > 0 && (got = fread(buf.data(), 1, std::min(buf.size(), limit), f.f)) > 0; limit -= got)
+        sum.update(buf.data(), got);
+    return sum.value;
+}
+
+// reads the model file and every shard header (the descriptor of a model needs nothing read)
+inline RunInputs run_inputs(const std::string& model, uint64_t seed, bool shuffle, const std::string& train_pattern) {
+    RunInputs in{model, is_model_descriptor(model) ? 0 : file_checksum(model), seed, shuffle, train_pattern, {}};
+    for (const std::string& path : shard_paths(train_pattern)) {
+        File f(path, "rb");
+        in.shards.push_back({path, f.size(), file_checksum(path, SHARD_HEADER_BYTES)});
+    }
+    return in;
+}
 
 // what one rank saves and restores: the whole flat parameters (read by every rank, written by rank 0) and its
 // optimizer state (all of it under ZeRO-0, its shard otherwise)
@@ -131,9 +170,32 @@ inline std::vector<int> list_checkpoints(const std::string& out_dir) {
     return steps;
 }
 
-// `checksums` holds each file's name and checksum, model.bin and the state first, then the optimizer files
+// Removes what an interrupted run can leave besides complete checkpoints: ckpt_STEP.tmp, being written, and
+// ckpt_STEP without its manifest, being deleted. Neither can be resumed from. Returns the directories removed.
+inline std::vector<std::string> remove_incomplete_checkpoints(const std::string& out_dir) {
+    std::vector<std::string> removed;
+    DIR* d = opendir(out_dir.c_str());
+    if (!d) return removed;
+    while (struct dirent* e = readdir(d)) {
+        int step;
+        char tail[8] = {};
+        std::string name = e->d_name, path = out_dir + "/" + name;
+        int fields = sscanf(e->d_name, "ckpt_%d%7s", &step, tail);
+        bool writing = fields == 2 && name == checkpoint_name(step) + ".tmp";
+        bool deleting = fields == 1 && name == checkpoint_name(step) && !file_exists(path + "/manifest.txt");
+        if (writing || deleting) removed.push_back(path);
+    }
+    closedir(d);
+    std::sort(removed.begin(), removed.end());
+    for (const std::string& path : removed) remove_tree(path);
+    return removed;
+}
+
+// `checksums` holds each file's name and checksum, model.bin and the state first, then the optimizer files.
+// Paths go last on their lines, so that they may hold spaces.
 inline void write_manifest(const std::string& path, const GPTConfig& c, const TrainState& s, int adam_step,
-                           const RunLayout& r, const std::vector<std::pair<std::string, uint64_t>>& checksums) {
+                           const RunLayout& r, const RunInputs& in,
+                           const std::vector<std::pair<std::string, uint64_t>>& checksums) {
     std::string optimizer_files;
     for (int i = 0; i < r.optimizer_files(); i++) optimizer_files += strfmt(" optimizer_rank%d.bin", i);
     std::string text = strfmt(
@@ -144,10 +206,108 @@ inline void write_manifest(const std::string& path, const GPTConfig& c, const Tr
         CHECKPOINT_VERSION, s.step, adam_step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
         c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(),
         r.zero, r.bucket_floats, optimizer_files.c_str());
+    if (is_model_descriptor(in.model)) text += "model_source descriptor " + in.model + "\n";
+    else text += strfmt("model_source file fnv1a64=%016llx ", (unsigned long long)in.model_checksum) + in.model + "\n";
+    text += strfmt("seed %llu\nshuffle %d\n", (unsigned long long)in.seed, (int)in.shuffle);
+    text += "train_pattern " + in.train_pattern + "\n";
+    for (const RunInputs::Shard& sh : in.shards)
+        text += strfmt("train_shard bytes=%ld header_fnv1a64=%016llx ", sh.bytes,
+                       (unsigned long long)sh.header_checksum) + sh.path + "\n";
     for (const auto& [name, sum] : checksums) text += strfmt("checksum %s fnv1a64=%016llx\n", name.c_str(), (unsigned long long)sum);
+    Fnv1a64 own;
+    own.update(text.data(), text.size());
+    text += strfmt("manifest fnv1a64=%016llx\n", (unsigned long long)own.value);
     File f(path, "wb");
     f.write(text.data(), text.size());
     f.close();
+}
+
+// the values of a manifest's lines that start with `key` and a space, in order
+inline std::vector<std::string> manifest_values(const std::string& text, const std::string& key) {
+    std::vector<std::string> values;
+    for (size_t at = 0; at < text.size();) {
+        size_t end = text.find('\n', at);
+        if (end == std::string::npos) end = text.size();
+        size_t from = at + key.size() + 1;
+        if (text.compare(at, key.size() + 1, key + " ") == 0) values.push_back(text.substr(from, end - from));
+        at = end + 1;
+    }
+    return values;
+}
+
+// the run inputs a manifest records; fails naming the first field it lacks (a manifest written before they were
+// recorded lacks them all) or cannot read
+inline RunInputs read_manifest_inputs(const std::string& path) {
+    File f(path, "rb");
+    std::string text(f.size(), '\0');
+    f.read(&text[0], text.size());
+    auto one = [&](const char* key) {
+        std::vector<std::string> v = manifest_values(text, key);
+        if (v.size() != 1)
+            fail("%s: malformed manifest (%s %s line)", path.c_str(), v.empty() ? "no" : "more than one", key);
+        return v[0];
+    };
+    auto malformed = [&](const char* key, const std::string& value) {
+        fail("%s: malformed manifest (%s %s)", path.c_str(), key, value.c_str());
+    };
+    RunInputs in;
+    std::string source = one("model_source"), seed = one("seed"), shuffle = one("shuffle");
+    unsigned long long sum;
+    int n = 0;
+    if (source.rfind("descriptor ", 0) == 0) in.model = source.substr(11);
+    else if (sscanf(source.c_str(), "file fnv1a64=%llx %n", &sum, &n) == 1 && n > 0)
+        in.model = source.substr(n), in.model_checksum = sum;
+    if (in.model.empty()) malformed("model_source", source);
+    unsigned long long seed_value;
+    if (sscanf(seed.c_str(), "%llu%n", &seed_value, &n) != 1 || n != (int)seed.size()) malformed("seed", seed);
+    in.seed = seed_value;
+    if (shuffle != "0" && shuffle != "1") malformed("shuffle", shuffle);
+    in.shuffle = shuffle == "1";
+    in.train_pattern = one("train_pattern");
+    for (const std::string& shard : manifest_values(text, "train_shard")) {
+        long bytes;
+        n = 0;
+        if (sscanf(shard.c_str(), "bytes=%ld header_fnv1a64=%llx %n", &bytes, &sum, &n) != 2 || n == 0 ||
+            n == (int)shard.size())
+            malformed("train_shard", shard);
+        in.shards.push_back({shard.substr(n), bytes, sum});
+    }
+    if (in.shards.empty()) fail("%s: malformed manifest (no train_shard line)", path.c_str());
+    return in;
+}
+
+// Fails with one line naming the flag, its value and the checkpoint's, unless `now` names what `was` recorded.
+inline void check_run_inputs(const RunInputs& now, const RunInputs& was, const std::string& dir) {
+    const char* d = dir.c_str();
+    if (now.model != was.model)
+        fail("-y 1: -e %s differs from the checkpoint's %s (%s)", now.model.c_str(), was.model.c_str(), d);
+    if (now.model_checksum != was.model_checksum)
+        fail("-y 1: -e %s: its checksum fnv1a64=%016llx differs from the checkpoint's %016llx: the file changed since "
+             "the run began (%s)", now.model.c_str(), (unsigned long long)now.model_checksum,
+             (unsigned long long)was.model_checksum, d);
+    if (now.seed != was.seed)
+        fail("-y 1: --seed %llu differs from the checkpoint's %llu (%s)", (unsigned long long)now.seed,
+             (unsigned long long)was.seed, d);
+    if (now.shuffle != was.shuffle)
+        fail("-y 1: --shuffle %d differs from the checkpoint's %d (%s)", (int)now.shuffle, (int)was.shuffle, d);
+    if (now.train_pattern != was.train_pattern)
+        fail("-y 1: -i %s differs from the checkpoint's %s (%s)", now.train_pattern.c_str(), was.train_pattern.c_str(),
+             d);
+    if (now.shards.size() != was.shards.size())
+        fail("-y 1: -i %s matches %zu files, the checkpoint's %zu (%s)", now.train_pattern.c_str(), now.shards.size(),
+             was.shards.size(), d);
+    for (size_t i = 0; i < now.shards.size(); i++) {
+        const RunInputs::Shard &a = now.shards[i], &b = was.shards[i];
+        if (a.path != b.path)
+            fail("-y 1: -i %s: shard %zu is %s, the checkpoint's %s (%s)", now.train_pattern.c_str(), i, a.path.c_str(),
+                 b.path.c_str(), d);
+        if (a.bytes != b.bytes)
+            fail("-y 1: -i shard %s: %ld bytes differs from the checkpoint's %ld (%s)", a.path.c_str(), a.bytes,
+                 b.bytes, d);
+        if (a.header_checksum != b.header_checksum)
+            fail("-y 1: -i shard %s: its header's checksum fnv1a64=%016llx differs from the checkpoint's %016llx (%s)",
+                 a.path.c_str(), (unsigned long long)a.header_checksum, (unsigned long long)b.header_checksum, d);
+    }
 }
 
 inline RunLayout read_manifest_layout(const std::string& path) {
@@ -224,7 +384,7 @@ inline bool state_is_finite(const ModelState& m, Comm& world) {
 // A state with a NaN or Inf is not written, and nothing is pruned: returns false. So every checkpoint on disk is
 // finite, and pruning, which follows only a successful save, never removes the newest finite one.
 inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, const TrainState& s, const RunLayout& r,
-                            int keep, Comm& world, int optimizer_file = 0) {
+                            const RunInputs& inputs, int keep, Comm& world, int optimizer_file = 0) {
     if (!state_is_finite(m, world)) return false;
     std::string final_dir = out_dir + "/" + checkpoint_name(s.step);
     std::string tmp_dir = final_dir + ".tmp";
@@ -260,7 +420,7 @@ inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, con
             checksums.push_back({strfmt("optimizer_rank%d.bin", i), sum});
         }
         // the manifest goes last: its presence is what marks a checkpoint directory complete
-        write_manifest(tmp_dir + "/manifest.txt", m.config, s, *m.adam_step, r, checksums);
+        write_manifest(tmp_dir + "/manifest.txt", m.config, s, *m.adam_step, r, inputs, checksums);
         fsync_dir(tmp_dir);
         if (file_exists(final_dir + "/manifest.txt")) {
             // the same step again: swap the new directory in atomically, so one complete ckpt_STEP exists at
@@ -284,15 +444,6 @@ inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, con
     return true;
 }
 
-// the FNV-1a 64 of a whole file, read back
-inline uint64_t file_checksum(const std::string& path) {
-    File f(path, "rb");
-    Fnv1a64 sum;
-    std::vector<char> buf(1 << 20);
-    for (size_t got; (got = fread(buf.data(), 1, buf.size(), f.f)) > 0;) sum.update(buf.data(), got);
-    return sum.value;
-}
-
 // the step a checkpoint file records in its header (word 2 of the 256-int header, after magic and version)
 inline int header_step(const std::string& path, int magic, const char* kind) {
     File f(path, "rb");
@@ -303,15 +454,29 @@ inline int header_step(const std::string& path, int magic, const char* kind) {
     return h[2];
 }
 
-// Fails with one line naming the file and the reason unless every file of out_dir/ckpt_STEP matches the
-// checksum its manifest records and the directory name, the manifest, the state and the optimizer files agree
-// on the step (the optimizer files on AdamW's, which trails the step by the updates skipped as non-finite).
+// Fails with one line naming the file and the reason unless the manifest of out_dir/ckpt_STEP matches its own
+// checksum and records the run's inputs, every file matches the checksum the manifest records, and the
+// directory name, the manifest, the state and the optimizer files agree on the step (the optimizer files on
+// AdamW's, which trails the step by the updates skipped as non-finite).
 inline void verify_checkpoint(const std::string& out_dir, int step) {
     std::string dir = out_dir + "/" + checkpoint_name(step);
     std::string manifest = dir + "/manifest.txt";
     File f(manifest, "rb");
     std::string text(f.size(), '\0');
     f.read(&text[0], text.size());
+    size_t own = text.rfind("manifest fnv1a64=");
+    unsigned long long own_want;
+    if (own == std::string::npos || (own > 0 && text[own - 1] != '\n') ||
+        text.size() != own + strlen("manifest fnv1a64=0123456789abcdef\n") ||
+        sscanf(text.c_str() + own, "manifest fnv1a64=%llx", &own_want) != 1)
+        fail("%s: malformed manifest (its last line is not its own checksum: cut short, or written by an older "
+             "train_gpt?)", manifest.c_str());
+    Fnv1a64 own_got;
+    own_got.update(text.data(), own);
+    if (own_got.value != own_want)
+        fail("%s: its checksum fnv1a64=%016llx differs from the one it records, %016llx (the manifest is damaged)",
+             manifest.c_str(), (unsigned long long)own_got.value, own_want);
+    read_manifest_inputs(manifest);
     int manifest_step, adam_step;
     const char* st = strstr(text.c_str(), "\nstep ");
     const char* ad = strstr(text.c_str(), "\nadam_step ");

@@ -118,6 +118,7 @@ inline MPI_Op mpi_sum(DType t) {
 struct CommRequest {
     const char* op = "";
     uint64_t seq = 0;
+    int peer = -1;  // send and recv: the rank of the group at the other end
     bool pending = false;
 #ifdef LLM5D_MPI
     MPI_Request mpi = MPI_REQUEST_NULL;
@@ -236,6 +237,7 @@ struct Comm {
     CommRequest send(const void* buf, size_t count, DType t, int peer) {
         CommRequest r = begin("send", 1.0, count * dtype_size(t));
         check_peer(peer, "send");
+        r.peer = peer;
         size_t bytes = count * dtype_size(t);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
@@ -253,6 +255,7 @@ struct Comm {
     CommRequest recv(void* buf, size_t count, DType t, int peer) {
         CommRequest r = begin("recv", 0.0, 0);
         check_peer(peer, "recv");
+        r.peer = peer;
         size_t bytes = count * dtype_size(t);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
@@ -405,9 +408,39 @@ struct Comm {
         device_waits.clear();
     }
 
+    // The world rank of this group's rank r, or -1 where the comm layer cannot tell (a NCCL group split from the
+    // world keeps no map back to it).
+    int world_rank_of(int r) const {
+        if (name == "world") return r;
+#ifdef LLM5D_MPI
+        if (backend == Backend::MPI) {
+            MPI_Group group, world;
+            int found = -1;
+            MPI_Comm_group(mpi, &group);
+            MPI_Comm_group(MPI_COMM_WORLD, &world);
+            MPI_Group_translate_ranks(group, 1, &r, world, &found);
+            MPI_Group_free(&group);
+            MPI_Group_free(&world);
+            return found == MPI_UNDEFINED ? -1 : found;
+        }
+#endif
+        return -1;
+    }
+
+    // Only the ranks whose own wait runs out print, each what it can know of the rank that did not arrive: the
+    // peer of a send or receive, or the other rank of a two-rank group; of a larger group's collective no rank
+    // can tell which one is missing, only that it is among the ranks that print no such line.
     [[noreturn]] void timeout(const CommRequest& r) {
-        fprintf(stderr, "train_gpt: rank %d: comm timeout: %s #%llu on group %s (rank %d of %d) unfinished after %.0f s; aborting the job\n",
-                world_rank, r.op, (unsigned long long)r.seq, name.c_str(), rank, size, timeout_s);
+        int missing = r.peer >= 0 ? r.peer : size == 2 ? 1 - rank : -1;
+        int missing_world = missing >= 0 ? world_rank_of(missing) : -1;
+        std::string who =
+            missing < 0 ? strfmt("one of the other %d ranks of the group did not arrive (a collective cannot tell "
+                                 "which; it is among the ranks that print no such line)", size - 1)
+            : missing_world < 0 ? strfmt("waiting for rank %d of the group", missing)
+                                : strfmt("waiting for rank %d of the group, rank %d of the job", missing, missing_world);
+        fprintf(stderr, "train_gpt: rank %d: comm timeout: %s #%llu on group %s (rank %d of %d) unfinished after %.0f s, "
+                "%s; aborting the job\n", world_rank, r.op, (unsigned long long)r.seq, name.c_str(), rank, size,
+                timeout_s, who.c_str());
         fflush(stderr);
         if (backend == Backend::NCCL) ncclCommAbort(nccl);
 #ifdef LLM5D_MPI

@@ -44,6 +44,22 @@ inline uint64_t dataloader_mix(uint64_t h, uint64_t v) {
     return z ^ (z >> 31);
 }
 
+// the files a shard pattern (-i, -j) matches, in the order the loader numbers them
+inline std::vector<std::string> shard_paths(const std::string& pat) {
+    glob_t g;
+    int rc = glob(pat.c_str(), 0, nullptr, &g);
+    if (rc == GLOB_NOMATCH) fail("%s: no files match", pat.c_str());
+    if (rc != 0) {
+        globfree(&g);
+        fail("%s: cannot expand the pattern (glob error %d)", pat.c_str(), rc);
+    }
+    std::vector<std::string> paths(g.gl_pathv, g.gl_pathv + g.gl_pathc);
+    globfree(&g);
+    // glob sorts already; sorting again makes the order independent of the locale's collation
+    std::sort(paths.begin(), paths.end());
+    return paths;
+}
+
 struct DataLoader {
     struct Shard {
         std::string path;
@@ -85,7 +101,7 @@ struct DataLoader {
             fail("dataloader: global batch %ld tokens must be a positive multiple of world*B*T = %d*%d*%d", global_batch_,
                  world, B, T);
         micro_steps = global_batch / micro_batch;
-        for (const std::string& path : glob_sorted(glob_pattern)) shards.push_back(read_shard_header(path));
+        for (const std::string& path : shard_paths(glob_pattern)) shards.push_back(read_shard_header(path));
         for (const Shard& s : shards) {
             total_tokens += s.num_tokens;
             batches_per_epoch += s.num_samples;
@@ -142,21 +158,6 @@ struct DataLoader {
     std::vector<size_t> sample_order;  // the current shard's permutation of sample indices
     std::vector<uint16_t> loaded_tokens;
     size_t loaded_shard = SIZE_MAX;
-
-    static std::vector<std::string> glob_sorted(const std::string& pat) {
-        glob_t g;
-        int rc = glob(pat.c_str(), 0, nullptr, &g);
-        if (rc == GLOB_NOMATCH) fail("%s: no files match", pat.c_str());
-        if (rc != 0) {
-            globfree(&g);
-            fail("%s: cannot expand the pattern (glob error %d)", pat.c_str(), rc);
-        }
-        std::vector<std::string> paths(g.gl_pathv, g.gl_pathv + g.gl_pathc);
-        globfree(&g);
-        // glob sorts already; sorting again makes the order independent of the locale's collation
-        std::sort(paths.begin(), paths.end());
-        return paths;
-    }
 
     Shard read_shard_header(const std::string& path) const {
         struct stat st;

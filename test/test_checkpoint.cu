@@ -308,7 +308,9 @@ TEST_CASE("a checkpoint interrupted mid-write leaves the previous one loadable",
     gpt_allocate(saved, tiny_config(), 2, 16);
     init_model(saved, 3);
     TrainState state{3, DataLoaderState{0, 1, 2}, 0x1234567890abcdefull};
-    save_checkpoint(out.path, model_state(saved), state, TINY_LAYOUT, 0, solo);
+    // recording what data.flags() names, so that the binary resumes from it below
+    save_checkpoint(out.path, model_state(saved), state, TINY_LAYOUT, run_inputs("d2c32h2t32v300", 7, true, data.train),
+                    0, solo);
     const std::string good = out / "ckpt_00000003";
     REQUIRE(list_checkpoints(out.path) == std::vector<int>{3});
 
@@ -540,22 +542,22 @@ TEST_CASE("saving the same step twice replaces the checkpoint atomically", "[che
     };
 
     SECTION("a second save replaces the first") {
-        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, 0, solo);
-        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, 0, solo);
+        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, RunInputs{}, 0, solo);
+        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, RunInputs{}, 0, solo);
         require_second();
     }
     SECTION("a stale temporary directory from a crash is replaced") {
-        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, 0, solo);
+        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, RunInputs{}, 0, solo);
         copy_tree(dir, dir + ".tmp");
         REQUIRE(unlink((dir + ".tmp/manifest.txt").c_str()) == 0);
-        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, 0, solo);
+        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, RunInputs{}, 0, solo);
         require_second();
     }
     SECTION("an incomplete directory of that step (no manifest) is replaced") {
-        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, 0, solo);
+        save_checkpoint(out.path, model_state(first), s1, TINY_LAYOUT, RunInputs{}, 0, solo);
         REQUIRE(unlink((dir + "/manifest.txt").c_str()) == 0);
         REQUIRE(list_checkpoints(out.path).empty());
-        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, 0, solo);
+        save_checkpoint(out.path, model_state(second), s2, TINY_LAYOUT, RunInputs{}, 0, solo);
         require_second();
     }
 }

@@ -2,9 +2,13 @@
 // file or a checkpoint is refused, naming the file and the tensor; a step with a NaN gradient skips its update
 // (on one rank and on two, under ZeRO-1 and 3, every rank alike) and the run goes on; --max-bad-steps such steps
 // in a row stop the run with exit code 4; a state that turned non-finite is never saved, and never pruned to.
-// A checkpoint that fails verification (flipped bytes, steps that disagree) is named, kept and skipped by -y 1,
-// which resumes from the newest one that verifies, or, when none does, stops with one line.
-// One run per output directory: a second run on the same -o, started later or at the same moment, stops at once.
+// A checkpoint that fails verification (flipped bytes, steps that disagree, a manifest cut short or edited) is
+// named, kept and skipped by -y 1, which resumes from the newest one that verifies (on every rank alike), or, when
+// none does, stops with one line. -y 1 refuses, in one line, a model, seed, shuffle or train data other than the
+// checkpoint recorded, and an -x it has reached.
+// One run per output directory: a second run on the same -o, started later or at the same moment, stops at once; a
+// fresh run refuses an -o holding another run's main.log, or one that is a file; incomplete checkpoint directories
+// left by an interrupted run are removed, one line each.
 // SIGTERM (from the run itself on its last rank, or from outside) stops the run after its step with a checkpoint
 // from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once. main.log: a
 // write error (a full disk) stops the run, and a resumed run cuts the log back to its checkpoint's step.
@@ -13,13 +17,23 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <functional>
+
 #include "llmc/checkpoint.h"
 #include "mpi_helpers.h"
 
 namespace {
 
-// the manifest of a checkpoint file's directory records the file's present checksum: a planted change is then as
-// if the run had written it, so that the check after the checksum is what must refuse it
+// a manifest's text with its last line, its own checksum, recomputed for what precedes it
+void rerecord_own_checksum(std::string& text) {
+    size_t own = text.rfind("\nmanifest fnv1a64=") + 1;
+    Fnv1a64 sum;
+    sum.update(text.data(), own);
+    text.replace(own + strlen("manifest fnv1a64="), 16, strfmt("%016llx", (unsigned long long)sum.value));
+}
+
+// the manifest of a checkpoint file's directory records the file's present checksum (and its own, anew): a
+// planted change is then as if the run had written it, so that the check after the checksum is what must refuse it
 void rerecord_checksum(const std::string& path) {
     size_t slash = path.rfind('/');
     const std::string manifest = path.substr(0, slash) + "/manifest.txt", name = path.substr(slash + 1);
@@ -28,6 +42,7 @@ void rerecord_checksum(const std::string& path) {
     REQUIRE(line != std::string::npos);
     size_t hex = text.find('=', line) + 1;
     text.replace(hex, 16, strfmt("%016llx", (unsigned long long)file_checksum(path)));
+    rerecord_own_checksum(text);
     File m(manifest, "wb");
     m.write(text.data(), text.size());
     m.close();
@@ -254,6 +269,44 @@ TEST_CASE("a checkpoint that fails verification is named, kept and skipped: -y 1
     CHECK(lines_of(r.output).at(0).find(state + ": records step 1, the manifest step 4") != std::string::npos);
     CHECK(losses_from(edited, 3) == expected);
 
+    // the newest manifest cut short, or edited (the seed it records changed): its own checksum no longer holds; or
+    // one that lacks the run's inputs
+    struct ManifestDamage {
+        const char* name;
+        std::function<void(std::string&)> plant;
+        const char* says;
+    } manifest_cases[] = {
+        {"cut", [](std::string& text) { text.resize(text.size() / 2); },
+         "manifest.txt: malformed manifest (its last line is not its own checksum: cut short, or written by an older "
+         "train_gpt?)"},
+        {"seed", [](std::string& text) { text.replace(text.find("\nseed 7\n"), 8, "\nseed 8\n"); },
+         "manifest.txt: its checksum fnv1a64="},
+        // as an older train_gpt wrote it: without the run's inputs (its own checksum recorded, to reach that check)
+        {"old", [](std::string& text) {
+             text.erase(text.find("\nmodel_source "), text.find("\nchecksum ") - text.find("\nmodel_source "));
+             rerecord_own_checksum(text);
+         },
+         "manifest.txt: malformed manifest (no model_source line)"}};
+    for (const ManifestDamage& k : manifest_cases) {
+        INFO("manifest damaged: " << k.name);
+        const std::string dir = copy_of(std::string("manifest_") + k.name), manifest = dir + "/ckpt_00000004/manifest.txt";
+        std::string text = read_file(manifest);
+        k.plant(text);
+        {
+            File f(manifest, "wb");
+            f.write(text.data(), text.size());
+            f.close();
+        }
+        r = single(flags + " -y 1 -o '" + dir + "'");
+        INFO(r.output);
+        CHECK(r.status == 0);
+        CHECK(lines_of(r.output).at(0).find("fails verification, skipped and kept as " + dir +
+                                            "/ckpt_00000004.unverified: " + dir + "/ckpt_00000004/" + k.says) !=
+              std::string::npos);
+        CHECK(r.output.find("resumed from " + dir + "/ckpt_00000002 at step 2") != std::string::npos);
+        CHECK(losses_from(dir, 3) == expected);
+    }
+
     // every checkpoint damaged: each named, one error line, nothing run, nothing moved or deleted
     const std::string all = copy_of("all");
     damage(all + "/ckpt_00000004/optimizer_rank0.bin", 2000, "\x01");
@@ -269,6 +322,155 @@ TEST_CASE("a checkpoint that fails verification is named, kept and skipped: -y 1
     CHECK(r.output.find(all + "/ckpt_00000002/state_rank0.bin: checksum") != std::string::npos);
     CHECK(r.output.find("step ") == std::string::npos);
     CHECK(list_checkpoints(all) == std::vector<int>{2, 4});
+}
+
+TEST_CASE("on two ranks, a damaged newest checkpoint is skipped by both: -y 1 resumes from the one before",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string good = out / "good", direct = out / "direct", damaged = out / "damaged";
+    const std::string flags = data.flags(2, 64, 6) + " -z 1 -n 2";
+    train(2, data.flags(2, 64, 4) + " -z 1 -n 2", good);
+    REQUIRE(list_checkpoints(good) == std::vector<int>{2, 4});
+    // the reference: resumed from a directory that holds only ckpt_2
+    make_dirs(direct);
+    REQUIRE(run_command("cp -r '" + good + "/ckpt_00000002' '" + direct + "/'").status == 0);
+    train(2, flags + " -y 1", direct);
+    // the newest manifest cut short
+    REQUIRE(run_command("cp -r '" + good + "' '" + damaged + "'").status == 0);
+    const std::string manifest = damaged + "/ckpt_00000004/manifest.txt";
+    REQUIRE(truncate(manifest.c_str(), 100) == 0);
+    std::string output = train(2, flags + " -y 1", damaged);
+    CHECK(count_lines_with(output, "fails verification") == 1);
+    CHECK(output.find("resumed from " + damaged + "/ckpt_00000002 at step 2") != std::string::npos);
+    // had either rank loaded ckpt_4, the state at step 6 would differ: every rank's optimizer shard is compared
+    for (const char* file : {"model.bin", "state_rank0.bin", "optimizer_rank0.bin", "optimizer_rank1.bin"}) {
+        INFO(file);
+        CHECK(read_file(damaged + "/ckpt_00000006/" + file) == read_file(direct + "/ckpt_00000006/" + file));
+    }
+    CHECK(read_file(damaged + "/main.log").find("s:3 trl:") != std::string::npos);
+}
+
+TEST_CASE("-y 1 refuses a model, seed, train data or shuffle other than the checkpoint's, and an -x it has reached",
+          "[failures]") {
+    Data data;
+    TempDir out;
+    // the run: two shards under a pattern, a descriptor for the model, --seed 7, shuffled
+    const std::string shards = out / "data", pattern = shards + "/train_*.bin";
+    make_dirs(shards);
+    Rng rng(5);
+    write_shard(shards + "/train_0.bin", Data::learnable_tokens(3000, rng));
+    write_shard(shards + "/train_1.bin", Data::learnable_tokens(3000, rng));
+    const std::string dir = out / "run", ckpt = dir + "/ckpt_00000002";
+    auto flags = [&](int steps) { return data.flags(2, 32, steps) + " -i '" + pattern + "' -n 2"; };
+    train(1, flags(2), dir);
+    const std::string log = read_file(dir + "/main.log");
+    // a model file of the same shape
+    GPTConfig c = parse_model_descriptor(MODEL);
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 5);
+    const std::string model = out / "model.bin";
+    gpt_save_params(c, params.data(), model);
+
+    // the one line a resume with `change` gets, which starts with `says`: nothing else printed, nothing written
+    auto refused = [&](const std::string& change, const std::string& says, const std::string& in = "") {
+        INFO(change);
+        const std::string d = in.empty() ? dir : in;
+        CommandResult r = single(flags(4) + " " + change + " -y 1 -o '" + d + "'");
+        INFO(r.output);
+        CHECK(r.status == 1);
+        CHECK(lines_of(r.output).size() == 1);
+        CHECK(r.output.rfind("train_gpt: " + says, 0) == 0);
+        CHECK(list_checkpoints(d) == std::vector<int>{2});
+    };
+    refused("--seed 8", "-y 1: --seed 8 differs from the checkpoint's 7 (" + ckpt + ")");
+    refused("--shuffle 0", "-y 1: --shuffle 0 differs from the checkpoint's 1 (" + ckpt + ")");
+    refused("-e '" + model + "'", "-y 1: -e " + model + " differs from the checkpoint's " + MODEL + " (" + ckpt + ")");
+    refused("-e d3c33h3t32v302", "-y 1: -e d3c33h3t32v302 differs from the checkpoint's " + std::string(MODEL) + " (" + ckpt + ")");
+    const std::string one = shards + "/train_0.bin";
+    refused("-i '" + one + "'", "-y 1: -i " + one + " differs from the checkpoint's " + pattern + " (" + ckpt + ")");
+    refused("-x 2", "-x 2: " + ckpt + " has done 2 steps already; -x counts the steps from the start of the run, so "
+                    "resume with a larger -x");
+    refused("-x 1", "-x 1: " + ckpt + " has done 2 steps already; -x counts the steps from the start of the run, so "
+                    "resume with a larger -x");
+
+    // the shards -i matches: one more, one renamed, one longer, one whose header changed (at the same size)
+    const std::string second = shards + "/train_1.bin", kept = out / "train_1.bin";
+    REQUIRE(run_command("cp '" + second + "' '" + kept + "'").status == 0);
+    auto restore = [&] { REQUIRE(run_command("rm -f " + pattern + " && cp '" + kept + "' '" + second + "' && cp '" +
+                                             (out / "train_0.bin") + "' '" + one + "'").status == 0); };
+    REQUIRE(run_command("cp '" + one + "' '" + (out / "train_0.bin") + "'").status == 0);
+    write_shard(shards + "/train_2.bin", Data::learnable_tokens(3000, rng));
+    refused("", "-y 1: -i " + pattern + " matches 3 files, the checkpoint's 2 (" + ckpt + ")");
+    restore();
+    REQUIRE(rename(second.c_str(), (shards + "/train_1b.bin").c_str()) == 0);
+    refused("", "-y 1: -i " + pattern + ": shard 1 is " + shards + "/train_1b.bin, the checkpoint's " + second + " (" +
+                    ckpt + ")");
+    restore();
+    const long bytes = (long)read_file(second).size();
+    write_shard(second, Data::learnable_tokens(3001, rng));
+    refused("", strfmt("-y 1: -i shard %s: %ld bytes differs from the checkpoint's %ld (%s)", second.c_str(), bytes + 2,
+                       bytes, ckpt.c_str()));
+    restore();
+    damage(second, 12, "\x01");  // header word 3, which the loader does not read
+    refused("", "-y 1: -i shard " + second + ": its header's checksum fnv1a64=");
+    restore();
+
+    // a model file that changed since the run began from it
+    const std::string from_file = out / "from_file";
+    train(1, data.flags(2, 32, 2, "'" + model + "'") + " -i '" + pattern + "' -n 2", from_file);
+    gpt_init_random(c, params.data(), 6);
+    gpt_save_params(c, params.data(), model);
+    refused("-e '" + model + "'", "-y 1: -e " + model + ": its checksum fnv1a64=", from_file);
+
+    // with what the checkpoint recorded, it resumes; the log was never touched before
+    CHECK(read_file(dir + "/main.log") == log);
+    std::string again = train(1, flags(4) + " -y 1", dir);
+    CHECK(again.find("resumed from " + ckpt + " at step 2") != std::string::npos);
+}
+
+TEST_CASE("a fresh run refuses an -o that holds another run's main.log, or that is not a directory", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run";
+    train(1, data.flags(2, 32, 2), dir);
+    const std::string log = read_file(dir + "/main.log");
+    CommandResult r = single(data.flags(2, 32, 3) + " -o '" + dir + "'");
+    INFO(r.output);
+    CHECK(r.status == 1);
+    CHECK(r.output == "train_gpt: -o " + dir + ": already holds the main.log of another run; resume that run with -y 1, "
+                      "choose another directory, or remove them\n");
+    CHECK(read_file(dir + "/main.log") == log);
+
+    const std::string file = out / "a_file";
+    File(file, "wb").close();
+    r = single(data.flags(2, 32, 3) + " -o '" + file + "'");
+    INFO(r.output);
+    CHECK(r.status == 1);
+    CHECK(r.output == "train_gpt: -o " + file + ": not a directory\n");
+}
+
+TEST_CASE("a run removes the incomplete checkpoint directories an interrupted run left, one line each", "[failures]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run";
+    train(1, data.flags(2, 32, 4) + " -n 2", dir);
+    // a checkpoint being written (ckpt_6.tmp), one being deleted (ckpt_8, its manifest gone first), and one kept
+    // aside by an earlier resume: only the first two go
+    for (const char* name : {"ckpt_00000006.tmp", "ckpt_00000008", "ckpt_00000004.unverified"})
+        REQUIRE(run_command("cp -r '" + dir + "/ckpt_00000004' '" + dir + "/" + name + "'").status == 0);
+    REQUIRE(unlink((dir + "/ckpt_00000008/manifest.txt").c_str()) == 0);
+    REQUIRE(unlink((dir + "/ckpt_00000006.tmp/manifest.txt").c_str()) == 0);
+    std::string output = train(1, data.flags(2, 32, 6) + " -n 2 -y 1", dir);
+    std::vector<std::string> lines = lines_of(output);
+    REQUIRE(lines.size() >= 3);
+    const std::string why = ": an incomplete checkpoint, left by a run interrupted while writing or deleting it";
+    CHECK(lines[0] == "removed " + dir + "/ckpt_00000006.tmp" + why);
+    CHECK(lines[1] == "removed " + dir + "/ckpt_00000008" + why);
+    CHECK(output.find("resumed from " + dir + "/ckpt_00000004 at step 4") != std::string::npos);
+    CHECK(!file_exists(dir + "/ckpt_00000008/model.bin"));
+    CHECK(file_exists(dir + "/ckpt_00000004.unverified/manifest.txt"));
+    CHECK(list_checkpoints(dir) == std::vector<int>{2, 4, 6});
 }
 
 TEST_CASE("a step with a NaN gradient skips its update, says so, and the run goes on", "[failures]") {
@@ -366,18 +568,18 @@ TEST_CASE("save_checkpoint writes nothing and prunes nothing when the state is n
     gpt_allocate(m, parse_model_descriptor(MODEL), 2, 16);
     gpt_init_random(m.config, m.params, 3);
     const RunLayout layout{2, 16, 1, 32};
-    REQUIRE(save_checkpoint(out.path, model_state(m), TrainState{1}, layout, 1, solo));
+    REQUIRE(save_checkpoint(out.path, model_state(m), TrainState{1}, layout, RunInputs{}, 1, solo));
     const std::string before = read_file(out / "ckpt_00000001/model.bin");
     for (float* where : {&m.params[100], &m.adam_m[7], &m.adam_v[9]}) {
         float kept = *where;
         *where = NAN;
-        CHECK(!save_checkpoint(out.path, model_state(m), TrainState{2}, layout, 1, solo));
+        CHECK(!save_checkpoint(out.path, model_state(m), TrainState{2}, layout, RunInputs{}, 1, solo));
         CHECK(list_checkpoints(out.path) == std::vector<int>{1});
         CHECK(!file_exists(out / "ckpt_00000002.tmp"));
         *where = kept;
     }
     CHECK(read_file(out / "ckpt_00000001/model.bin") == before);
-    CHECK(save_checkpoint(out.path, model_state(m), TrainState{2}, layout, 1, solo));
+    CHECK(save_checkpoint(out.path, model_state(m), TrainState{2}, layout, RunInputs{}, 1, solo));
     CHECK(list_checkpoints(out.path) == std::vector<int>{2});
 }
 
@@ -401,7 +603,7 @@ TEST_CASE("a second run on the same -o stops at once, naming the run that holds 
     // the lock goes with the process that held it, however it ends
     kill(first, SIGKILL);
     CHECK(finish(first) == 128 + SIGKILL);
-    CommandResult third = single(data.flags(2, 32, 2) + " -o '" + dir + "'");
+    CommandResult third = single(data.flags(2, 32, 2) + " -y 1 -o '" + dir + "'");
     INFO(third.output);
     CHECK(third.status == 0);
     CHECK(read_file(dir + "/train_gpt.lock").rfind(strfmt("host %s pid ", hostname().c_str()), 0) == 0);
@@ -509,7 +711,8 @@ TEST_CASE("a write error to main.log stops the run with one line", "[failures]")
     TempDir out;
     // a full disk: every write to /dev/full fails with ENOSPC
     REQUIRE(symlink("/dev/full", (out / "main.log").c_str()) == 0);
-    CommandResult r = single(data.flags(2, 32, 3) + " -o '" + out.path + "'");
+    // (-y 1 finds no checkpoint and starts the log anew: a fresh run would refuse the directory for its main.log)
+    CommandResult r = single(data.flags(2, 32, 3) + " -y 1 -o '" + out.path + "'");
     INFO(r.output);
     CHECK(r.status == 1);
     std::vector<std::string> errors = error_lines(r.output);
