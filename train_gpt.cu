@@ -478,12 +478,23 @@ static void open_out_dir(const Options& o, RunLock& lock) {
     if (access(dir, W_OK | X_OK) != 0) fail("-o %s: not writable (%s)", dir, strerror(errno));
     lock.acquire(o.out_dir);
     // a fresh run never mixes with another run's files: pruning could delete its checkpoints, and a later -y 1
-    // would resume the other run
-    bool log = file_exists(o.out_dir + "/main.log"), checkpoints = !list_checkpoints(o.out_dir).empty();
-    if (!o.resume && (log || checkpoints))
+    // would resume the other run. Told to overwrite, it removes them first (checkpoints kept aside as
+    // .unverified stay: they are evidence, and no run lists them)
+    std::string log = o.out_dir + "/main.log";
+    std::vector<int> checkpoints = list_checkpoints(o.out_dir);
+    bool has_log = file_exists(log);
+    if (!o.resume && (has_log || !checkpoints.empty()) && !o.overwrite)
         fail("-o %s: already holds %s of another run; resume that run with -y 1, choose another directory, or "
-             "remove them", dir,
-             log && checkpoints ? "checkpoints and the main.log" : log ? "the main.log" : "checkpoints");
+             "remove them (--overwrite 1)", dir,
+             has_log && !checkpoints.empty() ? "checkpoints and the main.log" : has_log ? "the main.log" : "checkpoints");
+    if (o.overwrite) {
+        for (int step : checkpoints) {
+            remove_checkpoint(o.out_dir, step);
+            printf("removed %s/%s: --overwrite 1\n", dir, checkpoint_name(step).c_str());
+        }
+        if (has_log && unlink(log.c_str()) != 0) fail("%s: cannot remove (%s)", log.c_str(), strerror(errno));
+        if (has_log) printf("removed %s: --overwrite 1\n", log.c_str());
+    }
     for (const std::string& removed : remove_incomplete_checkpoints(o.out_dir))
         printf("removed %s: an incomplete checkpoint, left by a run interrupted while writing or deleting it\n",
                removed.c_str());

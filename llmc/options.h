@@ -34,6 +34,7 @@ struct Options {
     int checkpoint_every = 0;                           // -n
     int checkpoints_keep = 0;                           // -nk
     bool resume = false;                                // -y
+    bool overwrite = false;                             // --overwrite
     int max_bad_steps = 3;                              // --max-bad-steps
     bool overfit = false;                               // -a
     uint64_t seed = 1337;                               // --seed
@@ -96,6 +97,7 @@ inline const char* USAGE =
     "  -nk N             keep the newest N checkpoints; 0 = all                    [0]\n"
     "  -y 0|1            resume from the newest checkpoint in -o that verifies; -e, --seed, --shuffle,\n"
     "                    -i and the layout must be those it recorded, and -x beyond its step [0]\n"
+    "  --overwrite 0|1   a fresh run first removes another run's main.log and checkpoints from -o [0]\n"
     "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
     "is given, exit code 5; a second one ends it at once):\n"
     "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"
@@ -195,6 +197,7 @@ inline Options parse_options(int argc, char** argv) {
         {"-n", integer(&o.checkpoint_every, 0, INT_MAX)},
         {"-nk", integer(&o.checkpoints_keep, 0, INT_MAX)},
         {"-y", integer(&o.resume, 0, 1)},
+        {"--overwrite", integer(&o.overwrite, 0, 1)},
         {"-a", integer(&o.overfit, 0, 1)},
         {"--seed", integer(&o.seed, 0, LONG_MAX)},
         {"--shuffle", integer(&o.shuffle, 0, 1)},
@@ -236,6 +239,8 @@ inline Options parse_options(int argc, char** argv) {
     }
     if (o.total_batch == 0 || o.total_batch < -1) fail("-d %ld: must be positive, or -1 for one micro-batch", o.total_batch);
     if ((o.checkpoint_every > 0 || o.resume) && o.out_dir.empty()) fail("-n and -y need an output directory (-o)");
+    if (o.overwrite && o.resume) fail("--overwrite 1: -y 1 continues the run in -o, which overwriting would remove");
+    if (o.overwrite && o.out_dir.empty()) fail("--overwrite 1: needs an output directory (-o)");
     if (o.comm_init == "tcp" && o.comm_address.empty()) fail("--comm-init tcp needs --comm-address HOST:PORT");
     if (o.comm_init == "file" && o.comm_dir.empty()) fail("--comm-init file needs --comm-dir DIR");
     if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());

@@ -439,8 +439,24 @@ TEST_CASE("a fresh run refuses an -o that holds another run's main.log, or that 
     INFO(r.output);
     CHECK(r.status == 1);
     CHECK(r.output == "train_gpt: -o " + dir + ": already holds the main.log of another run; resume that run with -y 1, "
-                      "choose another directory, or remove them\n");
+                      "choose another directory, or remove them (--overwrite 1)\n");
     CHECK(read_file(dir + "/main.log") == log);
+
+    // told to overwrite, it removes the other run's checkpoints and log first, saying so, and its log is its own
+    train(1, data.flags(2, 32, 2) + " -n 2 -y 1 -x 4", dir);
+    REQUIRE(list_checkpoints(dir) == std::vector<int>{2, 4});
+    std::string output = train(1, data.flags(2, 32, 3) + " --overwrite 1", dir);
+    std::vector<std::string> lines = lines_of(output);
+    REQUIRE(lines.size() >= 3);
+    CHECK(lines[0] == "removed " + dir + "/ckpt_00000002: --overwrite 1");
+    CHECK(lines[1] == "removed " + dir + "/ckpt_00000004: --overwrite 1");
+    CHECK(lines[2] == "removed " + dir + "/main.log: --overwrite 1");
+    CHECK(list_checkpoints(dir).empty());
+    std::map<std::string, double> fresh = losses(dir);
+    CHECK(fresh.count("trl 2") == 1);
+    CHECK(fresh.count("trl 3") == 0);
+    CHECK(single("--overwrite 1 -y 1 -o '" + dir + "'").output ==
+          "train_gpt: --overwrite 1: -y 1 continues the run in -o, which overwriting would remove\n");
 
     const std::string file = out / "a_file";
     File(file, "wb").close();
