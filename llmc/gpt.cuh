@@ -736,14 +736,15 @@ inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t) {
     int Vl = TensorParallel::vocab_rows(m.config.padded_vocab_size, m.tp.size());
     std::vector<float> mine(Vl), whole((size_t)Vl * m.tp.size());
     const ContextParallel<floatX>& cp = m.cp;
-    long row = cp.on() ? (long)b * cp.local_tokens(m.last_T) + cp.local_index(t) : (long)b * m.last_T + t;
     if (cp.on()) {
+        int owner = cp.owner(t);
         std::vector<float> held(Vl, 0.0f), every((size_t)Vl * cp.spec.size);
-        if (cp.owner(t) == cp.spec.rank) download_as_float(held.data(), m.acts.logits + row * Vl, Vl);
+        long row = (long)b * cp.local_tokens(m.last_T) + cp.local_index(t);
+        if (owner == cp.spec.rank) download_as_float(held.data(), m.acts.logits + row * Vl, Vl);
         cp.comm->wait(cp.comm->all_gather(held.data(), every.data(), Vl, DType::F32));
-        std::copy(every.begin() + (long)cp.owner(t) * Vl, every.begin() + (long)(cp.owner(t) + 1) * Vl, mine.begin());
+        std::copy(every.begin() + (long)owner * Vl, every.begin() + (long)(owner + 1) * Vl, mine.begin());
     } else {
-        download_as_float(mine.data(), m.acts.logits + row * Vl, Vl);
+        download_as_float(mine.data(), m.acts.logits + ((long)b * m.last_T + t) * Vl, Vl);
     }
     if (m.tp.on()) m.tp.comm->wait(m.tp.comm->all_gather(mine.data(), whole.data(), Vl, DType::F32));
     else whole = mine;

@@ -86,6 +86,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
     size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp);
     // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
+    const int sequence = T;
     T /= par.cp;
     size_t L = c.num_layers, C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
     // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
@@ -131,7 +132,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + BT * Hl;
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
-    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, T * par.cp, par.cp);
+    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp);
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
     // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Cl, storage type) and three fp32
     // dK/dV accumulators of the same size, counted as comm buffers; in fp32 scratch the running output or dQ
