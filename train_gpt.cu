@@ -18,6 +18,7 @@
 #include "llmc/logger.h"
 #include "llmc/options.h"
 #include "llmc/plan.h"
+#include "llmc/pp.cuh"
 #include "llmc/run_guard.h"
 #include "llmc/sampler.h"
 #include "llmc/tokenizer.h"
@@ -65,31 +66,55 @@ static GPTConfig model_config(const Options& o, const std::string& checkpoint_di
     return read_model_header(o.model, &version);
 }
 
+// a value the last pipeline stage holds (a loss), given to every stage (a collective of the pp group)
+static double from_last_stage(Grid& grid, double value) {
+    grid.pp_comm.wait(grid.pp_comm.broadcast(&value, 1, DType::F64, grid.pp - 1));
+    return value;
+}
+
+// the mean loss over `batches` global batches of the validation data, each read and passed through the stages
+// as a training step's micro-batches are
 template <typename floatX>
-static float validation_loss(GPTModel<floatX>& model, DataLoader& val, int batches) {
+static float validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+                             DataLoader& val, int batches) {
     val.reset();
+    std::vector<std::vector<int>> inputs(1), targets(1);
     double total = 0.0;
     for (int i = 0; i < batches; i++) {
         val.next_batch();
-        total += gpt_forward(model, val.inputs.data(), val.targets.data(), val.B, val.T);
+        inputs[0] = val.inputs, targets[0] = val.targets;
+        total += pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, val.B, val.T, 0.0f);
     }
-    return (float)(total / batches);
+    return (float)(from_last_stage(grid, total) / batches);
+}
+
+// the logits at position t of the model run on one sequence of T tokens, on every rank: computed through the
+// stages, read on the last one (from its cp and tp groups), and given to the others
+template <typename floatX>
+static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+                                    const int* tokens, int T, int t) {
+    std::vector<std::vector<int>> inputs{std::vector<int>(tokens, tokens + T)};
+    pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, {}, 1, T, 0.0f);
+    std::vector<float> row(model.config.vocab_size);
+    if (model.part.last) row = gpt_logits_row(model, 0, t);  // the head ran in slot 0: one micro-batch in flight
+    grid.pp_comm.wait(grid.pp_comm.broadcast(row.data(), row.size(), DType::F32, grid.pp - 1));
+    return row;
 }
 
 static GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.pp, o.ep}; }
 
 // the parallelisms whose issues have not landed are refused, after the grid has checked that they would fit
 static void refuse_unbuilt_parallelism(const Options& o) {
-    const char* names[] = {"--pp", "--ep"};
-    const char* what[] = {"pipeline", "expert"};
-    int sizes[] = {o.pp, o.ep};
-    for (int i = 0; i < 2; i++)
-        if (sizes[i] > 1) fail("%s %d: %s parallelism is not implemented yet", names[i], sizes[i], what[i]);
+    if (o.ep > 1) fail("--ep %d: expert parallelism is not implemented yet", o.ep);
+}
+
+static PPSpec pp_spec(const Options& o, int rank) {
+    return PPSpec{o.pp, rank, o.vpp, parse_pp_schedule(o.pp_schedule)};
 }
 
 static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute,
-                        o.cp};
+                        o.cp, pp_spec(o, 0)};
 }
 
 static CPSplit cp_split(const Options& o) { return o.cp_split == "contiguous" ? CPSplit::Contiguous : CPSplit::ZigZag; }
@@ -117,9 +142,9 @@ static std::vector<float> gather_tp_shares(GPTModel<floatX>& m, DataParallel<flo
     return all;
 }
 
-// whether this rank's own parameter buffer is the whole model (no tp, no ZeRO-3): then nothing is copied to
-// initialize, load or save it on the CPU
-static bool holds_whole_model(const Grid& grid, int zero) { return grid.tp == 1 && zero < 3; }
+// whether this rank's own parameter buffer is the whole model (no tp, no pp, no ZeRO-3): then nothing is
+// copied to initialize, load or save it on the CPU
+static bool holds_whole_model(const Grid& grid, int zero) { return grid.tp == 1 && grid.pp == 1 && zero < 3; }
 
 // Where the whole model in llm.c's layout (fp32, on the host) is assembled for initializing, loading or saving:
 // the CPU rank's own buffer when it holds the whole model, else `storage`. The GPU model always stages it.
@@ -139,28 +164,41 @@ static void install_whole_model(GPT& m, DataParallel<float>& dpr, const Grid& gr
     if (holds_whole_model(grid, zero)) return;
     std::vector<float> share(zero == 3 ? m.num_parameters : 0);
     float* local = zero == 3 ? share.data() : m.params;
-    tp_copy_params(m.config, grid.tp, grid.at.tp, whole, local, true);
+    copy_share_params(m.config, grid.tp, grid.at.tp, m.part, whole, local, true);
     if (zero == 3) dpr.scatter_params(local);
 }
 // on the GPU: the master weights (sharded under ZeRO >= 1) take the fp32 values, the bf16 parameters (sharded
 // under ZeRO-3) their rounding
 static void install_whole_model(GPTCuda& m, DataParallel<bf16>& dpr, const Grid& grid, int zero, float* whole) {
     std::vector<float> share(m.num_parameters);
-    tp_copy_params(m.config, grid.tp, grid.at.tp, whole, share.data(), true);
+    copy_share_params(m.config, grid.tp, grid.at.tp, m.part, whole, share.data(), true);
     if (zero >= 1) dpr.set_master(share.data());
     if (zero < 3) gpt_set_params(m, share.data());
 }
 
 // The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
-// share (a collective; on the GPU the master weights). Valid on every rank.
+// share (a collective; on the GPU the master weights): each stage's tp shares, then every stage's, padded to
+// the largest stage's. Valid on every rank.
 template <typename floatX>
-static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero, std::vector<float>& storage) {
+static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, const PPSpec& pp, int zero,
+                          std::vector<float>& storage) {
     if constexpr (device_of<floatX> == Device::CPU)
         if (holds_whole_model(grid, zero)) return m.params;
-    std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
+    std::vector<ModelPart> parts;
+    size_t largest = 0;
+    for (int s = 0; s < grid.pp; s++) {
+        parts.push_back(stage_part(m.config, PPSpec{pp.size, s, pp.virtual_stages, pp.kind}));
+        largest = std::max(largest, num_parameters(m.config, grid.tp, parts.back()) * grid.tp);
+    }
+    std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero), stages(largest * grid.pp);
+    shares.resize(largest);
+    grid.pp_comm.wait(grid.pp_comm.all_gather(shares.data(), stages.data(), largest, DType::F32));
     storage.resize(num_parameters(m.config));
-    for (int r = 0; r < grid.tp; r++)
-        tp_copy_params(m.config, grid.tp, r, storage.data(), &shares[r * m.num_parameters], false);
+    for (int s = 0; s < grid.pp; s++) {
+        size_t n = num_parameters(m.config, grid.tp, parts[s]);
+        for (int r = 0; r < grid.tp; r++)
+            copy_share_params(m.config, grid.tp, r, parts[s], storage.data(), &stages[s * largest + r * n], false);
+    }
     return storage.data();
 }
 
@@ -176,7 +214,16 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
             if (is_replicated(t) && memcmp(mine[t], theirs[t], m.param_sizes[t] * sizeof(float)) != 0)
                 fail("replicas: differ: tensor %d on tp rank %d and tp rank %d", t, grid.at.tp, r);
     }
-    if (grid.rank == 0) printf("replicas: identical across tp\n");
+    if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");
+    // the tied embeddings (wte and wpe, at the front of the share) of the first and the last stage
+    if (grid.pp > 1 && m.part.embeddings()) {
+        size_t n = m.param_sizes[WTE] + m.param_sizes[WPE];
+        std::vector<float> pair(2 * n);
+        grid.tied_comm.wait(grid.tied_comm.all_gather(mine[WTE], pair.data(), n, DType::F32));
+        if (memcmp(pair.data(), pair.data() + n, n * sizeof(float)) != 0)
+            fail("replicas: the embeddings differ between the first and the last stage (tp rank %d)", grid.at.tp);
+        if (grid.rank == 0) printf("replicas: the embeddings are identical on the first and the last stage\n");
+    }
 }
 
 static void print_plan(const Options& o, const GPTConfig& config, const std::string& device, Device dev, int world,
@@ -184,36 +231,50 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
     int dp = grid_dp(world, grid_shape(o));
     ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
-    MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
     size_t psi = count_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
-    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), ZeRO-%d over dp·cp = %d ranks, %d micro-steps per step, "
-           "recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.zero, par.grad_ranks(),
-           accumulation, o.recompute);
+    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks, %d "
+           "micro-steps per step, recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.pp,
+           o.pp_schedule.c_str(), o.vpp, o.zero, par.grad_ranks(), accumulation, o.recompute);
+    if (par.pp.on()) print_stage_layers(config, par.pp);
     const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
-    print_memory(strfmt("predicted memory per rank, B=%d T=%d, %s:", o.B, o.T, precision).c_str(), plan.bytes,
-                 plan.total());
-    if (dev == Device::CUDA) {
-        // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
-        // (not counted: the run measures from after its creation)
-        printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES / 1048576.0);
-        printf("  %-16s %14s       about %.0f MiB per process (driver and kernels; not in the totals)\n",
-               "CUDA context", "", CUDA_CONTEXT_MIB);
-        printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
-               (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
-    } else {
-        size_t local = num_parameters(config, o.tp);
-        size_t shard = bucket_layout(config, par.grad_ranks(), par.bucket_floats, o.tp).shard_size;
-        size_t mixed[MEM_CATEGORIES] = {};
-        plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
-        printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f MiB, "
-               "optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
-               mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+    // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
+    for (int stage = 0; stage < o.pp; stage++) {
+        par.pp.rank = stage;
+        MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
+        std::string where = o.pp > 1 ? strfmt(" on stage %d (%d micro-batches in flight)", stage,
+                                              planned_in_flight(par.pp, accumulation)) : "";
+        print_memory(strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T, precision).c_str(),
+                     plan.bytes, plan.total());
+        if (dev == Device::CUDA) {
+            // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
+            // (not counted: the run measures from after its creation)
+            printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES / 1048576.0);
+            printf("  %-16s %14s       about %.0f MiB per process (driver and kernels; not in the totals)\n",
+                   "CUDA context", "", CUDA_CONTEXT_MIB);
+            printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
+                   (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
+        } else {
+            ModelPart part = planned_part(config, par);
+            size_t local = num_parameters(config, o.tp, part);
+            size_t shard = bucket_layout(config, par.grad_ranks(), par.bucket_floats, o.tp, part).shard_size;
+            size_t mixed[MEM_CATEGORIES] = {};
+            plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
+            printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f "
+                   "MiB, optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
+                   mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+        }
     }
-    printf("communication per step per rank: %.0f bytes\n", planned_comm_bytes(config, par, dev));
-    printf("tensor-parallel communication per step per rank: %.0f bytes\n", planned_tp_comm_bytes(config, par, o.B, o.T, dev));
-    printf("context-parallel communication per step per rank: %.0f bytes\n", planned_cp_comm_bytes(config, par, o.B, o.T, dev));
+    par.pp.rank = 0;
+    const char* of = o.pp > 1 ? " on stage 0" : "";
+    printf("communication per step per rank%s: %.0f bytes\n", of, planned_comm_bytes(config, par, dev));
+    printf("tensor-parallel communication per step per rank%s: %.0f bytes\n", of,
+           planned_tp_comm_bytes(config, par, o.B, o.T, dev));
+    printf("context-parallel communication per step per rank%s: %.0f bytes\n", of,
+           planned_cp_comm_bytes(config, par, o.B, o.T, dev));
+    printf("pipeline-parallel communication per step per rank%s: %.0f bytes\n", of,
+           planned_pp_comm_bytes(config, par, o.B, o.T, dev));
 }
 
 // what run() decided from the flags, for the training run
@@ -239,28 +300,40 @@ static int train(const Options& o, const RunSetup& run) {
     std::string device = device_line(device_of<floatX>, false);
     size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
 
-    // the ranks: one world, laid out on the grid (dp and tp, so far)
+    // the ranks: one world, laid out on the grid
     CommSettings cs{o.comm.empty() ? (on_gpu ? "nccl" : "mpi") : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
     Comm world_comm = comm_world(cs);
     if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
     Grid grid = make_grid(world_comm, grid_shape(o));
     const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
 
-    // the model (this rank's tensor-parallel share) and its data-parallel runtime
+    // the step's schedule: the order in which this pipeline stage runs its passes of the micro-batches (with
+    // one stage, forward and backward of each micro-batch in turn)
+    PPSpec pp = pp_spec(o, grid.at.pp);
+    PPSchedule passes = pp_schedule(pp.kind, grid.pp, accumulation, pp.virtual_stages);
+    bool split_backward = pp.kind == PPKind::ZeroBubble;  // B now, W where the schedule has a bubble
+    check_pp_schedule(passes, grid.pp, accumulation, pp.virtual_stages, split_backward);
+    const std::vector<PPAction>& actions = passes[grid.at.pp];
+    Pipeline<floatX> pipeline{pp, &grid.pp_comm};
+
+    // the model (this rank's tensor-parallel share of its stage's layers, with a slot for each micro-batch the
+    // schedule keeps in flight) and its data-parallel runtime
     GPTModel<floatX> model;
     gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
-                 TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)});
+                 TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)},
+                 stage_part(config, pp), Pipeline<floatX>::slots_needed(actions), split_backward);
     model.tp.comm = &grid.tp_comm;
     model.cp.comm = &grid.cp_comm;
     model.seed = o.seed;
     // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
     Comm& grad_comm = grid.dp_cp();
-    DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats);
+    StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embeddings() ? &grid.tied_comm : nullptr};
+    DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links);
     TrainState state;
     Rng sampler_rng(o.seed);
     RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp,
-                     grid.cp, o.cp_split};
-    int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp);
+                     grid.cp, o.cp_split, grid.pp, o.vpp};
+    int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp);
     // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
     // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
     // saved, and every rank keeps its share of it
@@ -317,15 +390,17 @@ static int train(const Options& o, const RunSetup& run) {
     if (lead) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
-            printf("%d ranks over %s: dp=%d, tp=%d (sp %s), cp=%d (%s), ZeRO-%d over %d ranks, buckets of %zu floats "
-                   "(%zu buckets)\n", grid.world, cs.backend.c_str(), grid.dp, grid.tp, o.sp ? "on" : "off", grid.cp,
-                   o.cp_split.c_str(), o.zero, grad_comm.size, bucket_floats, dpr.layout.buckets.size());
+            printf("%d ranks over %s: dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over %d ranks, "
+                   "buckets of %zu floats (%zu buckets)\n", grid.world, cs.backend.c_str(), grid.dp, grid.tp,
+                   o.sp ? "on" : "off", grid.cp, o.cp_split.c_str(), grid.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
+                   grad_comm.size, bucket_floats, dpr.layout.buckets.size());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
-        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters (%zu on each tp rank), %.1f MiB in all on "
-               "each rank\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
+        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters (%zu on rank 0), %.1f MiB in all on "
+               "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
                config.padded_vocab_size, config.max_seq_len, num_parameters(config), model.num_parameters,
                model.ledger.total() / 1048576.0);
+        if (pp.on()) print_stage_layers(config, pp);
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
         if (!o.out_dir.empty()) {
@@ -335,12 +410,13 @@ static int train(const Options& o, const RunSetup& run) {
     }
     if (o.overfit) train.next_batch();  // the one batch every step will see
     ParallelPlan par = parallel_plan(o, grid.dp, accumulation);
+    std::vector<std::vector<int>> inputs(accumulation), targets(accumulation);  // a step's micro-batches
 
     // writes the checkpoint of the state before `step`; false when the state is not finite (nothing written)
     auto checkpoint = [&](int step) {
         TrainState now{step, train.state(), sampler_rng.state};
         std::vector<float> storage;
-        float* whole = whole_model(model, dpr, grid, o.zero, storage);
+        float* whole = whole_model(model, dpr, grid, pp, o.zero, storage);
         if (on_gpu) {
             device_download<floatX>(staged_m.data(), adam_m, moments);
             device_download<floatX>(staged_v.data(), adam_v, moments);
@@ -350,7 +426,7 @@ static int train(const Options& o, const RunSetup& run) {
                                grid.world_comm, writes_optimizer ? optimizer_file : -1);
     };
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
-    auto report_against_plan = [&](double sent, double tp_sent, double cp_sent) {
+    auto report_against_plan = [&](double sent, double tp_sent, double cp_sent, double pp_sent) {
         if (grad_comm.size > 1)
             printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
                    planned_comm_bytes(config, par, device_of<floatX>));
@@ -364,6 +440,23 @@ static int train(const Options& o, const RunSetup& run) {
         if (grid.cp > 1)
             printf("comm: rank 0 sent %.0f bytes on cp in this step; the formula for cp=%d says %.0f\n", cp_sent, grid.cp,
                    planned_cp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+        if (grid.pp > 1)
+            printf("comm: rank 0 sent %.0f bytes on pp in this step; the formula for pp=%d vpp=%d says %.0f\n", pp_sent,
+                   grid.pp, o.vpp, planned_pp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+    };
+    // after the first step: the pipeline's idle time against its schedule's formula, and the trace (collectives
+    // of the pp group and of the world)
+    auto report_pipeline = [&]() {
+        double mine[2] = {pipeline.trace.empty() ? 0.0 : pipeline.trace.back().end, pipeline.busy};
+        std::vector<double> all(2 * grid.pp);
+        grid.pp_comm.wait(grid.pp_comm.all_gather(mine, all.data(), 2, DType::F64));
+        double span = 0.0, busy = 0.0;
+        for (int r = 0; r < grid.pp; r++) span = std::max(span, all[2 * r]), busy += all[2 * r + 1] / grid.pp;
+        if (lead)
+            printf("pp: bubble %.3f measured (idle over compute time, mean of the %d stages: %.1f ms of %.1f ms "
+                   "busy); the %s formula says %.3f\n", (span - busy) / busy, grid.pp, busy * 1e3, span * 1e3,
+                   o.pp_schedule.c_str(), pp_bubble_formula(pp.kind, grid.pp, accumulation, o.vpp));
+        if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, grid.at.pp, o.pp_schedule);
     };
     // after the first step, the attention work of each rank of rank 0's cp group and its step time: equal work
     // under zig-zag, and under a contiguous split the imbalance and what it costs (a collective of every cp group)
@@ -403,33 +496,36 @@ static int train(const Options& o, const RunSetup& run) {
             return EXIT_STOPPED;
         }
         if (val && (step % o.val_every == 0 || last_step)) {
-            float loss = (float)dpr.mean(validation_loss(model, *val, val_batches));
+            float loss = (float)dpr.mean(validation_loss(model, pipeline, pp, grid, *val, val_batches));
             if (lead) printf("val loss %.6f\n", loss);
             if (lead) log.val(step, loss);
         }
         // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
         if (tokenizer && ((step > 0 && step % o.sample_every == 0) || last_step)) {
-            std::vector<int> tokens = sample_tokens(model, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
+            auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, pp, grid, tokens, o.T, t); };
+            std::vector<int> tokens = sample_tokens(at, config.vocab_size, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
             if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
         }
         if (last_step) break;
         if (step == state.step && grid.rank == o.debug_stall_rank) sleep(1000000);
         if (step == o.debug_sigterm_step && grid.rank == grid.world - 1) raise(SIGTERM);
 
-        // one optimizer step: the mean loss over the global batch, accumulated over micro-batches; gradient
-        // buckets are reduced across dp while backward runs
+        // one optimizer step: the mean loss over the global batch, accumulated over micro-batches that pass
+        // through the pipeline's stages in the schedule's order; gradient buckets are reduced across dp while
+        // backward runs
+        for (int micro = 0; micro < accumulation; micro++) {
+            if (!o.overfit) train.next_batch();
+            inputs[micro] = train.inputs, targets[micro] = train.targets;
+        }
+        pipeline.tracing = step == state.step && pp.on();
+        if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
         double t0 = now_seconds(), sent0 = grad_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
-        double cp_sent0 = grid.cp_comm.bytes_sent;
+        double cp_sent0 = grid.cp_comm.bytes_sent, pp_sent0 = grid.pp_comm.bytes_sent;
         dpr.zero_grad();
-        double loss = 0.0;
         float dloss = 1.0f / (float)(tokens_per_micro_step * accumulation);
         if (step == o.debug_nan_step && grid.rank == 0) dloss = NAN;
-        for (int micro = 0; micro < accumulation; micro++) {
-            dpr.begin_micro_step(micro == accumulation - 1);
-            if (!o.overfit) train.next_batch();
-            loss += gpt_forward(model, train.inputs.data(), train.targets.data(), o.B, o.T) / accumulation;
-            gpt_backward(model, dloss);
-        }
+        double loss = pipeline.run(model, &dpr, actions, inputs, targets, o.B, o.T, dloss) / accumulation;
+        loss = from_last_stage(grid, loss);
         float lr = schedule.at(step);
         // a NaN or Inf in the loss or the gradient norm skips the update, leaving the parameters and the optimizer
         // state as they were; both values are reduced already, so every rank takes the same decision
@@ -443,15 +539,17 @@ static int train(const Options& o, const RunSetup& run) {
         }
         double ms = (now_seconds() - t0) * 1000.0, sent = grad_comm.bytes_sent - sent0;
         double tp_sent = grid.tp_comm.bytes_sent - tp_sent0, cp_sent = grid.cp_comm.bytes_sent - cp_sent0;
+        double pp_sent = grid.pp_comm.bytes_sent - pp_sent0;
         if (lead) {
             printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    lr, norm, ms, total_batch / (ms / 1000.0),
                    skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
-            if (step == state.step) report_against_plan(sent, tp_sent, cp_sent);
+            if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent);
             fflush(stdout);
             log.train(step, (float)loss, lr, (float)norm, skipped);
         }
         if (step == state.step && grid.cp > 1) report_cp_balance(ms);
+        if (pipeline.tracing) report_pipeline();
         if (bad_steps == o.max_bad_steps) {
             if (lead)
                 fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row with a non-finite loss or gradient "
@@ -461,7 +559,7 @@ static int train(const Options& o, const RunSetup& run) {
         }
         stopping = stop_requested(grid.world_comm);
     }
-    if (o.debug_check_replicas && grid.tp > 1) check_replicas(model, dpr, grid, o.zero);
+    if (o.debug_check_replicas && (grid.tp > 1 || grid.pp > 1)) check_replicas(model, dpr, grid, o.zero);
     comm_finalize(world_comm);
     return 0;
 }
@@ -567,8 +665,20 @@ static int run(const Options& o) {
              total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
     int accumulation = (int)(total_batch / tokens_per_micro_step);
     size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    // the pipeline: the layers fill the stages, and the schedule takes this many micro-batches
+    stage_part(config, pp_spec(o, 0));
+    check_pp_micro_batches(pp_spec(o, 0).kind, o.pp, accumulation, o.vpp);
+    // ZeRO-2/3 stage each bucket's gradients for one reduction at a time; a split backward writes some of a
+    // micro-batch's (the layernorms') long before the rest, while other micro-batches' arrive
+    if (o.pp_schedule == "zb" && o.zero >= 2)
+        fail("--pp-schedule zb: its deferred weight gradients work with -z 0 or 1, not -z %d", o.zero);
     if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;
     refuse_unbuilt_parallelism(o);
+    if (!o.trace.empty() && detect_launch().rank == 0) {
+        FILE* f = fopen(o.trace.c_str(), "w");  // refused now rather than after the first step
+        if (!f) fail("--trace %s: cannot write (%s)", o.trace.c_str(), strerror(errno));
+        fclose(f);
+    }
     RunSetup run{config, resume_dir, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
     return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
 }

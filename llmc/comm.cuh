@@ -270,6 +270,50 @@ struct Comm {
         return nccl_end(r);
     }
 
+    // Point-to-point ops that must be in flight together: one rank's part of an exchange with its neighbours
+    // (a pipeline stage receiving one buffer while it sends another). NCCL runs a rank's ops in issue order
+    // and a send completes only when its receive is posted, so two ranks that each sent to the other before
+    // receiving would wait on each other; inside one NCCL group the ops are paired whatever their order. MPI's
+    // are nonblocking: the receives are posted first. One request per op, in the order given.
+    struct P2P {
+        bool send;
+        void* buf;
+        size_t count;
+        DType t;
+        int peer;
+    };
+    std::vector<CommRequest> exchange(const std::vector<P2P>& ops) {
+        std::vector<CommRequest> requests(ops.size());
+        if (backend != Backend::NCCL) {
+            for (bool sends : {false, true})
+                for (size_t i = 0; i < ops.size(); i++)
+                    if (ops[i].send == sends)
+                        requests[i] = sends ? send(ops[i].buf, ops[i].count, ops[i].t, ops[i].peer)
+                                            : recv(ops[i].buf, ops[i].count, ops[i].t, ops[i].peer);
+            return requests;
+        }
+        nccl_begin();
+        nccl_check(ncclGroupStart(), "exchange");
+        for (size_t i = 0; i < ops.size(); i++) {
+            const P2P& op = ops[i];
+            size_t bytes = op.count * dtype_size(op.t);
+            CommRequest& r = requests[i];
+            r = begin(op.send ? "send" : "recv", op.send ? 1.0 : 0.0, op.send ? bytes : 0);
+            check_peer(op.peer, r.op);
+            r.peer = op.peer;
+            if (op.send) {
+                DeviceView d = nccl_stage(r, op.buf, bytes, nullptr, 0);
+                nccl_check(ncclSend(d.send, op.count, nccl_type(op.t), op.peer, nccl, stream), "send");
+            } else {
+                DeviceView d = nccl_stage(r, nullptr, 0, op.buf, bytes);
+                nccl_check(ncclRecv(d.recv, op.count, nccl_type(op.t), op.peer, nccl, stream), "recv");
+            }
+        }
+        nccl_check(ncclGroupEnd(), "exchange");
+        for (CommRequest& r : requests) nccl_end(r);
+        return requests;
+    }
+
     // rank i sends its piece j (count elements) to rank j, and receives rank j's piece i into its piece j
     CommRequest all_to_all(const void* send, void* recv, size_t count, DType t) {
         std::vector<size_t> counts(size, count), offsets(size);

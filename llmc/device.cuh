@@ -89,6 +89,20 @@ static __global__ void bf16_to_float_kernel(float* dst, const bf16* src, long n)
 
 inline unsigned int grid_stride_blocks(long n) { return (unsigned int)std::min<long>(cuda_blocks(n, 256), 65535L * 8); }
 
+// waits for the work queued on the compute stream of T's device (on the CPU it is done already)
+template <typename T>
+inline void device_synchronize() {
+    if constexpr (device_of<T> == Device::CUDA) cuda_check(cudaStreamSynchronize(main_stream()));
+}
+
+// an element-wise kernel over n elements (one thread per element, grid-stride), on the compute stream
+template <typename... Params, typename... Args>
+inline void launch_elementwise(void (*kernel)(Params...), long n, Args... args) {
+    if (n <= 0) return;
+    kernel<<<grid_stride_blocks(n), 256, 0, main_stream()>>>(args...);
+    cuda_check(cudaGetLastError());
+}
+
 // dst (storage type, on its device) = src (fp32, on the same device)
 inline void convert_on_device(float* dst, const float* src, long n) { device_copy<float>(dst, src, (size_t)n); }
 inline void convert_on_device(bf16* dst, const float* src, long n) {

@@ -47,6 +47,39 @@ struct GPTConfig {
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
 
+// The part of the model one rank holds: all of it, or under pipeline parallelism (llmc/pp.cuh) one stage's
+// chunks, each a run of consecutive layers (one chunk per virtual stage, in model order), stacked in that
+// order. The stage that runs the model's first chunk holds the embeddings; the one that runs its last chunk
+// holds the final layernorm and the classifier, whose weight is wte: it keeps a copy of the embeddings, which
+// llmc/zero.cuh keeps equal to the first stage's bit for bit.
+struct ModelPart {
+    std::vector<int> chunk_first, chunk_layers;  // per chunk: its first layer in the model, its number of layers
+    bool first = true, last = true;              // runs the model's first / last chunk
+
+    int chunks() const { return (int)chunk_layers.size(); }
+    int layers() const {
+        int n = 0;
+        for (int k : chunk_layers) n += k;
+        return n;
+    }
+    // where the chunk's layers start among the part's
+    int chunk_begin(int chunk) const {
+        int n = 0;
+        for (int k = 0; k < chunk; k++) n += chunk_layers[k];
+        return n;
+    }
+    bool embeddings() const { return first || last; }
+    bool head(int chunk) const { return last && chunk == chunks() - 1; }
+    bool starts_model(int chunk) const { return first && chunk == 0; }
+    // the model's index of the part's layer l
+    int model_layer(int l) const {
+        for (int k = 0; k < chunks(); l -= chunk_layers[k++])
+            if (l < chunk_layers[k]) return chunk_first[k] + l;
+        fail("model part: layer %d is not in the part", l);
+    }
+};
+inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_layers}, true, true}; }
+
 inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (c.num_layers < 1 || c.num_heads < 1 || c.channels < 1 || c.max_seq_len < 1 || c.vocab_size < 1)
         fail("%s: every model dimension must be positive", where.c_str());
@@ -110,11 +143,12 @@ enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, L
                    LNFB, NUM_PARAM_TENSORS };
 
 // the tensors' sizes on one rank of a tensor-parallel group of tp ranks (tp = 1: the whole model): QKV and fc
-// keep their rows of the rank's heads and hidden units, the projections their columns, wte its vocab rows
-inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp = 1) {
-    size_t L = c.num_layers, C = c.channels, Cl = C / tp, Hl = 4 * C / tp;
-    sizes[WTE] = (size_t)TensorParallel::vocab_rows(c.padded_vocab_size, tp) * C;
-    sizes[WPE] = (size_t)c.max_seq_len * C;
+// keep their rows of the rank's heads and hidden units, the projections their columns, wte its vocab rows; a
+// part of the model has its layers, and empty tensors for what it does not hold
+inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp, const ModelPart& part) {
+    size_t L = part.layers(), C = c.channels, Cl = C / tp, Hl = 4 * C / tp, E = part.embeddings(), F = part.last;
+    sizes[WTE] = E * TensorParallel::vocab_rows(c.padded_vocab_size, tp) * C;
+    sizes[WPE] = E * c.max_seq_len * C;
     sizes[LN1W] = L * C;
     sizes[LN1B] = L * C;
     sizes[QKVW] = L * 3 * Cl * C;
@@ -127,8 +161,11 @@ inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSOR
     sizes[FCB] = L * Hl;
     sizes[FCPROJW] = L * C * Hl;
     sizes[FCPROJB] = L * C;
-    sizes[LNFW] = C;
-    sizes[LNFB] = C;
+    sizes[LNFW] = F * C;
+    sizes[LNFB] = F * C;
+}
+inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp = 1) {
+    param_tensor_sizes(c, sizes, tp, whole_part(c));
 }
 
 // tensors every rank of a tensor-parallel group holds whole
@@ -139,12 +176,13 @@ inline bool is_replicated(int tensor) {
 // the replicated tensors whose gradients are partial sums under sequence parallelism (the others see every row)
 inline bool is_sequence_partial(int tensor) { return is_replicated(tensor) && tensor != ATTPROJB && tensor != FCPROJB; }
 
-inline size_t num_parameters(const GPTConfig& c, int tp = 1) {
+inline size_t num_parameters(const GPTConfig& c, int tp, const ModelPart& part) {
     size_t sizes[NUM_PARAM_TENSORS], n = 0;
-    param_tensor_sizes(c, sizes, tp);
+    param_tensor_sizes(c, sizes, tp, part);
     for (size_t s : sizes) n += s;
     return n;
 }
+inline size_t num_parameters(const GPTConfig& c, int tp = 1) { return num_parameters(c, tp, whole_part(c)); }
 
 // the 2-D weight matrices, which AdamW decays; biases and layernorm parameters are not decayed
 inline bool is_decayed(int tensor) {
@@ -171,11 +209,12 @@ inline ParamViews<floatX> param_views(floatX* base, const size_t sizes[NUM_PARAM
 // Units: the parameters that forward uses together and that backward finishes together, numbered in the order
 // backward finishes them: 0 the final layernorm, 1..L the layers from last to first, L+1 the embeddings (the
 // token embedding is also the classifier, so its gradient is final only at the very end). Data parallelism
-// reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters unit by unit.
+// reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters unit by unit. L counts the
+// layers of the model's part; a part without the final layernorm or the embeddings has those units empty.
 constexpr int FINAL_NORM_UNIT = 0;
-inline int num_units(const GPTConfig& c) { return c.num_layers + 2; }
-inline int layer_unit(const GPTConfig& c, int layer) { return c.num_layers - layer; }
-inline int embedding_unit(const GPTConfig& c) { return c.num_layers + 1; }
+inline int num_units(int layers) { return layers + 2; }
+inline int layer_unit(int layers, int layer) { return layers - layer; }
+inline int embedding_unit(int layers) { return layers + 1; }
 
 // a unit's slice of one tensor: where it sits in the flat buffer
 struct Segment {
@@ -184,17 +223,18 @@ struct Segment {
 };
 
 // a unit's slices in llm.c tensor order; packed back to back, they are the unit's packed layout
-inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp = 1) {
+inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part) {
     size_t sizes[NUM_PARAM_TENSORS], start[NUM_PARAM_TENSORS], offset = 0;
-    param_tensor_sizes(c, sizes, tp);
+    param_tensor_sizes(c, sizes, tp, part);
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) start[i] = offset, offset += sizes[i];
     std::vector<Segment> segs;
+    size_t L = part.layers();
     if (unit == FINAL_NORM_UNIT) {
         for (int t : {LNFW, LNFB}) segs.push_back({t, start[t], sizes[t]});
-    } else if (unit == embedding_unit(c)) {
+    } else if (unit == embedding_unit(L)) {
         for (int t : {WTE, WPE}) segs.push_back({t, start[t], sizes[t]});
     } else {
-        size_t l = c.num_layers - unit, L = c.num_layers;
+        size_t l = L - unit;
         for (int t = LN1W; t <= FCPROJB; t++) segs.push_back({t, start[t] + l * (sizes[t] / L), sizes[t] / L});
     }
     return segs;
@@ -224,7 +264,8 @@ inline ParamViews<floatX> unit_views(const std::vector<Segment>& segs, floatX* b
 template <typename floatX>
 struct ParamStore {
     virtual ~ParamStore() = default;
-    virtual void begin_pass(bool backward) = 0;
+    // a forward or backward pass over units [low_unit, high_unit] (and the embeddings) begins
+    virtual void begin_pass(bool backward, int low_unit, int high_unit) = 0;
     virtual ParamViews<floatX> params(int unit) = 0;  // ready to read when this returns
     virtual ParamViews<floatX> grads(int unit) = 0;   // where backward accumulates this unit's gradients
     virtual void grads_done(int unit) = 0;    // this micro-step's gradients of the unit are complete
@@ -267,6 +308,9 @@ struct Activations {
     float *lnf_mean, *lnf_rstd;
     floatX* logits;
     float *losses, *lse;
+    // under a split backward (the zero-bubble pipeline), what the deferred weight gradients read besides the
+    // inputs above: the output gradients of the layer's four matmuls
+    floatX *dqkv, *dattproj, *dfch, *dfcproj;
 };
 
 // Activation recomputation (-r): 0 keeps everything; 1 recomputes GELU's output in backward from its input;
@@ -282,12 +326,13 @@ inline size_t attention_state_floats(const LocalDims& d, Device dev) {
 
 // the elements of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
 // column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local; 0
-// for a slot that is recomputed
-inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute, Device dev) {
-    size_t BT = d.BT, R = d.R, C = d.C;
+// for a slot that is recomputed, and for the output gradients unless the backward is split (the projections'
+// are whole: under sp they are gathered before the matmul)
+inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute, Device dev, bool split) {
+    size_t BT = d.BT, R = d.R, C = d.C, S = split;
     size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : BT * d.Hl;
     return {ln, R, R, BT * 3 * d.Cl, attention_state_floats(d, dev), BT * d.Cl, R * C, R * C,
-            ln, R, R, BT * d.Hl, gelu, R * C, R * C};
+            ln, R, R, BT * d.Hl, gelu, R * C, R * C, S * BT * 3 * d.Cl, S * BT * C, S * BT * d.Hl, S * BT * C};
 }
 
 // a per-layer slot: where its pointer is, and the size of its elements
@@ -305,15 +350,16 @@ template <typename floatX>
 inline std::vector<SlotRef> layer_slots(Activations<floatX>& a) {
     return {slot(a.ln1), slot(a.ln1_mean), slot(a.ln1_rstd), slot(a.qkv), slot(a.att), slot(a.atty), slot(a.attproj),
             slot(a.residual2), slot(a.ln2), slot(a.ln2_mean), slot(a.ln2_rstd), slot(a.fch), slot(a.fch_gelu),
-            slot(a.fcproj), slot(a.residual3)};
+            slot(a.fcproj), slot(a.residual3), slot(a.dqkv), slot(a.dattproj), slot(a.dfch), slot(a.dfcproj)};
 }
 
 // layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
 template <typename floatX>
-inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute) {
+inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute,
+                                       bool split) {
     Activations<floatX> v = a;
     std::vector<SlotRef> slots = layer_slots(v);
-    std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>);
+    std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>, split);
     for (size_t i = 0; i < slots.size(); i++)
         *slots[i].pointer = static_cast<char*>(*slots[i].pointer) + l * sizes[i] * slots[i].element;
     return v;
@@ -345,6 +391,18 @@ inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     return std::max(need, (size_t)GLOBAL_NORM_BLOCKS + 1);
 }
 
+// What one micro-batch keeps from its forward through a chunk of the model until its backward: the chunk's
+// activations, sized for the part's longest chunk, and the micro-batch's tokens. Under pipeline parallelism a
+// stage holds several in flight (llmc/pp.cuh); otherwise there is one.
+template <typename floatX>
+struct MicroBatchSlot {
+    Activations<floatX> acts;
+    std::vector<int> inputs, targets;  // this rank's tokens of the micro-batch (its positions under cp)
+    int *device_inputs = nullptr, *device_targets = nullptr;  // the same, where the kernels read them
+    int B = 0, T = 0;
+    float loss = -1.0f;  // the chunk's loss: -1 without targets, or when the chunk is not the model's last
+};
+
 template <typename floatX>
 struct GPTModel {
     GPTConfig config;
@@ -363,13 +421,11 @@ struct GPTModel {
     uint64_t seed = 0;  // the stochastic rounding's bits on the GPU
     TensorParallel tp;  // this rank's place in its tensor-parallel group
     ContextParallel<floatX> cp;  // ... and in its context-parallel group
+    ModelPart part;     // the layers it holds (all, or a pipeline stage's)
     int recompute = RECOMPUTE_NONE;
-    Activations<floatX> acts;
+    bool split_backward = false;  // backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk()
+    std::vector<MicroBatchSlot<floatX>> slots;  // one per micro-batch in flight (one without pipelining)
     Scratch<floatX> scratch;
-    std::vector<int> inputs, targets;  // the batch of the last forward, which backward needs
-    int *device_inputs = nullptr, *device_targets = nullptr;  // the same, where the kernels read them
-    int last_B = 0, last_T = 0;
-    float last_loss = -1.0f;
 
     GPTModel() = default;
     GPTModel(const GPTModel&) = delete;
@@ -402,11 +458,15 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
+// Allocates the model's part (all of it by default) for micro-batches of up to B×T tokens, with `slots`
+// micro-batches in flight, and what a split backward keeps for its weight gradients when asked to
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
-                         int recompute = RECOMPUTE_NONE, CPSpec cp = {}) {
+                         int recompute = RECOMPUTE_NONE, CPSpec cp = {}, ModelPart part = {}, int slots = 1,
+                         bool split_backward = false) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
     check_split(config, T, tp, cp);
+    if (part.chunks() == 0) part = whole_part(config);
     m.cp.spec = cp;
     int head_size = config.channels / config.num_heads;
     if (gpu && head_size != 64 && head_size != 128)
@@ -415,9 +475,11 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.B = B;
     m.T = T;
     m.tp.spec = tp;
+    m.part = part;
     m.recompute = recompute;
-    param_tensor_sizes(config, m.param_sizes, tp.size);
-    m.num_parameters = num_parameters(config, tp.size);
+    m.split_backward = split_backward;
+    param_tensor_sizes(config, m.param_sizes, tp.size, part);
+    m.num_parameters = num_parameters(config, tp.size, part);
     Ledger& led = m.ledger;
     if (own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
     if (own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
@@ -426,27 +488,45 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         m.adam_m = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
         m.adam_v = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
     }
-    for (int u = 0; u < num_units(config); u++) m.units.push_back(unit_segments(config, u, tp.size));
+    for (int u = 0; u < num_units(part.layers()); u++) m.units.push_back(unit_segments(config, u, tp.size, part));
 
     LocalDims d = local_dims(config, tp, B, T, cp.size);
-    size_t L = config.num_layers, C = config.channels, BT = d.BT, R = d.R;
-    Activations<floatX>& a = m.acts;
+    size_t C = config.channels, BT = d.BT, R = d.R;
+    size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
     auto act = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n); };
     auto act_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_ACTIVATIONS, n); };
-    a.encoded = act(R * C);
-    std::vector<SlotRef> slots = layer_slots(a);
-    std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>);
-    for (size_t i = 0; i < slots.size(); i++)
-        *slots[i].pointer = slots[i].element == sizeof(float) ? (void*)act_f(L * sizes[i]) : (void*)act(L * sizes[i]);
-    // a recomputed slot is one buffer for every layer (layer_slice steps through it by 0)
-    if (recompute >= RECOMPUTE_GELU) a.fch_gelu = act(BT * d.Hl);
-    if (recompute >= RECOMPUTE_LAYERNORM) a.ln1 = a.ln2 = act(BT * C);
-    a.lnf = act(BT * C);
-    a.lnf_mean = act_f(R);
-    a.lnf_rstd = act_f(R);
-    a.logits = act(BT * d.Vl);
-    a.losses = act_f(BT);
-    a.lse = tp.size > 1 ? act_f(BT) : nullptr;
+    // a recomputed slot is one buffer for every layer of every micro-batch (layer_slice steps through it by 0)
+    floatX* gelu_shared = recompute >= RECOMPUTE_GELU ? act(BT * d.Hl) : nullptr;
+    floatX* layernorm_shared = recompute >= RECOMPUTE_LAYERNORM ? act(BT * C) : nullptr;
+    m.slots.resize(slots);
+    for (MicroBatchSlot<floatX>& mb : m.slots) {
+        Activations<floatX>& a = mb.acts;
+        a.encoded = act(R * C);
+        std::vector<SlotRef> per_layer = layer_slots(a);
+        std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>, split_backward);
+        for (size_t i = 0; i < per_layer.size(); i++)
+            *per_layer[i].pointer = per_layer[i].element == sizeof(float) ? (void*)act_f(chunk_layers * sizes[i])
+                                                                          : (void*)act(chunk_layers * sizes[i]);
+        if (gelu_shared) a.fch_gelu = gelu_shared;
+        if (layernorm_shared) a.ln1 = a.ln2 = layernorm_shared;
+        if (part.last) {  // the head: the final layernorm, the logits and the losses
+            a.lnf = act(BT * C);
+            a.lnf_mean = act_f(R);
+            a.lnf_rstd = act_f(R);
+            a.logits = act(BT * d.Vl);
+            a.losses = act_f(BT);
+            a.lse = tp.size > 1 ? act_f(BT) : nullptr;
+        }
+        mb.inputs.assign(BT, 0);
+        mb.targets.assign(BT, 0);
+        if (gpu) {
+            mb.device_inputs = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
+            mb.device_targets = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
+        } else {
+            mb.device_inputs = mb.inputs.data();
+            mb.device_targets = mb.targets.data();
+        }
+    }
 
     Scratch<floatX>& s = m.scratch;
     int threads = omp_get_max_threads();
@@ -471,52 +551,45 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
     m.tp.gather = s.gather;
     m.cp.allocate(led, B, T, (int)C, d.Cl, d.NHl);
-    m.inputs.assign(BT, 0);
-    m.targets.assign(BT, 0);
-    if (gpu) {
-        m.device_inputs = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
-        m.device_targets = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
-    } else {
-        m.device_inputs = m.inputs.data();
-        m.device_targets = m.targets.data();
-    }
 }
 
-// Moves parameters between the whole model (llm.c's layout) and one tensor-parallel rank's share of it, in
-// either direction: what a checkpoint gathers on save and splits on load.
-inline void tp_copy_params(const GPTConfig& c, int tp, int rank, float* whole, float* local, bool to_local) {
+// Moves parameters between the whole model (llm.c's layout) and one rank's share of it, in either direction:
+// its tensor-parallel share (QKV and fc rows of its heads and hidden units, the projections' columns, wte's
+// vocab rows) of its part of the model. What a checkpoint gathers on save and splits on load.
+inline void copy_share_params(const GPTConfig& c, int tp, int rank, const ModelPart& part, float* whole, float* local,
+                              bool to_local) {
     size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, ws, 1);
-    param_tensor_sizes(c, ls, tp);
+    param_tensor_sizes(c, ls, tp, part);
     ParamViews w = param_views(whole, ws), l = param_views(local, ls);
     auto move = [&](float* wp, float* lp, size_t n) {
         if (to_local) memcpy(lp, wp, n * sizeof(float));
         else memcpy(wp, lp, n * sizeof(float));
     };
-    size_t L = c.num_layers, C = c.channels, Cl = C / tp, Hl = 4 * C / tp;
-    // rows of this rank, runs of `width` floats: a block of `rows` whole rows starting at row `first`
-    auto rows = [&](int t, size_t per_layer_whole, size_t per_layer_local, size_t first, size_t count, size_t width) {
-        for (size_t layer = 0; layer < L; layer++)
-            move(w[t] + layer * per_layer_whole + first * width, l[t] + layer * per_layer_local, count * width);
-    };
-    for (int t = 0; t < NUM_PARAM_TENSORS; t++)
-        if (is_replicated(t)) move(w[t], l[t], ws[t]);
-    size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, tp), vlo = rank * Vl;
-    if (vlo < Vp) move(w[WTE] + vlo * C, l[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
-    for (size_t part = 0; part < 3; part++) {  // Q, K and V: this rank's heads of each
-        for (size_t layer = 0; layer < L; layer++) {
-            move(w[QKVW] + layer * 3 * C * C + (part * C + rank * Cl) * C, l[QKVW] + layer * 3 * Cl * C + part * Cl * C, Cl * C);
-            move(w[QKVB] + layer * 3 * C + part * C + rank * Cl, l[QKVB] + layer * 3 * Cl + part * Cl, Cl);
+    size_t L = c.num_layers, Lp = part.layers(), C = c.channels, Cl = C / tp, Hl = 4 * C / tp;
+    for (size_t layer = 0; layer < Lp; layer++) {
+        size_t in_model = part.model_layer((int)layer);
+        auto wl = [&](int t) { return w[t] + in_model * (ws[t] / L); };  // the layer's slice of a tensor
+        auto ll = [&](int t) { return l[t] + layer * (ls[t] / Lp); };
+        for (int t : {LN1W, LN1B, ATTPROJB, LN2W, LN2B, FCPROJB}) move(wl(t), ll(t), ws[t] / L);
+        for (size_t q = 0; q < 3; q++) {  // Q, K and V: this rank's heads of each
+            move(wl(QKVW) + (q * C + rank * Cl) * C, ll(QKVW) + q * Cl * C, Cl * C);
+            move(wl(QKVB) + q * C + rank * Cl, ll(QKVB) + q * Cl, Cl);
+        }
+        move(wl(FCW) + rank * Hl * C, ll(FCW), Hl * C);
+        move(wl(FCB) + rank * Hl, ll(FCB), Hl);
+        for (size_t o = 0; o < C; o++) {  // the projections: this rank's columns of every output row
+            move(wl(ATTPROJW) + o * C + rank * Cl, ll(ATTPROJW) + o * Cl, Cl);
+            move(wl(FCPROJW) + o * 4 * C + rank * Hl, ll(FCPROJW) + o * Hl, Hl);
         }
     }
-    rows(FCW, 4 * C * C, Hl * C, rank * Hl, Hl, C);
-    rows(FCB, 4 * C, Hl, rank * Hl, Hl, 1);
-    // the projections: this rank's columns of every output row
-    for (size_t layer = 0; layer < L; layer++)
-        for (size_t o = 0; o < C; o++) {
-            move(w[ATTPROJW] + layer * C * C + o * C + rank * Cl, l[ATTPROJW] + layer * C * Cl + o * Cl, Cl);
-            move(w[FCPROJW] + layer * C * 4 * C + o * 4 * C + rank * Hl, l[FCPROJW] + layer * C * Hl + o * Hl, Hl);
-        }
+    if (part.embeddings()) {
+        move(w[WPE], l[WPE], ws[WPE]);
+        size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, tp), vlo = rank * Vl;
+        if (vlo < Vp) move(w[WTE] + vlo * C, l[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
+    }
+    if (part.last)
+        for (int t : {LNFW, LNFB}) move(w[t], l[t], ws[t]);
 }
 
 // GPT-2's initialization: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero biases, unit
@@ -660,18 +733,31 @@ inline ParamViews<floatX> unit_grads(GPTModel<floatX>& m, int unit) {
     return m.store ? m.store->grads(unit) : unit_views(m.units[unit], m.grads, false);
 }
 
-// Runs the model on inputs (B×T tokens, B and T at most what the model was allocated for). With targets, also
-// the loss, which it returns (mean over the rank's tokens; on the GPU reading it waits for the forward to
-// finish); without, returns -1 and leaves only the logits.
+// the units a pass through chunk `chunk` uses besides the embeddings: [lowest, highest] (the final layernorm's
+// is 0, with the model's last chunk), so that a store can fetch them ahead in order
+inline std::pair<int, int> chunk_units(const ModelPart& part, int chunk) {
+    int L = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
+    return {chunk == part.chunks() - 1 ? FINAL_NORM_UNIT : layer_unit(L, lo + n - 1), layer_unit(L, lo)};
+}
+
+// Runs chunk `chunk` of the model's part on a micro-batch of B×T tokens (B and T at most what the model was
+// allocated for), keeping what backward needs in `slot`. The model's first chunk embeds the inputs; any other
+// starts from the residual stream a previous stage sent into gpt_chunk_input(). The model's last chunk ends in
+// the logits and, with targets, the loss, which it returns (the mean over the rank's tokens; on the GPU reading
+// it waits for the forward to finish); any other chunk returns -1 and leaves its output, the residual stream
+// after its last layer, in gpt_chunk_output() for the next stage. inputs and targets are the micro-batch's
+// whole B×T tokens on every chunk.
 // Under tensor parallelism every rank of the group calls it with the same tokens; tp wraps the layer calls
 // that cross ranks (llmc/tp.cuh), and R = BT/tp rows of the residual stream live on each rank under sp.
 // Under context parallelism every rank of the cp group calls it with the same B×T tokens too, and keeps its
 // T/cp positions of each sequence (llmc/cp.cuh): only attention and the position embedding see where they are.
 template <typename floatX>
-inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targets, int B, int T) {
+inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const int* inputs, const int* targets, int B,
+                               int T) {
     if (B > m.B || T > m.T) fail("forward: batch %dx%d exceeds the allocated %dx%d", B, T, m.B, m.T);
     const GPTConfig& c = m.config;
-    int L = c.num_layers, V = c.vocab_size;
+    const ModelPart& part = m.part;
+    int Lp = part.layers(), V = c.vocab_size;
     ContextParallel<floatX>& cp = m.cp;
     LocalDims d = local_dims(c, m.tp.spec, B, T, cp.spec.size);
     long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
@@ -680,31 +766,39 @@ inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targ
         if (targets && (targets[i] < 0 || targets[i] >= V))
             fail("forward: target token %d outside the vocab [0, %d)", targets[i], V);
     }
+    MicroBatchSlot<floatX>& mb = m.slots[slot];
+    bool head = part.head(chunk);
     cp.begin(T);
-    cp.select_tokens(m.inputs.data(), inputs, B, T);
-    if (targets) cp.select_tokens(m.targets.data(), targets, B, T);
-    device_upload<floatX>(m.device_inputs, m.inputs.data(), BT);
-    if (targets) device_upload<floatX>(m.device_targets, m.targets.data(), BT);
-    m.last_B = B;
-    m.last_T = T;
-    Activations<floatX>& a = m.acts;
+    cp.select_tokens(mb.inputs.data(), inputs, B, T);
+    if (targets) cp.select_tokens(mb.targets.data(), targets, B, T);
+    if (part.starts_model(chunk)) device_upload<floatX>(mb.device_inputs, mb.inputs.data(), BT);
+    if (head && targets) device_upload<floatX>(mb.device_targets, mb.targets.data(), BT);
+    mb.B = B;
+    mb.T = T;
+    mb.loss = -1.0f;
+    Activations<floatX>& a = mb.acts;
     TensorParallel& tp = m.tp;
     float* ws = m.scratch.gemm;
     floatX* partial = m.scratch.partial;
     NvtxRange pass("forward");
-    if (m.store) m.store->begin_pass(false);
+    auto [low_unit, high_unit] = chunk_units(part, chunk);
+    if (m.store) m.store->begin_pass(false, low_unit, high_unit);
 
-    ParamViews<floatX> emb = unit_params(m, embedding_unit(c));
-    tp.embedding_forward(a.encoded, partial, m.device_inputs, emb[WTE], cp.position_rows(emb[WPE], C), B, d.T, C, d.Vl);
-    for (int l = 0; l < L; l++) {
-        NvtxRange layer("layer", l);
-        ParamViews<floatX> w = unit_params(m, layer_unit(c, l));
-        Activations<floatX> la = layer_slice(a, l, d, m.recompute), prev = layer_slice(a, std::max(l - 1, 0), d, m.recompute);
+    if (part.starts_model(chunk)) {
+        ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
+        tp.embedding_forward(a.encoded, partial, mb.device_inputs, emb[WTE], cp.position_rows(emb[WPE], C), B, d.T, C,
+                             d.Vl);
+    }
+    int lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
+    for (int i = 0; i < n; i++) {
+        NvtxRange layer("layer", part.model_layer(lo + i));
+        ParamViews<floatX> w = unit_params(m, layer_unit(Lp, lo + i));
+        Activations<floatX> la = layer_slice(a, i, d, m.recompute, m.split_backward), prev = layer_slice(a, std::max(i - 1, 0), d, m.recompute, m.split_backward);
         // the residual add that ends the previous layer is fused with the layernorm that begins this one
-        if (l == 0) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, a.encoded, w[LN1W], w[LN1B], R, C);
+        if (i == 0) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, a.encoded, w[LN1W], w[LN1B], R, C);
         else fused_residual_layernorm_forward(prev.residual3, la.ln1 + first, la.ln1_mean, la.ln1_rstd, prev.residual2,
                                               prev.fcproj, w[LN1W], w[LN1B], R, C);
-        const floatX* residual = l == 0 ? a.encoded : prev.residual3;
+        const floatX* residual = i == 0 ? a.encoded : prev.residual3;
         tp.gather_rows(la.ln1, BT, C);
         matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * d.Cl, ws);
         cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl);
@@ -715,36 +809,62 @@ inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targ
         matmul_gelu_forward(la.fch_gelu, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
         tp.row_parallel_forward(la.fcproj, partial, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
     }
-    Activations<floatX> last = layer_slice(a, L - 1, d, m.recompute);
+    Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
+    if (!head) {
+        residual_forward(last.residual3, last.residual2, last.fcproj, R * C);
+        if (m.store) m.store->end_pass();
+        return -1.0f;
+    }
     ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT);
     fused_residual_layernorm_forward(last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
                                      fin[LNFW], fin[LNFB], R, C);
     tp.gather_rows(a.lnf, BT, C);
-    emb = unit_params(m, embedding_unit(c));
+    ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
     matmul_forward(a.logits, a.lnf, emb[WTE], (const floatX*)nullptr, BT, C, d.Vl, ws);
     if (m.store) m.store->end_pass();
-    if (!targets) return m.last_loss = -1.0f;
-    m.last_loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, m.device_targets, BT, V, d.Vl)
-                          : crossentropy_forward(a.losses, a.logits, m.device_targets, BT, V, c.padded_vocab_size);
-    return m.last_loss;
+    if (!targets) return -1.0f;
+    mb.loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl)
+                      : crossentropy_forward(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size);
+    return mb.loss;
 }
 
-// the logits at position t of sequence b of the last forward, over the whole vocab, for sampling: from the cp
-// rank that holds the position, gathered over the tensor-parallel group (a collective of both groups)
+// the whole model on one micro-batch (a part that is the whole model: no pipeline)
 template <typename floatX>
-inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t) {
+inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targets, int B, int T) {
+    if (m.part.chunks() != 1 || !m.part.first || !m.part.last) fail("forward: the model holds a pipeline stage");
+    return gpt_forward_chunk(m, 0, 0, inputs, targets, B, T);
+}
+
+// Where a chunk's input arrives from the previous stage, and where its output waits for the next one: the
+// residual stream (this rank's R rows of it, R×C). The output buffer, which backward does not read, also takes
+// the output's gradient before backward.
+template <typename floatX>
+inline floatX* gpt_chunk_input(GPTModel<floatX>& m, int slot) { return m.slots[slot].acts.encoded; }
+template <typename floatX>
+inline floatX* gpt_chunk_output(GPTModel<floatX>& m, int slot, int chunk) {
+    const MicroBatchSlot<floatX>& mb = m.slots[slot];
+    LocalDims d = local_dims(m.config, m.tp.spec, mb.B, mb.T, m.cp.spec.size);
+    return layer_slice(mb.acts, m.part.chunk_layers[chunk] - 1, d, m.recompute, m.split_backward).residual3;
+}
+
+// the logits at position t of sequence b of the last forward through the head (in `slot`), over the whole
+// vocab, for sampling: from the cp rank that holds the position, gathered over the tensor-parallel group (a
+// collective of both groups)
+template <typename floatX>
+inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t, int slot = 0) {
     int Vl = TensorParallel::vocab_rows(m.config.padded_vocab_size, m.tp.size());
     std::vector<float> mine(Vl), whole((size_t)Vl * m.tp.size());
     const ContextParallel<floatX>& cp = m.cp;
+    const MicroBatchSlot<floatX>& mb = m.slots[slot];
     if (cp.on()) {
         int owner = cp.owner(t);
         std::vector<float> held(Vl, 0.0f), every((size_t)Vl * cp.spec.size);
-        long row = (long)b * cp.local_tokens(m.last_T) + cp.local_index(t);
-        if (owner == cp.spec.rank) download_as_float(held.data(), m.acts.logits + row * Vl, Vl);
+        long row = (long)b * cp.local_tokens(mb.T) + cp.local_index(t);
+        if (owner == cp.spec.rank) download_as_float(held.data(), mb.acts.logits + row * Vl, Vl);
         cp.comm->wait(cp.comm->all_gather(held.data(), every.data(), Vl, DType::F32));
         std::copy(every.begin() + (long)owner * Vl, every.begin() + (long)(owner + 1) * Vl, mine.begin());
     } else {
-        download_as_float(mine.data(), m.acts.logits + ((long)b * m.last_T + t) * Vl, Vl);
+        download_as_float(mine.data(), mb.acts.logits + ((long)b * mb.T + t) * Vl, Vl);
     }
     if (m.tp.on()) m.tp.comm->wait(m.tp.comm->all_gather(mine.data(), whole.data(), Vl, DType::F32));
     else whole = mine;
@@ -755,78 +875,152 @@ inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t) {
 template <typename floatX>
 inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.num_parameters); }
 
-// accumulates into the gradients the backward of the last forward (which must have had targets); dloss is the
-// weight of each token's loss in the objective: 1 / (B·T·accumulation steps) for a mean over the global batch
+// Accumulates into the gradients the backward of chunk `chunk` for the micro-batch whose forward is in `slot`.
+// The model's last chunk starts from the loss (its forward must have had targets): dloss is the weight of
+// each token's loss in the objective, 1 / (B·T·micro-batches) for a mean over the global batch. Any other
+// chunk starts from its output's gradient, which the next stage sent into gpt_chunk_output(). Returns where
+// the gradient of the chunk's input is, for the previous stage, until the next backward (null for the model's
+// first chunk).
 template <typename floatX>
-inline void gpt_backward(GPTModel<floatX>& m, float dloss) {
-    if (m.last_loss < 0) fail("backward: the last forward had no targets");
+inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, float dloss) {
     const GPTConfig& c = m.config;
-    int B = m.last_B, T = m.last_T, L = c.num_layers, V = c.vocab_size;
+    const ModelPart& part = m.part;
+    MicroBatchSlot<floatX>& mb = m.slots[slot];
+    bool head = part.head(chunk);
+    if (head && mb.loss < 0) fail("backward: the last forward had no targets");
+    int B = mb.B, T = mb.T, Lp = part.layers(), V = c.vocab_size;
     LocalDims d = local_dims(c, m.tp.spec, B, T, m.cp.spec.size);
     long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
-    Activations<floatX>& a = m.acts;
+    Activations<floatX>& a = mb.acts;
     Scratch<floatX>& s = m.scratch;
     TensorParallel& tp = m.tp;
     ContextParallel<floatX>& cp = m.cp;
     float* ws = s.gemm;
+    int lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
     // the gradient of a layernorm's output for this rank's rows: the partial sums of every rank, reduced
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
+    // a unit's gradients are complete here, or after the weight-gradient step of a split backward
+    bool split = m.split_backward;
     auto done = [&](int unit) {
-        if (m.store) m.store->grads_done(unit);
+        if (m.store && !split) m.store->grads_done(unit);
     };
     NvtxRange pass("backward");
-    if (m.store) m.store->begin_pass(true);
+    auto [low_unit, high_unit] = chunk_units(part, chunk);
+    if (m.store) m.store->begin_pass(true, low_unit, high_unit);
 
-    // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
-    if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, m.device_targets, BT, V, d.Vl, dloss);
-    else crossentropy_backward_inplace(a.logits, m.device_targets, BT, V, c.padded_vocab_size, dloss);
-    ParamViews<floatX> emb = unit_params(m, embedding_unit(c)), demb = unit_grads(m, embedding_unit(c));
-    matmul_backward(s.dln, demb[WTE], (floatX*)nullptr, a.logits, a.lnf, emb[WTE], BT, C, d.Vl, ws);
-    tp.reduce_rows(s.dln, dln_rows, BT, C);
-    device_zero<floatX>(s.dresidual, R * C);
-    const floatX* last_residual = a.residual3 + (L - 1) * R * C;
-    ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
-    layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean, a.lnf_rstd, R, C);
-    done(FINAL_NORM_UNIT);
+    if (head) {
+        // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
+        if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, mb.device_targets, BT, V, d.Vl, dloss);
+        else crossentropy_backward_inplace(a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
+        ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp)), demb = unit_grads(m, embedding_unit(Lp));
+        matmul_backward(s.dln, demb[WTE], (floatX*)nullptr, a.logits, a.lnf, emb[WTE], BT, C, d.Vl, ws);
+        tp.reduce_rows(s.dln, dln_rows, BT, C);
+        device_zero<floatX>(s.dresidual, R * C);
+        const floatX* last_residual = layer_slice(a, n - 1, d, m.recompute, m.split_backward).residual3;
+        ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
+        layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
+                           a.lnf_rstd, R, C);
+    } else {
+        device_copy<floatX>(s.dresidual, gpt_chunk_output(m, slot, chunk), R * C);
+    }
+    // the final layernorm's unit goes with the part's last chunk (empty off the model's last stage)
+    if (chunk == part.chunks() - 1) done(FINAL_NORM_UNIT);
 
     // dresidual carries the gradient of the residual stream down the layers: each branch reads it and adds
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
-    for (int l = L - 1; l >= 0; l--) {
-        NvtxRange layer("layer", l);
-        const floatX* residual = l == 0 ? a.encoded : a.residual3 + (l - 1) * R * C;
-        Activations<floatX> la = layer_slice(a, l, d, m.recompute);
-        ParamViews<floatX> w = unit_params(m, layer_unit(c, l)), dw = unit_grads(m, layer_unit(c, l));
+    for (int i = n - 1; i >= 0; i--) {
+        NvtxRange layer("layer", part.model_layer(lo + i));
+        Activations<floatX> la = layer_slice(a, i, d, m.recompute, m.split_backward);
+        const floatX* residual = i == 0 ? a.encoded : layer_slice(a, i - 1, d, m.recompute, m.split_backward).residual3;
+        int unit = layer_unit(Lp, lo + i);
+        ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
         // what forward did not keep, computed again exactly as forward did (and gathered again under sp)
         auto recompute_layernorm = [&](floatX* out, float* mean, float* rstd, const floatX* inp, int weight, int bias) {
             layernorm_forward(out + first, mean, rstd, inp, w[weight], w[bias], R, C);
             tp.gather_rows(out, BT, C);
         };
         if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
+        // a split backward leaves the matmuls' weight gradients for later and keeps their output gradients
+        auto now = [&](floatX* grad) { return split ? nullptr : grad; };
+        floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
 
         const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
-        matmul_backward(s.dfch, dw[FCPROJW], dw[FCPROJB], dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
-        gelu_backward(s.dfch, la.fch, s.dfch, BT * d.Hl);
+        if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+        matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
+        gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
         if (m.recompute >= RECOMPUTE_LAYERNORM)
             recompute_layernorm(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, LN2W, LN2B);
-        matmul_backward(s.dln, dw[FCW], dw[FCB], s.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
         dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
-        matmul_backward(s.datty, dw[ATTPROJW], dw[ATTPROJB], dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
-        cp.attention_backward(s.dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, s.attention);
+        if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
+        matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+        cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, s.attention);
         if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
-        matmul_backward(s.dln, dw[QKVW], dw[QKVB], s.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
+        matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
-        done(layer_unit(c, l));
+        done(unit);
     }
-    demb = unit_grads(m, embedding_unit(c));
-    tp.embedding_backward(demb[WTE], cp.position_grads_begin(demb[WPE], C), s.dresidual, s.whole, m.device_inputs, B, d.T,
-                          C, d.Vl);
-    cp.position_grads_end(demb[WPE], C);
-    done(embedding_unit(c));
+    if (part.starts_model(chunk)) {
+        ParamViews<floatX> demb = unit_grads(m, embedding_unit(Lp));
+        tp.embedding_backward(demb[WTE], cp.position_grads_begin(demb[WPE], C), s.dresidual, s.whole, mb.device_inputs,
+                              B, d.T, C, d.Vl);
+        cp.position_grads_end(demb[WPE], C);
+    }
+    // the embeddings' unit goes with the part's first chunk, whose backward of a micro-batch comes last: on the
+    // last stage its wte gradient, the classifier's, is complete by then too (empty on the middle stages)
+    if (chunk == 0) done(embedding_unit(Lp));
+    if (m.store) m.store->end_pass();
+    return part.starts_model(chunk) ? nullptr : s.dresidual;
+}
+
+// The weight gradients a split backward of chunk `chunk` left for later (the W step of the zero-bubble
+// pipeline): the four matmuls of each of its layers, from the output gradients backward kept and the inputs
+// forward kept (computed again where -r does not keep them). The units' gradients are complete after it.
+template <typename floatX>
+inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
+    if (!m.split_backward) fail("weight gradients: the model's backward is not split");
+    const ModelPart& part = m.part;
+    MicroBatchSlot<floatX>& mb = m.slots[slot];
+    int Lp = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
+    LocalDims d = local_dims(m.config, m.tp.spec, mb.B, mb.T, m.cp.spec.size);
+    long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
+    float* ws = m.scratch.gemm;
+    auto done = [&](int unit) {
+        if (m.store) m.store->grads_done(unit);
+    };
+    NvtxRange pass("weight gradients");
+    auto [low_unit, high_unit] = chunk_units(part, chunk);
+    if (m.store) m.store->begin_pass(true, low_unit, high_unit);
+    if (chunk == part.chunks() - 1) done(FINAL_NORM_UNIT);
+    for (int i = n - 1; i >= 0; i--) {
+        Activations<floatX> la = layer_slice(mb.acts, i, d, m.recompute, true);
+        const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;
+        int unit = layer_unit(Lp, lo + i);
+        ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
+        auto recompute_layernorm = [&](floatX* out, float* mean, float* rstd, const floatX* inp, int weight, int bias) {
+            layernorm_forward(out + first, mean, rstd, inp, w[weight], w[bias], R, C);
+            m.tp.gather_rows(out, BT, C);
+        };
+        if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
+        matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
+        if (m.recompute >= RECOMPUTE_LAYERNORM)
+            recompute_layernorm(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, LN2W, LN2B);
+        matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        matmul_backward((floatX*)nullptr, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+        if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
+        matmul_backward((floatX*)nullptr, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
+        done(unit);
+    }
+    if (chunk == 0) done(embedding_unit(Lp));
     if (m.store) m.store->end_pass();
 }
+
+// the backward of the whole model's last forward (a part that is the whole model)
+template <typename floatX>
+inline void gpt_backward(GPTModel<floatX>& m, float dloss) { gpt_backward_chunk(m, 0, 0, dloss); }
 
 template <typename floatX>
 inline double gpt_grad_norm(const GPTModel<floatX>& m) {

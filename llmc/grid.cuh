@@ -29,6 +29,7 @@ struct Grid {
     GridCoords at;  // this rank's coordinates
     Comm world_comm, tp_comm, cp_comm, dp_comm, pp_comm, ep_comm;
     Comm dp_cp_comm;  // only with cp > 1: without, dp_cp() is the dp group itself
+    Comm tied_comm;   // only with pp > 1, on the first and the last stage: the two that hold the embeddings
 
     // the group that reduces gradients and shards the optimizer: dp × cp
     Comm& dp_cp() { return cp > 1 ? dp_cp_comm : dp_comm; }
@@ -83,6 +84,12 @@ inline Grid make_grid(Comm& world, const GridShape& s) {
         GridCoords first = c;
         first.cp = first.dp = 0;
         g.dp_cp_comm = world.split(grid_rank(first, s, g.dp), g.dp_cp_rank(), "dp_cp");
+    }
+    // the tied embeddings' pair: the first and the last stage of a pipeline (the middle stages, each alone,
+    // never use theirs)
+    if (s.pp > 1) {
+        bool holds_embeddings = c.pp == 0 || c.pp == s.pp - 1;
+        g.tied_comm = world.split(holds_embeddings ? without(c, &GridCoords::pp) : world.size + world.rank, c.pp, "tied");
     }
     // an ep group: the dp ranks that share dp_rank / ep
     GridCoords e = c;

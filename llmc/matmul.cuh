@@ -147,11 +147,13 @@ inline void matmul_forward(float* out, const float* inp, const float* weight, co
     gemm(N, OC, C, MatView{inp, C, 1}, MatView{weight, 1, C}, out, OC, bias != nullptr, workspace);
 }
 
-// dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout
+// dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout. Any
+// of the three may be null: a split backward (the zero-bubble pipeline) computes dinp first and the weight's
+// gradients later.
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, long N, long C, long OC, float* workspace) {
-    gemm(N, C, OC, MatView{dout, OC, 1}, MatView{weight, C, 1}, dinp, C, false, workspace);
-    gemm(OC, C, N, MatView{dout, 1, OC}, MatView{inp, C, 1}, dweight, C, true, workspace);
+    if (dinp) gemm(N, C, OC, MatView{dout, OC, 1}, MatView{weight, C, 1}, dinp, C, false, workspace);
+    if (dweight) gemm(OC, C, N, MatView{dout, 1, OC}, MatView{inp, C, 1}, dweight, C, true, workspace);
     if (dbias) {
 #pragma omp parallel for
         for (long o = 0; o < OC; o++) {
@@ -315,15 +317,17 @@ static __global__ void matmul_dbias_finish_kernel(bf16* dbias, const float* part
 }
 
 // dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout
-// (dbias may be null). scratch holds matmul_backward_scratch_floats(N, OC) floats. OC must be even.
+// (any of the three may be null). scratch holds matmul_backward_scratch_floats(N, OC) floats. OC must be even.
 inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                                  const bf16* weight, long N, long C, long OC, float* scratch, cudaStream_t stream) {
     // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N)
-    cublaslt_matmul(dinp, weight, dout, nullptr, nullptr, false, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
-                    stream);
+    if (dinp)
+        cublaslt_matmul(dinp, weight, dout, nullptr, nullptr, false, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                        stream);
     // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ
-    cublaslt_matmul(dweight, inp, dout, nullptr, nullptr, false, true, C, OC, N, 1.0f, CUBLASLT_EPILOGUE_DEFAULT,
-                    stream);
+    if (dweight)
+        cublaslt_matmul(dweight, inp, dout, nullptr, nullptr, false, true, C, OC, N, 1.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                        stream);
     if (dbias) {
         long chunks = (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS;
         dim3 grid(cuda_blocks(OC / 2, 128), (unsigned int)chunks);

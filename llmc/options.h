@@ -45,6 +45,9 @@ struct Options {
     int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
     int sp = -1;                                        // --sp: -1 = on when tp > 1
     std::string cp_split = "zigzag";                    // --cp-split
+    std::string pp_schedule = "1f1b";                   // --pp-schedule
+    int vpp = 1;                                        // --vpp
+    std::string trace;                                  // --trace
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r
     float bucket_mb = 25.0f;                            // --bucket-mb
@@ -109,7 +112,11 @@ inline const char* USAGE =
     "  --sp 0|1          sequence parallelism between the tensor-parallel regions  [1 when --tp > 1]\n"
     "  --cp N            context-parallel size: splits every sequence, 2N chunks of -t/(2N) tokens [1]\n"
     "  --cp-split zigzag|contiguous  rank r holds chunks r and 2N-1-r, or 2r and 2r+1 [zigzag]\n"
-    "  --pp N, --ep N    pipeline, expert parallel sizes (1 only, for now)         [1]\n"
+    "  --pp N            pipeline-parallel size: stages of consecutive layers      [1]\n"
+    "  --pp-schedule afab|1f1b|interleaved|zb  the order of the micro-batches' passes [1f1b]\n"
+    "  --vpp V           with interleaved: virtual stages (chunks of layers) per rank [1]\n"
+    "  --trace FILE      with --pp: write the first step's timeline of every rank (Chrome trace JSON) [none]\n"
+    "  --ep N            expert-parallel size (1 only, for now)                    [1]\n"
     "  --comm mpi|nccl   communication backend                                     [nccl on cuda, mpi on cpu]\n"
     "  --comm-init mpi|tcp|file  how NCCL ranks find each other                    [mpi]\n"
     "  --comm-address HOST:PORT  with --comm-init tcp: where rank 0 listens        [none]\n"
@@ -210,6 +217,9 @@ inline Options parse_options(int argc, char** argv) {
         {"-r", integer(&o.recompute, 0, 2)},
         {"--sp", integer(&o.sp, 0, 1)},
         {"--cp-split", choice(&o.cp_split, {"zigzag", "contiguous"})},
+        {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb"})},
+        {"--vpp", integer(&o.vpp, 1, 1 << 10)},
+        {"--trace", text(&o.trace)},
         {"--debug-check-replicas", integer(&o.debug_check_replicas, 0, 1)},
         {"--bucket-mb", real(&o.bucket_mb, 1e-4f, 65536.0f)},
         {"--comm", choice(&o.comm, {"mpi", "nccl"})},
@@ -244,6 +254,9 @@ inline Options parse_options(int argc, char** argv) {
     if (o.comm_init == "tcp" && o.comm_address.empty()) fail("--comm-init tcp needs --comm-address HOST:PORT");
     if (o.comm_init == "file" && o.comm_dir.empty()) fail("--comm-init file needs --comm-dir DIR");
     if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());
+    if (o.vpp > 1 && o.pp_schedule != "interleaved")
+        fail("--vpp %d: only the interleaved schedule runs virtual stages (--pp-schedule interleaved)", o.vpp);
+    if (!o.trace.empty() && o.pp == 1) fail("--trace %s: traces the pipeline; needs --pp > 1", o.trace.c_str());
     if (o.sp == 1 && o.tp == 1) fail("--sp 1: sequence parallelism needs tensor parallelism (--tp > 1)");
     if (o.sp == -1) o.sp = o.tp > 1;
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);

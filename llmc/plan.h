@@ -20,6 +20,7 @@
 
 #include "llmc/gpt.cuh"
 #include "llmc/ledger.h"
+#include "llmc/pp.cuh"
 #include "llmc/zero.cuh"
 
 constexpr size_t DEFAULT_BUCKET_FLOATS = 25 * 1048576 / 4;  // --bucket-mb 25
@@ -33,9 +34,28 @@ struct ParallelPlan {
     bool sp = false;
     int recompute = 0;  // -r
     int cp = 1;
+    PPSpec pp;  // the stages, the schedule, and which stage the plan is for (pp.rank)
     // the ranks that reduce gradients and shard model states together
     int grad_ranks() const { return dp * cp; }
 };
+
+// the part of the model the planned stage holds
+inline ModelPart planned_part(const GPTConfig& c, const ParallelPlan& par) { return stage_part(c, par.pp); }
+
+// How many micro-batches' activations a stage keeps at once, from each schedule's arithmetic: AFAB all m
+// (every forward before any backward); 1F1B the N - r forwards of its warm-up and steady state (stage r of N),
+// at most m; interleaved, Megatron-LM's warm-up of (N - r - 1)·2 + (V - 1)·N chunk forwards plus the one in
+// its steady state, at most m·V; ZB-H1 keeps a micro-batch until its weight-gradient step, which waits for a
+// bubble: N + 1 on every stage, at most m (llmc/pp_schedules.h).
+inline int planned_in_flight(const PPSpec& pp, int m) {
+    int N = pp.size, r = pp.rank, V = pp.virtual_stages;
+    switch (pp.kind) {
+        case PPKind::AFAB: return m * V;
+        case PPKind::Interleaved: return std::min((N - r - 1) * 2 + (V - 1) * N + 1, m * V);
+        case PPKind::ZeroBubble: return std::min(N + 1, m);
+        default: return std::min(N - r, m);
+    }
+}
 
 struct MemoryPlan {
     size_t bytes[MEM_CATEGORIES] = {};
@@ -53,11 +73,14 @@ inline size_t count_parameters(const GPTConfig& c) {
     return (size_t)c.padded_vocab_size * C + (size_t)c.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
 }
 
-// one rank's share under tensor parallelism over t ranks: ⌈Vp/t⌉ vocab rows, and per layer the 12C² weights and
-// 7C biases of QKV, fc and the projections split t ways, the 6C of layernorms and row-parallel biases whole
-inline size_t count_parameters_per_rank(const GPTConfig& c, int t) {
-    size_t C = c.channels, L = c.num_layers, Vl = (c.padded_vocab_size + t - 1) / t;
-    return Vl * C + (size_t)c.max_seq_len * C + L * (12 * C * C / t + 7 * C / t + 6 * C) + 2 * C;
+// one rank's share under tensor parallelism over t ranks, of a pipeline stage's L layers: ⌈Vp/t⌉ vocab rows
+// and maxT·C positions on the first and the last stage; per layer the 12C² weights and 7C biases of QKV, fc
+// and the projections split t ways, the 6C of layernorms and row-parallel biases whole; the final layernorm's
+// 2C on the last stage
+inline size_t count_parameters_per_rank(const GPTConfig& c, int t, const ModelPart& part) {
+    size_t C = c.channels, L = part.layers(), Vl = (c.padded_vocab_size + t - 1) / t;
+    size_t embeddings = part.embeddings() ? Vl * C + (size_t)c.max_seq_len * C : 0;
+    return embeddings + L * (12 * C * C / t + 7 * C / t + 6 * C) + (part.last ? 2 * C : 0);
 }
 
 // bytes per element of each model state: fp32 on the CPU; bf16 mixed precision on a GPU
@@ -84,19 +107,20 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     const bool gpu = dev == Device::CUDA;
     const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
     const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
-    size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp);
+    const ModelPart part = planned_part(c, par);
+    size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp, part);
     // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
     const int sequence = T;
     T /= par.cp;
-    size_t L = c.num_layers, C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
+    size_t C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
     // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
     // units of the rank's heads; Vl vocab rows
     size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
     MemoryPlan p;
-    if (par.grad_ranks() == 1 && par.zero == 0 && t == 1) {
+    if (par.grad_ranks() == 1 && par.zero == 0 && t == 1 && !par.pp.on()) {
         plan_model_states(p.bytes, psi, psi, 0, precision);
     } else {
-        BucketLayout lay = bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp);
+        BucketLayout lay = bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp, part);
         plan_model_states(p.bytes, psi, lay.shard_size, par.zero, precision);
         // staging for reductions in flight: the embeddings' bucket and two others, each with its piece; under
         // ZeRO-3 also the gathered parameters: the embeddings' bucket, the bucket in use and the next one
@@ -115,6 +139,10 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // On the GPU attention keeps NH/t·B·T logsumexps instead of the probabilities, and the tokens and targets
     // have device copies (2·BT int32); so does ring attention (cp > 1) on both devices, which also keeps the
     // position embedding's T rows of this rank's positions (T·C) and, on the GPU, the positions (T int32).
+    // Under pipeline parallelism a stage keeps all of this for each micro-batch in flight, of one chunk of its
+    // layers (the longest), the head's share only on the last stage; the recomputed buffers and the ring's
+    // are shared. The embedding output's buffer is where the previous stage's activations arrive, and the last
+    // layer's output the next stage's gradient: the exchanges need no buffers of their own.
     const bool ring = par.cp > 1;
     size_t ln_out = BT * C, gelu_out = BT * Hl;
     size_t stored = 2 * ln_out + 3 * BT * Cl + BT * Cl + BT * Hl + gelu_out + 4 * R * C;  // storage type
@@ -122,8 +150,15 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     size_t shared = 0;
     if (par.recompute >= 1) stored -= gelu_out, shared += gelu_out;
     if (par.recompute >= 2) stored -= 2 * ln_out, shared += ln_out;
-    p.bytes[MEM_ACTIVATIONS] = X * (L * stored + shared + R * C + BT * C + BT * Vl + (ring ? T * C : 0)) +
-                               F * (L * stats + 2 * R + BT + (t > 1 ? BT : 0) + (gpu ? 2 * BT : 0) + (ring && gpu ? T : 0));
+    size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end()), head = part.last;
+    // a split backward (zb) also keeps each layer's four matmul output gradients for the weight-gradient step:
+    // qkv's (3·BT·Cl), the hidden layer's (BT·Hl) and the two projections' (BT·C each, whole under sp)
+    if (par.pp.kind == PPKind::ZeroBubble) stored += BT * 3 * Cl + BT * Hl + 2 * BT * C;
+    size_t slot_stored = chunk * stored + R * C + head * (BT * C + BT * Vl);
+    size_t slot_fp32 = chunk * stats + head * (2 * R + BT + (t > 1 ? BT : 0)) + (gpu ? 2 * BT : 0);
+    size_t slots = planned_in_flight(par.pp, par.accumulation);
+    p.bytes[MEM_ACTIVATIONS] = X * (slots * slot_stored + shared + (ring ? T * C : 0)) +
+                               F * (slots * slot_fp32 + (ring && gpu ? T : 0));
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
     // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (BT·Hl); T floats per thread for attention;
     // the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the
@@ -164,7 +199,7 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
     double N = par.grad_ranks(), ring = (N - 1) / N;
-    double P = (double)bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp).padded_total;
+    double P = (double)bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp, planned_part(c, par)).padded_total;
     double k = par.accumulation;
     double passes = par.zero <= 1 ? 2.0 : par.zero == 2 ? k + 1.0 : 3.0 * k;
     return ring * (passes * P * stored_value_bytes(device) + 2 * sizeof(double)) + (N - 1) * sizeof(double);
@@ -179,12 +214,16 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
 // all-gathers one double. Recomputing the layernorms (-r 2) under sp gathers their outputs again in backward:
 // 2L more units. Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three as fp32.
+// A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
+// the cross-entropy on the last, the final layernorm on the last and wpe on both.
 inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.tp == 1) return 0.0;
-    double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = c.num_layers, k = par.accumulation;
-    double units = 8 * L + 4 + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
-    double per_micro_step = units * (t - 1) / t * BT * C * value + (t - 1) * BT * 3 * sizeof(float);
-    double partial_grads = par.sp ? (t - 1) * (4 * L * C + 2 * C + (double)c.max_seq_len * C) * value : 0.0;
+    ModelPart part = planned_part(c, par);
+    double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = part.layers(), k = par.accumulation;
+    double first = part.first, last = part.last, embeddings = part.embeddings();
+    double units = 8 * L + 2 * (first + last) + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
+    double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float);
+    double partial_grads = par.sp ? (t - 1) * (4 * L * C + last * 2 * C + embeddings * c.max_seq_len * C) * value : 0.0;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
 }
@@ -196,5 +235,21 @@ inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     if (par.cp == 1) return 0.0;
     double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.channels / par.tp);
     double per_layer = 2 * (N - 1) * kv * stored_value_bytes(device) + N * kv * sizeof(float);
-    return par.accumulation * c.num_layers * per_layer;
+    return par.accumulation * planned_part(c, par).layers() * per_layer;
+}
+
+// Bytes one rank sends to its pp group per optimizer step: for each micro-batch, each of its chunks sends its
+// output on (unless it is the model's last) and its input's gradient back (unless it is the model's first):
+// the rank's R×C rows of the residual stream, as stored. The last stage broadcasts the loss (one double) and
+// the gradient norm all-gathers one double per stage.
+inline double planned_pp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
+    if (!par.pp.on()) return 0.0;
+    int N = par.pp.size, V = par.pp.virtual_stages;
+    double BT = (double)B * T / par.cp, rows = par.sp ? BT / par.tp : BT, sends = 0;
+    for (int k = 0; k < V; k++) {
+        int g = k * N + par.pp.rank;
+        sends += (g < N * V - 1) + (g > 0);
+    }
+    double loss = par.pp.rank == N - 1 ? sizeof(double) : 0.0;
+    return par.accumulation * sends * rows * c.channels * stored_value_bytes(device) + loss + (N - 1) * sizeof(double);
 }

@@ -67,14 +67,6 @@ struct DeviceTemp {
 // The element-wise steps, each a CPU loop and its CUDA kernel (one thread per element, grid-stride, fp32
 // arithmetic on bf16 storage, on the compute stream).
 
-// an element-wise kernel over n elements, on the compute stream
-template <typename... Params, typename... Args>
-inline void launch_elementwise(void (*kernel)(Params...), long n, Args... args) {
-    if (n <= 0) return;
-    kernel<<<grid_stride_blocks(n), 256, 0, main_stream()>>>(args...);
-    cuda_check(cudaGetLastError());
-}
-
 // out (R×OC) = sum + bias on every row; sum may be out
 inline void add_bias_rows(float* out, const float* sum, const float* bias, long R, int OC) {
 #pragma omp parallel for

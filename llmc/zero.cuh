@@ -63,14 +63,17 @@ struct BucketLayout {
     const Bucket& embeddings() const { return buckets.back(); }
 };
 
-// the buckets of one rank's (tensor-parallel) share of the model
-inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp = 1) {
+// the buckets of one rank's share of the model: its tensor-parallel share of its part. A bucket never spans
+// two chunks of a pipeline stage, whose backward passes run at different times.
+inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp, const ModelPart& part) {
     BucketLayout lay;
-    int units = num_units(c), emb = embedding_unit(c);
+    int L = part.layers(), units = num_units(L), emb = embedding_unit(L);
     lay.unit_bucket.assign(units, 0);
     lay.unit_offset.assign(units, 0);
+    std::vector<bool> chunk_top(units, false);  // the unit of a chunk's last layer, where its backward begins
+    for (int k = 0; k + 1 < part.chunks(); k++) chunk_top[layer_unit(L, part.chunk_begin(k + 1) - 1)] = true;
     for (int u = 0; u < units; u++) {
-        bool fresh = lay.buckets.empty() || u == emb || lay.buckets.back().size >= bucket_floats;
+        bool fresh = lay.buckets.empty() || u == emb || chunk_top[u] || lay.buckets.back().size >= bucket_floats;
         if (fresh) {
             lay.buckets.emplace_back();
             lay.buckets.back().first_unit = u;
@@ -78,7 +81,7 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
         Bucket& b = lay.buckets.back();
         lay.unit_bucket[u] = (int)lay.buckets.size() - 1;
         lay.unit_offset[u] = b.size;
-        for (const Segment& s : unit_segments(c, u, tp)) b.segments.push_back(s), b.size += s.size;
+        for (const Segment& s : unit_segments(c, u, tp, part)) b.segments.push_back(s), b.size += s.size;
         b.last_unit = u;
     }
     for (size_t i = 0; i < lay.buckets.size(); i++) {
@@ -94,6 +97,9 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
         }
     }
     return lay;
+}
+inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp = 1) {
+    return bucket_layout(c, dp, bucket_floats, tp, whole_part(c));
 }
 
 // the element ranges of bucket b that piece `rank` covers (the padding belongs to no tensor)
@@ -151,6 +157,16 @@ inline double sum_of_squares_spans(const std::vector<std::pair<const bf16*, long
     return total;
 }
 
+// What crosses pipeline stages here (llmc/pp.cuh): the gradient norm, summed over the stages, and the tied
+// embeddings, which the first and the last stage both hold. Their gradients are the embedding's on the first
+// stage and the classifier's on the last; once each stage has reduced its embedding bucket over dp, the two
+// sum them (a group of those two ranks), so both copies take the same update. The bucket has the same layout
+// on both (the last stage holds wpe too, never read), so the reduced pieces line up. Null without pp.
+struct StageLinks {
+    Comm* stages = nullptr;  // the pp group
+    Comm* tied = nullptr;    // the first and the last stage (on those two only)
+};
+
 // The runtime is a template over the model's storage type (llmc/device.cuh): the same code on host buffers
 // (CPU) and device buffers (GPU).
 template <typename floatX>
@@ -158,6 +174,7 @@ struct DataParallel : ParamStore<floatX> {
     GPTModel<floatX>& m;
     Comm& comm;
     int stage, N, rank;
+    StageLinks links;
     BucketLayout layout;
     std::vector<std::vector<OwnedSegment>> owned;  // per bucket
     float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
@@ -181,10 +198,11 @@ struct DataParallel : ParamStore<floatX> {
     bool last_micro_step = true, backward = false;
     uint64_t started = 0;
     int current_gather = -1;  // ZeRO-3: the non-embedding bucket in use
+    int pass_low = 0, pass_high = 0;  // the buckets of the pass under way, besides the embeddings'
 
-    DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats)
-        : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank) {
-        layout = bucket_layout(m.config, N, bucket_floats, m.tp.size());
+    DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats, StageLinks stage_links = {})
+        : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank), links(stage_links) {
+        layout = bucket_layout(m.config, N, bucket_floats, m.tp.size(), m.part);
         size_t nb = layout.buckets.size();
         for (const Bucket& b : layout.buckets) owned.push_back(owned_segments(b, rank));
         reduce_slot_of.assign(nb, -1);
@@ -214,18 +232,19 @@ struct DataParallel : ParamStore<floatX> {
     }
 
     // one rank without sharding needs none of this: the model runs on its flat buffers
-    bool engaged() const { return N > 1 || stage > 0 || m.tp.on(); }
+    bool engaged() const { return N > 1 || stage > 0 || m.tp.on() || links.stages; }
     static ModelBuffers model_buffers(int stage) { return ModelBuffers{stage < 3, stage < 2, stage < 1}; }
     int emb_bucket() const { return (int)layout.buckets.size() - 1; }
 
     // ---- the hooks the model calls (ParamStore) ---------------------------------------------------------------
 
-    void begin_pass(bool is_backward) override {
+    void begin_pass(bool is_backward, int low_unit, int high_unit) override {
         backward = is_backward;
+        pass_low = layout.unit_bucket[low_unit];
+        pass_high = layout.unit_bucket[high_unit];
         if (stage == 3) {
             gather(emb_bucket(), gather_slots[0]);
-            int first = backward ? 0 : emb_bucket() - 1;
-            gather(first, gather_slots[1]);
+            gather(backward ? pass_low : pass_high, gather_slots[1]);
             current_gather = -1;
         }
         if (backward) std::fill(units_done.begin(), units_done.end(), 0);
@@ -248,7 +267,7 @@ struct DataParallel : ParamStore<floatX> {
                 if (current_gather >= 0) slot_for_gather(current_gather)->bucket = -1;  // done with it
                 current_gather = b;
                 int next = backward ? b + 1 : b - 1;
-                if (next >= 0 && next < emb_bucket()) gather(next, *free_gather_slot(b));
+                if (next >= pass_low && next <= pass_high) gather(next, *free_gather_slot(b));
             }
             slot = slot_for_gather(b);
         }
@@ -269,6 +288,7 @@ struct DataParallel : ParamStore<floatX> {
     void grads_done(int unit) override {
         int b = layout.unit_bucket[unit];
         const Bucket& bk = layout.buckets[b];
+        if (stage >= 2 && reduce_slot_of[b] < 0) grads(unit);  // a unit no one wrote (empty on this stage)
         if (++units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
             if (stage < 2) {
                 sum_sequence_partials(bk, m.grads, false);
@@ -300,15 +320,19 @@ struct DataParallel : ParamStore<floatX> {
     double grad_norm() {
         if (!engaged()) return gpt_grad_norm(m);
         finish_reductions();
-        // The norm from the owned pieces, summed in bucket order, then over the dp ranks and over the tp ranks
-        // (a tensor every tp rank holds whole counts once): the same sums in every stage, on every rank.
+        sum_tied_gradients();
+        // The norm from the owned pieces, summed in bucket order, then over the dp ranks, the tp ranks (a tensor
+        // every tp rank holds whole counts once) and the pipeline stages (the tied embeddings count on the first):
+        // the same sums in every stage, on every rank.
+        bool embedding_copy = links.stages && !m.part.first;
         std::vector<std::pair<const floatX*, long>> spans;
         for (auto& segs : owned)
             for (const OwnedSegment& s : segs)
-                if (m.tp.spec.rank == 0 || !is_replicated(s.tensor))
+                if ((m.tp.spec.rank == 0 || !is_replicated(s.tensor)) && !(embedding_copy && (s.tensor == WTE || s.tensor == WPE)))
                     spans.push_back({reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
         double total = sum_in_rank_order(comm, sum_of_squares_spans(spans));
         if (m.tp.on()) total = sum_in_rank_order(*m.tp.comm, total);
+        if (links.stages) total = sum_in_rank_order(*links.stages, total);
         return sqrt(total);
     }
 
@@ -385,6 +409,16 @@ struct DataParallel : ParamStore<floatX> {
    private:
     // where the reduced gradients are: the shard under ZeRO-2/3, the flat buffer otherwise
     const floatX* reduced_grads() const { return stage >= 2 ? shard_grads : m.grads; }
+
+    // the first and the last stage add their reduced gradients of the tied embeddings: the piece of the shard
+    // under ZeRO-2/3, else the flat tensors (under ZeRO-1 only the owned piece of them is reduced and read)
+    void sum_tied_gradients() {
+        if (!links.tied) return;
+        const Bucket& e = layout.embeddings();
+        floatX* g = stage >= 2 ? shard_grads + e.shard_offset : m.grads + e.segments.front().offset;
+        size_t n = stage >= 2 ? e.piece : e.size;
+        links.tied->wait(links.tied->all_reduce(g, g, n, dtype_of<floatX>()));
+    }
 
     // x summed over a group in rank order, the same bits on every rank
     static double sum_in_rank_order(Comm& group, double x) {

@@ -59,8 +59,8 @@ TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at s
 
     size_t n_logits = (size_t)p.B * p.T * p.config.padded_vocab_size;
     std::vector<float> gpu_logits(n_logits);
-    download_as_float(gpu_logits.data(), p.gpu.acts.logits, n_logits);
-    CHECK(relative_l2(gpu_logits.data(), p.cpu.acts.logits, n_logits) < 2e-2);
+    download_as_float(gpu_logits.data(), p.gpu.slots[0].acts.logits, n_logits);
+    CHECK(relative_l2(gpu_logits.data(), p.cpu.slots[0].acts.logits, n_logits) < 2e-2);
 
     float dloss = 1.0f / (p.B * p.T);
     gpt_zero_grad(p.cpu);

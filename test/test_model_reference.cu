@@ -75,7 +75,7 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
     for (float x : ref.logits) logit_scale = std::max(logit_scale, fabsf(x));
     double logit_err = 0.0;
     for (long n = 0; n < BT; n++)
-        logit_err = std::max(logit_err, max_rel_error(m.acts.logits + n * ref.Vp, &ref.logits[n * ref.V], ref.V,
+        logit_err = std::max(logit_err, max_rel_error(m.slots[0].acts.logits + n * ref.Vp, &ref.logits[n * ref.V], ref.V,
                                                       logit_scale));
     CHECK(logit_err < 1e-5);
     CHECK(fabs(loss - ref.loss) / ref.loss < 1e-5);

@@ -13,7 +13,7 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi cp nccl plan bench, in this order   [all]
+#   PHASES      build kernels tests model pytorch determinism mpi cp pp nccl plan bench, in this order [all]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi): a test of this script's plumbing on a machine without a GPU        [cuda]
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
@@ -23,8 +23,8 @@
 #   JOBS        parallel make jobs                                                                   [nproc]
 #   PYTHON      an interpreter with torch                        [python3, else /usr/bin/python3 if it has torch]
 #   DATA, VAL   token shards for every run                          [data/sotu/train.bin, data/sotu/val.bin]
-#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi and nccl
-#                                              [cuda: d12, 4, 1024, 20; cpu: d2c128h2, 2, 64, 10]
+#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp and nccl
+#                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
 #   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
 #               initialization), batch, steps, constant lr, largest |loss difference|
 #                                              [cuda: 12:768:12, 4, 1024, 10, 3e-4, 0.05; cpu: 2:128:2, 4, 64, 1e-4]
@@ -47,7 +47,7 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi cp nccl plan bench"
+ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
@@ -66,7 +66,7 @@ if [[ $DEVICE == cuda ]]; then
     PT_SHAPE=${PT_SHAPE:-12:768:12} PT_B=${PT_B:-4} PT_T=${PT_T:-1024} PT_TOL=${PT_TOL:-0.05}
     MPI_TOL=${MPI_TOL:-2e-2}
 elif [[ $DEVICE == cpu ]]; then
-    CHECK_MODEL=${CHECK_MODEL:-d2c128h2} CHECK_B=${CHECK_B:-2} CHECK_T=${CHECK_T:-64} CHECK_STEPS=${CHECK_STEPS:-10}
+    CHECK_MODEL=${CHECK_MODEL:-d4c128h2} CHECK_B=${CHECK_B:-2} CHECK_T=${CHECK_T:-64} CHECK_STEPS=${CHECK_STEPS:-10}
     PT_SHAPE=${PT_SHAPE:-2:128:2} PT_B=${PT_B:-4} PT_T=${PT_T:-64} PT_TOL=${PT_TOL:-1e-4}
     MPI_TOL=${MPI_TOL:-1e-5}
 else
@@ -485,6 +485,19 @@ if has_phase cp; then
     start_phase cp
     if two_ranks_ready "$WORK/cp"; then
         for split in zigzag contiguous; do two_ranks "$WORK/cp" "cp 2 ($split), 4 micro-steps" --cp 2 --cp-split "$split"; done
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# pp: pipeline parallelism on 2 ranks sharing the device over MPI (each schedule over the 4 micro-batches of
+# the global batch; the interleaved one with 2 virtual stages per rank), against one rank
+
+if has_phase pp; then
+    start_phase pp
+    if two_ranks_ready "$WORK/pp"; then
+        for schedule in afab 1f1b zb; do two_ranks "$WORK/pp" "pp 2 ($schedule), 4 micro-batches" --pp 2 --pp-schedule "$schedule"; done
+        two_ranks "$WORK/pp" "pp 2 (interleaved, vpp 2), 4 micro-batches" --pp 2 --pp-schedule interleaved --vpp 2 \
+            --trace "$WORK/pp/interleaved.json"
     fi
 fi
 

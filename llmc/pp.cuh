@@ -1,0 +1,283 @@
+// Pipeline parallelism: the model's layers split over the N ranks of the pp group (stages), the micro-batches
+// of a step flowing through them. Three things live here: the split (which layers each stage holds), the
+// runner (which executes a stage's list of actions from llmc/pp_schedules.h: forwards, backwards and
+// weight-gradient steps of chunks on micro-batches, and the exchanges with the neighbouring stages), and the
+// trace of what each rank did when.
+//
+// The split. The L layers form N·V virtual stages (V = --vpp, virtual stages per rank, for the interleaved
+// schedule), as even as can be: the first L mod (N·V) get one layer more (the last stage also runs the final
+// layernorm and the classifier, so the extra layers go first). Virtual stage g runs on rank g mod N as its
+// chunk g / N. The first stage holds the embeddings; the last the final layernorm and the classifier, and with
+// it a copy of the embeddings, whose wte is the classifier's weight (llmc/zero.cuh keeps the copies equal).
+//
+// What crosses stages: the residual stream after a chunk's last layer, forward, and its gradient, backward;
+// B×T/cp rows of C on each rank, or under sequence parallelism the rank's share of them (each tp rank
+// exchanges with the tp rank of the same index on the next stage). Every stage is given the whole micro-batch
+// of tokens: the first embeds the inputs, the last scores the targets.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "llmc/comm.cuh"
+#include "llmc/gpt.cuh"
+#include "llmc/pp_schedules.h"
+#include "llmc/zero.cuh"
+
+struct PPSpec {
+    int size = 1, rank = 0;
+    int virtual_stages = 1;  // V, chunks per rank
+    PPKind kind = PPKind::OneFOneB;
+    bool on() const { return size > 1; }
+};
+
+// the layers of virtual stage g of `stages`: [first, first + count)
+inline std::pair<int, int> virtual_stage_layers(int L, int stages, int g) {
+    int base = L / stages, extra = L % stages;
+    return {g * base + std::min(g, extra), base + (g < extra ? 1 : 0)};
+}
+
+// the part of the model a stage holds; one line naming the flags when the layers cannot fill the stages
+inline ModelPart stage_part(const GPTConfig& c, const PPSpec& pp) {
+    int N = pp.size, V = pp.virtual_stages;
+    if (c.num_layers < N * V)
+        fail("--pp %d --vpp %d: the model's %d layers cannot fill %d virtual stages (one layer at least each)", N, V,
+             c.num_layers, N * V);
+    ModelPart part;
+    for (int k = 0; k < V; k++) {
+        auto [first, count] = virtual_stage_layers(c.num_layers, N * V, k * N + pp.rank);
+        part.chunk_first.push_back(first);
+        part.chunk_layers.push_back(count);
+    }
+    part.first = pp.rank == 0;
+    part.last = pp.rank == N - 1;
+    return part;
+}
+
+// one entry of the trace: an action, or an exchange with the neighbours and its wait (op then names the first of
+// its ops), with its start and end in seconds from the step's start
+struct PPTraceEvent {
+    PPAction action;
+    int ops = 1;  // an exchange: how many p2p ops it held
+    double start, end;
+};
+
+inline const char* pp_op_name(PPOp op) {
+    switch (op) {
+        case PPOp::Forward: return "F";
+        case PPOp::Backward: return "B";
+        case PPOp::WeightGrad: return "W";
+        case PPOp::SendActivation: return "send activation";
+        case PPOp::RecvActivation: return "recv activation";
+        case PPOp::SendGradient: return "send gradient";
+        default: return "recv gradient";
+    }
+}
+
+// Runs a stage's share of a step: its actions in order, on the model's micro-batch slots. A (micro-batch,
+// chunk) takes a slot at its first action (the receive of its input, or its forward) and gives it back after
+// its backward (its weight-gradient step under a split backward). The gradient of its input leaves from the
+// model's backward scratch, so its send must come before the next compute action.
+template <typename floatX>
+struct Pipeline {
+    PPSpec spec;
+    Comm* comm = nullptr;  // the pp group
+    std::vector<PPTraceEvent> trace;
+    bool tracing = false;  // record the trace, and time each action to its end on the device
+    double busy = 0.0;     // seconds of compute (forward, backward, weight gradients) in the last run, when tracing
+
+    // per action: whether the (micro-batch, chunk) gives its slot back after it; and the most slots held at once
+    struct SlotPlan {
+        std::vector<bool> release;
+        int peak = 0;
+    };
+    static SlotPlan plan_slots(const std::vector<PPAction>& actions) {
+        SlotPlan plan;
+        plan.release.assign(actions.size(), false);
+        std::map<std::pair<int, int>, size_t> last;
+        for (size_t i = 0; i < actions.size(); i++) {
+            const PPAction& a = actions[i];
+            if (a.op == PPOp::SendGradient) {
+                size_t k = i;
+                while (k > 0 && pp_is_p2p(actions[k - 1].op)) k--;
+                if (k == 0 || actions[k - 1].op != PPOp::Backward || actions[k - 1].micro != a.micro ||
+                    actions[k - 1].chunk != a.chunk)
+                    fail("pipeline: %s must come in the exchange right after its backward", pp_describe(a).c_str());
+                continue;
+            }
+            last[{a.micro, a.chunk}] = i;
+        }
+        for (const auto& [pair, i] : last) plan.release[i] = true;
+        // held from the first action to the exchange or action that releases it
+        int held = 0;
+        std::map<std::pair<int, int>, bool> holding;
+        for (size_t i = 0; i < actions.size(); i++) {
+            const PPAction& a = actions[i];
+            if (a.op != PPOp::SendGradient && !holding[{a.micro, a.chunk}]) holding[{a.micro, a.chunk}] = true, held++;
+            plan.peak = std::max(plan.peak, held);
+            bool group_ends = !pp_is_p2p(a.op) || i + 1 == actions.size() || !pp_is_p2p(actions[i + 1].op);
+            if (!group_ends) continue;
+            for (size_t k = i + 1; k-- > 0;) {  // this action, or every op of the exchange it ends
+                if (plan.release[k]) held--;
+                if (k == 0 || !pp_is_p2p(actions[k].op) || !pp_is_p2p(actions[k - 1].op)) break;
+            }
+        }
+        return plan;
+    }
+    static int slots_needed(const std::vector<PPAction>& actions) { return std::max(1, plan_slots(actions).peak); }
+
+    // Executes `actions` over micro-batches of B×T tokens (inputs[j], targets[j] for micro-batch j; targets may
+    // be empty for a forward-only list, which leaves the logits). Returns the sum of the micro-batches' losses
+    // on the last stage, 0 elsewhere. Under data parallelism each backward and weight-gradient step tells dpr
+    // whether it is of the last micro-batch, when ZeRO-0/1 reduce. A weight-gradient step needs the model's
+    // backward split (gpt_allocate's split_backward).
+    double run(GPTModel<floatX>& m, DataParallel<floatX>* dpr, const std::vector<PPAction>& actions,
+               const std::vector<std::vector<int>>& inputs, const std::vector<std::vector<int>>& targets, int B, int T,
+               float dloss) {
+        int micro_batches = (int)inputs.size();
+        SlotPlan plan = plan_slots(actions);
+        if (plan.peak > (int)m.slots.size())
+            fail("pipeline: the schedule keeps %d micro-batches in flight; the model has %zu slots", plan.peak, m.slots.size());
+        std::map<std::pair<int, int>, int> slot_of;
+        std::vector<int> free_slots;
+        for (int s = (int)m.slots.size() - 1; s >= 0; s--) free_slots.push_back(s);
+        auto slot_for = [&](const PPAction& a) {
+            auto it = slot_of.find({a.micro, a.chunk});
+            if (it != slot_of.end()) return it->second;
+            int s = free_slots.back();
+            free_slots.pop_back();
+            return slot_of[{a.micro, a.chunk}] = s;
+        };
+        auto release = [&](size_t i) {
+            if (!plan.release[i]) return;
+            free_slots.push_back(slot_of.at({actions[i].micro, actions[i].chunk}));
+            slot_of.erase({actions[i].micro, actions[i].chunk});
+        };
+        LocalDims d = local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size);
+        size_t rows = (size_t)d.R * d.C;
+        floatX* input_grad = nullptr;  // of the last backward, until its send
+        double t0 = comm_clock(), loss = 0.0;
+        busy = 0.0;
+        trace.clear();
+        for (size_t i = 0; i < actions.size();) {
+            const PPAction& a = actions[i];
+            double start = comm_clock() - t0;
+            if (pp_is_p2p(a.op)) {
+                // an exchange: the run of p2p ops up to the next compute action
+                size_t end = i;
+                std::vector<Comm::P2P> ops;
+                for (; end < actions.size() && pp_is_p2p(actions[end].op); end++) {
+                    const PPAction& p = actions[end];
+                    bool send = p.op == PPOp::SendActivation || p.op == PPOp::SendGradient;
+                    floatX* buf = nullptr;
+                    if (p.op == PPOp::SendGradient) buf = input_grad;
+                    else if (p.op == PPOp::RecvActivation) buf = gpt_chunk_input(m, slot_for(p));
+                    else buf = gpt_chunk_output(m, slot_for(p), p.chunk);  // leaving forward, arriving backward
+                    ops.push_back({send, buf, rows, dtype_of<floatX>(), p.peer});
+                }
+                for (CommRequest& r : comm->exchange(ops)) comm->wait(r);
+                if (tracing) trace.push_back({a, (int)(end - i), start, comm_clock() - t0});
+                for (size_t k = i; k < end; k++) release(k);
+                i = end;
+                continue;
+            }
+            int s = slot_for(a);
+            if (a.op == PPOp::Forward) {
+                const int* labels = targets.empty() ? nullptr : targets[a.micro].data();
+                float l = gpt_forward_chunk(m, s, a.chunk, inputs[a.micro].data(), labels, B, T);
+                if (m.part.head(a.chunk) && labels) loss += l;
+            } else {
+                // ZeRO-0/1 reduce a bucket when the last micro-batch's gradients of it are complete
+                if (dpr) dpr->begin_micro_step(a.micro == micro_batches - 1);
+                if (a.op == PPOp::Backward) input_grad = gpt_backward_chunk(m, s, a.chunk, dloss);
+                else gpt_weight_grads_chunk(m, s, a.chunk);
+            }
+            if (tracing) device_synchronize<floatX>();  // time the work, not its launch
+            double finish = comm_clock() - t0;
+            busy += finish - start;
+            if (tracing) trace.push_back({a, 1, start, finish});
+            release(i);
+            i++;
+        }
+        return loss;
+    }
+};
+
+// The forward-only list of a stage for validation and sampling: micro-batches one after another through the
+// virtual stages, each received, run and sent on.
+inline std::vector<PPAction> pp_forward_only(const PPSpec& pp, int micro_batches) {
+    int N = pp.size, V = pp.virtual_stages;
+    std::vector<PPAction> list;
+    for (int j = 0; j < micro_batches; j++)
+        for (int k = 0; k < V; k++) {
+            int g = k * N + pp.rank;
+            if (g > 0) list.push_back({PPOp::RecvActivation, j, k, (pp.rank + N - 1) % N});
+            list.push_back({PPOp::Forward, j, k, -1});
+            if (g < N * V - 1) list.push_back({PPOp::SendActivation, j, k, (pp.rank + 1) % N});
+        }
+    return list;
+}
+
+// which layers each stage runs, in one line: "pp: layers 0-2 on stage 0, 3-4 on stage 1, ..."
+inline void print_stage_layers(const GPTConfig& c, const PPSpec& pp) {
+    std::string line = "pp: layers";
+    for (int s = 0; s < pp.size; s++) {
+        ModelPart part = stage_part(c, PPSpec{pp.size, s, pp.virtual_stages, pp.kind});
+        line += s == 0 ? " " : "; ";
+        for (int k = 0; k < part.chunks(); k++) {
+            int a = part.chunk_first[k], b = a + part.chunk_layers[k] - 1;
+            line += (k ? ", " : "") + (a == b ? strfmt("%d", a) : strfmt("%d-%d", a, b));
+        }
+        line += strfmt(" on stage %d", s);
+    }
+    printf("%s (embeddings on stages 0 and %d, the classifier on stage %d)\n", line.c_str(), pp.size - 1, pp.size - 1);
+}
+
+// Writes every rank's trace of one step as a Chrome trace (JSON, which chrome://tracing and ui.perfetto.dev
+// open and scripts/plot_pipeline.py draws): a row per rank, an event per compute action (name "F3" for the
+// forward of micro-batch 3; args micro, chunk, stage) and per exchange with its wait (name "p2p", args the
+// first op and how many there were). Times in microseconds from the step's start. Rank 0 writes it; a
+// collective over world.
+inline void write_pp_trace(const std::string& path, Comm& world, const std::vector<PPTraceEvent>& trace, int stage,
+                           const std::string& schedule) {
+    constexpr int FIELDS = 7;
+    std::vector<double> mine;
+    for (const PPTraceEvent& e : trace)
+        mine.insert(mine.end(), {(double)e.action.op, (double)e.action.micro, (double)e.action.chunk,
+                                 (double)e.action.peer, (double)e.ops, e.start, e.end});
+    double counts[2] = {(double)trace.size(), (double)stage};
+    std::vector<double> all_counts(2 * world.size);
+    world.wait(world.all_gather(counts, all_counts.data(), 2, DType::F64));
+    size_t most = 0;
+    for (int r = 0; r < world.size; r++) most = std::max(most, (size_t)all_counts[2 * r]);
+    mine.resize(std::max<size_t>(most, 1) * FIELDS, 0.0);
+    std::vector<double> all(mine.size() * world.size);
+    world.wait(world.all_gather(mine.data(), all.data(), mine.size(), DType::F64));
+    if (world.rank != 0) return;
+    std::string json = "{\"displayTimeUnit\": \"ms\", \"otherData\": {\"schedule\": \"" + schedule + "\"},\n\"traceEvents\": [\n";
+    for (int r = 0; r < world.size; r++) {
+        int s = (int)all_counts[2 * r + 1];
+        json += strfmt("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": {\"name\": "
+                       "\"rank %d (stage %d)\"}},\n", r, r, s);
+        const double* e = &all[r * mine.size()];
+        for (size_t i = 0; i < (size_t)all_counts[2 * r]; i++, e += FIELDS) {
+            PPOp op = (PPOp)(int)e[0];
+            bool p2p = pp_is_p2p(op);
+            const char* category = p2p ? "p2p" : op == PPOp::Forward ? "forward" : op == PPOp::Backward ? "backward" : "weight";
+            std::string name = p2p ? "p2p" : strfmt("%s%d", pp_op_name(op), (int)e[1]);
+            json += strfmt("{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
+                           "\"dur\": %.3f, \"args\": {\"micro\": %d, \"chunk\": %d, \"stage\": %d", name.c_str(), category,
+                           r, e[5] * 1e6, (e[6] - e[5]) * 1e6, (int)e[1], (int)e[2], s);
+            if (p2p) json += strfmt(", \"first_op\": \"%s\", \"peer\": %d, \"ops\": %d", pp_op_name(op), (int)e[3], (int)e[4]);
+            json += "}},\n";
+        }
+    }
+    json.resize(json.size() - 2);  // the last event's ",\n"
+    json += "\n]}\n";
+    FILE* f = fopen(path.c_str(), "w");
+    if (!f) fail("--trace %s: cannot write (%s)", path.c_str(), strerror(errno));
+    bool written = fwrite(json.data(), 1, json.size(), f) == json.size();
+    if (fclose(f) != 0 || !written) fail("--trace %s: cannot write (%s)", path.c_str(), strerror(errno));
+    printf("pp: the trace of this step is in %s (scripts/plot_pipeline.py draws it)\n", path.c_str());
+}

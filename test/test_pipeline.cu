@@ -1,0 +1,263 @@
+// Tests of pipeline parallelism in the trainer (llmc/pp.cuh; the schedules themselves are tested in
+// test_pp_schedules.cu): the split of the layers over the stages; the split backward of the zero-bubble
+// schedule against the whole backward; every schedule (AFAB, 1F1B, interleaved with 2 virtual stages, ZB-H1) on
+// 2 stages, 1F1B and ZB-H1 on 3 stages of an uneven split, and pp × dp under ZeRO-1 and ZeRO-3,
+// pp × tp (sp) and pp × cp, each with 4 micro-batches a step, against the single-rank run with the same global
+// batch over 20 steps (the equivalence principle), the tied embeddings bit-identical on the first and the last
+// stage at the end; the counted p2p bytes against the formula; the ledger of every stage against --plan; the
+// trace of a step; a pp × dp run resumed bit-exactly; and the layouts the pipeline refuses.
+//
+// The models have odd sizes everywhere (C=33, 3 heads of 11, a vocab of 301), as the other parallel tests'.
+#include <catch.hpp>
+
+#include "llmc/plan.h"
+#include "llmc/pp.cuh"
+#include "mpi_helpers.h"
+
+namespace {
+
+const char* PP_MODEL = "d4c36h4t32v301";     // 4 layers: 2 stages of 2, or 2 × 2 virtual stages of 1
+const char* UNEVEN_MODEL = "d5c36h4t32v301"; // 5 layers on 3 stages: 2, 2, 1
+
+// "comm: rank 0 sent X bytes on pp in this step; the formula for pp=N vpp=V says Y": X equals Y, and is not 0
+void require_pp_counted_equals_formula(const std::string& output) {
+    double sent = -1, formula = -2;
+    int n = 0, v = 0;
+    for (const std::string& line : lines_of(output))
+        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on pp in this step; the formula for pp=%d vpp=%d says %lf",
+                   &sent, &n, &v, &formula) == 4)
+            break;
+    INFO(output);
+    CHECK(sent > 0);
+    CHECK(sent == formula);
+}
+
+// the measured bubble and the formula's, from "pp: bubble X measured (...); the S formula says Y"
+bool bubble_line(const std::string& output, double* measured, double* formula) {
+    for (const std::string& line : lines_of(output)) {
+        size_t says = line.find(" formula says ");
+        if (sscanf(line.c_str(), "pp: bubble %lf measured", measured) == 1 && says != std::string::npos)
+            return sscanf(line.c_str() + says + 14, "%lf", formula) == 1;
+    }
+    return false;
+}
+
+}  // namespace
+
+TEST_CASE("the layers split as evenly as they can over the virtual stages, the extra ones first", "[pp]") {
+    GPTConfig c = parse_model_descriptor("d7c32h2");
+    // 7 layers on 3 stages: 3, 2, 2
+    std::vector<std::vector<int>> firsts, counts;
+    for (int r = 0; r < 3; r++) {
+        ModelPart p = stage_part(c, PPSpec{3, r, 1, PPKind::OneFOneB});
+        firsts.push_back(p.chunk_first);
+        counts.push_back(p.chunk_layers);
+        CHECK(p.first == (r == 0));
+        CHECK(p.last == (r == 2));
+        CHECK(p.embeddings() == (r != 1));
+    }
+    CHECK(firsts == std::vector<std::vector<int>>{{0}, {3}, {5}});
+    CHECK(counts == std::vector<std::vector<int>>{{3}, {2}, {2}});
+    // 7 layers as 2 stages × 3 virtual stages: 2, 1, 1, 1, 1, 1; rank 0 runs virtual stages 0, 2, 4
+    ModelPart p0 = stage_part(c, PPSpec{2, 0, 3, PPKind::Interleaved}), p1 = stage_part(c, PPSpec{2, 1, 3, PPKind::Interleaved});
+    CHECK(p0.chunk_first == std::vector<int>{0, 3, 5});
+    CHECK(p0.chunk_layers == std::vector<int>{2, 1, 1});
+    CHECK(p1.chunk_first == std::vector<int>{2, 4, 6});
+    CHECK(p1.chunk_layers == std::vector<int>{1, 1, 1});
+    CHECK(p1.model_layer(2) == 6);
+    CHECK(p0.head(2) == false);
+    CHECK(p1.head(2) == true);
+    // too few layers for the virtual stages: one line naming the flags
+    CHECK_THROWS_WITH(stage_part(c, PPSpec{4, 0, 2, PPKind::Interleaved}), Catch::Contains("--pp 4 --vpp 2"));
+}
+
+TEST_CASE("every schedule on 2 stages, and 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 layers, give the single-rank run's losses "
+          "over 20 steps of 4 micro-batches; the tied embeddings stay identical; the p2p bytes equal the formula",
+          "[pp]") {
+    Data data;
+    TempDir out;
+    struct Layout {
+        const char* name;
+        const char* model;
+        int ranks;
+        const char* flags;
+    };
+    std::map<std::string, std::map<std::string, double>> reference;
+    for (const char* model : {PP_MODEL, UNEVEN_MODEL}) {
+        REQUIRE(single_ok(data.flags(2, 128, 20, model), out / model));
+        reference[model] = losses(out / model);
+    }
+    for (Layout l : {Layout{"afab", PP_MODEL, 2, " --pp 2 --pp-schedule afab"},
+                     Layout{"1f1b", PP_MODEL, 2, " --pp 2 --pp-schedule 1f1b"},
+                     Layout{"interleaved", PP_MODEL, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
+                     Layout{"zb", PP_MODEL, 2, " --pp 2 --pp-schedule zb"},
+                     Layout{"1f1b_pp3", UNEVEN_MODEL, 3, " --pp 3"},
+                     Layout{"zb_pp3_r2", UNEVEN_MODEL, 3, " --pp 3 --pp-schedule zb -r 2"}}) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(l.ranks, data.flags(2, 128, 20, l.model) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
+        check_close(losses(dir), reference[l.model], 1e-5);
+        require_pp_counted_equals_formula(run);
+        CHECK(run.find("replicas: the embeddings are identical on the first and the last stage") != std::string::npos);
+        double measured = -1, formula = -1;
+        CHECK(bubble_line(run, &measured, &formula));
+        CHECK(measured >= 0);
+        CHECK(formula > 0);
+    }
+}
+
+TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B and ZB-H1) and ZeRO-3, pp 2 × tp 2 (sp) and pp 2 × cp 2 give the "
+          "single-rank run's losses over 20 steps of 4 micro-batches", "[pp]") {
+    Data data;
+    TempDir out;
+    // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank, or of 1 on each of 2 dp ranks
+    REQUIRE(single_ok(data.flags(2, 128, 20, PP_MODEL), out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    struct Layout {
+        const char* name;
+        int b;
+        const char* flags;
+    };
+    for (Layout l : {Layout{"pp2_dp2_z1", 1, " --pp 2 -z 1"}, Layout{"pp2_dp2_z1_zb", 1, " --pp 2 -z 1 --pp-schedule zb"},
+                     Layout{"pp2_dp2_z3", 1, " --pp 2 -z 3"},
+                     Layout{"pp2_tp2", 2, " --pp 2 --tp 2"}, Layout{"pp2_cp2", 2, " --pp 2 --cp 2"}}) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(4, data.flags(l.b, 128, 20, PP_MODEL) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
+        check_close(losses(dir), reference, 1e-5);
+        require_pp_counted_equals_formula(run);
+        CHECK(run.find("replicas: the embeddings are identical on the first and the last stage") != std::string::npos);
+        if (l.b == 1) require_counted_equals_formula(run);
+    }
+}
+
+TEST_CASE("--plan predicts the ledger of every stage under every schedule, with dp, ZeRO and tp; the micro-batches "
+          "in flight are the schedule's", "[pp]") {
+    GPTConfig c = parse_model_descriptor(UNEVEN_MODEL);
+    struct Layout {
+        PPKind kind;
+        int N, V, m;
+    };
+    for (Layout l : {Layout{PPKind::AFAB, 2, 1, 4}, Layout{PPKind::OneFOneB, 3, 1, 4}, Layout{PPKind::OneFOneB, 2, 1, 1},
+                     Layout{PPKind::Interleaved, 2, 2, 4}, Layout{PPKind::Interleaved, 2, 2, 6},
+                     Layout{PPKind::ZeroBubble, 3, 1, 4}, Layout{PPKind::ZeroBubble, 2, 1, 8}})
+        for (int zero : {0, 1, 3})
+            for (int tp : {1, 2})
+                for (int stage = 0; stage < l.N; stage++) {
+                    INFO(pp_schedule_name(l.kind) << " N=" << l.N << " V=" << l.V << " m=" << l.m << ", stage " << stage
+                                                  << ", tp " << tp << ", ZeRO-" << zero);
+                    PPSpec pp{l.N, stage, l.V, l.kind};
+                    PPSchedule s = pp_schedule(l.kind, l.N, l.m, l.V);
+                    int slots = Pipeline<float>::slots_needed(s[stage]);
+                    CHECK(slots == planned_in_flight(pp, l.m));
+                    Comm group;  // dp 2: only the size and rank matter until a collective runs
+                    group.size = 2;
+                    GPT m;
+                    gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, 0, tp > 1},
+                                 RECOMPUTE_NONE, CPSpec{}, stage_part(c, pp), slots, l.kind == PPKind::ZeroBubble);
+                    DataParallel dpr(m, group, zero, 1000, StageLinks{&group, nullptr});
+                    ParallelPlan par{2, zero, 1000, l.m, tp, tp > 1};
+                    par.pp = pp;
+                    MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
+                    for (int i = 0; i < MEM_CATEGORIES; i++) {
+                        INFO(mem_category_name(i));
+                        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                    }
+                }
+    // the command line prints a plan for each stage
+    Data data;
+    CommandResult r = single(data.flags(2, 128, 1, UNEVEN_MODEL) + " --plan --world 3 --pp 3");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    for (int stage = 0; stage < 3; stage++)
+        CHECK(r.output.find(strfmt("predicted memory per rank on stage %d", stage)) != std::string::npos);
+    CHECK(r.output.find("pp: layers 0-1 on stage 0; 2-3 on stage 1; 4 on stage 2") != std::string::npos);
+}
+
+TEST_CASE("--trace writes every rank's actions of the first step as a Chrome trace, which the plot script draws",
+          "[pp]") {
+    Data data;
+    TempDir out;
+    std::string trace = out / "pipeline.json", run;
+    REQUIRE(train_ok(2, data.flags(2, 128, 2, PP_MODEL) + " --pp 2 --trace '" + trace + "'", out / "run", &run));
+    std::string json = read_file(trace);
+    // 4 micro-batches, each with a forward and a backward on each of the 2 ranks
+    auto count = [&](const std::string& s) {
+        size_t n = 0;
+        for (size_t at = json.find(s); at != std::string::npos; at = json.find(s, at + 1)) n++;
+        return n;
+    };
+    CHECK(count("\"cat\": \"forward\"") == 8);
+    CHECK(count("\"cat\": \"backward\"") == 8);
+    CHECK(count("\"cat\": \"p2p\"") > 0);
+    CHECK(count("\"name\": \"thread_name\"") == 2);
+    // the whole file is JSON, and the script turns it into a PNG
+    std::string png = out / "pipeline.png";
+    CommandResult plot = run_command(strfmt("scripts/plot_pipeline.py '%s' -o '%s'", trace.c_str(), png.c_str()));
+    INFO(plot.output);
+    CHECK(plot.status == 0);
+    CHECK(read_file(png).compare(1, 3, "PNG") == 0);
+}
+
+TEST_CASE("a pp 2 × dp 2 run resumed from its checkpoint continues bit-exactly; its model file is the whole model",
+          "[pp]") {
+    Data data;
+    TempDir out;
+    GPTConfig c = parse_model_descriptor(PP_MODEL);
+    for (int z : {0, 2}) {
+        INFO("pp 2 × dp 2, ZeRO-" << z);
+        std::string flags = data.flags(1, 128, 6, PP_MODEL) + strfmt(" --pp 2 -z %d -n 3", z);
+        std::string whole = out / strfmt("whole%d", z), resumed = out / strfmt("resumed%d", z);
+        train(4, flags, whole);
+        REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(),
+                                   resumed.c_str())).status == 0);
+        train(4, flags + " -y 1", resumed);
+        std::map<std::string, double> a = losses(whole), b = losses(resumed);
+        for (int step = 3; step < 6; step++) {
+            std::string key = strfmt("trl %d", step);
+            INFO(key);
+            REQUIRE(a.count(key) == 1);
+            REQUIRE(b.count(key) == 1);
+            CHECK(a[key] == b[key]);
+        }
+        CHECK(read_file(whole + "/ckpt_00000006/model.bin").size() == 256 * 4 + count_parameters(c) * 4);
+    }
+}
+
+TEST_CASE("layouts the pipeline cannot run are refused with one line", "[pp]") {
+    Data data;
+    std::string flags = data.flags(2, 128, 1, PP_MODEL);
+    check_one_line_error(single(flags + " --pp 8 --plan --world 8"), {"--pp 8", "4 layers"});
+    check_one_line_error(single(flags + " --pp 2 --vpp 2 --pp-schedule 1f1b --plan --world 2"), {"--vpp 2", "interleaved"});
+    // 4 micro-batches do not split into groups of 3 stages
+    check_one_line_error(single(data.flags(2, 128, 1, "d6c36h4t32v301") + " --pp 3 --pp-schedule interleaved --plan --world 3"),
+                         {"interleaved", "--pp 3"});
+    check_one_line_error(single(flags + " --trace x.json"), {"--trace", "--pp"});
+    check_one_line_error(single(flags + " --pp 2 --pp-schedule zb -z 2 --plan --world 4"), {"zb", "-z 2"});
+}
+
+TEST_CASE("a split backward and its weight-gradient step give the whole backward's gradients, bit for bit", "[pp]") {
+    GPTConfig c = parse_model_descriptor(UNEVEN_MODEL);
+    Rng rng(5);
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 11);
+    std::vector<int> inputs(2 * 16), targets(2 * 16);
+    for (size_t i = 0; i < inputs.size(); i++) inputs[i] = (int)rng.below(301), targets[i] = (int)rng.below(301);
+    for (int recompute : {0, 1, 2}) {
+        INFO("-r " << recompute);
+        GPT whole, split;
+        gpt_allocate(whole, c, 2, 16, {}, {}, recompute);
+        gpt_allocate(split, c, 2, 16, {}, {}, recompute, {}, {}, 1, true);
+        for (GPT* m : {&whole, &split}) {
+            gpt_set_params(*m, params.data());
+            gpt_zero_grad(*m);
+            gpt_forward(*m, inputs.data(), targets.data(), 2, 16);
+        }
+        gpt_backward(whole, 1.0f / 32);
+        gpt_backward(split, 1.0f / 32);
+        bool differs = memcmp(whole.grads, split.grads, whole.num_parameters * sizeof(float)) != 0;
+        CHECK(differs);  // the matmuls' weight gradients are still missing
+        gpt_weight_grads_chunk(split, 0, 0);
+        CHECK(memcmp(whole.grads, split.grads, whole.num_parameters * sizeof(float)) == 0);
+    }
+}
