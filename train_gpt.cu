@@ -243,8 +243,9 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
     for (int stage = 0; stage < o.pp; stage++) {
         par.pp.rank = stage;
         MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
-        std::string where = o.pp > 1 ? strfmt(" on stage %d (%d micro-batches in flight)", stage,
-                                              planned_in_flight(par.pp, accumulation)) : "";
+        int in_flight = planned_in_flight(par.pp, accumulation);
+        std::string where = o.pp > 1 ? strfmt(" on stage %d (%d micro-batch%s in flight)", stage, in_flight,
+                                              in_flight == 1 ? "" : "es") : "";
         print_memory(strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T, precision).c_str(),
                      plan.bytes, plan.total());
         if (dev == Device::CUDA) {

@@ -117,7 +117,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // units of the rank's heads; Vl vocab rows
     size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
     MemoryPlan p;
-    if (par.grad_ranks() == 1 && par.zero == 0 && t == 1 && !par.pp.on()) {
+    if (par.grad_ranks() == 1 && par.zero == 0) {  // one dp rank without ZeRO stages nothing (llmc/zero.cuh)
         plan_model_states(p.bytes, psi, psi, 0, precision);
     } else {
         BucketLayout lay = bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp, part);

@@ -208,6 +208,8 @@ struct DataParallel : ParamStore<floatX> {
         reduce_slot_of.assign(nb, -1);
         units_done.assign(nb, 0);
         if (!engaged()) return;
+        m.store = this;
+        if (N == 1 && stage == 0) return;  // one rank of dp (tp or pp alone): nothing to stage or shard
         Ledger& led = m.ledger;
         if (stage >= 1) {
             if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, layout.shard_size);
@@ -228,7 +230,6 @@ struct DataParallel : ParamStore<floatX> {
                 gather_slots.push_back(g);
             }
         }
-        m.store = this;
     }
 
     // one rank without sharding needs none of this: the model runs on its flat buffers

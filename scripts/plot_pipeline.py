@@ -86,9 +86,10 @@ def main():
     ax.set_yticklabels([names.get(r, f"rank {r}") for r in reversed(ranks)])
     ax.set_xlim(0, end - start)
     ax.set_xlabel("time in the step (ms)")
-    ax.set_title(args.title or f"{schedule or 'pipeline'}: bubble {bubble(rows):.2f} (idle time over compute time)")
+    ax.set_title(args.title or f"{schedule or 'pipeline'}: bubble {bubble(rows):.2f} (idle time over compute time)",
+                 loc="left")
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()] + [Patch(color="#999999", label="exchange")]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, ncol=4, frameon=False)
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(out)
     print(f"plot_pipeline.py: wrote {out} ({len(ranks)} ranks)")

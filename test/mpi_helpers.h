@@ -181,6 +181,27 @@ inline void require_tp_counted_equals_formula(const std::string& output, int tp,
     CHECK(c.sent == c.formula);
 }
 
+// A run of `flags` (6 steps) with a checkpoint every 3 into `whole`, and the same run resumed from its checkpoint of
+// step 3 into `resumed` (a copy without the later one): the resumed steps' losses equal the uninterrupted
+// run's bit for bit, and the checkpoint's model.bin is llm.c's file of the whole model, 256 int32 of header and
+// then every one of the model's `parameters` in fp32, whatever the layout.
+inline void check_resumes_bit_exactly(int ranks, const std::string& flags, const std::string& whole,
+                                      const std::string& resumed, size_t parameters) {
+    train(ranks, flags + " -n 3", whole);
+    REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(),
+                               resumed.c_str())).status == 0);
+    train(ranks, flags + " -n 3 -y 1", resumed);
+    std::map<std::string, double> a = losses(whole), b = losses(resumed);
+    for (int step = 3; step < 6; step++) {
+        std::string key = strfmt("trl %d", step);
+        INFO(key);
+        REQUIRE(a.count(key) == 1);
+        REQUIRE(b.count(key) == 1);
+        CHECK(a[key] == b[key]);
+    }
+    CHECK(read_file(whole + "/ckpt_00000006/model.bin").size() == 256 * 4 + parameters * 4);
+}
+
 // like train(), but a failed run is recorded and the test goes on with the next layout; false when it failed
 inline bool train_ok(int ranks, const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
     CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");

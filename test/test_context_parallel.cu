@@ -268,22 +268,8 @@ TEST_CASE("a cp × dp run resumed from its checkpoint continues bit-exactly; its
     GPTConfig c = parse_model_descriptor(CP_MODEL);
     for (int z : {0, 1}) {
         INFO("cp 2 × dp 2, ZeRO-" << z);
-        std::string flags = data.flags(2, 2 * 2 * 16, 6, CP_MODEL) + strfmt(" --cp 2 -z %d -n 3", z);
-        std::string whole = out / strfmt("whole%d", z), resumed = out / strfmt("resumed%d", z);
-        train(4, flags, whole);
-        REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(),
-                                   resumed.c_str())).status == 0);
-        train(4, flags + " -y 1", resumed);
-        std::map<std::string, double> a = losses(whole), b = losses(resumed);
-        for (int step = 3; step < 6; step++) {
-            std::string key = strfmt("trl %d", step);
-            INFO(key);
-            REQUIRE(a.count(key) == 1);
-            REQUIRE(b.count(key) == 1);
-            CHECK(a[key] == b[key]);
-        }
-        // llm.c's file of the whole model: 256 int32 of header, then every parameter in fp32
-        CHECK(read_file(whole + "/ckpt_00000006/model.bin").size() == 256 * 4 + count_parameters(c) * 4);
+        check_resumes_bit_exactly(4, data.flags(2, 2 * 2 * 16, 6, CP_MODEL) + strfmt(" --cp 2 -z %d", z),
+                                  out / strfmt("whole%d", z), out / strfmt("resumed%d", z), count_parameters(c));
     }
 }
 
