@@ -315,7 +315,7 @@ static int train(const Options& o, const RunSetup& run) {
     bool split_backward = pp.kind == PPKind::ZeroBubble;  // B now, W where the schedule has a bubble
     check_pp_schedule(passes, grid.pp, accumulation, pp.virtual_stages, split_backward);
     const std::vector<PPAction>& actions = passes[grid.at.pp];
-    Pipeline<floatX> pipeline{pp, &grid.pp_comm};
+    Pipeline<floatX> pipeline{&grid.pp_comm};
 
     // the model (this rank's tensor-parallel share of its stage's layers, with a slot for each micro-batch the
     // schedule keeps in flight) and its data-parallel runtime

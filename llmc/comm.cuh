@@ -1,6 +1,6 @@
 // Communicators: a group of ranks and the collectives the parallelisms need (all_reduce, reduce_scatter,
-// all_gather, broadcast, send/recv, all_to_all(v), barrier), each started asynchronously and finished by wait(),
-// so that communication can run while the caller computes.
+// all_gather, broadcast, send/recv alone or grouped in an exchange, all_to_all(v), barrier), each started
+// asynchronously and finished by wait(), so that communication can run while the caller computes.
 //
 // Three backends behind one interface:
 //   SELF  a group of one rank: every collective is a local copy (a run without mpirun needs nothing else);

@@ -872,6 +872,20 @@ inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t, int 
     return whole;
 }
 
+// What forward did not keep under -r, computed again exactly as forward did (and gathered again under sp) where
+// a layer's backward or its weight-gradient step reads it: GELU's output (-r 1), the layernorms' (-r 2)
+template <typename floatX>
+inline void recompute_gelu(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d) {
+    if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, d.BT * d.Hl);
+}
+template <typename floatX>
+inline void recompute_layernorm(GPTModel<floatX>& m, const LocalDims& d, floatX* out, float* mean, float* rstd,
+                                const floatX* inp, const floatX* weight, const floatX* bias) {
+    if (m.recompute < RECOMPUTE_LAYERNORM) return;
+    layernorm_forward(out + m.tp.first_row(d.BT) * d.C, mean, rstd, inp, weight, bias, d.R, d.C);
+    m.tp.gather_rows(out, d.BT, d.C);
+}
+
 template <typename floatX>
 inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.num_parameters); }
 
@@ -890,7 +904,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     if (head && mb.loss < 0) fail("backward: the last forward had no targets");
     int B = mb.B, T = mb.T, Lp = part.layers(), V = c.vocab_size;
     LocalDims d = local_dims(c, m.tp.spec, B, T, m.cp.spec.size);
-    long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
+    long BT = d.BT, R = d.R, C = d.C;
     Activations<floatX>& a = mb.acts;
     Scratch<floatX>& s = m.scratch;
     TensorParallel& tp = m.tp;
@@ -934,12 +948,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         const floatX* residual = i == 0 ? a.encoded : layer_slice(a, i - 1, d, m.recompute, m.split_backward).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        // what forward did not keep, computed again exactly as forward did (and gathered again under sp)
-        auto recompute_layernorm = [&](floatX* out, float* mean, float* rstd, const floatX* inp, int weight, int bias) {
-            layernorm_forward(out + first, mean, rstd, inp, w[weight], w[bias], R, C);
-            tp.gather_rows(out, BT, C);
-        };
-        if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
+        recompute_gelu(m, la, d);
         // a split backward leaves the matmuls' weight gradients for later and keeps their output gradients
         auto now = [&](floatX* grad) { return split ? nullptr : grad; };
         floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
@@ -948,8 +957,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
         matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
         gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
-        if (m.recompute >= RECOMPUTE_LAYERNORM)
-            recompute_layernorm(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, LN2W, LN2B);
+        recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
         matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
@@ -957,7 +965,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
         matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
         cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, s.attention);
-        if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
+        recompute_layernorm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
         matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
@@ -986,7 +994,7 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     MicroBatchSlot<floatX>& mb = m.slots[slot];
     int Lp = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
     LocalDims d = local_dims(m.config, m.tp.spec, mb.B, mb.T, m.cp.spec.size);
-    long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
+    long BT = d.BT, C = d.C;
     float* ws = m.scratch.gemm;
     auto done = [&](int unit) {
         if (m.store) m.store->grads_done(unit);
@@ -1000,17 +1008,12 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        auto recompute_layernorm = [&](floatX* out, float* mean, float* rstd, const floatX* inp, int weight, int bias) {
-            layernorm_forward(out + first, mean, rstd, inp, w[weight], w[bias], R, C);
-            m.tp.gather_rows(out, BT, C);
-        };
-        if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, BT * d.Hl);
+        recompute_gelu(m, la, d);
         matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
-        if (m.recompute >= RECOMPUTE_LAYERNORM)
-            recompute_layernorm(la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, LN2W, LN2B);
+        recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
         matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
         matmul_backward((floatX*)nullptr, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
-        if (m.recompute >= RECOMPUTE_LAYERNORM) recompute_layernorm(la.ln1, la.ln1_mean, la.ln1_rstd, residual, LN1W, LN1B);
+        recompute_layernorm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
         matmul_backward((floatX*)nullptr, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
         done(unit);
     }

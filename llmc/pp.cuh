@@ -63,25 +63,12 @@ struct PPTraceEvent {
     double start, end;
 };
 
-inline const char* pp_op_name(PPOp op) {
-    switch (op) {
-        case PPOp::Forward: return "F";
-        case PPOp::Backward: return "B";
-        case PPOp::WeightGrad: return "W";
-        case PPOp::SendActivation: return "send activation";
-        case PPOp::RecvActivation: return "recv activation";
-        case PPOp::SendGradient: return "send gradient";
-        default: return "recv gradient";
-    }
-}
-
 // Runs a stage's share of a step: its actions in order, on the model's micro-batch slots. A (micro-batch,
 // chunk) takes a slot at its first action (the receive of its input, or its forward) and gives it back after
 // its backward (its weight-gradient step under a split backward). The gradient of its input leaves from the
 // model's backward scratch, so its send must come before the next compute action.
 template <typename floatX>
 struct Pipeline {
-    PPSpec spec;
     Comm* comm = nullptr;  // the pp group
     std::vector<PPTraceEvent> trace;
     bool tracing = false;  // record the trace, and time each action to its end on the device

@@ -54,9 +54,12 @@ using PPSchedule = std::vector<std::vector<PPAction>>;  // [rank] -> its actions
 inline bool pp_is_p2p(PPOp op) { return op != PPOp::Forward && op != PPOp::Backward && op != PPOp::WeightGrad; }
 
 // one line for error messages, e.g. "B micro 3 chunk 0" or "recv act micro 1 chunk 0 from rank 2"
-inline std::string pp_describe(const PPAction& a) {
+inline const char* pp_op_name(PPOp op) {
     static const char* names[] = {"F", "B", "W", "send act", "recv act", "send grad", "recv grad"};
-    std::string s = std::string(names[int(a.op)]) + " micro " + std::to_string(a.micro) + " chunk " +
+    return names[int(op)];
+}
+inline std::string pp_describe(const PPAction& a) {
+    std::string s = std::string(pp_op_name(a.op)) + " micro " + std::to_string(a.micro) + " chunk " +
                     std::to_string(a.chunk);
     bool sends = a.op == PPOp::SendActivation || a.op == PPOp::SendGradient;
     if (pp_is_p2p(a.op)) s += (sends ? " to rank " : " from rank ") + std::to_string(a.peer);

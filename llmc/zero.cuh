@@ -411,13 +411,15 @@ struct DataParallel : ParamStore<floatX> {
     // where the reduced gradients are: the shard under ZeRO-2/3, the flat buffer otherwise
     const floatX* reduced_grads() const { return stage >= 2 ? shard_grads : m.grads; }
 
-    // the first and the last stage add their reduced gradients of the tied embeddings: the piece of the shard
-    // under ZeRO-2/3, else the flat tensors (under ZeRO-1 only the owned piece of them is reduced and read)
+    // The first and the last stage add their reduced gradients of the tied embeddings, as far as this rank
+    // reads them: its piece of the shard under ZeRO-2/3; under ZeRO-1 the same piece of the flat tensors (the
+    // bucket's packed order is their flat order, wte then wpe); under ZeRO-0 all of them.
     void sum_tied_gradients() {
         if (!links.tied) return;
         const Bucket& e = layout.embeddings();
-        floatX* g = stage >= 2 ? shard_grads + e.shard_offset : m.grads + e.segments.front().offset;
-        size_t n = stage >= 2 ? e.piece : e.size;
+        size_t begin = stage == 1 ? std::min(rank * e.piece, e.size) : 0;
+        size_t n = stage == 0 ? e.size : stage == 1 ? std::min(e.piece, e.size - begin) : e.piece;
+        floatX* g = stage >= 2 ? shard_grads + e.shard_offset : m.grads + e.segments.front().offset + begin;
         links.tied->wait(links.tied->all_reduce(g, g, n, dtype_of<floatX>()));
     }
 
