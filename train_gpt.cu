@@ -164,14 +164,14 @@ static void install_whole_model(GPT& m, DataParallel<float>& dpr, const Grid& gr
     if (holds_whole_model(grid, zero)) return;
     std::vector<float> share(zero == 3 ? m.num_parameters : 0);
     float* local = zero == 3 ? share.data() : m.params;
-    copy_share_params(m.config, grid.tp, grid.at.tp, m.part, whole, local, true);
+    copy_share_params(m.config, ShareSpec{grid.tp, grid.at.tp}, m.part, whole, local, true);
     if (zero == 3) dpr.scatter_params(local);
 }
 // on the GPU: the master weights (sharded under ZeRO >= 1) take the fp32 values, the bf16 parameters (sharded
 // under ZeRO-3) their rounding
 static void install_whole_model(GPTCuda& m, DataParallel<bf16>& dpr, const Grid& grid, int zero, float* whole) {
     std::vector<float> share(m.num_parameters);
-    copy_share_params(m.config, grid.tp, grid.at.tp, m.part, whole, share.data(), true);
+    copy_share_params(m.config, ShareSpec{grid.tp, grid.at.tp}, m.part, whole, share.data(), true);
     if (zero >= 1) dpr.set_master(share.data());
     if (zero < 3) gpt_set_params(m, share.data());
 }
@@ -197,7 +197,7 @@ static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& 
     for (int s = 0; s < grid.pp; s++) {
         size_t n = num_parameters(m.config, grid.tp, parts[s]);
         for (int r = 0; r < grid.tp; r++)
-            copy_share_params(m.config, grid.tp, r, parts[s], storage.data(), &stages[s * largest + r * n], false);
+            copy_share_params(m.config, ShareSpec{grid.tp, r}, parts[s], storage.data(), &stages[s * largest + r * n], false);
     }
     return storage.data();
 }

@@ -43,6 +43,9 @@ struct GPTConfig {
     int num_layers = 12;
     int num_heads = 12;
     int channels = 768;
+    int num_experts = 1;  // E experts in every layer's MLP, top_k of them per token (llmc/moe.cuh); 1 and 1: dense
+    int top_k = 1;
+    bool moe() const { return num_experts > 1; }
 };
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
@@ -92,10 +95,14 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
              c.max_seq_len, c.vocab_size, c.padded_vocab_size);
     if (c.padded_vocab_size < c.vocab_size)
         fail("%s: padded vocab %d is smaller than vocab %d", where.c_str(), c.padded_vocab_size, c.vocab_size);
+    if (c.num_experts < 1 || c.num_experts > 1024 || c.top_k < 1 || c.top_k > c.num_experts)
+        fail("%s: %d experts with top-%d routing: need 1 <= K <= E <= 1024", where.c_str(), c.num_experts, c.top_k);
 }
 
 // "d12", "d24", "d36", "d48" are GPT-2 124M, 350M, 774M and 1.5B. Other shapes: d<L>c<C>h<NH>[t<maxT>][v<V>],
-// e.g. d4c128h4 (4 layers, 128 channels, 4 heads, maxT 1024, the GPT-2 vocab) or d2c64h2t128v1000.
+// e.g. d4c128h4 (4 layers, 128 channels, 4 heads, maxT 1024, the GPT-2 vocab) or d2c64h2t128v1000. Either form
+// may end in e<E>k<K>: a mixture of E experts with top-K routing in every layer (d12e8k2, d2c48h4e4k2); e1k1
+// is the dense model.
 inline bool is_model_descriptor(const std::string& s) { return s.size() >= 2 && s[0] == 'd' && isdigit(s[1]); }
 
 inline GPTConfig parse_model_descriptor(const std::string& s) {
@@ -109,7 +116,21 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
         return (int)v;
     };
     c.num_layers = number('d');
-    if (*p == '\0') {
+    bool have_c = false, have_h = false, have_e = false, have_k = false;
+    while (*p) {
+        char key = *p++;
+        switch (key) {
+            case 'c': c.channels = number(key), have_c = true; break;
+            case 'h': c.num_heads = number(key), have_h = true; break;
+            case 't': c.max_seq_len = number(key); break;
+            case 'v': c.vocab_size = number(key); break;
+            case 'e': c.num_experts = number(key), have_e = true; break;
+            case 'k': c.top_k = number(key), have_k = true; break;
+            default: fail("-e %s: unknown field '%c' (expected d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>])", s.c_str(), key);
+        }
+    }
+    if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
+    if (!have_c && !have_h) {
         switch (c.num_layers) {
             case 12: c.channels = 768, c.num_heads = 12; break;
             case 24: c.channels = 1024, c.num_heads = 16; break;
@@ -117,36 +138,35 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 48: c.channels = 1600, c.num_heads = 25; break;
             default: fail("-e %s: GPT-2 sizes are d12, d24, d36, d48; give other shapes as d<L>c<C>h<NH>", s.c_str());
         }
-    } else {
-        bool have_c = false, have_h = false;
-        while (*p) {
-            char key = *p++;
-            switch (key) {
-                case 'c': c.channels = number(key), have_c = true; break;
-                case 'h': c.num_heads = number(key), have_h = true; break;
-                case 't': c.max_seq_len = number(key); break;
-                case 'v': c.vocab_size = number(key); break;
-                default: fail("-e %s: unknown field '%c' (expected d<L>c<C>h<NH>[t<maxT>][v<V>])", s.c_str(), key);
-            }
-        }
-        if (!have_c || !have_h) fail("-e %s: a custom shape needs c<channels> and h<heads>", s.c_str());
+    } else if (!have_c || !have_h) {
+        fail("-e %s: a custom shape needs c<channels> and h<heads>", s.c_str());
     }
+    if (c.top_k > c.num_experts)
+        fail("-e %s: top-%d routing needs at least %d experts, not %d", s.c_str(), c.top_k, c.top_k, c.num_experts);
     c.padded_vocab_size = pad_vocab(c.vocab_size);
     validate_config(c, "-e " + s);
     return c;
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// parameters: 16 tensors in llm.c's order, stored back to back
+// parameters: llm.c's 16 tensors in its order, stored back to back, and the router's weight before the MLP's;
+// with experts, each MLP tensor stacks the experts of a layer (layer first, then expert). A dense model has
+// an empty router, so its buffers are llm.c's.
 
-enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, FCW, FCB, FCPROJW, FCPROJB, LNFW,
-                   LNFB, NUM_PARAM_TENSORS };
+enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
+                   FCPROJB, LNFW, LNFB, NUM_PARAM_TENSORS };
 
-// the tensors' sizes on one rank of a tensor-parallel group of tp ranks (tp = 1: the whole model): QKV and fc
-// keep their rows of the rank's heads and hidden units, the projections their columns, wte its vocab rows; a
-// part of the model has its layers, and empty tensors for what it does not hold
-inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp, const ModelPart& part) {
+// the tensors that hold experts: split over the ranks of an expert-parallel group, E/ep experts each
+inline bool is_expert(int tensor) { return tensor == FCW || tensor == FCB || tensor == FCPROJW || tensor == FCPROJB; }
+
+// the tensors' sizes on one rank of a tensor-parallel group of tp ranks and an expert-parallel group of ep
+// ranks (1 and 1: the whole model): QKV and fc keep their rows of the rank's heads and hidden units, the
+// projections their columns, wte its vocab rows, the MLP tensors the rank's E/ep experts; a part of the model
+// has its layers, and empty tensors for what it does not hold
+inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp, const ModelPart& part,
+                               int ep = 1) {
     size_t L = part.layers(), C = c.channels, Cl = C / tp, Hl = 4 * C / tp, E = part.embeddings(), F = part.last;
+    size_t X = c.num_experts / ep, R = c.moe() ? c.num_experts : 0;
     sizes[WTE] = E * TensorParallel::vocab_rows(c.padded_vocab_size, tp) * C;
     sizes[WPE] = E * c.max_seq_len * C;
     sizes[LN1W] = L * C;
@@ -157,10 +177,11 @@ inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSOR
     sizes[ATTPROJB] = L * C;
     sizes[LN2W] = L * C;
     sizes[LN2B] = L * C;
-    sizes[FCW] = L * Hl * C;
-    sizes[FCB] = L * Hl;
-    sizes[FCPROJW] = L * C * Hl;
-    sizes[FCPROJB] = L * C;
+    sizes[ROUTERW] = L * R * C;
+    sizes[FCW] = L * X * Hl * C;
+    sizes[FCB] = L * X * Hl;
+    sizes[FCPROJW] = L * X * C * Hl;
+    sizes[FCPROJB] = L * X * C;
     sizes[LNFW] = F * C;
     sizes[LNFB] = F * C;
 }
@@ -171,14 +192,16 @@ inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSOR
 // tensors every rank of a tensor-parallel group holds whole
 inline bool is_replicated(int tensor) {
     return tensor == WPE || tensor == LN1W || tensor == LN1B || tensor == ATTPROJB || tensor == LN2W ||
-           tensor == LN2B || tensor == FCPROJB || tensor == LNFW || tensor == LNFB;
+           tensor == LN2B || tensor == ROUTERW || tensor == FCPROJB || tensor == LNFW || tensor == LNFB;
 }
 // the replicated tensors whose gradients are partial sums under sequence parallelism (the others see every row)
-inline bool is_sequence_partial(int tensor) { return is_replicated(tensor) && tensor != ATTPROJB && tensor != FCPROJB; }
+inline bool is_sequence_partial(int tensor) {
+    return is_replicated(tensor) && tensor != ATTPROJB && tensor != ROUTERW && tensor != FCPROJB;
+}
 
-inline size_t num_parameters(const GPTConfig& c, int tp, const ModelPart& part) {
+inline size_t num_parameters(const GPTConfig& c, int tp, const ModelPart& part, int ep = 1) {
     size_t sizes[NUM_PARAM_TENSORS], n = 0;
-    param_tensor_sizes(c, sizes, tp, part);
+    param_tensor_sizes(c, sizes, tp, part, ep);
     for (size_t s : sizes) n += s;
     return n;
 }
@@ -186,7 +209,8 @@ inline size_t num_parameters(const GPTConfig& c, int tp = 1) { return num_parame
 
 // the 2-D weight matrices, which AdamW decays; biases and layernorm parameters are not decayed
 inline bool is_decayed(int tensor) {
-    return tensor == WTE || tensor == WPE || tensor == QKVW || tensor == ATTPROJW || tensor == FCW || tensor == FCPROJW;
+    return tensor == WTE || tensor == WPE || tensor == QKVW || tensor == ATTPROJW || tensor == ROUTERW || tensor == FCW ||
+           tensor == FCPROJW;
 }
 
 // pointers to the tensors of one flat buffer (parameters or gradients, same layout), or to one unit's slices
@@ -223,9 +247,9 @@ struct Segment {
 };
 
 // a unit's slices in llm.c tensor order; packed back to back, they are the unit's packed layout
-inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part) {
+inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part, int ep = 1) {
     size_t sizes[NUM_PARAM_TENSORS], start[NUM_PARAM_TENSORS], offset = 0;
-    param_tensor_sizes(c, sizes, tp, part);
+    param_tensor_sizes(c, sizes, tp, part, ep);
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) start[i] = offset, offset += sizes[i];
     std::vector<Segment> segs;
     size_t L = part.layers();
@@ -235,7 +259,8 @@ inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, 
         for (int t : {WTE, WPE}) segs.push_back({t, start[t], sizes[t]});
     } else {
         size_t l = L - unit;
-        for (int t = LN1W; t <= FCPROJB; t++) segs.push_back({t, start[t] + l * (sizes[t] / L), sizes[t] / L});
+        for (int t = LN1W; t <= FCPROJB; t++)
+            if (sizes[t] > 0) segs.push_back({t, start[t] + l * (sizes[t] / L), sizes[t] / L});  // a dense model has no router
     }
     return segs;
 }
@@ -553,39 +578,50 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.cp.allocate(led, B, T, (int)C, d.Cl, d.NHl);
 }
 
+// A rank's coordinates in the groups that split the parameters: tensor parallelism splits every matrix,
+// expert parallelism the experts
+struct ShareSpec {
+    int tp = 1, tp_rank = 0, ep = 1, ep_rank = 0;
+};
+
 // Moves parameters between the whole model (llm.c's layout) and one rank's share of it, in either direction:
 // its tensor-parallel share (QKV and fc rows of its heads and hidden units, the projections' columns, wte's
-// vocab rows) of its part of the model. What a checkpoint gathers on save and splits on load.
-inline void copy_share_params(const GPTConfig& c, int tp, int rank, const ModelPart& part, float* whole, float* local,
+// vocab rows) of its expert-parallel group's experts of its part of the model. What a checkpoint gathers on
+// save and splits on load.
+inline void copy_share_params(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part, float* whole, float* local,
                               bool to_local) {
     size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, ws, 1);
-    param_tensor_sizes(c, ls, tp, part);
+    param_tensor_sizes(c, ls, sh.tp, part, sh.ep);
     ParamViews w = param_views(whole, ws), l = param_views(local, ls);
     auto move = [&](float* wp, float* lp, size_t n) {
         if (to_local) memcpy(lp, wp, n * sizeof(float));
         else memcpy(wp, lp, n * sizeof(float));
     };
-    size_t L = c.num_layers, Lp = part.layers(), C = c.channels, Cl = C / tp, Hl = 4 * C / tp;
+    size_t L = c.num_layers, Lp = part.layers(), C = c.channels, Cl = C / sh.tp, Hl = 4 * C / sh.tp, rank = sh.tp_rank;
+    size_t E = c.num_experts, X = E / sh.ep;  // the experts of the model, and of the rank
     for (size_t layer = 0; layer < Lp; layer++) {
         size_t in_model = part.model_layer((int)layer);
         auto wl = [&](int t) { return w[t] + in_model * (ws[t] / L); };  // the layer's slice of a tensor
         auto ll = [&](int t) { return l[t] + layer * (ls[t] / Lp); };
-        for (int t : {LN1W, LN1B, ATTPROJB, LN2W, LN2B, FCPROJB}) move(wl(t), ll(t), ws[t] / L);
+        for (int t : {LN1W, LN1B, ATTPROJB, LN2W, LN2B, ROUTERW}) move(wl(t), ll(t), ws[t] / L);
         for (size_t q = 0; q < 3; q++) {  // Q, K and V: this rank's heads of each
             move(wl(QKVW) + (q * C + rank * Cl) * C, ll(QKVW) + q * Cl * C, Cl * C);
             move(wl(QKVB) + q * C + rank * Cl, ll(QKVB) + q * Cl, Cl);
         }
-        move(wl(FCW) + rank * Hl * C, ll(FCW), Hl * C);
-        move(wl(FCB) + rank * Hl, ll(FCB), Hl);
-        for (size_t o = 0; o < C; o++) {  // the projections: this rank's columns of every output row
-            move(wl(ATTPROJW) + o * C + rank * Cl, ll(ATTPROJW) + o * Cl, Cl);
-            move(wl(FCPROJW) + o * 4 * C + rank * Hl, ll(FCPROJW) + o * Hl, Hl);
+        for (size_t o = 0; o < C; o++) move(wl(ATTPROJW) + o * C + rank * Cl, ll(ATTPROJW) + o * Cl, Cl);
+        for (size_t x = 0; x < X; x++) {  // the rank's experts (the dense MLP is one)
+            size_t e = sh.ep_rank * X + x;
+            move(wl(FCW) + (e * 4 * C + rank * Hl) * C, ll(FCW) + x * Hl * C, Hl * C);
+            move(wl(FCB) + e * 4 * C + rank * Hl, ll(FCB) + x * Hl, Hl);
+            move(wl(FCPROJB) + e * C, ll(FCPROJB) + x * C, C);
+            for (size_t o = 0; o < C; o++)  // the projection: this rank's columns of every output row
+                move(wl(FCPROJW) + (e * C + o) * 4 * C + rank * Hl, ll(FCPROJW) + (x * C + o) * Hl, Hl);
         }
     }
     if (part.embeddings()) {
         move(w[WPE], l[WPE], ws[WPE]);
-        size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, tp), vlo = rank * Vl;
+        size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, sh.tp), vlo = rank * Vl;
         if (vlo < Vp) move(w[WTE] + vlo * C, l[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
     }
     if (part.last)
@@ -637,6 +673,9 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
     c.num_heads = h[5];
     c.channels = h[6];
     c.padded_vocab_size = h[7];
+    // header[8] and [9]: the experts and their top-K (0 and 0 in llm.c's dense files)
+    if (h[8] > 1 || h[9] > 1) c.num_experts = h[8], c.top_k = h[9];
+    else if (h[8] != h[9]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[8], h[9]);
     validate_config(c, path);
     long expected = (long)sizeof(h) + (long)(num_parameters(c) * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
     if (f.size() != expected)
@@ -647,8 +686,8 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
 
 inline const char* param_tensor_name(int tensor) {
     static const char* names[NUM_PARAM_TENSORS] = {"wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw",
-                                                   "attprojb", "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb",
-                                                   "lnfw", "lnfb"};
+                                                   "attprojb", "ln2w", "ln2b", "routerw", "fcw", "fcb", "fcprojw",
+                                                   "fcprojb", "lnfw", "lnfb"};
     return names[tensor];
 }
 
@@ -661,7 +700,11 @@ inline std::string describe_param(const GPTConfig& c, size_t i) {
     bool per_layer = t != WTE && t != WPE && t != LNFW && t != LNFB;
     if (!per_layer) return strfmt("%s, element %zu", param_tensor_name(t), i);
     size_t per = sizes[t] / c.num_layers;
-    return strfmt("%s of layer %zu, element %zu", param_tensor_name(t), i / per, i % per);
+    if (!is_expert(t) || !c.moe())
+        return strfmt("%s of layer %zu, element %zu", param_tensor_name(t), i / per, i % per);
+    size_t per_expert = per / c.num_experts;
+    return strfmt("%s of layer %zu, expert %zu, element %zu", param_tensor_name(t), i / per, i % per / per_expert,
+                  i % per_expert);
 }
 
 // the index of the first NaN or Inf among n floats, or n when every one is finite
@@ -677,7 +720,8 @@ inline void gpt_load_params(const GPTConfig& mc, float* params, const std::strin
     int version;
     GPTConfig c = read_model_header(path, &version);
     if (c.num_layers != mc.num_layers || c.channels != mc.channels || c.num_heads != mc.num_heads ||
-        c.vocab_size != mc.vocab_size || c.padded_vocab_size != mc.padded_vocab_size || c.max_seq_len != mc.max_seq_len)
+        c.vocab_size != mc.vocab_size || c.padded_vocab_size != mc.padded_vocab_size || c.max_seq_len != mc.max_seq_len ||
+        c.num_experts != mc.num_experts || c.top_k != mc.top_k)
         fail("%s: model shape differs from the run's model", path.c_str());
     size_t count = num_parameters(c);
     File f(path, "rb");
@@ -712,6 +756,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
     h[5] = c.num_heads;
     h[6] = c.channels;
     h[7] = c.padded_vocab_size;
+    if (c.moe()) h[8] = c.num_experts, h[9] = c.top_k;  // a dense file stays llm.c's, byte for byte
     File f(path, "wb");
     size_t count = num_parameters(c);
     f.write(h, sizeof(h));
