@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include <memory>
+#include <numeric>
 
 #include "llmc/checkpoint.h"
 #include "llmc/comm.cuh"
@@ -103,9 +104,25 @@ static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& p
 
 static GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.pp, o.ep}; }
 
-// the parallelisms whose issues have not landed are refused, after the grid has checked that they would fit
-static void refuse_unbuilt_parallelism(const Options& o) {
-    if (o.ep > 1) fail("--ep %d: expert parallelism is not implemented yet", o.ep);
+// With experts: the step's load-balancing loss (its mean over the global batch's sequences) and each layer's
+// smallest and largest share of the assignments ("min/max,..."), from what the step's forward passes counted,
+// summed over the ranks that saw other tokens (dp × cp) and the stages that hold other layers. A collective.
+template <typename floatX>
+static std::pair<double, std::string> expert_statistics(GPTModel<floatX>& m, Grid& grid, long sequences) {
+    std::vector<double> sums(1 + m.moe.load.size());
+    sums[0] = m.moe.aux_sum;
+    std::copy(m.moe.load.begin(), m.moe.load.end(), sums.begin() + 1);
+    for (Comm* group : {&grid.dp_cp(), &grid.pp_comm})
+        group->wait(group->all_reduce(sums.data(), sums.data(), sums.size(), DType::F64));
+    std::string shares;
+    int E = m.config.num_experts;
+    for (int l = 0; l < m.config.num_layers; l++) {
+        const double* load = &sums[1 + (size_t)l * E];
+        double total = std::accumulate(load, load + E, 0.0);
+        shares += strfmt("%s%.3f/%.3f", l ? "," : "", *std::min_element(load, load + E) / total,
+                         *std::max_element(load, load + E) / total);
+    }
+    return {sums[0] / sequences, shares};
 }
 
 static PPSpec pp_spec(const Options& o, int rank) {
@@ -142,9 +159,14 @@ static std::vector<float> gather_tp_shares(GPTModel<floatX>& m, DataParallel<flo
     return all;
 }
 
-// whether this rank's own parameter buffer is the whole model (no tp, no pp, no ZeRO-3): then nothing is
+// whether this rank's own parameter buffer is the whole model (no tp, pp or ep, no ZeRO-3): then nothing is
 // copied to initialize, load or save it on the CPU
-static bool holds_whole_model(const Grid& grid, int zero) { return grid.tp == 1 && grid.pp == 1 && zero < 3; }
+static bool holds_whole_model(const Grid& grid, int zero) {
+    return grid.tp == 1 && grid.pp == 1 && grid.ep == 1 && zero < 3;
+}
+
+// this rank's place in the groups that split the parameters
+static ShareSpec share_spec(const Grid& grid) { return ShareSpec{grid.tp, grid.at.tp, grid.ep, grid.at.ep}; }
 
 // Where the whole model in llm.c's layout (fp32, on the host) is assembled for initializing, loading or saving:
 // the CPU rank's own buffer when it holds the whole model, else `storage`. The GPU model always stages it.
@@ -164,21 +186,21 @@ static void install_whole_model(GPT& m, DataParallel<float>& dpr, const Grid& gr
     if (holds_whole_model(grid, zero)) return;
     std::vector<float> share(zero == 3 ? m.num_parameters : 0);
     float* local = zero == 3 ? share.data() : m.params;
-    copy_share_params(m.config, ShareSpec{grid.tp, grid.at.tp}, m.part, whole, local, true);
+    copy_share_params(m.config, share_spec(grid), m.part, whole, local, true);
     if (zero == 3) dpr.scatter_params(local);
 }
 // on the GPU: the master weights (sharded under ZeRO >= 1) take the fp32 values, the bf16 parameters (sharded
 // under ZeRO-3) their rounding
 static void install_whole_model(GPTCuda& m, DataParallel<bf16>& dpr, const Grid& grid, int zero, float* whole) {
     std::vector<float> share(m.num_parameters);
-    copy_share_params(m.config, ShareSpec{grid.tp, grid.at.tp}, m.part, whole, share.data(), true);
+    copy_share_params(m.config, share_spec(grid), m.part, whole, share.data(), true);
     if (zero >= 1) dpr.set_master(share.data());
     if (zero < 3) gpt_set_params(m, share.data());
 }
 
 // The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
-// share (a collective; on the GPU the master weights): each stage's tp shares, then every stage's, padded to
-// the largest stage's. Valid on every rank.
+// share (a collective; on the GPU the master weights): each stage's tp shares, its ep group's (their experts),
+// then every stage's, padded to the largest stage's. Valid on every rank.
 template <typename floatX>
 static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, const PPSpec& pp, int zero,
                           std::vector<float>& storage) {
@@ -188,16 +210,20 @@ static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& 
     size_t largest = 0;
     for (int s = 0; s < grid.pp; s++) {
         parts.push_back(stage_part(m.config, PPSpec{pp.size, s, pp.virtual_stages, pp.kind}));
-        largest = std::max(largest, num_parameters(m.config, grid.tp, parts.back()) * grid.tp);
+        largest = std::max(largest, num_parameters(m.config, grid.tp, parts.back(), grid.ep) * grid.tp * grid.ep);
     }
-    std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero), stages(largest * grid.pp);
+    std::vector<float> tp_shares = gather_tp_shares(m, dpr, grid, zero), shares(tp_shares.size() * grid.ep),
+                       stages(largest * grid.pp);
+    grid.ep_comm.wait(grid.ep_comm.all_gather(tp_shares.data(), shares.data(), tp_shares.size(), DType::F32));
     shares.resize(largest);
     grid.pp_comm.wait(grid.pp_comm.all_gather(shares.data(), stages.data(), largest, DType::F32));
     storage.resize(num_parameters(m.config));
     for (int s = 0; s < grid.pp; s++) {
-        size_t n = num_parameters(m.config, grid.tp, parts[s]);
-        for (int r = 0; r < grid.tp; r++)
-            copy_share_params(m.config, ShareSpec{grid.tp, r}, parts[s], storage.data(), &stages[s * largest + r * n], false);
+        size_t n = num_parameters(m.config, grid.tp, parts[s], grid.ep);
+        for (int e = 0; e < grid.ep; e++)
+            for (int r = 0; r < grid.tp; r++)
+                copy_share_params(m.config, ShareSpec{grid.tp, r, grid.ep, e}, parts[s], storage.data(),
+                                  &stages[s * largest + (e * grid.tp + r) * n], false);
     }
     return storage.data();
 }
@@ -322,9 +348,12 @@ static int train(const Options& o, const RunSetup& run) {
     GPTModel<floatX> model;
     gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
                  TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)},
-                 stage_part(config, pp), Pipeline<floatX>::slots_needed(actions), split_backward);
+                 stage_part(config, pp), Pipeline<floatX>::slots_needed(actions), split_backward, grid.ep);
     model.tp.comm = &grid.tp_comm;
     model.cp.comm = &grid.cp_comm;
+    model.moe.ep = &grid.ep_comm;
+    model.moe.ep_rank = grid.at.ep;
+    model.moe.alpha = o.moe_aux;
     model.seed = o.seed;
     // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
     Comm& grad_comm = grid.dp_cp();
@@ -333,8 +362,8 @@ static int train(const Options& o, const RunSetup& run) {
     TrainState state;
     Rng sampler_rng(o.seed);
     RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp,
-                     grid.cp, o.cp_split, grid.pp, o.vpp};
-    int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp);
+                     grid.cp, o.cp_split, grid.pp, o.vpp, grid.ep};
+    int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
     // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
     // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
     // saved, and every rank keeps its share of it
@@ -397,10 +426,11 @@ static int train(const Options& o, const RunSetup& run) {
                    grad_comm.size, bucket_floats, dpr.layout.buckets.size());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
-        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d: %zu parameters (%zu on rank 0), %.1f MiB in all on "
+        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
-               config.padded_vocab_size, config.max_seq_len, num_parameters(config), model.num_parameters,
-               model.ledger.total() / 1048576.0);
+               config.padded_vocab_size, config.max_seq_len,
+               config.moe() ? strfmt(" E=%d K=%d (aux %g, ep %d)", config.num_experts, config.top_k, o.moe_aux, grid.ep).c_str() : "",
+               num_parameters(config), model.num_parameters, model.ledger.total() / 1048576.0);
         if (pp.on()) print_stage_layers(config, pp);
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
@@ -422,7 +452,7 @@ static int train(const Options& o, const RunSetup& run) {
             device_download<floatX>(staged_m.data(), adam_m, moments);
             device_download<floatX>(staged_v.data(), adam_v, moments);
         }
-        bool writes_optimizer = o.zero >= 1 || (grid.at.dp == 0 && grid.at.cp == 0);
+        bool writes_optimizer = o.zero >= 1 || (grid.at.dp < grid.ep && grid.at.cp == 0);
         return save_checkpoint(o.out_dir, model_state_with(whole), now, layout, run.inputs, o.checkpoints_keep,
                                grid.world_comm, writes_optimizer ? optimizer_file : -1);
     };
@@ -523,6 +553,8 @@ static int train(const Options& o, const RunSetup& run) {
         double t0 = now_seconds(), sent0 = grad_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
         double cp_sent0 = grid.cp_comm.bytes_sent, pp_sent0 = grid.pp_comm.bytes_sent;
         dpr.zero_grad();
+        model.moe.aux_sum = 0.0;
+        std::fill(model.moe.load.begin(), model.moe.load.end(), 0.0);
         float dloss = 1.0f / (float)(tokens_per_micro_step * accumulation);
         if (step == o.debug_nan_step && grid.rank == 0) dloss = NAN;
         double loss = pipeline.run(model, &dpr, actions, inputs, targets, o.B, o.T, dloss) / accumulation;
@@ -539,15 +571,21 @@ static int train(const Options& o, const RunSetup& run) {
             dpr.update(lr, o.weight_decay, norm);
         }
         double ms = (now_seconds() - t0) * 1000.0, sent = grad_comm.bytes_sent - sent0;
+        auto [aux, load] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
+                                        : std::pair<double, std::string>{-1.0, ""};
         double tp_sent = grid.tp_comm.bytes_sent - tp_sent0, cp_sent = grid.cp_comm.bytes_sent - cp_sent0;
         double pp_sent = grid.pp_comm.bytes_sent - pp_sent0;
         if (lead) {
-            printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
-                   lr, norm, ms, total_batch / (ms / 1000.0),
+            printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
+                   aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", lr, norm, ms, total_batch / (ms / 1000.0),
                    skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
             if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent);
             fflush(stdout);
-            log.train(step, (float)loss, lr, (float)norm, skipped);
+            log.train(step, (float)loss, lr, (float)norm, skipped, (float)aux);
+            if (config.moe() && o.val_every > 0 && step % o.val_every == 0) {
+                printf("experts: min/max share of the assignments per layer: %s\n", load.c_str());
+                log.expert_load(step, load);
+            }
         }
         if (step == state.step && grid.cp > 1) report_cp_balance(ms);
         if (pipeline.tracing) report_pipeline();
@@ -657,6 +695,10 @@ static int run(const Options& o) {
     int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
     int dp = grid_dp(world, grid_shape(o));
     check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
+    if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
+    if (config.num_experts % o.ep != 0) fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
+    if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
+    if (o.pp_schedule == "zb" && config.moe()) fail("--pp-schedule zb: its split backward does not take experts yet");
     long tokens_per_micro_step = (long)o.B * o.T * dp;
     long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
     if (total_batch % tokens_per_micro_step != 0)
@@ -674,14 +716,15 @@ static int run(const Options& o) {
     if (o.pp_schedule == "zb" && o.zero >= 2)
         fail("--pp-schedule zb: its deferred weight gradients work with -z 0 or 1, not -z %d", o.zero);
     if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;
-    refuse_unbuilt_parallelism(o);
     if (!o.trace.empty() && detect_launch().rank == 0) {
         FILE* f = fopen(o.trace.c_str(), "w");  // refused now rather than after the first step
         if (!f) fail("--trace %s: cannot write (%s)", o.trace.c_str(), strerror(errno));
         fclose(f);
     }
     RunSetup run{config, resume_dir, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
-    return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
+    Options resolved = o;
+    if (resolved.moe_aux < 0.0f) resolved.moe_aux = 0.01f;
+    return dev == Device::CUDA ? train<bf16>(resolved, run) : train<float>(resolved, run);
 }
 int main(int argc, char** argv) {
     try {

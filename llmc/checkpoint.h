@@ -50,15 +50,18 @@ struct RunLayout {
     int cp = 1;
     std::string cp_split = "zigzag";
     int pp = 1, vpp = 1;  // stages, and virtual stages per rank: together they say which layers a rank holds
+    int ep = 1;           // the experts' split
     bool operator==(const RunLayout& o) const {
         return B == o.B && T == o.T && world == o.world && total_batch == o.total_batch && dp == o.dp &&
                zero == o.zero && bucket_floats == o.bucket_floats && tp == o.tp && sp == o.sp && cp == o.cp &&
-               cp_split == o.cp_split && pp == o.pp && vpp == o.vpp;
+               cp_split == o.cp_split && pp == o.pp && vpp == o.vpp && ep == o.ep;
     }
     // how many optimizer files a checkpoint holds, and which one a rank reads: each rank's shard under ZeRO,
-    // else one per tp rank of each stage
-    int optimizer_files() const { return zero >= 1 ? world : tp * pp; }
-    int optimizer_file(int world_rank, int tp_rank, int pp_rank) const { return zero >= 1 ? world_rank : tp_rank + tp * pp_rank; }
+    // else one per tp rank and ep rank (its experts) of each stage
+    int optimizer_files() const { return zero >= 1 ? world : tp * ep * pp; }
+    int optimizer_file(int world_rank, int tp_rank, int pp_rank, int ep_rank = 0) const {
+        return zero >= 1 ? world_rank : tp_rank + tp * (ep_rank + ep * pp_rank);
+    }
 };
 
 // What a run is started from and trained on, besides its layout: the model (-e), --seed, --shuffle and the
@@ -203,11 +206,11 @@ inline void write_manifest(const std::string& path, const GPTConfig& c, const Tr
     std::string text = strfmt(
         "format llm5d-checkpoint %d\nstep %d\nadam_step %d\nnum_parameters %zu\n"
         "model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
-        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%s pp=%d vpp=%d ep=1 "
+        "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%s pp=%d vpp=%d ep=%d "
         "zero=%d bucket_floats=%zu\nfiles model.bin state_rank0.bin%s\n",
         CHECKPOINT_VERSION, s.step, adam_step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
         c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(),
-        r.pp, r.vpp, r.zero, r.bucket_floats, optimizer_files.c_str());
+        r.pp, r.vpp, r.ep, r.zero, r.bucket_floats, optimizer_files.c_str());
     if (is_model_descriptor(in.model)) text += "model_source descriptor " + in.model + "\n";
     else text += strfmt("model_source file fnv1a64=%016llx ", (unsigned long long)in.model_checksum) + in.model + "\n";
     text += strfmt("seed %llu\nshuffle %d\n", (unsigned long long)in.seed, (int)in.shuffle);
@@ -321,8 +324,8 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     const char* b = strstr(text.c_str(), "\nbatch ");
     const char* l = strstr(text.c_str(), "\nlayout ");
     if (!b || !l || sscanf(b, "\nbatch B=%d T=%d total=%ld", &r.B, &r.T, &r.total_batch) != 3 ||
-        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%15[a-z] pp=%d vpp=%d ep=1 zero=%d bucket_floats=%zu",
-               &r.world, &r.dp, &r.tp, &r.sp, &r.cp, split, &r.pp, &r.vpp, &r.zero, &r.bucket_floats) != 10)
+        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%15[a-z] pp=%d vpp=%d ep=%d zero=%d bucket_floats=%zu",
+               &r.world, &r.dp, &r.tp, &r.sp, &r.cp, split, &r.pp, &r.vpp, &r.ep, &r.zero, &r.bucket_floats) != 11)
         fail("%s: malformed manifest", path.c_str());
     r.cp_split = split;
     return r;
@@ -524,11 +527,12 @@ inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainSt
                             int optimizer_file) {
     RunLayout r = read_manifest_layout(dir + "/manifest.txt");
     if (!(r == expected))
-        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, tp %d, sp %d, cp %d %s, pp %d vpp %d, -z %d, bucket "
-             "%zu floats); resume with the same settings (or start from its model.bin with -e)", dir.c_str(), r.B, r.T,
-             r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(), r.pp, r.vpp, r.zero, r.bucket_floats);
+        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, tp %d, sp %d, cp %d %s, pp %d vpp %d, ep %d, -z %d, "
+             "bucket %zu floats); resume with the same settings (or start from its model.bin with -e)", dir.c_str(), r.B,
+             r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(), r.pp, r.vpp, r.ep, r.zero,
+             r.bucket_floats);
     gpt_load_params(m.config, m.params, dir + "/model.bin");
-    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m, r.zero == 0 && r.tp == 1 && r.pp == 1);
+    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m, r.zero == 0 && r.tp == 1 && r.pp == 1 && r.ep == 1);
     std::string path = dir + "/state_rank0.bin";
     File f(path, "rb");
     int h[256];

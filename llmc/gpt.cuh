@@ -27,6 +27,7 @@
 #include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
+#include "llmc/moe.cuh"
 #include "llmc/nvtx.h"
 #include "llmc/residual.cuh"
 #include "llmc/tp.cuh"
@@ -308,12 +309,16 @@ struct LocalDims {
     long BT, R;
     int Cl, Hl, NHl, Vl;
     bool ring;
+    int K;             // with experts: the slots per token (0: a dense MLP)
+    long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
 };
 
-inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1) {
+inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1, int ep = 1) {
     LocalDims d;
     d.B = B, d.T = T / cp, d.C = c.channels, d.ring = cp > 1;
     d.BT = (long)B * d.T;
+    d.K = c.moe() ? c.top_k : 0;
+    d.expert_rows = c.moe() ? (long)ep * d.BT * std::min(c.top_k, c.num_experts / ep) : 0;
     d.R = tp.sp ? d.BT / tp.size : d.BT;
     d.Cl = c.channels / tp.size, d.Hl = 4 * c.channels / tp.size, d.NHl = c.num_heads / tp.size;
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
@@ -336,6 +341,9 @@ struct Activations {
     // under a split backward (the zero-bubble pipeline), what the deferred weight gradients read besides the
     // inputs above: the output gradients of the layer's four matmuls
     floatX *dqkv, *dattproj, *dfch, *dfcproj;
+    // with experts: the rows they took (expert-major) and the rows they gave back (dispatch order); fch and
+    // fch_gelu then hold the experts' rows too
+    floatX *moe_in, *moe_out;
 };
 
 // Activation recomputation (-r): 0 keeps everything; 1 recomputes GELU's output in backward from its input;
@@ -354,10 +362,11 @@ inline size_t attention_state_floats(const LocalDims& d, Device dev) {
 // for a slot that is recomputed, and for the output gradients unless the backward is split (the projections'
 // are whole: under sp they are gathered before the matmul)
 inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute, Device dev, bool split) {
-    size_t BT = d.BT, R = d.R, C = d.C, S = split;
-    size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : BT * d.Hl;
+    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT;
+    size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : mlp_rows * d.Hl;
     return {ln, R, R, BT * 3 * d.Cl, attention_state_floats(d, dev), BT * d.Cl, R * C, R * C,
-            ln, R, R, BT * d.Hl, gelu, R * C, R * C, S * BT * 3 * d.Cl, S * BT * C, S * BT * d.Hl, S * BT * C};
+            ln, R, R, mlp_rows * d.Hl, gelu, R * C, R * C, S * BT * 3 * d.Cl, S * BT * C, S * BT * d.Hl, S * BT * C,
+            d.expert_rows * C, d.K * BT * C};
 }
 
 // a per-layer slot: where its pointer is, and the size of its elements
@@ -375,7 +384,8 @@ template <typename floatX>
 inline std::vector<SlotRef> layer_slots(Activations<floatX>& a) {
     return {slot(a.ln1), slot(a.ln1_mean), slot(a.ln1_rstd), slot(a.qkv), slot(a.att), slot(a.atty), slot(a.attproj),
             slot(a.residual2), slot(a.ln2), slot(a.ln2_mean), slot(a.ln2_rstd), slot(a.fch), slot(a.fch_gelu),
-            slot(a.fcproj), slot(a.residual3), slot(a.dqkv), slot(a.dattproj), slot(a.dfch), slot(a.dfcproj)};
+            slot(a.fcproj), slot(a.residual3), slot(a.dqkv), slot(a.dattproj), slot(a.dfch), slot(a.dfcproj),
+            slot(a.moe_in), slot(a.moe_out)};
 }
 
 // layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
@@ -404,8 +414,8 @@ struct Scratch {
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
 inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     size_t need = (size_t)layernorm_backward_scratch_floats(d.R, d.C);
-    for (long oc : {3L * d.Cl, (long)d.C, (long)d.Hl})  // the matmuls with a bias gradient
-        need = std::max(need, (size_t)matmul_backward_scratch_floats(d.BT, oc));
+    for (long oc : {3L * d.Cl, (long)d.C, (long)d.Hl})  // the matmuls with a bias gradient (an expert's: all its rows)
+        need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));
     need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
     // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions
     // and their sorted copies (4·BT int32 at most), the runs (BT + V), and the sort's own buffers and histograms
@@ -423,6 +433,7 @@ template <typename floatX>
 struct MicroBatchSlot {
     Activations<floatX> acts;
     std::vector<int> inputs, targets;  // this rank's tokens of the micro-batch (its positions under cp)
+    std::vector<MoERoute> routes;      // with experts: each layer's routing of the micro-batch, for backward
     int *device_inputs = nullptr, *device_targets = nullptr;  // the same, where the kernels read them
     int B = 0, T = 0;
     float loss = -1.0f;  // the chunk's loss: -1 without targets, or when the chunk is not the model's last
@@ -446,6 +457,7 @@ struct GPTModel {
     uint64_t seed = 0;  // the stochastic rounding's bits on the GPU
     TensorParallel tp;  // this rank's place in its tensor-parallel group
     ContextParallel<floatX> cp;  // ... and in its context-parallel group
+    MixtureOfExperts<floatX> moe;  // the experts' routing and dispatch, and this rank's place in its ep group
     ModelPart part;     // the layers it holds (all, or a pipeline stage's)
     int recompute = RECOMPUTE_NONE;
     bool split_backward = false;  // backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk()
@@ -488,9 +500,12 @@ struct ModelBuffers {
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
                          int recompute = RECOMPUTE_NONE, CPSpec cp = {}, ModelPart part = {}, int slots = 1,
-                         bool split_backward = false) {
+                         bool split_backward = false, int ep = 1) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
     check_split(config, T, tp, cp);
+    if (config.num_experts % ep != 0)
+        fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
+    if (split_backward && config.moe()) fail("--pp-schedule zb: the split backward does not take experts yet");
     if (part.chunks() == 0) part = whole_part(config);
     m.cp.spec = cp;
     int head_size = config.channels / config.num_heads;
@@ -503,8 +518,8 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.part = part;
     m.recompute = recompute;
     m.split_backward = split_backward;
-    param_tensor_sizes(config, m.param_sizes, tp.size, part);
-    m.num_parameters = num_parameters(config, tp.size, part);
+    param_tensor_sizes(config, m.param_sizes, tp.size, part, ep);
+    m.num_parameters = num_parameters(config, tp.size, part, ep);
     Ledger& led = m.ledger;
     if (own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
     if (own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
@@ -513,15 +528,16 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         m.adam_m = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
         m.adam_v = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
     }
-    for (int u = 0; u < num_units(part.layers()); u++) m.units.push_back(unit_segments(config, u, tp.size, part));
+    for (int u = 0; u < num_units(part.layers()); u++) m.units.push_back(unit_segments(config, u, tp.size, part, ep));
 
-    LocalDims d = local_dims(config, tp, B, T, cp.size);
+    LocalDims d = local_dims(config, tp, B, T, cp.size, ep);
+    size_t mlp_rows = config.moe() ? d.expert_rows : d.BT;
     size_t C = config.channels, BT = d.BT, R = d.R;
     size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
     auto act = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n); };
     auto act_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_ACTIVATIONS, n); };
     // a recomputed slot is one buffer for every layer of every micro-batch (layer_slice steps through it by 0)
-    floatX* gelu_shared = recompute >= RECOMPUTE_GELU ? act(BT * d.Hl) : nullptr;
+    floatX* gelu_shared = recompute >= RECOMPUTE_GELU ? act(mlp_rows * d.Hl) : nullptr;
     floatX* layernorm_shared = recompute >= RECOMPUTE_LAYERNORM ? act(BT * C) : nullptr;
     m.slots.resize(slots);
     for (MicroBatchSlot<floatX>& mb : m.slots) {
@@ -544,6 +560,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         }
         mb.inputs.assign(BT, 0);
         mb.targets.assign(BT, 0);
+        mb.routes.resize(config.moe() ? chunk_layers : 0);
         if (gpu) {
             mb.device_inputs = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
             mb.device_targets = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
@@ -560,7 +577,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.dln = scr(BT * C);
     s.dqkv = scr(BT * 3 * d.Cl);
     s.datty = scr(BT * d.Cl);
-    s.dfch = scr(BT * d.Hl);
+    s.dfch = scr(mlp_rows * d.Hl);
     if (gpu) {
         size_t floats = gpu_kernel_scratch_floats(d);
         s.attention = nullptr;
@@ -576,6 +593,20 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
     m.tp.gather = s.gather;
     m.cp.allocate(led, B, T, (int)C, d.Cl, d.NHl);
+    m.moe.ep_size = ep;
+    m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C);
+}
+
+// the sizes the model works with on a micro-batch of B×T tokens
+template <typename floatX>
+inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
+    return local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size, m.moe.ep_size);
+}
+
+// a layer's router and experts, out of its unit's tensors
+template <typename floatX>
+inline ExpertTensors<floatX> expert_tensors(const ParamViews<floatX>& v) {
+    return {v[ROUTERW], v[FCW], v[FCB], v[FCPROJW], v[FCPROJB]};
 }
 
 // A rank's coordinates in the groups that split the parameters: tensor parallelism splits every matrix,
@@ -804,7 +835,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     const ModelPart& part = m.part;
     int Lp = part.layers(), V = c.vocab_size;
     ContextParallel<floatX>& cp = m.cp;
-    LocalDims d = local_dims(c, m.tp.spec, B, T, cp.spec.size);
+    LocalDims d = model_dims(m, B, T);
     long BT = d.BT, R = d.R, C = d.C, first = m.tp.first_row(BT) * C;
     for (long i = 0; i < (long)B * T; i++) {
         if (inputs[i] < 0 || inputs[i] >= V) fail("forward: input token %d outside the vocab [0, %d)", inputs[i], V);
@@ -851,8 +882,13 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, residual, la.attproj,
                                          w[LN2W], w[LN2B], R, C);
         tp.gather_rows(la.ln2, BT, C);
-        matmul_gelu_forward(la.fch_gelu, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
-        tp.row_parallel_forward(la.fcproj, partial, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
+        if (c.moe()) {
+            m.moe.forward(la.fcproj, partial, mb.routes[i], la.moe_in, la.fch, la.fch_gelu, la.moe_out, la.ln2,
+                          expert_tensors(w), B, d.T, (int)C, d.Hl, tp, cp, part.model_layer(lo + i), ws);
+        } else {
+            matmul_gelu_forward(la.fch_gelu, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
+            tp.row_parallel_forward(la.fcproj, partial, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
+        }
     }
     Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
     if (!head) {
@@ -888,7 +924,7 @@ inline floatX* gpt_chunk_input(GPTModel<floatX>& m, int slot) { return m.slots[s
 template <typename floatX>
 inline floatX* gpt_chunk_output(GPTModel<floatX>& m, int slot, int chunk) {
     const MicroBatchSlot<floatX>& mb = m.slots[slot];
-    LocalDims d = local_dims(m.config, m.tp.spec, mb.B, mb.T, m.cp.spec.size);
+    LocalDims d = model_dims(m, mb.B, mb.T);
     return layer_slice(mb.acts, m.part.chunk_layers[chunk] - 1, d, m.recompute, m.split_backward).residual3;
 }
 
@@ -920,8 +956,8 @@ inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t, int 
 // What forward did not keep under -r, computed again exactly as forward did (and gathered again under sp) where
 // a layer's backward or its weight-gradient step reads it: GELU's output (-r 1), the layernorms' (-r 2)
 template <typename floatX>
-inline void recompute_gelu(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d) {
-    if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, d.BT * d.Hl);
+inline void recompute_gelu(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
+    if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, rows * d.Hl);
 }
 template <typename floatX>
 inline void recompute_layernorm(GPTModel<floatX>& m, const LocalDims& d, floatX* out, float* mean, float* rstd,
@@ -948,7 +984,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     bool head = part.head(chunk);
     if (head && mb.loss < 0) fail("backward: the last forward had no targets");
     int B = mb.B, T = mb.T, Lp = part.layers(), V = c.vocab_size;
-    LocalDims d = local_dims(c, m.tp.spec, B, T, m.cp.spec.size);
+    LocalDims d = model_dims(m, B, T);
     long BT = d.BT, R = d.R, C = d.C;
     Activations<floatX>& a = mb.acts;
     Scratch<floatX>& s = m.scratch;
@@ -993,17 +1029,23 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         const floatX* residual = i == 0 ? a.encoded : layer_slice(a, i - 1, d, m.recompute, m.split_backward).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        recompute_gelu(m, la, d);
+        recompute_gelu(m, la, d, c.moe() ? mb.routes[i].rows : BT);
         // a split backward leaves the matmuls' weight gradients for later and keeps their output gradients
         auto now = [&](floatX* grad) { return split ? nullptr : grad; };
         floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
 
         const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
-        if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-        matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
-        gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
-        recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        if (c.moe()) {
+            recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+            m.moe.backward(s.dln, expert_tensors(dw), dout, s.dfch, mb.routes[i], la.moe_in, la.fch, la.fch_gelu,
+                           la.moe_out, la.ln2, expert_tensors(w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
+        } else {
+            if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+            matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
+            gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
+            recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+            matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        }
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
         dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
@@ -1038,7 +1080,7 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     const ModelPart& part = m.part;
     MicroBatchSlot<floatX>& mb = m.slots[slot];
     int Lp = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
-    LocalDims d = local_dims(m.config, m.tp.spec, mb.B, mb.T, m.cp.spec.size);
+    LocalDims d = model_dims(m, mb.B, mb.T);
     long BT = d.BT, C = d.C;
     float* ws = m.scratch.gemm;
     auto done = [&](int unit) {
@@ -1053,7 +1095,7 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        recompute_gelu(m, la, d);
+        recompute_gelu(m, la, d, BT);
         matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
         recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
         matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);

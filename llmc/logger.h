@@ -1,5 +1,6 @@
 // DIR/main.log in llm.c's line format, which scripts and tests parse: "s:STEP trl:LOSS lr:LR norm:NORM" per
-// training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals. A step whose update was skipped
+// training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals. With experts, a step's line adds
+// "aux:LOSS" and, every -v steps, a line "s:STEP load:MIN/MAX,..." (per layer). A step whose update was skipped
 // (a non-finite loss or gradient norm) adds "skipped:1". A line that cannot be written stops the run.
 #pragma once
 
@@ -25,9 +26,13 @@ struct Logger {
     ~Logger() {
         if (f) fclose(f);
     }
-    void train(int step, float loss, float lr, float norm, bool skipped) {
-        line("s:%d trl:%.6f lr:%.6e norm:%.6f%s\n", step, loss, lr, norm, skipped ? " skipped:1" : "");
+    // aux: a mixture of experts' load-balancing loss (negative: a dense model, not written)
+    void train(int step, float loss, float lr, float norm, bool skipped, float aux = -1.0f) {
+        std::string extra = aux >= 0.0f ? strfmt(" aux:%.6f", aux) : "";
+        line("s:%d trl:%.6f lr:%.6e norm:%.6f%s%s\n", step, loss, lr, norm, extra.c_str(), skipped ? " skipped:1" : "");
     }
+    // each layer's expert load: the smallest and the largest share of the step's assignments
+    void expert_load(int step, const std::string& shares) { line("s:%d load:%s\n", step, shares.c_str()); }
     void val(int step, float loss) { line("s:%d tel:%.6f\n", step, loss); }
 
    private:

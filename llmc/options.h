@@ -47,6 +47,7 @@ struct Options {
     std::string cp_split = "zigzag";                    // --cp-split
     std::string pp_schedule = "1f1b";                   // --pp-schedule
     int vpp = 1;                                        // --vpp
+    float moe_aux = -1.0f;                              // --moe-aux; -1: 0.01 with experts
     std::string trace;                                  // --trace
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r
@@ -116,7 +117,8 @@ inline const char* USAGE =
     "  --pp-schedule afab|1f1b|interleaved|zb  the order of the micro-batches' passes [1f1b]\n"
     "  --vpp V           with interleaved: virtual stages (chunks of layers) per rank [1]\n"
     "  --trace FILE      with --pp: write the first step's timeline of every rank (Chrome trace JSON) [none]\n"
-    "  --ep N            expert-parallel size (1 only, for now)                    [1]\n"
+    "  --ep N            expert-parallel size: the experts split over N ranks of dp  [1]\n"
+    "  --moe-aux F       with experts: the load-balancing loss's weight            [0.01]\n"
     "  --comm mpi|nccl   communication backend                                     [nccl on cuda, mpi on cpu]\n"
     "  --comm-init mpi|tcp|file  how NCCL ranks find each other                    [mpi]\n"
     "  --comm-address HOST:PORT  with --comm-init tcp: where rank 0 listens        [none]\n"
@@ -213,6 +215,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--cp", integer(&o.cp, 1, 1 << 16)},
         {"--pp", integer(&o.pp, 1, 1 << 16)},
         {"--ep", integer(&o.ep, 1, 1 << 16)},
+        {"--moe-aux", real(&o.moe_aux, 0.0f, 100.0f)},
         {"-z", integer(&o.zero, 0, 3)},
         {"-r", integer(&o.recompute, 0, 2)},
         {"--sp", integer(&o.sp, 0, 1)},

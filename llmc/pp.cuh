@@ -141,7 +141,7 @@ struct Pipeline {
             free_slots.push_back(slot_of.at({actions[i].micro, actions[i].chunk}));
             slot_of.erase({actions[i].micro, actions[i].chunk});
         };
-        LocalDims d = local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size);
+        LocalDims d = model_dims(m, B, T);
         size_t rows = (size_t)d.R * d.C;
         floatX* input_grad = nullptr;  // of the last backward, until its send
         double t0 = comm_clock(), loss = 0.0;

@@ -256,7 +256,7 @@ TEST_CASE("the process grid: tp fastest, then cp, dp, pp; groups and errors", "[
     CHECK((g.dp == 1 && g.dp_comm.size == 1 && g.tp_comm.size == 1));
     CHECK(&g.dp_cp() == &g.dp_comm);  // without cp, gradients are reduced over dp alone
 
-    // on the command line: a grid that does not fit, and a parallelism that is not built yet
+    // on the command line: a grid that does not fit, and experts split where the model has none
     Data data;
     CommandResult bad = single(data.flags(2, 32, 1) + " --plan --world 6 --tp 4");
     CHECK(bad.status == 1);
@@ -264,5 +264,5 @@ TEST_CASE("the process grid: tp fastest, then cp, dp, pp; groups and errors", "[
     CommandResult ep = mpirun(2, "./train_gpt", data.flags(2, 64, 1) + " --ep 2");
     INFO(ep.output);
     CHECK(ep.status != 0);
-    CHECK(ep.output.find("--ep 2: expert parallelism is not implemented yet") != std::string::npos);
+    CHECK(ep.output.find("--ep 2: the model has no experts to split") != std::string::npos);
 }

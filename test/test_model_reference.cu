@@ -1,16 +1,16 @@
-// The CPU model against PyTorch: test/reference/make_reference.py builds a small GPT-2 of an odd shape and
-// records its logits, loss, every gradient and the losses of 10 AdamW steps; `make test` writes them to
-// build/reference/ before running this.
+// The CPU model against PyTorch: test/reference/make_reference.py builds a small GPT-2 of an odd shape, and
+// one whose MLPs are mixtures of experts (--moe), and records their logits, loss, every gradient and the
+// losses of 10 AdamW steps; `make test` writes them to build/reference/ and build/reference_moe/ before
+// running this.
 #include "llmc/gpt.cuh"
 #include "test_helpers.h"
 
 namespace {
 
-const char* REFERENCE_DIR = "build/reference";
-
 struct ReferenceState {
     int B, T, V, Vp, steps;
     float lr, weight_decay, grad_clip;
+    float aux_weight, aux;  // with experts: the load-balancing loss's weight, and its value on the batch
     std::vector<int> inputs, targets;
     std::vector<float> logits, grads, losses;
     float loss;
@@ -31,6 +31,7 @@ ReferenceState read_state(const std::string& path, size_t num_parameters) {
     ReferenceState s;
     s.B = h[2], s.T = h[3], s.V = h[4], s.Vp = h[5], s.steps = h[6];
     s.lr = float_from_bits(h[7]), s.weight_decay = float_from_bits(h[8]), s.grad_clip = float_from_bits(h[9]);
+    s.aux_weight = float_from_bits(h[10]), s.aux = float_from_bits(h[11]);
     size_t BT = (size_t)s.B * s.T;
     s.inputs.resize(BT);
     s.targets.resize(BT);
@@ -46,10 +47,8 @@ ReferenceState read_state(const std::string& path, size_t num_parameters) {
     return s;
 }
 
-}  // namespace
-
-TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps", "[model][reference]") {
-    std::string model_path = std::string(REFERENCE_DIR) + "/model.bin";
+void check_against_pytorch(const std::string& dir) {
+    std::string model_path = dir + "/model.bin";
     INFO("run `make test` (or make build/reference/model.bin) to generate " << model_path);
     REQUIRE(file_exists(model_path));
     int version;
@@ -58,13 +57,14 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
     ReferenceState ref;
     {
         // peek at the batch shape before allocating the model for it
-        File f(std::string(REFERENCE_DIR) + "/state.bin", "rb");
+        File f(dir + "/state.bin", "rb");
         int h[256];
         f.read(h, sizeof(h));
         gpt_allocate(m, config, h[2], h[3]);
     }
     gpt_load_params(m.config, m.params, model_path);
-    ref = read_state(std::string(REFERENCE_DIR) + "/state.bin", m.num_parameters);
+    ref = read_state(dir + "/state.bin", m.num_parameters);
+    m.moe.alpha = ref.aux_weight;
     REQUIRE(ref.V == config.vocab_size);
     REQUIRE(ref.Vp == config.padded_vocab_size);
     long BT = (long)ref.B * ref.T;
@@ -79,6 +79,11 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
                                                       logit_scale));
     CHECK(logit_err < 1e-5);
     CHECK(fabs(loss - ref.loss) / ref.loss < 1e-5);
+    if (config.moe()) {  // the aux loss: summed over the layers and sequences, the mean over the sequences
+        INFO("aux loss: ours " << m.moe.aux_sum / ref.B << ", PyTorch " << ref.aux);
+        CHECK(ref.aux > 0.0f);
+        CHECK(fabs(m.moe.aux_sum / ref.B - ref.aux) / ref.aux < 1e-5);
+    }
 
     gpt_zero_grad(m);
     gpt_backward(m, 1.0f / BT);
@@ -101,4 +106,15 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
         float scale = clip_scale(gpt_grad_norm(m), ref.grad_clip);
         gpt_update(m, ref.lr, ref.weight_decay, scale);
     }
+}
+
+}  // namespace
+
+TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps", "[model][reference]") {
+    check_against_pytorch("build/reference");
+}
+
+TEST_CASE("CPU GPT-2 with experts (E=4, K=2) matches PyTorch: logits, loss, aux loss, gradients and 10 AdamW steps",
+          "[model][reference][moe]") {
+    check_against_pytorch("build/reference_moe");
 }

@@ -1,0 +1,456 @@
+// The mixture-of-experts MLP: a router picks K of E experts for every token, each expert is GPT-2's MLP over
+// the rows routed to it, and the layer's output is the gate-weighted sum of the K expert outputs.
+//
+//   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias); the K largest are chosen (ties go to the lower
+//            expert), and their gates are the softmax over those K logits. Dropless: every token reaches all
+//            K of its experts, so the experts see K·BT rows in all.
+//   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
+//            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
+//            with an all-to-all-v, the counts exchanged first, and come back the same way.
+//   experts  one matmul per expert over its contiguous rows: fc (+bias), GELU, fc_proj (+bias).
+//   combine  out[t] = Σ_k gate[t,k] · y[t,k], in slot order, so the sum is the same on every layout.
+//   aux loss per sequence and layer, α·E·Σ_i f_i·P_i, f_i the share of the sequence's K·T assignments that went
+//            to expert i (a constant), P_i the mean over its tokens of the full softmax over the E logits.
+//            The trainer's objective adds its mean over the global batch's sequences, summed over layers.
+//
+// The routing decisions are small (K numbers per token) and made on the host, from the logits the router
+// kernel leaves in fp32, by the same code for both devices; the rows themselves move with kernels. Forward
+// keeps the decisions (MoERoute) for backward. Under tensor parallelism each expert is split as the dense
+// MLP is (fc by rows, fc_proj by columns): every tp rank routes the same whole rows the same way, the combined
+// partial outputs are reduced over the group, and fc_proj's bias is added on tp rank 0 alone so that the
+// reduction adds it once.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "llmc/comm.cuh"
+#include "llmc/cp.cuh"
+#include "llmc/device.cuh"
+#include "llmc/gelu.cuh"
+#include "llmc/ledger.h"
+#include "llmc/matmul.cuh"
+#include "llmc/tp.cuh"
+
+// ----------------------------------------------------------------------------------------------------------
+// The layer's data movement: a CPU loop and its CUDA kernel for each, fp32 arithmetic on the storage type
+
+// logits[t, e] = Σ_c x[t, c] · w[e, c]
+inline void router_forward(float* logits, const float* x, const float* w, long BT, int C, int E) {
+#pragma omp parallel for
+    for (long t = 0; t < BT; t++)
+        for (int e = 0; e < E; e++) {
+            float sum = 0.0f;
+            for (int c = 0; c < C; c++) sum += x[t * C + c] * w[(long)e * C + c];
+            logits[t * E + e] = sum;
+        }
+}
+// one warp per (token, expert), the lanes over the channels
+static __global__ void router_forward_kernel(float* logits, const bf16* x, const bf16* w, long BT, int C, int E) {
+    long pair = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (pair >= BT * E) return;
+    long t = pair / E;
+    int e = (int)(pair % E);
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += 32) sum += __bfloat162float(x[t * C + c]) * __bfloat162float(w[(long)e * C + c]);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) logits[pair] = sum;
+}
+inline void router_forward(float* logits, const bf16* x, const bf16* w, long BT, int C, int E) {
+    router_forward_kernel<<<cuda_blocks(BT * E * 32, 256), 256, 0, main_stream()>>>(logits, x, w, BT, C, E);
+    cuda_check(cudaGetLastError());
+}
+
+// dx[t, c] += Σ_e dlogits[t, e] · w[e, c] (dx may be null); dw[e, c] += Σ_t dlogits[t, e] · x[t, c], summed over
+// t in order
+inline void router_backward(float* dx, float* dw, const float* dlogits, const float* x, const float* w, long BT, int C,
+                            int E) {
+    if (dx) {
+#pragma omp parallel for
+        for (long t = 0; t < BT; t++)
+            for (int e = 0; e < E; e++)
+                for (int c = 0; c < C; c++) dx[t * C + c] += dlogits[t * E + e] * w[(long)e * C + c];
+    }
+#pragma omp parallel for
+    for (long ec = 0; ec < (long)E * C; ec++) {
+        long e = ec / C, c = ec % C;
+        float sum = 0.0f;
+        for (long t = 0; t < BT; t++) sum += dlogits[t * E + e] * x[t * C + c];
+        dw[ec] += sum;
+    }
+}
+static __global__ void router_dinp_kernel(bf16* dx, const float* dlogits, const bf16* w, long BT, int C, int E) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x) {
+        long t = i / C, c = i % C;
+        float sum = __bfloat162float(dx[i]);
+        for (int e = 0; e < E; e++) sum += dlogits[t * E + e] * __bfloat162float(w[(long)e * C + c]);
+        dx[i] = __float2bfloat16(sum);
+    }
+}
+// a block per (expert, 32 channels): 8 rows of threads stride over the tokens, then their sums add in row order
+static __global__ void router_dweight_kernel(bf16* dw, const float* dlogits, const bf16* x, long BT, int C, int E) {
+    __shared__ float partial[8][32];
+    int e = blockIdx.y, c = blockIdx.x * 32 + threadIdx.x;
+    float sum = 0.0f;
+    if (c < C)
+        for (long t = threadIdx.y; t < BT; t += 8) sum += dlogits[t * E + e] * __bfloat162float(x[t * C + c]);
+    partial[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    for (int r = 1; r < 8; r++) sum += partial[r][threadIdx.x];
+    dw[(long)e * C + c] = __float2bfloat16(__bfloat162float(dw[(long)e * C + c]) + sum);
+}
+inline void router_backward(bf16* dx, bf16* dw, const float* dlogits, const bf16* x, const bf16* w, long BT, int C,
+                            int E) {
+    if (dx) launch_elementwise(router_dinp_kernel, BT * C, dx, dlogits, w, BT, C, E);
+    router_dweight_kernel<<<dim3(cuda_blocks(C, 32), E), dim3(32, 8), 0, main_stream()>>>(dw, dlogits, x, BT, C, E);
+    cuda_check(cudaGetLastError());
+}
+
+// dst[i, :] = src[index[i], :] for n rows of C
+inline void gather_rows(float* dst, const float* src, const int* index, long n, int C) {
+#pragma omp parallel for
+    for (long i = 0; i < n; i++) memcpy(dst + i * C, src + (long)index[i] * C, C * sizeof(float));
+}
+static __global__ void gather_rows_kernel(bf16* dst, const bf16* src, const int* index, long n, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * C; i += (long)gridDim.x * blockDim.x)
+        dst[i] = src[(long)index[i / C] * C + i % C];
+}
+inline void gather_rows(bf16* dst, const bf16* src, const int* index, long n, int C) {
+    launch_elementwise(gather_rows_kernel, n * C, dst, src, index, n, C);
+}
+
+// out[t] = Σ_k weight[t, k] · rows[row_of[t, k]] for BT tokens of K slots, in slot order (weight null: 1)
+inline void moe_combine(float* out, const float* rows, const int* row_of, const float* weight, long BT, int K, int C) {
+#pragma omp parallel for
+    for (long t = 0; t < BT; t++)
+        for (int c = 0; c < C; c++) {
+            float sum = 0.0f;
+            for (int k = 0; k < K; k++) sum += (weight ? weight[t * K + k] : 1.0f) * rows[(long)row_of[t * K + k] * C + c];
+            out[t * C + c] = sum;
+        }
+}
+static __global__ void moe_combine_kernel(bf16* out, const bf16* rows, const int* row_of, const float* weight, long BT,
+                                          int K, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x) {
+        long t = i / C, c = i % C;
+        float sum = 0.0f;
+        for (int k = 0; k < K; k++)
+            sum += (weight ? weight[t * K + k] : 1.0f) * __bfloat162float(rows[(long)row_of[t * K + k] * C + c]);
+        out[i] = __float2bfloat16(sum);
+    }
+}
+inline void moe_combine(bf16* out, const bf16* rows, const int* row_of, const float* weight, long BT, int K, int C) {
+    launch_elementwise(moe_combine_kernel, BT * C, out, rows, row_of, weight, BT, K, C);
+}
+
+// the combine's backward to the rows: rows[row_of[t, k]] = weight[t, k] · dout[t]
+inline void moe_spread(float* rows, const float* dout, const int* row_of, const float* weight, long BT, int K, int C) {
+#pragma omp parallel for
+    for (long tk = 0; tk < BT * K; tk++)
+        for (int c = 0; c < C; c++) rows[(long)row_of[tk] * C + c] = weight[tk] * dout[tk / K * C + c];
+}
+static __global__ void moe_spread_kernel(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT,
+                                         int K, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * K * C; i += (long)gridDim.x * blockDim.x) {
+        long tk = i / C, c = i % C;
+        rows[(long)row_of[tk] * C + c] = __float2bfloat16(weight[tk] * __bfloat162float(dout[tk / K * C + c]));
+    }
+}
+inline void moe_spread(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT, int K, int C) {
+    launch_elementwise(moe_spread_kernel, BT * K * C, rows, dout, row_of, weight, BT, K, C);
+}
+
+// ... and to the gates: dgate[t, k] = dout[t] · rows[row_of[t, k]]
+inline void moe_gate_grads(float* dgate, const float* dout, const float* rows, const int* row_of, long BT, int K, int C) {
+#pragma omp parallel for
+    for (long tk = 0; tk < BT * K; tk++) {
+        float sum = 0.0f;
+        for (int c = 0; c < C; c++) sum += dout[tk / K * C + c] * rows[(long)row_of[tk] * C + c];
+        dgate[tk] = sum;
+    }
+}
+static __global__ void moe_gate_grads_kernel(float* dgate, const bf16* dout, const bf16* rows, const int* row_of, long BT,
+                                             int K, int C) {
+    long tk = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (tk >= BT * K) return;
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += 32)
+        sum += __bfloat162float(dout[tk / K * C + c]) * __bfloat162float(rows[(long)row_of[tk] * C + c]);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) dgate[tk] = sum;
+}
+inline void moe_gate_grads(float* dgate, const bf16* dout, const bf16* rows, const int* row_of, long BT, int K, int C) {
+    moe_gate_grads_kernel<<<cuda_blocks(BT * K * 32, 256), 256, 0, main_stream()>>>(dgate, dout, rows, row_of, BT, K, C);
+    cuda_check(cudaGetLastError());
+}
+
+// a layer's router and experts (its parameters, or their gradients): the router's E×C weight, then each
+// tensor of the MLP with the rank's experts stacked
+template <typename floatX>
+struct ExpertTensors {
+    floatX *router, *fcw, *fcb, *fcprojw, *fcprojb;
+};
+
+// ----------------------------------------------------------------------------------------------------------
+// Routing: the decisions for one layer and one micro-batch, on the host
+
+struct MoERoute {
+    std::vector<int> expert;        // BT·K: each token's experts, largest logit first
+    std::vector<float> gate;        // BT·K
+    std::vector<float> probs;       // BT·E: the softmax over every expert (the aux loss's P)
+    std::vector<float> freq;        // B·E: f_i of each sequence (of the whole sequence under cp)
+    std::vector<int> row_of;        // BT·K: where (t, k)'s row is in dispatch order
+    std::vector<int> token_of_row;  // K·BT: the token of each row in dispatch order
+    std::vector<int> send_counts;   // E: rows to each expert, in dispatch order (rank j's experts: j·X .. j·X+X-1)
+    std::vector<int> recv_counts;   // ep·X: rows from each rank of the ep group, per local expert
+    std::vector<int> expert_first;  // X + 1: where each local expert's rows start in expert-major order
+    std::vector<int> recv_of_expert_row, expert_row_of_recv;  // the permutation between the two orders (ep > 1)
+    long rows = 0;                  // rows on this rank's experts
+};
+
+// The top-K experts and gates of each of BT tokens, the full softmax, and the dispatch order
+inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K) {
+    r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E), r.row_of.resize(BT * K);
+    r.token_of_row.resize(BT * K);
+    r.send_counts.assign(E, 0);
+    for (long t = 0; t < BT; t++) {
+        const float* l = logits + t * E;
+        float top = *std::max_element(l, l + E), total = 0.0f;
+        for (int e = 0; e < E; e++) total += r.probs[t * E + e] = expf(l[e] - top);
+        for (int e = 0; e < E; e++) r.probs[t * E + e] /= total;
+        // the K largest in turn; a strict comparison keeps the lower expert on a tie
+        int* chosen = &r.expert[t * K];
+        for (int k = 0; k < K; k++) {
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || l[e] > l[best])) best = e;
+            chosen[k] = best;
+        }
+        float gate_total = 0.0f, gate_top = l[chosen[0]];
+        for (int k = 0; k < K; k++) gate_total += r.gate[t * K + k] = expf(l[chosen[k]] - gate_top);
+        for (int k = 0; k < K; k++) r.gate[t * K + k] /= gate_total, r.send_counts[chosen[k]]++;
+    }
+    // dispatch order: by expert, then token, then slot (a counting sort that keeps the (t, k) order)
+    std::vector<int> next(E, 0);
+    for (int e = 1; e < E; e++) next[e] = next[e - 1] + r.send_counts[e - 1];
+    for (long tk = 0; tk < BT * K; tk++) {
+        int row = next[r.expert[tk]]++;
+        r.row_of[tk] = row;
+        r.token_of_row[row] = (int)(tk / K);
+    }
+}
+
+// the aux loss's gradient wants, per sequence, f (the share of assignments per expert) and Σ_t P; under cp a
+// sequence's tokens are spread over the group, so the sums are taken over it
+template <typename floatX>
+inline void sequence_statistics(MoERoute& r, std::vector<float>& prob_sums, ContextParallel<floatX>& cp, int B, int Tl,
+                                int E, int K) {
+    std::vector<float> sums(2 * (size_t)B * E, 0.0f);  // the counts, then Σ_t P, per sequence and expert
+    for (long t = 0; t < (long)B * Tl; t++) {
+        long b = t / Tl;
+        for (int k = 0; k < K; k++) sums[b * E + r.expert[t * K + k]] += 1.0f;
+        for (int e = 0; e < E; e++) sums[((long)B + b) * E + e] += r.probs[t * E + e];
+    }
+    if (cp.on()) cp.comm->wait(cp.comm->all_reduce(sums.data(), sums.data(), sums.size(), DType::F32));
+    float T = (float)Tl * cp.spec.size;
+    r.freq.resize((size_t)B * E);
+    prob_sums.assign(sums.begin() + (long)B * E, sums.end());
+    for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = sums[i] / (T * K);
+}
+
+// ----------------------------------------------------------------------------------------------------------
+
+template <typename floatX>
+struct MixtureOfExperts {
+    int E = 1, K = 1, X = 1;  // experts, chosen per token, held by this rank
+    float alpha = 0.01f;      // the aux loss's weight
+    Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
+    int ep_size = 1, ep_rank = 0;
+    // scratch shared by the layers: rows in dispatch order and on the experts' side, the router's fp32
+    // buffers, and (on the GPU) the routing decisions uploaded for the kernels
+    floatX *dispatch = nullptr, *received = nullptr, *expert_rows = nullptr;
+    float *logits = nullptr, *gates = nullptr, *dgates = nullptr, *dlogits = nullptr;
+    int *row_of = nullptr, *token_of_row = nullptr, *permutation = nullptr;
+    std::vector<float> host_logits, host_dgates, host_dlogits, prob_sums;
+    // what the step's forward passes saw, for the log: Σ over sequences and layers of the aux loss, and the
+    // assignments per (model layer, expert)
+    double aux_sum = 0.0;
+    std::vector<double> load;
+
+    bool on() const { return E > 1; }
+    // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
+    long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
+
+    void allocate(Ledger& led, int experts, int top_k, int layers, long BT, int C) {
+        E = experts, K = top_k, X = E / ep_size;
+        load.assign((size_t)layers * E, 0.0);
+        if (!on()) return;
+        auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
+        auto scr_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_SCRATCH, n); };
+        long rows = max_rows(BT);
+        dispatch = scr((size_t)BT * K * C);
+        if (ep_size > 1) received = scr((size_t)rows * C);
+        expert_rows = scr((size_t)rows * C);
+        logits = scr_f((size_t)BT * E), dlogits = scr_f((size_t)BT * E);
+        gates = scr_f((size_t)BT * K), dgates = scr_f((size_t)BT * K);
+        if (device_of<floatX> == Device::CUDA) {
+            auto scr_i = [&](size_t n) { return led.alloc<floatX, int>(MEM_SCRATCH, n); };
+            row_of = scr_i((size_t)BT * K), token_of_row = scr_i((size_t)BT * K), permutation = scr_i((size_t)rows);
+        }
+    }
+
+    // the host's numbers where the kernels read them: the host vector itself on the CPU, else uploaded
+    template <typename V>
+    const V* on_device(V* device, const std::vector<V>& host) {
+        if constexpr (device_of<floatX> == Device::CPU) return host.data();
+        device_upload<floatX>(device, host.data(), host.size());
+        return device;
+    }
+
+    // rows between dispatch order (here) and the ranks of their experts (source-major there), either way
+    void exchange(const floatX* from, floatX* to, const MoERoute& r, bool to_experts, int C) {
+        std::vector<size_t> out(ep_size, 0), in(ep_size, 0), out_at(ep_size, 0), in_at(ep_size, 0);
+        for (int j = 0; j < ep_size; j++)
+            for (int x = 0; x < X; x++) out[j] += (size_t)r.send_counts[j * X + x] * C, in[j] += (size_t)r.recv_counts[j * X + x] * C;
+        for (int j = 1; j < ep_size; j++) out_at[j] = out_at[j - 1] + out[j - 1], in_at[j] = in_at[j - 1] + in[j - 1];
+        if (to_experts) ep->wait(ep->all_to_allv(from, out.data(), out_at.data(), to, in.data(), in_at.data(), dtype_of<floatX>()));
+        else ep->wait(ep->all_to_allv(from, in.data(), in_at.data(), to, out.data(), out_at.data(), dtype_of<floatX>()));
+    }
+
+    // The counts of rows each rank of the ep group sends to this one's experts, and the order in which the
+    // experts take them: expert-major, and within an expert by source rank, then the source's dispatch order
+    void plan_receive(MoERoute& r) {
+        r.recv_counts.assign((size_t)ep_size * X, 0);
+        if (ep_size > 1) ep->wait(ep->all_to_all(r.send_counts.data(), r.recv_counts.data(), X, DType::I32));
+        else r.recv_counts = r.send_counts;
+        r.expert_first.assign(X + 1, 0);
+        for (int x = 0; x < X; x++) {
+            r.expert_first[x + 1] = r.expert_first[x];
+            for (int s = 0; s < ep_size; s++) r.expert_first[x + 1] += r.recv_counts[s * X + x];
+        }
+        r.rows = r.expert_first[X];
+        if (ep_size == 1) return;
+        r.recv_of_expert_row.resize(r.rows), r.expert_row_of_recv.resize(r.rows);
+        std::vector<int> next(r.expert_first.begin(), r.expert_first.end() - 1);
+        int recv_row = 0;
+        for (int s = 0; s < ep_size; s++)
+            for (int x = 0; x < X; x++)
+                for (int i = 0; i < r.recv_counts[s * X + x]; i++, recv_row++) {
+                    int er = next[x]++;
+                    r.recv_of_expert_row[er] = recv_row, r.expert_row_of_recv[recv_row] = er;
+                }
+    }
+
+    // Forward of one layer's MLP. ln2: the layernorm's output, every row (BT×C); out: this rank's rows of the
+    // MLP's output (R×C), with `partial` BT×C scratch under sequence parallelism; w: the layer's parameters;
+    // inputs (rows×C), fch and fch_gelu (rows×Hl) and outputs (K·BT×C, dispatch order) are kept for backward.
+    // B sequences of Tl tokens each on this rank; layer is the layer's index in the model (for the load).
+    void forward(floatX* out, floatX* partial, MoERoute& r, floatX* inputs, floatX* fch, floatX* fch_gelu, floatX* outputs,
+                 const floatX* ln2, const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp,
+                 ContextParallel<floatX>& cp, int layer, float* ws) {
+        long BT = (long)B * Tl;
+        router_forward(logits, ln2, w.router, BT, C, E);
+        host_logits.resize((size_t)BT * E);
+        device_download<floatX>(host_logits.data(), logits, host_logits.size());
+        route_tokens(r, host_logits.data(), BT, E, K);
+        sequence_statistics(r, prob_sums, cp, B, Tl, E, K);
+        if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
+            for (int b = 0; b < B; b++) {
+                double sum = 0.0;
+                for (int e = 0; e < E; e++) sum += (double)r.freq[(size_t)b * E + e] * prob_sums[(size_t)b * E + e];
+                aux_sum += alpha * E * sum / ((double)Tl * cp.spec.size);
+            }
+        if (tp.spec.rank == 0)
+            for (int e = 0; e < E; e++) load[(size_t)layer * E + e] += r.send_counts[e];
+        plan_receive(r);
+
+        // the rows to the experts, the experts, the rows back
+        const int* token_of = on_device(token_of_row, r.token_of_row);
+        gather_rows(ep_size > 1 ? dispatch : inputs, ln2, token_of, BT * K, C);
+        if (ep_size > 1) {
+            exchange(dispatch, received, r, true, C);
+            gather_rows(inputs, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
+        }
+        floatX* expert_out = ep_size > 1 ? expert_rows : outputs;
+        for (int x = 0; x < X; x++) {
+            long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
+            if (n == 0) continue;
+            matmul_forward(fch + first * Hl, inputs + first * C, w.fcw + (long)x * Hl * C, w.fcb + (long)x * Hl, n, C,
+                           Hl, ws);
+            gelu_forward(fch_gelu + first * Hl, fch + first * Hl, n * Hl);
+            const floatX* bias = tp.spec.rank == 0 ? w.fcprojb + (long)x * C : nullptr;
+            matmul_forward(expert_out + first * C, fch_gelu + first * Hl, w.fcprojw + (long)x * C * Hl, bias, n, Hl, C, ws);
+        }
+        if (ep_size > 1) {
+            gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
+            exchange(received, outputs, r, false, C);
+        }
+        floatX* whole = tp.spec.sp ? partial : out;
+        moe_combine(whole, outputs, on_device(row_of, r.row_of), on_device(gates, r.gate), BT, K, C);
+        tp.reduce_rows(whole, out, BT, C);
+    }
+
+    // Backward of the layer: dln (BT×C) is overwritten with the gradient of ln2's output (this rank's partial
+    // sum under tp), dw accumulates the layer's gradients. dout: the gradient of the MLP's output for every
+    // row; dhidden: rows×Hl scratch; dloss: each token's weight in the objective (the aux loss's gradient is
+    // that of its per-sequence mean, scaled alike).
+    void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dhidden, const MoERoute& r,
+                  const floatX* inputs, const floatX* fch, const floatX* fch_gelu, const floatX* outputs, const floatX* ln2,
+                  const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp, float dloss, float* ws) {
+        long BT = (long)B * Tl;
+        const int* rows_of = on_device(row_of, r.row_of);
+        // the gates: dgate = dout · y, summed over the tp ranks' partial outputs
+        host_dgates.resize((size_t)BT * K);
+        moe_gate_grads(dgates, dout, outputs, rows_of, BT, K, C);
+        device_download<floatX>(host_dgates.data(), dgates, host_dgates.size());
+        tp.sum_in_rank_order(host_dgates.data(), BT * K);
+
+        // the rows: to the experts, through them, back
+        floatX* drows = ep_size > 1 ? dispatch : expert_rows;
+        moe_spread(drows, dout, rows_of, on_device(gates, r.gate), BT, K, C);
+        floatX* dexpert = drows;  // the experts' output gradients, expert-major
+        if (ep_size > 1) {
+            exchange(dispatch, received, r, true, C);
+            gather_rows(expert_rows, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
+            dexpert = expert_rows;
+        }
+        // dexpert turns into the experts' input gradients row by row, each expert's rows once it is done with them
+        for (int x = 0; x < X; x++) {
+            long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
+            if (n == 0) continue;
+            matmul_backward(dhidden, dw.fcprojw + (long)x * C * Hl, dw.fcprojb + (long)x * C, dexpert + first * C,
+                            fch_gelu + first * Hl, w.fcprojw + (long)x * C * Hl, n, Hl, C, ws);
+            gelu_backward(dhidden, fch + first * Hl, dhidden, n * Hl);
+            matmul_backward(dexpert + first * C, dw.fcw + (long)x * Hl * C, dw.fcb + (long)x * Hl, dhidden,
+                            inputs + first * C, w.fcw + (long)x * Hl * C, n, C, Hl, ws);
+        }
+        const floatX* dinputs = dexpert;  // dispatch order, once back
+        if (ep_size > 1) {
+            gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
+            exchange(received, dispatch, r, false, C);
+            dinputs = dispatch;
+        }
+        moe_combine(dln, dinputs, rows_of, (const float*)nullptr, BT, K, C);
+
+        // the router: the gates' softmax over the chosen K, and the aux loss through the full softmax
+        host_dlogits.assign((size_t)BT * E, 0.0f);
+        for (long t = 0; t < BT; t++) {
+            const float *g = &r.gate[t * K], *dg = &host_dgates[t * K], *p = &r.probs[t * E];
+            const float* f = &r.freq[(t / Tl) * E];
+            float* dl = &host_dlogits[t * E];
+            float gdg = 0.0f, pdp = 0.0f;
+            for (int k = 0; k < K; k++) gdg += g[k] * dg[k];
+            for (int k = 0; k < K; k++) dl[r.expert[t * K + k]] += g[k] * (dg[k] - gdg);
+            // d aux / d P_i of the token: α·E·f_i per sequence, each sequence weighing dloss·T in the objective
+            for (int e = 0; e < E; e++) pdp += p[e] * alpha * E * f[e] * dloss;
+            for (int e = 0; e < E; e++) dl[e] += p[e] * (alpha * E * f[e] * dloss - pdp);
+        }
+        const float* dl = on_device(dlogits, host_dlogits);
+        // every tp rank holds the same router gradient; its part of dln is added once, before the tp reduction
+        router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.router, dl, ln2, w.router, BT, C, E);
+    }
+};
