@@ -457,7 +457,7 @@ static int train(const Options& o, const RunSetup& run) {
                                grid.world_comm, writes_optimizer ? optimizer_file : -1);
     };
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
-    auto report_against_plan = [&](double sent, double tp_sent, double cp_sent, double pp_sent) {
+    auto report_against_plan = [&](double sent, double tp_sent, double cp_sent, double pp_sent, double ep_sent) {
         if (grad_comm.size > 1)
             printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
                    planned_comm_bytes(config, par, device_of<floatX>));
@@ -474,6 +474,10 @@ static int train(const Options& o, const RunSetup& run) {
         if (grid.pp > 1)
             printf("comm: rank 0 sent %.0f bytes on pp in this step; the formula for pp=%d vpp=%d says %.0f\n", pp_sent,
                    grid.pp, o.vpp, planned_pp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+        if (grid.ep > 1)
+            printf("comm: rank 0 sent %.0f bytes on ep in this step; the formula for ep=%d (4 all-to-alls per layer of "
+                   "the %ld rows it routed to or took from other ranks, and the counts) says %.0f\n", ep_sent, grid.ep,
+                   model.moe.rows_crossing, model.moe.formula_bytes(config.channels));
     };
     // after the first step: the pipeline's idle time against its schedule's formula, and the trace (collectives
     // of the pp group and of the world)
@@ -551,10 +555,9 @@ static int train(const Options& o, const RunSetup& run) {
         pipeline.tracing = step == state.step && pp.on();
         if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
         double t0 = now_seconds(), sent0 = grad_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
-        double cp_sent0 = grid.cp_comm.bytes_sent, pp_sent0 = grid.pp_comm.bytes_sent;
+        double cp_sent0 = grid.cp_comm.bytes_sent, pp_sent0 = grid.pp_comm.bytes_sent, ep_sent0 = grid.ep_comm.bytes_sent;
         dpr.zero_grad();
-        model.moe.aux_sum = 0.0;
-        std::fill(model.moe.load.begin(), model.moe.load.end(), 0.0);
+        model.moe.reset_statistics();
         float dloss = 1.0f / (float)(tokens_per_micro_step * accumulation);
         if (step == o.debug_nan_step && grid.rank == 0) dloss = NAN;
         double loss = pipeline.run(model, &dpr, actions, inputs, targets, o.B, o.T, dloss) / accumulation;
@@ -574,12 +577,12 @@ static int train(const Options& o, const RunSetup& run) {
         auto [aux, load] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
                                         : std::pair<double, std::string>{-1.0, ""};
         double tp_sent = grid.tp_comm.bytes_sent - tp_sent0, cp_sent = grid.cp_comm.bytes_sent - cp_sent0;
-        double pp_sent = grid.pp_comm.bytes_sent - pp_sent0;
+        double pp_sent = grid.pp_comm.bytes_sent - pp_sent0, ep_sent = grid.ep_comm.bytes_sent - ep_sent0;
         if (lead) {
             printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", lr, norm, ms, total_batch / (ms / 1000.0),
                    skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
-            if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent);
+            if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent, ep_sent);
             fflush(stdout);
             log.train(step, (float)loss, lr, (float)norm, skipped, (float)aux);
             if (config.moe() && o.val_every > 0 && step % o.val_every == 0) {

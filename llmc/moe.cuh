@@ -280,8 +280,22 @@ struct MixtureOfExperts {
     // assignments per (model layer, expert)
     double aux_sum = 0.0;
     std::vector<double> load;
+    // ... and what crossed ranks: the rows sent to other ranks' experts and received from other ranks, and the
+    // count exchanges (one per layer and micro-batch)
+    long rows_crossing = 0, count_exchanges = 0;
 
     bool on() const { return E > 1; }
+    void reset_statistics() {
+        aux_sum = 0.0;
+        std::fill(load.begin(), load.end(), 0.0);
+        rows_crossing = count_exchanges = 0;
+    }
+    // The bytes this rank sends over the ep group, by the formula: per layer and micro-batch, forward's dispatch
+    // and return and backward's two, each row of C elements sent once by dispatch or return (the rows it sends
+    // away go out in both dispatches, the rows it received come back in both returns), and the counts
+    double formula_bytes(int C) const {
+        return 2.0 * rows_crossing * C * sizeof(floatX) + (double)count_exchanges * (ep_size - 1) * X * sizeof(int);
+    }
     // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
     long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
 
@@ -327,6 +341,11 @@ struct MixtureOfExperts {
         r.recv_counts.assign((size_t)ep_size * X, 0);
         if (ep_size > 1) ep->wait(ep->all_to_all(r.send_counts.data(), r.recv_counts.data(), X, DType::I32));
         else r.recv_counts = r.send_counts;
+        if (ep_size > 1) {
+            count_exchanges++;
+            for (int j = 0; j < ep_size; j++)
+                for (int x = 0; x < X && j != ep_rank; x++) rows_crossing += r.send_counts[j * X + x] + r.recv_counts[j * X + x];
+        }
         r.expert_first.assign(X + 1, 0);
         for (int x = 0; x < X; x++) {
             r.expert_first[x + 1] = r.expert_first[x];

@@ -13,7 +13,7 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi cp pp nccl plan bench, in this order [all]
+#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe nccl plan bench, in this order [all]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi): a test of this script's plumbing on a machine without a GPU        [cuda]
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
@@ -23,7 +23,8 @@
 #   JOBS        parallel make jobs                                                                   [nproc]
 #   PYTHON      an interpreter with torch                        [python3, else /usr/bin/python3 if it has torch]
 #   DATA, VAL   token shards for every run                          [data/sotu/train.bin, data/sotu/val.bin]
-#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp and nccl
+#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe and nccl
+#   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
 #                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
 #   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
 #               initialization), batch, steps, constant lr, largest |loss difference|
@@ -47,7 +48,7 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp nccl plan bench"
+ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
@@ -65,10 +66,12 @@ if [[ $DEVICE == cuda ]]; then
     CHECK_MODEL=${CHECK_MODEL:-d12} CHECK_B=${CHECK_B:-4} CHECK_T=${CHECK_T:-1024} CHECK_STEPS=${CHECK_STEPS:-20}
     PT_SHAPE=${PT_SHAPE:-12:768:12} PT_B=${PT_B:-4} PT_T=${PT_T:-1024} PT_TOL=${PT_TOL:-0.05}
     MPI_TOL=${MPI_TOL:-2e-2}
+    MOE_MODEL=${MOE_MODEL:-d6c384h6e8k2}
 elif [[ $DEVICE == cpu ]]; then
     CHECK_MODEL=${CHECK_MODEL:-d4c128h2} CHECK_B=${CHECK_B:-2} CHECK_T=${CHECK_T:-64} CHECK_STEPS=${CHECK_STEPS:-10}
     PT_SHAPE=${PT_SHAPE:-2:128:2} PT_B=${PT_B:-4} PT_T=${PT_T:-64} PT_TOL=${PT_TOL:-1e-4}
     MPI_TOL=${MPI_TOL:-1e-5}
+    MOE_MODEL=${MOE_MODEL:-d4c128h2e4k2}
 else
     echo "verify: DEVICE must be cuda or cpu (got '$DEVICE')" >&2; exit 2
 fi
@@ -445,10 +448,10 @@ against() {
     else result FAIL "$PHASE" "$name" "(max rel. loss difference $diff over $n steps, tolerance $tol)"; fi
 }
 
-# two_ranks_ready DIR: true when 2 ranks can run here and the one-rank reference ran in DIR/single; otherwise
-# the phase's SKIP or FAIL is recorded
+# two_ranks_ready DIR [FLAGS...]: true when 2 ranks can run here and the one-rank reference (with FLAGS) ran
+# in DIR/single; otherwise the phase's SKIP or FAIL is recorded
 two_ranks_ready() {
-    local dir=$1
+    local dir=$1; shift
     if needs_device; then return 1; fi
     if ! command -v mpirun >/dev/null 2>&1; then
         result SKIP "$PHASE" "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"; return 1
@@ -457,7 +460,7 @@ two_ranks_ready() {
         result FAIL "$PHASE" "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"; return 1
     fi
     rm -rf "$dir" && mkdir -p "$dir"
-    single_rank "$dir/single"
+    single_rank "$dir/single" "$@"
 }
 
 # two_ranks DIR NAME FLAGS...: a layout on 2 ranks sharing the device over MPI, against DIR/single
@@ -498,6 +501,18 @@ if has_phase pp; then
         for schedule in afab 1f1b zb; do two_ranks "$WORK/pp" "pp 2 ($schedule), 4 micro-batches" --pp 2 --pp-schedule "$schedule"; done
         two_ranks "$WORK/pp" "pp 2 (interleaved, vpp 2), 4 micro-batches" --pp 2 --pp-schedule interleaved --vpp 2 \
             --trace "$WORK/pp/interleaved.json"
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# moe: a mixture of experts (MOE_MODEL) on 2 ranks sharing the device over MPI, its experts split over them
+# (--ep 2, all-to-all dispatch; ZeRO-0 and ZeRO-1) or replicated (dp 2), against one rank
+
+if has_phase moe; then
+    start_phase moe
+    if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then
+        for z in 0 1; do two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"; done
+        two_ranks "$WORK/moe" "$MOE_MODEL, dp 2 (experts replicated), 2 micro-steps" -e "$MOE_MODEL"
     fi
 fi
 
