@@ -89,10 +89,14 @@ build/reference/model.bin: test/reference/make_reference.py
 	@mkdir -p build/reference
 	$(PYTHON) test/reference/make_reference.py --out build/reference
 
+build/reference_moe/model.bin: test/reference/make_reference.py
+	@mkdir -p build/reference_moe
+	$(PYTHON) test/reference/make_reference.py --moe --out build/reference_moe
+
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them
 test: deps
-	$(MAKE) train_gpt build/tests $(MPI_CHECKS) build/reference/model.bin dev/data/node_modules
+	$(MAKE) train_gpt build/tests $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin dev/data/node_modules
 	bash test/run_tests.sh
 
 train: deps

@@ -3,11 +3,18 @@
 
 Run with Debian's interpreter, which ships torch and numpy:
 
-    /usr/bin/python3 test/reference/make_reference.py --out DIR
+    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe]
 
 Writes DIR/model.bin (llm.c checkpoint layout, fp32) and DIR/state.bin
 (inputs, targets, initial logits/loss/gradients, and the losses of a short
 AdamW run on the same batch).
+
+With --moe every MLP is a top-K mixture of E experts with a learned router and
+a load-balancing auxiliary loss (see Block.moe_mlp). The model file then holds
+E and K in header[8], header[9] and the router/expert tensors in place of the
+dense fc/fc_proj ones; the state file holds alpha and the initial aux loss in
+header[10], header[11]. Losses written are cross-entropy only; gradients and
+training use cross-entropy + aux.
 """
 
 import argparse
@@ -25,7 +32,7 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------
 # configuration (deliberately odd sizes so indexing bugs show up)
 
-L = 3          # layers
+L = 3          # layers (2 with --moe)
 C = 48         # channels
 NH = 4         # heads
 V = 397        # vocab
@@ -33,6 +40,11 @@ VP = 512       # padded vocab
 MAXT = 29      # max sequence length
 B = 3          # batch
 T = 17         # sequence length
+E = 0          # experts per MLP (0: dense MLP)
+K = 0          # experts per token (top-K)
+ALPHA = 0.0    # weight of the load-balancing loss
+
+MOE_CONFIG = dict(L=2, E=4, K=2, ALPHA=0.1)
 
 NSTEPS = 10
 LR = 1e-3
@@ -50,6 +62,12 @@ STATE_MAGIC = 20240327
 STATE_VERSION = 3
 
 
+
+def configure(moe):
+    """Switch the module-level shape to the MoE model (before building it)."""
+    if moe:
+        globals().update(MOE_CONFIG)
+
 # ----------------------------------------------------------------------------
 # model
 
@@ -60,8 +78,16 @@ class Block(nn.Module):
         self.qkv = nn.Linear(C, 3 * C)
         self.attn_proj = nn.Linear(C, C)
         self.ln_2 = nn.LayerNorm(C, eps=1e-5)
-        self.fc = nn.Linear(C, 4 * C)
-        self.fc_proj = nn.Linear(4 * C, C)
+        if E:
+            # experts stacked along dim 0, each stored (out, in) like nn.Linear
+            self.router = nn.Linear(C, E, bias=False)
+            self.fc_w = nn.Parameter(torch.empty(E, 4 * C, C))
+            self.fc_b = nn.Parameter(torch.empty(E, 4 * C))
+            self.fc_proj_w = nn.Parameter(torch.empty(E, C, 4 * C))
+            self.fc_proj_b = nn.Parameter(torch.empty(E, C))
+        else:
+            self.fc = nn.Linear(C, 4 * C)
+            self.fc_proj = nn.Linear(4 * C, C)
 
     def attention(self, h):
         nb, nt, _ = h.shape
@@ -81,10 +107,32 @@ class Block(nn.Module):
     def mlp(self, h):
         return self.fc_proj(F.gelu(self.fc(h), approximate="tanh"))
 
+    def moe_mlp(self, h):
+        """Top-K mixture of experts; returns (output, load-balancing loss)."""
+        logits = self.router(h)                          # (nb, nt, E)
+        top_logits, top_idx = torch.topk(logits, K, dim=-1)
+        gates = torch.softmax(top_logits, dim=-1)        # (nb, nt, K)
+        # every expert on every token (tiny sizes), then keep the chosen ones
+        hid = torch.einsum("btc,efc->btef", h, self.fc_w) + self.fc_b
+        hid = F.gelu(hid, approximate="tanh")
+        out = torch.einsum("btef,ecf->btec", hid, self.fc_proj_w) + self.fc_proj_b
+        chosen = torch.gather(out, 2, top_idx.unsqueeze(-1).expand(-1, -1, -1, C))
+        y = (gates.unsqueeze(-1) * chosen).sum(dim=2)
+        # f_i: share of the sequence's (token, slot) assignments, a constant
+        nt = h.shape[1]
+        counts = F.one_hot(top_idx, E).sum(dim=(1, 2)).to(h.dtype)  # (nb, E)
+        f = (counts / (nt * K)).detach()
+        prob = torch.softmax(logits, dim=-1).mean(dim=1)             # (nb, E)
+        aux = (ALPHA * E * (f * prob).sum(dim=-1)).mean()
+        return y, aux
+
     def forward(self, x):
         x = x + self.attention(self.ln_1(x))
+        if E:
+            y, aux = self.moe_mlp(self.ln_2(x))
+            return x + y, aux
         x = x + self.mlp(self.ln_2(x))
-        return x
+        return x, None
 
 
 class TinyGPT2(nn.Module):
@@ -99,11 +147,19 @@ class TinyGPT2(nn.Module):
         nt = idx.shape[1]
         pos = torch.arange(nt, dtype=torch.long)
         x = self.wte[idx] + self.wpe[pos]
+        aux = None  # summed over layers; None for the dense model
         for blk in self.blocks:
-            x = blk(x)
+            x, blk_aux = blk(x)
+            if blk_aux is not None:
+                aux = blk_aux if aux is None else aux + blk_aux
         logits = self.ln_f(x) @ self.wte.t()
         loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))
-        return logits, loss
+        return logits, loss, aux
+
+    def objective(self, idx, targets):
+        """(logits, cross-entropy, aux, cross-entropy + aux)."""
+        logits, loss, aux = self(idx, targets)
+        return logits, loss, aux, (loss if aux is None else loss + aux)
 
 
 def init_weights(model, gen):
@@ -118,10 +174,16 @@ def init_weights(model, gen):
         for ln in (blk.ln_1, blk.ln_2):
             normal(ln.weight, 0.1, 1.0)
             normal(ln.bias, 0.1)
-        for lin, std in ((blk.qkv, 0.02), (blk.attn_proj, resid_std),
-                         (blk.fc, 0.02), (blk.fc_proj, resid_std)):
-            normal(lin.weight, std)
-            normal(lin.bias, 0.02)
+        mlp = ((blk.fc_w, blk.fc_b, 0.02), (blk.fc_proj_w, blk.fc_proj_b, resid_std)) \
+            if E else ((blk.fc.weight, blk.fc.bias, 0.02),
+                       (blk.fc_proj.weight, blk.fc_proj.bias, resid_std))
+        attn = ((blk.qkv.weight, blk.qkv.bias, 0.02),
+                (blk.attn_proj.weight, blk.attn_proj.bias, resid_std))
+        if E:
+            normal(blk.router.weight, 0.02)
+        for weight, bias, std in attn + mlp:
+            normal(weight, std)
+            normal(bias, 0.02)
     normal(model.ln_f.weight, 0.1, 1.0)
     normal(model.ln_f.bias, 0.1)
 
@@ -150,17 +212,28 @@ def ordered_tensors(model, grads=False):
         stack(lambda b: b.attn_proj.bias),
         stack(lambda b: b.ln_2.weight),
         stack(lambda b: b.ln_2.bias),
+    ] + ([
+        stack(lambda b: b.router.weight),   # (L, E, C)
+        stack(lambda b: b.fc_w),            # (L, E, 4C, C)
+        stack(lambda b: b.fc_b),            # (L, E, 4C)
+        stack(lambda b: b.fc_proj_w),       # (L, E, C, 4C)
+        stack(lambda b: b.fc_proj_b),       # (L, E, C)
+    ] if E else [
         stack(lambda b: b.fc.weight),
         stack(lambda b: b.fc.bias),
         stack(lambda b: b.fc_proj.weight),
         stack(lambda b: b.fc_proj.bias),
+    ]) + [
         get(model.ln_f.weight).detach(),
         get(model.ln_f.bias).detach(),
     ]
 
 
 def expected_num_params():
-    return VP * C + MAXT * C + L * (12 * C * C + 13 * C) + 2 * C
+    attn_ln = 4 * C * C + 8 * C        # ln_1, qkv, attn_proj, ln_2
+    mlp = 8 * C * C + 5 * C            # fc + fc_proj with biases
+    per_layer = attn_ln + (E * C + E * mlp if E else mlp)
+    return VP * C + MAXT * C + L * per_layer + 2 * C
 
 
 def as_f32_bytes(tensors):
@@ -182,19 +255,22 @@ def header(values):
 # ----------------------------------------------------------------------------
 # training step (llm.c AdamW semantics)
 
-def is_decayed(p):
-    return p.dim() == 2
+def is_decayed(name, p):
+    # matrices, including stacked (E, out, in) expert weights; the stacked
+    # expert biases (E, n) are vectors per expert and are not decayed
+    per_matrix_dims = p.dim() - (1 if name.endswith(("fc_b", "fc_proj_b")) else 0)
+    return per_matrix_dims >= 2
 
 
-def adamw_step(params, m_state, v_state, t, grad_scale):
+def adamw_step(params, decayed, m_state, v_state, t, grad_scale):
     with torch.no_grad():
-        for p, m, v in zip(params, m_state, v_state):
+        for p, dec, m, v in zip(params, decayed, m_state, v_state):
             g = p.grad * grad_scale
             m.mul_(BETA1).add_(g * (1.0 - BETA1))
             v.mul_(BETA2).add_(g * g * (1.0 - BETA2))
             m_hat = m / (1.0 - BETA1 ** t)
             v_hat = v / (1.0 - BETA2 ** t)
-            wd = WD if is_decayed(p) else 0.0
+            wd = WD if dec else 0.0
             p.sub_(LR * (m_hat / (v_hat.sqrt() + EPS) + wd * p))
 
 
@@ -210,7 +286,11 @@ def global_grad_norm(params):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--moe", action="store_true",
+                    help="mixture-of-experts MLPs (L=%(L)d, E=%(E)d, top-%(K)d)"
+                    % MOE_CONFIG)
     args = ap.parse_args()
+    configure(args.moe)
 
     t0 = time.time()
     torch.manual_seed(SEED)
@@ -224,20 +304,31 @@ def main():
     x = torch.randint(0, V, (B, T), generator=gen, dtype=torch.long)
     y = torch.randint(0, V, (B, T), generator=gen, dtype=torch.long)
 
-    params = list(model.parameters())
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    decayed = [is_decayed(n, p) for n, p in named]
     for p in params:
         assert p.dtype == torch.float32
 
     # model file (initial weights)
     weight_bytes, nparams = as_f32_bytes(ordered_tensors(model))
+    n_decayed = sum(p.numel() for p, d in zip(params, decayed) if d)
+    expected_decayed = V * C + MAXT * C + L * (
+        4 * C * C + (E * C + E * 8 * C * C if E else 8 * C * C))
+    assert n_decayed == expected_decayed, (n_decayed, expected_decayed)
     assert nparams == expected_num_params(), (nparams, expected_num_params())
 
     # forward/backward of the initial model
     model.zero_grad(set_to_none=False)
-    logits, loss = model(x, y)
-    loss.backward()
+    logits, loss, aux, objective = model.objective(x, y)
+    objective.backward()
     init_logits = logits.detach().clone()
     init_loss = float(loss)
+    init_aux = 0.0 if aux is None else float(aux)
+    if E:
+        # a nearly balanced router gives aux ~ ALPHA per layer
+        assert 0.0 < init_aux and abs(init_aux - ALPHA * L) < 0.1 * ALPHA * L, \
+            (init_aux, ALPHA * L)
     grad_bytes, ngrads = as_f32_bytes(ordered_tensors(model, grads=True))
     assert ngrads == nparams
     init_norm = global_grad_norm(params)
@@ -249,25 +340,27 @@ def main():
     for step in range(NSTEPS):
         for p in params:
             p.grad = None
-        _, loss = model(x, y)
+        _, loss, _, objective = model.objective(x, y)
         losses.append(float(loss))
-        loss.backward()
+        objective.backward()
         norm = global_grad_norm(params)
         norms.append(norm)
         scale = CLIP / norm if norm > CLIP else 1.0
-        adamw_step(params, m_state, v_state, step + 1, scale)
+        adamw_step(params, decayed, m_state, v_state, step + 1, scale)
     assert losses[0] == init_loss, (losses[0], init_loss)
 
     os.makedirs(args.out, exist_ok=True)
     model_path = os.path.join(args.out, "model.bin")
     with open(model_path, "wb") as f:
-        f.write(header([MODEL_MAGIC, MODEL_VERSION_FP32, MAXT, V, L, NH, C, VP]))
+        f.write(header([MODEL_MAGIC, MODEL_VERSION_FP32, MAXT, V, L, NH, C, VP,
+                        E, K]))
         f.write(weight_bytes)
 
     state_path = os.path.join(args.out, "state.bin")
     with open(state_path, "wb") as f:
         f.write(header([STATE_MAGIC, STATE_VERSION, B, T, V, VP, NSTEPS,
-                        f32_bits(LR), f32_bits(WD), f32_bits(CLIP)]))
+                        f32_bits(LR), f32_bits(WD), f32_bits(CLIP),
+                        f32_bits(ALPHA), f32_bits(init_aux)]))
         f.write(x.numpy().astype("<i4").tobytes())
         f.write(y.numpy().astype("<i4").tobytes())
         f.write(init_logits.numpy().astype("<f4").tobytes())
@@ -282,6 +375,8 @@ def main():
 
     print(f"num_params {nparams}")
     print(f"initial loss {init_loss:.6f} (ln V = {math.log(V):.6f})")
+    if E:
+        print(f"initial aux loss {init_aux:.6f} (alpha * L = {ALPHA * L:.6f})")
     print(f"initial grad norm {init_norm:.6f}")
     for i, (l, n) in enumerate(zip(losses, norms)):
         print(f"step {i}: loss {l:.6f} grad norm {n:.6f}")
