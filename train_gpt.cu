@@ -369,7 +369,7 @@ static int train(const Options& o, const RunSetup& run) {
     // saved, and every rank keeps its share of it
     float* adam_m = o.zero >= 1 ? dpr.shard_m : model.adam_m;
     float* adam_v = o.zero >= 1 ? dpr.shard_v : model.adam_v;
-    size_t moments = o.zero >= 1 ? dpr.layout.shard_size : model.num_parameters;
+    size_t moments = o.zero >= 1 ? dpr.shard_size() : model.num_parameters;
     std::vector<float> staged_m(on_gpu ? moments : 0), staged_v(on_gpu ? moments : 0);
     auto model_state_with = [&](float* whole_params) {
         return ModelState{config, whole_params, on_gpu ? staged_m.data() : adam_m, on_gpu ? staged_v.data() : adam_v,
@@ -423,7 +423,7 @@ static int train(const Options& o, const RunSetup& run) {
             printf("%d ranks over %s: dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over %d ranks, "
                    "buckets of %zu floats (%zu buckets)\n", grid.world, cs.backend.c_str(), grid.dp, grid.tp,
                    o.sp ? "on" : "off", grid.cp, o.cp_split.c_str(), grid.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
-                   grad_comm.size, bucket_floats, dpr.layout.buckets.size());
+                   grad_comm.size, bucket_floats, dpr.num_buckets());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "

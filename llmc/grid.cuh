@@ -8,7 +8,9 @@
 //
 // The ranks of a cp group hold the same parameters and see other tokens of the same sequences, so the
 // gradients are reduced (and ZeRO shards its states) over dp × cp: the ranks that share tp and pp coordinates,
-// numbered cp fastest (Megatron-LM's data-parallel group with context parallelism).
+// numbered cp fastest (Megatron-LM's data-parallel group with context parallelism). Under expert parallelism a
+// rank holds only E/ep of each layer's experts, so the expert tensors' gradients are reduced (and sharded) over
+// the expert replicas alone: the dp × cp ranks that share tp, pp and ep_rank (dp/ep · cp ranks, cp fastest).
 #pragma once
 
 #include <string>
@@ -30,10 +32,13 @@ struct Grid {
     Comm world_comm, tp_comm, cp_comm, dp_comm, pp_comm, ep_comm;
     Comm dp_cp_comm;  // only with cp > 1: without, dp_cp() is the dp group itself
     Comm tied_comm;   // only with pp > 1, on the first and the last stage: the two that hold the embeddings
+    Comm expert_dp_comm;  // only with ep > 1: the ranks that hold the same experts
 
     // the group that reduces gradients and shards the optimizer: dp × cp
     Comm& dp_cp() { return cp > 1 ? dp_cp_comm : dp_comm; }
     int dp_cp_rank() const { return at.cp + cp * at.dp; }
+    // the group that reduces the expert tensors' gradients: dp × cp itself without expert parallelism
+    Comm& expert_replicas() { return ep > 1 ? expert_dp_comm : dp_cp(); }
 };
 
 // dp for a world size, or one line naming the flag that does not fit
@@ -60,6 +65,17 @@ inline GridCoords grid_coords(int rank, const GridShape& s, int dp) {
 
 inline int grid_rank(const GridCoords& c, const GridShape& s, int dp) {
     return c.tp + s.tp * (c.cp + s.cp * (c.dp + dp * c.pp));
+}
+
+// A rank's place among its expert replicas: the group's color (the world rank of its first member: dp_rank =
+// ep_rank, cp_rank 0) and the rank's key in it (cp fastest, then dp_rank / ep)
+struct GroupPlace {
+    int color, key;
+};
+inline GroupPlace expert_replica_place(const GridCoords& c, const GridShape& s, int dp) {
+    GridCoords first = c;
+    first.cp = 0, first.dp = c.ep;
+    return {grid_rank(first, s, dp), c.cp + s.cp * (c.dp / s.ep)};
 }
 
 // Splits the world into its groups. Each group's color is the rank's position along every other dimension,
@@ -95,5 +111,9 @@ inline Grid make_grid(Comm& world, const GridShape& s) {
     GridCoords e = c;
     e.dp = c.dp / s.ep * s.ep;
     g.ep_comm = world.split(grid_rank(e, s, g.dp), c.ep, "ep");
+    if (s.ep > 1) {
+        GroupPlace x = expert_replica_place(c, s, g.dp);
+        g.expert_dp_comm = world.split(x.color, x.key, "expert_dp");
+    }
     return g;
 }

@@ -13,7 +13,8 @@
 // precision (2-byte parameters and gradients, a 4-byte master copy and two 4-byte moments) the same stages
 // give 2Ψ + 2Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N. Here Ψ/N is a rank's shard: the buckets of llmc/zero.cuh
 // padded to multiples of N, divided by N. Under context parallelism N is dp·cp: the ranks of a cp group hold
-// the same parameters and reduce their gradients together.
+// the same parameters and reduce their gradients together. Under expert parallelism the expert tensors form
+// buckets of their own, sharded over their dp/ep·cp replicas: the shard is both groups' pieces.
 #pragma once
 
 #include <cstdio>
@@ -35,12 +36,35 @@ struct ParallelPlan {
     int recompute = 0;  // -r
     int cp = 1;
     PPSpec pp;  // the stages, the schedule, and which stage the plan is for (pp.rank)
-    // the ranks that reduce gradients and shard model states together
+    int ep = 1;
+    // the ranks that reduce gradients and shard model states together (the expert tensors': expert_ranks())
     int grad_ranks() const { return dp * cp; }
+    int expert_ranks() const { return dp / ep * cp; }
 };
 
 // the part of the model the planned stage holds
 inline ModelPart planned_part(const GPTConfig& c, const ParallelPlan& par) { return stage_part(c, par.pp); }
+
+// the planned rank's reduction groups (llmc/zero.cuh): one holding every tensor over dp·cp, or under expert
+// parallelism the others over dp·cp and the expert tensors over their replicas; each with its buckets
+struct PlannedGroup {
+    int ranks;
+    BucketLayout layout;
+};
+inline std::vector<PlannedGroup> planned_groups(const GPTConfig& c, const ParallelPlan& par) {
+    ModelPart part = planned_part(c, par);
+    auto group = [&](int ranks, TensorGroup which) {
+        return PlannedGroup{ranks, bucket_layout(c, ranks, par.bucket_floats, par.tp, part, par.ep, which)};
+    };
+    if (par.ep == 1) return {group(par.grad_ranks(), TensorGroup::All)};
+    return {group(par.grad_ranks(), TensorGroup::Dense), group(par.expert_ranks(), TensorGroup::Experts)};
+}
+// a rank's shard: every group's pieces
+inline size_t planned_shard_size(const GPTConfig& c, const ParallelPlan& par) {
+    size_t n = 0;
+    for (const PlannedGroup& g : planned_groups(c, par)) n += g.layout.shard_size;
+    return n;
+}
 
 // How many micro-batches' activations a stage keeps at once, from each schedule's arithmetic: AFAB all m
 // (every forward before any backward); 1F1B the N - r forwards of its warm-up and steady state (stage r of N),
@@ -120,13 +144,18 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     if (par.grad_ranks() == 1 && par.zero == 0) {  // one dp rank without ZeRO stages nothing (llmc/zero.cuh)
         plan_model_states(p.bytes, psi, psi, 0, precision);
     } else {
-        BucketLayout lay = bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp, part);
-        plan_model_states(p.bytes, psi, lay.shard_size, par.zero, precision);
-        // staging for reductions in flight: the embeddings' bucket and two others, each with its piece; under
-        // ZeRO-3 also the gathered parameters: the embeddings' bucket, the bucket in use and the next one
-        const Bucket& e = lay.embeddings();
-        size_t staging = e.padded + e.piece + 2 * (lay.max_padded + lay.max_piece);
-        if (par.zero == 3) staging += e.padded + 2 * lay.max_padded;
+        plan_model_states(p.bytes, psi, planned_shard_size(c, par), par.zero, precision);
+        // staging for reductions in flight, in each group that reduces (more than one rank, or ZeRO): the
+        // embeddings' bucket and two others, each with its piece; under ZeRO-3 also the gathered parameters:
+        // the embeddings' bucket, the bucket in use and the next one
+        size_t staging = 0;
+        for (const PlannedGroup& g : planned_groups(c, par)) {
+            if (g.ranks == 1 && par.zero == 0) continue;
+            const BucketLayout& lay = g.layout;
+            const Bucket& e = lay.embeddings();
+            staging += e.padded + e.piece + 2 * (lay.max_padded + lay.max_piece);
+            if (par.zero == 3) staging += e.padded + 2 * lay.max_padded;
+        }
         p.bytes[MEM_COMM] = X * staging;
     }
     // What forward keeps for backward. Per layer: the two layernorm outputs whole (BT·C each: they enter a
@@ -196,13 +225,20 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 // micro-steps: (k+1)P. ZeRO-3 gathers the parameters for forward and again for backward and reduce-scatters,
 // each micro-step: 3kP. The loss (an all-reduce of one double) and the gradient norm (an all-gather of one
 // double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes. Values move as stored on the device.
+// Under expert parallelism the expert tensors' buckets move over their own group of replicas, which also
+// all-gathers its norm, and the ep group all-gathers the experts' norm.
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
-    double N = par.grad_ranks(), ring = (N - 1) / N;
-    double P = (double)bucket_layout(c, par.grad_ranks(), par.bucket_floats, par.tp, planned_part(c, par)).padded_total;
     double k = par.accumulation;
     double passes = par.zero <= 1 ? 2.0 : par.zero == 2 ? k + 1.0 : 3.0 * k;
-    return ring * (passes * P * stored_value_bytes(device) + 2 * sizeof(double)) + (N - 1) * sizeof(double);
+    std::vector<PlannedGroup> groups = planned_groups(c, par);
+    double bytes = 0.0;
+    for (size_t i = 0; i < groups.size(); i++) {
+        double N = groups[i].ranks, ring = (N - 1) / N, P = (double)groups[i].layout.padded_total;
+        double loss = i == 0 ? 2 * sizeof(double) : 0.0;  // the loss: over dp·cp, the first group's ranks
+        bytes += ring * (passes * P * stored_value_bytes(device) + loss) + (N - 1) * sizeof(double);
+    }
+    return bytes + (par.ep - 1) * sizeof(double);
 }
 
 // Bytes one rank sends to its tensor-parallel group per optimizer step. A micro-step's forward enters and

@@ -21,6 +21,13 @@
 // reduced pieces. With one micro-step all four stages agree bit for bit; with more, ZeRO-0/1 and ZeRO-2/3
 // sum the same numbers in a different order (micro-steps first, or ranks first).
 //
+// Expert parallelism (--ep) adds a second reduction group. A rank holds E/ep experts of each layer, the same
+// ones as its expert replicas (llmc/grid.cuh) and other ones than the rest of its ep group, so the expert
+// tensors' gradients are reduced and sharded over the replicas only, everything else over dp as before. Each
+// group packs its own tensors into its own buckets by the rules above, and keeps its own staging; a rank's
+// shards hold the first group's pieces, then the second's. Without expert parallelism one group holds every
+// tensor, which is the layout and the arithmetic described above.
+//
 // Collectives start only at points every rank reaches in the same order (a bucket completing, a bucket being
 // needed, the step's end), never when a test happens to succeed, as MPI requires.
 //
@@ -53,10 +60,18 @@ struct OwnedSegment {
     size_t flat_offset, shard_offset, size;
 };
 
+// which tensors a bucket layout packs: all of them (one reduction group), or the expert tensors and the others
+// apart (two groups, under expert parallelism)
+enum class TensorGroup { All, Dense, Experts };
+inline bool in_group(TensorGroup g, int tensor) {
+    return g == TensorGroup::All || (g == TensorGroup::Experts) == is_expert(tensor);
+}
+
 struct BucketLayout {
-    std::vector<Bucket> buckets;  // the embeddings' bucket is the last one
+    std::vector<Bucket> buckets;  // the embeddings' bucket is the last one (empty for the experts)
     std::vector<int> unit_bucket;
     std::vector<size_t> unit_offset;  // where a unit starts inside its bucket's packed layout
+    std::vector<std::vector<Segment>> unit_segments;  // the segments of each unit that the layout packs
     size_t shard_size = 0;            // Σ piece
     size_t padded_total = 0;          // Σ padded: what a reduce-scatter or all-gather of every bucket moves
     size_t max_padded = 0, max_piece = 0;  // over the buckets other than the embeddings'
@@ -64,12 +79,16 @@ struct BucketLayout {
 };
 
 // the buckets of one rank's share of the model: its tensor-parallel share of its part. A bucket never spans
-// two chunks of a pipeline stage, whose backward passes run at different times.
-inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp, const ModelPart& part) {
+// two chunks of a pipeline stage, whose backward passes run at different times. Only the tensors of `group`
+// (the rank holding E/ep experts): a unit without any keeps its place in the buckets, empty, so every group
+// has the same unit order and the embeddings' bucket last.
+inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp, const ModelPart& part,
+                                  int ep = 1, TensorGroup group = TensorGroup::All) {
     BucketLayout lay;
     int L = part.layers(), units = num_units(L), emb = embedding_unit(L);
     lay.unit_bucket.assign(units, 0);
     lay.unit_offset.assign(units, 0);
+    lay.unit_segments.resize(units);
     std::vector<bool> chunk_top(units, false);  // the unit of a chunk's last layer, where its backward begins
     for (int k = 0; k + 1 < part.chunks(); k++) chunk_top[layer_unit(L, part.chunk_begin(k + 1) - 1)] = true;
     for (int u = 0; u < units; u++) {
@@ -81,7 +100,8 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
         Bucket& b = lay.buckets.back();
         lay.unit_bucket[u] = (int)lay.buckets.size() - 1;
         lay.unit_offset[u] = b.size;
-        for (const Segment& s : unit_segments(c, u, tp, part)) b.segments.push_back(s), b.size += s.size;
+        for (const Segment& s : unit_segments(c, u, tp, part, ep))
+            if (in_group(group, s.tensor)) b.segments.push_back(s), b.size += s.size, lay.unit_segments[u].push_back(s);
         b.last_unit = u;
     }
     for (size_t i = 0; i < lay.buckets.size(); i++) {
@@ -167,21 +187,18 @@ struct StageLinks {
     Comm* tied = nullptr;    // the first and the last stage (on those two only)
 };
 
+// Expert parallelism's groups (llmc/grid.cuh): the expert replicas, which reduce and shard the expert tensors'
+// gradients, and the ep group, whose ranks hold different experts (the gradient norm sums over it). Null
+// without expert parallelism.
+struct ExpertLinks {
+    Comm* replicas = nullptr;
+    Comm* ep = nullptr;
+};
+
 // The runtime is a template over the model's storage type (llmc/device.cuh): the same code on host buffers
 // (CPU) and device buffers (GPU).
 template <typename floatX>
 struct DataParallel : ParamStore<floatX> {
-    GPTModel<floatX>& m;
-    Comm& comm;
-    int stage, N, rank;
-    StageLinks links;
-    BucketLayout layout;
-    std::vector<std::vector<OwnedSegment>> owned;  // per bucket
-    float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
-    float* shard_master = nullptr;                 // ZeRO >= 1 on the GPU (the CPU's parameters are fp32)
-    floatX* shard_grads = nullptr;                 // ZeRO >= 2
-    floatX* shard_params = nullptr;                // ZeRO 3
-
     // A staging slot: a packed bucket and its piece, for a reduction in flight (or, in ZeRO-3, a gathered
     // bucket of parameters). The embeddings have slots of their own; the other buckets share two.
     struct Slot {
@@ -191,43 +208,72 @@ struct DataParallel : ParamStore<floatX> {
         CommRequest request;
         uint64_t order = 0;  // when its reduction started, to retire the oldest first
     };
-    std::vector<Slot> reduce_slots;  // [0] the embeddings', [1], [2] the rest
-    std::vector<Slot> gather_slots;  // ZeRO-3, same arrangement
-    std::vector<int> reduce_slot_of;  // per bucket: the slot holding its staging this micro-step, or -1
-    std::vector<int> units_done;      // per bucket, this micro-step
+
+    // A reduction group: the ranks that reduce and shard some of the tensors, those tensors' buckets, this
+    // rank's pieces of them and the staging of its collectives. Every hook below runs on each group in turn,
+    // always in the same order, so the collectives of every group start in the same order on all its ranks.
+    struct Group {
+        Comm* comm;
+        int N, rank;
+        bool experts = false;  // the expert tensors, over the expert replicas
+        BucketLayout layout;   // its buckets' shard offsets count from the start of the rank's shards
+        std::vector<std::vector<OwnedSegment>> owned;  // per bucket
+        std::vector<Slot> reduce_slots;  // [0] the embeddings', [1], [2] the rest
+        std::vector<Slot> gather_slots;  // ZeRO-3, same arrangement
+        std::vector<int> reduce_slot_of;  // per bucket: the slot holding its staging this micro-step, or -1
+        std::vector<int> units_done;      // per bucket, this micro-step
+        int current_gather = -1;          // ZeRO-3: the non-embedding bucket in use
+        int pass_low = 0, pass_high = 0;  // the buckets of the pass under way, besides the embeddings'
+        int emb_bucket() const { return (int)layout.buckets.size() - 1; }
+    };
+
+    GPTModel<floatX>& m;
+    Comm& comm;  // the dp group: every tensor's gradients without expert parallelism, the others' with it
+    int stage, N, rank;
+    StageLinks links;
+    ExpertLinks expert_links;
+    std::vector<Group> groups;  // [0] over comm; [1] the experts over their replicas, under expert parallelism
+    float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
+    float* shard_master = nullptr;                 // ZeRO >= 1 on the GPU (the CPU's parameters are fp32)
+    floatX* shard_grads = nullptr;                 // ZeRO >= 2
+    floatX* shard_params = nullptr;                // ZeRO 3
     bool last_micro_step = true, backward = false;
     uint64_t started = 0;
-    int current_gather = -1;  // ZeRO-3: the non-embedding bucket in use
-    int pass_low = 0, pass_high = 0;  // the buckets of the pass under way, besides the embeddings'
 
-    DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats, StageLinks stage_links = {})
-        : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank), links(stage_links) {
-        layout = bucket_layout(m.config, N, bucket_floats, m.tp.size(), m.part);
-        size_t nb = layout.buckets.size();
-        for (const Bucket& b : layout.buckets) owned.push_back(owned_segments(b, rank));
-        reduce_slot_of.assign(nb, -1);
-        units_done.assign(nb, 0);
+    DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats, StageLinks stage_links = {},
+                 ExpertLinks experts = {})
+        : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank), links(stage_links),
+          expert_links(experts) {
+        int ep = experts.replicas && experts.ep ? experts.ep->size : 1;
+        if (ep > 1) {
+            add_group(comm, false, bucket_floats, ep, TensorGroup::Dense);
+            add_group(*experts.replicas, true, bucket_floats, ep, TensorGroup::Experts);
+        } else {
+            add_group(comm, false, bucket_floats, 1, TensorGroup::All);
+        }
         if (!engaged()) return;
         m.store = this;
-        if (N == 1 && stage == 0) return;  // one rank of dp (tp or pp alone): nothing to stage or shard
         Ledger& led = m.ledger;
         if (stage >= 1) {
-            if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, layout.shard_size);
-            shard_m = led.alloc<floatX, float>(MEM_OPTIMIZER, layout.shard_size);
-            shard_v = led.alloc<floatX, float>(MEM_OPTIMIZER, layout.shard_size);
+            if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, shard_size());
+            shard_m = led.alloc<floatX, float>(MEM_OPTIMIZER, shard_size());
+            shard_v = led.alloc<floatX, float>(MEM_OPTIMIZER, shard_size());
         }
-        if (stage >= 2) shard_grads = led.alloc<floatX, floatX>(MEM_GRADS, layout.shard_size);
-        if (stage >= 3) shard_params = led.alloc<floatX, floatX>(MEM_PARAMS, layout.shard_size);
-        const Bucket& e = layout.embeddings();
-        for (int i = 0; i < 3; i++) {
-            Slot s;
-            s.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
-            s.piece = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.piece : layout.max_piece);
-            reduce_slots.push_back(s);
-            if (stage == 3) {
-                Slot g;
-                g.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : layout.max_padded);
-                gather_slots.push_back(g);
+        if (stage >= 2) shard_grads = led.alloc<floatX, floatX>(MEM_GRADS, shard_size());
+        if (stage >= 3) shard_params = led.alloc<floatX, floatX>(MEM_PARAMS, shard_size());
+        for (Group& g : groups) {
+            if (g.N == 1 && stage == 0) continue;  // one rank of the group (tp or pp alone): nothing to stage
+            const Bucket& e = g.layout.embeddings();
+            for (int i = 0; i < 3; i++) {
+                Slot s;
+                s.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : g.layout.max_padded);
+                s.piece = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.piece : g.layout.max_piece);
+                g.reduce_slots.push_back(s);
+                if (stage == 3) {
+                    Slot gs;
+                    gs.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : g.layout.max_padded);
+                    g.gather_slots.push_back(gs);
+                }
             }
         }
     }
@@ -235,74 +281,79 @@ struct DataParallel : ParamStore<floatX> {
     // one rank without sharding needs none of this: the model runs on its flat buffers
     bool engaged() const { return N > 1 || stage > 0 || m.tp.on() || links.stages; }
     static ModelBuffers model_buffers(int stage) { return ModelBuffers{stage < 3, stage < 2, stage < 1}; }
-    int emb_bucket() const { return (int)layout.buckets.size() - 1; }
+    // the elements of a rank's shards (its moments, and its master weights, gradients and parameters as the
+    // stage shards them): every group's pieces
+    size_t shard_size() const {
+        size_t n = 0;
+        for (const Group& g : groups) n += g.layout.shard_size;
+        return n;
+    }
+    size_t num_buckets() const {
+        size_t n = 0;
+        for (const Group& g : groups) n += g.layout.buckets.size();
+        return n;
+    }
 
     // ---- the hooks the model calls (ParamStore) ---------------------------------------------------------------
 
     void begin_pass(bool is_backward, int low_unit, int high_unit) override {
         backward = is_backward;
-        pass_low = layout.unit_bucket[low_unit];
-        pass_high = layout.unit_bucket[high_unit];
-        if (stage == 3) {
-            gather(emb_bucket(), gather_slots[0]);
-            gather(backward ? pass_low : pass_high, gather_slots[1]);
-            current_gather = -1;
+        for (Group& g : groups) {
+            g.pass_low = g.layout.unit_bucket[low_unit];
+            g.pass_high = g.layout.unit_bucket[high_unit];
+            if (stage == 3) {
+                gather(g, g.emb_bucket(), g.gather_slots[0]);
+                gather(g, backward ? g.pass_low : g.pass_high, g.gather_slots[1]);
+                g.current_gather = -1;
+            }
+            if (backward) std::fill(g.units_done.begin(), g.units_done.end(), 0);
         }
-        if (backward) std::fill(units_done.begin(), units_done.end(), 0);
     }
 
     void end_pass() override {
-        for (Slot& g : gather_slots) {
-            if (g.bucket >= 0) comm.wait(g.request);
-            g.bucket = -1;
+        for (Group& g : groups) {
+            for (Slot& s : g.gather_slots) {
+                if (s.bucket >= 0) g.comm->wait(s.request);
+                s.bucket = -1;
+            }
+            g.current_gather = -1;
         }
-        current_gather = -1;
     }
 
+    // a unit's tensors sit in the buckets of each group: one view holding them all
     ParamViews<floatX> params(int unit) override {
         if (stage < 3) return unit_views(m.units[unit], m.params, false);
-        int b = layout.unit_bucket[unit];
-        Slot* slot = &gather_slots[0];
-        if (b != emb_bucket()) {
-            if (b != current_gather) {
-                if (current_gather >= 0) slot_for_gather(current_gather)->bucket = -1;  // done with it
-                current_gather = b;
-                int next = backward ? b + 1 : b - 1;
-                if (next >= pass_low && next <= pass_high) gather(next, *free_gather_slot(b));
-            }
-            slot = slot_for_gather(b);
-        }
-        comm.wait(slot->request);
-        return unit_views(m.units[unit], slot->packed + layout.unit_offset[unit], true);
+        ParamViews<floatX> v;
+        for (Group& g : groups) merge_views(v, g, unit, gathered_params(g, unit));
+        return v;
     }
 
     ParamViews<floatX> grads(int unit) override {
         if (stage < 2) return unit_views(m.units[unit], m.grads, false);
-        int b = layout.unit_bucket[unit];
-        if (reduce_slot_of[b] < 0) {
-            int s = acquire_reduce_slot(b);
-            device_zero<floatX>(reduce_slots[s].packed, layout.buckets[b].padded);
-        }
-        return unit_views(m.units[unit], reduce_slots[reduce_slot_of[b]].packed + layout.unit_offset[unit], true);
+        ParamViews<floatX> v;
+        for (Group& g : groups) merge_views(v, g, unit, grad_staging(g, unit));
+        return v;
     }
 
     void grads_done(int unit) override {
-        int b = layout.unit_bucket[unit];
-        const Bucket& bk = layout.buckets[b];
-        if (stage >= 2 && reduce_slot_of[b] < 0) grads(unit);  // a unit no one wrote (empty on this stage)
-        if (++units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
-            if (stage < 2) {
-                sum_sequence_partials(bk, m.grads, false);
-                if (N == 1) return;  // one dp rank (tensor parallelism alone): the flat gradients are final
-                pack_bucket(bk, m.grads, reduce_slots[acquire_reduce_slot(b)].packed);
-            } else {
-                sum_sequence_partials(bk, reduce_slots[reduce_slot_of[b]].packed, true);
+        for (Group& g : groups) {
+            int b = g.layout.unit_bucket[unit];
+            const Bucket& bk = g.layout.buckets[b];
+            if (stage >= 2) grad_staging(g, unit);  // a unit no one wrote (empty on this stage) still needs one
+            if (++g.units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
+                if (stage < 2) {
+                    sum_sequence_partials(bk, m.grads, false);
+                    if (g.N == 1) continue;  // one rank in the group (tp alone): the flat gradients are final
+                    pack_bucket(bk, m.grads, g.reduce_slots[acquire_reduce_slot(g, b)].packed);
+                } else {
+                    sum_sequence_partials(bk, g.reduce_slots[g.reduce_slot_of[b]].packed, true);
+                }
+                Slot& s = g.reduce_slots[g.reduce_slot_of[b]];
+                s.request = g.comm->reduce_scatter(s.packed, s.piece, bk.piece, dtype_of<floatX>());
+                s.order = ++started;
+                s.in_flight = true;
+                g.reduce_slot_of[b] = -1;  // the next micro-step's gradients of this bucket go to a fresh staging
             }
-            Slot& s = reduce_slots[reduce_slot_of[b]];
-            s.request = comm.reduce_scatter(s.packed, s.piece, bk.piece, dtype_of<floatX>());
-            s.order = ++started;
-            s.in_flight = true;
-            reduce_slot_of[b] = -1;  // the next micro-step's gradients of this bucket go to a fresh staging
         }
         progress();
     }
@@ -313,25 +364,32 @@ struct DataParallel : ParamStore<floatX> {
 
     void zero_grad() {
         if (stage < 2) gpt_zero_grad(m);
-        else device_zero<floatX>(shard_grads, layout.shard_size);
+        else device_zero<floatX>(shard_grads, shard_size());
     }
 
     // finishes the gradient reduction and returns the global gradient norm, the same value on every rank, so
     // that the trainer's decision to take or skip the update (a non-finite norm) is the same everywhere
     double grad_norm() {
         if (!engaged()) return gpt_grad_norm(m);
-        finish_reductions();
+        for (Group& g : groups) finish_reductions(g);
         sum_tied_gradients();
-        // The norm from the owned pieces, summed in bucket order, then over the dp ranks, the tp ranks (a tensor
-        // every tp rank holds whole counts once) and the pipeline stages (the tied embeddings count on the first):
-        // the same sums in every stage, on every rank.
+        // The norm from the owned pieces, summed in bucket order, then over the group's ranks (the experts' also
+        // over the ep group, whose ranks hold different experts), the groups added in order; then over the tp
+        // ranks (a tensor every tp rank holds whole counts once) and the pipeline stages (the tied embeddings
+        // count on the first): the same sums in every stage, on every rank.
         bool embedding_copy = links.stages && !m.part.first;
-        std::vector<std::pair<const floatX*, long>> spans;
-        for (auto& segs : owned)
-            for (const OwnedSegment& s : segs)
-                if ((m.tp.spec.rank == 0 || !is_replicated(s.tensor)) && !(embedding_copy && (s.tensor == WTE || s.tensor == WPE)))
-                    spans.push_back({reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
-        double total = sum_in_rank_order(comm, sum_of_squares_spans(spans));
+        double total = 0.0;
+        for (Group& g : groups) {
+            std::vector<std::pair<const floatX*, long>> spans;
+            for (auto& segs : g.owned)
+                for (const OwnedSegment& s : segs)
+                    if ((m.tp.spec.rank == 0 || !is_replicated(s.tensor)) &&
+                        !(embedding_copy && (s.tensor == WTE || s.tensor == WPE)))
+                        spans.push_back({reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
+            double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans));
+            if (g.experts) group_total = sum_in_rank_order(*expert_links.ep, group_total);
+            total += group_total;
+        }
         if (m.tp.on()) total = sum_in_rank_order(*m.tp.comm, total);
         if (links.stages) total = sum_in_rank_order(*links.stages, total);
         return sqrt(total);
@@ -344,13 +402,12 @@ struct DataParallel : ParamStore<floatX> {
         m.adam_step++;
         floatX* p = stage == 3 ? shard_params : m.params;
         const floatX* g = reduced_grads();
-        for (auto& segs : owned)
-            for (const OwnedSegment& s : segs) {
-                size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
-                adamw_update(p + pi, shard_master ? shard_master + s.shard_offset : nullptr, g + gi, shard_m + s.shard_offset,
-                             shard_v + s.shard_offset, (long)s.size, lr, is_decayed(s.tensor) ? weight_decay : 0.0f, scale,
-                             m.adam_step, m.seed, (long)s.flat_offset);
-            }
+        for (const OwnedSegment& s : all_owned()) {
+            size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
+            adamw_update(p + pi, shard_master ? shard_master + s.shard_offset : nullptr, g + gi, shard_m + s.shard_offset,
+                         shard_v + s.shard_offset, (long)s.size, lr, is_decayed(s.tensor) ? weight_decay : 0.0f, scale,
+                         m.adam_step, m.seed, (long)s.flat_offset);
+        }
         if (stage < 3) all_gather_params(m.params);
     }
 
@@ -366,58 +423,115 @@ struct DataParallel : ParamStore<floatX> {
     // (to save a checkpoint), or, under ZeRO-1 and 2, from the pieces each rank has just updated in its own
     // flat buffer. Collective.
     void all_gather_params(floatX* flat) {
-        for (size_t b = 0; b < layout.buckets.size(); b++) {
-            const Bucket& bk = layout.buckets[b];
-            Slot& s = reduce_slots[b + 1 == layout.buckets.size() ? 0 : 1];
-            const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
-            if (!shard_params)
-                for (const OwnedSegment& o : owned[b])
-                    device_copy<floatX>(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size);
-            comm.wait(comm.all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
-            unpack_bucket(bk, s.packed, flat);
-        }
+        for (Group& g : groups)
+            for (size_t b = 0; b < g.layout.buckets.size(); b++) {
+                const Bucket& bk = g.layout.buckets[b];
+                Slot& s = g.reduce_slots[(int)b == g.emb_bucket() ? 0 : 1];
+                const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
+                if (!shard_params)
+                    for (const OwnedSegment& o : g.owned[b])
+                        device_copy<floatX>(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size);
+                g.comm->wait(g.comm->all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
+                unpack_bucket(bk, s.packed, flat);
+            }
     }
 
     // ZeRO-3: keep this rank's pieces of full flat parameters (after initialization or loading)
     void scatter_params(const floatX* flat) {
-        for (auto& segs : owned)
-            for (const OwnedSegment& s : segs) device_copy<floatX>(shard_params + s.shard_offset, flat + s.flat_offset, s.size);
+        for (const OwnedSegment& s : all_owned())
+            device_copy<floatX>(shard_params + s.shard_offset, flat + s.flat_offset, s.size);
     }
 
     // ZeRO >= 1 on the GPU: this rank's pieces of the fp32 parameters `share` (its whole tp share, on the host)
     // become its master weights, and under ZeRO-3 its parameter shard, rounded to nearest as gpt_set_params does
     void set_master(const float* share) {
-        for (auto& segs : owned)
-            for (const OwnedSegment& s : segs) device_upload<floatX>(shard_master + s.shard_offset, share + s.flat_offset, s.size);
-        if (shard_params) convert_on_device(shard_params, shard_master, (long)layout.shard_size);
+        for (const OwnedSegment& s : all_owned())
+            device_upload<floatX>(shard_master + s.shard_offset, share + s.flat_offset, s.size);
+        if (shard_params) convert_on_device(shard_params, shard_master, (long)shard_size());
     }
 
     // ... and back: every rank's pieces of the master weights, gathered bucket by bucket into `share` on the host
     // (the fp32 values a checkpoint saves). Collective.
     void get_master(float* share) {
         std::vector<float> host;
-        for (size_t b = 0; b < layout.buckets.size(); b++) {
-            const Bucket& bk = layout.buckets[b];
-            DeviceTemp<floatX, float> packed(bk.padded);
-            comm.wait(comm.all_gather(shard_master + bk.shard_offset, packed.data, bk.piece, DType::F32));
-            host.resize(bk.padded);
-            device_download<floatX>(host.data(), packed.data, bk.padded);
-            size_t at = 0;
-            for (const Segment& s : bk.segments) memcpy(share + s.offset, host.data() + at, s.size * sizeof(float)), at += s.size;
-        }
+        for (Group& g : groups)
+            for (const Bucket& bk : g.layout.buckets) {
+                DeviceTemp<floatX, float> packed(bk.padded);
+                g.comm->wait(g.comm->all_gather(shard_master + bk.shard_offset, packed.data, bk.piece, DType::F32));
+                host.resize(bk.padded);
+                device_download<floatX>(host.data(), packed.data, bk.padded);
+                size_t at = 0;
+                for (const Segment& s : bk.segments)
+                    memcpy(share + s.offset, host.data() + at, s.size * sizeof(float)), at += s.size;
+            }
     }
 
    private:
+    // a group of the tensors `which`, reduced over `over`; its pieces follow the previous groups' in the shards
+    void add_group(Comm& over, bool experts, size_t bucket_floats, int ep, TensorGroup which) {
+        Group g;
+        g.comm = &over, g.N = over.size, g.rank = over.rank, g.experts = experts;
+        g.layout = bucket_layout(m.config, g.N, bucket_floats, m.tp.size(), m.part, ep, which);
+        size_t before = shard_size();
+        for (Bucket& b : g.layout.buckets) b.shard_offset += before;
+        for (const Bucket& b : g.layout.buckets) g.owned.push_back(owned_segments(b, g.rank));
+        g.reduce_slot_of.assign(g.layout.buckets.size(), -1);
+        g.units_done.assign(g.layout.buckets.size(), 0);
+        groups.push_back(std::move(g));
+    }
+
+    // every owned segment of every group, in group and bucket order
+    std::vector<OwnedSegment> all_owned() const {
+        std::vector<OwnedSegment> all;
+        for (const Group& g : groups)
+            for (const auto& segs : g.owned) all.insert(all.end(), segs.begin(), segs.end());
+        return all;
+    }
+
+    // the views of a unit's tensors in group g, packed from `packed`, into v (the other groups' stay as they are)
+    static void merge_views(ParamViews<floatX>& v, const Group& g, int unit, floatX* packed) {
+        ParamViews<floatX> mine = unit_views(g.layout.unit_segments[unit], packed + g.layout.unit_offset[unit], true);
+        for (const Segment& s : g.layout.unit_segments[unit]) v.t[s.tensor] = mine[s.tensor];
+    }
+
+    // ZeRO-3: the gathered bucket of group g holding the unit, ready to read; the next one of the pass prefetched
+    floatX* gathered_params(Group& g, int unit) {
+        int b = g.layout.unit_bucket[unit];
+        Slot* slot = &g.gather_slots[0];
+        if (b != g.emb_bucket()) {
+            if (b != g.current_gather) {
+                if (g.current_gather >= 0) slot_for_gather(g, g.current_gather)->bucket = -1;  // done with it
+                g.current_gather = b;
+                int next = backward ? b + 1 : b - 1;
+                if (next >= g.pass_low && next <= g.pass_high) gather(g, next, *free_gather_slot(g, b));
+            }
+            slot = slot_for_gather(g, b);
+        }
+        g.comm->wait(slot->request);
+        return slot->packed;
+    }
+
+    // ZeRO-2/3: the staging of group g's bucket holding the unit, zeroed when the micro-step first touches it
+    floatX* grad_staging(Group& g, int unit) {
+        int b = g.layout.unit_bucket[unit];
+        if (g.reduce_slot_of[b] < 0) {
+            int s = acquire_reduce_slot(g, b);
+            device_zero<floatX>(g.reduce_slots[s].packed, g.layout.buckets[b].padded);
+        }
+        return g.reduce_slots[g.reduce_slot_of[b]].packed;
+    }
+
     // where the reduced gradients are: the shard under ZeRO-2/3, the flat buffer otherwise
     const floatX* reduced_grads() const { return stage >= 2 ? shard_grads : m.grads; }
 
     // The first and the last stage add their reduced gradients of the tied embeddings, as far as this rank
     // reads them: its piece of the shard under ZeRO-2/3; under ZeRO-1 the same piece of the flat tensors (the
-    // bucket's packed order is their flat order, wte then wpe); under ZeRO-0 all of them.
+    // bucket's packed order is their flat order, wte then wpe); under ZeRO-0 all of them. The embeddings are
+    // never expert tensors: they are the first group's.
     void sum_tied_gradients() {
         if (!links.tied) return;
-        const Bucket& e = layout.embeddings();
-        size_t begin = stage == 1 ? std::min(rank * e.piece, e.size) : 0;
+        const Bucket& e = groups[0].layout.embeddings();
+        size_t begin = stage == 1 ? std::min(groups[0].rank * e.piece, e.size) : 0;
         size_t n = stage == 0 ? e.size : stage == 1 ? std::min(e.piece, e.size - begin) : e.piece;
         floatX* g = stage >= 2 ? shard_grads + e.shard_offset : m.grads + e.segments.front().offset + begin;
         links.tied->wait(links.tied->all_reduce(g, g, n, dtype_of<floatX>()));
@@ -455,73 +569,77 @@ struct DataParallel : ParamStore<floatX> {
 
     // let MPI move the operations in flight while compute goes on
     void progress() {
-        for (Slot& s : reduce_slots)
-            if (s.in_flight) comm.test(s.request);
+        for (Group& g : groups)
+            for (Slot& s : g.reduce_slots)
+                if (s.in_flight) g.comm->test(s.request);
     }
 
-    void gather(int b, Slot& slot) {
-        const Bucket& bk = layout.buckets[b];
+    void gather(Group& g, int b, Slot& slot) {
+        const Bucket& bk = g.layout.buckets[b];
         slot.bucket = b;
-        slot.request = comm.all_gather(shard_params + bk.shard_offset, slot.packed, bk.piece, dtype_of<floatX>());
+        slot.request = g.comm->all_gather(shard_params + bk.shard_offset, slot.packed, bk.piece, dtype_of<floatX>());
     }
-    Slot* slot_for_gather(int b) {
-        for (Slot& g : gather_slots)
-            if (g.bucket == b) return &g;
-        gather(b, *free_gather_slot(-1));  // not prefetched (the first of a pass)
-        return slot_for_gather(b);
+    Slot* slot_for_gather(Group& g, int b) {
+        for (Slot& s : g.gather_slots)
+            if (s.bucket == b) return &s;
+        gather(g, b, *free_gather_slot(g, -1));  // not prefetched (the first of a pass)
+        return slot_for_gather(g, b);
     }
-    Slot* free_gather_slot(int keep) {
-        for (int i = 1; i <= 2; i++)
-            if (gather_slots[i].bucket < 0 || (gather_slots[i].bucket != keep && gather_slots[i].bucket != current_gather)) {
-                if (gather_slots[i].bucket >= 0) comm.wait(gather_slots[i].request);
-                return &gather_slots[i];
+    Slot* free_gather_slot(Group& g, int keep) {
+        for (int i = 1; i <= 2; i++) {
+            Slot& s = g.gather_slots[i];
+            if (s.bucket < 0 || (s.bucket != keep && s.bucket != g.current_gather)) {
+                if (s.bucket >= 0) g.comm->wait(s.request);
+                return &s;
             }
+        }
         fail("zero: no free gather slot");
     }
 
-    int acquire_reduce_slot(int b) {
-        if (b == emb_bucket()) {
-            if (reduce_slots[0].in_flight) retire(reduce_slots[0]);
-            reduce_slots[0].bucket = b;
-            return reduce_slot_of[b] = 0;
+    int acquire_reduce_slot(Group& g, int b) {
+        std::vector<Slot>& slots = g.reduce_slots;
+        if (b == g.emb_bucket()) {
+            if (slots[0].in_flight) retire(g, slots[0]);
+            slots[0].bucket = b;
+            return g.reduce_slot_of[b] = 0;
         }
         Slot* pick = nullptr;
         for (int i = 1; i <= 2 && !pick; i++)
-            if (reduce_slots[i].bucket < 0) pick = &reduce_slots[i];
+            if (slots[i].bucket < 0) pick = &slots[i];
         if (!pick) {  // both busy: one may still be staging (ZeRO-2/3), so retire the oldest reduction in flight
             for (int i = 1; i <= 2; i++)
-                if (reduce_slots[i].in_flight && (!pick || reduce_slots[i].order < pick->order)) pick = &reduce_slots[i];
+                if (slots[i].in_flight && (!pick || slots[i].order < pick->order)) pick = &slots[i];
             if (!pick) fail("zero: both staging slots are staging at once");
-            retire(*pick);
+            retire(g, *pick);
         }
         pick->bucket = b;
-        return reduce_slot_of[b] = (int)(pick - reduce_slots.data());
+        return g.reduce_slot_of[b] = (int)(pick - slots.data());
     }
 
     // finishes a slot's reduction and puts the reduced piece where the stage keeps it
-    void retire(Slot& s) {
-        const Bucket& bk = layout.buckets[s.bucket];
-        comm.wait(s.request);
+    void retire(Group& g, Slot& s) {
+        const Bucket& bk = g.layout.buckets[s.bucket];
+        g.comm->wait(s.request);
         if (stage >= 2) {
             accumulate(shard_grads + bk.shard_offset, s.piece, bk.piece);
         } else if (stage == 1) {
-            for (const OwnedSegment& o : owned[s.bucket])
+            for (const OwnedSegment& o : g.owned[s.bucket])
                 device_copy<floatX>(m.grads + o.flat_offset, s.piece + (o.shard_offset - bk.shard_offset), o.size);
         } else {
-            comm.wait(comm.all_gather(s.piece, s.packed, bk.piece, dtype_of<floatX>()));
+            g.comm->wait(g.comm->all_gather(s.piece, s.packed, bk.piece, dtype_of<floatX>()));
             unpack_bucket(bk, s.packed, m.grads);
         }
         s.bucket = -1;
         s.in_flight = false;
     }
 
-    void finish_reductions() {
+    void finish_reductions(Group& g) {
         while (true) {
             Slot* oldest = nullptr;
-            for (Slot& s : reduce_slots)
+            for (Slot& s : g.reduce_slots)
                 if (s.in_flight && (!oldest || s.order < oldest->order)) oldest = &s;
             if (!oldest) break;
-            retire(*oldest);
+            retire(g, *oldest);
         }
     }
 };

@@ -2,6 +2,7 @@
 // reference (build/comm_check), data parallelism against the single-rank run with the same global batch
 // (the equivalence principle), ZeRO-0..3 against each other bit for bit, the ledger against --plan, the counted
 // bytes against the formula, sharded checkpoints, the process grid, and a rank that stops answering.
+#include <algorithm>
 #include <time.h>
 #include <unistd.h>
 
@@ -250,11 +251,32 @@ TEST_CASE("the process grid: tp fastest, then cp, dp, pp; groups and errors", "[
     CHECK_THROWS_WITH(grid_dp(8, GridShape{1, 1, 1, 3}), Catch::Contains("--ep 3: must divide the data-parallel size 8"));
     CHECK(grid_coords(7, GridShape{1, 1, 1, 4}, 8).ep == 3);
 
+    // the expert replicas under ep 2 (tp 2, cp 2, pp 2, 32 ranks: dp 4): the ranks with the same tp, pp and
+    // ep_rank, dp/ep · cp = 4 of them, numbered cp fastest, then dp_rank / ep
+    GridShape e{2, 2, 2, 2};
+    int edp = grid_dp(32, e);
+    CHECK(edp == 4);
+    for (int r = 0; r < 32; r++) {
+        GridCoords a = grid_coords(r, e, edp);
+        GroupPlace pa = expert_replica_place(a, e, edp);
+        CHECK(pa.key == a.cp + 2 * (a.dp / 2));
+        std::vector<int> members;
+        for (int q = 0; q < 32; q++) {
+            GridCoords b = grid_coords(q, e, edp);
+            bool same = a.tp == b.tp && a.pp == b.pp && a.ep == b.ep;
+            CHECK((expert_replica_place(b, e, edp).color == pa.color) == same);
+            if (same) members.push_back(expert_replica_place(b, e, edp).key);
+        }
+        std::sort(members.begin(), members.end());
+        CHECK(members == std::vector<int>{0, 1, 2, 3});
+    }
+
     // a single process forms every group alone
     Comm self;
     Grid g = make_grid(self, GridShape{});
     CHECK((g.dp == 1 && g.dp_comm.size == 1 && g.tp_comm.size == 1));
     CHECK(&g.dp_cp() == &g.dp_comm);  // without cp, gradients are reduced over dp alone
+    CHECK(&g.expert_replicas() == &g.dp_comm);  // without ep, the experts' gradients too
 
     // on the command line: a grid that does not fit, and experts split where the model has none
     Data data;
