@@ -1,0 +1,251 @@
+// moe: the mixture-of-experts layer's data-movement kernels of llmc/moe.cuh, each checked against the header's
+// CPU overload of the same name (outputs poisoned first) on d12's layer (BT = 4096 tokens, C = 768, E = 8
+// experts, top K = 2) and an odd one (BT = 77, C = 48, E = 4, K = 3), then timed on the first against the copy
+// bandwidth:
+//   router_forward   logits (fp32) = x · Wrᵀ
+//   router_backward  dx += dlogits · Wr (bf16, and with dx null), dWr += dlogitsᵀ · x (bf16)
+//   gather_rows      the tokens' rows into dispatch order (token_of_row)
+//   moe_combine      out[t] = Σ_k gate[t,k] · rows[row_of[t,k]] (with the gates, and with weight null: 1)
+//   moe_spread       rows[row_of[t,k]] = gate[t,k] · dout[t]
+//   moe_gate_grads   dgate[t,k] = dout[t] · rows[row_of[t,k]] (fp32)
+// The routing (row_of, token_of_row, the gates) is llmc/moe.cuh's own route_tokens() on random logits, so
+// row_of and token_of_row are a real permutation of the K·BT rows (checked first), as in training.
+//
+// Tolerances (compare_rms: relative to each element, with the reference's RMS as the absolute floor):
+//   bf16 outputs, 1e-2: the kernels compute in fp32 on the same bf16 inputs the CPU sees and round once to
+//     bf16 (half an ulp: relative error ≤ 2⁻⁸ ≈ 4e-3); the fp32 sums in another order differ by ~1e-6
+//     relative. So a correct kernel uses ≤ 0.4 of the allowance (0.3 in a host emulation of the kernels' order
+//     and rounding on these inputs), while a wrong row, a missed slot or a lost += is an O(1) error.
+//   fp32 outputs (logits, dgate), 1e-4: bf16·bf16 products are exact in fp32, so only the order of the C-term
+//     sums differs (a warp's strided partials and a shuffle tree against the CPU's serial loop): ~√C·2⁻²⁴ of
+//     the terms' scale, ~1e-6 of the RMS at C = 768 (0.007 of the allowance in the host emulation). One channel
+//     missed out of 768 is ~3e-2.
+//   gather_rows is a copy: exact.
+// The accumulated (+=) gradients start from random values of the increments' scale, so a lost or doubled
+// increment shows.
+//
+// The header's kernels run on main_stream() (llmc/device.cuh), a non-blocking stream that the legacy default
+// stream (common.h's cudaMemset poisoning, cudaMemcpy up- and downloads) does not order against: every launch
+// here is bracketed by device synchronizations, and the timings record their events on main_stream().
+#include "dev/cuda/common.h"
+#include "llmc/moe.cuh"
+
+// ------------------------------------------------------------------------------------------------------------
+// launches on the header's stream, ordered against everything on the legacy stream
+
+template <typename F>
+static void on_main_stream(F&& f) {
+    cuda_check(cudaDeviceSynchronize());
+    f();
+    cuda_check(cudaGetLastError());
+    cuda_check(cudaDeviceSynchronize());
+}
+
+// common.h's median_ms with the events on main_stream(), where the kernels run
+template <typename F>
+static float median_ms_main(F&& f, int sets, int reps = 30) {
+    cudaStream_t stream = main_stream();
+    cuda_check(cudaDeviceSynchronize());
+    for (int s = 0; s < sets; s++) f(s);
+    std::vector<cudaEvent_t> events(2 * reps);
+    for (auto& e : events) cuda_check(cudaEventCreate(&e));
+    for (int r = 0; r < reps; r++) {
+        cuda_check(cudaEventRecord(events[2 * r], stream));
+        f(r % sets);
+        cuda_check(cudaEventRecord(events[2 * r + 1], stream));
+    }
+    cuda_check(cudaEventSynchronize(events.back()));
+    std::vector<float> ms(reps);
+    for (int r = 0; r < reps; r++) cuda_check(cudaEventElapsedTime(&ms[r], events[2 * r], events[2 * r + 1]));
+    for (auto& e : events) cuda_check(cudaEventDestroy(e));
+    std::sort(ms.begin(), ms.end());
+    return reps % 2 ? ms[reps / 2] : 0.5f * (ms[reps / 2 - 1] + ms[reps / 2]);
+}
+
+// report_memory_bound's line, the time in µs (these kernels take a few to a few tens of them)
+static void report_us(const std::string& what, float ms, double bytes) {
+    double gbs = bytes / (ms * 1e-3) / 1e9;
+    printf("%-44s %9.2f us %8.1f GB/s  %5.1f%% of copy bandwidth (%.0f GB/s)\n", what.c_str(), ms * 1e3, gbs,
+           100.0 * gbs / copy_bandwidth_gbs(), copy_bandwidth_gbs());
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// one layer's inputs, routing and CPU reference
+
+struct MoECase {
+    long BT;
+    int C, E, K;
+    long R;  // K·BT rows in dispatch order
+    MoERoute route;
+    // inputs: x (ln2's output), the router weight, dlogits, the accumulated gradients' starting values, the
+    // experts' output rows (dispatch order) and the layer's output gradient
+    std::vector<float> x, w, dlogits, dx0, dw0, rows, dout;
+    // CPU reference
+    std::vector<float> logits, dx, dw, gathered, combined, summed, spread, dgate;
+    DeviceArray<bf16> d_x, d_w, d_dx, d_dw, d_gathered, d_rows, d_out, d_dout, d_spread;
+    DeviceArray<float> d_logits, d_dlogits, d_gates, d_dgate;
+    DeviceArray<int> d_row_of, d_token_of_row;
+
+    MoECase(long BT_, int C_, int E_, int K_, uint64_t seed)
+        : BT(BT_), C(C_), E(E_), K(K_), R((long)K_ * BT_), d_x(BT * C), d_w((size_t)E * C), d_dx(BT * C),
+          d_dw((size_t)E * C), d_gathered(R * C), d_rows(R * C), d_out(BT * C), d_dout(BT * C), d_spread(R * C),
+          d_logits(BT * E), d_dlogits(BT * E), d_gates(R), d_dgate(R), d_row_of(R), d_token_of_row(R) {
+        Rng rng(seed);
+        std::vector<float> routing_logits(BT * E);
+        for (float& l : routing_logits) l = rng.normal(0.0f, 1.0f);
+        route_tokens(route, routing_logits.data(), BT, E, K);
+
+        x = random_bf16_values(BT * C, rng);
+        w = random_bf16_values((size_t)E * C, rng, 0.05f);
+        dlogits.resize(BT * E);
+        for (float& d : dlogits) d = rng.normal(0.0f, 0.1f);  // fp32 on both sides
+        // of the increments' scale: dx's is √E·0.1·0.05 ≈ 0.014, dw's √BT·0.1 (6.4 at BT = 4096)
+        dx0 = random_bf16_values(BT * C, rng, 0.014f);
+        dw0 = random_bf16_values((size_t)E * C, rng, 0.1f * sqrtf((float)BT));
+        rows = random_bf16_values(R * C, rng);
+        dout = random_bf16_values(BT * C, rng);
+
+        upload(d_x, x);
+        upload(d_w, w);
+        upload(d_dlogits, dlogits);
+        upload(d_rows, rows);
+        upload(d_dout, dout);
+        upload(d_gates, route.gate);
+        upload(d_row_of, route.row_of);
+        upload(d_token_of_row, route.token_of_row);
+        reset_grads();
+
+        logits.resize(BT * E);
+        router_forward(logits.data(), x.data(), w.data(), BT, C, E);
+        dx = dx0, dw = dw0;
+        router_backward(dx.data(), dw.data(), dlogits.data(), x.data(), w.data(), BT, C, E);
+        gathered.resize(R * C);
+        gather_rows(gathered.data(), x.data(), route.token_of_row.data(), R, C);
+        combined.resize(BT * C), summed.resize(BT * C);
+        moe_combine(combined.data(), rows.data(), route.row_of.data(), route.gate.data(), BT, K, C);
+        moe_combine(summed.data(), rows.data(), route.row_of.data(), (const float*)nullptr, BT, K, C);
+        spread.resize(R * C);
+        moe_spread(spread.data(), dout.data(), route.row_of.data(), route.gate.data(), BT, K, C);
+        dgate.resize(R);
+        moe_gate_grads(dgate.data(), dout.data(), rows.data(), route.row_of.data(), BT, K, C);
+    }
+    void reset_grads() {
+        upload(d_dx, dx0);
+        upload(d_dw, dw0);
+    }
+    // row_of and token_of_row: each (t, k) has its own row, which carries token t
+    bool routing_is_a_permutation() const {
+        std::vector<int> seen(R, 0);
+        for (long tk = 0; tk < R; tk++) {
+            int row = route.row_of[tk];
+            if (row < 0 || row >= R || seen[row]++ || route.token_of_row[row] != tk / K) return false;
+        }
+        return true;
+    }
+};
+
+static void check_shape(Checks& checks, MoECase& k) {
+    long BT = k.BT, R = k.R;
+    int C = k.C, E = k.E, K = k.K;
+    std::string v = strfmt("BT=%ld C=%d E=%d K=%d ", BT, C, E, K);
+    checks.require(v + "route_tokens: row_of a permutation", k.routing_is_a_permutation());
+
+    on_main_stream([&] { router_forward(k.d_logits.ptr, k.d_x.ptr, k.d_w.ptr, BT, C, E); });
+    checks.check(v + "router_forward logits", download(k.d_logits), k.logits, 1e-4);
+
+    k.reset_grads();
+    on_main_stream([&] { router_backward(k.d_dx.ptr, k.d_dw.ptr, k.d_dlogits.ptr, k.d_x.ptr, k.d_w.ptr, BT, C, E); });
+    std::vector<float> dw = download(k.d_dw);
+    checks.check(v + "router_backward dx (+=)", download(k.d_dx), k.dx, 1e-2);
+    checks.check(v + "router_backward dw (+=)", dw, k.dw, 1e-2);
+    k.reset_grads();
+    on_main_stream([&] { router_backward((bf16*)nullptr, k.d_dw.ptr, k.d_dlogits.ptr, k.d_x.ptr, k.d_w.ptr, BT, C, E); });
+    std::vector<float> dw_alone = download(k.d_dw);
+    checks.check(v + "router_backward dx null: dw (+=)", dw_alone, k.dw, 1e-2);
+    checks.require(v + "router_backward dx null: dw, the same bits", dw_alone == dw);
+    checks.require(v + "router_backward dx null: dx untouched", download(k.d_dx) == k.dx0);
+
+    k.d_gathered.poison();
+    on_main_stream([&] { gather_rows(k.d_gathered.ptr, k.d_x.ptr, k.d_token_of_row.ptr, R, C); });
+    checks.check(v + "gather_rows (exact)", download(k.d_gathered), k.gathered, 0.0);
+
+    k.d_out.poison();
+    on_main_stream([&] { moe_combine(k.d_out.ptr, k.d_rows.ptr, k.d_row_of.ptr, k.d_gates.ptr, BT, K, C); });
+    checks.check(v + "moe_combine with gates", download(k.d_out), k.combined, 1e-2);
+    k.d_out.poison();
+    on_main_stream([&] { moe_combine(k.d_out.ptr, k.d_rows.ptr, k.d_row_of.ptr, (const float*)nullptr, BT, K, C); });
+    checks.check(v + "moe_combine weight null", download(k.d_out), k.summed, 1e-2);
+
+    k.d_spread.poison();  // every row must be written: a row left out stays NaN
+    on_main_stream([&] { moe_spread(k.d_spread.ptr, k.d_dout.ptr, k.d_row_of.ptr, k.d_gates.ptr, BT, K, C); });
+    checks.check(v + "moe_spread", download(k.d_spread), k.spread, 1e-2);
+
+    k.d_dgate.poison();
+    on_main_stream([&] { moe_gate_grads(k.d_dgate.ptr, k.d_dout.ptr, k.d_rows.ptr, k.d_row_of.ptr, BT, K, C); });
+    checks.check(v + "moe_gate_grads dgate", download(k.d_dgate), k.dgate, 1e-4);
+}
+
+// Each timed call cycles through its own copies of the BT×C and K·BT×C activations (the router weight, its
+// gradient and the routing are small and shared). The bytes are those the kernel must move at the least: each
+// input row read once, each output written once (read too where it accumulates), the fp32 logits, gates and
+// int indices included; what a kernel reads again (x by each expert's warps in router_forward, a token's row
+// by its K slots in gather_rows and moe_spread) comes from L2 and is not counted.
+static void time_shape(MoECase& k) {
+    long BT = k.BT, R = k.R;
+    int C = k.C, E = k.E, K = k.K;
+    std::string v = strfmt("BT=%ld C=%d E=%d K=%d", BT, C, E, K);
+    const double act = 2.0 * BT * C, rows = 2.0 * R * C;  // bf16 bytes of a BT×C and a K·BT×C tensor
+    const double router_w = 2.0 * E * C, logits = 4.0 * BT * E, index = 4.0 * R, gates = 4.0 * R;
+    double forward_bytes = act + router_w + logits;
+    double backward_bytes = 2.0 * act + act + logits + router_w + 2.0 * router_w;  // dx read + written, x, dlogits, w, dw
+    double backward_dw_bytes = act + logits + 2.0 * router_w;
+    double gather_bytes = act + rows + index;
+    double combine_bytes = rows + act + index + gates, sum_bytes = rows + act + index;
+    double spread_bytes = act + rows + index + gates, gate_grad_bytes = act + rows + index + 4.0 * R;
+    int sets = timing_sets(2.0 * rows);
+    TimingCopies<bf16> x(k.d_x, sets), dx(k.d_dx, sets), gathered(k.d_gathered, sets), rows_in(k.d_rows, sets),
+        out(k.d_out, sets), dout(k.d_dout, sets), spread(k.d_spread, sets);
+    TimingCopies<float> logit(k.d_logits, sets), dlogit(k.d_dlogits, sets), dgate(k.d_dgate, sets);
+    const int *row_of = k.d_row_of.ptr, *token_of_row = k.d_token_of_row.ptr;
+    const float* gate = k.d_gates.ptr;
+
+    report_us("router_forward " + v,
+              median_ms_main([&](int s) { router_forward(logit[s], x[s], k.d_w.ptr, BT, C, E); }, sets), forward_bytes);
+    report_us("router_backward " + v,
+              median_ms_main([&](int s) { router_backward(dx[s], k.d_dw.ptr, dlogit[s], x[s], k.d_w.ptr, BT, C, E); },
+                             sets),
+              backward_bytes);
+    report_us("router_backward dx null " + v,
+              median_ms_main(
+                  [&](int s) { router_backward((bf16*)nullptr, k.d_dw.ptr, dlogit[s], x[s], k.d_w.ptr, BT, C, E); },
+                  sets),
+              backward_dw_bytes);
+    report_us("gather_rows " + v,
+              median_ms_main([&](int s) { gather_rows(gathered[s], x[s], token_of_row, R, C); }, sets), gather_bytes);
+    report_us("moe_combine with gates " + v,
+              median_ms_main([&](int s) { moe_combine(out[s], rows_in[s], row_of, gate, BT, K, C); }, sets),
+              combine_bytes);
+    report_us("moe_combine weight null " + v,
+              median_ms_main([&](int s) { moe_combine(out[s], rows_in[s], row_of, (const float*)nullptr, BT, K, C); },
+                             sets),
+              sum_bytes);
+    report_us("moe_spread " + v,
+              median_ms_main([&](int s) { moe_spread(spread[s], dout[s], row_of, gate, BT, K, C); }, sets),
+              spread_bytes);
+    report_us("moe_gate_grads " + v,
+              median_ms_main([&](int s) { moe_gate_grads(dgate[s], dout[s], rows_in[s], row_of, BT, K, C); }, sets),
+              gate_grad_bytes);
+}
+
+int main() {
+    SKIP_WITHOUT_GPU();
+    Checks checks;
+    MoECase d12(4096, 768, 8, 2, 11);
+    check_shape(checks, d12);
+    {
+        MoECase odd(77, 48, 4, 3, 12);
+        check_shape(checks, odd);
+    }
+    time_shape(d12);
+    return checks.exit_code();
+}
