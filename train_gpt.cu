@@ -131,7 +131,7 @@ static PPSpec pp_spec(const Options& o, int rank) {
 
 static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute,
-                        o.cp, pp_spec(o, 0)};
+                        o.cp, pp_spec(o, 0), o.ep};
 }
 
 static CPSplit cp_split(const Options& o) { return o.cp_split == "contiguous" ? CPSplit::Contiguous : CPSplit::ZigZag; }
@@ -284,8 +284,8 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
                    (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
         } else {
             ModelPart part = planned_part(config, par);
-            size_t local = num_parameters(config, o.tp, part);
-            size_t shard = bucket_layout(config, par.grad_ranks(), par.bucket_floats, o.tp, part).shard_size;
+            size_t local = num_parameters(config, o.tp, part, o.ep);
+            size_t shard = planned_shard_size(config, par);
             size_t mixed[MEM_CATEGORIES] = {};
             plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
             printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f "
@@ -358,7 +358,9 @@ static int train(const Options& o, const RunSetup& run) {
     // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
     Comm& grad_comm = grid.dp_cp();
     StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embeddings() ? &grid.tied_comm : nullptr};
-    DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links);
+    // with experts split over ep, their gradients are reduced over the ranks that hold the same experts
+    ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
+    DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links, experts);
     TrainState state;
     Rng sampler_rng(o.seed);
     RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp,

@@ -292,9 +292,11 @@ struct MixtureOfExperts {
     }
     // The bytes this rank sends over the ep group, by the formula: per layer and micro-batch, forward's dispatch
     // and return and backward's two, each row of C elements sent once by dispatch or return (the rows it sends
-    // away go out in both dispatches, the rows it received come back in both returns), and the counts
+    // away go out in both dispatches, the rows it received come back in both returns), the counts, and once a
+    // step the gradient norm's partial sum (one double to each other rank: llmc/zero.cuh)
     double formula_bytes(int C) const {
-        return 2.0 * rows_crossing * C * sizeof(floatX) + (double)count_exchanges * (ep_size - 1) * X * sizeof(int);
+        return 2.0 * rows_crossing * C * sizeof(floatX) + (double)count_exchanges * (ep_size - 1) * X * sizeof(int) +
+               (ep_size - 1) * sizeof(double);
     }
     // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
     long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
