@@ -140,16 +140,16 @@ struct Checks {
 // them (timing_sets says how many), so each call finds its inputs in DRAM, as in training.
 
 // median milliseconds per call of f(set), set = 0, 1, ..., sets - 1, 0, 1, ... over reps calls, after one
-// warm-up pass over every set
+// warm-up pass over every set; the events go on `stream`, where f's kernels run
 template <typename F>
-inline float median_ms(F&& f, int sets, int reps = 30) {
+inline float median_ms(F&& f, int sets, int reps = 30, cudaStream_t stream = 0) {
     for (int s = 0; s < sets; s++) f(s);
     std::vector<cudaEvent_t> events(2 * reps);
     for (auto& e : events) cuda_check(cudaEventCreate(&e));
     for (int r = 0; r < reps; r++) {
-        cuda_check(cudaEventRecord(events[2 * r]));
+        cuda_check(cudaEventRecord(events[2 * r], stream));
         f(r % sets);
-        cuda_check(cudaEventRecord(events[2 * r + 1]));
+        cuda_check(cudaEventRecord(events[2 * r + 1], stream));
     }
     cuda_check(cudaEventSynchronize(events.back()));
     std::vector<float> ms(reps);

@@ -41,25 +41,12 @@ static void on_main_stream(F&& f) {
     cuda_check(cudaDeviceSynchronize());
 }
 
-// common.h's median_ms with the events on main_stream(), where the kernels run
+// common.h's median_ms with the events on main_stream(), where llmc's kernels run (a non-blocking stream, which
+// the legacy default stream does not wait for)
 template <typename F>
-static float median_ms_main(F&& f, int sets, int reps = 30) {
-    cudaStream_t stream = main_stream();
+static float median_ms_main(F&& f, int sets) {
     cuda_check(cudaDeviceSynchronize());
-    for (int s = 0; s < sets; s++) f(s);
-    std::vector<cudaEvent_t> events(2 * reps);
-    for (auto& e : events) cuda_check(cudaEventCreate(&e));
-    for (int r = 0; r < reps; r++) {
-        cuda_check(cudaEventRecord(events[2 * r], stream));
-        f(r % sets);
-        cuda_check(cudaEventRecord(events[2 * r + 1], stream));
-    }
-    cuda_check(cudaEventSynchronize(events.back()));
-    std::vector<float> ms(reps);
-    for (int r = 0; r < reps; r++) cuda_check(cudaEventElapsedTime(&ms[r], events[2 * r], events[2 * r + 1]));
-    for (auto& e : events) cuda_check(cudaEventDestroy(e));
-    std::sort(ms.begin(), ms.end());
-    return reps % 2 ? ms[reps / 2] : 0.5f * (ms[reps / 2 - 1] + ms[reps / 2]);
+    return median_ms(f, sets, 30, main_stream());
 }
 
 // report_memory_bound's line, the time in µs (these kernels take a few to a few tens of them)
