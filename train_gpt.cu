@@ -258,11 +258,15 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
     ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
     size_t psi = count_parameters(config);
-    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d: %zu parameters\n", config.num_layers, config.channels,
-           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, psi);
-    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks, %d "
+    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s: %zu parameters\n", config.num_layers, config.channels,
+           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
+           config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);
+    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
            "micro-steps per step, recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.pp,
-           o.pp_schedule.c_str(), o.vpp, o.zero, par.grad_ranks(), accumulation, o.recompute);
+           o.pp_schedule.c_str(), o.vpp, o.zero, par.grad_ranks(),
+           o.ep > 1 ? strfmt(", ep=%d (each expert on %d rank%s)", o.ep, par.expert_ranks(),
+                             par.expert_ranks() == 1 ? "" : "s").c_str() : "",
+           accumulation, o.recompute);
     if (par.pp.on()) print_stage_layers(config, par.pp);
     const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
     // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
@@ -302,6 +306,9 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
            planned_cp_comm_bytes(config, par, o.B, o.T, dev));
     printf("pipeline-parallel communication per step per rank%s: %.0f bytes\n", of,
            planned_pp_comm_bytes(config, par, o.B, o.T, dev));
+    if (o.ep > 1)
+        printf("expert-parallel communication per step per rank%s, with balanced routing: %.0f bytes\n", of,
+               planned_ep_comm_bytes(config, par, o.B, o.T, dev));
 }
 
 // what run() decided from the flags, for the training run
@@ -360,6 +367,8 @@ static int train(const Options& o, const RunSetup& run) {
     StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embeddings() ? &grid.tied_comm : nullptr};
     // with experts split over ep, their gradients are reduced over the ranks that hold the same experts
     ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
+    // what the gradient reductions have sent: over dp·cp, and under ep over the experts' replicas too
+    auto dp_bytes = [&] { return grad_comm.bytes_sent + (grid.ep > 1 ? grid.expert_replicas().bytes_sent : 0.0); };
     DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links, experts);
     TrainState state;
     Rng sampler_rng(o.seed);
@@ -556,7 +565,7 @@ static int train(const Options& o, const RunSetup& run) {
         }
         pipeline.tracing = step == state.step && pp.on();
         if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
-        double t0 = now_seconds(), sent0 = grad_comm.bytes_sent, tp_sent0 = grid.tp_comm.bytes_sent;
+        double t0 = now_seconds(), sent0 = dp_bytes(), tp_sent0 = grid.tp_comm.bytes_sent;
         double cp_sent0 = grid.cp_comm.bytes_sent, pp_sent0 = grid.pp_comm.bytes_sent, ep_sent0 = grid.ep_comm.bytes_sent;
         dpr.zero_grad();
         model.moe.reset_statistics();
@@ -575,7 +584,7 @@ static int train(const Options& o, const RunSetup& run) {
             NvtxRange update("optimizer step");
             dpr.update(lr, o.weight_decay, norm);
         }
-        double ms = (now_seconds() - t0) * 1000.0, sent = grad_comm.bytes_sent - sent0;
+        double ms = (now_seconds() - t0) * 1000.0, sent = dp_bytes() - sent0;
         auto [aux, load] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
                                         : std::pair<double, std::string>{-1.0, ""};
         double tp_sent = grid.tp_comm.bytes_sent - tp_sent0, cp_sent = grid.cp_comm.bytes_sent - cp_sent0;
@@ -703,7 +712,6 @@ static int run(const Options& o) {
     if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
     if (config.num_experts % o.ep != 0) fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
     if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
-    if (o.pp_schedule == "zb" && config.moe()) fail("--pp-schedule zb: its split backward does not take experts yet");
     long tokens_per_micro_step = (long)o.B * o.T * dp;
     long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
     if (total_batch % tokens_per_micro_step != 0)

@@ -360,12 +360,13 @@ inline size_t attention_state_floats(const LocalDims& d, Device dev) {
 // the elements of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
 // column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local; 0
 // for a slot that is recomputed, and for the output gradients unless the backward is split (the projections'
-// are whole: under sp they are gathered before the matmul)
+// are whole: under sp they are gathered before the matmul; the MLP's two are not kept for experts, whose weight
+// gradients backward takes at once)
 inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute, Device dev, bool split) {
-    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT;
+    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
     size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : mlp_rows * d.Hl;
     return {ln, R, R, BT * 3 * d.Cl, attention_state_floats(d, dev), BT * d.Cl, R * C, R * C,
-            ln, R, R, mlp_rows * d.Hl, gelu, R * C, R * C, S * BT * 3 * d.Cl, S * BT * C, S * BT * d.Hl, S * BT * C,
+            ln, R, R, mlp_rows * d.Hl, gelu, R * C, R * C, S * BT * 3 * d.Cl, S * BT * C, M * BT * d.Hl, M * BT * C,
             d.expert_rows * C, d.K * BT * C};
 }
 
@@ -505,7 +506,6 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     check_split(config, T, tp, cp);
     if (config.num_experts % ep != 0)
         fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
-    if (split_backward && config.moe()) fail("--pp-schedule zb: the split backward does not take experts yet");
     if (part.chunks() == 0) part = whole_part(config);
     m.cp.spec = cp;
     int head_size = config.channels / config.num_heads;
@@ -1073,7 +1073,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
 
 // The weight gradients a split backward of chunk `chunk` left for later (the W step of the zero-bubble
 // pipeline): the four matmuls of each of its layers, from the output gradients backward kept and the inputs
-// forward kept (computed again where -r does not keep them). The units' gradients are complete after it.
+// forward kept (computed again where -r does not keep them). The units' gradients are complete after it. With
+// experts it is attention's two: an expert's matmuls see a different number of rows in every micro-batch, and
+// backward takes their weight gradients at once rather than keep their output gradients.
 template <typename floatX>
 inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     if (!m.split_backward) fail("weight gradients: the model's backward is not split");
@@ -1095,10 +1097,13 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        recompute_gelu(m, la, d, BT);
-        matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
-        recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        if (!m.config.moe()) {
+            recompute_gelu(m, la, d, BT);
+            matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_gelu, w[FCPROJW], BT, d.Hl, C,
+                            ws);
+            recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+            matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+        }
         matmul_backward((floatX*)nullptr, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
         recompute_layernorm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
         matmul_backward((floatX*)nullptr, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);

@@ -91,20 +91,25 @@ struct MemoryPlan {
 };
 
 // Ψ = Vp·C + maxT·C + L·(12C² + 13C) + 2C: embeddings, per layer 4C² attention + 8C² MLP weights with their
-// 9C biases and 4C layernorm parameters, and the final layernorm
+// 9C biases and 4C layernorm parameters, and the final layernorm. With E experts each layer has E MLPs
+// (8C² + 5C each) and the router's E·C weight in place of the one MLP: L·(4C² + 8C + E·(8C² + 6C)).
 inline size_t count_parameters(const GPTConfig& c) {
-    size_t C = c.channels, L = c.num_layers;
-    return (size_t)c.padded_vocab_size * C + (size_t)c.max_seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+    size_t C = c.channels, L = c.num_layers, E = c.num_experts;
+    size_t layer = c.moe() ? 4 * C * C + 8 * C + E * (8 * C * C + 6 * C) : 12 * C * C + 13 * C;
+    return (size_t)c.padded_vocab_size * C + (size_t)c.max_seq_len * C + L * layer + 2 * C;
 }
 
 // one rank's share under tensor parallelism over t ranks, of a pipeline stage's L layers: ⌈Vp/t⌉ vocab rows
 // and maxT·C positions on the first and the last stage; per layer the 12C² weights and 7C biases of QKV, fc
 // and the projections split t ways, the 6C of layernorms and row-parallel biases whole; the final layernorm's
-// 2C on the last stage
-inline size_t count_parameters_per_rank(const GPTConfig& c, int t, const ModelPart& part) {
-    size_t C = c.channels, L = part.layers(), Vl = (c.padded_vocab_size + t - 1) / t;
+// 2C on the last stage. With experts split over ep ranks, a layer holds the whole router (E·C) and E/ep
+// experts, each split over tp as the dense MLP is (8C²/t + 4C/t, and fc_proj's bias whole).
+inline size_t count_parameters_per_rank(const GPTConfig& c, int t, const ModelPart& part, int ep = 1) {
+    size_t C = c.channels, L = part.layers(), Vl = (c.padded_vocab_size + t - 1) / t, X = c.num_experts / ep;
     size_t embeddings = part.embeddings() ? Vl * C + (size_t)c.max_seq_len * C : 0;
-    return embeddings + L * (12 * C * C / t + 7 * C / t + 6 * C) + (part.last ? 2 * C : 0);
+    size_t attention = 4 * C * C / t + 3 * C / t + 5 * C, mlp = 8 * C * C / t + 4 * C / t + C;
+    size_t layer = c.moe() ? attention + c.num_experts * C + X * mlp : attention + mlp;
+    return embeddings + L * layer + (part.last ? 2 * C : 0);
 }
 
 // bytes per element of each model state: fp32 on the CPU; bf16 mixed precision on a GPU
@@ -132,7 +137,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
     const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
     const ModelPart part = planned_part(c, par);
-    size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp, part);
+    size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp, part, par.ep);
     // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
     const int sequence = T;
     T /= par.cp;
@@ -140,6 +145,10 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
     // units of the rank's heads; Vl vocab rows
     size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
+    // with experts: K slots per token, and the rows the rank's E/ep experts may see at most, every token of
+    // the ep group with min(K, E/ep) of them (llmc/moe.cuh); the MLP's hidden layers are sized for those rows
+    size_t K = c.moe() ? c.top_k : 0, E = c.num_experts;
+    size_t expert_rows = K ? par.ep * BT * std::min<size_t>(K, E / par.ep) : 0, mlp_rows = K ? expert_rows : BT;
     MemoryPlan p;
     if (par.grad_ranks() == 1 && par.zero == 0) {  // one dp rank without ZeRO stages nothing (llmc/zero.cuh)
         plan_model_states(p.bytes, psi, psi, 0, precision);
@@ -164,6 +173,8 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // GELU (2·BT·Hl); and on the rank's rows the two projections' outputs and the two residual sums (4·R·C).
     // With t = 1: 18·BTC + 4·BT + NH·B·T². Around the layers: the embedding output (R·C), the final layernorm
     // (BT·C + 2R), the rank's logits (BT·Vl), the per-token losses (BT) and, under tp, their log-sum-exp (BT).
+    // With experts the hidden layers hold the experts' rows (mlp_rows·Hl each), and each layer also keeps the
+    // rows the experts took (expert_rows·C) and gave back (K·BT·C).
     // With -r 1 GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only.
     // On the GPU attention keeps NH/t·B·T logsumexps instead of the probabilities, and the tokens and targets
     // have device copies (2·BT int32); so does ring attention (cp > 1) on both devices, which also keeps the
@@ -173,30 +184,32 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // are shared. The embedding output's buffer is where the previous stage's activations arrive, and the last
     // layer's output the next stage's gradient: the exchanges need no buffers of their own.
     const bool ring = par.cp > 1;
-    size_t ln_out = BT * C, gelu_out = BT * Hl;
-    size_t stored = 2 * ln_out + 3 * BT * Cl + BT * Cl + BT * Hl + gelu_out + 4 * R * C;  // storage type
+    size_t ln_out = BT * C, gelu_out = mlp_rows * Hl;
+    size_t stored = 2 * ln_out + 3 * BT * Cl + BT * Cl + mlp_rows * Hl + gelu_out + 4 * R * C;  // storage type
+    stored += expert_rows * C + K * BT * C;
     size_t stats = 4 * R + NH / t * B * (size_t)T * (gpu || ring ? 1 : T);                // fp32
     size_t shared = 0;
     if (par.recompute >= 1) stored -= gelu_out, shared += gelu_out;
     if (par.recompute >= 2) stored -= 2 * ln_out, shared += ln_out;
     size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end()), head = part.last;
     // a split backward (zb) also keeps each layer's four matmul output gradients for the weight-gradient step:
-    // qkv's (3·BT·Cl), the hidden layer's (BT·Hl) and the two projections' (BT·C each, whole under sp)
-    if (par.pp.kind == PPKind::ZeroBubble) stored += BT * 3 * Cl + BT * Hl + 2 * BT * C;
+    // qkv's (3·BT·Cl), the hidden layer's (BT·Hl) and the two projections' (BT·C each, whole under sp); with
+    // experts only attention's two, since the experts' weight gradients are taken in backward
+    if (par.pp.kind == PPKind::ZeroBubble) stored += BT * 3 * Cl + BT * C + (K ? 0 : BT * Hl + BT * C);
     size_t slot_stored = chunk * stored + R * C + head * (BT * C + BT * Vl);
     size_t slot_fp32 = chunk * stats + head * (2 * R + BT + (t > 1 ? BT : 0)) + (gpu ? 2 * BT : 0);
     size_t slots = planned_in_flight(par.pp, par.accumulation);
     p.bytes[MEM_ACTIVATIONS] = X * (slots * slot_stored + shared + (ring ? T * C : 0)) +
                                F * (slots * slot_fp32 + (ring && gpu ? T : 0));
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
-    // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (BT·Hl); T floats per thread for attention;
-    // the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the
-    // all-reduce (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C).
+    // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (mlp_rows·Hl); T floats per thread for
+    // attention; the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece
+    // for the all-reduce (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C).
     // On the GPU the kernels' shared scratch replaces the last two.
-    size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + BT * Hl;
+    size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + mlp_rows * Hl;
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
-    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp);
+    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep);
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
     // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Cl, storage type) and three fp32
     // dK/dV accumulators of the same size, counted as comm buffers; in fp32 scratch the running output or dQ
@@ -207,6 +220,15 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         p.bytes[MEM_COMM] += X * 2 * kv + F * 3 * kv;
         scratch += T * C;
         kernels += BT * Cl + half * Cl + NH / t * half + NH / t * BT;
+    }
+    // The experts' layers share (llmc/moe.cuh): the rows in dispatch order (K·BT·C), on the experts' side
+    // (expert_rows·C) and, under ep, as received (expert_rows·C); in fp32 the router's logits and their
+    // gradient (BT·E each) and the gates and theirs (BT·K each); on the GPU the routing uploaded for the kernels,
+    // as int32: each slot's row and each row's token (BT·K each) and the permutation between the experts' order
+    // and the received one (expert_rows).
+    if (K) {
+        scratch += K * BT * C + expert_rows * C + (par.ep > 1 ? expert_rows * C : 0);
+        kernels += 2 * BT * E + 2 * BT * K + (gpu ? 2 * BT * K + expert_rows : 0);
     }
     p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
     return p;
@@ -226,7 +248,7 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 // each micro-step: 3kP. The loss (an all-reduce of one double) and the gradient norm (an all-gather of one
 // double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes. Values move as stored on the device.
 // Under expert parallelism the expert tensors' buckets move over their own group of replicas, which also
-// all-gathers its norm, and the ep group all-gathers the experts' norm.
+// all-gathers its norm (the experts' norm then crosses the ep group: planned_ep_comm_bytes counts it).
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
     double k = par.accumulation;
@@ -238,7 +260,7 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
         double loss = i == 0 ? 2 * sizeof(double) : 0.0;  // the loss: over dp·cp, the first group's ranks
         bytes += ring * (passes * P * stored_value_bytes(device) + loss) + (N - 1) * sizeof(double);
     }
-    return bytes + (par.ep - 1) * sizeof(double);
+    return bytes;
 }
 
 // Bytes one rank sends to its tensor-parallel group per optimizer step. A micro-step's forward enters and
@@ -288,4 +310,19 @@ inline double planned_pp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     }
     double loss = par.pp.rank == N - 1 ? sizeof(double) : 0.0;
     return par.accumulation * sends * rows * c.channels * stored_value_bytes(device) + loss + (N - 1) * sizeof(double);
+}
+
+// Bytes one rank sends to its ep group per optimizer step, for routing that spreads every token's K rows evenly
+// over the experts (the run counts what its routing really sent: MixtureOfExperts::formula_bytes). In each
+// layer of each micro-step a rank sends (ep-1)/ep of its K·BT rows to other ranks' experts and receives as many
+// back from them; each row crosses twice in forward (dispatch, return) and twice in backward, C values as
+// stored. The counts exchange sends E/ep ints to each other rank per layer and micro-step, and the experts'
+// gradient norm one double to each.
+inline double planned_ep_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
+    if (par.ep == 1) return 0.0;
+    double N = par.ep, BT = (double)B * T / par.cp, L = planned_part(c, par).layers(), k = par.accumulation;
+    double rows_crossing = 2 * (N - 1) / N * c.top_k * BT;  // sent away, and received
+    double per_layer = 2 * rows_crossing * c.channels * stored_value_bytes(device) +
+                       (N - 1) * (c.num_experts / par.ep) * sizeof(int);
+    return k * L * per_layer + (N - 1) * sizeof(double);
 }

@@ -1,9 +1,10 @@
 // Tests of the mixture of experts (llmc/moe.cuh; the model against PyTorch is in test_model_reference.cu): the
 // routing against a direct reading of its definition; e1k1 is the dense model, file and losses; the model
-// file's header; expert parallelism (--ep) with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient
-// accumulation, against the single-rank run with the same global batch over 20 steps (the equivalence
-// principle); the counted all-to-all bytes against the formula; the ledger against --plan; a run resumed
-// bit-exactly under ep; and the bad descriptors and layouts, each refused in one line.
+// file's header; expert parallelism (--ep) with dp, ZeRO-1 and ZeRO-3, tp, pp (1F1B and the zero-bubble
+// schedule's split backward), cp and recomputation, each with gradient accumulation, against the single-rank
+// run with the same global batch over 20 steps (the equivalence principle); the counted all-to-all and dp bytes
+// against their formulas; the ledger of every rank against --plan; a run resumed bit-exactly under ep; and the
+// bad descriptors and layouts, each refused in one line.
 //
 // The model has odd sizes (C=48 in 4 heads of 12, a vocab of 301) and 4 experts with top-2 routing.
 #include <catch.hpp>
@@ -141,13 +142,118 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumu
     for (Layout l : {Layout{"ep2", 2, 2, " --ep 2"}, Layout{"ep4", 4, 1, " --ep 4"},
                      Layout{"ep2_dp4", 4, 1, " --ep 2"}, Layout{"ep2_z1", 2, 2, " --ep 2 -z 1"},
                      Layout{"ep2_z3", 2, 2, " --ep 2 -z 3"}, Layout{"ep2_tp2", 4, 2, " --ep 2 --tp 2"},
-                     Layout{"ep2_pp2", 4, 1, " --ep 2 --pp 2"}, Layout{"dp2_replicated", 2, 2, ""}}) {
+                     Layout{"ep2_pp2", 4, 1, " --ep 2 --pp 2"}, Layout{"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
+                     Layout{"ep2_cp2", 4, 2, " --ep 2 --cp 2"}, Layout{"ep2_r2", 2, 2, " --ep 2 -r 2"},
+                     Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
         if (!train_ok(l.ranks, data.flags(l.b, 128, 20, MOE_MODEL) + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         if (std::string(l.flags).find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
+        // both reduction groups (dp·cp, and the experts' replicas) against the formula off the pipeline, whose
+        // tied embeddings travel on a group of their own
+        if (std::string(l.flags).find("--pp") == std::string::npos) require_counted_equals_formula(run);
     }
+}
+
+TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and "
+          "recomputation", "[moe]") {
+    GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2");
+    CHECK(count_parameters(c) == num_parameters(c));
+    struct Layout {
+        int ep, dp, tp, cp, pp;
+        PPKind kind;
+    };
+    for (Layout l : {Layout{1, 1, 1, 1, 1, PPKind::OneFOneB}, Layout{2, 2, 1, 1, 1, PPKind::OneFOneB},
+                     Layout{4, 4, 1, 1, 1, PPKind::OneFOneB}, Layout{2, 4, 1, 1, 1, PPKind::OneFOneB},
+                     Layout{2, 2, 2, 1, 1, PPKind::OneFOneB}, Layout{2, 2, 1, 2, 1, PPKind::OneFOneB},
+                     Layout{2, 2, 1, 1, 2, PPKind::OneFOneB}, Layout{2, 2, 1, 1, 2, PPKind::ZeroBubble},
+                     Layout{1, 2, 1, 1, 2, PPKind::ZeroBubble}})
+        for (int zero : {0, 1, 3})
+            for (int recompute : {0, 1, 2})
+                for (int stage = 0; stage < l.pp; stage++) {
+                    if (zero >= 2 && l.kind == PPKind::ZeroBubble && l.pp > 1) continue;  // refused: zb takes ZeRO-0/1
+                    INFO("ep " << l.ep << ", dp " << l.dp << ", tp " << l.tp << ", cp " << l.cp << ", pp " << l.pp << " ("
+                               << pp_schedule_name(l.kind) << ") stage " << stage << ", ZeRO-" << zero << ", -r " << recompute);
+                    const int m_micro = 4, B = 2, T = 16;
+                    PPSpec pp{l.pp, stage, 1, l.kind};
+                    bool split = l.pp > 1 && l.kind == PPKind::ZeroBubble;
+                    int slots = l.pp > 1 ? Pipeline<float>::slots_needed(pp_schedule(l.kind, l.pp, m_micro, 1)[stage]) : 1;
+                    // only the sizes and ranks of the groups matter until a collective runs
+                    Comm group, replicas, ep, stages;
+                    group.size = l.dp * l.cp, replicas.size = l.dp / l.ep * l.cp, ep.size = l.ep, stages.size = l.pp;
+                    GPT m;
+                    gpt_allocate(m, c, B, T, DataParallel<float>::model_buffers(zero), TPSpec{l.tp, 0, l.tp > 1}, recompute,
+                                 CPSpec{l.cp, 0, CPSplit::ZigZag}, l.pp > 1 ? stage_part(c, pp) : ModelPart{}, slots,
+                                 split, l.ep);
+                    DataParallel dpr(m, group, zero, 1000, StageLinks{l.pp > 1 ? &stages : nullptr, nullptr},
+                                     ExpertLinks{l.ep > 1 ? &replicas : nullptr, &ep});
+                    ParallelPlan par{l.dp, zero, 1000, l.pp > 1 ? m_micro : 1, l.tp, l.tp > 1, recompute, l.cp};
+                    if (l.pp > 1) par.pp = pp;
+                    par.ep = l.ep;
+                    CHECK(count_parameters_per_rank(c, l.tp, planned_part(c, par), l.ep) == m.num_parameters);
+                    MemoryPlan plan = plan_memory(c, B, T, omp_get_max_threads(), par);
+                    for (int i = 0; i < MEM_CATEGORIES; i++) {
+                        INFO(mem_category_name(i));
+                        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                    }
+                }
+
+    // the command line prints that plan, the model with its experts and the layout's ep
+    Data data;
+    CommandResult r = single(data.flags(2, 128, 1, MOE_MODEL) + " -z 1 --plan --world 4 --ep 2");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    ParallelPlan par{4, 1, (size_t)(0.06f * 1048576.0 / 4.0), 1, 1, false};
+    par.ep = 2;
+    MemoryPlan plan = plan_memory(c, 2, 16, 1, par);
+    for (int i = 0; i < MEM_CATEGORIES; i++) {
+        INFO(mem_category_name(i));
+        CHECK(plan_category_bytes(r.output, mem_category_name(i)) == (long long)plan.bytes[i]);
+    }
+    CHECK(r.output.find(strfmt("E=4 K=2: %zu parameters", count_parameters(c))) != std::string::npos);
+    CHECK(r.output.find("ep=2 (each expert on 2 ranks)") != std::string::npos);
+    CHECK(line_value(r.output, "expert-parallel communication per step per rank, with balanced routing: ") ==
+          planned_ep_comm_bytes(c, par, 2, 16, Device::CPU));
+}
+
+TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every rank with experts, with ep, tp and ZeRO",
+          "[moe][cuda]") {
+    SKIP_WITHOUT_GPU_CASE();
+    GPTConfig c = parse_model_descriptor("d2c128h2t32v301e4k2");  // head size 64, which the GPU kernels take
+    for (int ep : {1, 2})
+        for (int tp : {1, 2})
+            for (int zero : {0, 1, 3})
+                for (int recompute : {0, 2}) {
+                    INFO("ep " << ep << " (dp 2), tp " << tp << " (sp), ZeRO-" << zero << ", -r " << recompute);
+                    Comm group, replicas, ep_group;  // only the sizes matter until a collective runs
+                    group.size = 2, replicas.size = 2 / ep, ep_group.size = ep;
+                    GPTCuda m;
+                    gpt_allocate(m, c, 2, 32, DataParallel<bf16>::model_buffers(zero), TPSpec{tp, 0, tp > 1}, recompute,
+                                 CPSpec{}, ModelPart{}, 1, false, ep);
+                    DataParallel<bf16> dpr(m, group, zero, 1000, StageLinks{}, ExpertLinks{ep > 1 ? &replicas : nullptr, &ep_group});
+                    ParallelPlan par{2, zero, 1000, 1, tp, tp > 1, recompute};
+                    par.ep = ep;
+                    MemoryPlan plan = plan_memory(c, 2, 32, 1, par, Device::CUDA);
+                    for (int i = 0; i < MEM_CATEGORIES; i++) {
+                        INFO(mem_category_name(i));
+                        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                    }
+                }
+}
+
+TEST_CASE("the ep byte formula for balanced routing, by hand", "[moe]") {
+    // d2c48h4e4k2 at B=2 T=16, ep 2, 3 micro-steps: per layer and micro-step half of the 2·32 = 64 rows go to
+    // the other rank and as many come back, each crossing twice in forward and twice in backward as 48 fp32
+    // values: 2·64·48·4 = 24,576 bytes, plus 2 counts of 4 bytes; over 2 layers and 3 micro-steps, with the
+    // experts' norm (8 bytes): 6·24,584 + 8 = 147,512
+    GPTConfig c = parse_model_descriptor(MOE_MODEL);
+    ParallelPlan par;
+    par.dp = 2, par.ep = 2, par.accumulation = 3;
+    CHECK(planned_ep_comm_bytes(c, par, 2, 16, Device::CPU) == 147512.0);
+    CHECK(planned_ep_comm_bytes(c, par, 2, 16, Device::CUDA) == 6 * (12288.0 + 8) + 8);  // bf16 rows
+    par.ep = 1;
+    CHECK(planned_ep_comm_bytes(c, par, 2, 16, Device::CPU) == 0.0);
 }
 
 TEST_CASE("a run with experts under ep 2 resumes bit-exactly", "[moe]") {
@@ -170,5 +276,4 @@ TEST_CASE("bad experts and ep layouts are refused in one line", "[moe]") {
     refused(MOE_MODEL, " --plan --world 6 --ep 3", {"--ep 3", "must divide the number of experts (4)"});
     refused(MOE_MODEL, " --plan --world 4 --ep 8", {"--ep 8", "must divide the data-parallel size 4"});
     refused("d2c48h4t32v301", " --moe-aux 0.1", {"--moe-aux", "no experts"});
-    refused(MOE_MODEL, " --plan --world 2 --pp 2 --pp-schedule zb", {"--pp-schedule zb", "experts"});
 }

@@ -1,11 +1,11 @@
 // Tests of pipeline parallelism in the trainer (llmc/pp.cuh; the schedules themselves are tested in
 // test_pp_schedules.cu): the split of the layers over the stages; the split backward of the zero-bubble
-// schedule against the whole backward; every schedule (AFAB, 1F1B, interleaved with 2 virtual stages, ZB-H1) on
-// 2 stages, 1F1B and ZB-H1 on 3 stages of an uneven split, and pp × dp under ZeRO-1 and ZeRO-3,
-// pp × tp (sp) and pp × cp, each with 4 micro-batches a step, against the single-rank run with the same global
-// batch over 20 steps (the equivalence principle), the tied embeddings bit-identical on the first and the last
-// stage at the end; the counted p2p bytes against the formula; the ledger of every stage against --plan; the
-// trace of a step; a pp × dp run resumed bit-exactly; and the layouts the pipeline refuses.
+// schedule against the whole backward, dense and with experts; every schedule (AFAB, 1F1B, interleaved with 2
+// virtual stages, ZB-H1) on 2 stages, 1F1B and ZB-H1 on 3 stages of an uneven split, and pp × dp under ZeRO-1
+// and ZeRO-3, pp × tp (sp) and pp × cp, each with 4 micro-batches a step, against the single-rank run with the
+// same global batch over 20 steps (the equivalence principle), the tied embeddings bit-identical on the first
+// and the last stage at the end; the counted p2p bytes against the formula; the ledger of every stage against
+// --plan; the trace of a step; a pp × dp run resumed bit-exactly; and the layouts the pipeline refuses.
 //
 // The models have odd sizes everywhere (C=33, 3 heads of 11, a vocab of 301), as the other parallel tests'.
 #include <catch.hpp>
@@ -223,28 +223,32 @@ TEST_CASE("layouts the pipeline cannot run are refused with one line", "[pp]") {
     check_one_line_error(single(flags + " --pp 2 --pp-schedule zb -z 2 --plan --world 4"), {"zb", "-z 2"});
 }
 
-TEST_CASE("a split backward and its weight-gradient step give the whole backward's gradients, bit for bit", "[pp]") {
-    GPTConfig c = parse_model_descriptor(UNEVEN_MODEL);
-    Rng rng(5);
-    std::vector<float> params(num_parameters(c));
-    gpt_init_random(c, params.data(), 11);
-    std::vector<int> inputs(2 * 16), targets(2 * 16);
-    for (size_t i = 0; i < inputs.size(); i++) inputs[i] = (int)rng.below(301), targets[i] = (int)rng.below(301);
-    for (int recompute : {0, 1, 2}) {
-        INFO("-r " << recompute);
-        GPT whole, split;
-        gpt_allocate(whole, c, 2, 16, {}, {}, recompute);
-        gpt_allocate(split, c, 2, 16, {}, {}, recompute, {}, {}, 1, true);
-        for (GPT* m : {&whole, &split}) {
-            gpt_set_params(*m, params.data());
-            gpt_zero_grad(*m);
-            gpt_forward(*m, inputs.data(), targets.data(), 2, 16);
+TEST_CASE("a split backward and its weight-gradient step give the whole backward's gradients, bit for bit; with "
+          "experts too", "[pp]") {
+    // with experts (4 of them, top-2) the B step takes the experts' weight gradients and the W step attention's
+    for (const char* model : {UNEVEN_MODEL, "d2c48h4t32v301e4k2"}) {
+        GPTConfig c = parse_model_descriptor(model);
+        Rng rng(5);
+        std::vector<float> params(num_parameters(c));
+        gpt_init_random(c, params.data(), 11);
+        std::vector<int> inputs(2 * 16), targets(2 * 16);
+        for (size_t i = 0; i < inputs.size(); i++) inputs[i] = (int)rng.below(301), targets[i] = (int)rng.below(301);
+        for (int recompute : {0, 1, 2}) {
+            INFO(model << ", -r " << recompute);
+            GPT whole, split;
+            gpt_allocate(whole, c, 2, 16, {}, {}, recompute);
+            gpt_allocate(split, c, 2, 16, {}, {}, recompute, {}, {}, 1, true);
+            for (GPT* m : {&whole, &split}) {
+                gpt_set_params(*m, params.data());
+                gpt_zero_grad(*m);
+                gpt_forward(*m, inputs.data(), targets.data(), 2, 16);
+            }
+            gpt_backward(whole, 1.0f / 32);
+            gpt_backward(split, 1.0f / 32);
+            bool differs = memcmp(whole.grads, split.grads, whole.num_parameters * sizeof(float)) != 0;
+            CHECK(differs);  // the matmuls' weight gradients are still missing
+            gpt_weight_grads_chunk(split, 0, 0);
+            CHECK(memcmp(whole.grads, split.grads, whole.num_parameters * sizeof(float)) == 0);
         }
-        gpt_backward(whole, 1.0f / 32);
-        gpt_backward(split, 1.0f / 32);
-        bool differs = memcmp(whole.grads, split.grads, whole.num_parameters * sizeof(float)) != 0;
-        CHECK(differs);  // the matmuls' weight gradients are still missing
-        gpt_weight_grads_chunk(split, 0, 0);
-        CHECK(memcmp(whole.grads, split.grads, whole.num_parameters * sizeof(float)) == 0);
     }
 }

@@ -33,7 +33,7 @@
 #               (bf16 sums in another order; fp32 on the cpu: the equivalence principle's 1e-5)  [cuda 2e-2; cpu 1e-5]
 #   NCCL_TOL    the same for one rank over NCCL (the same arithmetic as without it)                  [0]
 #   PLAN_RUNS   model:B:recompute triples whose --plan total is compared with the measured memory
-#                                                                       [d12:16:0 d12:16:2 d48:4:1]
+#                                                                       [d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1]
 #   PLAN_TOL    largest relative difference of the plan from the measured memory                      [0.05]
 #   BENCH_PHASES  the phases of dev/bench/gpu_bench.sh the bench phase runs     [llm5d llmc pytorch profile]
 #   WORK        scratch for model files, checkpoints and run directories       [LOGDIR/work, removed at the
@@ -56,7 +56,7 @@ PREBUILT=${PREBUILT:-0}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 4)}
 DATA=${DATA:-data/sotu/train.bin}
 VAL=${VAL:-data/sotu/val.bin}
-PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1}
+PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1}
 PLAN_TOL=${PLAN_TOL:-0.05}
 NCCL_TOL=${NCCL_TOL:-0}
 BENCH_PHASES=${BENCH_PHASES:-llm5d llmc pytorch profile}
@@ -506,13 +506,15 @@ fi
 
 # ---------------------------------------------------------------------------------------------------------
 # moe: a mixture of experts (MOE_MODEL) on 2 ranks sharing the device over MPI, its experts split over them
-# (--ep 2, all-to-all dispatch; ZeRO-0 and ZeRO-1) or replicated (dp 2), against one rank
+# (--ep 2, all-to-all dispatch; ZeRO-0 and ZeRO-1), replicated (dp 2), or on 2 pipeline stages under the
+# zero-bubble schedule (the split backward with experts), against one rank
 
 if has_phase moe; then
     start_phase moe
     if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then
         for z in 0 1; do two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"; done
         two_ranks "$WORK/moe" "$MOE_MODEL, dp 2 (experts replicated), 2 micro-steps" -e "$MOE_MODEL"
+        two_ranks "$WORK/moe" "$MOE_MODEL, pp 2 (zb), 4 micro-batches" -e "$MOE_MODEL" --pp 2 --pp-schedule zb
     fi
 fi
 
