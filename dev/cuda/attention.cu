@@ -221,11 +221,8 @@ static void scalar_forward(AttentionCase& k) {
 static void scalar_backward(AttentionCase& k) {
     attention_dispatch(k.C, k.NH, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
-        long rows = (long)k.B * k.NH * k.T;
         float* delta = k.d_scratch.ptr;
-        attention_delta_kernel<HS>
-            <<<cuda_blocks(rows * (HS / 8), 256), 256>>>(delta, k.d_dout.ptr, k.d_out.ptr, rows, k.T, k.C, k.NH);
-        cuda_check(cudaGetLastError());
+        attention_delta_cuda<HS>(delta, k.d_dout.ptr, k.d_out.ptr, k.B, k.T, k.C, k.NH, 0);
         dim3 grid(cuda_blocks(k.T, SCALAR_TILE), k.B * k.NH);
         float scale = 1.0f / sqrtf((float)HS);
         scalar_backward_dq_kernel<HS><<<grid, SCALAR_TILE * SCALAR_WARPS>>>(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr,
