@@ -76,16 +76,19 @@ void check_matmul(long N, long C, long OC) {
     require_close("matmul dbias", download(k.d_db), k.dbias, 2e-2);
 }
 
-void check_attention(int B, int T, int C, int NH) {
+// the mma.sync kernels, or the wgmma ones (hopper)
+void check_attention(int B, int T, int C, int NH, bool hopper = false) {
     AttentionCase k(B, T, C, NH, 14);
-    k.gpu_forward();
+    auto forward = [&] { hopper ? k.gpu_forward_hopper() : k.gpu_forward(); };
+    auto backward = [&] { hopper ? k.gpu_backward_hopper() : k.gpu_backward(); };
+    forward();
     require_close("attention out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
     require_close("attention lse", download(k.d_lse), k.lse, 1e-3);
-    k.gpu_backward();
+    backward();
     std::vector<float> dqkv = download(k.d_dqkv);
     require_close("attention dqkv", dqkv, k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
     k.d_dqkv.poison();
-    k.gpu_backward();
+    backward();
     REQUIRE(download(k.d_dqkv) == dqkv);  // deterministic: same inputs, same bits
 }
 
@@ -456,6 +459,16 @@ TEST_CASE("CUDA flash attention forward and deterministic backward match the CPU
     check_attention(2, 64, 128, 2);   // hs 64, one tile
     check_attention(1, 77, 256, 2);   // hs 128, T not a multiple of the tile
     check_attention(2, 200, 192, 3);  // hs 64, several tiles and a ragged last one
+}
+
+TEST_CASE("CUDA wgmma flash attention (Hopper) forward and deterministic backward match the CPU for head sizes 64 "
+          "and 128",
+          "[cuda]") {
+    SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
+    check_attention(2, 64, 128, 2, true);    // hs 64, less than one block
+    check_attention(1, 77, 256, 2, true);    // hs 128, T not a multiple of the tile
+    check_attention(2, 200, 192, 3, true);   // hs 64, two blocks, the second ragged
+    check_attention(1, 333, 1024, 8, true);  // hs 128, three blocks and a ragged last tile
 }
 
 TEST_CASE("CUDA GELU forward and backward match the CPU", "[cuda]") {
