@@ -380,9 +380,9 @@ static __device__ __forceinline__ void online_softmax_slab(float (&s)[COLS / 8][
 // The end of the forward for one m16 slab (queries t0..t0+15 of head bh): the quad's shares of the running sum
 // added, the output rows normalized and stored in out_head (row stride C), and each row's log-sum-exp saved
 template <int HS>
-static __device__ __forceinline__ void attention_store_slab(bf16* out_head, float* lse_head, const float (&o)[HS / 8][4],
-                                                            const float (&m)[2], const float (&l)[2], int t0, int T,
-                                                            int C) {
+static __device__ __forceinline__ void attention_store_slab(bf16* out_head, float* lse_head,
+                                                            const float (&o)[HS / 8][4], const float (&m)[2],
+                                                            const float (&l)[2], int t0, int T, int C) {
     int lane = threadIdx.x % 32;
     float inv[2];
 #pragma unroll
@@ -703,8 +703,8 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
 //     LBO = R·128 bytes apart; the step k0 starts k0·128 bytes in.
 // test/test_cuda_kernels.cu emulates TMA's placement, these descriptors and the fragment layouts on the CPU.
 
-constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
-constexpr int HOPPER_ROWS = 128;     // rows a block owns, 64 per consumer warpgroup
+constexpr int HOPPER_THREADS = 384;   // a producer warpgroup and two consumer warpgroups
+constexpr int HOPPER_ROWS = 128;      // rows a block owns, 64 per consumer warpgroup
 constexpr int HOPPER_FWD_COLS = 128;  // keys per streamed tile in the forward
 constexpr int HOPPER_BWD_COLS = 64;   // queries (dK/dV) or keys (dQ) per streamed tile in the backward: four
                                       // accumulators of 64 rows (dK, dV, Pᵀ, dSᵀ) must fit in the registers
@@ -729,8 +729,8 @@ __host__ __device__ constexpr uint64_t wgmma_descriptor(uint32_t start, uint32_t
 // rows [row0, row0 + 64 or N) of a tile of `rows` rows at shared address `tile`, head dimensions [k0, k0 + 16),
 // as a K-major operand
 __host__ __device__ constexpr uint64_t hopper_kmajor_desc(uint32_t tile, int rows, int row0, int k0) {
-    return wgmma_descriptor(tile + hopper_box_offset(0, k0 / HOPPER_BOX, rows) + row0 * 128 + (k0 % HOPPER_BOX) * 2,
-                            16, 1024);
+    return wgmma_descriptor(tile + hopper_box_offset(0, k0 / HOPPER_BOX, rows) + row0 * 128 + (k0 % HOPPER_BOX) * 2, 16,
+                            1024);
 }
 
 // rows [k0, k0 + 16) of a tile of `rows` rows at shared address `tile`, all its head dimensions, as an MN-major
@@ -746,7 +746,9 @@ template <int HS, int OWN, int COLS, bool STATS>
 struct HopperSmem {
     static constexpr uint32_t own_bytes = HOPPER_ROWS * HS * sizeof(bf16), tile_bytes = COLS * HS * sizeof(bf16);
     __host__ __device__ static constexpr uint32_t own(int i) { return i * own_bytes; }
-    __host__ __device__ static constexpr uint32_t streamed(int stage, int i) { return OWN * own_bytes + (2 * stage + i) * tile_bytes; }
+    __host__ __device__ static constexpr uint32_t streamed(int stage, int i) {
+        return OWN * own_bytes + (2 * stage + i) * tile_bytes;
+    }
     static constexpr uint32_t lse = OWN * own_bytes + 2 * HOPPER_STAGES * tile_bytes;
     static constexpr uint32_t delta = lse + (STATS ? HOPPER_STAGES * COLS * sizeof(float) : 0);
     static constexpr uint32_t barriers = delta + (STATS ? HOPPER_STAGES * COLS * sizeof(float) : 0);
@@ -806,8 +808,8 @@ static __device__ __forceinline__ void tma_load_tile(uint32_t tile, int rows, co
                                                      int b, uint32_t bar) {
     for (int cb = 0; cb < HS / HOPPER_BOX; cb++)
         for (int rb = 0; rb < rows / HOPPER_BOX; rb++)
-            tma_load_box(tile + hopper_box_offset(rb, cb, rows), map, col + HOPPER_BOX * cb, t0 + HOPPER_BOX * rb,
-                         b, bar);
+            tma_load_box(tile + hopper_box_offset(rb, cb, rows), map, col + HOPPER_BOX * cb, t0 + HOPPER_BOX * rb, b,
+                         bar);
 }
 
 template <int REGS>
@@ -821,7 +823,9 @@ static __device__ __forceinline__ void setmaxnreg_inc() {
 
 // orders this warpgroup's earlier register writes (accumulators, A fragments) before the wgmma that follow
 static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 
 // waits for every committed wgmma of this thread
 static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -837,13 +841,13 @@ static __device__ __forceinline__ void wgmma_pin(float (&acc)[N / 8][4]) {
 }
 
 #define WGMMA_ACC4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define WGMMA_ACC32(d, j)                                                                                  \
+#define WGMMA_ACC32(d, j)                                                                                     \
     WGMMA_ACC4(d, j), WGMMA_ACC4(d, j + 1), WGMMA_ACC4(d, j + 2), WGMMA_ACC4(d, j + 3), WGMMA_ACC4(d, j + 4), \
         WGMMA_ACC4(d, j + 5), WGMMA_ACC4(d, j + 6), WGMMA_ACC4(d, j + 7)
-#define WGMMA_D64                                                                                                 \
+#define WGMMA_D64                                                                                                     \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31}"
-#define WGMMA_D128                                                                                                \
+#define WGMMA_D128                                                                                                    \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
     "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
     "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
@@ -853,15 +857,17 @@ template <int N>
 static __device__ __forceinline__ void wgmma_smem(float (&acc)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
     static_assert(N == 64 || N == 128, "wgmma_smem: N is 64 or 128");
     if constexpr (N == 64)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : WGMMA_ACC32(acc, 0)
-                     : "l"(a), "l"(b), "r"((int)accumulate));
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : WGMMA_ACC32(acc, 0)
+            : "l"(a), "l"(b), "r"((int)accumulate));
     else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_D128 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                     : WGMMA_ACC32(acc, 0), WGMMA_ACC32(acc, 8)
-                     : "l"(a), "l"(b), "r"((int)accumulate));
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_D128 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : WGMMA_ACC32(acc, 0), WGMMA_ACC32(acc, 8)
+            : "l"(a), "l"(b), "r"((int)accumulate));
 }
 
 // acc (64×N) += A·B, A 64×16 from registers (the m16n8k16 A layout in each warp's 16 rows), B MN-major in
@@ -889,8 +895,8 @@ static __device__ __forceinline__ void wgmma_regs(float (&acc)[N / 8][4], const 
 // acc = the 64×N block of a·bᵀ for the warpgroup's 64 rows from row0 of tile a (a_rows rows) and the first N
 // rows of tile b (b_rows rows), both K-major over HS: QKᵀ, dO·Vᵀ, K·Qᵀ, V·dOᵀ. The caller commits and waits.
 template <int HS, int N>
-static __device__ __forceinline__ void warpgroup_abt(float (&acc)[N / 8][4], uint32_t a, int a_rows, int row0, uint32_t b,
-                                                     int b_rows) {
+static __device__ __forceinline__ void warpgroup_abt(float (&acc)[N / 8][4], uint32_t a, int a_rows, int row0,
+                                                     uint32_t b, int b_rows) {
     wgmma_fence();
 #pragma unroll
     for (int k0 = 0; k0 < HS; k0 += 16)
@@ -900,7 +906,8 @@ static __device__ __forceinline__ void warpgroup_abt(float (&acc)[N / 8][4], uin
 // acc += p·mat: p the warpgroup's 64×COLS block held as accumulators (rounded to bf16 here), mat a tile of COLS
 // rows, MN-major: PV, Pᵀ·dO, dSᵀ·Q, dS·K. The caller commits and waits.
 template <int HS, int COLS>
-static __device__ __forceinline__ void warpgroup_pm(float (&acc)[HS / 8][4], const float (&p)[COLS / 8][4], uint32_t mat) {
+static __device__ __forceinline__ void warpgroup_pm(float (&acc)[HS / 8][4], const float (&p)[COLS / 8][4],
+                                                    uint32_t mat) {
     uint32_t a[COLS / 16][4];  // all converted before the fence: the fence orders them before the products
 #pragma unroll
     for (int k0 = 0; k0 < COLS; k0 += 16) accumulators_to_a(a[k0 / 16], p[k0 / 8], p[k0 / 8 + 1]);
@@ -980,10 +987,13 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
         if (threadIdx.x < 32)
             hopper_produce(
                 bar, tiles, Smem::own_bytes, 2 * Smem::tile_bytes,
-                [&](uint32_t full) { tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full); },
+                [&](uint32_t full) {
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full);
+                },
                 [&](int n, int stage, uint32_t full) {
                     tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + h * HS, n * COLS, b, full);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b,
+                                      full);
                 },
                 [](int, int, int) {});
     } else {
@@ -1120,7 +1130,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                 },
                 [&](int n, int stage, uint32_t full) {
                     tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + h * HS, n * COLS, b, full);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b,
+                                      full);
                 },
                 [](int, int, int) {});
     } else {
@@ -1138,7 +1149,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                 uint32_t k_t = base + Smem::streamed(stage, 0);
                 float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's queries; columns: the tile's keys
                 warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, k_t, COLS);
-                warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, base + Smem::streamed(stage, 1), COLS);
+                warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, base + Smem::streamed(stage, 1),
+                                        COLS);
                 wgmma_commit();
                 wgmma_wait();
                 wgmma_pin<COLS>(p);
@@ -1237,9 +1249,9 @@ inline void attention_backward_cuda(bf16* dqkv, const bf16* dout, const bf16* qk
         float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
         dim3 grid(cuda_blocks(T, ATT_ROWS), B * NH);
         size_t tiles_bytes = (size_t)(2 * ATT_ROWS + 4 * COLS) * (HS + ATT_PAD) * sizeof(bf16);
-        attention_launch<attention_backward_dkdv_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes + 4 * COLS * sizeof(float),
-                                                             stream, dqkv, dout, qkv, lse, delta, T, C, NH, scale,
-                                                             scale_log2);
+        size_t stats_bytes = 4 * COLS * sizeof(float);
+        attention_launch<attention_backward_dkdv_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes + stats_bytes, stream,
+                                                             dqkv, dout, qkv, lse, delta, T, C, NH, scale, scale_log2);
         attention_launch<attention_backward_dq_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes, stream, dqkv, dout, qkv,
                                                            lse, delta, T, C, NH, scale, scale_log2);
     });
@@ -1257,7 +1269,8 @@ inline bool attention_hopper_available(std::string* why = nullptr) {
     cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     if (major != 9 || minor != 0) {
-        if (why) *why = strfmt("the GPU has compute capability %d.%d; the wgmma kernels need 9.0 (Hopper)", major, minor);
+        if (why)
+            *why = strfmt("the GPU has compute capability %d.%d; the wgmma kernels need 9.0 (Hopper)", major, minor);
         return false;
     }
     int *flag, present = 0;
@@ -1268,8 +1281,9 @@ inline bool attention_hopper_available(std::string* why = nullptr) {
     cuda_check(cudaFree(flag));
     if (launched != cudaErrorNoKernelImageForDevice) cuda_check(launched);
     if (!present && why)
-        *why = "this binary has no sm_90a machine code (build with CUDA_ARCH including "
-               "-gencode arch=compute_90a,code=sm_90a)";
+        *why =
+            "this binary has no sm_90a machine code (build with CUDA_ARCH including "
+            "-gencode arch=compute_90a,code=sm_90a)";
     return present;
 }
 
@@ -1281,7 +1295,8 @@ inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) 
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult found;
         cuda_check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-        if (found != cudaDriverEntryPointSuccess || !fn) fail("attention (wgmma): the driver has no cuTensorMapEncodeTiled");
+        if (found != cudaDriverEntryPointSuccess || !fn)
+            fail("attention (wgmma): the driver has no cuTensorMapEncodeTiled");
         return reinterpret_cast<Encode>(fn);
     }();
     require_aligned_16("attention (wgmma)", base);
@@ -1292,7 +1307,8 @@ inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) 
     CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides, box, steps,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) fail("attention (wgmma): cuTensorMapEncodeTiled failed (%d) for B=%d T=%d width %d", (int)r, B, T, width);
+    if (r != CUDA_SUCCESS)
+        fail("attention (wgmma): cuTensorMapEncodeTiled failed (%d) for B=%d T=%d width %d", (int)r, B, T, width);
     return map;
 }
 
@@ -1304,9 +1320,9 @@ inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int
         constexpr int HS = decltype(hs)::value;
         CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, 3 * C);
         float scale_log2 = 1.44269504f / sqrtf((float)HS);
-        attention_launch<attention_forward_hopper_kernel<HS>>(
-            dim3(cuda_blocks(T, HOPPER_ROWS), B * NH), HOPPER_THREADS, HopperSmem<HS, 1, HOPPER_FWD_COLS, false>::bytes,
-            stream, qkv_map, out, lse, T, C, NH, scale_log2);
+        attention_launch<attention_forward_hopper_kernel<HS>>(dim3(cuda_blocks(T, HOPPER_ROWS), B * NH), HOPPER_THREADS,
+                                                              HopperSmem<HS, 1, HOPPER_FWD_COLS, false>::bytes, stream,
+                                                              qkv_map, out, lse, T, C, NH, scale_log2);
     });
 }
 
@@ -1324,8 +1340,8 @@ inline void attention_backward_hopper(bf16* dqkv, const bf16* dout, const bf16* 
             grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, true>::bytes, stream, qkv_map, dout_map, dqkv, lse,
             delta, T, C, NH, scale, scale_log2);
         attention_launch<attention_backward_dq_hopper_kernel<HS>>(
-            grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, qkv_map, dout_map, dqkv, lse,
-            delta, T, C, NH, scale, scale_log2);
+            grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, qkv_map, dout_map, dqkv,
+            lse, delta, T, C, NH, scale, scale_log2);
     });
 }
 
@@ -1361,13 +1377,16 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 }
 
 inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH) {
-    if (attention_kernels() == AttentionKernels::WGMMA) attention_forward_hopper(out, lse, qkv, B, T, C, NH, main_stream());
-    else attention_forward_cuda(out, lse, qkv, B, T, C, NH, main_stream());
+    if (attention_kernels() == AttentionKernels::WGMMA)
+        attention_forward_hopper(out, lse, qkv, B, T, C, NH, main_stream());
+    else
+        attention_forward_cuda(out, lse, qkv, B, T, C, NH, main_stream());
 }
 inline void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B,
                                int T, int C, int NH, float*) {
     float* scratch = gpu_scratch(attention_backward_scratch_floats(B, T, C, NH), "attention_backward");
     if (attention_kernels() == AttentionKernels::WGMMA)
         attention_backward_hopper(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
-    else attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
+    else
+        attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
 }

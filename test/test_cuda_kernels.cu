@@ -257,7 +257,8 @@ using WarpgroupAcc = std::vector<std::vector<float>>;
 // B from a descriptor, K-major or MN-major; the accumulator layout is register i of thread 32w + 4g + t at row
 // 16w + g + 8·(i/2 % 2), column 8·(i/4) + 2t + i % 2
 void emulate_wgmma(WarpgroupAcc& d, int N, const SharedMemory& smem, uint64_t a_desc,
-                   const std::vector<std::array<uint32_t, 4>>* a_regs, uint64_t b_desc, bool b_k_major, bool accumulate) {
+                   const std::vector<std::array<uint32_t, 4>>* a_regs, uint64_t b_desc, bool b_k_major,
+                   bool accumulate) {
     std::vector<float> A(64 * 16), B(16 * N);
     if (!a_regs) {
         Descriptor a = decode(a_desc);
@@ -276,7 +277,8 @@ void emulate_wgmma(WarpgroupAcc& d, int N, const SharedMemory& smem, uint64_t a_
         for (int n = 0; n < N; n++) B[k * N + n] = descriptor_element(smem, b, b_k_major, n, k);
     for (int thread = 0; thread < 128; thread++)
         for (int i = 0; i < N / 2; i++) {
-            int lane = thread % 32, row = 16 * (thread / 32) + lane / 4 + 8 * (i / 2 % 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+            int lane = thread % 32, row = 16 * (thread / 32) + lane / 4 + 8 * (i / 2 % 2),
+                col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
             float sum = accumulate ? d[thread][i] : 0.0f;
             for (int k = 0; k < 16; k++) sum += A[row * 16 + k] * B[k * N + col];
             d[thread][i] = sum;
@@ -324,7 +326,8 @@ void check_wgmma_layouts(int hs, int cols, int wg) {
     for (int r = 0; r < 64; r++)
         for (int c = 0; c < cols; c++) {
             double dot = 0.0;
-            for (int d = 0; d < hs && c < T; d++) dot += (double)qkv[(size_t)(row0 + r) * width + d] * k_m[(size_t)c * hs + d];
+            for (int d = 0; d < hs && c < T; d++)
+                dot += (double)qkv[(size_t)(row0 + r) * width + d] * k_m[(size_t)c * hs + d];
             s_ref[r * cols + c] = (float)dot;
         }
     std::vector<float> s_got = gather_warpgroup(s, cols);
@@ -337,7 +340,8 @@ void check_wgmma_layouts(int hs, int cols, int wg) {
         std::vector<std::array<uint32_t, 4>> a(128);
         for (int thread = 0; thread < 128; thread++) {
             float left[4], right[4];
-            for (int e = 0; e < 4; e++) left[e] = s[thread][4 * (k0 / 8) + e], right[e] = s[thread][4 * (k0 / 8 + 1) + e];
+            for (int e = 0; e < 4; e++)
+                left[e] = s[thread][4 * (k0 / 8) + e], right[e] = s[thread][4 * (k0 / 8 + 1) + e];
             uint32_t regs[4];
             accumulators_to_a(regs, left, right);
             for (int r = 0; r < 4; r++) a[thread][r] = regs[r];
