@@ -1,8 +1,9 @@
 // Each CUDA kernel against the CPU reference in the same llmc header, on random bf16 inputs with the outputs
 // poisoned (NaN bytes) beforehand, on small and odd shapes, so that rows, tiles and vector widths do not line
 // up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
-// case says "skipped: no GPU" and passes, except the host-side precondition checks and the emulation of the
-// attention's mma fragment layouts on the CPU, which run anywhere.
+// case says "skipped: no GPU" and passes (the wgmma attention's, on a GPU other than Hopper, "skipped: not
+// Hopper"), except the host-side precondition checks and the emulations of the attention's mma and wgmma
+// fragment and shared-memory layouts on the CPU, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
 // are dev/cuda/kernel_cases.h's.
 #include <array>
