@@ -7,9 +7,11 @@
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:
-#   CUDA_ARCH   GPU code to embed [Ampere (sm_80) and Hopper (sm_90) machine code, and Hopper PTX that newer GPUs
-#               such as Blackwell compile when they load it]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a"
-#               for a Hopper-only build that compiles faster (train_gpt on two cores: 26 s instead of 38 s)
+#   CUDA_ARCH   GPU code to embed [Ampere (sm_80) and Hopper (sm_90a: Hopper's own instructions, wgmma and
+#               setmaxnreg, which --attention wgmma needs) machine code, and Hopper PTX (compute_90, without them)
+#               that newer GPUs such as Blackwell compile when they load it]; e.g.
+#               CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a Hopper-only build that compiles faster
+#               (train_gpt on two cores: 26 s instead of 38 s)
 #   HOST_ARCH   the CPU the host code may assume, passed to -march [native: this machine]; a binary for the nodes
 #               of a cluster needs one they all run, e.g. HOST_ARCH=x86-64-v3 (AVX2) or x86-64-v4 (AVX-512)
 #   NO_MPI=1    build without MPI: one process only; MPICXX: the MPI compiler wrapper that says where MPI is
@@ -19,7 +21,7 @@
 # it is, among them): when MPI is installed later, or a variable above changes, the next make rebuilds them.
 
 NVCC ?= /usr/local/cuda/bin/nvcc
-CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
 HOST_ARCH ?= native
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=$(HOST_ARCH) -fopenmp -Wall -Wno-unknown-pragmas

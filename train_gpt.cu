@@ -658,6 +658,12 @@ static int run(const Options& o) {
     Device dev = pick_device(o);
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
+    if (o.attention == "wgmma" && dev == Device::CPU)
+        fail("--attention wgmma: a GPU kernel; the cpu device has its own attention (use --device cuda)");
+    if (o.attention == "wgmma" && !o.plan) {
+        select_gpu();
+        attention_select_wgmma();
+    }
 
     // one run per output directory: rank 0 holds the lock for the whole run, from before it reads the directory
     RunLock lock;

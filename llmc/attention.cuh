@@ -108,6 +108,10 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 // 16-byte aligned (tiles move in 16-byte pieces); B·NH is the grid's second dimension, at most 65535.
 // `cuobjdump -sass dev/cuda/attention | grep HMMA` lists the tensor-core instructions of these kernels.
 
+#include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime: no -lcuda)
+#include <cudaTypedefs.h>
+
+#include <string>
 #include <type_traits>
 
 #include "llmc/cuda_common.cuh"
@@ -309,79 +313,158 @@ static __device__ __forceinline__ void warp_pm(float (&acc)[SLABS][HS / 8][4], c
     }
 }
 
-// a warp's (16·SLABS)×HS accumulator rows, row r scaled by scale[r / 16][r % 16 / 8], as bf16 pairs at
-// dst + (t0 + r)·row_stride; rows at or past T skipped
-template <int HS, int SLABS>
-static __device__ __forceinline__ void warp_store_rows(bf16* dst, long row_stride,
-                                                       const float (&acc)[SLABS][HS / 8][4], int t0, int T,
-                                                       const float (&scale)[SLABS][2]) {
+// a warp's 16×HS accumulator rows, row r scaled by scale[r / 8], as bf16 pairs at dst + (t0 + r)·row_stride;
+// rows at or past T skipped
+template <int HS>
+static __device__ __forceinline__ void warp_store_rows(bf16* dst, long row_stride, const float (&acc)[HS / 8][4],
+                                                       int t0, int T, const float (&scale)[2]) {
     int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int m = 0; m < SLABS; m++)
+    for (int half = 0; half < 2; half++) {
+        int t = t0 + accumulator_coord(lane, 2 * half).row, col = accumulator_coord(lane, 0).col;
+        if (t >= T) continue;
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            int t = t0 + 16 * m + accumulator_coord(lane, 2 * half).row, col = accumulator_coord(lane, 0).col;
-            if (t >= T) continue;
+        for (int j = 0; j < HS / 8; j++)
+            *reinterpret_cast<__nv_bfloat162*>(dst + (long)t * row_stride + 8 * j + col) =
+                __floats2bfloat162_rn(acc[j][2 * half] * scale[half], acc[j][2 * half + 1] * scale[half]);
+    }
+}
+
+// The online-softmax step of one m16 slab (queries query0..query0+15) against the key tile from k0: the raw
+// scores s become P = exp2(s·scale_log2 - m_new), the running max m and this lane's share of the running sum l
+// move to the new maximum, and o is rescaled to it. diagonal: mask keys after their query (this also hides keys
+// past T, which are after every query). Shared by the mma.sync and the wgmma forward, whose accumulators have
+// the same per-warp layout.
+template <int HS, int COLS>
+static __device__ __forceinline__ void online_softmax_slab(float (&s)[COLS / 8][4], float (&o)[HS / 8][4],
+                                                           float (&m)[2], float (&l)[2], int query0, int k0,
+                                                           bool diagonal, float scale_log2) {
+    int lane = threadIdx.x % 32;
 #pragma unroll
-            for (int j = 0; j < HS / 8; j++)
-                *reinterpret_cast<__nv_bfloat162*>(dst + (long)t * row_stride + 8 * j + col) = __floats2bfloat162_rn(
-                    acc[m][j][2 * half] * scale[m][half], acc[m][j][2 * half + 1] * scale[m][half]);
+    for (int half = 0; half < 2; half++) {
+        int query = query0 + accumulator_coord(lane, 2 * half).row;
+        float m_new = m[half];
+#pragma unroll
+        for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = k0 + 8 * j + accumulator_coord(lane, e).col;
+                float x = diagonal && key > query ? -INFINITY : s[j][2 * half + e] * scale_log2;
+                s[j][2 * half + e] = x;
+                m_new = fmaxf(m_new, x);
+            }
+        // the 4 lanes of a quad hold the row between them
+        m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));
+        m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
+        // key 0 is visible to every row and every warp takes tile 0, so m_new is finite from there on and the
+        // first rescale is exp2(-inf) = 0
+        float rescale = exp2f(m[half] - m_new), sum = 0.0f;
+        m[half] = m_new;
+#pragma unroll
+        for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float p = exp2f(s[j][2 * half + e] - m_new);
+                s[j][2 * half + e] = p;
+                sum += p;
+            }
+        l[half] = l[half] * rescale + sum;
+#pragma unroll
+        for (int j = 0; j < HS / 8; j++) {
+            o[j][2 * half] *= rescale;
+            o[j][2 * half + 1] *= rescale;
         }
+    }
+}
+
+// The end of the forward for one m16 slab (queries t0..t0+15 of head bh): the quad's shares of the running sum
+// added, the output rows normalized and stored in out_head (row stride C), and each row's log-sum-exp saved
+template <int HS>
+static __device__ __forceinline__ void attention_store_slab(bf16* out_head, float* lse_head,
+                                                            const float (&o)[HS / 8][4], const float (&m)[2],
+                                                            const float (&l)[2], int t0, int T, int C) {
+    int lane = threadIdx.x % 32;
+    float inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float sum = l[half];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[half] = 1.0f / sum;
+        int query = t0 + accumulator_coord(lane, 2 * half).row;
+        // lse = ln Σ exp(score) = (m + log2 Σ)·ln 2, with m in base 2
+        if (lane % 4 == 0 && query < T) lse_head[query] = (m[half] + log2f(sum)) * 0.69314718f;
+    }
+    warp_store_rows<HS>(out_head, C, o, t0, T, inv);
+}
+
+// P and dS of one m16 slab whose rows are the keys key0..key0+15 and whose columns are the queries q0.. of a
+// tile, in place of Sᵀ (in p) and dPᵀ (in ds); lse_t and delta_t hold the tile's base-2 log-sum-exps and D per
+// query (+inf and 0 past T, which make P and dS exactly 0 there). diagonal: mask queries before their key.
+template <int COLS>
+static __device__ __forceinline__ void key_slab_probabilities(float (&p)[COLS / 8][4], float (&ds)[COLS / 8][4],
+                                                              int key0, int q0, bool diagonal, const float* lse_t,
+                                                              const float* delta_t, float scale_log2) {
+    int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            FragmentCoord c = accumulator_coord(lane, i);
+            int key = key0 + c.row, col = 8 * j + c.col;
+            float x = exp2f(p[j][i] * scale_log2 - lse_t[col]);
+            p[j][i] = diagonal && key > q0 + col ? 0.0f : x;
+            ds[j][i] = p[j][i] * (ds[j][i] - delta_t[col]);
+        }
+}
+
+// P and dS of one m16 slab whose rows are the queries query0..query0+15 and whose columns are the keys k0.. of
+// a tile, in place of S (in p) and dP (in ds); row_lse and row_delta are this lane's two rows' base-2
+// log-sum-exp and D. diagonal: mask keys after their query.
+template <int COLS>
+static __device__ __forceinline__ void query_slab_probabilities(float (&p)[COLS / 8][4], float (&ds)[COLS / 8][4],
+                                                                int query0, int k0, bool diagonal,
+                                                                const float (&row_lse)[2], const float (&row_delta)[2],
+                                                                float scale_log2) {
+    int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < COLS / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            FragmentCoord c = accumulator_coord(lane, i);
+            int query = query0 + c.row, key = k0 + 8 * j + c.col;
+            float x = exp2f(p[j][i] * scale_log2 - row_lse[i / 2]);
+            p[j][i] = diagonal && key > query ? 0.0f : x;
+            ds[j][i] = p[j][i] * (ds[j][i] - row_delta[i / 2]);
+        }
+}
+
+// the base-2 log-sum-exp and D of this lane's two rows of the m16 slab from query0 (any finite value past T)
+static __device__ __forceinline__ void slab_row_stats(float (&row_lse)[2], float (&row_delta)[2], const float* lse_head,
+                                                      const float* delta_head, int query0, int T) {
+    for (int half = 0; half < 2; half++) {
+        int query = query0 + accumulator_coord(threadIdx.x % 32, 2 * half).row;
+        row_lse[half] = query < T ? lse_head[query] * 1.44269504f : 0.0f;
+        row_delta[half] = query < T ? delta_head[query] : 0.0f;
+    }
 }
 
 // ----------------------------------------------------------------------------------------------------------
 // kernels
 
 // one key tile of the forward for a warp's queries, rows [row0, row0 + 16·SLABS) of the block's q_s, query
-// q0 + row0 the first: scores, the online softmax
-// update of the running max m and sum l (this lane's share), and o rescaled then += P·V. diagonal: mask keys
-// after their query (this also hides keys past T, which are after every query).
+// q0 + row0 the first: scores, the online softmax of each slab, and o += P·V
 template <int HS, int SLABS>
 static __device__ __forceinline__ void attention_forward_tile(float (&o)[SLABS][HS / 8][4], float (&m)[SLABS][2],
                                                               float (&l)[SLABS][2], const bf16* q_s, int row0,
                                                               const bf16* k_t, const bf16* v_t, int q0, int k0,
                                                               bool diagonal, float scale_log2) {
     constexpr int COLS = ATT_FWD_COLS;
-    int lane = threadIdx.x % 32;
     float s[SLABS][COLS / 8][4];
     warp_abt<HS, COLS, SLABS>(s, q_s, row0, k_t);
 #pragma unroll
     for (int sl = 0; sl < SLABS; sl++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            int query = q0 + row0 + 16 * sl + accumulator_coord(lane, 2 * half).row;
-            float m_new = m[sl][half];
-#pragma unroll
-            for (int j = 0; j < COLS / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int key = k0 + 8 * j + accumulator_coord(lane, e).col;
-                    float x = diagonal && key > query ? -INFINITY : s[sl][j][2 * half + e] * scale_log2;
-                    s[sl][j][2 * half + e] = x;
-                    m_new = fmaxf(m_new, x);
-                }
-            // the 4 lanes of a quad hold the row between them
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));
-            m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
-            // key 0 is visible to every row and every warp takes tile 0, so m_new is finite from there on
-            // and the first rescale is exp2(-inf) = 0
-            float rescale = exp2f(m[sl][half] - m_new), sum = 0.0f;
-            m[sl][half] = m_new;
-#pragma unroll
-            for (int j = 0; j < COLS / 8; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float p = exp2f(s[sl][j][2 * half + e] - m_new);
-                    s[sl][j][2 * half + e] = p;
-                    sum += p;
-                }
-            l[sl][half] = l[sl][half] * rescale + sum;
-#pragma unroll
-            for (int j = 0; j < HS / 8; j++) {
-                o[sl][j][2 * half] *= rescale;
-                o[sl][j][2 * half + 1] *= rescale;
-            }
-        }
+        online_softmax_slab<HS, COLS>(s[sl], o[sl], m[sl], l[sl], q0 + row0 + 16 * sl, k0, diagonal, scale_log2);
     warp_pm<HS, COLS, SLABS>(o, s, v_t);
 }
 
@@ -396,7 +479,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     bf16* q_s = reinterpret_cast<bf16*>(attention_shared);
     bf16* k_s = q_s + ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, row0 = warp * 16 * SLABS;
     long stride = 3L * C;
     const bf16* q_g = qkv + (long)b * T * stride + h * HS;
@@ -424,20 +507,10 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
         __syncthreads();  // everyone is done with this buffer before the next iteration refills it
     }
 
-    float inv[SLABS][2];
 #pragma unroll
     for (int sl = 0; sl < SLABS; sl++)
-#pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float sum = l[sl][half];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            inv[sl][half] = 1.0f / sum;
-            int query = q0 + row0 + 16 * sl + accumulator_coord(lane, 2 * half).row;
-            // lse = ln Σ exp(score) = (m + log2 Σ)·ln 2, with m in base 2
-            if (lane % 4 == 0 && query < T) lse[(long)bh * T + query] = (m[sl][half] + log2f(sum)) * 0.69314718f;
-        }
-    warp_store_rows<HS, SLABS>(out + (long)b * T * C + h * HS, C, o, q0 + row0, T, inv);
+        attention_store_slab<HS>(out + (long)b * T * C + h * HS, lse + (long)bh * T, o[sl], m[sl], l[sl],
+                                 q0 + row0 + 16 * sl, T, C);
 }
 
 // D[b,h,t] = dO·O over the head: Σ_j P·dP for the row, which the softmax backward subtracts. HS/8 lanes
@@ -477,7 +550,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     bf16* do_s = q_s + 2 * COLS * LD;
     float* lse_s = reinterpret_cast<float*>(do_s + 2 * COLS * LD);  // base-2, two buffers
     float* delta_s = lse_s + 2 * COLS;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32;
     int k0 = blockIdx.x * ATT_ROWS, row0 = warp * 16;
     long stride = 3L * C;
     const bf16* q_g = qkv + (long)b * T * stride + h * HS;
@@ -535,26 +608,17 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
             warp_abt<HS, COLS, 1>(p, k_s, row0, q_t);
             warp_abt<HS, COLS, 1>(ds, v_s, row0, do_t);
             bool diagonal = q0 < k0 + ATT_ROWS - 1;  // some query of the tile comes before some key of the block
-#pragma unroll
-            for (int j = 0; j < COLS / 8; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    FragmentCoord c = accumulator_coord(lane, i);
-                    int key = k0 + row0 + c.row, col = 8 * j + c.col;
-                    float x = exp2f(p[0][j][i] * scale_log2 - lse_t[col]);
-                    p[0][j][i] = diagonal && key > q0 + col ? 0.0f : x;
-                    ds[0][j][i] = p[0][j][i] * (ds[0][j][i] - delta_t[col]);
-                }
+            key_slab_probabilities<COLS>(p[0], ds[0], k0 + row0, q0, diagonal, lse_t, delta_t, scale_log2);
             warp_pm<HS, COLS, 1>(dv, p, do_t);
             warp_pm<HS, COLS, 1>(dk, ds, q_t);
         }
         if (qt < last) store_stats(buf ^ 1);  // that buffer was last read in the previous iteration
         __syncthreads();
     }
-    float dk_scale[1][2] = {{scale, scale}}, one[1][2] = {{1.0f, 1.0f}};
+    float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
     bf16* dkey = dqkv + (long)b * T * stride + C + h * HS;
-    warp_store_rows<HS, 1>(dkey, stride, dk, k0 + row0, T, dk_scale);
-    warp_store_rows<HS, 1>(dkey + C, stride, dv, k0 + row0, T, one);
+    warp_store_rows<HS>(dkey, stride, dk[0], k0 + row0, T, dk_scale);
+    warp_store_rows<HS>(dkey + C, stride, dv[0], k0 + row0, T, one);
 }
 
 // dQ for a block of queries (grid as the forward's): each warp holds 16 queries' dQ and walks the key tiles
@@ -569,7 +633,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     bf16* do_s = q_s + ATT_ROWS * LD;
     bf16* k_s = do_s + ATT_ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_ROWS, row0 = warp * 16;
     long stride = 3L * C;
     const bf16* q_g = qkv + (long)b * T * stride + h * HS;
@@ -581,12 +645,8 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     attention_async_rows<HS>(v_s, q_g + 2 * C, stride, 0, COLS, T);
     cp_async_commit();
 
-    float row_lse[2], row_delta[2];  // base-2 log-sum-exp and D of this lane's two rows (any finite value past T)
-    for (int half = 0; half < 2; half++) {
-        int query = q0 + row0 + accumulator_coord(lane, 2 * half).row;
-        row_lse[half] = query < T ? lse[(long)bh * T + query] * 1.44269504f : 0.0f;
-        row_delta[half] = query < T ? delta[(long)bh * T + query] : 0.0f;
-    }
+    float row_lse[2], row_delta[2];
+    slab_row_stats(row_lse, row_delta, lse + (long)bh * T, delta + (long)bh * T, q0 + row0, T);
 
     float dq[1][HS / 8][4] = {};
     for (int kt = 0; kt < tiles; kt++) {
@@ -600,22 +660,522 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
             warp_abt<HS, COLS, 1>(p, q_s, row0, k_t);
             warp_abt<HS, COLS, 1>(ds, do_s, row0, v_s + buf * COLS * LD);
             bool diagonal = k0 + COLS - 1 > q0;
-#pragma unroll
-            for (int j = 0; j < COLS / 8; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    FragmentCoord c = accumulator_coord(lane, i);
-                    int query = q0 + row0 + c.row, key = k0 + 8 * j + c.col;
-                    float x = exp2f(p[0][j][i] * scale_log2 - row_lse[i / 2]);
-                    p[0][j][i] = diagonal && key > query ? 0.0f : x;
-                    ds[0][j][i] = p[0][j][i] * (ds[0][j][i] - row_delta[i / 2]);
-                }
+            query_slab_probabilities<COLS>(p[0], ds[0], q0 + row0, k0, diagonal, row_lse, row_delta, scale_log2);
             warp_pm<HS, COLS, 1>(dq, ds, k_t);
         }
         __syncthreads();
     }
-    float dq_scale[1][2] = {{scale, scale}};
-    warp_store_rows<HS, 1>(dqkv + (long)b * T * stride + h * HS, stride, dq, q0 + row0, T, dq_scale);
+    float dq_scale[2] = {scale, scale};
+    warp_store_rows<HS>(dqkv + (long)b * T * stride + h * HS, stride, dq[0], q0 + row0, T, dq_scale);
+}
+
+// ==========================================================================================================
+// CUDA on Hopper: the same algorithms on `wgmma` (FlashAttention-3's shape), for sm_90a. A block is three
+// warpgroups: the first is the producer, whose first warp copies tiles global -> shared memory with the tensor
+// memory accelerator (TMA, `cp.async.bulk.tensor`) and hands them over on mbarriers; the other two are
+// consumers, each owning 64 of the block's 128 rows and running its products as `wgmma.mma_async` m64nNk16
+// (a warpgroup-wide matrix product: A 64×16 from shared memory or registers, B 16×N from shared memory,
+// fp32 accumulators in registers). `setmaxnreg` moves registers from the producer to the consumers. The
+// streamed tiles go through HOPPER_STAGES buffers: the producer refills a buffer once both consumers have
+// arrived on its `empty` barrier, and the consumers start on it once its `full` barrier says the bytes landed.
+// Per kernel, as in the mma.sync ones: the forward owns 128 queries and streams 128-key tiles of K and V; the
+// dK/dV kernel owns 128 keys and streams 64-query tiles of Q and dO (with their lse and D); the dQ kernel owns
+// 128 queries and streams 64-key tiles of K and V. The softmax, the masks and the stores are the mma.sync
+// kernels' helpers above: a wgmma accumulator gives each warp 16 of the warpgroup's 64 rows in the layout of
+// an m16n8 accumulator per 8 columns.
+// Not done here (FlashAttention-3 has them): overlapping one warpgroup's softmax with the other's products by
+// explicit ping-pong barriers, and the next tile's QKᵀ with the current softmax; the two consumers interleave
+// only as the warp schedulers let them.
+//
+// Shared-memory tiles. TMA writes 64-row × 64-column boxes (128 bytes a row) with the 128-byte swizzle: the
+// 16-byte chunk c of row r lands at chunk c ^ (r % 8), so the 8 rows that one tensor-core read touches at
+// the same chunk fall in 8 different bank groups. A tile of R rows × HS columns is HS/64 column blocks of
+// R·128 bytes, the rows of a block back to back; every block starts on a 1024-byte boundary, where the swizzle
+// pattern starts for both TMA and wgmma (the descriptors' base offset is then 0).
+// Descriptors (PTX ISA, "Matrix Descriptor Format" and "Canonical Layouts"), with the 128-byte swizzle (mode 1
+// in bits 62-63) and the start address, leading (LBO) and stride (SBO) byte offsets >> 4 in bits 0-13, 16-29
+// and 32-45:
+//   K-major (the tile's rows along M or N, the head dimension along K: Q, K, V, dO as the A and B of
+//     QKᵀ, dO·Vᵀ, K·Qᵀ, V·dOᵀ): 8-row groups SBO = 1024 bytes apart; the 16 k of a step lie within a 128-byte
+//     row, so LBO is unused (1 by convention), and the step k0 starts 2·(k0 % 64) bytes into column block k0/64.
+//   MN-major (the tile's rows along K, the head dimension along N: V, dO, Q, K as the B of P·V, Pᵀ·dO, dSᵀ·Q,
+//     dS·K, with imm-trans-b = 1): 8-row groups along K SBO = 1024 bytes apart, the 64-column blocks along N
+//     LBO = R·128 bytes apart; the step k0 starts k0·128 bytes in.
+// test/test_cuda_kernels.cu emulates TMA's placement, these descriptors and the fragment layouts on the CPU.
+
+constexpr int HOPPER_THREADS = 384;   // a producer warpgroup and two consumer warpgroups
+constexpr int HOPPER_ROWS = 128;      // rows a block owns, 64 per consumer warpgroup
+constexpr int HOPPER_FWD_COLS = 128;  // keys per streamed tile in the forward
+constexpr int HOPPER_BWD_COLS = 64;   // queries (dK/dV) or keys (dQ) per streamed tile in the backward: four
+                                      // accumulators of 64 rows (dK, dV, Pᵀ, dSᵀ) must fit in the registers
+constexpr int HOPPER_STAGES = 2;
+constexpr int HOPPER_BOX = 64;  // rows and columns of one TMA box: 64 bf16 are the swizzle's 128 bytes
+constexpr uint32_t HOPPER_BOX_BYTES = HOPPER_BOX * HOPPER_BOX * sizeof(bf16);
+// registers per thread after setmaxnreg: 128·24 + 256·240 = 64512 of the SM's 65536. The dK/dV kernel at hs 128
+// holds 192 accumulator registers (dK, dV, Pᵀ, dSᵀ); at 232 ptxas serializes its wgmma (C7512), at 240 not.
+constexpr int HOPPER_PRODUCER_REGS = 24, HOPPER_CONSUMER_REGS = 240;
+
+// the byte offset in a tile of `rows` rows of the TMA box holding rows [64·row_box, +64) and columns
+// [64·col_box, +64)
+__host__ __device__ constexpr uint32_t hopper_box_offset(int row_box, int col_box, int rows) {
+    return (uint32_t)(col_box * rows * 128) + (uint32_t)row_box * HOPPER_BOX_BYTES;
+}
+
+// a wgmma shared-memory matrix descriptor with the 128-byte swizzle
+__host__ __device__ constexpr uint64_t wgmma_descriptor(uint32_t start, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((start & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32 | 1ull << 62;
+}
+
+// rows [row0, row0 + 64 or N) of a tile of `rows` rows at shared address `tile`, head dimensions [k0, k0 + 16),
+// as a K-major operand
+__host__ __device__ constexpr uint64_t hopper_kmajor_desc(uint32_t tile, int rows, int row0, int k0) {
+    return wgmma_descriptor(tile + hopper_box_offset(0, k0 / HOPPER_BOX, rows) + row0 * 128 + (k0 % HOPPER_BOX) * 2, 16,
+                            1024);
+}
+
+// rows [k0, k0 + 16) of a tile of `rows` rows at shared address `tile`, all its head dimensions, as an MN-major
+// operand
+__host__ __device__ constexpr uint64_t hopper_mnmajor_desc(uint32_t tile, int rows, int k0) {
+    return wgmma_descriptor(tile + k0 * 128, rows * 128, 1024);
+}
+
+// Where a kernel's tiles lie in its dynamic shared memory, as offsets from a 1024-byte aligned base: OWN tiles
+// of HOPPER_ROWS rows that the block keeps, then per stage two streamed tiles of COLS rows, then (STATS) per
+// stage the streamed queries' base-2 lse and their D, then the barriers: own_full, full[stage], empty[stage].
+template <int HS, int OWN, int COLS, bool STATS>
+struct HopperSmem {
+    static constexpr uint32_t own_bytes = HOPPER_ROWS * HS * sizeof(bf16), tile_bytes = COLS * HS * sizeof(bf16);
+    __host__ __device__ static constexpr uint32_t own(int i) { return i * own_bytes; }
+    __host__ __device__ static constexpr uint32_t streamed(int stage, int i) {
+        return OWN * own_bytes + (2 * stage + i) * tile_bytes;
+    }
+    static constexpr uint32_t lse = OWN * own_bytes + 2 * HOPPER_STAGES * tile_bytes;
+    static constexpr uint32_t delta = lse + (STATS ? HOPPER_STAGES * COLS * sizeof(float) : 0);
+    static constexpr uint32_t barriers = delta + (STATS ? HOPPER_STAGES * COLS * sizeof(float) : 0);
+    static constexpr size_t bytes = barriers + 8 * (1 + 2 * HOPPER_STAGES) + 1024;  // with the alignment slack
+};
+
+struct HopperBarriers {
+    uint32_t base;
+    __device__ uint32_t own_full() const { return base; }
+    __device__ uint32_t full(int stage) const { return base + 8 + 8 * stage; }
+    __device__ uint32_t empty(int stage) const { return base + 8 + 8 * HOPPER_STAGES + 8 * stage; }
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ----------------------------------------------------------------------------------------------------------
+// PTX wrappers for sm_90a (mbarrier, TMA, wgmma, setmaxnreg); shared-memory operands are 32-bit shared
+// addresses
+
+static __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// this thread's arrival, which also makes the phase wait for `bytes` more of asynchronous copies
+static __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// this thread's arrival; it releases the thread's earlier memory accesses to whoever waits on the phase
+static __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// waits until the phase of parity `parity` has completed (phases alternate 0, 1, 0, ... from the init)
+static __device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+
+// one 64×64 box of a 3-D tensor map (columns, rows, batch) into shared memory, completing on bar
+static __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int col, int row, int batch,
+                                                    uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(batch), "r"(bar)
+        : "memory");
+}
+
+// rows [t0, t0 + rows) and columns [col, col + HS) of batch b into a tile of `rows` rows; rows past T are zeros
+template <int HS>
+static __device__ __forceinline__ void tma_load_tile(uint32_t tile, int rows, const CUtensorMap* map, int col, int t0,
+                                                     int b, uint32_t bar) {
+    for (int cb = 0; cb < HS / HOPPER_BOX; cb++)
+        for (int rb = 0; rb < rows / HOPPER_BOX; rb++)
+            tma_load_box(tile + hopper_box_offset(rb, cb, rows), map, col + HOPPER_BOX * cb, t0 + HOPPER_BOX * rb, b,
+                         bar);
+}
+
+template <int REGS>
+static __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+static __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// orders this warpgroup's earlier register writes (accumulators, A fragments) before the wgmma that follow
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// waits for every committed wgmma of this thread
+static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// after wgmma_wait: pins acc's registers there, so that the compiler reads them no earlier (it does not know
+// that the wait is what writes them)
+template <int N>
+static __device__ __forceinline__ void wgmma_pin(float (&acc)[N / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[j][e])::"memory");
+}
+
+#define WGMMA_ACC4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define WGMMA_ACC32(d, j)                                                                                     \
+    WGMMA_ACC4(d, j), WGMMA_ACC4(d, j + 1), WGMMA_ACC4(d, j + 2), WGMMA_ACC4(d, j + 3), WGMMA_ACC4(d, j + 4), \
+        WGMMA_ACC4(d, j + 5), WGMMA_ACC4(d, j + 6), WGMMA_ACC4(d, j + 7)
+#define WGMMA_D64                                                                                                     \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_D128                                                                                                    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "  \
+    "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// acc (64×N, this thread's N/2 fp32) = A·B (+ acc when accumulate), A and B K-major in shared memory
+template <int N>
+static __device__ __forceinline__ void wgmma_smem(float (&acc)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma_smem: N is 64 or 128");
+    if constexpr (N == 64)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : WGMMA_ACC32(acc, 0)
+            : "l"(a), "l"(b), "r"((int)accumulate));
+    else
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_D128 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : WGMMA_ACC32(acc, 0), WGMMA_ACC32(acc, 8)
+            : "l"(a), "l"(b), "r"((int)accumulate));
+}
+
+// acc (64×N) += A·B, A 64×16 from registers (the m16n8k16 A layout in each warp's 16 rows), B MN-major in
+// shared memory (imm-trans-b = 1)
+template <int N>
+static __device__ __forceinline__ void wgmma_regs(float (&acc)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {
+    static_assert(N == 64 || N == 128, "wgmma_regs: N is 64 or 128");
+    if constexpr (N == 64)
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D64
+                     ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                     : WGMMA_ACC32(acc, 0)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+    else
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " WGMMA_D128
+                     ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                     : WGMMA_ACC32(acc, 0), WGMMA_ACC32(acc, 8)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+#undef WGMMA_ACC4
+#undef WGMMA_ACC32
+#undef WGMMA_D64
+#undef WGMMA_D128
+
+// acc = the 64×N block of a·bᵀ for the warpgroup's 64 rows from row0 of tile a (a_rows rows) and the first N
+// rows of tile b (b_rows rows), both K-major over HS: QKᵀ, dO·Vᵀ, K·Qᵀ, V·dOᵀ. The caller commits and waits.
+template <int HS, int N>
+static __device__ __forceinline__ void warpgroup_abt(float (&acc)[N / 8][4], uint32_t a, int a_rows, int row0,
+                                                     uint32_t b, int b_rows) {
+    wgmma_fence();
+#pragma unroll
+    for (int k0 = 0; k0 < HS; k0 += 16)
+        wgmma_smem<N>(acc, hopper_kmajor_desc(a, a_rows, row0, k0), hopper_kmajor_desc(b, b_rows, 0, k0), k0 > 0);
+}
+
+// acc += p·mat: p the warpgroup's 64×COLS block held as accumulators (rounded to bf16 here), mat a tile of COLS
+// rows, MN-major: PV, Pᵀ·dO, dSᵀ·Q, dS·K. The caller commits and waits.
+template <int HS, int COLS>
+static __device__ __forceinline__ void warpgroup_pm(float (&acc)[HS / 8][4], const float (&p)[COLS / 8][4],
+                                                    uint32_t mat) {
+    uint32_t a[COLS / 16][4];  // all converted before the fence: the fence orders them before the products
+#pragma unroll
+    for (int k0 = 0; k0 < COLS; k0 += 16) accumulators_to_a(a[k0 / 16], p[k0 / 8], p[k0 / 8 + 1]);
+    wgmma_fence();
+#pragma unroll
+    for (int k0 = 0; k0 < COLS; k0 += 16) wgmma_regs<HS>(acc, a[k0 / 16], hopper_mnmajor_desc(mat, COLS, k0));
+}
+
+// the block's aligned shared-memory base, and thread 0 initializing the barriers (the full ones take the 32
+// lanes of the producer warp, the empty ones every consumer thread) before anyone uses them
+static __device__ __forceinline__ uint32_t hopper_setup(unsigned char* shared, uint32_t barriers_offset,
+                                                        HopperBarriers& bar) {
+    uint32_t base = (shared_address(shared) + 1023) & ~1023u;
+    bar.base = base + barriers_offset;
+    if (threadIdx.x == 0) {
+        mbarrier_init(bar.own_full(), 1);
+        for (int s = 0; s < HOPPER_STAGES; s++) {
+            mbarrier_init(bar.full(s), 32);
+            mbarrier_init(bar.empty(s), HOPPER_THREADS - 128);
+        }
+        // the initialized barriers become visible to the TMA unit (the async proxy) too
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    return base;
+}
+
+// The producer warp: the block's own tiles once (load_own(bar), own_bytes in all), then `tiles` stages of
+// stage_bytes each (load_stage(n, stage, bar)), each buffer refilled once the consumers have released it.
+// fill(n, stage, lane) writes what a stage carries besides its tiles with ordinary stores, before the lane's
+// arrival releases them to the consumers.
+template <typename LoadOwn, typename LoadStage, typename Fill>
+static __device__ __forceinline__ void hopper_produce(const HopperBarriers& bar, int tiles, uint32_t own_bytes,
+                                                      uint32_t stage_bytes, LoadOwn load_own, LoadStage load_stage,
+                                                      Fill fill) {
+    int lane = threadIdx.x % 32;
+    if (lane == 0) {
+        mbarrier_arrive_expect_tx(bar.own_full(), own_bytes);
+        load_own(bar.own_full());
+    }
+    for (int n = 0; n < tiles; n++) {
+        int stage = n % HOPPER_STAGES;
+        // the consumers' arrivals on its previous use complete phase n / STAGES - 1 of the empty barrier
+        if (n >= HOPPER_STAGES) mbarrier_wait(bar.empty(stage), (n / HOPPER_STAGES - 1) % 2);
+        fill(n, stage, lane);
+        if (lane == 0) {
+            mbarrier_arrive_expect_tx(bar.full(stage), stage_bytes);
+            load_stage(n, stage, bar.full(stage));
+        } else {
+            mbarrier_arrive(bar.full(stage));
+        }
+    }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// ----------------------------------------------------------------------------------------------------------
+// the sm_90a kernels: grids as the mma.sync ones'; scale_log2 = log2(e)/√hs. Their bodies exist only in the
+// sm_90a machine code; in every other image they are empty, and attention_hopper_available says which image the
+// device runs.
+
+template <int HS>
+static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
+    attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16* out, float* lse, int T, int C,
+                                    int NH, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int COLS = HOPPER_FWD_COLS;
+    using Smem = HopperSmem<HS, 1, COLS, false>;
+    extern __shared__ __align__(1024) unsigned char hopper_shared[];
+    HopperBarriers bar;
+    uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
+    int tiles = (min(q0 + HOPPER_ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
+
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
+        if (threadIdx.x < 32)
+            hopper_produce(
+                bar, tiles, Smem::own_bytes, 2 * Smem::tile_bytes,
+                [&](uint32_t full) {
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full);
+                },
+                [&](int n, int stage, uint32_t full) {
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + h * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b,
+                                      full);
+                },
+                [](int, int, int) {});
+    } else {
+        setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
+        int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), query0 = q0 + row0 + 16 * (threadIdx.x / 32 % 4);
+        float o[HS / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {};
+        mbarrier_wait(bar.own_full(), 0);
+        // every tile has keys at or before each of the block's queries, so none is skipped
+        static_assert(COLS == HOPPER_ROWS, "a tile of the forward starts at or before every query of the block");
+        for (int kt = 0; kt < tiles; kt++) {
+            int stage = kt % HOPPER_STAGES, k0 = kt * COLS;
+            mbarrier_wait(bar.full(stage), kt / HOPPER_STAGES % 2);
+            float s[COLS / 8][4];
+            warpgroup_abt<HS, COLS>(s, base + Smem::own(0), HOPPER_ROWS, row0, base + Smem::streamed(stage, 0), COLS);
+            wgmma_commit();
+            wgmma_wait();
+            wgmma_pin<COLS>(s);
+            online_softmax_slab<HS, COLS>(s, o, m, l, query0, k0, k0 + COLS - 1 > q0 + row0, scale_log2);
+            warpgroup_pm<HS, COLS>(o, s, base + Smem::streamed(stage, 1));
+            wgmma_commit();
+            wgmma_wait();
+            wgmma_pin<HS>(o);
+            mbarrier_arrive(bar.empty(stage));
+        }
+        attention_store_slab<HS>(out + (long)b * T * C + h * HS, lse + (long)bh * T, o, m, l, query0, T, C);
+    }
+#endif
+}
+
+// dK and dV for 128 keys (grid as the mma.sync dK/dV kernel's): each consumer warpgroup holds 64 keys' dK and
+// dV and walks the query tiles that can see them, in order
+template <int HS>
+static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
+    attention_backward_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map,
+                                          const __grid_constant__ CUtensorMap dout_map, bf16* dqkv, const float* lse,
+                                          const float* delta, int T, int C, int NH, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int COLS = HOPPER_BWD_COLS;
+    using Smem = HopperSmem<HS, 2, COLS, true>;
+    extern __shared__ __align__(1024) unsigned char hopper_shared[];
+    HopperBarriers bar;
+    uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
+    float* lse_s = reinterpret_cast<float*>(hopper_shared + (base - shared_address(hopper_shared)) + Smem::lse);
+    float* delta_s = reinterpret_cast<float*>(hopper_shared + (base - shared_address(hopper_shared)) + Smem::delta);
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    int k0 = blockIdx.x * HOPPER_ROWS;
+    int first = k0 / COLS, tiles = (T - 1) / COLS + 1 - first;  // query tiles holding a query at or after k0
+
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
+        if (threadIdx.x < 32)
+            hopper_produce(
+                bar, tiles, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
+                [&](uint32_t full) {
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, C + h * HS, k0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &qkv_map, 2 * C + h * HS, k0, b, full);
+                },
+                [&](int n, int stage, uint32_t full) {
+                    int q0 = (first + n) * COLS;
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, h * HS, q0, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &dout_map, h * HS, q0, b, full);
+                },
+                // queries past T get lse = +inf, which makes their P, and with it their dS, exactly 0
+                [&](int n, int stage, int lane) {
+                    for (int i = lane; i < COLS; i += 32) {
+                        int query = (first + n) * COLS + i;
+                        bool inside = query < T;
+                        lse_s[stage * COLS + i] = inside ? lse[(long)bh * T + query] * 1.44269504f : INFINITY;
+                        delta_s[stage * COLS + i] = inside ? delta[(long)bh * T + query] : 0.0f;
+                    }
+                });
+    } else {
+        setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
+        int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), key0 = k0 + row0 + 16 * (threadIdx.x / 32 % 4);
+        float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
+        mbarrier_wait(bar.own_full(), 0);
+        for (int n = 0; n < tiles; n++) {
+            int stage = n % HOPPER_STAGES, q0 = (first + n) * COLS;
+            mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
+            // a diagonal tile can lie wholly before this warpgroup's keys (the second one's, on the first tile)
+            if (k0 + row0 <= q0 + COLS - 1) {
+                uint32_t q_t = base + Smem::streamed(stage, 0), do_t = base + Smem::streamed(stage, 1);
+                float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's keys; columns: the tile's queries
+                warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, q_t, COLS);
+                warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, do_t, COLS);
+                wgmma_commit();
+                wgmma_wait();
+                wgmma_pin<COLS>(p);
+                wgmma_pin<COLS>(ds);
+                key_slab_probabilities<COLS>(p, ds, key0, q0, q0 < k0 + row0 + HOPPER_BOX - 1, lse_s + stage * COLS,
+                                             delta_s + stage * COLS, scale_log2);
+                warpgroup_pm<HS, COLS>(dv, p, do_t);
+                warpgroup_pm<HS, COLS>(dk, ds, q_t);
+                wgmma_commit();
+                wgmma_wait();
+                wgmma_pin<HS>(dv);
+                wgmma_pin<HS>(dk);
+            }
+            mbarrier_arrive(bar.empty(stage));  // the lse and D reads too: the arrival releases them
+        }
+        float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
+        bf16* dkey = dqkv + (long)b * T * 3 * C + C + h * HS;
+        warp_store_rows<HS>(dkey, 3L * C, dk, key0, T, dk_scale);
+        warp_store_rows<HS>(dkey + C, 3L * C, dv, key0, T, one);
+    }
+#endif
+}
+
+// dQ for 128 queries (grid as the forward's): each consumer warpgroup holds 64 queries' dQ and walks the key
+// tiles they can see, in order, recomputing P and dS for them
+template <int HS>
+static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
+    attention_backward_dq_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map,
+                                        const __grid_constant__ CUtensorMap dout_map, bf16* dqkv, const float* lse,
+                                        const float* delta, int T, int C, int NH, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int COLS = HOPPER_BWD_COLS;
+    using Smem = HopperSmem<HS, 2, COLS, false>;
+    extern __shared__ __align__(1024) unsigned char hopper_shared[];
+    HopperBarriers bar;
+    uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
+    int tiles = (min(q0 + HOPPER_ROWS, T) - 1) / COLS + 1;
+
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
+        if (threadIdx.x < 32)
+            hopper_produce(
+                bar, tiles, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
+                [&](uint32_t full) {
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &dout_map, h * HS, q0, b, full);
+                },
+                [&](int n, int stage, uint32_t full) {
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + h * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b,
+                                      full);
+                },
+                [](int, int, int) {});
+    } else {
+        setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
+        int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), query0 = q0 + row0 + 16 * (threadIdx.x / 32 % 4);
+        float row_lse[2], row_delta[2];
+        slab_row_stats(row_lse, row_delta, lse + (long)bh * T, delta + (long)bh * T, query0, T);
+        float dq[HS / 8][4] = {};
+        mbarrier_wait(bar.own_full(), 0);
+        for (int n = 0; n < tiles; n++) {
+            int stage = n % HOPPER_STAGES, k0 = n * COLS;
+            mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
+            // a diagonal tile can lie wholly after this warpgroup's queries (the first one's, on the last tile)
+            if (k0 <= q0 + row0 + HOPPER_BOX - 1) {
+                uint32_t k_t = base + Smem::streamed(stage, 0);
+                float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's queries; columns: the tile's keys
+                warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, k_t, COLS);
+                warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, base + Smem::streamed(stage, 1),
+                                        COLS);
+                wgmma_commit();
+                wgmma_wait();
+                wgmma_pin<COLS>(p);
+                wgmma_pin<COLS>(ds);
+                query_slab_probabilities<COLS>(p, ds, query0, k0, k0 + COLS - 1 > q0 + row0, row_lse, row_delta,
+                                               scale_log2);
+                warpgroup_pm<HS, COLS>(dq, ds, k_t);
+                wgmma_commit();
+                wgmma_wait();
+                wgmma_pin<HS>(dq);
+            }
+            mbarrier_arrive(bar.empty(stage));
+        }
+        float dq_scale[2] = {scale, scale};
+        warp_store_rows<HS>(dqkv + (long)b * T * 3 * C + h * HS, 3L * C, dq, query0, T, dq_scale);
+    }
+#endif
+}
+
+static __global__ void attention_hopper_probe_kernel(int* present) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *present = 1;
+#else
+    *present = 0;
+#endif
 }
 
 // ----------------------------------------------------------------------------------------------------------
@@ -635,13 +1195,13 @@ inline void attention_dispatch(int C, int NH, F&& launch) {
 // launches a kernel with `bytes` of dynamic shared memory, raising its limit past the default 48 KiB on the
 // first launch (the kernel is a template argument, so each kernel has its own flag)
 template <auto kernel, typename... Args>
-inline void attention_launch(dim3 grid, size_t bytes, cudaStream_t stream, Args... args) {
+inline void attention_launch(dim3 grid, int threads, size_t bytes, cudaStream_t stream, Args... args) {
     static bool raised = false;
     if (!raised) {
         cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
         raised = true;
     }
-    kernel<<<grid, 32 * ATT_WARPS, bytes, stream>>>(args...);
+    kernel<<<grid, threads, bytes, stream>>>(args...);
     cuda_check(cudaGetLastError());
 }
 
@@ -652,8 +1212,8 @@ inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int
     constexpr int ROWS = 16 * SLABS * ATT_WARPS;
     size_t bytes = (size_t)(ROWS + 4 * ATT_FWD_COLS) * (HS + ATT_PAD) * sizeof(bf16);
     float scale_log2 = 1.44269504f / sqrtf((float)HS);
-    attention_launch<attention_forward_kernel<HS, SLABS>>(dim3(cuda_blocks(T, ROWS), B * NH), bytes, stream, out,
-                                                          lse, qkv, T, C, NH, scale_log2);
+    attention_launch<attention_forward_kernel<HS, SLABS>>(dim3(cuda_blocks(T, ROWS), B * NH), 32 * ATT_WARPS, bytes,
+                                                          stream, out, lse, qkv, T, C, NH, scale_log2);
 }
 
 // out (B, T, C) and lse (B, NH, T) from qkv (B, T, 3C), causal, head size C/NH in {64, 128}; any T >= 1
@@ -670,24 +1230,138 @@ inline size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
     return (size_t)B * NH * T;
 }
 
+// D = rowsum(dO∘O) (B, NH, T), the first step of every backward
+template <int HS>
+inline void attention_delta_cuda(float* delta, const bf16* dout, const bf16* out, int B, int T, int C, int NH,
+                                 cudaStream_t stream) {
+    long rows = (long)B * NH * T;
+    attention_delta_kernel<HS><<<cuda_blocks(rows * (HS / 8), 256), 256, 0, stream>>>(delta, dout, out, rows, T, C, NH);
+    cuda_check(cudaGetLastError());
+}
+
 // dqkv (B, T, 3C) overwritten; out and lse are the forward's; deterministic (no atomics)
 inline void attention_backward_cuda(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                                     float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
     float* delta = scratch;
     attention_dispatch(C, NH, [&](auto hs) {
         constexpr int HS = decltype(hs)::value, COLS = attention_backward_cols(HS);
-        long rows = (long)B * NH * T;
-        attention_delta_kernel<HS><<<cuda_blocks(rows * (HS / 8), 256), 256, 0, stream>>>(delta, dout, out, rows, T,
-                                                                                          C, NH);
-        cuda_check(cudaGetLastError());
+        attention_delta_cuda<HS>(delta, dout, out, B, T, C, NH, stream);
         float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
         dim3 grid(cuda_blocks(T, ATT_ROWS), B * NH);
         size_t tiles_bytes = (size_t)(2 * ATT_ROWS + 4 * COLS) * (HS + ATT_PAD) * sizeof(bf16);
-        attention_launch<attention_backward_dkdv_kernel<HS>>(grid, tiles_bytes + 4 * COLS * sizeof(float), stream,
+        size_t stats_bytes = 4 * COLS * sizeof(float);
+        attention_launch<attention_backward_dkdv_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes + stats_bytes, stream,
                                                              dqkv, dout, qkv, lse, delta, T, C, NH, scale, scale_log2);
-        attention_launch<attention_backward_dq_kernel<HS>>(grid, tiles_bytes, stream, dqkv, dout, qkv, lse, delta, T, C,
-                                                           NH, scale, scale_log2);
+        attention_launch<attention_backward_dq_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes, stream, dqkv, dout, qkv,
+                                                           lse, delta, T, C, NH, scale, scale_log2);
     });
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// the sm_90a kernels' entry points
+
+// Whether the wgmma kernels run on the current device: a Hopper GPU (compute capability 9.0) and sm_90a
+// machine code in this binary, which the probe finds by running on the image the driver picked for the device
+// (the sm_90 image of a build without sm_90a has the kernels' empty bodies). why says what is missing.
+inline bool attention_hopper_available(std::string* why = nullptr) {
+    int dev = 0, major = 0, minor = 0;
+    cuda_check(cudaGetDevice(&dev));
+    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major != 9 || minor != 0) {
+        if (why)
+            *why = strfmt("the GPU has compute capability %d.%d; the wgmma kernels need 9.0 (Hopper)", major, minor);
+        return false;
+    }
+    int *flag, present = 0;
+    cuda_check(cudaMalloc(&flag, sizeof(int)));
+    attention_hopper_probe_kernel<<<1, 1>>>(flag);
+    cudaError_t launched = cudaGetLastError();
+    if (launched == cudaSuccess) cuda_check(cudaMemcpy(&present, flag, sizeof(int), cudaMemcpyDeviceToHost));
+    cuda_check(cudaFree(flag));
+    if (launched != cudaErrorNoKernelImageForDevice) cuda_check(launched);
+    if (!present && why)
+        *why =
+            "this binary has no sm_90a machine code (build with CUDA_ARCH including "
+            "-gencode arch=compute_90a,code=sm_90a)";
+    return present;
+}
+
+// A 3-D TMA map over a (B, T, width) bf16 tensor, dimensions innermost first: 64×64 boxes, the 128-byte
+// swizzle, zeros for rows past T. The encoder is the driver's, found through the runtime (no -lcuda).
+inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) {
+    using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+    static Encode encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        cuda_check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || !fn)
+            fail("attention (wgmma): the driver has no cuTensorMapEncodeTiled");
+        return reinterpret_cast<Encode>(fn);
+    }();
+    require_aligned_16("attention (wgmma)", base);
+    CUtensorMap map;
+    cuuint64_t dims[3] = {(cuuint64_t)width, (cuuint64_t)T, (cuuint64_t)B};
+    cuuint64_t strides[2] = {(cuuint64_t)width * sizeof(bf16), (cuuint64_t)T * width * sizeof(bf16)};
+    cuuint32_t box[3] = {HOPPER_BOX, HOPPER_BOX, 1}, steps[3] = {1, 1, 1};
+    CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides, box, steps,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        fail("attention (wgmma): cuTensorMapEncodeTiled failed (%d) for B=%d T=%d width %d", (int)r, B, T, width);
+    return map;
+}
+
+// the forward on the wgmma kernels (attention_hopper_available must hold); the arguments as
+// attention_forward_cuda's
+inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+                                     cudaStream_t stream) {
+    attention_dispatch(C, NH, [&](auto hs) {
+        constexpr int HS = decltype(hs)::value;
+        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, 3 * C);
+        float scale_log2 = 1.44269504f / sqrtf((float)HS);
+        attention_launch<attention_forward_hopper_kernel<HS>>(dim3(cuda_blocks(T, HOPPER_ROWS), B * NH), HOPPER_THREADS,
+                                                              HopperSmem<HS, 1, HOPPER_FWD_COLS, false>::bytes, stream,
+                                                              qkv_map, out, lse, T, C, NH, scale_log2);
+    });
+}
+
+// the backward on the wgmma kernels: the arguments, the scratch and the determinism as attention_backward_cuda's
+inline void attention_backward_hopper(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
+                                      float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
+    float* delta = scratch;
+    attention_dispatch(C, NH, [&](auto hs) {
+        constexpr int HS = decltype(hs)::value;
+        attention_delta_cuda<HS>(delta, dout, out, B, T, C, NH, stream);
+        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, 3 * C), dout_map = hopper_tensor_map(dout, B, T, C);
+        float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
+        dim3 grid(cuda_blocks(T, HOPPER_ROWS), B * NH);
+        attention_launch<attention_backward_dkdv_hopper_kernel<HS>>(
+            grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, true>::bytes, stream, qkv_map, dout_map, dqkv, lse,
+            delta, T, C, NH, scale, scale_log2);
+        attention_launch<attention_backward_dq_hopper_kernel<HS>>(
+            grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, qkv_map, dout_map, dqkv,
+            lse, delta, T, C, NH, scale, scale_log2);
+    });
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// which kernels the model's layers run: the mma.sync ones (any GPU from Ampere on, the default) or the wgmma
+// ones (--attention wgmma)
+
+enum class AttentionKernels { MMA, WGMMA };
+
+inline AttentionKernels& attention_kernels() {
+    static AttentionKernels kernels = AttentionKernels::MMA;
+    return kernels;
+}
+
+// --attention wgmma: the layers run the wgmma kernels from now on; refused in one line on a device or a binary
+// without them
+inline void attention_select_wgmma() {
+    std::string why;
+    if (!attention_hopper_available(&why)) fail("--attention wgmma: %s", why.c_str());
+    attention_kernels() = AttentionKernels::WGMMA;
 }
 
 // ----------------------------------------------------------------------------------------------------------
@@ -703,10 +1377,16 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 }
 
 inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH) {
-    attention_forward_cuda(out, lse, qkv, B, T, C, NH, main_stream());
+    if (attention_kernels() == AttentionKernels::WGMMA)
+        attention_forward_hopper(out, lse, qkv, B, T, C, NH, main_stream());
+    else
+        attention_forward_cuda(out, lse, qkv, B, T, C, NH, main_stream());
 }
 inline void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B,
                                int T, int C, int NH, float*) {
     float* scratch = gpu_scratch(attention_backward_scratch_floats(B, T, C, NH), "attention_backward");
-    attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
+    if (attention_kernels() == AttentionKernels::WGMMA)
+        attention_backward_hopper(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
+    else
+        attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
 }

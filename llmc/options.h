@@ -21,6 +21,7 @@ struct Options {
     std::string out_dir;                                // -o
     std::string tokenizer = "data/gpt2_tokenizer.bin";  // --tokenizer
     std::string device;                                 // --device: "" picks the best available
+    std::string attention = "mma";                      // --attention: the GPU's attention kernels
     int B = 4;                                          // -b
     int T = 1024;                                       // -t
     long total_batch = -1;                              // -d: tokens per optimizer step; -1 = B*T*ranks
@@ -80,6 +81,8 @@ inline const char* USAGE =
     "  -e MODEL          llm.c model file (.bin, fp32 v3 or bf16 v5) or descriptor: d12 d24 d36 d48,\n"
     "                    or d<L>c<C>h<NH>[t<maxT>][v<V>], e.g. d4c128h4             [d12]\n"
     "  --device cpu|cuda  compute device                                [cuda if a GPU is visible, else cpu]\n"
+    "  --attention mma|wgmma  the GPU's flash attention: mma.sync (any GPU), or wgmma (Hopper, a build with\n"
+    "                    sm_90a)                                                   [mma]\n"
     "  -r 0|1|2          activation recomputation: none, GELU, GELU and layernorm  [0]\n"
     "optimization:\n"
     "  -x N              training steps; -1 = one epoch                            [-1]\n"
@@ -186,6 +189,7 @@ inline Options parse_options(int argc, char** argv) {
              o.device = v;
              if (o.device != "cpu" && o.device != "cuda") fail("--device %s: expected cpu or cuda", v);
          }},
+        {"--attention", choice(&o.attention, {"mma", "wgmma"})},
         {"-b", integer(&o.B, 1, 1 << 20)},
         {"-t", integer(&o.T, 1, 1 << 20)},
         {"-d", integer(&o.total_batch, -1, LONG_MAX)},

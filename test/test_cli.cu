@@ -405,7 +405,7 @@ TEST_CASE("integer flags reject non-integers and values out of range", "[cli]") 
                      {"integer", "between", "range"});
 }
 
-TEST_CASE("float flags, -k and --device reject bad values", "[cli]") {
+TEST_CASE("float flags, -k, --device and --attention reject bad values", "[cli]") {
     TinyRun run;
     struct FloatCase {
         const char* flag;
@@ -425,6 +425,9 @@ TEST_CASE("float flags, -k and --device reject bad values", "[cli]") {
     expect_error(run.base() + std::vector<std::string>{"-k", "bogus"}, {"-k", "bogus"}, {"cosine", "unknown"});
     expect_error(run.base() + std::vector<std::string>{"--device", "bogus"}, {"--device", "bogus"}, {"cpu"});
     expect_error(run.base() + std::vector<std::string>{"--device", "tpu"}, {"--device", "tpu"}, {"cpu"});
+    expect_error(run.base() + std::vector<std::string>{"--attention", "bogus"}, {"--attention", "bogus"}, {"mma"});
+    expect_error(run.base() + std::vector<std::string>{"--device", "cpu", "--attention", "wgmma"},
+                 {"--attention", "wgmma"}, {"GPU"});
 }
 
 TEST_CASE("--device cuda without a GPU: one line saying so; with one, a head size the kernels lack is refused", "[cli]") {

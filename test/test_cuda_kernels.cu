@@ -1,8 +1,9 @@
 // Each CUDA kernel against the CPU reference in the same llmc header, on random bf16 inputs with the outputs
 // poisoned (NaN bytes) beforehand, on small and odd shapes, so that rows, tiles and vector widths do not line
 // up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
-// case says "skipped: no GPU" and passes, except the host-side precondition checks and the emulation of the
-// attention's mma fragment layouts on the CPU, which run anywhere.
+// case says "skipped: no GPU" and passes (the wgmma attention's, on a GPU other than Hopper, "skipped: not
+// Hopper"), except the host-side precondition checks and the emulations of the attention's mma and wgmma
+// fragment and shared-memory layouts on the CPU, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
 // are dev/cuda/kernel_cases.h's.
 #include <array>
@@ -76,16 +77,19 @@ void check_matmul(long N, long C, long OC) {
     require_close("matmul dbias", download(k.d_db), k.dbias, 2e-2);
 }
 
-void check_attention(int B, int T, int C, int NH) {
+// the mma.sync kernels, or the wgmma ones (hopper)
+void check_attention(int B, int T, int C, int NH, bool hopper = false) {
     AttentionCase k(B, T, C, NH, 14);
-    k.gpu_forward();
+    auto forward = [&] { hopper ? k.gpu_forward_hopper() : k.gpu_forward(); };
+    auto backward = [&] { hopper ? k.gpu_backward_hopper() : k.gpu_backward(); };
+    forward();
     require_close("attention out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
     require_close("attention lse", download(k.d_lse), k.lse, 1e-3);
-    k.gpu_backward();
+    backward();
     std::vector<float> dqkv = download(k.d_dqkv);
     require_close("attention dqkv", dqkv, k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
     k.d_dqkv.poison();
-    k.gpu_backward();
+    backward();
     REQUIRE(download(k.d_dqkv) == dqkv);  // deterministic: same inputs, same bits
 }
 
@@ -194,6 +198,181 @@ TEST_CASE("attention mma fragments: ldmatrix addressing and m16n8k16 layouts emu
 
 namespace {
 
+// The wgmma attention's shared-memory bookkeeping, emulated on the CPU from the rules of the CUDA driver API
+// (TMA's 128-byte swizzle: the 16-byte chunk c of a 128-byte row r lands at chunk c ^ (r % 8) within each 1024
+// bytes) and of the PTX ISA (the matrix descriptor's fields; the canonical K-major and MN-major layouts with the
+// 128-byte swizzle; the m64nNk16 A-in-registers and accumulator layouts), written out here independently of
+// llmc/attention.cuh's helpers, which must then multiply like a matmul.
+struct SharedMemory {
+    std::vector<uint16_t> bytes2 = std::vector<uint16_t>(1 << 16);  // 128 KiB of bf16 bit patterns
+    static uint32_t swizzle(uint32_t address) { return address ^ ((address >> 7) & 7) << 4; }
+    void store(uint32_t address, float v) {
+        __nv_bfloat16 b = __float2bfloat16(v);
+        memcpy(&bytes2[swizzle(address) / 2], &b, 2);
+    }
+    float load(uint32_t address) const {
+        uint32_t bits = (uint32_t)bytes2[swizzle(address) / 2] << 16;
+        float v;
+        memcpy(&v, &bits, 4);
+        return v;
+    }
+};
+
+// TMA: rows [t0, t0 + rows) of a row-major matrix (width columns, T rows, zeros past T), columns [0, hs), as
+// the 64×64 boxes a kernel's tma_load_tile issues, box (rb, cb) at tile + hopper_box_offset(rb, cb, rows)
+void emulate_tma_tile(SharedMemory& smem, uint32_t tile, int rows, int hs, const std::vector<float>& m, int width,
+                      int t0, int T) {
+    for (int cb = 0; cb < hs / 64; cb++)
+        for (int rb = 0; rb < rows / 64; rb++)
+            for (int r = 0; r < 64; r++)
+                for (int c = 0; c < 64; c++) {
+                    int t = t0 + 64 * rb + r;
+                    float v = t < T ? m[(size_t)t * width + 64 * cb + c] : 0.0f;
+                    smem.store(tile + hopper_box_offset(rb, cb, rows) + r * 128 + 2 * c, v);
+                }
+}
+
+// a matrix descriptor's fields: start address, leading and stride byte offsets
+struct Descriptor {
+    uint32_t start, lbo, sbo;
+};
+
+Descriptor decode(uint64_t desc) {
+    REQUIRE(desc >> 62 == 1);        // the 128-byte swizzle
+    REQUIRE((desc >> 49 & 7) == 0);  // base offset 0: the tiles start on 1024-byte boundaries
+    return {(uint32_t)(desc & 0x3FFF) << 4, (uint32_t)(desc >> 16 & 0x3FFF) << 4, (uint32_t)(desc >> 32 & 0x3FFF) << 4};
+}
+
+// the element (mn, k) of a wgmma operand read through a descriptor, k < 16. In bf16 elements (T = 8), K-major
+// is ((8,m),(T,2k)):((8T,SBO),(1,T)) and MN-major ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)).
+float descriptor_element(const SharedMemory& smem, Descriptor d, bool k_major, int mn, int k) {
+    uint32_t offset = k_major ? (mn % 8) * 128 + (mn / 8) * d.sbo + 2 * k
+                              : (mn % 64) * 2 + (mn / 64) * d.lbo + (k % 8) * 128 + (k / 8) * d.sbo;
+    return smem.load(d.start + offset);
+}
+
+// a warpgroup's accumulators: thread (0..127), then the kernel's [N/8][4] array flattened (register i = 4j + e)
+using WarpgroupAcc = std::vector<std::vector<float>>;
+
+// d (+)= A·B for one m64nNk16: A from a K-major descriptor, or from the threads' registers when a_regs is given;
+// B from a descriptor, K-major or MN-major; the accumulator layout is register i of thread 32w + 4g + t at row
+// 16w + g + 8·(i/2 % 2), column 8·(i/4) + 2t + i % 2
+void emulate_wgmma(WarpgroupAcc& d, int N, const SharedMemory& smem, uint64_t a_desc,
+                   const std::vector<std::array<uint32_t, 4>>* a_regs, uint64_t b_desc, bool b_k_major,
+                   bool accumulate) {
+    std::vector<float> A(64 * 16), B(16 * N);
+    if (!a_regs) {
+        Descriptor a = decode(a_desc);
+        for (int m = 0; m < 64; m++)
+            for (int k = 0; k < 16; k++) A[m * 16 + k] = descriptor_element(smem, a, true, m, k);
+    }
+    if (a_regs)
+        for (int thread = 0; thread < 128; thread++)
+            for (int r = 0; r < 4; r++)
+                for (int e = 0; e < 2; e++) {
+                    int lane = thread % 32, row = 16 * (thread / 32) + lane / 4 + 8 * (r % 2);
+                    A[row * 16 + 8 * (r / 2) + 2 * (lane % 4) + e] = bf16_half((*a_regs)[thread][r], e);
+                }
+    Descriptor b = decode(b_desc);
+    for (int k = 0; k < 16; k++)
+        for (int n = 0; n < N; n++) B[k * N + n] = descriptor_element(smem, b, b_k_major, n, k);
+    for (int thread = 0; thread < 128; thread++)
+        for (int i = 0; i < N / 2; i++) {
+            int lane = thread % 32, row = 16 * (thread / 32) + lane / 4 + 8 * (i / 2 % 2),
+                col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+            float sum = accumulate ? d[thread][i] : 0.0f;
+            for (int k = 0; k < 16; k++) sum += A[row * 16 + k] * B[k * N + col];
+            d[thread][i] = sum;
+        }
+}
+
+// the warpgroup's 64×N block as the kernels read it: warp w's slab is rows 16w.., its [j][e] at
+// accumulator_coord(lane, e) in columns 8j..
+std::vector<float> gather_warpgroup(const WarpgroupAcc& d, int N) {
+    std::vector<float> m(64 * N);
+    for (int thread = 0; thread < 128; thread++)
+        for (int j = 0; j < N / 8; j++)
+            for (int e = 0; e < 4; e++) {
+                FragmentCoord c = accumulator_coord(thread % 32, e);
+                m[(16 * (thread / 32) + c.row) * N + 8 * j + c.col] = d[thread][4 * j + e];
+            }
+    return m;
+}
+
+// One consumer warpgroup's S = Q·Kᵀ and O = P·V as the forward runs them (warpgroup_abt, warpgroup_pm), and the
+// dQ kernel's dQ += dS·K's operands alike: Q a tile of HOPPER_ROWS rows, K and V tiles of cols rows, of which
+// the rows past T are zeros
+void check_wgmma_layouts(int hs, int cols, int wg) {
+    const int T = cols - 5, width = 3 * hs;
+    Rng rng(23 + hs + cols + wg);
+    std::vector<float> qkv = random_bf16_values((size_t)HOPPER_ROWS * width, rng);
+    SharedMemory smem;
+    uint32_t q_s = 0, k_s = HOPPER_ROWS * hs * 2, v_s = k_s + cols * hs * 2;
+    emulate_tma_tile(smem, q_s, HOPPER_ROWS, hs, qkv, width, 0, HOPPER_ROWS);
+    std::vector<float> k_m((size_t)HOPPER_ROWS * hs), v_m((size_t)HOPPER_ROWS * hs);
+    for (int t = 0; t < HOPPER_ROWS; t++)
+        for (int c = 0; c < hs; c++) {
+            k_m[(size_t)t * hs + c] = qkv[(size_t)t * width + hs + c];
+            v_m[(size_t)t * hs + c] = qkv[(size_t)t * width + 2 * hs + c];
+        }
+    emulate_tma_tile(smem, k_s, cols, hs, k_m, hs, 0, T);
+    emulate_tma_tile(smem, v_s, cols, hs, v_m, hs, 0, T);
+
+    int row0 = 64 * wg;
+    WarpgroupAcc s(128, std::vector<float>(cols / 2));
+    for (int k0 = 0; k0 < hs; k0 += 16)
+        emulate_wgmma(s, cols, smem, hopper_kmajor_desc(q_s, HOPPER_ROWS, row0, k0), nullptr,
+                      hopper_kmajor_desc(k_s, cols, 0, k0), true, k0 > 0);
+    std::vector<float> s_ref(64 * cols), p(64 * cols);
+    for (int r = 0; r < 64; r++)
+        for (int c = 0; c < cols; c++) {
+            double dot = 0.0;
+            for (int d = 0; d < hs && c < T; d++)
+                dot += (double)qkv[(size_t)(row0 + r) * width + d] * k_m[(size_t)c * hs + d];
+            s_ref[r * cols + c] = (float)dot;
+        }
+    std::vector<float> s_got = gather_warpgroup(s, cols);
+    require_close("S = Q·Kᵀ through TMA, the descriptors and the accumulators", s_got, s_ref, 1e-5);
+    for (int i = 0; i < 64 * cols; i++) p[i] = __bfloat162float(__float2bfloat16(s_got[i]));  // P enters as bf16
+
+    // P·V: A from the accumulators (accumulators_to_a, 16 columns of P per step), B = V MN-major
+    WarpgroupAcc o(128, std::vector<float>(hs / 2, 0.0f));
+    for (int k0 = 0; k0 < cols; k0 += 16) {
+        std::vector<std::array<uint32_t, 4>> a(128);
+        for (int thread = 0; thread < 128; thread++) {
+            float left[4], right[4];
+            for (int e = 0; e < 4; e++)
+                left[e] = s[thread][4 * (k0 / 8) + e], right[e] = s[thread][4 * (k0 / 8 + 1) + e];
+            uint32_t regs[4];
+            accumulators_to_a(regs, left, right);
+            for (int r = 0; r < 4; r++) a[thread][r] = regs[r];
+        }
+        emulate_wgmma(o, hs, smem, 0, &a, hopper_mnmajor_desc(v_s, cols, k0), false, true);
+    }
+    std::vector<float> o_ref(64 * hs);
+    for (int r = 0; r < 64; r++)
+        for (int c = 0; c < hs; c++) {
+            double sum = 0.0;
+            for (int key = 0; key < T; key++) sum += (double)p[r * cols + key] * v_m[(size_t)key * hs + c];
+            o_ref[r * hs + c] = (float)sum;
+        }
+    require_close("O = P·V through the registers and an MN-major descriptor", gather_warpgroup(o, hs), o_ref, 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("attention wgmma: TMA's swizzle, the matrix descriptors and the m64nNk16 fragments emulated on the CPU",
+          "[cuda]") {
+    for (int hs : {64, 128})
+        for (int cols : {HOPPER_BWD_COLS, HOPPER_FWD_COLS})
+            for (int wg : {0, 1}) {
+                INFO("hs " << hs << ", tile of " << cols << " rows, warpgroup " << wg);
+                check_wgmma_layouts(hs, cols, wg);
+            }
+}
+
+namespace {
+
 void check_gelu(long N) {
     Rng rng(15);
     std::vector<float> inp = random_bf16_values(N, rng, 2.0f), dout = random_bf16_values(N, rng), out(N), dinp(N);
@@ -285,6 +464,16 @@ TEST_CASE("CUDA flash attention forward and deterministic backward match the CPU
     check_attention(2, 64, 128, 2);   // hs 64, one tile
     check_attention(1, 77, 256, 2);   // hs 128, T not a multiple of the tile
     check_attention(2, 200, 192, 3);  // hs 64, several tiles and a ragged last one
+}
+
+TEST_CASE("CUDA wgmma flash attention (Hopper) forward and deterministic backward match the CPU for head sizes 64 "
+          "and 128",
+          "[cuda]") {
+    SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
+    check_attention(2, 64, 128, 2, true);    // hs 64, less than one block
+    check_attention(1, 77, 256, 2, true);    // hs 128, T not a multiple of the tile
+    check_attention(2, 200, 192, 3, true);   // hs 64, two blocks, the second ragged
+    check_attention(1, 333, 1024, 8, true);  // hs 128, three blocks and a ragged last tile
 }
 
 TEST_CASE("CUDA GELU forward and backward match the CPU", "[cuda]") {

@@ -1,7 +1,8 @@
 // The GPU model against the CPU model (the verification ladder's rung 5): the same weights and batch through
 // GPTCuda (bf16 storage, fp32 master weights) and GPT (fp32): the loss and logits at step 0, every parameter
-// tensor's gradient, and 20 AdamW steps' losses, each within a bf16 tolerance stated beside it. Without a GPU
-// these print "skipped: no GPU". Also the GPU's memory plan against a count made by hand, which needs no GPU.
+// tensor's gradient, and 20 AdamW steps' losses, each within a bf16 tolerance stated beside it, on the default
+// (mma.sync) attention and, on Hopper, the wgmma one. Without a GPU these print "skipped: no GPU". Also the
+// GPU's memory plan against a count made by hand, which needs no GPU.
 #include <catch.hpp>
 
 #include <cmath>
@@ -116,6 +117,20 @@ TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at s
 
 TEST_CASE("GPU model: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2", "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
+    check_training(DENSE_MODEL);
+}
+
+// the model's layers on the wgmma attention (--attention wgmma) for one test, then back on the default
+struct WgmmaAttention {
+    WgmmaAttention() { attention_select_wgmma(); }
+    ~WgmmaAttention() { attention_kernels() = AttentionKernels::MMA; }
+};
+
+TEST_CASE("GPU model on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",
+          "[cuda][model][wgmma]") {
+    SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
+    WgmmaAttention on;
+    check_step_zero(DENSE_MODEL, 5e-2);
     check_training(DENSE_MODEL);
 }
 

@@ -19,6 +19,18 @@
         }                                      \
     } while (0)
 
+// the first line of a test of the wgmma attention: without a GPU, or on one that is not Hopper, or with a binary
+// without sm_90a, it says so and passes
+#define SKIP_WITHOUT_HOPPER_ATTENTION_CASE()                       \
+    do {                                                            \
+        SKIP_WITHOUT_GPU_CASE();                                    \
+        std::string why_not_hopper;                                 \
+        if (!attention_hopper_available(&why_not_hopper)) {         \
+            WARN("skipped: not Hopper (" << why_not_hopper << ")"); \
+            return;                                                 \
+        }                                                           \
+    } while (0)
+
 inline std::vector<float> random_vector(size_t n, Rng& rng, float scale = 1.0f) {
     std::vector<float> v(n);
     for (auto& x : v) x = rng.normal(0.0f, scale);

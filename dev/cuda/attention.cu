@@ -9,6 +9,11 @@
 //              shows its tensor-core instructions
 //   variant 3: variant 2 with the forward at one m16 slab per warp (64-query blocks, twice the blocks and
 //              fewer registers, but each K/V fragment feeds one mma instead of two); the backward is variant 2's
+//   variant 4: FlashAttention-3's shape on Hopper (sm_90a): wgmma m64nNk16, TMA loads completing on mbarriers,
+//              a producer warpgroup and two consumer warpgroups (llmc/attention.cuh, --attention wgmma); the
+//              backward deterministic as variant 2's. Skipped, not failed, on a GPU other than Hopper or a
+//              binary without sm_90a; `cuobjdump -sass attention | grep -c HGMMA` counts its tensor-core
+//              instructions
 // Usage: ./attention [variant]   (no argument: every variant). Inputs and CPU reference: AttentionCase in
 // kernel_cases.h.
 #include <cstdlib>
@@ -221,11 +226,8 @@ static void scalar_forward(AttentionCase& k) {
 static void scalar_backward(AttentionCase& k) {
     attention_dispatch(k.C, k.NH, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
-        long rows = (long)k.B * k.NH * k.T;
         float* delta = k.d_scratch.ptr;
-        attention_delta_kernel<HS>
-            <<<cuda_blocks(rows * (HS / 8), 256), 256>>>(delta, k.d_dout.ptr, k.d_out.ptr, rows, k.T, k.C, k.NH);
-        cuda_check(cudaGetLastError());
+        attention_delta_cuda<HS>(delta, k.d_dout.ptr, k.d_out.ptr, k.B, k.T, k.C, k.NH, 0);
         dim3 grid(cuda_blocks(k.T, SCALAR_TILE), k.B * k.NH);
         float scale = 1.0f / sqrtf((float)HS);
         scalar_backward_dq_kernel<HS><<<grid, SCALAR_TILE * SCALAR_WARPS>>>(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr,
@@ -244,6 +246,7 @@ struct Variant {
     const char* name;
     void (*forward)(AttentionCase&);
     void (*backward)(AttentionCase&);
+    bool (*available)(std::string* why);  // null: runs on every GPU
 };
 
 static const Variant variants[] = {
@@ -257,13 +260,17 @@ static const Variant variants[] = {
          });
      },
      [](AttentionCase& k) { k.gpu_backward(); }},
+    {"wgmma FA3 (Hopper, sm_90a)", [](AttentionCase& k) { k.gpu_forward_hopper(); },
+     [](AttentionCase& k) { k.gpu_backward_hopper(); }, attention_hopper_available},
 };
 constexpr int VARIANTS = sizeof(variants) / sizeof(variants[0]);
+static bool skipped[VARIANTS];  // by main: variants this device or binary cannot run
 
 // the backward runs on this variant's own forward (its out and lse), poisoned outputs each time
 static void check_shape(Checks& checks, int first, int last, int B, int T, int C, int NH) {
     AttentionCase k(B, T, C, NH, 6 + T + C);
     for (int v = first; v <= last; v++) {
+        if (skipped[v - 1]) continue;
         const Variant& variant = variants[v - 1];
         std::string shape = strfmt("v%d B=%d T=%d hs=%d", v, B, T, C / NH);
         k.d_out.poison();
@@ -284,11 +291,12 @@ static void check_shape(Checks& checks, int first, int last, int B, int T, int C
 }
 
 // useful FLOPs: QKᵀ and PV over the causal half (4·T²·hs/2 per head); the backward counts 2.5 times that
-// (FlashAttention's convention, which leaves out recomputation: variant 2's backward does 3.5 times)
+// (FlashAttention's convention, which leaves out recomputation: variants 2 and 4's backward do 3.5 times)
 static void time_shape(int first, int last, int B, int T, int C, int NH) {
     AttentionCase k(B, T, C, NH, 1, false);
     double flops = 4.0 * B * NH * (double)T * T * (C / NH) / 2;
     for (int v = first; v <= last; v++) {
+        if (skipped[v - 1]) continue;
         const Variant& variant = variants[v - 1];
         std::string shape = strfmt("v%d B=%d NH=%d T=%d hs=%d", v, B, NH, T, C / NH);
         report_compute_bound(shape + " forward", time_ms([&] { variant.forward(k); }), flops);
@@ -307,6 +315,14 @@ int main(int argc, char** argv) {
         }
     }
     for (int v = first; v <= last; v++) printf("variant %d: %s\n", v, variants[v - 1].name);
+    // a variant this device or binary cannot run says so once and is left out of the checks and timings
+    for (int v = first; v <= last; v++) {
+        std::string why;
+        if (variants[v - 1].available && !variants[v - 1].available(&why)) {
+            printf("variant %d: skipped: not Hopper (%s)\n", v, why.c_str());
+            skipped[v - 1] = true;
+        }
+    }
     Checks checks;
     for (int T : {1024, 77, 1000}) {
         check_shape(checks, first, last, T == 1024 ? 4 : 2, T, 768, 12);  // hs 64

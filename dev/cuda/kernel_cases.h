@@ -274,6 +274,12 @@ struct AttentionCase {
         attention_backward_cuda(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_scratch.ptr, B, T, C, NH,
                                 0);
     }
+    // the wgmma kernels (attention_hopper_available must hold)
+    void gpu_forward_hopper() { attention_forward_hopper(d_out.ptr, d_lse.ptr, d_qkv.ptr, B, T, C, NH, 0); }
+    void gpu_backward_hopper() {
+        attention_backward_hopper(d_dqkv.ptr, d_dout.ptr, d_qkv.ptr, d_out.ptr, d_lse.ptr, d_scratch.ptr, B, T, C, NH,
+                                  0);
+    }
 };
 
 // crossentropy_forward and the fused crossentropy_backward_inplace (losses again, and the logits overwritten

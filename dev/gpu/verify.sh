@@ -243,6 +243,8 @@ catch2_result() {
     summary=$(grep -E '^(All tests passed|test cases:)' "$log" | tail -n 1)
     if grep -q 'skipped: no GPU' "$log"; then
         result FAIL "$PHASE" "$check" "(a test printed 'skipped: no GPU' on a GPU host)"
+    elif [[ $GPU_CC == 9.0 ]] && grep -q 'skipped: not Hopper' "$log"; then
+        result FAIL "$PHASE" "$check" "(a wgmma test printed 'skipped: not Hopper' on a Hopper: is sm_90a in CUDA_ARCH?)"
     elif grep -qE 'No test cases matched|No tests ran' "$log"; then
         result FAIL "$PHASE" "$check" "(no test matched)"
     elif (( rc == 0 )) && [[ $summary == "All tests passed"* ]]; then
@@ -297,6 +299,12 @@ if has_phase build; then
                 echo "machine code in train_gpt: $(cuobjdump --list-elf train_gpt 2>/dev/null | grep -o 'sm_[0-9a-z]*' | sort -u | xargs)" \
                     >>"$PHASE_LOG"
             fi
+            # on a Hopper the wgmma attention must be in the machine code: HGMMA, the SASS of wgmma
+            if [[ $GPU_CC == 9.0 && -x dev/cuda/attention ]] && command -v cuobjdump >/dev/null 2>&1; then
+                hgmma=$(cuobjdump -sass dev/cuda/attention 2>/dev/null | grep -c HGMMA)
+                if (( hgmma > 0 )); then result PASS build "HGMMA in dev/cuda/attention (the wgmma attention)" "$hgmma instructions"
+                else result FAIL build "HGMMA in dev/cuda/attention (the wgmma attention)" "(none: is sm_90a in CUDA_ARCH?)"; fi
+            fi
         fi
     fi
 fi
@@ -312,6 +320,8 @@ if has_phase kernels; then
         line=$(run_output | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
         if [[ $(run_output) == *"skipped: no GPU"* ]]; then
             result FAIL kernels "dev/cuda/run_all.sh" "(a program printed 'skipped: no GPU' on a GPU host)"
+        elif [[ $GPU_CC == 9.0 && $(run_output) == *"skipped: not Hopper"* ]]; then
+            result FAIL kernels "dev/cuda/run_all.sh" "(the wgmma attention variant was skipped on a Hopper: is sm_90a in CUDA_ARCH?)"
         elif (( rc == 0 )); then result PASS kernels "dev/cuda/run_all.sh" "$line"
         else result FAIL kernels "dev/cuda/run_all.sh" "${line:-$(why "$rc")}"; fi
         if [[ -f dev/cuda/attention_sdpa.py ]]; then
@@ -342,8 +352,18 @@ fi
 if has_phase model; then
     start_phase model
     if ! needs_gpu; then
-        run build/tests "[cuda][model]"
-        catch2_result $? "$PHASE_LOG" 'build/tests "[cuda][model]" (GPU model against the CPU model)'
+        run build/tests "[cuda][model]~[wgmma]"
+        catch2_result $? "$PHASE_LOG" 'build/tests "[cuda][model]~[wgmma]" (GPU model against the CPU model)'
+        # the same on the wgmma attention (--attention wgmma), which only a Hopper runs
+        run build/tests "[cuda][model][wgmma]"
+        rc=$?
+        run_output >"$WORK/model_wgmma.log"
+        name='build/tests "[cuda][model][wgmma]" (GPU model on the wgmma attention against the CPU model)'
+        if [[ $GPU_CC != 9.0 ]] && grep -q 'skipped: not Hopper' "$WORK/model_wgmma.log"; then
+            result SKIP model "$name" "(not a Hopper: compute capability $GPU_CC)"
+        else
+            catch2_result "$rc" "$WORK/model_wgmma.log" "$name"
+        fi
     fi
 fi
 
