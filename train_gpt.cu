@@ -168,34 +168,27 @@ static bool holds_whole_model(const Grid& grid, int zero) {
 // this rank's place in the groups that split the parameters
 static ShareSpec share_spec(const Grid& grid) { return ShareSpec{grid.tp, grid.at.tp, grid.ep, grid.at.ep}; }
 
-// Where the whole model in llm.c's layout (fp32, on the host) is assembled for initializing, loading or saving:
-// the CPU rank's own buffer when it holds the whole model, else `storage`. The GPU model always stages it.
-static float* whole_model_buffer(GPT& m, const Grid& grid, int zero, std::vector<float>& storage) {
-    if (holds_whole_model(grid, zero)) return m.params;
-    storage.resize(num_parameters(m.config));
+// Where this rank's share of the parameters (fp32, on the host) is assembled for initializing or loading: the CPU
+// rank's own buffer unless ZeRO-3 shards it, else `storage`. The GPU model always stages it.
+static float* share_buffer(GPT& m, int zero, std::vector<float>& storage) {
+    if (zero < 3) return m.params;
+    storage.resize(m.num_parameters);
     return storage.data();
 }
-static float* whole_model_buffer(GPTCuda& m, const Grid&, int, std::vector<float>& storage) {
-    storage.resize(num_parameters(m.config));
+static float* share_buffer(GPTCuda& m, int, std::vector<float>& storage) {
+    storage.resize(m.num_parameters);
     return storage.data();
 }
 
-// The whole model, filled in whole_model_buffer(), becomes this rank's parameters: its tp share, and under
-// ZeRO-3 its shard of that
-static void install_whole_model(GPT& m, DataParallel<float>& dpr, const Grid& grid, int zero, float* whole) {
-    if (holds_whole_model(grid, zero)) return;
-    std::vector<float> share(zero == 3 ? m.num_parameters : 0);
-    float* local = zero == 3 ? share.data() : m.params;
-    copy_share_params(m.config, share_spec(grid), m.part, whole, local, true);
-    if (zero == 3) dpr.scatter_params(local);
+// The share, filled in share_buffer(), becomes this rank's parameters: under ZeRO-3 its shard of them
+static void install_share(GPT&, DataParallel<float>& dpr, int zero, float* share) {
+    if (zero == 3) dpr.scatter_params(share);
 }
 // on the GPU: the master weights (sharded under ZeRO >= 1) take the fp32 values, the bf16 parameters (sharded
 // under ZeRO-3) their rounding
-static void install_whole_model(GPTCuda& m, DataParallel<bf16>& dpr, const Grid& grid, int zero, float* whole) {
-    std::vector<float> share(m.num_parameters);
-    copy_share_params(m.config, share_spec(grid), m.part, whole, share.data(), true);
-    if (zero >= 1) dpr.set_master(share.data());
-    if (zero < 3) gpt_set_params(m, share.data());
+static void install_share(GPTCuda& m, DataParallel<bf16>& dpr, int zero, float* share) {
+    if (zero >= 1) dpr.set_master(share);
+    if (zero < 3) gpt_set_params(m, share);
 }
 
 // The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
@@ -311,6 +304,12 @@ static void print_plan(const Options& o, const GPTConfig& config, const std::str
                planned_ep_comm_bytes(config, par, o.B, o.T, dev));
 }
 
+// the layout a checkpoint records, and a resumed run compares with its own
+static RunLayout run_layout(const Options& o, int world, int dp, long total_batch, size_t bucket_floats, Device dev) {
+    return RunLayout{o.B, o.T, world, total_batch, dp, o.zero, o.zero >= 1 ? bucket_floats : 0, o.tp, o.sp, o.cp,
+                     o.cp_split, o.pp, o.vpp, o.ep, dev == Device::CUDA ? "cuda" : "cpu"};
+}
+
 // what run() decided from the flags, for the training run
 struct RunSetup {
     GPTConfig config;
@@ -372,8 +371,7 @@ static int train(const Options& o, const RunSetup& run) {
     DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links, experts);
     TrainState state;
     Rng sampler_rng(o.seed);
-    RunLayout layout{o.B, o.T, grid.world, total_batch, grid.dp, o.zero, o.zero >= 1 ? bucket_floats : 0, grid.tp, o.sp,
-                     grid.cp, o.cp_split, grid.pp, o.vpp, grid.ep};
+    RunLayout layout = run_layout(o, grid.world, grid.dp, total_batch, bucket_floats, device_of<floatX>);
     int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
     // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
     // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
@@ -382,32 +380,37 @@ static int train(const Options& o, const RunSetup& run) {
     float* adam_v = o.zero >= 1 ? dpr.shard_v : model.adam_v;
     size_t moments = o.zero >= 1 ? dpr.shard_size() : model.num_parameters;
     std::vector<float> staged_m(on_gpu ? moments : 0), staged_v(on_gpu ? moments : 0);
-    auto model_state_with = [&](float* whole_params) {
-        return ModelState{config, whole_params, on_gpu ? staged_m.data() : adam_m, on_gpu ? staged_v.data() : adam_v,
-                          moments, &model.adam_step};
+    // where this rank's parameters and moments lie in the whole model, which a checkpoint's files are cut by
+    std::vector<ShareRun> share = share_runs(config, share_spec(grid), model.part);
+    std::vector<ShareRun> optimizer_runs = o.zero >= 1 ? dpr.shard_runs(share) : share;
+    auto model_state_with = [&](float* params) {
+        return ModelState{config, params, share, on_gpu ? staged_m.data() : adam_m, on_gpu ? staged_v.data() : adam_v,
+                          moments, optimizer_runs, &model.adam_step};
     };
+    RunLayout resumed_from;
     {
         std::vector<float> storage;
-        float* whole = whole_model_buffer(model, grid, o.zero, storage);
+        float* mine = share_buffer(model, o.zero, storage);
         if (!resume_dir.empty()) {
-            load_checkpoint(resume_dir, model_state_with(whole), state, layout, optimizer_file);
+            resumed_from = load_checkpoint(resume_dir, model_state_with(mine), state);
             sampler_rng.state = state.rng_state;
             if (on_gpu) {
                 device_upload<floatX>(adam_m, staged_m.data(), moments);
                 device_upload<floatX>(adam_v, staged_v.data(), moments);
             }
-        } else if (is_model_descriptor(o.model)) {
-            gpt_init_random(config, whole, o.seed);
         } else {
-            gpt_load_params(config, whole, o.model);
+            std::vector<float> whole(num_parameters(config));
+            if (is_model_descriptor(o.model)) gpt_init_random(config, whole.data(), o.seed);
+            else gpt_load_params(config, whole.data(), o.model);
+            copy_share_params(config, share_spec(grid), model.part, whole.data(), mine, true);
         }
-        install_whole_model(model, dpr, grid, o.zero, whole);
+        install_share(model, dpr, o.zero, mine);
     }
 
     // the data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
     // depends on -t and -d, not on -b or dp
     DataLoader train(o.train_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, o.shuffle, o.seed, config.vocab_size);
-    if (!resume_dir.empty()) train.restore(state.loader);
+    if (!resume_dir.empty()) train.seek(state.data);
     std::unique_ptr<DataLoader> val;
     int val_batches = 0;
     if (o.val_every > 0) {
@@ -436,7 +439,9 @@ static int train(const Options& o, const RunSetup& run) {
                    o.sp ? "on" : "off", grid.cp, o.cp_split.c_str(), grid.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
                    grad_comm.size, bucket_floats, dpr.num_buckets());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
-        if (!resume_dir.empty()) printf("resumed from %s at step %d\n", resume_dir.c_str(), state.step);
+        if (!resume_dir.empty())
+            printf("resumed from %s at step %d: written on %s, continuing on %s\n", resume_dir.c_str(), state.step,
+                   resumed_from.describe().c_str(), layout.describe().c_str());
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
                config.padded_vocab_size, config.max_seq_len,
@@ -456,7 +461,8 @@ static int train(const Options& o, const RunSetup& run) {
 
     // writes the checkpoint of the state before `step`; false when the state is not finite (nothing written)
     auto checkpoint = [&](int step) {
-        TrainState now{step, train.state(), sampler_rng.state};
+        // under -a every step reads the first batch again, which a resumed run reads first too
+        TrainState now{step, o.overfit ? DataPosition{} : train.position(), sampler_rng.state};
         std::vector<float> storage;
         float* whole = whole_model(model, dpr, grid, pp, o.zero, storage);
         if (on_gpu) {
@@ -727,6 +733,9 @@ static int run(const Options& o) {
              total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
     int accumulation = (int)(total_batch / tokens_per_micro_step);
     size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    if (!o.plan && !resume_dir.empty())
+        check_resumable(run_layout(o, world, dp, total_batch, bucket_floats, dev),
+                        read_manifest_layout(resume_dir + "/manifest.txt"), resume_dir);
     // the pipeline: the layers fill the stages, and the schedule takes this many micro-batches
     stage_part(config, pp_spec(o, 0));
     check_pp_micro_batches(pp_spec(o, 0).kind, o.pp, accumulation, o.vpp);

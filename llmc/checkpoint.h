@@ -1,12 +1,19 @@
 // Checkpoints: one directory per step under the output directory, holding everything needed to continue the
-// run exactly: the model (llm.c format), the optimizer state, the training position (dataloader and RNG),
-// and a manifest of the layout. A checkpoint is written under a temporary name and renamed only when every
-// file is complete and synced, so a crash mid-write never damages or replaces a good checkpoint.
+// run: the model (llm.c format), the optimizer state, the training position (data and the sampler's RNG), and
+// a manifest of the layout. A checkpoint is written under a temporary name and renamed only when every file is
+// complete and synced, so a crash mid-write never damages or replaces a good checkpoint.
 //
-// The model file is always the whole model (gathered over tensor parallelism by the caller), so any layout can
-// start from it. Every rank that holds distinct optimizer state writes it (optimizer_rankR.bin, R its world
-// rank: every rank under ZeRO-1/2/3; under ZeRO-0 the ranks of dp rank 0, one per tp rank), rank 0 writes the
-// model and the training position, and renames the directory into place only after every rank has finished.
+// Everything is in the model's own coordinates, so that a run saved on one layout continues on any other (another
+// number of ranks, dp, ZeRO stage, tp, cp, pp, ep, -b or device) with the same -t and -d:
+//   model.bin            the whole model, fp32 (llm.c's file): the master weights. Rank 0 writes it; a resuming
+//                        rank reads only the ranges of its share (share_runs).
+//   optimizer_rankR.bin  the AdamW moments of the elements rank R keeps (its share under ZeRO-0, where the ranks
+//                        of one dp rank, one per tp, ep and pp rank, write; its shard under ZeRO >= 1, where
+//                        every rank writes), in parallel: a header, the first moments, the second moments, then
+//                        the index, one entry per slice: (tensor, layer, expert, first element, count) of the
+//                        model's tensors. A resuming rank reads every index and takes exactly its elements.
+//   state_rank0.bin      the step, the data position in global batches (DataPosition) and the sampler's RNG.
+//   manifest.txt         the layout that wrote it, the run's inputs and every file's checksum.
 //
 // The manifest records each file's checksum, taken as it is written, and the steps; -y 1 resumes only from a
 // checkpoint whose files match them (verify_checkpoint), since a damaged file can otherwise load without error.
@@ -21,6 +28,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,16 +39,23 @@
 
 constexpr int OPTIMIZER_MAGIC = 20261122;
 constexpr int TRAIN_STATE_MAGIC = 20261123;
-constexpr int CHECKPOINT_VERSION = 1;
+constexpr int CHECKPOINT_VERSION = 2;
+
+// one entry of an optimizer file's index: `count` elements from `element` on, of a tensor's block for one layer
+// and one expert (0 where the tensor has none): ParamCoord, on disk
+struct OptimizerSlice {
+    int32_t tensor, layer, expert, reserved;
+    uint64_t element, count;
+};
 
 // where training stands between steps
 struct TrainState {
     int step = 0;  // steps completed
-    DataLoaderState loader;
+    DataPosition data;
     uint64_t rng_state = 0;  // the sampler's generator
 };
 
-// the settings a resumed run must share with the run that wrote the checkpoint
+// the layout that writes or resumes a checkpoint: what may change between the two, except T and the global batch
 struct RunLayout {
     int B = 0, T = 0, world = 1;
     long total_batch = 0;
@@ -51,18 +66,34 @@ struct RunLayout {
     std::string cp_split = "zigzag";
     int pp = 1, vpp = 1;  // stages, and virtual stages per rank: together they say which layers a rank holds
     int ep = 1;           // the experts' split
-    bool operator==(const RunLayout& o) const {
-        return B == o.B && T == o.T && world == o.world && total_batch == o.total_batch && dp == o.dp &&
-               zero == o.zero && bucket_floats == o.bucket_floats && tp == o.tp && sp == o.sp && cp == o.cp &&
-               cp_split == o.cp_split && pp == o.pp && vpp == o.vpp && ep == o.ep;
-    }
-    // how many optimizer files a checkpoint holds, and which one a rank reads: each rank's shard under ZeRO,
+    std::string device = "cpu";
+    // how many optimizer files a checkpoint holds, and which one a rank writes: each rank's shard under ZeRO,
     // else one per tp rank and ep rank (its experts) of each stage
     int optimizer_files() const { return zero >= 1 ? world : tp * ep * pp; }
     int optimizer_file(int world_rank, int tp_rank, int pp_rank, int ep_rank = 0) const {
         return zero >= 1 ? world_rank : tp_rank + tp * (ep_rank + ep * pp_rank);
     }
+    // "2 ranks (dp 2, ZeRO-1, -b 4) on cpu", naming only the parallelisms in use
+    std::string describe() const {
+        std::string s = strfmt("%d rank%s (dp %d", world, world == 1 ? "" : "s", dp);
+        if (tp > 1) s += strfmt(", tp %d%s", tp, sp ? " with sp" : "");
+        if (cp > 1) s += strfmt(", cp %d %s", cp, cp_split.c_str());
+        if (pp > 1) s += strfmt(", pp %d", pp) + (vpp > 1 ? strfmt(" vpp %d", vpp) : "");
+        if (ep > 1) s += strfmt(", ep %d", ep);
+        return s + strfmt(", ZeRO-%d, -b %d) on %s", zero, B, device.c_str());
+    }
 };
+
+// Fails with one line unless a run of layout `now` can continue a checkpoint that `was` wrote: any layout reads
+// the model's own coordinates, but another -t or -d would make other global batches, so another run.
+inline void check_resumable(const RunLayout& now, const RunLayout& was, const std::string& dir) {
+    if (now.T != was.T)
+        fail("-y 1: -t %d differs from the checkpoint's -t %d (%s); the layout may change, the sequence length may "
+             "not (or start from its model.bin with -e)", now.T, was.T, dir.c_str());
+    if (now.total_batch != was.total_batch)
+        fail("-y 1: -d %ld differs from the checkpoint's -d %ld (%s); the layout may change, the global batch may "
+             "not (or start from its model.bin with -e)", now.total_batch, was.total_batch, dir.c_str());
+}
 
 // What a run is started from and trained on, besides its layout: the model (-e), --seed, --shuffle and the
 // train data (-i). A resumed run that names other ones would go on training another run under this one's name, so
@@ -101,18 +132,26 @@ inline RunInputs run_inputs(const std::string& model, uint64_t seed, bool shuffl
     return in;
 }
 
-// what one rank saves and restores: the whole flat parameters (read by every rank, written by rank 0) and its
-// optimizer state (all of it under ZeRO-0, its shard otherwise)
+// What one rank saves and restores, with where each run of it lies in the whole model (llmc/gpt.cuh's
+// share_runs, and llmc/zero.cuh's shard_runs under ZeRO): the parameters, which are the whole model when saving
+// (rank 0 writes them) and this rank's share when loading, and its optimizer state, all of it under ZeRO-0 and
+// its shard otherwise.
 struct ModelState {
     GPTConfig config;
     float* params;
+    std::vector<ShareRun> params_runs;  // loading: where each run of params lies in the whole model
     float *adam_m, *adam_v;
     size_t optimizer_count;
+    std::vector<ShareRun> optimizer_runs;  // where each run of the moments lies in the whole model
     int* adam_step;
 };
 
-// the CPU model's own buffers, which hold fp32 on the host (a GPU model stages them: see train_gpt.cu)
-inline ModelState model_state(GPT& m) { return {m.config, m.params, m.adam_m, m.adam_v, m.num_parameters, &m.adam_step}; }
+// the CPU model's own buffers, which hold the whole model in fp32 on the host (a GPU model, or a rank holding a
+// share, stages them: see train_gpt.cu)
+inline ModelState model_state(GPT& m) {
+    std::vector<ShareRun> whole = whole_runs(m.config);
+    return {m.config, m.params, whole, m.adam_m, m.adam_v, m.num_parameters, whole, &m.adam_step};
+}
 
 inline std::string checkpoint_name(int step) { return strfmt("ckpt_%08d", step); }
 
@@ -207,10 +246,10 @@ inline void write_manifest(const std::string& path, const GPTConfig& c, const Tr
         "format llm5d-checkpoint %d\nstep %d\nadam_step %d\nnum_parameters %zu\n"
         "model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d\n"
         "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%s pp=%d vpp=%d ep=%d "
-        "zero=%d bucket_floats=%zu\nfiles model.bin state_rank0.bin%s\n",
+        "zero=%d bucket_floats=%zu device=%s\nfiles model.bin state_rank0.bin%s\n",
         CHECKPOINT_VERSION, s.step, adam_step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
         c.padded_vocab_size, c.max_seq_len, r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(),
-        r.pp, r.vpp, r.ep, r.zero, r.bucket_floats, optimizer_files.c_str());
+        r.pp, r.vpp, r.ep, r.zero, r.bucket_floats, r.device.c_str(), optimizer_files.c_str());
     if (is_model_descriptor(in.model)) text += "model_source descriptor " + in.model + "\n";
     else text += strfmt("model_source file fnv1a64=%016llx ", (unsigned long long)in.model_checksum) + in.model + "\n";
     text += strfmt("seed %llu\nshuffle %d\n", (unsigned long long)in.seed, (int)in.shuffle);
@@ -320,55 +359,120 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     std::string text(f.size(), '\0');
     f.read(&text[0], text.size());
     RunLayout r;
-    char split[16] = {};
+    char split[16] = {}, device[16] = {};
     const char* b = strstr(text.c_str(), "\nbatch ");
     const char* l = strstr(text.c_str(), "\nlayout ");
     if (!b || !l || sscanf(b, "\nbatch B=%d T=%d total=%ld", &r.B, &r.T, &r.total_batch) != 3 ||
-        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%15[a-z] pp=%d vpp=%d ep=%d zero=%d bucket_floats=%zu",
-               &r.world, &r.dp, &r.tp, &r.sp, &r.cp, split, &r.pp, &r.vpp, &r.ep, &r.zero, &r.bucket_floats) != 11)
+        sscanf(l, "\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%15[a-z] pp=%d vpp=%d ep=%d zero=%d bucket_floats=%zu "
+               "device=%15[a-z]", &r.world, &r.dp, &r.tp, &r.sp, &r.cp, split, &r.pp, &r.vpp, &r.ep, &r.zero,
+               &r.bucket_floats, device) != 12)
         fail("%s: malformed manifest", path.c_str());
     r.cp_split = split;
+    r.device = device;
     return r;
 }
 
-// returns the checksum of the bytes written
+// The moments of the elements this rank keeps, in the order of their runs sorted by place in the rank's buffers,
+// then the index of the slices they form; returns the checksum of the bytes written.
 inline uint64_t write_optimizer(const std::string& path, const ModelState& m) {
+    std::vector<ShareRun> runs = m.optimizer_runs;
+    std::sort(runs.begin(), runs.end(), [](const ShareRun& a, const ShareRun& b) { return a.local < b.local; });
+    std::vector<OptimizerSlice> index;
+    uint64_t elements = 0;
+    for (const ShareRun& r : runs) {
+        ParamCoord p = param_coord(m.config, r.whole);
+        index.push_back({p.tensor, p.layer, p.expert, 0, p.element, r.count});
+        elements += r.count;
+    }
     File f(path, "wb");
     int h[256] = {OPTIMIZER_MAGIC, CHECKPOINT_VERSION, *m.adam_step};
-    uint64_t n = m.optimizer_count;
-    memcpy(&h[4], &n, 8);
+    uint64_t counts[2] = {elements, index.size()};
+    memcpy(&h[4], counts, sizeof(counts));
     f.write(h, sizeof(h));
-    f.write(m.adam_m, n * 4);
-    f.write(m.adam_v, n * 4);
+    for (const float* moment : {m.adam_m, m.adam_v})
+        for (const ShareRun& r : runs) f.write(moment + r.local, r.count * 4);
+    f.write(index.data(), index.size() * sizeof(OptimizerSlice));
     f.close();
     return f.written.value;
 }
 
-// A NaN or Inf in the moments is refused, named by parameter tensor where the file holds the whole model's
-// moments in its flat order (`flat`: ZeRO-0 without tp), else by its place in this rank's share.
-inline void read_optimizer(const std::string& path, const ModelState& m, bool flat) {
-    File f(path, "rb");
-    int h[256];
-    if (f.size() < (long)sizeof(h)) fail("%s: not an optimizer state file", path.c_str());
-    f.read(h, sizeof(h));
-    uint64_t n;
-    memcpy(&n, &h[4], 8);
-    if (h[0] != OPTIMIZER_MAGIC || h[1] != CHECKPOINT_VERSION) fail("%s: not an optimizer state file", path.c_str());
-    if (n != m.optimizer_count)
-        fail("%s: holds state for %llu parameters, this rank keeps %zu", path.c_str(), (unsigned long long)n, m.optimizer_count);
-    if (f.size() != (long)(sizeof(h) + 8 * n)) fail("%s: size disagrees with its header", path.c_str());
-    *m.adam_step = h[2];
-    f.read(m.adam_m, n * 4);
-    f.read(m.adam_v, n * 4);
+// Restores this rank's moments (m.optimizer_runs) from every optimizer file of a checkpoint (`files` of them),
+// whatever layout wrote them: each file's index says which elements of the model it holds. An element no file
+// holds, a malformed index, and a NaN or Inf (named by its tensor) are refused.
+inline void read_optimizer(const std::string& dir, int files, const ModelState& m) {
+    struct Piece {
+        size_t whole, count;  // in the whole model
+        int file;
+        size_t at;  // its first element's place among the file's
+    };
+    std::vector<std::unique_ptr<File>> open;
+    std::vector<size_t> elements_of;
+    std::vector<Piece> pieces;
+    for (int k = 0; k < files; k++) {
+        std::string path = dir + strfmt("/optimizer_rank%d.bin", k);
+        open.emplace_back(new File(path, "rb"));
+        File& f = *open.back();
+        int h[256];
+        if (f.size() < (long)sizeof(h)) fail("%s: not an optimizer state file", path.c_str());
+        f.read(h, sizeof(h));
+        uint64_t counts[2];
+        memcpy(counts, &h[4], sizeof(counts));
+        if (h[0] != OPTIMIZER_MAGIC || h[1] != CHECKPOINT_VERSION)
+            fail("%s: not an optimizer state file of this version (%d)", path.c_str(), CHECKPOINT_VERSION);
+        if (counts[1] > (uint64_t)f.size() / sizeof(OptimizerSlice) ||
+            (uint64_t)f.size() != sizeof(h) + 8 * counts[0] + counts[1] * sizeof(OptimizerSlice))
+            fail("%s: size disagrees with its header", path.c_str());
+        *m.adam_step = h[2];
+        std::vector<OptimizerSlice> index(counts[1]);
+        f.read_at(index.data(), index.size() * sizeof(OptimizerSlice), sizeof(h) + 8 * counts[0]);
+        size_t at = 0;
+        for (size_t i = 0; i < index.size(); i++) {
+            const OptimizerSlice& s = index[i];
+            bool valid = s.tensor >= 0 && s.tensor < NUM_PARAM_TENSORS && s.layer >= 0 && s.expert >= 0 &&
+                         (size_t)s.layer < param_layers(m.config, s.tensor) &&
+                         (size_t)s.expert < param_experts(m.config, s.tensor) &&
+                         s.count <= param_block_size(m.config, s.tensor) &&
+                         s.element <= param_block_size(m.config, s.tensor) - s.count;
+            if (!valid) fail("%s: slice %zu of its index lies outside the model", path.c_str(), i);
+            pieces.push_back({param_offset(m.config, {s.tensor, s.layer, s.expert, s.element}), s.count, k, at});
+            at += s.count;
+        }
+        if (at != counts[0]) fail("%s: its index covers %zu elements, its header says %llu", path.c_str(), at,
+                                  (unsigned long long)counts[0]);
+        elements_of.push_back(at);
+    }
+    // the pieces in model order, each cut to what the ones before it do not hold (ranks that keep the same
+    // elements, such as the tensor-parallel replicas, wrote the same values)
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.whole < b.whole; });
+    std::vector<Piece> cover;
+    size_t covered = 0;
+    for (Piece p : pieces) {
+        if (p.whole + p.count <= covered) continue;
+        if (p.whole < covered) p.at += covered - p.whole, p.count -= covered - p.whole, p.whole = covered;
+        cover.push_back(p);
+        covered = p.whole + p.count;
+    }
     const char* moment_names[2] = {"first moment (m)", "second moment (v)"};
-    const float* moments[2] = {m.adam_m, m.adam_v};
-    for (int k = 0; k < 2; k++) {
-        size_t bad = first_non_finite(moments[k], n);
-        if (bad == n) continue;
-        std::string where =
-            flat ? "of " + describe_param(m.config, bad) : strfmt("at element %zu of this rank's share", bad);
-        fail("%s: %g in the %s %s (the optimizer state must be finite)", path.c_str(), moments[k][bad],
-             moment_names[k], where.c_str());
+    float* moments[2] = {m.adam_m, m.adam_v};
+    for (const ShareRun& r : m.optimizer_runs) {
+        for (size_t g = r.whole; g < r.whole + r.count;) {
+            auto it = std::upper_bound(cover.begin(), cover.end(), g, [](size_t at, const Piece& p) { return at < p.whole; });
+            if (it == cover.begin() || g >= std::prev(it)->whole + std::prev(it)->count)
+                fail("%s: no optimizer file holds the state of %s (a file of the checkpoint is missing its part)",
+                     dir.c_str(), describe_param(m.config, g).c_str());
+            const Piece& p = *std::prev(it);
+            size_t n = std::min(r.whole + r.count, p.whole + p.count) - g;
+            File& f = *open[p.file];
+            for (int k = 0; k < 2; k++) {
+                float* dst = moments[k] + r.local + (g - r.whole);
+                f.read_at(dst, n * 4, 1024 + 4 * (long)(k * elements_of[p.file] + p.at + (g - p.whole)));
+                size_t bad = first_non_finite(dst, n);
+                if (bad < n)
+                    fail("%s: %g in the %s of %s (the optimizer state must be finite)", f.path.c_str(), dst[bad],
+                         moment_names[k], describe_param(m.config, g + bad).c_str());
+            }
+            g += n;
+        }
     }
 }
 
@@ -401,7 +505,7 @@ inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, con
         model_sum = gpt_save_params(m.config, m.params, tmp_dir + "/model.bin");
         File f(tmp_dir + "/state_rank0.bin", "wb");
         int h[256] = {TRAIN_STATE_MAGIC, CHECKPOINT_VERSION, s.step};
-        uint64_t fields[4] = {s.loader.epoch, s.loader.shard_pos, s.loader.sample_pos, s.rng_state};
+        uint64_t fields[4] = {s.data.epoch, s.data.shard_pos, s.data.batch_pos, s.rng_state};
         memcpy(&h[4], fields, sizeof(fields));
         f.write(h, sizeof(h));
         f.close();
@@ -522,17 +626,13 @@ inline GPTConfig checkpoint_config(const std::string& dir) {
     return read_model_header(dir + "/model.bin", &version);
 }
 
-// restores the whole parameters into m.params, this rank's optimizer state and the training position
-inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainState& s, const RunLayout& expected,
-                            int optimizer_file) {
-    RunLayout r = read_manifest_layout(dir + "/manifest.txt");
-    if (!(r == expected))
-        fail("%s: written with -b %d -t %d -d %ld on %d ranks (dp %d, tp %d, sp %d, cp %d %s, pp %d vpp %d, ep %d, -z %d, "
-             "bucket %zu floats); resume with the same settings (or start from its model.bin with -e)", dir.c_str(), r.B,
-             r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(), r.pp, r.vpp, r.ep, r.zero,
-             r.bucket_floats);
-    gpt_load_params(m.config, m.params, dir + "/model.bin");
-    read_optimizer(dir + strfmt("/optimizer_rank%d.bin", optimizer_file), m, r.zero == 0 && r.tp == 1 && r.pp == 1 && r.ep == 1);
+// Restores this rank's share of the parameters (m.params, placed by m.params_runs), its optimizer state and the
+// training position from a checkpoint that any layout wrote (check_resumable says whether this run may go on from
+// it); returns the layout that wrote it.
+inline RunLayout load_checkpoint(const std::string& dir, const ModelState& m, TrainState& s) {
+    RunLayout was = read_manifest_layout(dir + "/manifest.txt");
+    gpt_read_params(m.config, m.params, m.params_runs, dir + "/model.bin");
+    read_optimizer(dir, was.optimizer_files(), m);
     std::string path = dir + "/state_rank0.bin";
     File f(path, "rb");
     int h[256];
@@ -542,6 +642,7 @@ inline void load_checkpoint(const std::string& dir, const ModelState& m, TrainSt
     uint64_t fields[4];
     memcpy(fields, &h[4], sizeof(fields));
     s.step = h[2];
-    s.loader = DataLoaderState{fields[0], fields[1], fields[2]};
+    s.data = DataPosition{fields[0], fields[1], fields[2]};
     s.rng_state = fields[3];
+    return was;
 }

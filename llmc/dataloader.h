@@ -36,6 +36,16 @@ struct DataLoaderState {
     bool operator!=(const DataLoaderState& o) const { return !(*this == o); }
 };
 
+// Where a run stands in its data between optimizer steps, in units no layout changes: the epoch, the index into
+// that epoch's shard order, and the global batch of the shard's order that the next step reads. What a
+// checkpoint records, so that a run resumed with another -b or number of ranks reads the same batches.
+struct DataPosition {
+    uint64_t epoch = 0, shard_pos = 0, batch_pos = 0;
+    bool operator==(const DataPosition& o) const {
+        return epoch == o.epoch && shard_pos == o.shard_pos && batch_pos == o.batch_pos;
+    }
+};
+
 // mixes a value into a hash; finalizer from splitmix64, so neighbouring epochs and shards get unrelated seeds
 inline uint64_t dataloader_mix(uint64_t h, uint64_t v) {
     uint64_t z = h ^ (v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2));
@@ -116,6 +126,14 @@ struct DataLoader {
     const std::string& current_file() const { return shards[shard_order[pos.shard_pos]].path; }
 
     void reset() { restore(DataLoaderState{}); }
+    // the position between steps (after a whole number of global batches), and a restore to one
+    DataPosition position() const {
+        if (pos.sample_pos % micro_steps != 0)
+            fail("dataloader: at micro-step %llu of a global batch, not between steps",
+                 (unsigned long long)(pos.sample_pos % micro_steps));
+        return {pos.epoch, pos.shard_pos, pos.sample_pos / micro_steps};
+    }
+    void seek(const DataPosition& p) { restore(DataLoaderState{p.epoch, p.shard_pos, p.batch_pos * micro_steps}); }
 
     DataLoaderState state() const { return pos; }
 

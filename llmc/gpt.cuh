@@ -11,6 +11,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -615,48 +616,76 @@ struct ShareSpec {
     int tp = 1, tp_rank = 0, ep = 1, ep_rank = 0;
 };
 
-// Moves parameters between the whole model (llm.c's layout) and one rank's share of it, in either direction:
-// its tensor-parallel share (QKV and fc rows of its heads and hidden units, the projections' columns, wte's
-// vocab rows) of its expert-parallel group's experts of its part of the model. What a checkpoint gathers on
-// save and splits on load.
-inline void copy_share_params(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part, float* whole, float* local,
-                              bool to_local) {
-    size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS];
+// A run of elements that lie back to back both in one rank's share of the parameters and in the whole model
+// (llm.c's flat layout): `count` of them, from `whole` in the model and from `local` in the share. A run never
+// crosses from one tensor, layer or expert to the next.
+struct ShareRun {
+    size_t whole, local, count;
+};
+
+// Where a rank's share of the parameters lies in the whole model: its tensor-parallel share (QKV and fc rows of
+// its heads and hidden units, the projections' columns, wte's vocab rows) of its expert-parallel group's experts
+// of its part of the model, as runs in the share's order. What copy_share_params moves, and what a checkpoint's
+// index records.
+inline std::vector<ShareRun> share_runs(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part) {
+    size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS], wo[NUM_PARAM_TENSORS], lo[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, ws, 1);
     param_tensor_sizes(c, ls, sh.tp, part, sh.ep);
-    ParamViews w = param_views(whole, ws), l = param_views(local, ls);
-    auto move = [&](float* wp, float* lp, size_t n) {
-        if (to_local) memcpy(lp, wp, n * sizeof(float));
-        else memcpy(wp, lp, n * sizeof(float));
+    for (size_t t = 0, w = 0, l = 0; t < NUM_PARAM_TENSORS; w += ws[t], l += ls[t], t++) wo[t] = w, lo[t] = l;
+    std::vector<ShareRun> runs;
+    // `rows`: the next run may continue this one (rows of one matrix that the rank holds whole)
+    auto add = [&](size_t whole, size_t local, size_t n, bool rows = false) {
+        if (rows && !runs.empty() && runs.back().whole + runs.back().count == whole &&
+            runs.back().local + runs.back().count == local)
+            runs.back().count += n;
+        else
+            runs.push_back({whole, local, n});
     };
     size_t L = c.num_layers, Lp = part.layers(), C = c.channels, Cl = C / sh.tp, Hl = 4 * C / sh.tp, rank = sh.tp_rank;
     size_t E = c.num_experts, X = E / sh.ep;  // the experts of the model, and of the rank
     for (size_t layer = 0; layer < Lp; layer++) {
         size_t in_model = part.model_layer((int)layer);
-        auto wl = [&](int t) { return w[t] + in_model * (ws[t] / L); };  // the layer's slice of a tensor
-        auto ll = [&](int t) { return l[t] + layer * (ls[t] / Lp); };
-        for (int t : {LN1W, LN1B, ATTPROJB, LN2W, LN2B, ROUTERW}) move(wl(t), ll(t), ws[t] / L);
-        for (size_t q = 0; q < 3; q++) {  // Q, K and V: this rank's heads of each
-            move(wl(QKVW) + (q * C + rank * Cl) * C, ll(QKVW) + q * Cl * C, Cl * C);
-            move(wl(QKVB) + q * C + rank * Cl, ll(QKVB) + q * Cl, Cl);
+        auto wl = [&](int t) { return wo[t] + in_model * (ws[t] / L); };  // the layer's slice of a tensor
+        auto ll = [&](int t) { return lo[t] + layer * (ls[t] / Lp); };
+        for (int t : {LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW}) {
+            if (ws[t] == 0) continue;  // a dense model has no router
+            if (t == QKVW || t == QKVB) {
+                size_t row = t == QKVW ? C : 1;  // Q, K and V: this rank's heads of each
+                for (size_t q = 0; q < 3; q++) add(wl(t) + (q * C + rank * Cl) * row, ll(t) + q * Cl * row, Cl * row);
+            } else if (t == ATTPROJW) {
+                for (size_t o = 0; o < C; o++) add(wl(t) + o * C + rank * Cl, ll(t) + o * Cl, Cl, true);
+            } else {
+                add(wl(t), ll(t), ws[t] / L);
+            }
         }
-        for (size_t o = 0; o < C; o++) move(wl(ATTPROJW) + o * C + rank * Cl, ll(ATTPROJW) + o * Cl, Cl);
         for (size_t x = 0; x < X; x++) {  // the rank's experts (the dense MLP is one)
             size_t e = sh.ep_rank * X + x;
-            move(wl(FCW) + (e * 4 * C + rank * Hl) * C, ll(FCW) + x * Hl * C, Hl * C);
-            move(wl(FCB) + e * 4 * C + rank * Hl, ll(FCB) + x * Hl, Hl);
-            move(wl(FCPROJB) + e * C, ll(FCPROJB) + x * C, C);
+            add(wl(FCW) + (e * 4 * C + rank * Hl) * C, ll(FCW) + x * Hl * C, Hl * C);
+            add(wl(FCB) + e * 4 * C + rank * Hl, ll(FCB) + x * Hl, Hl);
             for (size_t o = 0; o < C; o++)  // the projection: this rank's columns of every output row
-                move(wl(FCPROJW) + (e * C + o) * 4 * C + rank * Hl, ll(FCPROJW) + (x * C + o) * Hl, Hl);
+                add(wl(FCPROJW) + (e * C + o) * 4 * C + rank * Hl, ll(FCPROJW) + (x * C + o) * Hl, Hl, true);
+            add(wl(FCPROJB) + e * C, ll(FCPROJB) + x * C, C);
         }
     }
     if (part.embeddings()) {
-        move(w[WPE], l[WPE], ws[WPE]);
         size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, sh.tp), vlo = rank * Vl;
-        if (vlo < Vp) move(w[WTE] + vlo * C, l[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
+        if (vlo < Vp) add(wo[WTE] + vlo * C, lo[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
+        add(wo[WPE], lo[WPE], ws[WPE]);
     }
     if (part.last)
-        for (int t : {LNFW, LNFB}) move(w[t], l[t], ws[t]);
+        for (int t : {LNFW, LNFB}) add(wo[t], lo[t], ws[t]);
+    std::sort(runs.begin(), runs.end(), [](const ShareRun& a, const ShareRun& b) { return a.local < b.local; });
+    return runs;
+}
+
+// Moves parameters between the whole model and one rank's share of it (share_runs), in either direction: what
+// initializing and loading a model split, and what saving one gathers.
+inline void copy_share_params(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part, float* whole, float* local,
+                              bool to_local) {
+    for (const ShareRun& r : share_runs(c, sh, part)) {
+        if (to_local) memcpy(local + r.local, whole + r.whole, r.count * sizeof(float));
+        else memcpy(whole + r.whole, local + r.local, r.count * sizeof(float));
+    }
 }
 
 // GPT-2's initialization: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero biases, unit
@@ -722,20 +751,47 @@ inline const char* param_tensor_name(int tensor) {
     return names[tensor];
 }
 
-// where element i of the whole model's flat buffer lies, in words: "ln1w of layer 1, element 5"
-inline std::string describe_param(const GPTConfig& c, size_t i) {
+// An element of the whole model in the model's own coordinates: its tensor, the layer and the expert whose
+// block of the tensor holds it (0 where the tensor has no layers or no experts), and its place in that block
+struct ParamCoord {
+    int tensor, layer, expert;
+    size_t element;
+};
+
+// the blocks a tensor stacks (per layer, and per expert of a layer), and the elements of each
+inline bool is_per_layer(int t) { return t != WTE && t != WPE && t != LNFW && t != LNFB; }
+inline size_t param_layers(const GPTConfig& c, int t) { return is_per_layer(t) ? c.num_layers : 1; }
+inline size_t param_experts(const GPTConfig& c, int t) { return is_expert(t) ? c.num_experts : 1; }
+inline size_t param_block_size(const GPTConfig& c, int t) {
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    return sizes[t] / param_layers(c, t) / param_experts(c, t);
+}
+
+// element i of the whole model's flat buffer in the model's coordinates, and back
+inline ParamCoord param_coord(const GPTConfig& c, size_t i) {
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes);
     int t = 0;
     while (t + 1 < NUM_PARAM_TENSORS && i >= sizes[t]) i -= sizes[t++];
-    bool per_layer = t != WTE && t != WPE && t != LNFW && t != LNFB;
-    if (!per_layer) return strfmt("%s, element %zu", param_tensor_name(t), i);
-    size_t per = sizes[t] / c.num_layers;
-    if (!is_expert(t) || !c.moe())
-        return strfmt("%s of layer %zu, element %zu", param_tensor_name(t), i / per, i % per);
-    size_t per_expert = per / c.num_experts;
-    return strfmt("%s of layer %zu, expert %zu, element %zu", param_tensor_name(t), i / per, i % per / per_expert,
-                  i % per_expert);
+    size_t block = param_block_size(c, t), per_layer = block * param_experts(c, t);
+    return {t, (int)(i / per_layer), (int)(i % per_layer / block), i % block};
+}
+inline size_t param_offset(const GPTConfig& c, const ParamCoord& p) {
+    size_t sizes[NUM_PARAM_TENSORS], offset = 0;
+    param_tensor_sizes(c, sizes);
+    for (int t = 0; t < p.tensor; t++) offset += sizes[t];
+    size_t block = param_block_size(c, p.tensor);
+    return offset + ((size_t)p.layer * param_experts(c, p.tensor) + p.expert) * block + p.element;
+}
+
+// where element i of the whole model's flat buffer lies, in words: "ln1w of layer 1, element 5"
+inline std::string describe_param(const GPTConfig& c, size_t i) {
+    ParamCoord p = param_coord(c, i);
+    std::string where = param_tensor_name(p.tensor);
+    if (is_per_layer(p.tensor)) where += strfmt(" of layer %d", p.layer);
+    if (c.moe() && is_expert(p.tensor)) where += strfmt(", expert %d", p.expert);
+    return where + strfmt(", element %zu", p.element);
 }
 
 // the index of the first NaN or Inf among n floats, or n when every one is finite
@@ -745,34 +801,42 @@ inline size_t first_non_finite(const float* x, size_t n) {
     return n;
 }
 
-// reads into params (a flat buffer) the parameters of a model file whose header matches mc; a NaN or Inf in it
-// is refused, naming the tensor, since training from it could only produce NaN
-inline void gpt_load_params(const GPTConfig& mc, float* params, const std::string& path) {
+// Reads the runs of the parameters that a rank holds (`runs`: where each run of `params` lies in the whole model)
+// from a model file whose header matches mc, fp32 or bf16. A NaN or Inf is refused, naming the tensor, since
+// training from it could only produce NaN.
+inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vector<ShareRun>& runs, const std::string& path) {
     int version;
     GPTConfig c = read_model_header(path, &version);
     if (c.num_layers != mc.num_layers || c.channels != mc.channels || c.num_heads != mc.num_heads ||
         c.vocab_size != mc.vocab_size || c.padded_vocab_size != mc.padded_vocab_size || c.max_seq_len != mc.max_seq_len ||
         c.num_experts != mc.num_experts || c.top_k != mc.top_k)
         fail("%s: model shape differs from the run's model", path.c_str());
-    size_t count = num_parameters(c);
     File f(path, "rb");
-    fseek(f.f, 1024, SEEK_SET);
-    if (version == MODEL_VERSION_FP32) {
-        f.read(params, count * 4);
-    } else {
-        std::vector<uint16_t> buf(1 << 20);
-        for (size_t done = 0; done < count; done += buf.size()) {
-            size_t n = std::min(buf.size(), count - done);
-            f.read(buf.data(), n * 2);
-            for (size_t i = 0; i < n; i++) {
-                uint32_t bits = (uint32_t)buf[i] << 16;  // bf16 is the top half of an fp32
-                memcpy(&params[done + i], &bits, 4);
+    std::vector<uint16_t> halves;
+    for (const ShareRun& r : runs) {
+        float* dst = params + r.local;
+        if (version == MODEL_VERSION_FP32) {
+            f.read_at(dst, r.count * 4, 1024 + (long)r.whole * 4);
+        } else {
+            halves.resize(r.count);
+            f.read_at(halves.data(), r.count * 2, 1024 + (long)r.whole * 2);
+            for (size_t i = 0; i < r.count; i++) {
+                uint32_t bits = (uint32_t)halves[i] << 16;  // bf16 is the top half of an fp32
+                memcpy(&dst[i], &bits, 4);
             }
         }
+        size_t bad = first_non_finite(dst, r.count);
+        if (bad < r.count)
+            fail("%s: %g in %s (a model must be finite)", path.c_str(), dst[bad], describe_param(c, r.whole + bad).c_str());
     }
-    size_t bad = first_non_finite(params, count);
-    if (bad < count)
-        fail("%s: %g in %s (a model must be finite)", path.c_str(), params[bad], describe_param(c, bad).c_str());
+}
+
+// the whole model as one share: runs that place it onto itself
+inline std::vector<ShareRun> whole_runs(const GPTConfig& c) { return share_runs(c, ShareSpec{}, whole_part(c)); }
+
+// reads a whole model file into params (a flat buffer)
+inline void gpt_load_params(const GPTConfig& mc, float* params, const std::string& path) {
+    gpt_read_params(mc, params, whole_runs(mc), path);
 }
 
 // writes an fp32 (version 3) llm.c model file from a flat parameter buffer

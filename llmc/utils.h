@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <unistd.h>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,14 @@ struct File {
     void read(void* dst, size_t bytes) {
         if (fread(dst, 1, bytes, f) != bytes) fail("%s: file is shorter than its header says", path.c_str());
     }
+    // `bytes` from byte `offset` on, wherever the stream stands
+    void read_at(void* dst, size_t bytes, long offset) {
+        for (size_t done = 0; done < bytes;) {
+            ssize_t got = pread(fileno(f), (char*)dst + done, bytes - done, offset + (long)done);
+            if (got <= 0) fail("%s: file is shorter than its header says", path.c_str());
+            done += (size_t)got;
+        }
+    }
     void write(const void* src, size_t bytes) {
         if (fwrite(src, 1, bytes, f) != bytes) fail("%s: write failed (%s)", path.c_str(), strerror(errno));
         written.update(src, bytes);
@@ -62,7 +71,6 @@ struct File {
     }
 };
 
-#include <unistd.h>
 inline void File::close() {
     if (!f) return;
     bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;

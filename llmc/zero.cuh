@@ -38,6 +38,7 @@
 // in the rank's whole share (adamw_update's global_offset), which the stochastic rounding draws its bits from.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -287,6 +288,24 @@ struct DataParallel : ParamStore<floatX> {
         size_t n = 0;
         for (const Group& g : groups) n += g.layout.shard_size;
         return n;
+    }
+    // where each element of this rank's shards lies in the whole model, given where its share does (share_runs,
+    // in the share's order); the padding of the buckets lies nowhere
+    std::vector<ShareRun> shard_runs(const std::vector<ShareRun>& share) const {
+        std::vector<ShareRun> runs;
+        for (const Group& g : groups)
+            for (const std::vector<OwnedSegment>& owned : g.owned)
+                for (const OwnedSegment& s : owned) {
+                    size_t lo = s.flat_offset, hi = lo + s.size;
+                    auto it = std::upper_bound(share.begin(), share.end(), lo,
+                                               [](size_t at, const ShareRun& r) { return at < r.local; });
+                    if (it != share.begin()) --it;
+                    for (; it != share.end() && it->local < hi; ++it) {
+                        size_t a = std::max(lo, it->local), b = std::min(hi, it->local + it->count);
+                        if (a < b) runs.push_back({it->whole + (a - it->local), s.shard_offset + (a - lo), b - a});
+                    }
+                }
+        return runs;
     }
     size_t num_buckets() const {
         size_t n = 0;

@@ -1,0 +1,154 @@
+// Resuming under another layout (llmc/checkpoint.h): a run saved on one layout of ranks continues on another with
+// the losses of the single-rank run that was never interrupted; where the state of each rank lies in the whole
+// model (share_runs); and what a checkpoint that lacks part of the state says.
+#include "../llmc/checkpoint.h"
+#include "mpi_helpers.h"
+
+namespace {
+
+constexpr int STEPS = 8, SAVED_AT = 4;
+const char* DENSE = "d2c32h4t32v301";   // 4 heads and T=16: tp 2 and cp 2 divide it
+const char* MOE = "d2c48h4t32v301e4k2";
+
+struct Layout {
+    int ranks;
+    std::string flags;  // -b and the parallelism
+};
+
+// every run: -d 192 tokens per step, validation every 4 steps
+std::string run_flags(const Data& data, const char* model, int steps, const Layout& l) {
+    return data.flags(4, 192, steps, model) + " -v 4 " + l.flags;
+}
+
+// the losses of the single-rank run of `steps` steps
+std::map<std::string, double> reference_losses(const Data& data, const char* model, const std::string& dir) {
+    REQUIRE(single_ok(run_flags(data, model, STEPS, {1, "-b 4"}), dir));
+    return losses(dir);
+}
+
+// SAVED_AT steps on layout a, the rest on layout b from a's checkpoint: every loss within 1e-5 of the reference
+void check_resume(const Data& data, const char* model, const Layout& a, const Layout& b,
+                  const std::map<std::string, double>& reference, const std::string& dir) {
+    INFO(a.ranks << " ranks " << a.flags << " -> " << b.ranks << " ranks " << b.flags);
+    if (!train_ok(a.ranks, run_flags(data, model, SAVED_AT, a) + " -n 4", dir)) return;
+    std::string output;
+    if (!train_ok(b.ranks, run_flags(data, model, STEPS, b) + " -n 4 -y 1", dir, &output)) return;
+    std::string resumed = "resumed from " + dir + "/ckpt_00000004 at step 4: written on ";
+    CHECK(output.find(resumed) != std::string::npos);
+    check_close(losses(dir), reference, 1e-5, STEPS + 3);
+}
+
+}  // namespace
+
+TEST_CASE("a run resumes under another layout with the losses of the uninterrupted single-rank run", "[reshard]") {
+    Data data;
+    TempDir out;
+    std::map<std::string, double> reference = reference_losses(data, DENSE, out / "reference");
+    struct Case {
+        Layout from, to;
+    } cases[] = {
+        {{1, "-b 4"}, {3, "-b 2 -z 2"}},                      // 1 rank -> dp 3 ZeRO-2
+        {{2, "-b 2 -z 1"}, {4, "-b 1 -z 3"}},                 // dp 2 ZeRO-1 -> dp 4 ZeRO-3
+        {{2, "-b 4 --tp 2"}, {2, "-b 2"}},                    // tp 2 -> dp 2
+        {{2, "-b 2"}, {4, "-b 3 --tp 2"}},                    // dp 2 -> tp 2 x dp 2, another -b
+        {{2, "-b 2 --pp 2 --pp-schedule 1f1b"}, {2, "-b 6 --tp 2"}},  // pp 2 -> tp 2
+        {{2, "-b 2 --cp 2"}, {1, "-b 4"}},                    // cp 2 -> 1 rank
+        {{4, "-b 2 --tp 2 -z 1"}, {4, "-b 1 --pp 2 -z 1 --pp-schedule afab"}},  // tp 2 x dp 2 -> pp 2 x dp 2
+    };
+    int k = 0;
+    for (const Case& c : cases) check_resume(data, DENSE, c.from, c.to, reference, out / strfmt("case%d", k++));
+}
+
+TEST_CASE("a mixture of experts saved under ep 2 resumes on one rank, and the other way", "[reshard]") {
+    Data data;
+    TempDir out;
+    std::map<std::string, double> reference = reference_losses(data, MOE, out / "reference");
+    check_resume(data, MOE, {2, "-b 2 --ep 2"}, {1, "-b 4"}, reference, out / "ep2_to_1");
+    check_resume(data, MOE, {1, "-b 4"}, {4, "-b 1 --ep 2 -z 1"}, reference, out / "1_to_ep2_z1");
+}
+
+TEST_CASE("a checkpoint missing one rank's optimizer file is refused with one line; the one before resumes",
+          "[reshard]") {
+    Data data;
+    TempDir out;
+    std::map<std::string, double> reference = reference_losses(data, DENSE, out / "reference");
+    const std::string dir = out / "run";
+    REQUIRE(train_ok(2, run_flags(data, DENSE, SAVED_AT, {2, "-b 2 -z 1"}) + " -n 2", dir));
+    REQUIRE(list_checkpoints(dir) == std::vector<int>{2, 4});
+    REQUIRE(unlink((dir + "/ckpt_00000004/optimizer_rank1.bin").c_str()) == 0);
+    std::string output;
+    REQUIRE(train_ok(1, run_flags(data, DENSE, STEPS, {1, "-b 4"}) + " -n 2 -y 1", dir, &output));
+    std::string newest = dir + "/ckpt_00000004";
+    std::vector<std::string> said;
+    for (const std::string& line : lines_of(output))
+        if (line.find(newest + " fails verification") != std::string::npos) said.push_back(line);
+    REQUIRE(said.size() == 1);
+    CHECK(said[0] == "checkpoint " + newest + " fails verification, skipped and kept as " + newest + ".unverified: " +
+                         newest + "/optimizer_rank1.bin: missing (the manifest lists it)");
+    CHECK(output.find("resumed from " + dir + "/ckpt_00000002 at step 2") != std::string::npos);
+    check_close(losses(dir), reference, 1e-5, STEPS + 3);
+}
+
+TEST_CASE("the tp and ep shares of the model cover it: each tensor once per rank that holds it whole", "[reshard]") {
+    for (const char* model : {"d3c48h4t32v301", "d3c48h4t32v301e4k2"}) {
+        GPTConfig c = parse_model_descriptor(model);
+        for (int tp : {1, 2, 4})
+            for (int ep : {1, 2, 4}) {
+                if (ep > 1 && !c.moe()) continue;
+                INFO(model << " tp " << tp << " ep " << ep);
+                std::vector<int> times(num_parameters(c), 0);
+                for (int t = 0; t < tp; t++)
+                    for (int e = 0; e < ep; e++) {
+                        std::vector<ShareRun> runs = share_runs(c, ShareSpec{tp, t, ep, e}, whole_part(c));
+                        size_t local = 0;
+                        for (const ShareRun& r : runs) {
+                            CHECK(r.local >= local);  // in the share's order, never overlapping
+                            local = r.local + r.count;
+                            // a run stays inside one block of one tensor
+                            ParamCoord first = param_coord(c, r.whole), last = param_coord(c, r.whole + r.count - 1);
+                            CHECK(first.tensor == last.tensor);
+                            CHECK(first.layer == last.layer);
+                            CHECK(first.expert == last.expert);
+                            CHECK(param_offset(c, first) == r.whole);
+                            for (size_t i = r.whole; i < r.whole + r.count; i++) times[i]++;
+                        }
+                        CHECK(local <= num_parameters(c, tp, whole_part(c), ep));
+                    }
+                // an element is held by every tp rank of a replicated tensor, by one otherwise (wte's padded rows
+                // too); by one ep rank of an expert tensor, by every ep rank otherwise
+                size_t wrong = 0;
+                for (size_t i = 0; i < times.size(); i++) {
+                    ParamCoord p = param_coord(c, i);
+                    int want = (is_replicated(p.tensor) ? tp : 1) * (c.moe() && is_expert(p.tensor) ? 1 : ep);
+                    wrong += times[i] != want;
+                }
+                CHECK(wrong == 0);
+            }
+    }
+}
+
+TEST_CASE("a checkpoint whose optimizer files lack part of the model is refused, naming the tensor", "[reshard]") {
+    TempDir out;
+    GPTConfig c = parse_model_descriptor("d2c32h4t32v301");
+    GPT m;
+    gpt_allocate(m, c, 1, 16);
+    Rng rng(3);
+    gpt_init_random(c, m.params, 3);
+    for (size_t i = 0; i < m.num_parameters; i++) m.adam_m[i] = rng.normal(0.0f, 0.01f), m.adam_v[i] = rng.uniform();
+    Comm solo;
+    RunLayout layout{1, 16, 1, 16};
+    ModelState whole = model_state(m), partial = whole;
+    partial.optimizer_runs.pop_back();  // the file will lack the last run: lnfb
+    REQUIRE(save_checkpoint(out.path, partial, TrainState{1}, layout, RunInputs{}, 0, solo));
+    GPT loaded;
+    gpt_allocate(loaded, c, 1, 16);
+    TrainState s;
+    CHECK_THROWS_WITH(load_checkpoint(out / "ckpt_00000001", model_state(loaded), s),
+                      Catch::Contains("no optimizer file holds the state of lnfb, element 0"));
+    // what it holds loads into a model that keeps only that much
+    ModelState fewer = model_state(loaded);
+    fewer.optimizer_runs.pop_back();
+    CHECK_NOTHROW(load_checkpoint(out / "ckpt_00000001", fewer, s));
+    CHECK(memcmp(loaded.adam_m, m.adam_m, (m.num_parameters - c.channels) * 4) == 0);
+    CHECK(memcmp(loaded.params, m.params, m.num_parameters * 4) == 0);
+}
