@@ -310,11 +310,39 @@ static RunLayout run_layout(const Options& o, int world, int dp, long total_batc
                      o.cp_split, o.pp, o.vpp, o.ep, dev == Device::CUDA ? "cuda" : "cpu"};
 }
 
+// --convert DIR --to FILE: a checkpoint's model (verified first) as an llm.c file of its own, for llm.c and the
+// tools that read its files; written under a temporary name and renamed, never over an existing file
+static int convert_checkpoint(const Options& o) {
+    std::string dir = o.convert;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    size_t slash = dir.rfind('/');
+    std::string parent = slash == std::string::npos ? "." : dir.substr(0, slash), name = dir.substr(slash + 1);
+    int step;
+    char tail;
+    if (sscanf(name.c_str(), "ckpt_%d%c", &step, &tail) != 1 || checkpoint_name(step) != name)
+        fail("--convert %s: not a checkpoint directory (ckpt_STEP, under a run's -o)", o.convert.c_str());
+    verify_checkpoint(parent, step);
+    if (access(o.convert_to.c_str(), F_OK) == 0)
+        fail("--to %s: already exists; name a new file (an existing one is never replaced)", o.convert_to.c_str());
+    GPTConfig config = checkpoint_config(dir);
+    std::vector<float> params(num_parameters(config));
+    gpt_load_params(config, params.data(), dir + "/model.bin");
+    int version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
+    std::string tmp = o.convert_to + ".tmp";
+    gpt_save_params(config, params.data(), tmp, version);
+    if (rename(tmp.c_str(), o.convert_to.c_str()) != 0)
+        fail("--to %s: cannot rename %s into place (%s)", o.convert_to.c_str(), tmp.c_str(), strerror(errno));
+    printf("wrote %s: the model of %s (step %d, %zu parameters) as an llm.c %s file (version %d)\n",
+           o.convert_to.c_str(), dir.c_str(), step, params.size(), o.convert_dtype.c_str(), version);
+    return 0;
+}
+
 // what run() decided from the flags, for the training run
 struct RunSetup {
     GPTConfig config;
     std::string resume_dir;
     RunInputs inputs;  // recorded in every checkpoint's manifest
+    double verify_seconds;  // this rank's time to verify the checkpoint it resumes from
     int accumulation;
     long tokens_per_micro_step, total_batch;
     size_t bucket_floats;
@@ -388,6 +416,7 @@ static int train(const Options& o, const RunSetup& run) {
                           moments, optimizer_runs, &model.adam_step};
     };
     RunLayout resumed_from;
+    double load_seconds = now_seconds();
     {
         std::vector<float> storage;
         float* mine = share_buffer(model, o.zero, storage);
@@ -406,6 +435,15 @@ static int train(const Options& o, const RunSetup& run) {
         }
         install_share(model, dpr, o.zero, mine);
     }
+    load_seconds = now_seconds() - load_seconds;
+    // the fastest and the slowest rank's seconds for something every rank did (a collective)
+    auto seconds_over_ranks = [&](double mine) {
+        std::vector<double> all(grid.world);
+        world_comm.wait(world_comm.all_gather(&mine, all.data(), 1, DType::F64));
+        return std::make_pair(*std::min_element(all.begin(), all.end()), *std::max_element(all.begin(), all.end()));
+    };
+    auto [verified_fastest, verified_slowest] = seconds_over_ranks(run.verify_seconds);
+    auto [read_fastest, read_slowest] = seconds_over_ranks(load_seconds);
 
     // the data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
     // depends on -t and -d, not on -b or dp
@@ -439,9 +477,12 @@ static int train(const Options& o, const RunSetup& run) {
                    o.sp ? "on" : "off", grid.cp, o.cp_split.c_str(), grid.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
                    grad_comm.size, bucket_floats, dpr.num_buckets());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
-        if (!resume_dir.empty())
+        if (!resume_dir.empty()) {
             printf("resumed from %s at step %d: written on %s, continuing on %s\n", resume_dir.c_str(), state.step,
                    resumed_from.describe().c_str(), layout.describe().c_str());
+            printf("checkpoint verified in %.3f to %.3f s and read in %.3f to %.3f s per rank\n", verified_fastest,
+                   verified_slowest, read_fastest, read_slowest);
+        }
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
                config.padded_vocab_size, config.max_seq_len,
@@ -461,6 +502,7 @@ static int train(const Options& o, const RunSetup& run) {
 
     // writes the checkpoint of the state before `step`; false when the state is not finite (nothing written)
     auto checkpoint = [&](int step) {
+        double started = now_seconds();
         // under -a every step reads the first batch again, which a resumed run reads first too
         TrainState now{step, o.overfit ? DataPosition{} : train.position(), sampler_rng.state};
         std::vector<float> storage;
@@ -470,8 +512,13 @@ static int train(const Options& o, const RunSetup& run) {
             device_download<floatX>(staged_v.data(), adam_v, moments);
         }
         bool writes_optimizer = o.zero >= 1 || (grid.at.dp < grid.ep && grid.at.cp == 0);
-        return save_checkpoint(o.out_dir, model_state_with(whole), now, layout, run.inputs, o.checkpoints_keep,
-                               grid.world_comm, writes_optimizer ? optimizer_file : -1);
+        bool saved = save_checkpoint(o.out_dir, model_state_with(whole), now, layout, run.inputs, o.checkpoints_keep,
+                                     grid.world_comm, writes_optimizer ? optimizer_file : -1);
+        auto [fastest, slowest] = seconds_over_ranks(now_seconds() - started);
+        if (saved && lead)
+            printf("checkpoint %s/%s written in %.3f to %.3f s per rank\n", o.out_dir.c_str(),
+                   checkpoint_name(step).c_str(), fastest, slowest);
+        return saved;
     };
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
     auto report_against_plan = [&](double sent, double tp_sent, double cp_sent, double pp_sent, double ep_sent) {
@@ -661,6 +708,7 @@ static void open_out_dir(const Options& o, RunLock& lock) {
 // printed, so a bad input gets exactly one line; only the lines that name what was removed from -o or skipped
 // there (open_out_dir, and the checkpoints that fail verification) may come before it.
 static int run(const Options& o) {
+    if (!o.convert.empty()) return convert_checkpoint(o);
     Device dev = pick_device(o);
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
@@ -676,6 +724,7 @@ static int run(const Options& o) {
     if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) open_out_dir(o, lock);
     std::string resume_dir;
     int resume_step = 0;
+    double verify_seconds = now_seconds();
     if (o.resume) {
         // the newest checkpoint that verifies. Those that do not are named, never loaded, and kept as evidence:
         // moved aside when the run goes on, so that its own checkpoints of those steps cannot replace them and
@@ -708,6 +757,7 @@ static int run(const Options& o) {
             fail("-y 1: none of the %zu checkpoints in %s verifies (each is named above and kept)", steps.size(),
                  o.out_dir.c_str());
     }
+    verify_seconds = now_seconds() - verify_seconds;
     // the run goes on from the checkpoint only with what it was started from and on, and only forward
     RunInputs inputs;
     if (!o.plan) inputs = run_inputs(o.model, o.seed, o.shuffle, o.train_pattern);
@@ -749,7 +799,7 @@ static int run(const Options& o) {
         if (!f) fail("--trace %s: cannot write (%s)", o.trace.c_str(), strerror(errno));
         fclose(f);
     }
-    RunSetup run{config, resume_dir, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
+    RunSetup run{config, resume_dir, inputs, verify_seconds, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
     Options resolved = o;
     if (resolved.moe_aux < 0.0f) resolved.moe_aux = 0.01f;
     return dev == Device::CUDA ? train<bf16>(resolved, run) : train<float>(resolved, run);

@@ -839,12 +839,13 @@ inline void gpt_load_params(const GPTConfig& mc, float* params, const std::strin
     gpt_read_params(mc, params, whole_runs(mc), path);
 }
 
-// writes an fp32 (version 3) llm.c model file from a flat parameter buffer
-// returns the checksum of the bytes written
-inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const std::string& path) {
+// writes an llm.c model file from a flat parameter buffer: fp32 (version 3), or bf16 (version 5) rounded to
+// nearest even; returns the checksum of the bytes written
+inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const std::string& path,
+                                int version = MODEL_VERSION_FP32) {
     int h[256] = {};
     h[0] = MODEL_MAGIC;
-    h[1] = MODEL_VERSION_FP32;
+    h[1] = version;
     h[2] = c.max_seq_len;
     h[3] = c.vocab_size;
     h[4] = c.num_layers;
@@ -855,7 +856,20 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
     File f(path, "wb");
     size_t count = num_parameters(c);
     f.write(h, sizeof(h));
-    f.write(params, count * 4);
+    if (version == MODEL_VERSION_FP32) {
+        f.write(params, count * 4);
+    } else {
+        std::vector<uint16_t> halves(1 << 20);
+        for (size_t done = 0; done < count; done += halves.size()) {
+            size_t n = std::min(halves.size(), count - done);
+            for (size_t i = 0; i < n; i++) {
+                uint32_t bits;
+                memcpy(&bits, &params[done + i], 4);
+                halves[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+            }
+            f.write(halves.data(), n * 2);
+        }
+    }
     f.close();
     return f.written.value;
 }

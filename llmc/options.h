@@ -42,6 +42,9 @@ struct Options {
     bool shuffle = true;                                // --shuffle
     bool plan = false;                                  // --plan
     int plan_world = 0;                                 // --world: ranks to plan for (0: this job's)
+    std::string convert;                                // --convert: a checkpoint directory
+    std::string convert_to;                             // --to: the llm.c model file it becomes
+    std::string convert_dtype = "fp32";                 // --dtype
     // parallelism and communication
     int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
     int sp = -1;                                        // --sp: -1 = on when tp > 1
@@ -102,9 +105,12 @@ inline const char* USAGE =
     "checkpoints:\n"
     "  -n N              checkpoint every N steps and at the end; 0 = never (needs -o) [0]\n"
     "  -nk N             keep the newest N checkpoints; 0 = all                    [0]\n"
-    "  -y 0|1            resume from the newest checkpoint in -o that verifies; -e, --seed, --shuffle,\n"
-    "                    -i and the layout must be those it recorded, and -x beyond its step [0]\n"
+    "  -y 0|1            resume from the newest checkpoint in -o that verifies, on any layout; -e,\n"
+    "                    --seed, --shuffle, -i, -t and -d must be those it recorded, -x beyond its step [0]\n"
     "  --overwrite 0|1   a fresh run first removes another run's main.log and checkpoints from -o [0]\n"
+    "  --convert DIR     write checkpoint DIR's model as the llm.c file --to FILE, and exit [none]\n"
+    "  --to FILE         with --convert: the file to write (never an existing one) [none]\n"
+    "  --dtype fp32|bf16 with --convert: llm.c's version 3 (fp32) or 5 (bf16)      [fp32]\n"
     "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
     "is given, exit code 5; a second one ends it at once):\n"
     "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"
@@ -215,6 +221,9 @@ inline Options parse_options(int argc, char** argv) {
         {"--seed", integer(&o.seed, 0, LONG_MAX)},
         {"--shuffle", integer(&o.shuffle, 0, 1)},
         {"--world", integer(&o.plan_world, 1, 1 << 20)},
+        {"--convert", text(&o.convert)},
+        {"--to", text(&o.convert_to)},
+        {"--dtype", choice(&o.convert_dtype, {"fp32", "bf16"})},
         {"--tp", integer(&o.tp, 1, 1 << 16)},
         {"--cp", integer(&o.cp, 1, 1 << 16)},
         {"--pp", integer(&o.pp, 1, 1 << 16)},
@@ -266,6 +275,9 @@ inline Options parse_options(int argc, char** argv) {
     if (!o.trace.empty() && o.pp == 1) fail("--trace %s: traces the pipeline; needs --pp > 1", o.trace.c_str());
     if (o.sp == 1 && o.tp == 1) fail("--sp 1: sequence parallelism needs tensor parallelism (--tp > 1)");
     if (o.sp == -1) o.sp = o.tp > 1;
+    if (!o.convert.empty() && o.convert_to.empty()) fail("--convert %s: needs --to FILE", o.convert.c_str());
+    if (o.convert.empty() && !o.convert_to.empty()) fail("--to %s: only with --convert", o.convert_to.c_str());
+    if (o.convert.empty() && o.convert_dtype != "fp32") fail("--dtype %s: only with --convert", o.convert_dtype.c_str());
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
     if (o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
     return o;

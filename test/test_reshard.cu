@@ -1,7 +1,7 @@
 // Resuming under another layout (llmc/checkpoint.h): a run saved on one layout of ranks continues on another with
 // the losses of the single-rank run that was never interrupted; where the state of each rank lies in the whole
 // model (share_runs); and what a checkpoint that lacks part of the state says.
-#include "../llmc/checkpoint.h"
+#include "llmc/checkpoint.h"
 #include "mpi_helpers.h"
 
 namespace {
@@ -151,4 +151,54 @@ TEST_CASE("a checkpoint whose optimizer files lack part of the model is refused,
     CHECK_NOTHROW(load_checkpoint(out / "ckpt_00000001", fewer, s));
     CHECK(memcmp(loaded.adam_m, m.adam_m, (m.num_parameters - c.channels) * 4) == 0);
     CHECK(memcmp(loaded.params, m.params, m.num_parameters * 4) == 0);
+}
+
+TEST_CASE("--convert writes a checkpoint's model as an llm.c fp32 or bf16 file, never over an existing one",
+          "[reshard]") {
+    Data data;
+    TempDir out;
+    const std::string dir = out / "run";
+    REQUIRE(train_ok(2, run_flags(data, DENSE, SAVED_AT, {2, "-b 2 -z 1"}) + " -n 4", dir));
+    const std::string ckpt = dir + "/ckpt_00000004", fp32 = out / "model_fp32.bin", bf16 = out / "model_bf16.bin";
+    CommandResult r = single("--convert '" + ckpt + "/' --to '" + fp32 + "'");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(read_file(fp32) == read_file(ckpt + "/model.bin"));
+    r = single("--convert '" + ckpt + "' --to '" + bf16 + "' --dtype bf16");
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("as an llm.c bf16 file (version 5)") != std::string::npos);
+
+    // the bf16 file: llm.c's header with version 5, and every parameter rounded to nearest even by CUDA's rounding
+    GPTConfig c = checkpoint_config(ckpt);
+    std::string bytes = read_file(bf16), whole = read_file(fp32);
+    REQUIRE(bytes.size() == 1024 + 2 * num_parameters(c));
+    int header[256];
+    memcpy(header, bytes.data(), sizeof(header));
+    CHECK(header[0] == 20240326);
+    CHECK(header[1] == 5);
+    CHECK(memcmp(header + 2, whole.data() + 8, 1016) == 0);
+    size_t differ = 0;
+    for (size_t i = 0; i < num_parameters(c); i++) {
+        float x;
+        memcpy(&x, whole.data() + 1024 + 4 * i, 4);
+        __nv_bfloat16 want = __float2bfloat16_rn(x);
+        differ += memcmp(&want, bytes.data() + 1024 + 2 * i, 2) != 0;
+    }
+    CHECK(differ == 0);
+    // and a run starts from it
+    std::string started;
+    CHECK(single_ok(run_flags(data, ("'" + bf16 + "'").c_str(), 1, {1, "-b 4"}), out / "from_bf16", &started));
+
+    // refused, one line each: an existing --to, a directory that is not a checkpoint, a damaged checkpoint
+    check_one_line_error(single("--convert '" + ckpt + "' --to '" + fp32 + "'"), {"--to " + fp32, "already exists"});
+    check_one_line_error(single("--convert '" + dir + "' --to '" + (out / "x.bin") + "'"), {"not a checkpoint directory"});
+    {
+        std::string model = read_file(ckpt + "/model.bin");
+        model[2000] ^= 1;
+        File f(ckpt + "/model.bin", "wb");
+        f.write(model.data(), model.size());
+        f.close();
+    }
+    check_one_line_error(single("--convert '" + ckpt + "' --to '" + (out / "y.bin") + "'"), {"model.bin: checksum"});
+    CHECK(!file_exists(out / "y.bin"));
 }
