@@ -337,12 +337,78 @@ static int convert_checkpoint(const Options& o) {
     return 0;
 }
 
+// A checkpoint -y 1 may resume from: its step, and the files its manifest lists, or why the manifest fails
+struct ResumeCandidate {
+    int step;
+    std::vector<ListedFile> files;
+    std::string why;
+};
+
+// the first rank's error line, or "" when no rank has one (a collective)
+static std::string first_failure(Comm& world, const std::string& mine) {
+    constexpr int BYTES = 1024;
+    std::vector<char> line(BYTES, 0), all((size_t)BYTES * world.size);
+    memcpy(line.data(), mine.data(), std::min(mine.size(), (size_t)BYTES - 1));
+    world.wait(world.all_gather(line.data(), all.data(), BYTES / 4, DType::I32));
+    for (int r = 0; r < world.size; r++)
+        if (all[(size_t)r * BYTES] != 0) return std::string(&all[(size_t)r * BYTES]);
+    return "";
+}
+
+// The checkpoint to resume from: of the candidates (newest first), the newest whose manifest verified and whose
+// files verify, each rank checksumming its share of them over `world` (without one, where no manifest verified,
+// none is chosen). Those before it are named, never loaded, and kept as evidence: moved aside when the run goes
+// on, so that its own checkpoints of those steps cannot replace them and pruning cannot count them as good ones.
+static std::string choose_checkpoint(const Options& o, const std::vector<ResumeCandidate>& candidates, Comm* world) {
+    std::vector<std::pair<int, std::string>> failed;
+    std::string chosen;
+    for (const ResumeCandidate& c : candidates) {
+        std::string dir = o.out_dir + "/" + checkpoint_name(c.step), why = c.why;
+        if (why.empty() && world) {
+            std::string mine;
+            try {
+                verify_files(dir, c.files, world->rank, world->size);
+            } catch (const Error& e) {
+                mine = e.what();
+            }
+            why = first_failure(*world, mine);
+            if (why.empty()) {
+                chosen = dir;
+                break;
+            }
+        }
+        failed.push_back({c.step, why});
+    }
+    bool lead = world ? world->rank == 0 : detect_launch().rank == 0;
+    for (const auto& [step, why] : failed) {
+        std::string dir = o.out_dir + "/" + checkpoint_name(step), kept = "kept";
+        if (lead && !chosen.empty()) {
+            std::string aside = dir + ".unverified";
+            for (int n = 2; access(aside.c_str(), F_OK) == 0; n++) aside = dir + strfmt(".unverified%d", n);
+            if (rename(dir.c_str(), aside.c_str()) != 0) fail("%s: cannot move aside (%s)", dir.c_str(), strerror(errno));
+            kept = "kept as " + aside;
+        }
+        if (lead) printf("checkpoint %s fails verification, skipped and %s: %s\n", dir.c_str(), kept.c_str(), why.c_str());
+    }
+    fflush(stdout);
+    if (!candidates.empty() && chosen.empty())
+        fail("-y 1: none of the %zu checkpoints in %s verifies (each is named above and kept)", candidates.size(),
+             o.out_dir.c_str());
+    return chosen;
+}
+
+// what a run must share with the checkpoint it resumes from: the inputs it started from and on, -t and -d
+static void check_resume_from(const RunInputs& inputs, const RunLayout& layout, const std::string& dir) {
+    check_run_inputs(inputs, read_manifest_inputs(dir + "/manifest.txt"), dir);
+    check_resumable(layout, read_manifest_layout(dir + "/manifest.txt"), dir);
+}
+
 // what run() decided from the flags, for the training run
 struct RunSetup {
     GPTConfig config;
-    std::string resume_dir;
+    std::string resume_dir;  // the newest checkpoint whose manifest verifies
+    std::vector<ResumeCandidate> candidates;  // under -y 1: every checkpoint, newest first
     RunInputs inputs;  // recorded in every checkpoint's manifest
-    double verify_seconds;  // this rank's time to verify the checkpoint it resumes from
     int accumulation;
     long tokens_per_micro_step, total_batch;
     size_t bucket_floats;
@@ -353,7 +419,6 @@ struct RunSetup {
 template <typename floatX>
 static int train(const Options& o, const RunSetup& run) {
     const GPTConfig& config = run.config;
-    const std::string& resume_dir = run.resume_dir;
     const int accumulation = run.accumulation;
     const long tokens_per_micro_step = run.tokens_per_micro_step, total_batch = run.total_batch;
     const size_t bucket_floats = run.bucket_floats;
@@ -367,6 +432,12 @@ static int train(const Options& o, const RunSetup& run) {
     if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
     Grid grid = make_grid(world_comm, grid_shape(o));
     const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
+    RunLayout layout = run_layout(o, grid.world, grid.dp, total_batch, bucket_floats, device_of<floatX>);
+    double verify_seconds = now_seconds();
+    std::string resume_dir = choose_checkpoint(o, run.candidates, &world_comm);
+    // an older one than run() checked the settings against, when the newest one's files failed
+    if (!resume_dir.empty() && resume_dir != run.resume_dir) check_resume_from(run.inputs, layout, resume_dir);
+    verify_seconds = now_seconds() - verify_seconds;
 
     // the step's schedule: the order in which this pipeline stage runs its passes of the micro-batches (with
     // one stage, forward and backward of each micro-batch in turn)
@@ -399,7 +470,6 @@ static int train(const Options& o, const RunSetup& run) {
     DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links, experts);
     TrainState state;
     Rng sampler_rng(o.seed);
-    RunLayout layout = run_layout(o, grid.world, grid.dp, total_batch, bucket_floats, device_of<floatX>);
     int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
     // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
     // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
@@ -442,7 +512,7 @@ static int train(const Options& o, const RunSetup& run) {
         world_comm.wait(world_comm.all_gather(&mine, all.data(), 1, DType::F64));
         return std::make_pair(*std::min_element(all.begin(), all.end()), *std::max_element(all.begin(), all.end()));
     };
-    auto [verified_fastest, verified_slowest] = seconds_over_ranks(run.verify_seconds);
+    auto [verified_fastest, verified_slowest] = seconds_over_ranks(verify_seconds);
     auto [read_fastest, read_slowest] = seconds_over_ranks(load_seconds);
 
     // the data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
@@ -724,49 +794,30 @@ static int run(const Options& o) {
     if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) open_out_dir(o, lock);
     std::string resume_dir;
     int resume_step = 0;
-    double verify_seconds = now_seconds();
+    std::vector<ResumeCandidate> candidates;
     if (o.resume) {
-        // the newest checkpoint that verifies. Those that do not are named, never loaded, and kept as evidence:
-        // moved aside when the run goes on, so that its own checkpoints of those steps cannot replace them and
-        // pruning cannot count them as good ones
-        std::vector<int> steps = list_checkpoints(o.out_dir);
-        std::vector<std::pair<int, std::string>> failed;
-        for (size_t i = steps.size(); i-- > 0 && resume_dir.empty();) {
+        // every checkpoint's manifest, newest first (cheap: the manifests and the files' headers); the run's
+        // settings are checked against the newest that verifies, and train() checksums its files
+        for (int step : list_checkpoints(o.out_dir)) {
+            ResumeCandidate c{step, {}, ""};
             try {
-                verify_checkpoint(o.out_dir, steps[i]);
-                resume_dir = o.out_dir + "/" + checkpoint_name(steps[i]);
-                resume_step = steps[i];
+                c.files = verify_manifest(o.out_dir, step);
+                checkpoint_config(o.out_dir + "/" + checkpoint_name(step));
             } catch (const Error& e) {
-                failed.push_back({steps[i], e.what()});
+                c.why = e.what();
             }
+            candidates.insert(candidates.begin(), c);
         }
-        bool lead = detect_launch().rank == 0;
-        for (const auto& [step, why] : failed) {
-            std::string dir = o.out_dir + "/" + checkpoint_name(step), kept = "kept";
-            if (lead && !resume_dir.empty()) {
-                std::string aside = dir + ".unverified";
-                for (int n = 2; access(aside.c_str(), F_OK) == 0; n++) aside = dir + strfmt(".unverified%d", n);
-                if (rename(dir.c_str(), aside.c_str()) != 0)
-                    fail("%s: cannot move aside (%s)", dir.c_str(), strerror(errno));
-                kept = "kept as " + aside;
-            }
-            if (lead) printf("checkpoint %s fails verification, skipped and %s: %s\n", dir.c_str(), kept.c_str(), why.c_str());
-        }
-        fflush(stdout);
-        if (!steps.empty() && resume_dir.empty())
-            fail("-y 1: none of the %zu checkpoints in %s verifies (each is named above and kept)", steps.size(),
-                 o.out_dir.c_str());
+        for (const ResumeCandidate& c : candidates)
+            if (c.why.empty() && resume_dir.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(c.step), resume_step = c.step;
+        if (!candidates.empty() && resume_dir.empty()) choose_checkpoint(o, candidates, nullptr);
     }
-    verify_seconds = now_seconds() - verify_seconds;
     // the run goes on from the checkpoint only with what it was started from and on, and only forward
     RunInputs inputs;
     if (!o.plan) inputs = run_inputs(o.model, o.seed, o.shuffle, o.train_pattern);
-    if (!o.plan && !resume_dir.empty()) {
-        if (o.max_steps >= 0 && o.max_steps <= resume_step)
-            fail("-x %d: %s has done %d steps already; -x counts the steps from the start of the run, so resume with "
-                 "a larger -x", o.max_steps, resume_dir.c_str(), resume_step);
-        check_run_inputs(inputs, read_manifest_inputs(resume_dir + "/manifest.txt"), resume_dir);
-    }
+    if (!o.plan && !resume_dir.empty() && o.max_steps >= 0 && o.max_steps <= resume_step)
+        fail("-x %d: %s has done %d steps already; -x counts the steps from the start of the run, so resume with "
+             "a larger -x", o.max_steps, resume_dir.c_str(), resume_step);
     GPTConfig config = model_config(o, resume_dir);
     int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
     int dp = grid_dp(world, grid_shape(o));
@@ -784,8 +835,7 @@ static int run(const Options& o) {
     int accumulation = (int)(total_batch / tokens_per_micro_step);
     size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
     if (!o.plan && !resume_dir.empty())
-        check_resumable(run_layout(o, world, dp, total_batch, bucket_floats, dev),
-                        read_manifest_layout(resume_dir + "/manifest.txt"), resume_dir);
+        check_resume_from(inputs, run_layout(o, world, dp, total_batch, bucket_floats, dev), resume_dir);
     // the pipeline: the layers fill the stages, and the schedule takes this many micro-batches
     stage_part(config, pp_spec(o, 0));
     check_pp_micro_batches(pp_spec(o, 0).kind, o.pp, accumulation, o.vpp);
@@ -799,7 +849,7 @@ static int run(const Options& o) {
         if (!f) fail("--trace %s: cannot write (%s)", o.trace.c_str(), strerror(errno));
         fclose(f);
     }
-    RunSetup run{config, resume_dir, inputs, verify_seconds, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
+    RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
     Options resolved = o;
     if (resolved.moe_aux < 0.0f) resolved.moe_aux = 0.01f;
     return dev == Device::CUDA ? train<bf16>(resolved, run) : train<float>(resolved, run);

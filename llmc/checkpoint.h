@@ -563,11 +563,18 @@ inline int header_step(const std::string& path, int magic, const char* kind) {
     return h[2];
 }
 
+// a file a manifest lists, with the checksum it records
+struct ListedFile {
+    std::string name;
+    uint64_t checksum;
+};
+
 // Fails with one line naming the file and the reason unless the manifest of out_dir/ckpt_STEP matches its own
-// checksum and records the run's inputs, every file matches the checksum the manifest records, and the
-// directory name, the manifest, the state and the optimizer files agree on the step (the optimizer files on
-// AdamW's, which trails the step by the updates skipped as non-finite).
-inline void verify_checkpoint(const std::string& out_dir, int step) {
+// checksum and records the run's inputs, every file it lists exists, and the directory name, the manifest, the
+// state and the optimizer files agree on the step (the optimizer files on AdamW's, which trails the step by the
+// updates skipped as non-finite). Reads the manifest and the files' headers only; returns the files it lists,
+// whose contents verify_files checks.
+inline std::vector<ListedFile> verify_manifest(const std::string& out_dir, int step) {
     std::string dir = out_dir + "/" + checkpoint_name(step);
     std::string manifest = dir + "/manifest.txt";
     File f(manifest, "rb");
@@ -593,7 +600,7 @@ inline void verify_checkpoint(const std::string& out_dir, int step) {
         fail("%s: malformed manifest (no step or adam_step)", manifest.c_str());
     if (manifest_step != step)
         fail("%s: records step %d, its directory is named for step %d", manifest.c_str(), manifest_step, step);
-    std::vector<std::string> files;
+    std::vector<ListedFile> files;
     for (const char* at = strstr(text.c_str(), "\nchecksum "); at; at = strstr(at + 1, "\nchecksum ")) {
         char name[256];
         unsigned long long want;
@@ -601,23 +608,49 @@ inline void verify_checkpoint(const std::string& out_dir, int step) {
             fail("%s: malformed checksum line", manifest.c_str());
         std::string path = dir + "/" + name;
         if (!file_exists(path)) fail("%s: missing (the manifest lists it)", path.c_str());
-        unsigned long long got = file_checksum(path);
-        if (got != want)
-            fail("%s: checksum fnv1a64=%016llx, the manifest records %016llx (the file is damaged)", path.c_str(), got,
-                 want);
-        files.push_back(name);
+        files.push_back({name, want});
     }
-    if (files.size() < 3 || files[0] != "model.bin" || files[1] != "state_rank0.bin")
+    if (files.size() < 3 || files[0].name != "model.bin" || files[1].name != "state_rank0.bin")
         fail("%s: malformed manifest (lists no checksum of model.bin, the state and an optimizer file)", manifest.c_str());
     int state_step = header_step(dir + "/state_rank0.bin", TRAIN_STATE_MAGIC, "a training state");
     if (state_step != step)
         fail("%s: records step %d, the manifest step %d", (dir + "/state_rank0.bin").c_str(), state_step, step);
     for (size_t i = 2; i < files.size(); i++) {
-        std::string path = dir + "/" + files[i];
+        std::string path = dir + "/" + files[i].name;
         int file_adam_step = header_step(path, OPTIMIZER_MAGIC, "an optimizer state");
         if (file_adam_step != adam_step)
             fail("%s: records AdamW step %d, the manifest %d", path.c_str(), file_adam_step, adam_step);
     }
+    return files;
+}
+
+// Fails with one line naming the file unless each of `files` (in out_dir/ckpt_STEP) that falls to `rank` of
+// `ranks` matches the checksum its manifest records. The files are dealt out by size, the largest first to the
+// rank with the fewest bytes so far, so that the ranks of a job share the reading; every rank deals the same way.
+inline void verify_files(const std::string& dir, const std::vector<ListedFile>& files, int rank = 0, int ranks = 1) {
+    std::vector<size_t> order(files.size());
+    std::vector<long> sizes(files.size()), load(ranks, 0);
+    for (size_t i = 0; i < files.size(); i++) {
+        order[i] = i;
+        File f(dir + "/" + files[i].name, "rb");
+        sizes[i] = f.size();
+    }
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+    for (size_t i : order) {
+        int to = (int)(std::min_element(load.begin(), load.end()) - load.begin());
+        load[to] += sizes[i];
+        if (to != rank) continue;
+        std::string path = dir + "/" + files[i].name;
+        unsigned long long got = file_checksum(path), want = files[i].checksum;
+        if (got != want)
+            fail("%s: checksum fnv1a64=%016llx, the manifest records %016llx (the file is damaged)", path.c_str(), got,
+                 want);
+    }
+}
+
+// the whole check on one process: the manifest, then every file
+inline void verify_checkpoint(const std::string& out_dir, int step) {
+    verify_files(out_dir + "/" + checkpoint_name(step), verify_manifest(out_dir, step));
 }
 
 // the model shape stored in a checkpoint, to allocate the model before load_checkpoint

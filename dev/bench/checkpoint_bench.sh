@@ -17,7 +17,7 @@ DATA=${DATA:-data/sotu}
 TMP=${BENCH_TMP:-$(mktemp -d /tmp/llm5d_ckpt_bench.XXXXXX)}
 [ -f "$DATA/train.bin" ] || make data
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores; $(date -u +%F)"
+echo "machine: $(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed "s/^ //"), $(nproc --all) cores; $(date -u +%F)"
 echo "llm5d $(git rev-parse --short HEAD 2>/dev/null || echo '?'); d12, -b 1 -t 64, ZeRO-1"
 for n in $RANKS; do
     out="$TMP/ranks$n"

@@ -13,7 +13,7 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe nccl plan bench, in this order [all]
+#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe resume nccl plan bench, in this order [all]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi): a test of this script's plumbing on a machine without a GPU        [cuda]
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
@@ -23,7 +23,7 @@
 #   JOBS        parallel make jobs                                                                   [nproc]
 #   PYTHON      an interpreter with torch                        [python3, else /usr/bin/python3 if it has torch]
 #   DATA, VAL   token shards for every run                          [data/sotu/train.bin, data/sotu/val.bin]
-#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe and nccl
+#   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe, resume and nccl
 #   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
 #                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
 #   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
@@ -48,7 +48,7 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe nccl plan bench"
+ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe resume nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
@@ -535,6 +535,37 @@ if has_phase moe; then
         for z in 0 1; do two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"; done
         two_ranks "$WORK/moe" "$MOE_MODEL, dp 2 (experts replicated), 2 micro-steps" -e "$MOE_MODEL"
         two_ranks "$WORK/moe" "$MOE_MODEL, pp 2 (zb), 4 micro-batches" -e "$MOE_MODEL" --pp 2 --pp-schedule zb
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# resume: a checkpoint written on one layout or device and continued on another, against the run that was never
+# interrupted: 2 ranks sharing the device (dp 2, ZeRO-1) for half the steps, then one rank; and a small model
+# trained on the cpu for 5 steps, then on the GPU, and the other way, against the cpu alone (bf16's tolerance)
+
+if has_phase resume; then
+    start_phase resume
+    if two_ranks_ready "$WORK/resume"; then
+        half=$((CHECK_STEPS / 2))
+        dir=$WORK/resume/dp2_z1_then_1
+        run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 "${CHECK_FLAGS[@]}" \
+            -d "$GLOBAL_BATCH" -z 1 -x "$half" -n "$half" -o "$dir"
+        rc=$?
+        if (( rc == 0 )); then train "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -n "$half" -y 1 -o "$dir"; rc=$?; fi
+        against "$WORK/resume/single" "$dir" "dp 2 ZeRO-1 for $half steps, then 1 rank" "$MPI_TOL" $rc
+        if [[ $DEVICE == cuda ]]; then
+            small=(-e d4c128h2 -b 2 -t 64 -d 512 -i "$DATA" -j "$VAL" -v 0 -s 0)
+            run "$TRAIN_GPT" --device cpu "${small[@]}" -x 10 -o "$WORK/resume/cpu_only"
+            reference_rc=$?
+            for devices in "cpu cuda" "cuda cpu"; do
+                read -r first then <<<"$devices"
+                dir=$WORK/resume/${first}_then_$then
+                rc=$reference_rc
+                if (( rc == 0 )); then run "$TRAIN_GPT" --device "$first" "${small[@]}" -x 5 -n 5 -o "$dir"; rc=$?; fi
+                if (( rc == 0 )); then run "$TRAIN_GPT" --device "$then" "${small[@]}" -x 10 -n 5 -y 1 -o "$dir"; rc=$?; fi
+                against "$WORK/resume/cpu_only" "$dir" "d4c128h2 on $first for 5 steps, then on $then" "$PT_TOL" $rc
+            done
+        fi
     fi
 fi
 
