@@ -398,20 +398,18 @@ inline uint64_t write_optimizer(const std::string& path, const ModelState& m) {
 
 // Restores this rank's moments (m.optimizer_runs) from every optimizer file of a checkpoint (`files` of them),
 // whatever layout wrote them: each file's index says which elements of the model it holds. An element no file
-// holds, a malformed index, and a NaN or Inf (named by its tensor) are refused.
+// holds, a malformed index, and a NaN or Inf (named by its tensor) are refused. One file is open at a time.
 inline void read_optimizer(const std::string& dir, int files, const ModelState& m) {
     struct Piece {
         size_t whole, count;  // in the whole model
         int file;
         size_t at;  // its first element's place among the file's
     };
-    std::vector<std::unique_ptr<File>> open;
     std::vector<size_t> elements_of;
     std::vector<Piece> pieces;
     for (int k = 0; k < files; k++) {
         std::string path = dir + strfmt("/optimizer_rank%d.bin", k);
-        open.emplace_back(new File(path, "rb"));
-        File& f = *open.back();
+        File f(path, "rb");
         int h[256];
         if (f.size() < (long)sizeof(h)) fail("%s: not an optimizer state file", path.c_str());
         f.read(h, sizeof(h));
@@ -452,8 +450,12 @@ inline void read_optimizer(const std::string& dir, int files, const ModelState& 
         cover.push_back(p);
         covered = p.whole + p.count;
     }
-    const char* moment_names[2] = {"first moment (m)", "second moment (v)"};
-    float* moments[2] = {m.adam_m, m.adam_v};
+    // what to read from which file, gathered first so that each file is opened once
+    struct Read {
+        int file;
+        size_t at, whole, local, count;  // `count` elements from `at` in the file: `whole` in the model, `local` here
+    };
+    std::vector<Read> reads;
     for (const ShareRun& r : m.optimizer_runs) {
         for (size_t g = r.whole; g < r.whole + r.count;) {
             auto it = std::upper_bound(cover.begin(), cover.end(), g, [](size_t at, const Piece& p) { return at < p.whole; });
@@ -462,16 +464,26 @@ inline void read_optimizer(const std::string& dir, int files, const ModelState& 
                      dir.c_str(), describe_param(m.config, g).c_str());
             const Piece& p = *std::prev(it);
             size_t n = std::min(r.whole + r.count, p.whole + p.count) - g;
-            File& f = *open[p.file];
-            for (int k = 0; k < 2; k++) {
-                float* dst = moments[k] + r.local + (g - r.whole);
-                f.read_at(dst, n * 4, 1024 + 4 * (long)(k * elements_of[p.file] + p.at + (g - p.whole)));
-                size_t bad = first_non_finite(dst, n);
-                if (bad < n)
-                    fail("%s: %g in the %s of %s (the optimizer state must be finite)", f.path.c_str(), dst[bad],
-                         moment_names[k], describe_param(m.config, g + bad).c_str());
-            }
+            reads.push_back({p.file, p.at + (g - p.whole), g, r.local + (g - r.whole), n});
             g += n;
+        }
+    }
+    std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
+        return a.file != b.file ? a.file < b.file : a.at < b.at;
+    });
+    const char* moment_names[2] = {"first moment (m)", "second moment (v)"};
+    float* moments[2] = {m.adam_m, m.adam_v};
+    std::unique_ptr<File> f;
+    for (const Read& r : reads) {
+        std::string path = dir + strfmt("/optimizer_rank%d.bin", r.file);
+        if (!f || f->path != path) f.reset(new File(path, "rb"));
+        for (int k = 0; k < 2; k++) {
+            float* dst = moments[k] + r.local;
+            f->read_at(dst, r.count * 4, 1024 + 4 * (long)(k * elements_of[r.file] + r.at));
+            size_t bad = first_non_finite(dst, r.count);
+            if (bad < r.count)
+                fail("%s: %g in the %s of %s (the optimizer state must be finite)", path.c_str(), dst[bad],
+                     moment_names[k], describe_param(m.config, r.whole + bad).c_str());
         }
     }
 }
