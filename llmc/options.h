@@ -110,7 +110,7 @@ inline const char* USAGE =
     "  --overwrite 0|1   a fresh run first removes another run's main.log and checkpoints from -o [0]\n"
     "  --convert DIR     write checkpoint DIR's model as the llm.c file --to FILE, and exit [none]\n"
     "  --to FILE         with --convert: the file to write (never an existing one) [none]\n"
-    "  --dtype fp32|bf16 with --convert: llm.c's version 3 (fp32) or 5 (bf16)      [fp32]\n"
+    "  --dtype fp32|bf16  with --convert: llm.c's version 3 (fp32) or 5 (bf16)     [fp32]\n"
     "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
     "is given, exit code 5; a second one ends it at once):\n"
     "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"

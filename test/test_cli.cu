@@ -456,7 +456,7 @@ TEST_CASE("-d whose gradient accumulation count overflows is rejected", "[cli]")
     expect_error(run.base() + std::vector<std::string>{"-d", "34359738368"}, {"-d"}, {"too", "at most", "range", "between", "exceed"});
 }
 
-TEST_CASE("flag combinations: -t beyond the model's maxT, -g beyond -t, -n and -y without -o", "[cli]") {
+TEST_CASE("flag combinations: -t beyond the model's maxT, -g beyond -t, -n and -y without -o, --convert without --to", "[cli]") {
     TinyRun run;
     expect_error(run.base() + std::vector<std::string>{"-t", "64"}, {"-t", "64", "32"},
                  {"maximum sequence length", "maxT", "max_seq_len"});
@@ -465,6 +465,9 @@ TEST_CASE("flag combinations: -t beyond the model's maxT, -g beyond -t, -n and -
     expect_error(run.base() + std::vector<std::string>{"-s", "1", "-g", "9"}, {"-g", "9"}, {"-t", "more than", "at most"});
     expect_error(run.base() + std::vector<std::string>{"-n", "1"}, {"-n", "-o"}, {"output directory", "need"});
     expect_error(run.base() + std::vector<std::string>{"-y", "1"}, {"-y", "-o"}, {"output directory", "need"});
+    expect_error({"--convert", "out/ckpt_00000001"}, {"--convert", "--to"}, {"needs"});
+    expect_error(run.base() + std::vector<std::string>{"--to", "model.bin"}, {"--to", "--convert"}, {"only with"});
+    expect_error(run.base() + std::vector<std::string>{"--dtype", "bf16"}, {"--dtype", "--convert"}, {"only with"});
 }
 
 // ---------------------------------------------------------------------------------------------------------
