@@ -318,8 +318,7 @@ static int convert_checkpoint(const Options& o) {
     size_t slash = dir.rfind('/');
     std::string parent = slash == std::string::npos ? "." : dir.substr(0, slash), name = dir.substr(slash + 1);
     int step;
-    char tail;
-    if (sscanf(name.c_str(), "ckpt_%d%c", &step, &tail) != 1 || checkpoint_name(step) != name)
+    if (!is_checkpoint_name(name, &step))
         fail("--convert %s: not a checkpoint directory (ckpt_STEP, under a run's -o)", o.convert.c_str());
     verify_checkpoint(parent, step);
     if (access(o.convert_to.c_str(), F_OK) == 0)
@@ -512,8 +511,8 @@ static int train(const Options& o, const RunSetup& run) {
         world_comm.wait(world_comm.all_gather(&mine, all.data(), 1, DType::F64));
         return std::make_pair(*std::min_element(all.begin(), all.end()), *std::max_element(all.begin(), all.end()));
     };
-    auto [verified_fastest, verified_slowest] = seconds_over_ranks(verify_seconds);
-    auto [read_fastest, read_slowest] = seconds_over_ranks(load_seconds);
+    std::pair<double, double> verified, read;  // the resume's times, fastest and slowest rank
+    if (!resume_dir.empty()) verified = seconds_over_ranks(verify_seconds), read = seconds_over_ranks(load_seconds);
 
     // the data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
     // depends on -t and -d, not on -b or dp
@@ -550,8 +549,8 @@ static int train(const Options& o, const RunSetup& run) {
         if (!resume_dir.empty()) {
             printf("resumed from %s at step %d: written on %s, continuing on %s\n", resume_dir.c_str(), state.step,
                    resumed_from.describe().c_str(), layout.describe().c_str());
-            printf("checkpoint verified in %.3f to %.3f s and read in %.3f to %.3f s per rank\n", verified_fastest,
-                   verified_slowest, read_fastest, read_slowest);
+            printf("checkpoint verified in %.3f to %.3f s and read in %.3f to %.3f s per rank\n", verified.first,
+                   verified.second, read.first, read.second);
         }
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,

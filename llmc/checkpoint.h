@@ -142,7 +142,7 @@ struct ModelState {
     std::vector<ShareRun> params_runs;  // loading: where each run of params lies in the whole model
     float *adam_m, *adam_v;
     size_t optimizer_count;
-    std::vector<ShareRun> optimizer_runs;  // where each run of the moments lies in the whole model
+    std::vector<ShareRun> optimizer_runs;  // where each run of the moments lies in the whole model (files keep this order)
     int* adam_step;
 };
 
@@ -154,6 +154,11 @@ inline ModelState model_state(GPT& m) {
 }
 
 inline std::string checkpoint_name(int step) { return strfmt("ckpt_%08d", step); }
+// whether `name` is a checkpoint directory's name, and of which step
+inline bool is_checkpoint_name(const std::string& name, int* step) {
+    char tail;
+    return sscanf(name.c_str(), "ckpt_%d%c", step, &tail) == 1 && checkpoint_name(*step) == name;
+}
 
 inline void make_dirs(const std::string& path) {
     std::string partial;
@@ -204,9 +209,7 @@ inline std::vector<int> list_checkpoints(const std::string& out_dir) {
     if (!d) return steps;
     while (struct dirent* e = readdir(d)) {
         int step;
-        char tail;
-        if (sscanf(e->d_name, "ckpt_%d%c", &step, &tail) == 1 && checkpoint_name(step) == e->d_name &&
-            file_exists(out_dir + "/" + e->d_name + "/manifest.txt"))
+        if (is_checkpoint_name(e->d_name, &step) && file_exists(out_dir + "/" + e->d_name + "/manifest.txt"))
             steps.push_back(step);
     }
     closedir(d);
@@ -372,11 +375,10 @@ inline RunLayout read_manifest_layout(const std::string& path) {
     return r;
 }
 
-// The moments of the elements this rank keeps, in the order of their runs sorted by place in the rank's buffers,
-// then the index of the slices they form; returns the checksum of the bytes written.
+// The moments of the elements this rank keeps, in the order of its runs, then the index of the slices they form;
+// returns the checksum of the bytes written.
 inline uint64_t write_optimizer(const std::string& path, const ModelState& m) {
-    std::vector<ShareRun> runs = m.optimizer_runs;
-    std::sort(runs.begin(), runs.end(), [](const ShareRun& a, const ShareRun& b) { return a.local < b.local; });
+    const std::vector<ShareRun>& runs = m.optimizer_runs;
     std::vector<OptimizerSlice> index;
     uint64_t elements = 0;
     for (const ShareRun& r : runs) {
