@@ -48,12 +48,6 @@ inline const char* dtype_name(DType t) {
 
 enum class Backend { SELF, MPI, NCCL };
 
-inline double comm_clock() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 // whether p is device memory; on a machine without a GPU nothing is
 inline bool is_device_pointer(const void* p) {
     static const bool have_gpu = [] {
@@ -408,7 +402,7 @@ struct Comm {
     }
 
     // blocks until r has finished, or aborts the job once the deadline passes
-    void wait(CommRequest& r) { wait_until(r, comm_clock() + timeout_s); }
+    void wait(CommRequest& r) { wait_until(r, now_seconds() + timeout_s); }
     void wait(CommRequest&& r) { wait(r); }
 
     void wait_until(CommRequest& r, double deadline) {
@@ -426,7 +420,7 @@ struct Comm {
     }
     void poll_until(CommRequest& r, double deadline) {
         for (int spins = 0; !test(r); spins++) {
-            if (comm_clock() > deadline) timeout(r);
+            if (now_seconds() > deadline) timeout(r);
             if (spins > 100) usleep(spins > 10000 ? 1000 : 20);
         }
     }
@@ -700,7 +694,7 @@ inline ncclUniqueId nccl_id_over_tcp(const Launch& l, const std::string& address
         if (bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, l.world) != 0)
             fail("--comm-address %s: cannot listen (%s)", address.c_str(), strerror(errno));
         for (int served = 1; served < l.world; served++) {
-            timeval tv{(long)std::max(1.0, deadline - comm_clock()), 0};
+            timeval tv{(long)std::max(1.0, deadline - now_seconds()), 0};
             setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
             int peer = accept(fd, nullptr, nullptr);
             if (peer < 0) fail("--comm-address %s: only %d of %d ranks connected before the deadline", address.c_str(), served, l.world);
@@ -709,7 +703,7 @@ inline ncclUniqueId nccl_id_over_tcp(const Launch& l, const std::string& address
         }
     } else {
         while (connect(fd, res->ai_addr, res->ai_addrlen) != 0) {
-            if (comm_clock() > deadline) fail("--comm-address %s: rank 0 never answered", address.c_str());
+            if (now_seconds() > deadline) fail("--comm-address %s: rank 0 never answered", address.c_str());
             close(fd);
             usleep(200000);
             fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -732,7 +726,7 @@ inline ncclUniqueId nccl_id_over_file(const Launch& l, const std::string& dir, d
         if (rename((path + ".tmp").c_str(), path.c_str()) != 0) fail("%s: cannot rename into place", path.c_str());
     } else {
         while (!file_exists(path)) {
-            if (comm_clock() > deadline) fail("%s: rank 0 never wrote it (is --comm-dir shared by every node?)", path.c_str());
+            if (now_seconds() > deadline) fail("%s: rank 0 never wrote it (is --comm-dir shared by every node?)", path.c_str());
             usleep(100000);
         }
         File f(path, "rb");
@@ -768,7 +762,7 @@ inline Comm comm_world(const CommSettings& s) {
         c.backend = Backend::MPI;
         return c;
     }
-    double deadline = comm_clock() + s.timeout_s;
+    double deadline = now_seconds() + s.timeout_s;
     ncclUniqueId id;
     if (s.init == "tcp") {
         id = nccl_id_over_tcp(l, s.address, deadline);

@@ -42,6 +42,11 @@ struct Options {
     bool shuffle = true;                                // --shuffle
     bool plan = false;                                  // --plan
     int plan_world = 0;                                 // --world: ranks to plan for (0: this job's)
+    std::string hardware;                               // --hardware: the profile a plan's time is priced with
+    int gpus_per_node = 0;                              // --gpus-per-node: 0 = the profile's
+    bool search = false;                                // --search
+    int search_gpus = 0;                                // --gpus: the devices --search lays a run out on
+    std::string calibrate;                              // --calibrate: the profile file to write
     std::string convert;                                // --convert: a checkpoint directory
     std::string convert_to;                             // --to: the llm.c model file it becomes
     std::string convert_dtype = "fp32";                 // --dtype
@@ -65,6 +70,8 @@ struct Options {
     bool debug_check_replicas = false;                  // --debug-check-replicas (tests only)
     int debug_nan_step = -1;                            // --debug-nan-step (tests only)
     int debug_sigterm_step = -1;                        // --debug-sigterm-step (tests only)
+
+    bool planning() const { return plan || search; }    // predicting only: no data, no ranks, no GPU needed
 };
 
 // --help: every flag parse_options accepts, by group, with its default in brackets (a test holds the two equal)
@@ -136,6 +143,13 @@ inline const char* USAGE =
     "planning and debugging:\n"
     "  --plan            print the predicted memory and communication per rank, and exit [off]\n"
     "  --world N         with --plan: the number of ranks to plan for              [this job's]\n"
+    "  --hardware FILE   with --plan, --search or --calibrate: the hardware profile that prices a step\n"
+    "                    (dev/hardware/)                 [dev/hardware/h100.txt on cuda, cpu.txt on cpu]\n"
+    "  --gpus-per-node G  with --plan or --search: devices per node, which groups fit in [the profile's]\n"
+    "  --search          with --gpus N and -d: the best layouts of N devices, predicted, and exit [off]\n"
+    "  --gpus N          with --search: the devices to lay the run out on          [none]\n"
+    "  --calibrate FILE  measure this machine's profile (matmul, attention, memory, and the collectives\n"
+    "                    under mpirun) into FILE, starting from --hardware's figures, and exit [none]\n"
     "  -a 0|1            overfit a single batch                                    [0]\n"
     "  --debug-stall-rank R        (testing) rank R stops answering before its first step [-1]\n"
     "  --debug-check-replicas 0|1  (testing) at the end, compare the replicated tensors across tp [0]\n"
@@ -221,6 +235,10 @@ inline Options parse_options(int argc, char** argv) {
         {"--seed", integer(&o.seed, 0, LONG_MAX)},
         {"--shuffle", integer(&o.shuffle, 0, 1)},
         {"--world", integer(&o.plan_world, 1, 1 << 20)},
+        {"--hardware", text(&o.hardware)},
+        {"--gpus-per-node", integer(&o.gpus_per_node, 1, 1 << 16)},
+        {"--gpus", integer(&o.search_gpus, 1, 1 << 20)},
+        {"--calibrate", text(&o.calibrate)},
         {"--convert", text(&o.convert)},
         {"--to", text(&o.convert_to)},
         {"--dtype", choice(&o.convert_dtype, {"fp32", "bf16"})},
@@ -254,8 +272,8 @@ inline Options parse_options(int argc, char** argv) {
             fputs(USAGE, stdout);
             exit(0);
         }
-        if (flag == "--plan") {
-            o.plan = true;
+        if (flag == "--plan" || flag == "--search") {
+            (flag == "--plan" ? o.plan : o.search) = true;
             continue;
         }
         auto handler = setters.find(flag);
@@ -278,6 +296,14 @@ inline Options parse_options(int argc, char** argv) {
     if (!o.convert.empty() && o.convert_to.empty()) fail("--convert %s: needs --to FILE", o.convert.c_str());
     if (o.convert.empty() && !o.convert_to.empty()) fail("--to %s: only with --convert", o.convert_to.c_str());
     if (o.convert.empty() && o.convert_dtype != "fp32") fail("--dtype %s: only with --convert", o.convert_dtype.c_str());
+    if (o.search && o.plan) fail("--search: prints its own plans; drop --plan");
+    if (o.search && o.search_gpus == 0) fail("--search: needs --gpus N, the devices to lay the run out on");
+    if (o.search_gpus > 0 && !o.search) fail("--gpus %d: only with --search (a run's devices are the ranks launched)", o.search_gpus);
+    if (o.search && o.total_batch == -1) fail("--search: needs -d, the global batch every layout must train with");
+    if (!o.hardware.empty() && !o.plan && !o.search && o.calibrate.empty())
+        fail("--hardware %s: only with --plan, --search or --calibrate", o.hardware.c_str());
+    if (o.gpus_per_node > 0 && !o.plan && !o.search) fail("--gpus-per-node %d: only with --plan or --search", o.gpus_per_node);
+    if (!o.calibrate.empty() && (o.plan || o.search)) fail("--calibrate %s: measures and exits; drop --plan and --search", o.calibrate.c_str());
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
     if (o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
     return o;

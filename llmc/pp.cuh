@@ -144,12 +144,12 @@ struct Pipeline {
         LocalDims d = model_dims(m, B, T);
         size_t rows = (size_t)d.R * d.C;
         floatX* input_grad = nullptr;  // of the last backward, until its send
-        double t0 = comm_clock(), loss = 0.0;
+        double t0 = now_seconds(), loss = 0.0;
         busy = 0.0;
         trace.clear();
         for (size_t i = 0; i < actions.size();) {
             const PPAction& a = actions[i];
-            double start = comm_clock() - t0;
+            double start = now_seconds() - t0;
             if (pp_is_p2p(a.op)) {
                 // an exchange: the run of p2p ops up to the next compute action
                 size_t end = i;
@@ -164,7 +164,7 @@ struct Pipeline {
                     ops.push_back({send, buf, rows, dtype_of<floatX>(), p.peer});
                 }
                 for (CommRequest& r : comm->exchange(ops)) comm->wait(r);
-                if (tracing) trace.push_back({a, (int)(end - i), start, comm_clock() - t0});
+                if (tracing) trace.push_back({a, (int)(end - i), start, now_seconds() - t0});
                 for (size_t k = i; k < end; k++) release(k);
                 i = end;
                 continue;
@@ -181,7 +181,7 @@ struct Pipeline {
                 else gpt_weight_grads_chunk(m, s, a.chunk);
             }
             if (tracing) device_synchronize<floatX>();  // time the work, not its launch
-            double finish = comm_clock() - t0;
+            double finish = now_seconds() - t0;
             busy += finish - start;
             if (tracing) trace.push_back({a, 1, start, finish});
             release(i);

@@ -298,7 +298,7 @@ struct PPRun {
     std::string stuck;         // empty when every rank finished; else what each stuck rank waits for
 };
 
-// Runs every rank: compute actions never block and take cost(action); an exchange group completes, taking no
+// Runs every rank: compute actions never block and take cost(rank, action); an exchange group completes, taking no
 // time, once every op in it has its partner in the partner rank's current group or in a group that rank has
 // already completed. It completes when the last of the ranks involved arrives, so data flows from the end of
 // the producing compute to the start of the consuming one.
@@ -320,7 +320,7 @@ inline PPRun pp_run(const PPSchedule& s, int N, const PPMatching& match, Cost co
             while (pos[r] < (int)s[r].size()) {
                 const PPAction& a = s[r][pos[r]];
                 if (!pp_is_p2p(a.op)) {
-                    double c = cost(a);
+                    double c = cost(r, a);
                     run.end[r] += c;
                     run.busy[r] += c;
                     pos[r]++;
@@ -440,7 +440,7 @@ inline void check_pp_schedule(const PPSchedule& s, int N, int m, int V, bool spl
             }
     }
     PPMatching match = pp_match(s, N);
-    PPRun run = pp_run(s, N, match, [](const PPAction&) { return 1.0; });
+    PPRun run = pp_run(s, N, match, [](int, const PPAction&) { return 1.0; });
     if (!run.stuck.empty()) fail("pp schedule: deadlock: %s", run.stuck.c_str());
 }
 
@@ -464,33 +464,44 @@ inline int pp_peak_in_flight(const std::vector<PPAction>& rank_actions) {
     return peak;
 }
 
-// Timing of a schedule: a Forward takes f, a Backward b and a WeightGrad w, per chunk and micro-batch (a
-// Backward takes b + w when the schedule has no WeightGrad, so that every schedule does the same work);
-// p2p takes no time but a group completes only when all ranks in it have arrived. `bubble` is the idle share of
-// the makespan, 1 - mean(busy)/makespan. pp_bubble_formula is the Playbook's ratio of idle time to the ideal
-// time instead, so the two relate as bubble = formula / (1 + formula).
+// Timing of a schedule: each rank's compute action takes cost(rank, action); p2p takes no time but a group
+// completes only when all ranks in it have arrived. `bubble` is the idle share of the makespan,
+// 1 - mean(busy)/makespan. pp_bubble_formula is the Playbook's ratio of idle time to the ideal time instead,
+// so the two relate as bubble = formula / (1 + formula).
 struct PPSimulation {
     double makespan;
     std::vector<double> busy;
     double bubble;
 };
 
-inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, double f, double b, double w) {
-    bool split = false;
-    for (const auto& actions : s)
-        for (const PPAction& a : actions) split = split || a.op == PPOp::WeightGrad;
+template <typename Cost>
+inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, Cost cost) {
     PPMatching match = pp_match(s, N);
-    PPRun run = pp_run(s, N, match, [&](const PPAction& a) {
-        if (a.op == PPOp::Forward) return f;
-        if (a.op == PPOp::Backward) return split ? b : b + w;
-        return w;
-    });
+    PPRun run = pp_run(s, N, match, cost);
     if (!run.stuck.empty()) fail("pp schedule: deadlock: %s", run.stuck.c_str());
     PPSimulation sim{*std::max_element(run.end.begin(), run.end.end()), run.busy, 0.0};
     double mean_busy = 0.0;
     for (double x : run.busy) mean_busy += x / N;
     sim.bubble = sim.makespan > 0 ? 1.0 - mean_busy / sim.makespan : 0.0;
     return sim;
+}
+
+inline bool pp_splits_backward(const PPSchedule& s) {
+    for (const auto& actions : s)
+        for (const PPAction& a : actions)
+            if (a.op == PPOp::WeightGrad) return true;
+    return false;
+}
+
+// the same stage costs on every rank: a Forward takes f, a Backward b and a WeightGrad w, per chunk and
+// micro-batch (a Backward takes b + w when the schedule has no WeightGrad, so every schedule does the same work)
+inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, double f, double b, double w) {
+    bool split = pp_splits_backward(s);
+    return simulate_pp_schedule(s, N, [&](int, const PPAction& a) {
+        if (a.op == PPOp::Forward) return f;
+        if (a.op == PPOp::Backward) return split ? b : b + w;
+        return w;
+    });
 }
 
 // The Playbook's bubble: idle time over the ideal m*(f+b) of one rank, for equal stage costs. ZB-H1's is the

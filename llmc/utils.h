@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <time.h>
 #include <unistd.h>
 #include <string>
 #include <vector>
@@ -83,6 +84,13 @@ inline bool file_exists(const std::string& p) {
     FILE* f = fopen(p.c_str(), "rb");
     if (f) fclose(f);
     return f != nullptr;
+}
+
+// seconds on the monotonic clock, for timing and deadlines
+inline double now_seconds() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 // ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+// --calibrate FILE: measures the figures of a hardware profile (llmc/hardware.h) on the machine it runs on, with
+// the trainer's own layer entry points on the run's device, so that the step-time model prices a layout with
+// what this build achieves here rather than with data-sheet numbers:
+//   matmul_tflops     matmul_forward, M rows by n by n, at each size n of the base profile's list
+//   attention_tflops  causal attention forward and backward (B sequences of T tokens, 12 heads of 64)
+//   memory_gbps       a residual sum and AdamW over buffers far larger than the caches
+//   transcendental_gbps  GELU forward and backward, over the same buffers
+//   launch_us         a residual sum of 256 elements: what a call costs when it has almost nothing to do
+//   intra_gbps ...    under mpirun, an all-reduce's bus bandwidth (2(n-1)/n of the bytes per second) and the
+//                     time of a one-element all-reduce; across nodes these are the inter-node figures
+// Every rank measures at once, as the ranks of a run compute at once; rank 0's figures are written. The rest
+// (memory, peak, per-node devices, overlap, the other link) come from the base profile.
+#pragma once
+
+#include <omp.h>
+
+#include "llmc/adamw.cuh"
+#include "llmc/attention.cuh"
+#include "llmc/comm.cuh"
+#include "llmc/gelu.cuh"
+#include "llmc/hardware.h"
+#include "llmc/ledger.h"
+#include "llmc/matmul.cuh"
+#include "llmc/residual.cuh"
+#include "llmc/tp.cuh"
+
+// seconds per call of f on the device's clock: after a call that warms it up, groups of 1, 2, 4, ... calls
+// (synchronized at their ends only) until a group lasts half a second; or exactly `calls` calls, which
+// collectives need, since every rank must make as many
+template <typename floatX, typename F>
+inline double seconds_per_call(F f, long calls = 0) {
+    f();
+    device_synchronize<floatX>();
+    const bool fixed = calls > 0;
+    for (long n = fixed ? calls : 1;; n *= 2) {
+        double start = now_seconds();
+        for (long i = 0; i < n; i++) f();
+        device_synchronize<floatX>();
+        double elapsed = now_seconds() - start;
+        if (fixed || elapsed >= 0.5) return elapsed / n;
+    }
+}
+
+template <typename floatX>
+inline void fill_random(floatX* p, size_t n, uint64_t seed) {
+    Rng rng(seed);
+    std::vector<float> host(n);
+    for (float& x : host) x = rng.uniform() * 2.0f - 1.0f;
+    upload_from_float(p, host.data(), n);
+}
+
+template <typename floatX>
+inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& world, bool one_node) {
+    constexpr bool gpu = device_of<floatX> == Device::CUDA;
+    HardwareProfile h = base;
+    Ledger led;
+    const int threads = omp_get_max_threads();
+    // matmul: rows enough to keep every core or SM busy at every size
+    const long rows = gpu ? 16384 : 2048;
+    size_t largest = 0;
+    for (auto [n, rate] : base.matmul_tflops) largest = std::max(largest, (size_t)n);
+    floatX* a = led.alloc<floatX, floatX>(MEM_SCRATCH, rows * largest);
+    floatX* w = led.alloc<floatX, floatX>(MEM_SCRATCH, largest * largest);
+    floatX* out = led.alloc<floatX, floatX>(MEM_SCRATCH, rows * largest);
+    fill_random(a, rows * largest, 1), fill_random(w, largest * largest, 2);
+    float* workspace = gpu ? nullptr : led.alloc<floatX, float>(MEM_SCRATCH, gemm_workspace_floats(threads));
+    for (auto& [size, rate] : h.matmul_tflops) {
+        long n = (long)size, M = std::max(rows, n);
+        if (M * n > rows * (long)largest) M = rows;
+        double s = seconds_per_call<floatX>([&] { matmul_forward(out, a, w, nullptr, M, n, n, workspace); });
+        rate = 2.0 * M * n * n / s / 1e12;
+    }
+    // attention: the FLOPs step_time.h counts, 2·B·T·T·C forward and 2.5 times that backward
+    {
+        const int B = gpu ? 16 : 2, T = gpu ? 1024 : 256, C = 768, NH = 12;
+        size_t BT = (size_t)B * T;
+        floatX* qkv = led.alloc<floatX, floatX>(MEM_SCRATCH, BT * 3 * C);
+        floatX* att_out = led.alloc<floatX, floatX>(MEM_SCRATCH, BT * C);
+        floatX* dout = led.alloc<floatX, floatX>(MEM_SCRATCH, BT * C);
+        floatX* dqkv = led.alloc<floatX, floatX>(MEM_SCRATCH, BT * 3 * C);
+        float* kept = led.alloc<floatX, float>(MEM_SCRATCH, (size_t)B * NH * T * (gpu ? 1 : T));
+        size_t scratch_floats = gpu ? attention_backward_scratch_floats(B, T, C, NH) : (size_t)threads * T;
+        float* scratch = led.alloc<floatX, float>(MEM_SCRATCH, scratch_floats);
+        if (gpu) gpu_scratch_registry() = {scratch, scratch_floats};
+        fill_random(qkv, BT * 3 * C, 3), fill_random(dout, BT * C, 4);
+        double s = seconds_per_call<floatX>([&] {
+            attention_forward(att_out, kept, qkv, B, T, C, NH);
+            attention_backward(dqkv, dout, qkv, att_out, kept, B, T, C, NH, scratch);
+        });
+        h.attention_tflops = 3.5 * 2.0 * B * T * (double)T * C / s / 1e12;
+        if (gpu) gpu_scratch_registry() = {};
+    }
+    // the element-wise kernels. Streaming: a residual sum reads two values and writes one; AdamW reads a
+    // parameter, its gradient and two moments and writes three, 28 bytes (on the GPU with the master weight
+    // beside the bf16 parameter, also 28). Transcendental: GELU forward reads one value and writes one, its
+    // backward reads two and writes one.
+    {
+        const long N = gpu ? (256L << 20) : (16L << 20);
+        floatX* x = led.alloc<floatX, floatX>(MEM_SCRATCH, N);
+        floatX* y = led.alloc<floatX, floatX>(MEM_SCRATCH, N);
+        floatX* dy = led.alloc<floatX, floatX>(MEM_SCRATCH, N);
+        float* master = gpu ? led.alloc<floatX, float>(MEM_SCRATCH, N) : nullptr;
+        float* moment1 = led.alloc<floatX, float>(MEM_SCRATCH, N);
+        float* moment2 = led.alloc<floatX, float>(MEM_SCRATCH, N);
+        fill_random(x, N, 5), fill_random(dy, N, 6);
+        double residual = seconds_per_call<floatX>([&] { residual_forward(y, x, dy, N); });
+        double adamw = seconds_per_call<floatX>([&] {
+            adamw_update(y, master, dy, moment1, moment2, N, 1e-4f, 0.0f, 1.0f, 1, 1337, 0);
+        });
+        h.memory_gbps = (3.0 * N * sizeof(floatX) + 28.0 * N) / (residual + adamw) / 1e9;
+        double gelu = seconds_per_call<floatX>([&] {
+            gelu_forward(y, x, N);
+            gelu_backward(dy, x, y, N);
+        });
+        h.transcendental_gbps = 5.0 * N * sizeof(floatX) / gelu / 1e9;
+        h.launch_us = seconds_per_call<floatX>([&] { residual_forward(y, x, dy, 256); }) * 1e6;
+    }
+    // the collectives, when there are other ranks to talk to
+    if (world.size > 1) {
+        const size_t count = gpu ? (64u << 20) : (4u << 20);
+        floatX* buf = led.alloc<floatX, floatX>(MEM_COMM, count);
+        fill_random(buf, count, 7);
+        auto all_reduce = [&](size_t n) { world.wait(world.all_reduce(buf, buf, n, dtype_of<floatX>())); };
+        double s = seconds_per_call<floatX>([&] { all_reduce(count); }, 10);
+        double bus = 2.0 * (world.size - 1) / world.size * count * sizeof(floatX) / s / 1e9;
+        double latency = seconds_per_call<floatX>([&] { all_reduce(1); }, 1000) * 1e6;
+        (one_node ? h.intra_gbps : h.inter_gbps) = bus;
+        (one_node ? h.intra_latency_us : h.inter_latency_us) = latency;
+    }
+    return h;
+}

@@ -1,0 +1,285 @@
+// The planner: what a layout needs and how fast it runs, from the flags alone, before any rank starts.
+//   --plan    one layout: each stage's memory by ledger category (llmc/plan.h), the bytes each kind of
+//             parallelism sends, and the predicted step (llmc/step_time.h) against a hardware profile;
+//   --search  every layout of N devices the trainer accepts, dropped when it does not fit, the rest ranked by
+//             predicted tokens/s, with the command line that launches each.
+// Both refuse exactly what the trainer refuses: check_layout is the trainer's own check of the flags.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <map>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/grid.cuh"
+#include "llmc/hardware.h"
+#include "llmc/options.h"
+#include "llmc/plan.h"
+#include "llmc/pp.cuh"
+#include "llmc/step_time.h"
+
+inline GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.pp, o.ep}; }
+
+inline PPSpec pp_spec(const Options& o, int rank) { return PPSpec{o.pp, rank, o.vpp, parse_pp_schedule(o.pp_schedule)}; }
+
+inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
+    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute,
+                        o.cp, pp_spec(o, 0), o.ep};
+}
+
+inline CPSplit cp_split(const Options& o) { return o.cp_split == "contiguous" ? CPSplit::Contiguous : CPSplit::ZigZag; }
+
+// a layout the trainer accepts for a world of ranks: its dp size and the micro-steps of a step
+struct CheckedLayout {
+    int dp, accumulation;
+    long tokens_per_micro_step, total_batch;
+};
+
+// the trainer's checks of the layout flags against the model and the world, each failing with one line naming
+// the flag
+inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int world) {
+    CheckedLayout l;
+    l.dp = grid_dp(world, grid_shape(o));
+    check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
+    if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
+    if (config.num_experts % o.ep != 0) fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
+    if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
+    l.tokens_per_micro_step = (long)o.B * o.T * l.dp;
+    l.total_batch = o.total_batch == -1 ? l.tokens_per_micro_step : o.total_batch;
+    if (l.total_batch % l.tokens_per_micro_step != 0)
+        fail("-d %ld: must be a multiple of b*t*dp = %ld", l.total_batch, l.tokens_per_micro_step);
+    if (l.total_batch / l.tokens_per_micro_step > (1 << 20))
+        fail("-d %ld: needs %ld micro-steps of b*t*dp = %ld tokens; at most %d", l.total_batch,
+             l.total_batch / l.tokens_per_micro_step, l.tokens_per_micro_step, 1 << 20);
+    l.accumulation = (int)(l.total_batch / l.tokens_per_micro_step);
+    // the pipeline: the layers fill the stages, and the schedule takes this many micro-batches
+    stage_part(config, pp_spec(o, 0));
+    check_pp_micro_batches(pp_spec(o, 0).kind, o.pp, l.accumulation, o.vpp);
+    // ZeRO-2/3 stage each bucket's gradients for one reduction at a time; a split backward writes some of a
+    // micro-batch's (the layernorms') long before the rest, while other micro-batches' arrive
+    if (o.pp_schedule == "zb" && o.zero >= 2)
+        fail("--pp-schedule zb: its deferred weight gradients work with -z 0 or 1, not -z %d", o.zero);
+    return l;
+}
+
+// --hardware, or the device's default profile; the default may be absent (a binary run outside the repository)
+inline bool plan_hardware(const Options& o, Device dev, HardwareProfile& hw, std::string& path) {
+    path = !o.hardware.empty() ? o.hardware : dev == Device::CUDA ? "dev/hardware/h100.txt" : "dev/hardware/cpu.txt";
+    if (o.hardware.empty() && access(path.c_str(), R_OK) != 0) return false;
+    hw = load_hardware(path);
+    if (hw.device != (dev == Device::CUDA ? "cuda" : "cpu"))
+        fail("--hardware %s: a profile for %s, but the plan is for --device %s", path.c_str(), hw.device.c_str(),
+             dev == Device::CUDA ? "cuda" : "cpu");
+    return true;
+}
+
+// A rank's memory as the planner compares it with the device's: the ledger's categories, and on the GPU
+// cuBLASLt's workspace and the profile's reserve (the CUDA context, NCCL)
+inline double planned_device_bytes(const MemoryPlan& p, Device dev, const HardwareProfile& hw) {
+    double outside = dev == Device::CUDA ? (double)CUBLASLT_WORKSPACE_BYTES + hw.reserved_mib * 1048576.0 : 0.0;
+    return (double)p.total() + outside;
+}
+
+inline void print_plan(const Options& o, const GPTConfig& config, const std::string& device, Device dev, int world,
+                       int accumulation) {
+    int dp = grid_dp(world, grid_shape(o));
+    ParallelPlan par = parallel_plan(o, dp, accumulation);
+    printf("%s\n", device.c_str());
+    size_t psi = count_parameters(config);
+    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s: %zu parameters\n", config.num_layers, config.channels,
+           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
+           config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);
+    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
+           "micro-steps per step, recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.pp,
+           o.pp_schedule.c_str(), o.vpp, o.zero, par.grad_ranks(),
+           o.ep > 1 ? strfmt(", ep=%d (each expert on %d rank%s)", o.ep, par.expert_ranks(),
+                             par.expert_ranks() == 1 ? "" : "s").c_str() : "",
+           accumulation, o.recompute);
+    if (par.pp.on()) print_stage_layers(config, par.pp);
+    const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
+    HardwareProfile hw;
+    std::string hw_path;
+    bool priced = plan_hardware(o, dev, hw, hw_path);
+    // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
+    for (int stage = 0; stage < o.pp; stage++) {
+        par.pp.rank = stage;
+        MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
+        int in_flight = planned_in_flight(par.pp, accumulation);
+        std::string where = o.pp > 1 ? strfmt(" on stage %d (%d micro-batch%s in flight)", stage, in_flight,
+                                              in_flight == 1 ? "" : "es") : "";
+        print_memory(strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T, precision).c_str(),
+                     plan.bytes, plan.total());
+        if (dev == Device::CUDA) {
+            // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
+            // (not counted: the run measures from after its creation)
+            printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES / 1048576.0);
+            printf("  %-16s %14s       about %.0f MiB per process (driver and kernels; not in the totals)\n",
+                   "CUDA context", "", CUDA_CONTEXT_MIB);
+            printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
+                   (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
+        } else {
+            ModelPart part = planned_part(config, par);
+            size_t local = num_parameters(config, o.tp, part, o.ep);
+            size_t shard = planned_shard_size(config, par);
+            size_t mixed[MEM_CATEGORIES] = {};
+            plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
+            printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f "
+                   "MiB, optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
+                   mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+        }
+        if (priced) {
+            double need = planned_device_bytes(plan, dev, hw) / 1073741824.0;
+            printf("  fits %s: %s (%.1f of %.1f GiB, with its %.0f MiB reserve)\n", hw.name.c_str(),
+                   need <= hw.memory_gib ? "yes" : "NO", need, hw.memory_gib, dev == Device::CUDA ? hw.reserved_mib : 0.0);
+        }
+    }
+    par.pp.rank = 0;
+    const char* of = o.pp > 1 ? " on stage 0" : "";
+    printf("communication per step per rank%s: %.0f bytes\n", of, planned_comm_bytes(config, par, dev));
+    printf("tensor-parallel communication per step per rank%s: %.0f bytes\n", of,
+           planned_tp_comm_bytes(config, par, o.B, o.T, dev));
+    printf("context-parallel communication per step per rank%s: %.0f bytes\n", of,
+           planned_cp_comm_bytes(config, par, o.B, o.T, dev));
+    printf("pipeline-parallel communication per step per rank%s: %.0f bytes\n", of,
+           planned_pp_comm_bytes(config, par, o.B, o.T, dev));
+    if (o.ep > 1)
+        printf("expert-parallel communication per step per rank%s, with balanced routing: %.0f bytes\n", of,
+               planned_ep_comm_bytes(config, par, o.B, o.T, dev));
+    if (!priced) {
+        printf("predicted step: no hardware profile at %s (give --hardware FILE, e.g. one of dev/hardware/)\n", hw_path.c_str());
+        return;
+    }
+    int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : hw.devices_per_node;
+    printf("hardware: %s (%s), %d per node\n", hw.name.c_str(), hw_path.c_str(), per_node);
+    printf("predicted step: %s\n", describe_step(predict_step(config, o.B, o.T, par, dev, hw, per_node)).c_str());
+}
+
+// One candidate of --search: its flags, what it needs and what it is predicted to do
+struct SearchCandidate {
+    Options o;
+    double bytes;  // the largest stage's, on the device
+    StepTime step;
+};
+
+// the flags that launch a candidate, beside the model, -t and -d the search was given
+inline std::string layout_flags(const Options& o) {
+    std::string s = strfmt("-b %d", o.B);
+    if (o.tp > 1) s += strfmt(" --tp %d", o.tp);
+    if (o.cp > 1) s += strfmt(" --cp %d", o.cp);
+    if (o.pp > 1) s += strfmt(" --pp %d --pp-schedule %s", o.pp, o.pp_schedule.c_str());
+    if (o.vpp > 1) s += strfmt(" --vpp %d", o.vpp);
+    if (o.ep > 1) s += strfmt(" --ep %d", o.ep);
+    if (o.zero > 0) s += strfmt(" -z %d", o.zero);
+    if (o.recompute > 0) s += strfmt(" -r %d", o.recompute);
+    return s;
+}
+
+inline std::vector<int> divisors(int n) {
+    std::vector<int> d;
+    for (int k = 1; k <= n; k++)
+        if (n % k == 0) d.push_back(k);
+    return d;
+}
+
+// Every layout of `gpus` devices: tp within a node and dividing the heads, cp splitting the sequence, pp with
+// each schedule (interleaved with 2 and 4 virtual stages), ep dividing dp and the experts, ZeRO 0-3,
+// micro-batches of powers of two and recomputation 0-2; sp with tp. Those the trainer refuses are counted by
+// the flag that refuses them, those that do not fit by how much they lack.
+inline std::vector<SearchCandidate> search_layouts(const Options& base, const GPTConfig& config, Device dev,
+                                                   const HardwareProfile& hw, int per_node,
+                                                   std::map<std::string, int>& refused, int& too_big) {
+    std::vector<SearchCandidate> fitting;
+    int gpus = base.search_gpus;
+    too_big = 0;
+    for (int tp : divisors(std::min(gpus, per_node)))
+        for (int cp = 1; tp * cp <= gpus; cp *= 2)
+            for (int pp : divisors(gpus / (tp * cp))) {
+                if (gpus % (tp * cp * pp) != 0) continue;
+                std::vector<std::pair<std::string, int>> schedules = {{"1f1b", 1}};
+                if (pp > 1) schedules = {{"afab", 1}, {"1f1b", 1}, {"zb", 1}, {"interleaved", 2}, {"interleaved", 4}};
+                int dp = gpus / (tp * cp * pp);
+                for (auto [schedule, vpp] : schedules)
+                    for (int ep : config.moe() ? divisors(dp) : std::vector<int>{1})
+                        for (int zero = 0; zero <= 3; zero++)
+                            for (int B = 1; (long)B * base.T * dp <= base.total_batch; B *= 2)
+                                for (int recompute = 0; recompute <= 2; recompute++) {
+                                    Options o = base;
+                                    o.tp = tp, o.sp = tp > 1, o.cp = cp, o.pp = pp, o.pp_schedule = schedule, o.vpp = vpp;
+                                    o.ep = ep, o.zero = zero, o.B = B, o.recompute = recompute;
+                                    CheckedLayout l;
+                                    try {
+                                        l = check_layout(o, config, gpus);
+                                    } catch (const Error& e) {
+                                        std::string why = e.what();
+                                        refused[why.substr(0, why.find_first_of(" :"))]++;
+                                        continue;
+                                    }
+                                    ParallelPlan par = parallel_plan(o, l.dp, l.accumulation);
+                                    double bytes = 0;
+                                    for (int stage = 0; stage < pp; stage++) {
+                                        par.pp.rank = stage;
+                                        MemoryPlan p = plan_memory(config, B, o.T, omp_get_max_threads(), par, dev);
+                                        bytes = std::max(bytes, planned_device_bytes(p, dev, hw));
+                                    }
+                                    par.pp.rank = 0;
+                                    if (bytes > hw.memory_gib * 1073741824.0) {
+                                        too_big++;
+                                        continue;
+                                    }
+                                    fitting.push_back({o, bytes, predict_step(config, B, o.T, par, dev, hw, per_node)});
+                                }
+            }
+    std::stable_sort(fitting.begin(), fitting.end(), [](const SearchCandidate& a, const SearchCandidate& b) {
+        return a.step.seconds < b.step.seconds;
+    });
+    return fitting;
+}
+
+// the components of a predicted step, named, for saying where the runner-up loses its time
+inline std::vector<std::pair<const char*, double>> step_parts(const StepTime& s) {
+    return {{"compute", s.compute}, {"dp", s.dp}, {"tp", s.tp}, {"cp", s.cp}, {"pp", s.pp}, {"ep", s.ep}, {"bubble", s.bubble}};
+}
+
+inline void print_search(const Options& o, const GPTConfig& config, Device dev) {
+    HardwareProfile hw;
+    std::string hw_path;
+    if (!plan_hardware(o, dev, hw, hw_path))
+        fail("--search: no hardware profile at %s (give --hardware FILE, e.g. one of dev/hardware/)", hw_path.c_str());
+    int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : hw.devices_per_node;
+    std::map<std::string, int> refused;
+    int too_big = 0;
+    std::vector<SearchCandidate> found = search_layouts(o, config, dev, hw, per_node, refused, too_big);
+    size_t considered = found.size() + too_big;
+    for (auto& [flag, n] : refused) considered += n;
+    printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s, -t %d -d %ld, %s\n", o.search_gpus,
+           per_node, hw.name.c_str(), hw_path.c_str(), config.num_layers, config.channels, config.num_heads,
+           config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", o.T, o.total_batch,
+           dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu");
+    printf("layouts considered: %zu; fit: %zu; do not fit in %.1f GiB: %d; refused by the trainer: %zu\n", considered,
+           found.size(), hw.memory_gib, too_big, considered - found.size() - too_big);
+    for (auto& [flag, n] : refused) printf("  refused by %s: %d\n", flag.c_str(), n);
+    if (found.empty()) {
+        printf("no layout fits\n");
+        return;
+    }
+    printf("%4s %10s %14s %7s  %s\n", "rank", "GiB", "tokens/s", "MFU", "command");
+    for (size_t i = 0; i < found.size() && i < 10; i++) {
+        const SearchCandidate& c = found[i];
+        printf("%4zu %10.2f %14.0f %6.1f%%  mpirun -np %d ./train_gpt -e %s -t %d -d %ld %s%s\n", i + 1, c.bytes / 1073741824.0,
+               c.step.tokens_per_second, 100 * c.step.mfu, o.search_gpus, o.model.c_str(), o.T, o.total_batch,
+               layout_flags(c.o).c_str(), dev == Device::CUDA ? "" : " --device cpu");
+    }
+    printf("best: %s\n", describe_step(found[0].step).c_str());
+    if (found.size() < 2) return;
+    const StepTime &a = found[0].step, &b = found[1].step;
+    std::vector<std::pair<const char*, double>> pa = step_parts(a), pb = step_parts(b);
+    std::string why;
+    for (size_t i = 0; i < pa.size(); i++) {
+        double d = pb[i].second - pa[i].second;
+        if (std::fabs(d) >= 0.005 * a.seconds) why += strfmt("%s %s%.3f ms, ", pa[i].first, d > 0 ? "+" : "", d * 1e3);
+    }
+    if (!why.empty()) why.resize(why.size() - 2);
+    printf("runner-up (%s) is %.3f ms slower: %s\n", layout_flags(found[1].o).c_str(), (b.seconds - a.seconds) * 1e3,
+           why.empty() ? "every part within 0.5% of the best's" : why.c_str());
+}

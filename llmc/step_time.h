@@ -1,0 +1,272 @@
+// The step-time model behind --plan's "predicted step" line and --search: one optimizer step of a layout,
+// priced against a hardware profile (llmc/hardware.h), from the same shapes and byte counts as the memory plan.
+//
+// Compute. Each matmul costs 2·M·N·K FLOPs at the profile's rate for its smallest dimension; backward does two
+// of the same shapes per forward matmul (the input's gradient and the weight's). Causal attention does
+// 2·B·Tq·T·Cl FLOPs forward (Tq = T/cp local queries against T/2 keys on average, two products) and 2.5 times
+// that backward. The element-wise kernels cost the bytes they read and write at the profile's bandwidth:
+// streaming ones (layernorm, residual, the embeddings, AdamW, the gradient norm) at memory_gbps, those with a
+// tanh or exp per element (GELU, the cross-entropy) at transcendental_gbps; every op a fixed launch cost.
+//
+// Communication. Each collective costs the bytes one rank sends (the plan's counts: llmc/plan.h) at the bus
+// bandwidth of the link its group crosses, plus a latency per call. Ranks are laid out tp fastest, then cp,
+// dp and pp (llmc/grid.cuh), so a group stays inside a node when its span, the product of its size and the
+// sizes inside it, fits the node's devices. What is exposed:
+//   tp  every collective: the next op needs its result;
+//   cp  the ring's hops beyond the attention they overlap with;
+//   ep  the all-to-alls, which the experts wait for;
+//   pp  each send, on the sending stage, and the bubble the schedule leaves (simulated with each stage's own
+//       costs: llmc/pp_schedules.h);
+//   dp  the reductions that cannot hide behind backward (the embeddings' bucket, reduced last; ZeRO-0's gathers,
+//       done when a staging slot is reused; the parameters' all-gather after the update under ZeRO-1/2), and
+//       the share of the rest the backend does not overlap (the profile's `overlap`).
+// The step is the pipeline's makespan (m micro-batches back to back without pp), the exposed dp time and the
+// optimizer. MFU counts the model's FLOPs as llm.c does, 6N + 6·L·C·T per token (N: the parameters a token
+// uses), against the profile's peak on every rank.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "llmc/hardware.h"
+#include "llmc/plan.h"
+#include "llmc/pp_schedules.h"
+
+struct StepTime {
+    double compute = 0;                         // the critical stage's own work, including the optimizer
+    double dp = 0, tp = 0, cp = 0, pp = 0, ep = 0;  // exposed communication
+    double bubble = 0;                          // the critical stage's idle time in the pipeline
+    double seconds = 0;                         // the sum of the above
+    double tokens_per_second = 0, mfu = 0;
+};
+
+// the link a group crosses: inside a node when its span of consecutive ranks fits the node's devices
+struct Link {
+    double bytes_per_second, latency;
+};
+inline Link group_link(const HardwareProfile& hw, long span, int devices_per_node) {
+    if (span <= devices_per_node) return {hw.intra_gbps * 1e9, hw.intra_latency_us * 1e-6};
+    return {hw.inter_gbps * 1e9, hw.inter_latency_us * 1e-6};
+}
+
+// a collective's time: the bytes this rank sends over the link, and the calls' latency
+inline double link_seconds(const Link& l, double bytes, double calls) {
+    return bytes / l.bytes_per_second + calls * l.latency;
+}
+
+// FLOPs per token by llm.c's count: 6 per parameter a token uses (with experts, K of the E MLPs) and 6·L·C·T
+// for attention
+inline double model_flops_per_token(const GPTConfig& c, int T) {
+    double C = c.channels, L = c.num_layers, psi = (double)count_parameters(c);
+    if (c.moe()) psi -= L * (c.num_experts - c.top_k) * (8 * C * C + 5 * C);
+    return 6 * psi + 6 * L * C * T;
+}
+
+// One micro-batch's work on one rank: a forward pass and a backward pass of a chunk of layers (with the
+// embeddings when it starts the model, the head when it ends it). Backward's weight-gradient share is kept
+// apart for the zero-bubble schedule's W; the exposed communication of each pass is priced separately.
+struct PassCost {
+    double forward = 0, backward = 0, weight_grad = 0;   // compute
+    double tp = 0, cp = 0, ep = 0, pp = 0;               // exposed communication, forward and backward together
+    double forward_comm = 0;                             // ... of which in forward
+    double attention = 0;                                // attention's compute (what the cp ring overlaps)
+};
+
+struct StepModel {
+    const GPTConfig& c;
+    const ParallelPlan& par;
+    const HardwareProfile& hw;
+    Device dev;
+    int B, T, gpus_per_node;
+
+    double value_bytes() const { return stored_value_bytes(dev); }
+    double gemm(double M, double N, double K) const {
+        return 2 * M * N * K / (hw.matmul_rate(std::min({M, N, K})) * 1e12) + hw.launch_us * 1e-6;
+    }
+    double memory(double bytes, int ops) const { return bytes / (hw.memory_gbps * 1e9) + ops * hw.launch_us * 1e-6; }
+    double transcendental(double bytes, int ops) const {
+        return bytes / (hw.transcendental_gbps * 1e9) + ops * hw.launch_us * 1e-6;
+    }
+    Link link(int size, long inner) const { return group_link(hw, (long)size * inner, gpus_per_node); }
+    Link tp_link() const { return link(par.tp, 1); }
+    Link cp_link() const { return link(par.cp, par.tp); }
+    Link ep_link() const { return link(par.ep, (long)par.tp * par.cp); }
+    Link dp_link() const { return link(par.dp * par.cp, par.tp); }
+    Link pp_link() const { return link(par.pp.size, (long)par.tp * par.cp * par.dp); }
+
+    // a chunk of `layers` layers, with the embeddings and/or the head
+    PassCost pass(int layers, bool embeddings, bool head, bool sends_forward, bool sends_backward) const {
+        const double X = value_bytes(), t = par.tp, C = c.channels, BT = (double)B * T / par.cp;
+        const double R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = std::ceil(c.padded_vocab_size / t);
+        PassCost p;
+        // the layer's matmuls, forward; backward does each shape twice
+        double mm = gemm(BT, 3 * Cl, C) + gemm(BT, C, Cl), mlp_rows = BT;
+        if (c.moe()) {
+            double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E;  // balanced routing
+            mlp_rows = rows * experts;
+            mm += gemm(BT, E, C) + experts * (gemm(rows, Hl, C) + gemm(rows, C, Hl));
+        } else {
+            mm += gemm(BT, Hl, C) + gemm(BT, C, Hl);
+        }
+        double attention_flops = 2 * (double)B * (T / par.cp) * T * Cl;
+        double attn_f = attention_flops / (hw.attention_tflops * 1e12), attn_b = 2.5 * attn_f;
+        // bytes of the element-wise ops: two layernorms (in, out) and two residual sums (two in, one out) on R
+        // rows and, with experts, the rows copied out to the experts and back; GELU on the hidden layer (one in,
+        // one out forward, two in and one out backward, once more forward when -r recomputes it)
+        double stream = X * 10 * R * C + (c.moe() ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * mlp_rows * Hl;
+        bool again_gelu = par.recompute >= 1, again_layernorm = par.recompute >= 2;
+        double layer_f = mm + attn_f + memory(stream, 6) + transcendental(gelu, 1);
+        double layer_b_input = mm + attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
+                               transcendental(1.5 * gelu + (again_gelu ? gelu : 0), 1 + again_gelu);
+        p.forward = layers * layer_f;
+        p.backward = layers * layer_b_input;
+        p.weight_grad = layers * mm;  // the weight gradients' matmuls
+        p.attention = layers * (attn_f + attn_b);
+        if (embeddings) {  // the first chunk's lookup and its gradient's scatter
+            p.forward += memory(X * 3 * R * C, 1);
+            p.backward += memory(X * 3 * R * C, 1);
+        }
+        if (head) {  // the final layernorm, the classifier and the cross-entropy (forward and backward fused)
+            double classifier = gemm(BT, Vl, C);
+            p.forward += memory(X * 4 * R * C, 1) + transcendental(X * 3 * BT * Vl, 1) + classifier;
+            p.backward += memory(X * 6 * R * C, 1) + classifier;
+            p.weight_grad += classifier;
+        }
+        // tp: each layer crosses into and out of its two parallel regions, forward and backward (2 units of
+        // (t-1)/t·BT·C each, by planned_tp_comm_bytes' count); the embeddings and the head one crossing each way,
+        // and the cross-entropy's three floats per token; -r 2 under sp gathers the layernorms again
+        if (par.tp > 1) {
+            Link l = tp_link();
+            double unit = (t - 1) / t * BT * C * X;
+            double regions = layers * 4 * unit + (embeddings + head) * unit, calls = layers * 2 + embeddings + head;
+            double ce = head ? (t - 1) * BT * 3 * sizeof(float) : 0.0;
+            double regathered = par.sp && par.recompute >= 2 ? layers * 2 * unit : 0.0;
+            double f = link_seconds(l, regions + ce, calls + head);
+            p.tp = f + link_seconds(l, regions + regathered, calls + (regathered > 0 ? 2 * layers : 0));
+            p.forward_comm += f;
+        }
+        // cp: per layer, forward passes the K/V block N-1 times, backward again and the fp32 dK/dV N times;
+        // the hops overlap with the attention of the block in hand
+        if (par.cp > 1) {
+            double N = par.cp, kv = BT * 2 * Cl;
+            Link l = cp_link();
+            double f = link_seconds(l, (N - 1) * kv * X, N - 1), b = link_seconds(l, (N - 1) * kv * X + N * kv * 4, 2 * N - 1);
+            double exposed_f = f - hw.overlap * std::min(f, attn_f), exposed_b = b - hw.overlap * std::min(b, attn_b);
+            p.cp = layers * (exposed_f + exposed_b);
+            p.forward_comm += layers * exposed_f;
+        }
+        // ep: per layer, dispatch and return in forward and the same in backward, (N-1)/N of the K·BT rows each
+        if (par.ep > 1) {
+            double N = par.ep, bytes = (N - 1) / N * c.top_k * BT * C * X;
+            double f = layers * link_seconds(ep_link(), 2 * bytes, 3);
+            p.ep = 2 * f;
+            p.forward_comm += f;
+        }
+        // pp: the chunk's output on, and its input's gradient back, R rows of the residual stream
+        if (par.pp.on()) {
+            double send = link_seconds(pp_link(), R * C * X, 1);
+            p.pp = (sends_forward + sends_backward) * send;
+            p.forward_comm += sends_forward * send;
+        }
+        return p;
+    }
+};
+
+// What one rank's dp reductions cost and how much of it backward hides: `window` is the compute they may
+// overlap with (the last micro-batch's backward under ZeRO-0/1, every backward under ZeRO-2, all of forward and
+// backward under ZeRO-3)
+inline double exposed_dp_seconds(const StepModel& sm, double window) {
+    const ParallelPlan& par = sm.par;
+    if (par.grad_ranks() == 1) return 0.0;
+    double k = par.accumulation, X = sm.value_bytes(), exposed = 0.0, overlappable = 0.0;
+    std::vector<PlannedGroup> groups = planned_groups(sm.c, par);
+    for (size_t i = 0; i < groups.size(); i++) {
+        const PlannedGroup& g = groups[i];
+        double ring = (g.ranks - 1.0) / g.ranks, P = ring * g.layout.padded_total * X;
+        double buckets = (double)g.layout.buckets.size(), last = ring * g.layout.embeddings().padded * X;
+        Link l = i == 0 ? sm.dp_link() : sm.link(par.expert_ranks(), (long)par.tp);
+        double reduce_passes = par.zero >= 2 ? k : 1, gather_passes = par.zero == 3 ? 2 * k : 1;
+        double reduce = link_seconds(l, reduce_passes * P, reduce_passes * buckets);
+        double gather = link_seconds(l, gather_passes * P, gather_passes * buckets);
+        double tail = link_seconds(l, last, 1);  // the embeddings' bucket, complete only when backward ends
+        if (par.zero == 3) overlappable += reduce + gather - tail;
+        else overlappable += reduce - tail, exposed += gather;
+        exposed += tail + link_seconds(l, (g.ranks - 1) * 8.0 + (i == 0 ? 16.0 : 0.0), 2);  // norm and loss
+    }
+    return exposed + overlappable - sm.hw.overlap * std::min(overlappable, window);
+}
+
+inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPlan& par, Device dev,
+                             const HardwareProfile& hw, int gpus_per_node) {
+    StepModel sm{c, par, hw, dev, B, T, gpus_per_node};
+    const int N = par.pp.size, V = par.pp.virtual_stages, m = par.accumulation;
+    // each stage's cost per chunk, and its optimizer step
+    std::vector<std::vector<PassCost>> costs(N);
+    std::vector<double> optimizer(N);
+    for (int r = 0; r < N; r++) {
+        PPSpec spec = par.pp;
+        spec.rank = r;
+        ModelPart part = stage_part(c, spec);
+        for (int k = 0; k < part.chunks(); k++) {
+            int g = k * N + r;
+            costs[r].push_back(sm.pass(part.chunk_layers[k], part.starts_model(k), part.head(k), g < N * V - 1, g > 0));
+        }
+        ParallelPlan stage = par;
+        stage.pp.rank = r;
+        double psi = (double)count_parameters_per_rank(c, par.tp, part, par.ep);
+        double owned = par.zero >= 1 && (par.grad_ranks() > 1) ? (double)planned_shard_size(c, stage) : psi;
+        // AdamW reads and writes 28 bytes per element it updates (parameters, moments, gradients, and on the GPU
+        // the master weights); the norm reads the gradients
+        optimizer[r] = sm.memory(28 * owned + sm.value_bytes() * owned, 2);
+    }
+    auto action_cost = [&](int r, const PPAction& a, bool split) {
+        const PassCost& p = costs[r][a.chunk];
+        double comm_f = p.forward_comm, comm_b = p.tp + p.cp + p.ep + p.pp - comm_f;
+        if (a.op == PPOp::Forward) return p.forward + comm_f;
+        if (a.op == PPOp::Backward) return (split ? p.backward : p.backward + p.weight_grad) + comm_b;
+        return p.weight_grad;
+    };
+    // the stages' timeline: the schedule simulated, or m micro-batches back to back on one stage
+    double makespan;
+    std::vector<double> busy(N, 0.0);
+    if (par.pp.on()) {
+        PPSchedule schedule = pp_schedule(par.pp.kind, N, m, V);
+        bool split = pp_splits_backward(schedule);
+        PPSimulation sim = simulate_pp_schedule(schedule, N, [&](int r, const PPAction& a) { return action_cost(r, a, split); });
+        makespan = sim.makespan, busy = sim.busy;
+    } else {
+        const PassCost& p = costs[0][0];
+        busy[0] = m * (p.forward + p.backward + p.weight_grad + p.tp + p.cp + p.ep + p.pp);
+        makespan = busy[0];
+    }
+    // the critical stage: the one whose step ends last, its pipeline time plus its reductions and update
+    StepTime best;
+    for (int r = 0; r < N; r++) {
+        StepTime s;
+        double window = 0.0;
+        for (const PassCost& p : costs[r]) {
+            s.compute += m * (p.forward + p.backward + p.weight_grad);
+            s.tp += m * p.tp, s.cp += m * p.cp, s.ep += m * p.ep, s.pp += m * p.pp;
+            double backward = p.backward + p.weight_grad;
+            window += par.zero == 3 ? m * (p.forward + backward) : par.zero == 2 ? m * backward : backward;
+        }
+        s.bubble = makespan - busy[r];
+        ParallelPlan stage = par;
+        stage.pp.rank = r;
+        s.dp = exposed_dp_seconds(StepModel{c, stage, hw, dev, B, T, gpus_per_node}, window);
+        s.compute += optimizer[r];
+        s.seconds = s.compute + s.dp + s.tp + s.cp + s.pp + s.ep + s.bubble;
+        if (r == 0 || s.seconds > best.seconds) best = s;
+    }
+    double tokens = (double)B * T * par.dp * m, world = (double)par.dp * par.tp * par.cp * N;
+    best.tokens_per_second = tokens / best.seconds;
+    best.mfu = tokens * model_flops_per_token(c, T) / (best.seconds * world * hw.peak_tflops * 1e12);
+    return best;
+}
+
+inline std::string describe_step(const StepTime& s) {
+    return strfmt("%.3f ms, %.0f tokens/s, MFU %.1f%% (compute %.3f ms, dp %.3f ms, tp %.3f ms, cp %.3f ms, pp %.3f ms, "
+                  "ep %.3f ms, bubble %.3f ms)",
+                  s.seconds * 1e3, s.tokens_per_second, 100 * s.mfu, s.compute * 1e3, s.dp * 1e3, s.tp * 1e3, s.cp * 1e3,
+                  s.pp * 1e3, s.ep * 1e3, s.bubble * 1e3);
+}
