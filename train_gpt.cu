@@ -11,6 +11,7 @@
 #include <memory>
 #include <numeric>
 
+#include "llmc/calibrate.cuh"
 #include "llmc/checkpoint.h"
 #include "llmc/comm.cuh"
 #include "llmc/dataloader.h"
@@ -18,7 +19,7 @@
 #include "llmc/grid.cuh"
 #include "llmc/logger.h"
 #include "llmc/options.h"
-#include "llmc/plan.h"
+#include "llmc/planner.h"
 #include "llmc/pp.cuh"
 #include "llmc/run_guard.h"
 #include "llmc/sampler.h"
@@ -37,20 +38,19 @@ static std::string newest_checkpoint(const std::string& out_dir) {
     return "the newest checkpoint is " + out_dir + "/" + checkpoint_name(steps.back());
 }
 
-static double now_seconds() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-// --device, or cuda when a GPU is visible; with --plan a GPU need not exist
+// --device, or cuda when a GPU is visible; with --plan or --search a GPU need not exist
 static Device pick_device(const Options& o) {
     if (o.device == "cpu") return Device::CPU;
     if (o.device == "cuda") {
-        if (!o.plan && !cuda_device_available()) fail("--device cuda: no GPU is visible (use --device cpu)");
+        if (!o.planning() && !cuda_device_available()) fail("--device cuda: no GPU is visible (use --device cpu)");
         return Device::CUDA;
     }
     return cuda_device_available() ? Device::CUDA : Device::CPU;
+}
+
+static CommSettings comm_settings(const Options& o, Device dev) {
+    std::string backend = !o.comm.empty() ? o.comm : dev == Device::CUDA ? "nccl" : "mpi";
+    return CommSettings{backend, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
 }
 
 // the first line of a run: which device, and on the GPU which one (picked by the launcher's local rank)
@@ -102,8 +102,6 @@ static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& p
     return row;
 }
 
-static GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.pp, o.ep}; }
-
 // With experts: the step's load-balancing loss (its mean over the global batch's sequences) and each layer's
 // smallest and largest share of the assignments ("min/max,..."), from what the step's forward passes counted,
 // summed over the ranks that saw other tokens (dp × cp) and the stages that hold other layers. A collective.
@@ -124,17 +122,6 @@ static std::pair<double, std::string> expert_statistics(GPTModel<floatX>& m, Gri
     }
     return {sums[0] / sequences, shares};
 }
-
-static PPSpec pp_spec(const Options& o, int rank) {
-    return PPSpec{o.pp, rank, o.vpp, parse_pp_schedule(o.pp_schedule)};
-}
-
-static ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
-    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute,
-                        o.cp, pp_spec(o, 0), o.ep};
-}
-
-static CPSplit cp_split(const Options& o) { return o.cp_split == "contiguous" ? CPSplit::Contiguous : CPSplit::ZigZag; }
 
 // this rank's tp share of the parameters, fp32 on the host: the CPU's own (gathered over dp under ZeRO-3), or
 // the GPU's master weights (gathered over dp under ZeRO >= 1). A collective under ZeRO.
@@ -243,65 +230,6 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
             fail("replicas: the embeddings differ between the first and the last stage (tp rank %d)", grid.at.tp);
         if (grid.rank == 0) printf("replicas: the embeddings are identical on the first and the last stage\n");
     }
-}
-
-static void print_plan(const Options& o, const GPTConfig& config, const std::string& device, Device dev, int world,
-                       int accumulation) {
-    int dp = grid_dp(world, grid_shape(o));
-    ParallelPlan par = parallel_plan(o, dp, accumulation);
-    printf("%s\n", device.c_str());
-    size_t psi = count_parameters(config);
-    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s: %zu parameters\n", config.num_layers, config.channels,
-           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
-           config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);
-    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
-           "micro-steps per step, recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.pp,
-           o.pp_schedule.c_str(), o.vpp, o.zero, par.grad_ranks(),
-           o.ep > 1 ? strfmt(", ep=%d (each expert on %d rank%s)", o.ep, par.expert_ranks(),
-                             par.expert_ranks() == 1 ? "" : "s").c_str() : "",
-           accumulation, o.recompute);
-    if (par.pp.on()) print_stage_layers(config, par.pp);
-    const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
-    // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
-    for (int stage = 0; stage < o.pp; stage++) {
-        par.pp.rank = stage;
-        MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
-        int in_flight = planned_in_flight(par.pp, accumulation);
-        std::string where = o.pp > 1 ? strfmt(" on stage %d (%d micro-batch%s in flight)", stage, in_flight,
-                                              in_flight == 1 ? "" : "es") : "";
-        print_memory(strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T, precision).c_str(),
-                     plan.bytes, plan.total());
-        if (dev == Device::CUDA) {
-            // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
-            // (not counted: the run measures from after its creation)
-            printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES / 1048576.0);
-            printf("  %-16s %14s       about %.0f MiB per process (driver and kernels; not in the totals)\n",
-                   "CUDA context", "", CUDA_CONTEXT_MIB);
-            printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
-                   (plan.total() + CUBLASLT_WORKSPACE_BYTES) / 1048576.0);
-        } else {
-            ModelPart part = planned_part(config, par);
-            size_t local = num_parameters(config, o.tp, part, o.ep);
-            size_t shard = planned_shard_size(config, par);
-            size_t mixed[MEM_CATEGORIES] = {};
-            plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
-            printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f "
-                   "MiB, optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
-                   mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
-        }
-    }
-    par.pp.rank = 0;
-    const char* of = o.pp > 1 ? " on stage 0" : "";
-    printf("communication per step per rank%s: %.0f bytes\n", of, planned_comm_bytes(config, par, dev));
-    printf("tensor-parallel communication per step per rank%s: %.0f bytes\n", of,
-           planned_tp_comm_bytes(config, par, o.B, o.T, dev));
-    printf("context-parallel communication per step per rank%s: %.0f bytes\n", of,
-           planned_cp_comm_bytes(config, par, o.B, o.T, dev));
-    printf("pipeline-parallel communication per step per rank%s: %.0f bytes\n", of,
-           planned_pp_comm_bytes(config, par, o.B, o.T, dev));
-    if (o.ep > 1)
-        printf("expert-parallel communication per step per rank%s, with balanced routing: %.0f bytes\n", of,
-               planned_ep_comm_bytes(config, par, o.B, o.T, dev));
 }
 
 // the layout a checkpoint records, and a resumed run compares with its own
@@ -426,7 +354,7 @@ static int train(const Options& o, const RunSetup& run) {
     size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
 
     // the ranks: one world, laid out on the grid
-    CommSettings cs{o.comm.empty() ? (on_gpu ? "nccl" : "mpi") : o.comm, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
+    CommSettings cs = comm_settings(o, device_of<floatX>);
     Comm world_comm = comm_world(cs);
     if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
     Grid grid = make_grid(world_comm, grid_shape(o));
@@ -773,24 +701,63 @@ static void open_out_dir(const Options& o, RunLock& lock) {
                removed.c_str());
 }
 
+// --calibrate FILE: this machine's hardware profile, measured (llmc/calibrate.cuh) on top of the --hardware
+// profile's figures; rank 0 writes it under a temporary name and renames it, so a failed run leaves no half file
+static int calibrate(const Options& o, Device dev) {
+    HardwareProfile base;
+    std::string base_path;
+    if (!plan_hardware(o, dev, base, base_path))
+        fail("--calibrate %s: no base profile at %s (give --hardware FILE, e.g. one of dev/hardware/)", o.calibrate.c_str(),
+             base_path.c_str());
+    if (dev == Device::CUDA) select_gpu();
+    Comm world = comm_world(comm_settings(o, dev));
+    if (dev == Device::CUDA) world.compute_stream = main_stream();
+    // the collectives' figures are the node's links when every rank runs on this rank's host
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    Fnv1a64 hash;
+    hash.update(host, strlen(host));
+    double mine, all_hosts[1 << 10];
+    memcpy(&mine, &hash.value, sizeof(mine));
+    if (world.size > (1 << 10)) fail("--calibrate: measures up to 1024 ranks, not %d", world.size);
+    world.wait(world.all_gather(&mine, all_hosts, 1, DType::F64));
+    bool one_node = std::all_of(all_hosts, all_hosts + world.size, [&](double h) { return memcmp(&h, &mine, 8) == 0; });
+    HardwareProfile h = dev == Device::CUDA ? calibrate_hardware<bf16>(base, world, one_node)
+                                            : calibrate_hardware<float>(base, world, one_node);
+    comm_finalize(world);
+    if (world.rank != 0) return 0;
+    h.name = base.name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
+    std::string text = "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h);
+    std::string tmp = o.calibrate + ".tmp";
+    {
+        File f(tmp, "w");
+        f.write(text.data(), text.size());
+    }
+    if (rename(tmp.c_str(), o.calibrate.c_str()) != 0)
+        fail("--calibrate %s: cannot rename %s into place (%s)", o.calibrate.c_str(), tmp.c_str(), strerror(errno));
+    printf("%s", text.c_str());
+    return 0;
+}
+
 // Everything that can be refused (flags, -o, model, data, tokenizer) is checked before the first line is
 // printed, so a bad input gets exactly one line; only the lines that name what was removed from -o or skipped
 // there (open_out_dir, and the checkpoints that fail verification) may come before it.
 static int run(const Options& o) {
     if (!o.convert.empty()) return convert_checkpoint(o);
     Device dev = pick_device(o);
+    if (!o.calibrate.empty()) return calibrate(o, dev);
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
     if (o.attention == "wgmma" && dev == Device::CPU)
         fail("--attention wgmma: a GPU kernel; the cpu device has its own attention (use --device cuda)");
-    if (o.attention == "wgmma" && !o.plan) {
+    if (o.attention == "wgmma" && !o.planning()) {
         select_gpu();
         attention_select_wgmma();
     }
 
     // one run per output directory: rank 0 holds the lock for the whole run, from before it reads the directory
     RunLock lock;
-    if (!o.out_dir.empty() && !o.plan && detect_launch().rank == 0) open_out_dir(o, lock);
+    if (!o.out_dir.empty() && !o.planning() && detect_launch().rank == 0) open_out_dir(o, lock);
     std::string resume_dir;
     int resume_step = 0;
     std::vector<ResumeCandidate> candidates;
@@ -813,35 +780,19 @@ static int run(const Options& o) {
     }
     // the run goes on from the checkpoint only with what it was started from and on, and only forward
     RunInputs inputs;
-    if (!o.plan) inputs = run_inputs(o.model, o.seed, o.shuffle, o.train_pattern);
-    if (!o.plan && !resume_dir.empty() && o.max_steps >= 0 && o.max_steps <= resume_step)
+    if (!o.planning()) inputs = run_inputs(o.model, o.seed, o.shuffle, o.train_pattern);
+    if (!o.planning() && !resume_dir.empty() && o.max_steps >= 0 && o.max_steps <= resume_step)
         fail("-x %d: %s has done %d steps already; -x counts the steps from the start of the run, so resume with "
              "a larger -x", o.max_steps, resume_dir.c_str(), resume_step);
     GPTConfig config = model_config(o, resume_dir);
+    if (o.search) return print_search(o, config, dev), 0;
     int world = o.plan && o.plan_world > 0 ? o.plan_world : detect_launch().world;
-    int dp = grid_dp(world, grid_shape(o));
-    check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
-    if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
-    if (config.num_experts % o.ep != 0) fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
-    if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
-    long tokens_per_micro_step = (long)o.B * o.T * dp;
-    long total_batch = o.total_batch == -1 ? tokens_per_micro_step : o.total_batch;
-    if (total_batch % tokens_per_micro_step != 0)
-        fail("-d %ld: must be a multiple of b*t*dp = %ld", total_batch, tokens_per_micro_step);
-    if (total_batch / tokens_per_micro_step > (1 << 20))
-        fail("-d %ld: needs %ld micro-steps of b*t*dp = %ld tokens; at most %d", total_batch,
-             total_batch / tokens_per_micro_step, tokens_per_micro_step, 1 << 20);
-    int accumulation = (int)(total_batch / tokens_per_micro_step);
+    CheckedLayout layout = check_layout(o, config, world);
+    int dp = layout.dp, accumulation = layout.accumulation;
+    long tokens_per_micro_step = layout.tokens_per_micro_step, total_batch = layout.total_batch;
     size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
     if (!o.plan && !resume_dir.empty())
         check_resume_from(inputs, run_layout(o, world, dp, total_batch, bucket_floats, dev), resume_dir);
-    // the pipeline: the layers fill the stages, and the schedule takes this many micro-batches
-    stage_part(config, pp_spec(o, 0));
-    check_pp_micro_batches(pp_spec(o, 0).kind, o.pp, accumulation, o.vpp);
-    // ZeRO-2/3 stage each bucket's gradients for one reduction at a time; a split backward writes some of a
-    // micro-batch's (the layernorms') long before the rest, while other micro-batches' arrive
-    if (o.pp_schedule == "zb" && o.zero >= 2)
-        fail("--pp-schedule zb: its deferred weight gradients work with -z 0 or 1, not -z %d", o.zero);
     if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;
     if (!o.trace.empty() && detect_launch().rank == 0) {
         FILE* f = fopen(o.trace.c_str(), "w");  // refused now rather than after the first step

@@ -305,6 +305,6 @@ inline Options parse_options(int argc, char** argv) {
     if (o.gpus_per_node > 0 && !o.plan && !o.search) fail("--gpus-per-node %d: only with --plan or --search", o.gpus_per_node);
     if (!o.calibrate.empty() && (o.plan || o.search)) fail("--calibrate %s: measures and exits; drop --plan and --search", o.calibrate.c_str());
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
-    if (o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
+    if (!o.planning() && o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
     return o;
 }

@@ -83,6 +83,9 @@ inline double planned_device_bytes(const MemoryPlan& p, Device dev, const Hardwa
 
 inline void print_plan(const Options& o, const GPTConfig& config, const std::string& device, Device dev, int world,
                        int accumulation) {
+    HardwareProfile hw;
+    std::string hw_path;
+    bool priced = plan_hardware(o, dev, hw, hw_path);  // refused before the first line, if at all
     int dp = grid_dp(world, grid_shape(o));
     ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
@@ -98,9 +101,6 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
            accumulation, o.recompute);
     if (par.pp.on()) print_stage_layers(config, par.pp);
     const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
-    HardwareProfile hw;
-    std::string hw_path;
-    bool priced = plan_hardware(o, dev, hw, hw_path);
     // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
     for (int stage = 0; stage < o.pp; stage++) {
         par.pp.rank = stage;

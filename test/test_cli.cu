@@ -456,7 +456,8 @@ TEST_CASE("-d whose gradient accumulation count overflows is rejected", "[cli]")
     expect_error(run.base() + std::vector<std::string>{"-d", "34359738368"}, {"-d"}, {"too", "at most", "range", "between", "exceed"});
 }
 
-TEST_CASE("flag combinations: -t beyond the model's maxT, -g beyond -t, -n and -y without -o, --convert without --to", "[cli]") {
+TEST_CASE("flag combinations: -t beyond the model's maxT, -g beyond -t, -n and -y without -o, --convert without --to, "
+          "the planner's flags without what they need", "[cli]") {
     TinyRun run;
     expect_error(run.base() + std::vector<std::string>{"-t", "64"}, {"-t", "64", "32"},
                  {"maximum sequence length", "maxT", "max_seq_len"});
@@ -468,6 +469,17 @@ TEST_CASE("flag combinations: -t beyond the model's maxT, -g beyond -t, -n and -
     expect_error({"--convert", "out/ckpt_00000001"}, {"--convert", "--to"}, {"needs"});
     expect_error(run.base() + std::vector<std::string>{"--to", "model.bin"}, {"--to", "--convert"}, {"only with"});
     expect_error(run.base() + std::vector<std::string>{"--dtype", "bf16"}, {"--dtype", "--convert"}, {"only with"});
+    // the planner's flags
+    expect_error(run.base() + std::vector<std::string>{"--search"}, {"--search", "--gpus"}, {"needs"});
+    expect_error(run.base() + std::vector<std::string>{"--search", "--gpus", "4"}, {"--search", "-d"}, {"needs"});
+    expect_error(run.base() + std::vector<std::string>{"--gpus", "4"}, {"--gpus", "--search"}, {"only with"});
+    expect_error(run.base() + std::vector<std::string>{"--hardware", "dev/hardware/cpu.txt"}, {"--hardware", "--plan"},
+                 {"only with"});
+    expect_error(run.base() + std::vector<std::string>{"--gpus-per-node", "8"}, {"--gpus-per-node", "--plan"}, {"only with"});
+    expect_error(run.base() + std::vector<std::string>{"--plan", "--search", "--gpus", "2", "-d", "256"}, {"--search", "--plan"},
+                 {"drop"});
+    expect_error(run.base() + std::vector<std::string>{"--plan", "--hardware", "no/such/profile.txt"},
+                 {"no/such/profile.txt"}, {"cannot open"});
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@
 #   PLAN_RUNS   model:B:recompute triples whose --plan total is compared with the measured memory
 #                                                                       [d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1]
 #   PLAN_TOL    largest relative difference of the plan from the measured memory                      [0.05]
+#   STEP_TOL    largest relative difference of --plan's predicted step (dev/hardware/h100.txt) from the
+#               measured median step of the same run                                                     [0.25]
 #   BENCH_PHASES  the phases of dev/bench/gpu_bench.sh the bench phase runs     [llm5d llmc pytorch profile]
 #   WORK        scratch for model files, checkpoints and run directories       [LOGDIR/work, removed at the
 #               end unless KEEP_WORK=1; it holds model files of GPT-2 size]
@@ -58,6 +60,7 @@ DATA=${DATA:-data/sotu/train.bin}
 VAL=${VAL:-data/sotu/val.bin}
 PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1}
 PLAN_TOL=${PLAN_TOL:-0.05}
+STEP_TOL=${STEP_TOL:-0.25}
 NCCL_TOL=${NCCL_TOL:-0}
 BENCH_PHASES=${BENCH_PHASES:-llm5d llmc pytorch profile}
 WORK=${WORK:-$LOGDIR/work}
@@ -603,8 +606,19 @@ if has_phase plan; then
                 (( rc != 0 )) || rc="no total line"
                 result FAIL plan "$name: --plan" "$(why "$rc")"; continue
             fi
-            train -e "$model" -b "$b" -t 1024 -r "$r" -x 2
+            predicted_ms=$(run_output | sed -n 's/^predicted step: \([0-9.]*\) ms.*/\1/p')
+            train -e "$model" -b "$b" -t 1024 -r "$r" -x 6
             rc=$?
+            # the step time: the median of steps 2-6 beside --plan's prediction on the H100 profile
+            measured_ms=$(run_output | sed -n 's/^step *\([2-6]\)\/.*| \([0-9.]*\) ms |.*/\2/p' | sort -n | sed -n 3p)
+            if [[ -n $predicted_ms && -n $measured_ms ]]; then
+                step_off=$(awk -v p="$predicted_ms" -v m="$measured_ms" 'BEGIN { printf "%.4f", (p - m) / m }')
+                figure="--plan $predicted_ms ms, measured $measured_ms ms: $step_off relative (tolerance $STEP_TOL)"
+                if within "${step_off#-}" "$STEP_TOL"; then result PASS plan "$name: step time" "$figure"
+                else result FAIL plan "$name: step time" "($figure)"; fi
+            else
+                result FAIL plan "$name: step time" "(no predicted step or no step lines)"
+            fi
             line=$(run_output | grep -m 1 '^memory: planned')
             if (( rc != 0 )) || [[ -z $line ]]; then
                 (( rc != 0 )) || rc="no memory: line"

@@ -1,0 +1,273 @@
+// Tests of the planner's time model and search: predict_step against step times counted by hand from the
+// model's shapes and a profile of round figures (one rank; tp 2 × dp 2); the profile file's parser; --plan's
+// predicted line; and --search, whose every layout --plan must say fits, while some it dropped do not.
+#include <regex>
+#include <sstream>
+
+#include "llmc/gpt.cuh"
+#include "llmc/hardware.h"
+#include "llmc/step_time.h"
+#include "mpi_helpers.h"
+#include "test_helpers.h"
+
+namespace {
+
+// round figures, each a different number, so that a term priced at the wrong rate shows
+HardwareProfile round_profile() {
+    HardwareProfile h;
+    h.name = "round figures";
+    h.device = "cpu";
+    h.memory_gib = 1;
+    h.devices_per_node = 8;
+    h.peak_tflops = 1;
+    h.matmul_tflops = {{1, 2.0}};  // 2 TFLOP/s at every size
+    h.attention_tflops = 0.5;
+    h.memory_gbps = 10;
+    h.transcendental_gbps = 4;
+    h.intra_gbps = 1, h.inter_gbps = 0.5;
+    h.overlap = 0;
+    return h;
+}
+
+const char* ROUND_PROFILE_FILE =
+    "# a test profile\n"
+    "name round figures\n"
+    "device cpu\n"
+    "memory_gib MEMORY\n"
+    "reserved_mib 0\n"
+    "devices_per_node 8\n"
+    "peak_tflops 1\n"
+    "matmul_tflops 1 2   # at every size\n"
+    "attention_tflops 0.5\n"
+    "memory_gbps 10\n"
+    "transcendental_gbps 4\n"
+    "launch_us 0\n"
+    "intra_gbps 1\n"
+    "intra_latency_us 0\n"
+    "inter_gbps 0.5\n"
+    "inter_latency_us 0\n"
+    "overlap 0\n";
+
+std::string round_profile_file(double memory_gib) {
+    return std::regex_replace(ROUND_PROFILE_FILE, std::regex("MEMORY"), strfmt("%g", memory_gib));
+}
+
+// the model of both hand counts: L=2, C=64, two heads, maxT=16, V=Vp=128; B=2 sequences of T=16
+const char* MODEL = "d2c64h2t16v128";
+constexpr double L = 2, C = 64, maxT = 16, Vp = 128, B = 2, T = 16, X = 4;  // X: fp32 on the CPU
+
+// one layer's and the ends' seconds per micro-batch on a rank with tp t (sp on when t > 1): matmuls at 2 TFLOP/s,
+// attention at 0.5, streaming bytes at 10 GB/s, GELU and the cross-entropy at 4
+struct HandCount {
+    double forward, backward;  // the whole pass, weight gradients included in backward
+};
+HandCount hand_count(double t) {
+    double BT = B * T, R = BT / t, Cl = C / t, Hl = 4 * C / t, Vl = Vp / t;
+    double mm = 2 * BT * (3 * Cl * C + C * Cl + Hl * C + C * Hl) / 2e12;
+    double attention = 2 * B * T * T * Cl / 0.5e12;
+    double stream = X * 10 * R * C, gelu = X * 2 * BT * Hl;
+    double layer_f = mm + attention + stream / 10e9 + gelu / 4e9;
+    double layer_b = 2 * mm + 2.5 * attention + 2 * stream / 10e9 + 1.5 * gelu / 4e9;
+    double embeddings = X * 3 * R * C / 10e9, classifier = 2 * BT * Vl * C / 2e12;
+    double head_f = X * 4 * R * C / 10e9 + X * 3 * BT * Vl / 4e9 + classifier;
+    double head_b = X * 6 * R * C / 10e9 + 2 * classifier;
+    return {L * layer_f + embeddings + head_f, L * layer_b + embeddings + head_b};
+}
+
+}  // namespace
+
+TEST_CASE("predict_step on one rank equals a count by hand", "[planner]") {
+    GPTConfig c = parse_model_descriptor(MODEL);
+    HandCount h = hand_count(1);
+    double psi = Vp * C + maxT * C + L * (12 * C * C + 13 * C) + 2 * C;
+    double optimizer = (28 + X) * psi / 10e9;  // AdamW's 28 bytes and the norm's read, per parameter
+    double step = h.forward + h.backward + optimizer;
+    StepTime s = predict_step(c, (int)B, (int)T, ParallelPlan{}, Device::CPU, round_profile(), 8);
+    CHECK(s.seconds == Approx(step).epsilon(1e-12));
+    CHECK(s.compute == Approx(step).epsilon(1e-12));
+    CHECK(s.dp == 0.0);
+    CHECK(s.tp == 0.0);
+    CHECK(s.bubble == 0.0);
+    CHECK(s.tokens_per_second == Approx(B * T / step).epsilon(1e-12));
+    double flops_per_token = 6 * psi + 6 * L * C * T;  // llm.c's count
+    CHECK(s.mfu == Approx(B * T * flops_per_token / (step * 1e12)).epsilon(1e-12));
+}
+
+TEST_CASE("predict_step under tp 2 with sp and dp 2 equals a count by hand", "[planner]") {
+    GPTConfig c = parse_model_descriptor(MODEL);
+    ParallelPlan par;
+    par.dp = 2, par.tp = 2, par.sp = true;
+    HandCount h = hand_count(2);
+    // the rank's half of each split tensor: half the vocab rows, per layer 12C²/2 weights and 7C/2 biases
+    double psi = Vp / 2 * C + maxT * C + L * (12 * C * C / 2 + 7 * C / 2 + 6 * C) + 2 * C;
+    double optimizer = (28 + X) * psi / 10e9;
+    // tp at 1 GB/s: per layer four crossings of (t-1)/t·BT·C values forward and four backward, one each way
+    // for the embeddings and for the head, and the cross-entropy's three floats per token to the other rank
+    double unit = 0.5 * B * T * C * X;
+    double tp = (2 * (4 * L + 2) * unit + B * T * 3 * 4) / 1e9;
+    // dp at 1 GB/s, nothing hidden (overlap 0): every element reduce-scattered and all-gathered, half of it sent
+    // each time (no padding: every bucket is even), and the norm (one double to the other rank) and the loss
+    // (two doubles)
+    double dp = (2 * 0.5 * psi * X + 8 + 16) / 1e9;
+    StepTime s = predict_step(c, (int)B, (int)T, par, Device::CPU, round_profile(), 8);
+    CHECK(s.compute == Approx(h.forward + h.backward + optimizer).epsilon(1e-12));
+    CHECK(s.tp == Approx(tp).epsilon(1e-12));
+    CHECK(s.dp == Approx(dp).epsilon(1e-12));
+    CHECK(s.seconds == Approx(h.forward + h.backward + optimizer + tp + dp).epsilon(1e-12));
+    CHECK(s.tokens_per_second == Approx(2 * B * T / s.seconds).epsilon(1e-12));
+    // across nodes (one device per node) the same bytes cross at 0.5 GB/s: twice the time
+    StepTime apart = predict_step(c, (int)B, (int)T, par, Device::CPU, round_profile(), 1);
+    CHECK(apart.tp == Approx(2 * tp).epsilon(1e-12));
+    CHECK(apart.dp == Approx(2 * dp).epsilon(1e-12));
+}
+
+TEST_CASE("a pipeline's predicted step is the simulated schedule's makespan plus the update", "[planner]") {
+    // with pp the stages' timeline comes from the schedule: AFAB and 1F1B take equally long with the same
+    // costs, and more micro-batches shrink the bubble's share
+    GPTConfig c = parse_model_descriptor("d4c64h2t16v128");
+    auto step = [&](PPKind kind, int m) {
+        ParallelPlan par;
+        par.pp = PPSpec{2, 0, 1, kind};
+        par.accumulation = m;
+        return predict_step(c, 2, 16, par, Device::CPU, round_profile(), 8);
+    };
+    StepTime afab = step(PPKind::AFAB, 4), one_f_one_b = step(PPKind::OneFOneB, 4), long_run = step(PPKind::OneFOneB, 16);
+    CHECK(afab.seconds == Approx(one_f_one_b.seconds).epsilon(1e-12));
+    CHECK(one_f_one_b.bubble > 0.0);
+    CHECK(long_run.bubble / long_run.seconds < one_f_one_b.bubble / one_f_one_b.seconds);
+    CHECK(one_f_one_b.pp > 0.0);
+}
+
+TEST_CASE("predict_step prices every layout family: its parts add up to the step, each part where it belongs", "[planner]") {
+    GPTConfig dense = parse_model_descriptor("d8c64h4t32v128"), moe = parse_model_descriptor("d8c64h4t32v128e4k2");
+    HardwareProfile hw = round_profile();
+    hw.overlap = 0.5;
+    hw.peak_tflops = 4;  // above every achieved rate, as on real hardware
+    struct Layout {
+        const char* name;
+        GPTConfig c;
+        ParallelPlan par;
+        bool dp, tp, cp, pp, ep;  // which exposed parts must be positive
+    };
+    auto plan = [](int dp, int zero, int tp, int cp, PPSpec pp, int ep, int recompute, int accumulation) {
+        ParallelPlan p;
+        p.dp = dp, p.zero = zero, p.tp = tp, p.sp = tp > 1, p.cp = cp, p.pp = pp, p.ep = ep, p.recompute = recompute;
+        p.accumulation = accumulation;
+        return p;
+    };
+    std::vector<Layout> layouts;
+    for (int zero = 0; zero <= 3; zero++) layouts.push_back({"dp 4", dense, plan(4, zero, 1, 1, {}, 1, 0, 2), true, false, false, false, false});
+    layouts.push_back({"tp 2 sp, -r 2", dense, plan(1, 0, 2, 1, {}, 1, 2, 1), false, true, false, false, false});
+    layouts.push_back({"cp 2 x dp 2", dense, plan(2, 1, 1, 2, {}, 1, 0, 1), true, false, true, false, false});
+    for (PPKind kind : {PPKind::AFAB, PPKind::OneFOneB, PPKind::ZeroBubble})
+        layouts.push_back({"pp 2", dense, plan(1, 0, 1, 1, PPSpec{2, 0, 1, kind}, 1, 0, 4), false, false, false, true, false});
+    layouts.push_back({"pp 2 interleaved", dense, plan(2, 1, 2, 1, PPSpec{2, 0, 2, PPKind::Interleaved}, 1, 1, 4), true, true,
+                       false, true, false});
+    layouts.push_back({"ep 2 x dp 4", moe, plan(4, 2, 1, 1, {}, 2, 0, 1), true, false, false, false, true});
+    layouts.push_back({"ep 2, tp 2, cp 2, pp 2", moe, plan(2, 1, 2, 2, PPSpec{2, 0, 1, PPKind::OneFOneB}, 2, 1, 2), true, true, true,
+                       true, true});
+    for (const Layout& l : layouts) {
+        INFO(l.name << ", ZeRO-" << l.par.zero);
+        StepTime s = predict_step(l.c, 2, 32, l.par, Device::CPU, hw, 8);
+        CHECK(std::isfinite(s.seconds));
+        CHECK(s.compute > 0.0);
+        CHECK(s.seconds == Approx(s.compute + s.dp + s.tp + s.cp + s.pp + s.ep + s.bubble).epsilon(1e-12));
+        CHECK((s.dp > 0.0) == l.dp);
+        CHECK((s.tp > 0.0) == l.tp);
+        CHECK((s.cp > 0.0) == l.cp);
+        CHECK((s.pp > 0.0) == l.pp);
+        CHECK((s.bubble > 0.0) == l.pp);
+        CHECK((s.ep > 0.0) == l.ep);
+        CHECK(s.mfu > 0.0);
+        CHECK(s.mfu < 1.0);
+    }
+}
+
+TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is named by file and line", "[planner]") {
+    for (const char* path : {"dev/hardware/h100.txt", "dev/hardware/a100.txt", "dev/hardware/cpu.txt"}) {
+        INFO(path);
+        HardwareProfile h = load_hardware(path);
+        CHECK(!h.name.empty());
+        CHECK(h.matmul_rate(1e9) > 0.0);
+        HardwareProfile again = parse_hardware(format_hardware(h), "formatted");
+        CHECK(again.memory_gbps == Approx(h.memory_gbps).epsilon(1e-3));
+        CHECK(again.matmul_tflops.size() == h.matmul_tflops.size());
+    }
+    HardwareProfile h = parse_hardware(round_profile_file(2), "round.txt");
+    CHECK(h.memory_gib == 2.0);
+    CHECK(h.matmul_rate(4096) == 2.0);
+    std::string two_sizes = std::regex_replace(round_profile_file(2), std::regex("matmul_tflops 1 2"), "matmul_tflops 64 2");
+    HardwareProfile two = parse_hardware(two_sizes + "matmul_tflops 256 4\n", "two.txt");
+    CHECK(two.matmul_rate(16) == 2.0);     // below the smallest size: its rate
+    CHECK(two.matmul_rate(16384) == 4.0);  // above the largest: its rate
+    CHECK(two.matmul_rate(128) == Approx(3.0));  // log-linear between 64 and 256
+    CHECK(two.matmul_rate(100) < two.matmul_rate(128));
+    auto refused = [](const std::string& text, const std::string& words) {
+        try {
+            parse_hardware(text, "bad.txt");
+        } catch (const Error& e) {
+            INFO(e.what());
+            CHECK(std::string(e.what()).find(words) != std::string::npos);
+            return;
+        }
+        FAIL("accepted: " << text);
+    };
+    refused(std::regex_replace(round_profile_file(2), std::regex("memory_gbps 10"), "memory_gbps fast"),
+            "bad.txt:10: memory_gbps: expected a non-negative number");
+    refused(std::regex_replace(round_profile_file(2), std::regex("overlap 0\n"), ""), "missing 'overlap'");
+    refused(round_profile_file(2) + "bandwidth 5\n", "unknown key 'bandwidth'");
+    refused(round_profile_file(2) + "overlap 0.5\n", "overlap given twice");
+    refused(std::regex_replace(round_profile_file(2), std::regex("device cpu"), "device tpu"), "device: expected cuda or cpu");
+}
+
+TEST_CASE("train_gpt --plan --hardware prints predict_step's line", "[planner]") {
+    TempDir dir;
+    std::string profile = dir / "round.txt";
+    File(profile, "w").write(round_profile_file(1).data(), round_profile_file(1).size());
+    CommandResult r = single(strfmt("-e %s -b 2 -t 16 --device cpu --plan --world 4 --tp 2 --hardware %s", MODEL, profile.c_str()));
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    ParallelPlan par;
+    par.dp = 2, par.tp = 2, par.sp = true;
+    StepTime s = predict_step(parse_model_descriptor(MODEL), 2, 16, par, Device::CPU, round_profile(), 8);
+    CHECK(r.output.find("predicted step: " + describe_step(s) + "\n") != std::string::npos);
+    CHECK(r.output.find("fits round figures: yes") != std::string::npos);
+    // a profile for the GPU does not price a CPU plan
+    CommandResult wrong = single(strfmt("-e %s -b 2 -t 16 --device cpu --plan --hardware dev/hardware/h100.txt", MODEL));
+    check_one_line_error(wrong, {"--hardware dev/hardware/h100.txt", "cuda", "--device cpu"});
+}
+
+TEST_CASE("--search prints only layouts that --plan says fit, after dropping some that do not", "[planner]") {
+    TempDir dir;
+    std::string profile = dir / "small.txt";
+    // 4 MiB per rank: the model's states fit, the larger micro-batches' activations do not
+    std::string text = round_profile_file(4.0 / 1024);
+    File(profile, "w").write(text.data(), text.size());
+    std::string model = strfmt("-e %s -t 16 -d 512 --device cpu --hardware %s", MODEL, profile.c_str());
+    CommandResult r = single(model + " --search --gpus 4");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    std::smatch m;
+    REQUIRE(std::regex_search(r.output, m, std::regex(R"(layouts considered: (\d+); fit: (\d+); do not fit in [0-9.]+ GiB: (\d+))")));
+    CHECK(std::stoi(m[3]) > 0);
+    CHECK(std::stoi(m[2]) >= 10);
+    std::regex row(R"(\n +(\d+) +[0-9.]+ +[0-9]+ +[0-9.]+%  mpirun -np 4 \./train_gpt -e \S+ -t 16 -d 512 (.*) --device cpu)");
+    int rows = 0;
+    double previous = 0;
+    for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), row); it != std::sregex_iterator(); ++it) {
+        rows++;
+        std::string flags = (*it)[2];
+        INFO("layout " << flags);
+        CommandResult plan = single(model + " --plan --world 4 " + flags);
+        REQUIRE(plan.status == 0);
+        CHECK(plan.output.find("fits round figures: NO") == std::string::npos);
+        CHECK(plan.output.find("fits round figures: yes") != std::string::npos);
+        // ranked by the predicted step, which --plan prints the same
+        std::smatch ms;
+        REQUIRE(std::regex_search(plan.output, ms, std::regex(R"(predicted step: ([0-9.]+) ms)")));
+        CHECK(std::stod(ms[1]) >= previous);
+        previous = std::stod(ms[1]);
+    }
+    CHECK(rows == 10);
+    CHECK(r.output.find("runner-up (") != std::string::npos);
+}
