@@ -184,7 +184,7 @@ inline double exposed_dp_seconds(const StepModel& sm, double window) {
         const PlannedGroup& g = groups[i];
         double ring = (g.ranks - 1.0) / g.ranks, P = ring * g.layout.padded_total * X;
         double buckets = (double)g.layout.buckets.size(), last = ring * g.layout.embeddings().padded * X;
-        Link l = i == 0 ? sm.dp_link() : sm.link(par.expert_ranks(), (long)par.tp);
+        Link l = sm.dp_link();  // the expert replicas are strided over the same dp·cp ranks
         double reduce_passes = par.zero >= 2 ? k : 1, gather_passes = par.zero == 3 ? 2 * k : 1;
         double reduce = link_seconds(l, reduce_passes * P, reduce_passes * buckets);
         double gather = link_seconds(l, gather_passes * P, gather_passes * buckets);
@@ -214,7 +214,7 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         ParallelPlan stage = par;
         stage.pp.rank = r;
         double psi = (double)count_parameters_per_rank(c, par.tp, part, par.ep);
-        double owned = par.zero >= 1 && (par.grad_ranks() > 1) ? (double)planned_shard_size(c, stage) : psi;
+        double owned = par.zero >= 1 && par.grad_ranks() > 1 ? (double)planned_shard_size(c, stage) : psi;
         // AdamW reads and writes 28 bytes per element it updates (parameters, moments, gradients, and on the GPU
         // the master weights); the norm reads the gradients
         optimizer[r] = sm.memory(28 * owned + sm.value_bytes() * owned, 2);

@@ -637,6 +637,22 @@ if has_phase plan; then
             if within "${self_off#-}" 0.001; then result PASS plan "$name: the run's planned figure is --plan's" "$run_planned MiB"
             else result FAIL plan "$name: the run's planned figure is --plan's" "(run $run_planned MiB, --plan $plan_mib MiB)"; fi
         done
+        # --calibrate on this GPU: a profile that --plan reads back, and the d12 step it predicts with it
+        profile="$LOGDIR/calibrated.txt"
+        run "$TRAIN_GPT" --device cuda --calibrate "$profile"
+        rc=$?
+        if (( rc != 0 )) || [[ ! -s $profile ]]; then
+            result FAIL plan "--calibrate" "$(why "$rc")"
+        else
+            run "$TRAIN_GPT" --plan --device cuda -e d12 -b 64 -t 1024 --hardware "$profile"
+            rc=$?
+            step=$(run_output | sed -n 's/^predicted step: \([0-9.]*\) ms.*/\1/p')
+            if (( rc == 0 )) && [[ -n $step ]]; then
+                result PASS plan "--calibrate: d12 B=64 predicted on the measured profile" "$step ms ($(grep -E '^matmul_tflops 4096|^attention_tflops|^memory_gbps' "$profile" | tr '\n' ' '))"
+            else
+                result FAIL plan "--calibrate: --plan on the measured profile" "$(why "$rc")"
+            fi
+        fi
     fi
 fi
 
