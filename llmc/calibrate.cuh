@@ -104,9 +104,8 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         float* moment2 = led.alloc<floatX, float>(MEM_SCRATCH, N);
         fill_random(x, N, 5), fill_random(dy, N, 6);
         double residual = seconds_per_call<floatX>([&] { residual_forward(y, x, dy, N); });
-        double adamw = seconds_per_call<floatX>([&] {
-            adamw_update(y, master, dy, moment1, moment2, N, 1e-4f, 0.0f, 1.0f, 1, 1337, 0);
-        });
+        double adamw = seconds_per_call<floatX>(
+            [&] { adamw_update(y, master, dy, moment1, moment2, N, 1e-4f, 0.0f, 1.0f, 1, 1337, 0); });
         h.memory_gbps = (3.0 * N * sizeof(floatX) + 28.0 * N) / (residual + adamw) / 1e9;
         double gelu = seconds_per_call<floatX>([&] {
             gelu_forward(y, x, N);

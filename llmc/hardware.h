@@ -18,20 +18,21 @@
 
 struct HardwareProfile {
     std::string name;
-    std::string device = "cuda";    // the precision its figures are for: cuda (bf16) or cpu (fp32)
-    double memory_gib = 0;          // per device (per rank on a CPU)
-    double reserved_mib = 0;        // per device, outside the ledger: the CUDA context, NCCL's buffers, fragmentation
-    int devices_per_node = 1;       // GPUs per node (cores per node on a CPU, one rank per core)
-    double peak_tflops = 0;         // the data sheet's dense peak, for MFU
+    std::string device = "cuda";  // the precision its figures are for: cuda (bf16) or cpu (fp32)
+    double memory_gib = 0;        // per device (per rank on a CPU)
+    double reserved_mib = 0;      // per device, outside the ledger: the CUDA context, NCCL's buffers, fragmentation
+    int devices_per_node = 1;     // GPUs per node (cores per node on a CPU, one rank per core)
+    double peak_tflops = 0;       // the data sheet's dense peak, for MFU
     std::vector<std::pair<double, double>> matmul_tflops;  // (smallest dimension, achieved TFLOP/s), ascending
-    double attention_tflops = 0;    // causal attention, forward and backward, over the FLOPs they do
-    double memory_gbps = 0;         // streaming kernels (residual, layernorm, AdamW): bytes read and written per second
-    double transcendental_gbps = 0; // the kernels that take a tanh or exp per element (GELU, the cross-entropy's
-                                    // softmax): bound by memory on a GPU, by arithmetic on a CPU
-    double launch_us = 0;           // fixed cost of each kernel or layer op
+    double attention_tflops = 0;  // causal attention, forward and backward, over the FLOPs they do
+    double memory_gbps = 0;       // streaming kernels (residual, layernorm, AdamW): bytes read and written per second
+    // the kernels that take a tanh or exp per element (GELU, the cross-entropy's softmax): bound by memory on a
+    // GPU, by arithmetic on a CPU
+    double transcendental_gbps = 0;
+    double launch_us = 0;                         // fixed cost of each kernel or layer op
     double intra_gbps = 0, intra_latency_us = 0;  // a collective within a node: bus bandwidth, latency per call
     double inter_gbps = 0, inter_latency_us = 0;  // ... across nodes
-    double overlap = 1.0;           // the share of overlappable communication the backend hides behind compute
+    double overlap = 1.0;  // the share of overlappable communication the backend hides behind compute
 
     // achieved matmul TFLOP/s for a GEMM whose smallest dimension is n
     double matmul_rate(double n) const {
@@ -49,12 +50,17 @@ struct HardwareProfile {
 inline HardwareProfile parse_hardware(const std::string& text, const std::string& path) {
     HardwareProfile h;
     std::map<std::string, double*> reals = {
-        {"memory_gib", &h.memory_gib},         {"reserved_mib", &h.reserved_mib},
-        {"peak_tflops", &h.peak_tflops},       {"attention_tflops", &h.attention_tflops},
-        {"memory_gbps", &h.memory_gbps},       {"transcendental_gbps", &h.transcendental_gbps},
+        {"memory_gib", &h.memory_gib},
+        {"reserved_mib", &h.reserved_mib},
+        {"peak_tflops", &h.peak_tflops},
+        {"attention_tflops", &h.attention_tflops},
+        {"memory_gbps", &h.memory_gbps},
+        {"transcendental_gbps", &h.transcendental_gbps},
         {"launch_us", &h.launch_us},
-        {"intra_gbps", &h.intra_gbps},         {"intra_latency_us", &h.intra_latency_us},
-        {"inter_gbps", &h.inter_gbps},         {"inter_latency_us", &h.inter_latency_us},
+        {"intra_gbps", &h.intra_gbps},
+        {"intra_latency_us", &h.intra_latency_us},
+        {"inter_gbps", &h.inter_gbps},
+        {"inter_latency_us", &h.inter_latency_us},
         {"overlap", &h.overlap},
     };
     std::map<std::string, int> seen;
@@ -77,7 +83,8 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
             char* stop;
             double v = strtod(s.c_str(), &stop);
             if (s.empty() || *stop != '\0' || !std::isfinite(v) || v < 0)
-                fail("%s:%d: %s: expected a non-negative number, got '%s'", path.c_str(), line_no, key.c_str(), s.c_str());
+                fail("%s:%d: %s: expected a non-negative number, got '%s'", path.c_str(), line_no, key.c_str(),
+                     s.c_str());
             return v;
         };
         seen[key]++;
@@ -111,8 +118,10 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
     if (h.devices_per_node < 1 || devices != h.devices_per_node)
         fail("%s: devices_per_node: expected a whole number of at least 1", path.c_str());
     for (auto [size, rate] : h.matmul_tflops)
-        if (size < 1 || rate <= 0) fail("%s: matmul_tflops %g %g: sizes and rates must be positive", path.c_str(), size, rate);
-    for (double rate : {h.attention_tflops, h.memory_gbps, h.transcendental_gbps, h.intra_gbps, h.inter_gbps, h.peak_tflops, h.memory_gib})
+        if (size < 1 || rate <= 0)
+            fail("%s: matmul_tflops %g %g: sizes and rates must be positive", path.c_str(), size, rate);
+    for (double rate : {h.attention_tflops, h.memory_gbps, h.transcendental_gbps, h.intra_gbps, h.inter_gbps,
+                        h.peak_tflops, h.memory_gib})
         if (rate <= 0) fail("%s: every rate, bandwidth, peak and memory must be positive", path.c_str());
     if (h.overlap > 1) fail("%s: overlap %g: a share, at most 1", path.c_str(), h.overlap);
     return h;
@@ -131,13 +140,13 @@ inline HardwareProfile load_hardware(const std::string& path) {
 
 // the profile as a file parse_hardware reads back
 inline std::string format_hardware(const HardwareProfile& h) {
-    std::string s = strfmt("name %s\ndevice %s\nmemory_gib %g\nreserved_mib %g\ndevices_per_node %d\npeak_tflops %g\n",
-                           h.name.c_str(), h.device.c_str(), h.memory_gib, h.reserved_mib, h.devices_per_node,
-                           h.peak_tflops);
+    std::string s =
+        strfmt("name %s\ndevice %s\nmemory_gib %g\nreserved_mib %g\ndevices_per_node %d\npeak_tflops %g\n",
+               h.name.c_str(), h.device.c_str(), h.memory_gib, h.reserved_mib, h.devices_per_node, h.peak_tflops);
     for (auto [size, rate] : h.matmul_tflops) s += strfmt("matmul_tflops %g %.4g\n", size, rate);
-    s += strfmt("attention_tflops %.4g\nmemory_gbps %.4g\ntranscendental_gbps %.4g\nlaunch_us %.3g\nintra_gbps %.4g\nintra_latency_us %.3g\n"
-                "inter_gbps %.4g\ninter_latency_us %.3g\noverlap %g\n",
-                h.attention_tflops, h.memory_gbps, h.transcendental_gbps, h.launch_us, h.intra_gbps, h.intra_latency_us, h.inter_gbps,
-                h.inter_latency_us, h.overlap);
+    s += strfmt("attention_tflops %.4g\nmemory_gbps %.4g\ntranscendental_gbps %.4g\nlaunch_us %.3g\n",
+                h.attention_tflops, h.memory_gbps, h.transcendental_gbps, h.launch_us);
+    s += strfmt("intra_gbps %.4g\nintra_latency_us %.3g\ninter_gbps %.4g\ninter_latency_us %.3g\noverlap %g\n",
+                h.intra_gbps, h.intra_latency_us, h.inter_gbps, h.inter_latency_us, h.overlap);
     return s;
 }

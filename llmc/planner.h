@@ -21,11 +21,16 @@
 
 inline GridShape grid_shape(const Options& o) { return GridShape{o.tp, o.cp, o.pp, o.ep}; }
 
-inline PPSpec pp_spec(const Options& o, int rank) { return PPSpec{o.pp, rank, o.vpp, parse_pp_schedule(o.pp_schedule)}; }
+inline PPSpec pp_spec(const Options& o, int rank) {
+    return PPSpec{o.pp, rank, o.vpp, parse_pp_schedule(o.pp_schedule)};
+}
 
 inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
-    return ParallelPlan{dp, o.zero, (size_t)(o.bucket_mb * 1048576.0 / 4.0), accumulation, o.tp, o.sp == 1, o.recompute,
-                        o.cp, pp_spec(o, 0), o.ep};
+    ParallelPlan p;
+    p.dp = dp, p.zero = o.zero, p.bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    p.accumulation = accumulation;
+    p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
+    return p;
 }
 
 inline CPSplit cp_split(const Options& o) { return o.cp_split == "contiguous" ? CPSplit::Contiguous : CPSplit::ZigZag; }
@@ -43,7 +48,8 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     l.dp = grid_dp(world, grid_shape(o));
     check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
     if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
-    if (config.num_experts % o.ep != 0) fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
+    if (config.num_experts % o.ep != 0)
+        fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
     if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
     l.tokens_per_micro_step = (long)o.B * o.T * l.dp;
     l.total_batch = o.total_batch == -1 ? l.tokens_per_micro_step : o.total_batch;
@@ -93,12 +99,16 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
            config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);
-    printf("layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
-           "micro-steps per step, recompute %d\n", world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.pp,
-           o.pp_schedule.c_str(), o.vpp, o.zero, par.grad_ranks(),
-           o.ep > 1 ? strfmt(", ep=%d (each expert on %d rank%s)", o.ep, par.expert_ranks(),
-                             par.expert_ranks() == 1 ? "" : "s").c_str() : "",
-           accumulation, o.recompute);
+    printf(
+        "layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
+        "micro-steps per step, recompute %d\n",
+        world, dp, o.tp, o.sp ? "on" : "off", o.cp, o.cp_split.c_str(), o.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
+        par.grad_ranks(),
+        o.ep > 1
+            ? strfmt(", ep=%d (each expert on %d rank%s)", o.ep, par.expert_ranks(), par.expert_ranks() == 1 ? "" : "s")
+                  .c_str()
+            : "",
+        accumulation, o.recompute);
     if (par.pp.on()) print_stage_layers(config, par.pp);
     const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
     // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
@@ -106,14 +116,16 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
         par.pp.rank = stage;
         MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), par, dev);
         int in_flight = planned_in_flight(par.pp, accumulation);
-        std::string where = o.pp > 1 ? strfmt(" on stage %d (%d micro-batch%s in flight)", stage, in_flight,
-                                              in_flight == 1 ? "" : "es") : "";
+        std::string where =
+            o.pp > 1 ? strfmt(" on stage %d (%d micro-batch%s in flight)", stage, in_flight, in_flight == 1 ? "" : "es")
+                     : "";
         print_memory(strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T, precision).c_str(),
                      plan.bytes, plan.total());
         if (dev == Device::CUDA) {
             // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
             // (not counted: the run measures from after its creation)
-            printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES / 1048576.0);
+            printf("  %-16s %14zu bytes %10.1f MiB\n", "cuBLASLt", CUBLASLT_WORKSPACE_BYTES,
+                   CUBLASLT_WORKSPACE_BYTES / 1048576.0);
             printf("  %-16s %14s       about %.0f MiB per process (driver and kernels; not in the totals)\n",
                    "CUDA context", "", CUDA_CONTEXT_MIB);
             printf("  %-16s %14zu bytes %10.1f MiB\n", "total on device", plan.total() + CUBLASLT_WORKSPACE_BYTES,
@@ -124,14 +136,17 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
             size_t shard = planned_shard_size(config, par);
             size_t mixed[MEM_CATEGORIES] = {};
             plan_model_states(mixed, local, shard, o.zero, BF16_MIXED);
-            printf("model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f "
-                   "MiB, optimizer %.1f MiB\n", mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0,
-                   mixed[MEM_GRADS] / 1048576.0, mixed[MEM_OPTIMIZER] / 1048576.0);
+            printf(
+                "model states per rank in bf16 mixed precision: params %.1f MiB, master weights %.1f MiB, grads %.1f "
+                "MiB, optimizer %.1f MiB\n",
+                mixed[MEM_PARAMS] / 1048576.0, mixed[MEM_MASTER_WEIGHTS] / 1048576.0, mixed[MEM_GRADS] / 1048576.0,
+                mixed[MEM_OPTIMIZER] / 1048576.0);
         }
         if (priced) {
             double need = planned_device_bytes(plan, dev, hw) / 1073741824.0;
             printf("  fits %s: %s (%.1f of %.1f GiB, with its %.0f MiB reserve)\n", hw.name.c_str(),
-                   need <= hw.memory_gib ? "yes" : "NO", need, hw.memory_gib, dev == Device::CUDA ? hw.reserved_mib : 0.0);
+                   need <= hw.memory_gib ? "yes" : "NO", need, hw.memory_gib,
+                   dev == Device::CUDA ? hw.reserved_mib : 0.0);
         }
     }
     par.pp.rank = 0;
@@ -147,7 +162,8 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
         printf("expert-parallel communication per step per rank%s, with balanced routing: %.0f bytes\n", of,
                planned_ep_comm_bytes(config, par, o.B, o.T, dev));
     if (!priced) {
-        printf("predicted step: no hardware profile at %s (give --hardware FILE, e.g. one of dev/hardware/)\n", hw_path.c_str());
+        printf("predicted step: no hardware profile at %s (give --hardware FILE, e.g. one of dev/hardware/)\n",
+               hw_path.c_str());
         return;
     }
     int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : hw.devices_per_node;
@@ -205,7 +221,8 @@ inline std::vector<SearchCandidate> search_layouts(const Options& base, const GP
                             for (int B = 1; (long)B * base.T * dp <= base.total_batch; B *= 2)
                                 for (int recompute = 0; recompute <= 2; recompute++) {
                                     Options o = base;
-                                    o.tp = tp, o.sp = tp > 1, o.cp = cp, o.pp = pp, o.pp_schedule = schedule, o.vpp = vpp;
+                                    o.tp = tp, o.sp = tp > 1, o.cp = cp, o.pp = pp, o.pp_schedule = schedule,
+                                    o.vpp = vpp;
                                     o.ep = ep, o.zero = zero, o.B = B, o.recompute = recompute;
                                     CheckedLayout l;
                                     try {
@@ -238,7 +255,8 @@ inline std::vector<SearchCandidate> search_layouts(const Options& base, const GP
 
 // the components of a predicted step, named, for saying where the runner-up loses its time
 inline std::vector<std::pair<const char*, double>> step_parts(const StepTime& s) {
-    return {{"compute", s.compute}, {"dp", s.dp}, {"tp", s.tp}, {"cp", s.cp}, {"pp", s.pp}, {"ep", s.ep}, {"bubble", s.bubble}};
+    return {{"compute", s.compute}, {"dp", s.dp}, {"tp", s.tp}, {"cp", s.cp},
+            {"pp", s.pp}, {"ep", s.ep}, {"bubble", s.bubble}};
 }
 
 inline void print_search(const Options& o, const GPTConfig& config, Device dev) {
@@ -266,9 +284,9 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
     printf("%4s %10s %14s %7s  %s\n", "rank", "GiB", "tokens/s", "MFU", "command");
     for (size_t i = 0; i < found.size() && i < 10; i++) {
         const SearchCandidate& c = found[i];
-        printf("%4zu %10.2f %14.0f %6.1f%%  mpirun -np %d ./train_gpt -e %s -t %d -d %ld %s%s\n", i + 1, c.bytes / 1073741824.0,
-               c.step.tokens_per_second, 100 * c.step.mfu, o.search_gpus, o.model.c_str(), o.T, o.total_batch,
-               layout_flags(c.o).c_str(), dev == Device::CUDA ? "" : " --device cpu");
+        printf("%4zu %10.2f %14.0f %6.1f%%  mpirun -np %d ./train_gpt -e %s -t %d -d %ld %s%s\n", i + 1,
+               c.bytes / 1073741824.0, c.step.tokens_per_second, 100 * c.step.mfu, o.search_gpus, o.model.c_str(), o.T,
+               o.total_batch, layout_flags(c.o).c_str(), dev == Device::CUDA ? "" : " --device cpu");
     }
     printf("best: %s\n", describe_step(found[0].step).c_str());
     if (found.size() < 2) return;

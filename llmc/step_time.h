@@ -33,10 +33,10 @@
 #include "llmc/pp_schedules.h"
 
 struct StepTime {
-    double compute = 0;                         // the critical stage's own work, including the optimizer
+    double compute = 0;                             // the critical stage's own work, including the optimizer
     double dp = 0, tp = 0, cp = 0, pp = 0, ep = 0;  // exposed communication
-    double bubble = 0;                          // the critical stage's idle time in the pipeline
-    double seconds = 0;                         // the sum of the above
+    double bubble = 0;                              // the critical stage's idle time in the pipeline
+    double seconds = 0;                             // the sum of the above
     double tokens_per_second = 0, mfu = 0;
 };
 
@@ -66,10 +66,10 @@ inline double model_flops_per_token(const GPTConfig& c, int T) {
 // embeddings when it starts the model, the head when it ends it). Backward's weight-gradient share is kept
 // apart for the zero-bubble schedule's W; the exposed communication of each pass is priced separately.
 struct PassCost {
-    double forward = 0, backward = 0, weight_grad = 0;   // compute
-    double tp = 0, cp = 0, ep = 0, pp = 0;               // exposed communication, forward and backward together
-    double forward_comm = 0;                             // ... of which in forward
-    double attention = 0;                                // attention's compute (what the cp ring overlaps)
+    double forward = 0, backward = 0, weight_grad = 0;  // compute
+    double tp = 0, cp = 0, ep = 0, pp = 0;              // exposed communication, forward and backward together
+    double forward_comm = 0;                            // ... of which in forward
+    double attention = 0;                               // attention's compute (what the cp ring overlaps)
 };
 
 struct StepModel {
@@ -116,7 +116,8 @@ struct StepModel {
         double stream = X * 10 * R * C + (c.moe() ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * mlp_rows * Hl;
         bool again_gelu = par.recompute >= 1, again_layernorm = par.recompute >= 2;
         double layer_f = mm + attn_f + memory(stream, 6) + transcendental(gelu, 1);
-        double layer_b_input = mm + attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
+        double layer_b_input = mm + attn_b +
+                               memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
                                transcendental(1.5 * gelu + (again_gelu ? gelu : 0), 1 + again_gelu);
         p.forward = layers * layer_f;
         p.backward = layers * layer_b_input;
@@ -150,7 +151,8 @@ struct StepModel {
         if (par.cp > 1) {
             double N = par.cp, kv = BT * 2 * Cl;
             Link l = cp_link();
-            double f = link_seconds(l, (N - 1) * kv * X, N - 1), b = link_seconds(l, (N - 1) * kv * X + N * kv * 4, 2 * N - 1);
+            double f = link_seconds(l, (N - 1) * kv * X, N - 1),
+                   b = link_seconds(l, (N - 1) * kv * X + N * kv * 4, 2 * N - 1);
             double exposed_f = f - hw.overlap * std::min(f, attn_f), exposed_b = b - hw.overlap * std::min(b, attn_b);
             p.cp = layers * (exposed_f + exposed_b);
             p.forward_comm += layers * exposed_f;
@@ -189,8 +191,12 @@ inline double exposed_dp_seconds(const StepModel& sm, double window) {
         double reduce = link_seconds(l, reduce_passes * P, reduce_passes * buckets);
         double gather = link_seconds(l, gather_passes * P, gather_passes * buckets);
         double tail = link_seconds(l, last, 1);  // the embeddings' bucket, complete only when backward ends
-        if (par.zero == 3) overlappable += reduce + gather - tail;
-        else overlappable += reduce - tail, exposed += gather;
+        if (par.zero == 3) {
+            overlappable += reduce + gather - tail;
+        } else {
+            overlappable += reduce - tail;
+            exposed += gather;
+        }
         exposed += tail + link_seconds(l, (g.ranks - 1) * 8.0 + (i == 0 ? 16.0 : 0.0), 2);  // norm and loss
     }
     return exposed + overlappable - sm.hw.overlap * std::min(overlappable, window);
@@ -209,7 +215,8 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         ModelPart part = stage_part(c, spec);
         for (int k = 0; k < part.chunks(); k++) {
             int g = k * N + r;
-            costs[r].push_back(sm.pass(part.chunk_layers[k], part.starts_model(k), part.head(k), g < N * V - 1, g > 0));
+            bool sends_on = g < N * V - 1, sends_back = g > 0;  // not the model's last chunk, not its first
+            costs[r].push_back(sm.pass(part.chunk_layers[k], part.starts_model(k), part.head(k), sends_on, sends_back));
         }
         ParallelPlan stage = par;
         stage.pp.rank = r;
@@ -232,7 +239,8 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
     if (par.pp.on()) {
         PPSchedule schedule = pp_schedule(par.pp.kind, N, m, V);
         bool split = pp_splits_backward(schedule);
-        PPSimulation sim = simulate_pp_schedule(schedule, N, [&](int r, const PPAction& a) { return action_cost(r, a, split); });
+        PPSimulation sim =
+            simulate_pp_schedule(schedule, N, [&](int r, const PPAction& a) { return action_cost(r, a, split); });
         makespan = sim.makespan, busy = sim.busy;
     } else {
         const PassCost& p = costs[0][0];
@@ -265,8 +273,9 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
 }
 
 inline std::string describe_step(const StepTime& s) {
-    return strfmt("%.3f ms, %.0f tokens/s, MFU %.1f%% (compute %.3f ms, dp %.3f ms, tp %.3f ms, cp %.3f ms, pp %.3f ms, "
-                  "ep %.3f ms, bubble %.3f ms)",
-                  s.seconds * 1e3, s.tokens_per_second, 100 * s.mfu, s.compute * 1e3, s.dp * 1e3, s.tp * 1e3, s.cp * 1e3,
-                  s.pp * 1e3, s.ep * 1e3, s.bubble * 1e3);
+    return strfmt(
+        "%.3f ms, %.0f tokens/s, MFU %.1f%% (compute %.3f ms, dp %.3f ms, tp %.3f ms, cp %.3f ms, pp %.3f ms, "
+        "ep %.3f ms, bubble %.3f ms)",
+        s.seconds * 1e3, s.tokens_per_second, 100 * s.mfu, s.compute * 1e3, s.dp * 1e3, s.tp * 1e3, s.cp * 1e3,
+        s.pp * 1e3, s.ep * 1e3, s.bubble * 1e3);
 }

@@ -131,14 +131,16 @@ TEST_CASE("a pipeline's predicted step is the simulated schedule's makespan plus
         par.accumulation = m;
         return predict_step(c, 2, 16, par, Device::CPU, round_profile(), 8);
     };
-    StepTime afab = step(PPKind::AFAB, 4), one_f_one_b = step(PPKind::OneFOneB, 4), long_run = step(PPKind::OneFOneB, 16);
+    StepTime afab = step(PPKind::AFAB, 4), one_f_one_b = step(PPKind::OneFOneB, 4),
+             long_run = step(PPKind::OneFOneB, 16);
     CHECK(afab.seconds == Approx(one_f_one_b.seconds).epsilon(1e-12));
     CHECK(one_f_one_b.bubble > 0.0);
     CHECK(long_run.bubble / long_run.seconds < one_f_one_b.bubble / one_f_one_b.seconds);
     CHECK(one_f_one_b.pp > 0.0);
 }
 
-TEST_CASE("predict_step prices every layout family: its parts add up to the step, each part where it belongs", "[planner]") {
+TEST_CASE("predict_step prices every layout family: its parts add up to the step, each part where it belongs",
+          "[planner]") {
     GPTConfig dense = parse_model_descriptor("d8c64h4t32v128"), moe = parse_model_descriptor("d8c64h4t32v128e4k2");
     HardwareProfile hw = round_profile();
     hw.overlap = 0.5;
@@ -156,16 +158,18 @@ TEST_CASE("predict_step prices every layout family: its parts add up to the step
         return p;
     };
     std::vector<Layout> layouts;
-    for (int zero = 0; zero <= 3; zero++) layouts.push_back({"dp 4", dense, plan(4, zero, 1, 1, {}, 1, 0, 2), true, false, false, false, false});
+    for (int zero = 0; zero <= 3; zero++)
+        layouts.push_back({"dp 4", dense, plan(4, zero, 1, 1, {}, 1, 0, 2), true, false, false, false, false});
     layouts.push_back({"tp 2 sp, -r 2", dense, plan(1, 0, 2, 1, {}, 1, 2, 1), false, true, false, false, false});
     layouts.push_back({"cp 2 x dp 2", dense, plan(2, 1, 1, 2, {}, 1, 0, 1), true, false, true, false, false});
     for (PPKind kind : {PPKind::AFAB, PPKind::OneFOneB, PPKind::ZeroBubble})
-        layouts.push_back({"pp 2", dense, plan(1, 0, 1, 1, PPSpec{2, 0, 1, kind}, 1, 0, 4), false, false, false, true, false});
-    layouts.push_back({"pp 2 interleaved", dense, plan(2, 1, 2, 1, PPSpec{2, 0, 2, PPKind::Interleaved}, 1, 1, 4), true, true,
-                       false, true, false});
+        layouts.push_back(
+            {"pp 2", dense, plan(1, 0, 1, 1, PPSpec{2, 0, 1, kind}, 1, 0, 4), false, false, false, true, false});
+    layouts.push_back({"pp 2 interleaved", dense, plan(2, 1, 2, 1, PPSpec{2, 0, 2, PPKind::Interleaved}, 1, 1, 4), true,
+                       true, false, true, false});
     layouts.push_back({"ep 2 x dp 4", moe, plan(4, 2, 1, 1, {}, 2, 0, 1), true, false, false, false, true});
-    layouts.push_back({"ep 2, tp 2, cp 2, pp 2", moe, plan(2, 1, 2, 2, PPSpec{2, 0, 1, PPKind::OneFOneB}, 2, 1, 2), true, true, true,
-                       true, true});
+    layouts.push_back({"ep 2, tp 2, cp 2, pp 2", moe, plan(2, 1, 2, 2, PPSpec{2, 0, 1, PPKind::OneFOneB}, 2, 1, 2),
+                       true, true, true, true, true});
     for (const Layout& l : layouts) {
         INFO(l.name << ", ZeRO-" << l.par.zero);
         StepTime s = predict_step(l.c, 2, 32, l.par, Device::CPU, hw, 8);
@@ -196,10 +200,11 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     HardwareProfile h = parse_hardware(round_profile_file(2), "round.txt");
     CHECK(h.memory_gib == 2.0);
     CHECK(h.matmul_rate(4096) == 2.0);
-    std::string two_sizes = std::regex_replace(round_profile_file(2), std::regex("matmul_tflops 1 2"), "matmul_tflops 64 2");
+    std::string two_sizes =
+        std::regex_replace(round_profile_file(2), std::regex("matmul_tflops 1 2"), "matmul_tflops 64 2");
     HardwareProfile two = parse_hardware(two_sizes + "matmul_tflops 256 4\n", "two.txt");
-    CHECK(two.matmul_rate(16) == 2.0);     // below the smallest size: its rate
-    CHECK(two.matmul_rate(16384) == 4.0);  // above the largest: its rate
+    CHECK(two.matmul_rate(16) == 2.0);           // below the smallest size: its rate
+    CHECK(two.matmul_rate(16384) == 4.0);        // above the largest: its rate
     CHECK(two.matmul_rate(128) == Approx(3.0));  // log-linear between 64 and 256
     CHECK(two.matmul_rate(100) < two.matmul_rate(128));
     auto refused = [](const std::string& text, const std::string& words) {
@@ -217,14 +222,16 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     refused(std::regex_replace(round_profile_file(2), std::regex("overlap 0\n"), ""), "missing 'overlap'");
     refused(round_profile_file(2) + "bandwidth 5\n", "unknown key 'bandwidth'");
     refused(round_profile_file(2) + "overlap 0.5\n", "overlap given twice");
-    refused(std::regex_replace(round_profile_file(2), std::regex("device cpu"), "device tpu"), "device: expected cuda or cpu");
+    refused(std::regex_replace(round_profile_file(2), std::regex("device cpu"), "device tpu"),
+            "device: expected cuda or cpu");
 }
 
 TEST_CASE("train_gpt --plan --hardware prints predict_step's line", "[planner]") {
     TempDir dir;
     std::string profile = dir / "round.txt";
     File(profile, "w").write(round_profile_file(1).data(), round_profile_file(1).size());
-    CommandResult r = single(strfmt("-e %s -b 2 -t 16 --device cpu --plan --world 4 --tp 2 --hardware %s", MODEL, profile.c_str()));
+    CommandResult r =
+        single(strfmt("-e %s -b 2 -t 16 --device cpu --plan --world 4 --tp 2 --hardware %s", MODEL, profile.c_str()));
     INFO(r.output);
     REQUIRE(r.status == 0);
     ParallelPlan par;
@@ -233,7 +240,8 @@ TEST_CASE("train_gpt --plan --hardware prints predict_step's line", "[planner]")
     CHECK(r.output.find("predicted step: " + describe_step(s) + "\n") != std::string::npos);
     CHECK(r.output.find("fits round figures: yes") != std::string::npos);
     // a profile for the GPU does not price a CPU plan
-    CommandResult wrong = single(strfmt("-e %s -b 2 -t 16 --device cpu --plan --hardware dev/hardware/h100.txt", MODEL));
+    CommandResult wrong =
+        single(strfmt("-e %s -b 2 -t 16 --device cpu --plan --hardware dev/hardware/h100.txt", MODEL));
     check_one_line_error(wrong, {"--hardware dev/hardware/h100.txt", "cuda", "--device cpu"});
 }
 
@@ -248,10 +256,12 @@ TEST_CASE("--search prints only layouts that --plan says fit, after dropping som
     INFO(r.output);
     REQUIRE(r.status == 0);
     std::smatch m;
-    REQUIRE(std::regex_search(r.output, m, std::regex(R"(layouts considered: (\d+); fit: (\d+); do not fit in [0-9.]+ GiB: (\d+))")));
+    REQUIRE(std::regex_search(
+        r.output, m, std::regex(R"(layouts considered: (\d+); fit: (\d+); do not fit in [0-9.]+ GiB: (\d+))")));
     CHECK(std::stoi(m[3]) > 0);
     CHECK(std::stoi(m[2]) >= 10);
-    std::regex row(R"(\n +(\d+) +[0-9.]+ +[0-9]+ +[0-9.]+%  mpirun -np 4 \./train_gpt -e \S+ -t 16 -d 512 (.*) --device cpu)");
+    std::regex row(
+        R"(\n +(\d+) +[0-9.]+ +[0-9]+ +[0-9.]+%  mpirun -np 4 \./train_gpt -e \S+ -t 16 -d 512 (.*) --device cpu)");
     int rows = 0;
     double previous = 0;
     for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), row); it != std::sregex_iterator(); ++it) {
