@@ -55,20 +55,18 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
     HardwareProfile h = base;
     Ledger led;
     const int threads = omp_get_max_threads();
-    // matmul: rows enough to keep every core or SM busy at every size
-    const long rows = gpu ? 16384 : 2048;
-    size_t largest = 0;
-    for (auto [n, rate] : base.matmul_tflops) largest = std::max(largest, (size_t)n);
+    // matmul: rows enough to keep every core or SM busy, and at least the largest size, so that n is the smallest
+    // dimension of every GEMM measured (the sizes are sorted)
+    const long largest = (long)base.matmul_tflops.back().first, rows = std::max(gpu ? 16384L : 2048L, largest);
     floatX* a = led.alloc<floatX, floatX>(MEM_SCRATCH, rows * largest);
     floatX* w = led.alloc<floatX, floatX>(MEM_SCRATCH, largest * largest);
     floatX* out = led.alloc<floatX, floatX>(MEM_SCRATCH, rows * largest);
     fill_random(a, rows * largest, 1), fill_random(w, largest * largest, 2);
     float* workspace = gpu ? nullptr : led.alloc<floatX, float>(MEM_SCRATCH, gemm_workspace_floats(threads));
     for (auto& [size, rate] : h.matmul_tflops) {
-        long n = (long)size, M = std::max(rows, n);
-        if (M * n > rows * (long)largest) M = rows;
-        double s = seconds_per_call<floatX>([&] { matmul_forward(out, a, w, nullptr, M, n, n, workspace); });
-        rate = 2.0 * M * n * n / s / 1e12;
+        long n = (long)size;
+        double s = seconds_per_call<floatX>([&] { matmul_forward(out, a, w, nullptr, rows, n, n, workspace); });
+        rate = 2.0 * rows * n * n / s / 1e12;
     }
     // attention: the FLOPs step_time.h counts, 2·B·T·T·C forward and 2.5 times that backward
     {

@@ -87,7 +87,8 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
                      s.c_str());
             return v;
         };
-        seen[key]++;
+        if (++seen[key] > 1 && key != "matmul_tflops")
+            fail("%s:%d: %s given twice", path.c_str(), line_no, key.c_str());
         if (key == "name") {
             h.name = value;
         } else if (key == "device") {
@@ -102,7 +103,6 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
             rest.erase(0, rest.find_first_not_of(" \t"));
             h.matmul_tflops.push_back({number(value.substr(0, gap)), number(rest)});
         } else if (reals.count(key)) {
-            if (seen[key] > 1) fail("%s:%d: %s given twice", path.c_str(), line_no, key.c_str());
             *reals[key] = number(value);
         } else {
             fail("%s:%d: unknown key '%s'", path.c_str(), line_no, key.c_str());

@@ -80,6 +80,11 @@ inline bool plan_hardware(const Options& o, Device dev, HardwareProfile& hw, std
     return true;
 }
 
+// the devices of a node: --gpus-per-node, or the profile's
+inline int devices_per_node(const Options& o, const HardwareProfile& hw) {
+    return o.gpus_per_node > 0 ? o.gpus_per_node : hw.devices_per_node;
+}
+
 // A rank's memory as the planner compares it with the device's: the ledger's categories, and on the GPU
 // cuBLASLt's workspace and the profile's reserve (the CUDA context, NCCL)
 inline double planned_device_bytes(const MemoryPlan& p, Device dev, const HardwareProfile& hw) {
@@ -166,7 +171,7 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
                hw_path.c_str());
         return;
     }
-    int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : hw.devices_per_node;
+    int per_node = devices_per_node(o, hw);
     printf("hardware: %s (%s), %d per node\n", hw.name.c_str(), hw_path.c_str(), per_node);
     printf("predicted step: %s\n", describe_step(predict_step(config, o.B, o.T, par, dev, hw, per_node)).c_str());
 }
@@ -264,7 +269,7 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
     std::string hw_path;
     if (!plan_hardware(o, dev, hw, hw_path))
         fail("--search: no hardware profile at %s (give --hardware FILE, e.g. one of dev/hardware/)", hw_path.c_str());
-    int per_node = o.gpus_per_node > 0 ? o.gpus_per_node : hw.devices_per_node;
+    int per_node = devices_per_node(o, hw);
     std::map<std::string, int> refused;
     int too_big = 0;
     std::vector<SearchCandidate> found = search_layouts(o, config, dev, hw, per_node, refused, too_big);

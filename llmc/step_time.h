@@ -69,7 +69,6 @@ struct PassCost {
     double forward = 0, backward = 0, weight_grad = 0;  // compute
     double tp = 0, cp = 0, ep = 0, pp = 0;              // exposed communication, forward and backward together
     double forward_comm = 0;                            // ... of which in forward
-    double attention = 0;                               // attention's compute (what the cp ring overlaps)
 };
 
 struct StepModel {
@@ -122,7 +121,6 @@ struct StepModel {
         p.forward = layers * layer_f;
         p.backward = layers * layer_b_input;
         p.weight_grad = layers * mm;  // the weight gradients' matmuls
-        p.attention = layers * (attn_f + attn_b);
         if (embeddings) {  // the first chunk's lookup and its gradient's scatter
             p.forward += memory(X * 3 * R * C, 1);
             p.backward += memory(X * 3 * R * C, 1);

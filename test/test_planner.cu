@@ -222,6 +222,7 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     refused(std::regex_replace(round_profile_file(2), std::regex("overlap 0\n"), ""), "missing 'overlap'");
     refused(round_profile_file(2) + "bandwidth 5\n", "unknown key 'bandwidth'");
     refused(round_profile_file(2) + "overlap 0.5\n", "overlap given twice");
+    refused(round_profile_file(2) + "device cuda\n", "bad.txt:18: device given twice");
     refused(std::regex_replace(round_profile_file(2), std::regex("device cpu"), "device tpu"),
             "device: expected cuda or cpu");
 }
