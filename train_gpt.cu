@@ -729,10 +729,9 @@ static int calibrate(const Options& o, Device dev) {
     h.name = base.name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
     std::string text = "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h);
     std::string tmp = o.calibrate + ".tmp";
-    {
-        File f(tmp, "w");
-        f.write(text.data(), text.size());
-    }
+    File f(tmp, "w");
+    f.write(text.data(), text.size());
+    f.close();
     if (rename(tmp.c_str(), o.calibrate.c_str()) != 0)
         fail("--calibrate %s: cannot rename %s into place (%s)", o.calibrate.c_str(), tmp.c_str(), strerror(errno));
     printf("%s", text.c_str());
@@ -790,7 +789,7 @@ static int run(const Options& o) {
     CheckedLayout layout = check_layout(o, config, world);
     int dp = layout.dp, accumulation = layout.accumulation;
     long tokens_per_micro_step = layout.tokens_per_micro_step, total_batch = layout.total_batch;
-    size_t bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    size_t bucket_floats = o.bucket_floats();
     if (!o.plan && !resume_dir.empty())
         check_resume_from(inputs, run_layout(o, world, dp, total_batch, bucket_floats, dev), resume_dir);
     if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;

@@ -286,8 +286,7 @@ inline std::vector<std::string> manifest_values(const std::string& text, const s
 // recorded lacks them all) or cannot read
 inline RunInputs read_manifest_inputs(const std::string& path) {
     File f(path, "rb");
-    std::string text(f.size(), '\0');
-    f.read(&text[0], text.size());
+    std::string text = f.read_all();
     auto one = [&](const char* key) {
         std::vector<std::string> v = manifest_values(text, key);
         if (v.size() != 1)
@@ -359,8 +358,7 @@ inline void check_run_inputs(const RunInputs& now, const RunInputs& was, const s
 
 inline RunLayout read_manifest_layout(const std::string& path) {
     File f(path, "rb");
-    std::string text(f.size(), '\0');
-    f.read(&text[0], text.size());
+    std::string text = f.read_all();
     RunLayout r;
     char split[16] = {}, device[16] = {};
     const char* b = strstr(text.c_str(), "\nbatch ");
@@ -592,8 +590,7 @@ inline std::vector<ListedFile> verify_manifest(const std::string& out_dir, int s
     std::string dir = out_dir + "/" + checkpoint_name(step);
     std::string manifest = dir + "/manifest.txt";
     File f(manifest, "rb");
-    std::string text(f.size(), '\0');
-    f.read(&text[0], text.size());
+    std::string text = f.read_all();
     size_t own = text.rfind("manifest fnv1a64=");
     unsigned long long own_want;
     if (own == std::string::npos || (own > 0 && text[own - 1] != '\n') ||

@@ -128,14 +128,8 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
 }
 
 inline HardwareProfile load_hardware(const std::string& path) {
-    FILE* f = fopen(path.c_str(), "r");
-    if (!f) fail("%s: cannot open the hardware profile (%s)", path.c_str(), strerror(errno));
-    std::string text;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
-    fclose(f);
-    return parse_hardware(text, path);
+    File f(path, "rb");
+    return parse_hardware(f.read_all(), path);
 }
 
 // the profile as a file parse_hardware reads back

@@ -72,6 +72,7 @@ struct Options {
     int debug_sigterm_step = -1;                        // --debug-sigterm-step (tests only)
 
     bool planning() const { return plan || search; }    // predicting only: no data, no ranks, no GPU needed
+    size_t bucket_floats() const { return (size_t)(bucket_mb * 1048576.0 / 4.0); }  // --bucket-mb as fp32 elements
 };
 
 // --help: every flag parse_options accepts, by group, with its default in brackets (a test holds the two equal)

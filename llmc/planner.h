@@ -27,7 +27,7 @@ inline PPSpec pp_spec(const Options& o, int rank) {
 
 inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     ParallelPlan p;
-    p.dp = dp, p.zero = o.zero, p.bucket_floats = (size_t)(o.bucket_mb * 1048576.0 / 4.0);
+    p.dp = dp, p.zero = o.zero, p.bucket_floats = o.bucket_floats();
     p.accumulation = accumulation;
     p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
     return p;

@@ -61,6 +61,14 @@ struct File {
         if (fwrite(src, 1, bytes, f) != bytes) fail("%s: write failed (%s)", path.c_str(), strerror(errno));
         written.update(src, bytes);
     }
+    // the rest of the file from where the stream stands, as text
+    std::string read_all() {
+        std::string text;
+        char buf[65536];
+        for (size_t n; (n = fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
+        if (ferror(f)) fail("%s: cannot read (%s)", path.c_str(), strerror(errno));
+        return text;
+    }
     // flushes and fsyncs so that a rename after close() publishes complete bytes
     void close();
     long size() {
