@@ -1,5 +1,6 @@
 # llm5d build. nvcc compiles everything, host code included (with OpenMP), so one toolchain serves the CPU and
-# the CUDA backends.
+# the CUDA backends. Every target builds on all cores (make -jN to say otherwise), one line per program built
+# (V=1 prints nvcc's command lines).
 #   make            ./train_gpt
 #   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
 #                   plot its losses (build/demo/loss.png)
@@ -7,11 +8,12 @@
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:
-#   CUDA_ARCH   GPU code to embed [Ampere (sm_80) and Hopper (sm_90a: Hopper's own instructions, wgmma and
-#               setmaxnreg, which --attention wgmma needs) machine code, and Hopper PTX (compute_90, without them)
-#               that newer GPUs such as Blackwell compile when they load it]; e.g.
-#               CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a Hopper-only build that compiles faster
-#               (train_gpt on two cores: 26 s instead of 38 s)
+#   CUDA_ARCH   GPU code to embed, as nvcc -gencode flags [the visible GPUs' own, from nvidia-smi; on a machine
+#               without one, train_gpt gets Ampere (sm_80) and Hopper (sm_90a: Hopper's own instructions, wgmma
+#               and setmaxnreg, which --attention wgmma needs) machine code plus Hopper PTX (compute_90) that
+#               newer GPUs compile when they load it, and the tests, which cannot run GPU code there, sm_90a
+#               alone (nvcc.mk)]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a Hopper cluster
+#               built on a login node without a GPU
 #   HOST_ARCH   the CPU the host code may assume, passed to -march [native: this machine]; a binary for the nodes
 #               of a cluster needs one they all run, e.g. HOST_ARCH=x86-64-v3 (AVX2) or x86-64-v4 (AVX-512)
 #   NO_MPI=1    build without MPI: one process only; MPICXX: the MPI compiler wrapper that says where MPI is
@@ -21,11 +23,11 @@
 # it is, among them): when MPI is installed later, or a variable above changes, the next make rebuilds them.
 
 NVCC ?= /usr/local/cuda/bin/nvcc
-CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
+include nvcc.mk
 HOST_ARCH ?= native
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=$(HOST_ARCH) -fopenmp -Wall -Wno-unknown-pragmas
-NVCC_FLAGS = -std=c++17 -O3 $(CUDA_ARCH) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
+NVCC_FLAGS = -std=c++17 -O3 -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
 LDLIBS = -lgomp -lnccl -lcublasLt -lcublas
 FLAGS_STAMP = build/flags.stamp
 # test and train install MPI before they build, in a make of their own: this one says nothing about MPI
@@ -41,8 +43,15 @@ CATCH2_INCLUDE ?= /usr/include/catch2
 DEPS_ENV = NVCC="$(NVCC)" PYTHON="$(PYTHON)" CATCH2_INCLUDE="$(CATCH2_INCLUDE)" MPICXX="$(MPICXX)" NO_MPI="$(NO_MPI)"
 
 HEADERS = $(wildcard llmc/*.h llmc/*.cuh)
-TEST_SOURCES = $(wildcard test/test_*.cu)
-TEST_OBJECTS = $(patsubst test/%.cu,build/%.o,$(TEST_SOURCES))
+# The tests are two translation units, each a list of test files (test/suite_*.cu says why); nvcc writes what
+# each includes into build/*.d, so a change to any of those files rebuilds it, and only it.
+SUITES = model tools
+SUITE_OBJECTS = $(patsubst %,build/suite_%.o,$(SUITES))
+SUITE_MEMBERS := $(shell sed -n 's|^\#include "\(test/test_[a-z0-9_]*\.cu\)"$$|\1|p' $(patsubst %,test/suite_%.cu,$(SUITES)))
+UNLISTED_TESTS := $(filter-out $(SUITE_MEMBERS),$(wildcard test/test_*.cu))
+ifneq ($(UNLISTED_TESTS),)
+$(error $(UNLISTED_TESTS): in no test suite; include it in test/suite_model.cu (if it compiles kernels) or test/suite_tools.cu)
+endif
 
 # the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores; its log and plot go
 # to TRAIN_OUT
@@ -54,18 +63,24 @@ TRAIN_OUT ?= build/demo
 all: train_gpt
 
 train_gpt: train_gpt.cu $(HEADERS) $(FLAGS_STAMP)
-	$(NVCC) $(NVCC_FLAGS) train_gpt.cu -o $@ $(LDLIBS)
+	$(call say,nvcc $< -> $@ ($(ARCH_NAMES)))
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) train_gpt.cu -o $@ $(LDLIBS)
 
 build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
 	@mkdir -p build
-	$(NVCC) $(NVCC_FLAGS) -I$(CATCH2_INCLUDE) -c $< -o $@
+	$(call say,nvcc $< -> $@)
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -c $< -o $@
 
-build/test_%.o: test/test_%.cu $(HEADERS) test/test_helpers.h test/mpi_helpers.h $(wildcard dev/cuda/*.h) $(FLAGS_STAMP)
+build/suite_%.o: test/suite_%.cu $(FLAGS_STAMP)
 	@mkdir -p build
-	$(NVCC) $(NVCC_FLAGS) -I$(CATCH2_INCLUDE) -c $< -o $@
+	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -MMD -MP -MF build/suite_$*.d -c $< -o $@
 
-build/tests: build/catch_main.o $(TEST_OBJECTS) $(FLAGS_STAMP)
-	$(NVCC) $(NVCC_FLAGS) $(filter %.o,$^) -o $@ $(LDLIBS)
+-include $(SUITE_OBJECTS:.o=.d)
+
+build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
+	$(call say,nvcc -> $@)
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) $(filter %.o,$^) -o $@ $(LDLIBS)
 
 # programs that tests start under mpirun: comm_check (the collectives against a naive reference, from
 # test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
@@ -73,7 +88,8 @@ build/tests: build/catch_main.o $(TEST_OBJECTS) $(FLAGS_STAMP)
 MPI_CHECKS = build/comm_check build/cp_check
 $(MPI_CHECKS): build/%: test/%.cu $(HEADERS) $(FLAGS_STAMP)
 	@mkdir -p build
-	$(NVCC) $(NVCC_FLAGS) $< -o $@ $(LDLIBS)
+	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) $< -o $@ $(LDLIBS)
 
 deps:
 	$(DEPS_ENV) bash scripts/install_deps.sh
@@ -98,7 +114,7 @@ build/reference_moe/model.bin: test/reference/make_reference.py
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them
 test: deps
-	$(MAKE) train_gpt build/tests $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin dev/data/node_modules
+	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin dev/data/node_modules
 	bash test/run_tests.sh
 
 train: deps

@@ -18,7 +18,7 @@
 
 extern char** environ;
 
-namespace {
+namespace test_checkpoint {
 
 const char* TRAIN_GPT = "./train_gpt";
 
@@ -168,8 +168,6 @@ void require_same_model(const GPT& a, const GPT& b) {
 std::string resumed_line(const std::string& out_dir, int step) {
     return strfmt("resumed from %s/%s at step %d", out_dir.c_str(), checkpoint_name(step).c_str(), step);
 }
-
-}  // namespace
 
 TEST_CASE("a resumed run continues bit-exactly like an uninterrupted one", "[checkpoint]") {
     require_binary();
@@ -560,3 +558,5 @@ TEST_CASE("saving the same step twice replaces the checkpoint atomically", "[che
         require_second();
     }
 }
+
+}  // namespace test_checkpoint

@@ -11,7 +11,7 @@
 
 #include "test_helpers.h"
 
-namespace {
+namespace test_cli {
 
 // llm.c's file formats, written out here from their documentation rather than taken from the headers under
 // test, so that a changed constant there shows up as a failure here
@@ -202,8 +202,6 @@ int count_matching(const std::vector<std::string>& lines, const std::regex& re) 
     for (const std::string& line : lines) n += std::regex_search(line, re) ? 1 : 0;
     return n;
 }
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------------------
 // positive controls
@@ -632,3 +630,5 @@ TEST_CASE("an error goes to stderr, and nothing to stdout", "[cli]") {
         CHECK(err.output.rfind("train_gpt: ", 0) == 0);
     }
 }
+
+}  // namespace test_cli

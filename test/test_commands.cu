@@ -13,7 +13,7 @@
 #include "llmc/gpt.cuh"
 #include "test_helpers.h"
 
-namespace {
+namespace test_commands {
 
 std::string slurp(const std::string& path) {
     std::ifstream in(path);
@@ -84,8 +84,6 @@ void write_stand_in_model(const std::string& path) {
     gpt_init_random(c, params.data(), 1);
     gpt_save_params(c, params.data(), path);
 }
-
-}  // namespace
 
 TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --plan (--search and --calibrate as they are)",
           "[commands]") {
@@ -214,3 +212,5 @@ TEST_CASE("install_deps.sh without root and without sudo names what is missing i
     CHECK(r.output.find("llm5d-absent-package") != std::string::npos);
     CHECK(r.output.find("apt-get install") != std::string::npos);
 }
+
+}  // namespace test_commands

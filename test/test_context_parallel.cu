@@ -12,13 +12,13 @@
 
 #include <algorithm>
 
-#include "dev/cuda/kernel_cases.h"
+#include "dev/cuda/attention_case.h"
 #include "llmc/cp.cuh"
 #include "llmc/plan.h"
 #include "llmc/zero.cuh"
 #include "mpi_helpers.h"
 
-namespace {
+namespace test_context_parallel {
 
 const char* CP_MODEL = "d3c36h4t32v301";
 
@@ -49,8 +49,6 @@ void require_cp_counted_equals_formula(const std::string& output, int cp) {
     CHECK(sent > 0);
     CHECK(sent == formula);
 }
-
-}  // namespace
 
 TEST_CASE("the zig-zag split gives rank r chunks r and 2N-1-r, the contiguous split chunks 2r and 2r+1", "[cp]") {
     CHECK(cp_positions(cp_layout(8, 2, 0, CPSplit::ZigZag)) == std::vector<int>{0, 1, 6, 7});
@@ -119,7 +117,7 @@ TEST_CASE("ring attention equals whole-sequence attention on every rank's slice,
 
 // One rank's two chunks already make three blocks (two causal, one full, merged into the second chunk's rows),
 // so a group of one runs every CUDA piece of the ring but the transfers. Tolerances are the flash attention's
-// (dev/cuda/kernel_cases.h): the inputs are bf16 and so are out and dqkv.
+// (dev/cuda/attention_case.h): the inputs are bf16 and so are out and dqkv.
 TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference", "[cp][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
     struct Shape {
@@ -297,3 +295,5 @@ TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every cp rank
                     }
                 }
 }
+
+}  // namespace test_context_parallel

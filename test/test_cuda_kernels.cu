@@ -5,16 +5,21 @@
 // Hopper"), except the host-side precondition checks and the emulations of the attention's mma and wgmma
 // fragment and shared-memory layouts on the CPU, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
-// are dev/cuda/kernel_cases.h's.
+// are dev/cuda/*_case.h's.
 #include <array>
 #include <utility>
 
-#include "dev/cuda/kernel_cases.h"
+#include "dev/cuda/adamw_case.h"
+#include "dev/cuda/attention_case.h"
+#include "dev/cuda/classifier_case.h"
+#include "dev/cuda/encoder_case.h"
+#include "dev/cuda/layernorm_case.h"
+#include "dev/cuda/matmul_case.h"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "test/test_helpers.h"
 
-namespace {
+namespace test_cuda_kernels {
 
 void require_close(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
     Comparison c = compare_rms(gpu, cpu, tol);
@@ -157,8 +162,6 @@ std::vector<float> gather_accumulators(const float (&left)[32][4], const float (
     return m;
 }
 
-}  // namespace
-
 TEST_CASE("attention mma fragments: ldmatrix addressing and m16n8k16 layouts emulated on the CPU", "[cuda]") {
     Rng rng(19);
     const int ld = 24;  // padded rows, as in shared memory
@@ -195,8 +198,6 @@ TEST_CASE("attention mma fragments: ldmatrix addressing and m16n8k16 layouts emu
             for (int key = 0; key < 16; key++) o_ref[r * 16 + c] += p[r * 16 + key] * v[key * ld + c];
     require_close("S·V through the fragments", gather_accumulators(o_left, o_right), o_ref, 1e-5);
 }
-
-namespace {
 
 // The wgmma attention's shared-memory bookkeeping, emulated on the CPU from the rules of the CUDA driver API
 // (TMA's 128-byte swizzle: the 16-byte chunk c of a 128-byte row r lands at chunk c ^ (r % 8) within each 1024
@@ -359,8 +360,6 @@ void check_wgmma_layouts(int hs, int cols, int wg) {
     require_close("O = P·V through the registers and an MN-major descriptor", gather_warpgroup(o, hs), o_ref, 1e-5);
 }
 
-}  // namespace
-
 TEST_CASE("attention wgmma: TMA's swizzle, the matrix descriptors and the m64nNk16 fragments emulated on the CPU",
           "[cuda]") {
     for (int hs : {64, 128})
@@ -370,8 +369,6 @@ TEST_CASE("attention wgmma: TMA's swizzle, the matrix descriptors and the m64nNk
                 check_wgmma_layouts(hs, cols, wg);
             }
 }
-
-namespace {
 
 void check_gelu(long N) {
     Rng rng(15);
@@ -432,8 +429,6 @@ void check_global_norm(long n) {
     sum_of_squares_cuda(d_out.ptr, d_x.ptr, n, partial.ptr, 0);
     require_close("sum of squares", download(d_out), {(float)sum_of_squares(x.data(), n)}, 1e-4);
 }
-
-}  // namespace
 
 TEST_CASE("CUDA encoder forward and deterministic backward match the CPU", "[cuda]") {
     SKIP_WITHOUT_GPU_CASE();
@@ -524,3 +519,5 @@ TEST_CASE("CUDA entry points refuse shapes and pointers their 16-byte accesses c
     REQUIRE_THROWS_WITH(crossentropy_forward_cuda(stats, aligned, nullptr, 4, 77, 100, 0),
                         Catch::Contains("Vp = 100"));
 }
+
+}  // namespace test_cuda_kernels

@@ -13,8 +13,7 @@
 #include "llmc/plan.h"
 #include "test/test_helpers.h"
 
-
-namespace {
+namespace test_cuda_model {
 
 // ‖a − b‖ / ‖b‖ over n values: the error of a whole tensor, which is what bf16 rounding bounds (single elements
 // near zero can be off by far more, relatively)
@@ -107,8 +106,6 @@ void check_training(const char* model) {
         CHECK(std::fabs(losses[1] - losses[0]) / losses[0] < 1e-2);
     }
 }
-
-}  // namespace
 
 TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at step 0", "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
@@ -215,3 +212,5 @@ TEST_CASE("--plan --device cuda: GPT-2 124M at B=4, T=1024 against a count by ha
     CHECK(p.bytes[MEM_COMM] == 0);
     CHECK(p.total() == 3842957312ull);
 }
+
+}  // namespace test_cuda_model

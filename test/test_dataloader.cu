@@ -9,10 +9,9 @@
 #include "llmc/dataloader.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_dataloader {
 
 const int GPT2_VOCAB = 50257;
-
 
 // shards whose tokens are all distinct (a shuffled range), so any window identifies where it was read from
 struct DistinctShards {
@@ -69,8 +68,6 @@ std::vector<std::vector<int>> read_batches(DataLoader& dl, size_t steps) {
     }
     return out;
 }
-
-}  // namespace
 
 TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
     TempDir dir;
@@ -381,3 +378,5 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
                                 Catch::Contains("global batch") && Catch::Contains("multiple of world*B*T"));
     }
 }
+
+}  // namespace test_dataloader

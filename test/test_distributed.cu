@@ -12,6 +12,8 @@
 #include "llmc/zero.cuh"
 #include "mpi_helpers.h"
 
+namespace test_distributed {
+
 TEST_CASE("every collective matches a naive reference on 2, 3 and 4 ranks, blocking and async", "[distributed]") {
     REQUIRE(access("build/comm_check", X_OK) == 0);
     for (int ranks : {2, 3, 4}) {
@@ -286,3 +288,5 @@ TEST_CASE("the process grid: tp fastest, then cp, dp, pp; groups and errors", "[
     CHECK(ep.status != 0);
     CHECK(ep.output.find("--ep 2: the model has no experts to split") != std::string::npos);
 }
+
+}  // namespace test_distributed

@@ -22,7 +22,7 @@
 #include "llmc/checkpoint.h"
 #include "mpi_helpers.h"
 
-namespace {
+namespace test_failures {
 
 // a manifest's text with its last line, its own checksum, recomputed for what precedes it
 void rerecord_own_checksum(std::string& text) {
@@ -129,8 +129,6 @@ std::string hostname() {
     gethostname(host, sizeof(host) - 1);
     return host;
 }
-
-}  // namespace
 
 TEST_CASE("a model file with a NaN or an Inf is refused, naming the file and the tensor", "[failures]") {
     Data data;
@@ -755,3 +753,5 @@ TEST_CASE("a resumed run cuts main.log back to its checkpoint's step: no step is
         CHECK(read_file(resumed + "/main.log") == read_file(whole + "/main.log"));
     }
 }
+
+}  // namespace test_failures

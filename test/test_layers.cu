@@ -21,7 +21,7 @@
 #include "llmc/schedule.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_layers {
 
 // the shapes shared by the layer tests
 constexpr int B = 2, T = 5, C = 12, NH = 3, OC = 7, V = 11, Vp = 16;
@@ -112,12 +112,8 @@ std::vector<int> random_token_ids(size_t n, int vocab, Rng& rng) {
     return t;
 }
 
-}  // namespace
-
 // ----------------------------------------------------------------------------------------------------------
 // GEMM
-
-namespace {
 
 // a dense row-major matrix and a view of it that reads it as stored or transposed
 struct GemmOperand {
@@ -167,8 +163,6 @@ double gemm_error(long M, long N, long K, bool a_transposed, bool b_transposed, 
     CHECK(sentinels_intact);
     return worst;
 }
-
-}  // namespace
 
 TEST_CASE("gemm matches a naive triple loop on sizes that are not multiples of the tiles", "[layers]") {
     struct Shape {
@@ -651,3 +645,5 @@ TEST_CASE("residual_forward adds its inputs", "[layers]") {
     residual_forward(r.data(), r.data(), b.data(), N);
     CHECK(memcmp(r.data(), out.data(), N * sizeof(float)) == 0);
 }
+
+}  // namespace test_layers

@@ -5,7 +5,7 @@
 #include "llmc/gpt.cuh"
 #include "test_helpers.h"
 
-namespace {
+namespace test_model_reference {
 
 struct ReferenceState {
     int B, T, V, Vp, steps;
@@ -108,8 +108,6 @@ void check_against_pytorch(const std::string& dir) {
     }
 }
 
-}  // namespace
-
 TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps", "[model][reference]") {
     check_against_pytorch("build/reference");
 }
@@ -118,3 +116,5 @@ TEST_CASE("CPU GPT-2 with experts (E=4, K=2) matches PyTorch: logits, loss, aux 
           "[model][reference][moe]") {
     check_against_pytorch("build/reference_moe");
 }
+
+}  // namespace test_model_reference

@@ -13,7 +13,7 @@
 #include "llmc/plan.h"
 #include "mpi_helpers.h"
 
-namespace {
+namespace test_moe {
 
 const char* MOE_MODEL = "d2c48h4t32v301e4k2";
 
@@ -31,8 +31,6 @@ void require_ep_counted_equals_formula(const std::string& output) {
         }
     FAIL("no ep comm line in:\n" << output);
 }
-
-}  // namespace
 
 TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates over the chosen, and the dispatch order",
           "[moe]") {
@@ -277,3 +275,5 @@ TEST_CASE("bad experts and ep layouts are refused in one line", "[moe]") {
     refused(MOE_MODEL, " --plan --world 4 --ep 8", {"--ep 8", "must divide the data-parallel size 4"});
     refused("d2c48h4t32v301", " --moe-aux 0.1", {"--moe-aux", "no experts"});
 }
+
+}  // namespace test_moe

@@ -14,7 +14,7 @@
 #include "llmc/pp.cuh"
 #include "mpi_helpers.h"
 
-namespace {
+namespace test_pipeline {
 
 const char* PP_MODEL = "d4c36h4t32v301";     // 4 layers: 2 stages of 2, or 2 × 2 virtual stages of 1
 const char* UNEVEN_MODEL = "d5c36h4t32v301"; // 5 layers on 3 stages: 2, 2, 1
@@ -41,8 +41,6 @@ bool bubble_line(const std::string& output, double* measured, double* formula) {
     }
     return false;
 }
-
-}  // namespace
 
 TEST_CASE("the layers split as evenly as they can over the virtual stages, the extra ones first", "[pp]") {
     GPTConfig c = parse_model_descriptor("d7c32h2");
@@ -252,3 +250,5 @@ TEST_CASE("a split backward and its weight-gradient step give the whole backward
         }
     }
 }
+
+}  // namespace test_pipeline

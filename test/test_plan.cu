@@ -12,7 +12,7 @@
 #include "llmc/plan.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_plan {
 
 // allocates the model for (B, T) with the given thread count and compares the plan with its ledger
 void check_plan_against_ledger(const std::string& descriptor, int B, int T, int threads) {
@@ -78,8 +78,6 @@ void check_plan_command(const std::string& descriptor, int B, int T, int threads
     CHECK(!std::regex_search(r.output, std::regex(R"(step +[0-9]+/)")));
     CHECK(r.output.find("train:") == std::string::npos);
 }
-
-}  // namespace
 
 TEST_CASE("plan_memory equals gpt_allocate's ledger, category by category", "[plan]") {
     struct Case {
@@ -185,3 +183,5 @@ TEST_CASE("train_gpt --plan prints plan_memory's numbers without allocating", "[
     GPTConfig d48 = parse_model_descriptor("d48");
     CHECK(plan_memory(d48, 16, 1024, 2).total() > 100ull * 1000 * 1000 * 1000);
 }
+
+}  // namespace test_plan

@@ -10,7 +10,7 @@
 #include "mpi_helpers.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_planner {
 
 // round figures, each a different number, so that a term priced at the wrong rate shows
 HardwareProfile round_profile() {
@@ -73,8 +73,6 @@ HandCount hand_count(double t) {
     double head_b = X * 6 * R * C / 10e9 + 2 * classifier;
     return {L * layer_f + embeddings + head_f, L * layer_b + embeddings + head_b};
 }
-
-}  // namespace
 
 TEST_CASE("predict_step on one rank equals a count by hand", "[planner]") {
     GPTConfig c = parse_model_descriptor(MODEL);
@@ -282,3 +280,5 @@ TEST_CASE("--search prints only layouts that --plan says fit, after dropping som
     CHECK(rows == 10);
     CHECK(r.output.find("runner-up (") != std::string::npos);
 }
+
+}  // namespace test_planner

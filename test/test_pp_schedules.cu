@@ -11,7 +11,7 @@
 #include "llmc/pp_schedules.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_pp_schedules {
 
 const PPKind all_kinds[] = {PPKind::AFAB, PPKind::OneFOneB, PPKind::Interleaved, PPKind::ZeroBubble};
 
@@ -46,8 +46,6 @@ size_t find_action(const std::vector<PPAction>& actions, PPOp op, int micro) {
     FAIL("no such action");
     return 0;
 }
-
-}  // namespace
 
 TEST_CASE("every schedule passes its checker", "[pp]") {
     for (PPKind kind : all_kinds)
@@ -209,3 +207,5 @@ TEST_CASE("schedule names and micro-batch counts that do not fit are refused wit
     CHECK_NOTHROW(check_pp_micro_batches(PPKind::Interleaved, 4, 8, 1));
     CHECK_NOTHROW(check_pp_micro_batches(PPKind::AFAB, 4, 3, 1));
 }
+
+}  // namespace test_pp_schedules

@@ -9,7 +9,7 @@
 #include "mpi_helpers.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_recompute {
 
 struct Pass {
     float loss;
@@ -42,8 +42,6 @@ Pass forward_backward(int recompute) {
     return p;
 }
 
-}  // namespace
-
 TEST_CASE("-r 1 and -r 2 give -r 0's loss and gradients bit for bit, in less memory, as planned", "[recompute]") {
     Pass keep = forward_backward(0), gelu = forward_backward(1), both = forward_backward(2);
     CHECK(keep.loss > 0);
@@ -70,3 +68,5 @@ TEST_CASE("recomputation under tensor and sequence parallelism: the same run, th
     // -r 2 gathers both layernorm outputs of every layer again in backward: 2·L·(t-1)/t·B·T·C floats more
     CHECK(tp_comm_line(both).sent - tp_comm_line(keep).sent == 2 * 3 * 0.5 * 32 * 36 * 4 * 2);
 }
+
+}  // namespace test_recompute

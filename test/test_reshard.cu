@@ -4,7 +4,7 @@
 #include "llmc/checkpoint.h"
 #include "mpi_helpers.h"
 
-namespace {
+namespace test_reshard {
 
 constexpr int STEPS = 8, SAVED_AT = 4;
 const char* DENSE = "d2c32h4t32v301";   // 4 heads and T=16: tp 2 and cp 2 divide it
@@ -37,8 +37,6 @@ void check_resume(const Data& data, const char* model, const Layout& a, const La
     CHECK(output.find(resumed) != std::string::npos);
     check_close(losses(dir), reference, 1e-5, STEPS + 3);
 }
-
-}  // namespace
 
 TEST_CASE("a run resumes under another layout with the losses of the uninterrupted single-rank run", "[reshard]") {
     Data data;
@@ -202,3 +200,5 @@ TEST_CASE("--convert writes a checkpoint's model as an llm.c fp32 or bf16 file, 
     check_one_line_error(single("--convert '" + ckpt + "' --to '" + (out / "y.bin") + "'"), {"model.bin: checksum"});
     CHECK(!file_exists(out / "y.bin"));
 }
+
+}  // namespace test_reshard

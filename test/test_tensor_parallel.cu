@@ -14,11 +14,9 @@
 #include "llmc/zero.cuh"
 #include "mpi_helpers.h"
 
-namespace {
+namespace test_tensor_parallel {
 
 const char* TP_MODEL = "d3c36h4t32v301";
-
-}  // namespace
 
 TEST_CASE("tp = 2 and 4, with and without sp, give the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
     Data data;
@@ -275,3 +273,5 @@ TEST_CASE("a tp × dp run resumed from its checkpoint continues bit-exactly", "[
         }
     }
 }
+
+}  // namespace test_tensor_parallel

@@ -5,7 +5,7 @@
 #include "llmc/tokenizer.h"
 #include "test_helpers.h"
 
-namespace {
+namespace test_tokenizer {
 
 // writes a tokenizer file whose header can be set wrong on purpose; vocab < 0 means "the true count"
 void write_tokenizer(const std::string& path, const std::vector<std::string>& tokens, uint32_t eot,
@@ -53,8 +53,6 @@ std::vector<int> read_shard_tokens(const std::string& path) {
 
 const std::vector<std::string> SMALL_VOCAB = {
     "a", "b", "hello", " world", "\xe6\x97", "\xa5", std::string("\xff\x00\x01", 3), "<|endoftext|>"};
-
-}  // namespace
 
 TEST_CASE("tokenizer: decodes a small file", "[tokenizer]") {
     TempDir dir;
@@ -166,3 +164,5 @@ TEST_CASE("tokenizer: GPT-2 round trip through dev/data/prepare.js", "[tokenizer
     REQUIRE(decoded[0] == texts[train_is_a ? 0 : 1]);
     REQUIRE(decoded[1] == texts[train_is_a ? 1 : 0]);
 }
+
+}  // namespace test_tokenizer

@@ -3,8 +3,8 @@
 // weight, the rounding must be unbiased over many elements, and the same seed must give the same bits while
 // another seed gives different ones, and the update cut into shards (each with its global offset) gives the
 // unsharded bits. Timed against the copy bandwidth. Inputs and the CPU reference: AdamWCase
-// in kernel_cases.h.
-#include "dev/cuda/kernel_cases.h"
+// in adamw_case.h.
+#include "dev/cuda/adamw_case.h"
 
 int main() {
     SKIP_WITHOUT_GPU();

@@ -15,10 +15,10 @@
 //              binary without sm_90a; `cuobjdump -sass attention | grep -c HGMMA` counts its tensor-core
 //              instructions
 // Usage: ./attention [variant]   (no argument: every variant). Inputs and CPU reference: AttentionCase in
-// kernel_cases.h.
+// attention_case.h.
 #include <cstdlib>
 
-#include "dev/cuda/kernel_cases.h"
+#include "dev/cuda/attention_case.h"
 
 // ------------------------------------------------------------------------------------------------------------
 // variant 1: a block of 4 warps takes a 32-row tile; a warp owns 8 rows and its lanes the 32 columns of the

@@ -5,8 +5,8 @@
 //   variant 1: 2-byte loads, two exponentials per element in the first pass (a running max and sum merged per
 //              element)
 //   variant 2: 16-byte loads, one exponential per element per pass, the second pass streaming
-// Inputs and the CPU reference: ClassifierCase in kernel_cases.h.
-#include "dev/cuda/kernel_cases.h"
+// Inputs and the CPU reference: ClassifierCase in classifier_case.h.
+#include "dev/cuda/classifier_case.h"
 
 // ------------------------------------------------------------------------------------------------------------
 // variant 1, as llmc/classifier.cuh had it (softmax_merge and CLASSIFIER_THREADS are still the header's)

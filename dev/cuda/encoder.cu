@@ -7,8 +7,8 @@
 //              into slices that are added in a fixed order; 16-byte accesses
 // Tokens are drawn like text: half the positions from a few hot tokens, the rest uniform over the vocabulary,
 // so the hot tokens make runs of thousands. The backward must be bit-reproducible. Inputs and the CPU
-// reference: EncoderCase in kernel_cases.h.
-#include "dev/cuda/kernel_cases.h"
+// reference: EncoderCase in encoder_case.h.
+#include "dev/cuda/encoder_case.h"
 
 // ------------------------------------------------------------------------------------------------------------
 // variant 1, as llmc/encoder.cuh had it

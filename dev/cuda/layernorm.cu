@@ -7,8 +7,8 @@
 //              summed per block in shared memory, and their final sum spread over column groups and row phases
 // Checks: fused residual + layernorm (residual, out, mean, rstd), the same with the residual stream updated in
 // place, plain forward, backward (dinp, dweight, dbias accumulated into random values), the backward's bits
-// reproducible. Inputs and the CPU reference: LayernormCase in kernel_cases.h.
-#include "dev/cuda/kernel_cases.h"
+// reproducible. Inputs and the CPU reference: LayernormCase in layernorm_case.h.
+#include "dev/cuda/layernorm_case.h"
 
 // ------------------------------------------------------------------------------------------------------------
 // variant 1, as llmc/layernorm.cuh had it

@@ -1,7 +1,7 @@
 // matmul_forward_cuda (bias, bias + fused GELU) and matmul_backward_cuda against the CPU reference
 // (llmc/matmul.cuh), on GPT-2's four matmul shapes' worth of sizes, then timed against the 8192³ GEMM.
-// Inputs and the CPU reference: MatmulCase in kernel_cases.h.
-#include "dev/cuda/kernel_cases.h"
+// Inputs and the CPU reference: MatmulCase in matmul_case.h.
+#include "dev/cuda/matmul_case.h"
 
 static void check_shape(Checks& checks, long N, long C, long OC) {
     MatmulCase k(N, C, OC, 4 + OC, 0.05f);

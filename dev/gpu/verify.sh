@@ -19,7 +19,8 @@
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
 #   ENV_SCRIPT  sourced first (MPI, Catch2, NCCL paths)                    [.devdeps/env.sh when present]
 #   PREBUILT    1: binaries built elsewhere and newer than their sources are used as they are          [0]
-#   CUDA_ARCH   nvcc's -gencode flags           [from nvidia-smi's compute capability: sm_XY, 'a' from 9.0]
+#   CUDA_ARCH   nvcc's -gencode flags           [the Makefile's (nvcc.mk): the GPU's compute capability, sm_XY,
+#               'a' from 9.0]
 #   JOBS        parallel make jobs                                                                   [nproc]
 #   PYTHON      an interpreter with torch                        [python3, else /usr/bin/python3 if it has torch]
 #   DATA, VAL   token shards for every run                          [data/sotu/train.bin, data/sotu/val.bin]
@@ -110,7 +111,7 @@ if [[ -z ${PYTHON:-} ]]; then
 fi
 
 # ---------------------------------------------------------------------------------------------------------
-# the GPU, and the compute capability to build for
+# the GPU
 
 GPU_NAME="" GPU_MIB="" GPU_CC=""
 if command -v nvidia-smi >/dev/null 2>&1 &&
@@ -121,13 +122,6 @@ if command -v nvidia-smi >/dev/null 2>&1 &&
 fi
 HAVE_GPU=0
 [[ -n $GPU_NAME ]] && HAVE_GPU=1
-if [[ -z ${CUDA_ARCH:-} && $GPU_CC =~ ^([0-9]+)\.([0-9])$ ]]; then
-    sm=${BASH_REMATCH[1]}${BASH_REMATCH[2]}
-    # from Hopper on, the arch-specific target ('a') admits the instructions of that chip alone (wgmma, TMA)
-    (( sm >= 90 )) && sm=${sm}a
-    CUDA_ARCH="-gencode arch=compute_$sm,code=sm_$sm"
-fi
-[[ -n ${CUDA_ARCH:-} ]] && export CUDA_ARCH
 
 mkdir -p "$WORK"
 cleanup() { [[ $KEEP_WORK == 1 ]] || rm -rf "$WORK"; }
@@ -137,7 +131,7 @@ trap 'exit 130' INT TERM
 echo "== verify: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "gpu:      ${GPU_NAME:-none}${GPU_NAME:+, $GPU_MIB MiB, compute capability $GPU_CC}"
 echo "device:   $DEVICE; phases: $PHASES; $TIMEOUT s per phase"
-echo "build:    CUDA_ARCH=${CUDA_ARCH:-the Makefile default}; PREBUILT=$PREBUILT; env ${ENV_SCRIPT:-none}"
+echo "build:    CUDA_ARCH=${CUDA_ARCH:-for the GPU found (nvcc.mk)}; PREBUILT=$PREBUILT; env ${ENV_SCRIPT:-none}"
 echo "llm5d:    $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
 echo "python:   $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no torch'))"
 echo "logs:     $LOGDIR/<phase>.log"
@@ -266,7 +260,7 @@ fresh() {
     [[ -x $bin ]] || return 1
     [[ -z $(find "$@" -newer "$bin" -print -quit 2>/dev/null) ]]
 }
-LLMC_SOURCES=(llmc Makefile mpi.mk)
+LLMC_SOURCES=(llmc Makefile mpi.mk nvcc.mk)
 build_target() {  # build_target NAME MAKE_ARGS... ; BINARY and SOURCES set by the caller
     local name=$1; shift
     if [[ $PREBUILT == 1 ]] && fresh "$BINARY" "${SOURCES[@]}"; then

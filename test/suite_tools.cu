@@ -1,0 +1,7 @@
+// The test files that compile no kernels: the flags and runs through ./train_gpt, the tokenizer, the data
+// loader and the pipeline schedules. One translation unit beside test/suite_model.cu (which says why), built in
+// parallel with it.
+#include "test/test_cli.cu"
+#include "test/test_dataloader.cu"
+#include "test/test_pp_schedules.cu"
+#include "test/test_tokenizer.cu"
