@@ -475,8 +475,7 @@ struct PPSimulation {
 };
 
 template <typename Cost>
-inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, Cost cost) {
-    PPMatching match = pp_match(s, N);
+inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, const PPMatching& match, Cost cost) {
     PPRun run = pp_run(s, N, match, cost);
     if (!run.stuck.empty()) fail("pp schedule: deadlock: %s", run.stuck.c_str());
     PPSimulation sim{*std::max_element(run.end.begin(), run.end.end()), run.busy, 0.0};
@@ -484,6 +483,28 @@ inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, Cost cost) 
     for (double x : run.busy) mean_busy += x / N;
     sim.bubble = sim.makespan > 0 ? 1.0 - mean_busy / sim.makespan : 0.0;
     return sim;
+}
+
+template <typename Cost>
+inline PPSimulation simulate_pp_schedule(const PPSchedule& s, int N, Cost cost) {
+    return simulate_pp_schedule(s, N, pp_match(s, N), cost);
+}
+
+// A schedule's action lists with their matching, built once per (kind, N, m, V) and kept: --search prices
+// tens of thousands of layouts with the same schedules again and again, and matching the sends to the receives
+// was most of its time.
+struct MatchedSchedule {
+    PPSchedule actions;
+    PPMatching match;
+};
+inline const MatchedSchedule& matched_pp_schedule(PPKind kind, int N, int m, int V) {
+    static std::map<std::tuple<PPKind, int, int, int>, MatchedSchedule> built;
+    auto key = std::make_tuple(kind, N, m, V);
+    auto found = built.find(key);
+    if (found != built.end()) return found->second;
+    PPSchedule actions = pp_schedule(kind, N, m, V);
+    PPMatching match = pp_match(actions, N);
+    return built.emplace(key, MatchedSchedule{std::move(actions), std::move(match)}).first->second;
 }
 
 inline bool pp_splits_backward(const PPSchedule& s) {

@@ -235,10 +235,10 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
     double makespan;
     std::vector<double> busy(N, 0.0);
     if (par.pp.on()) {
-        PPSchedule schedule = pp_schedule(par.pp.kind, N, m, V);
-        bool split = pp_splits_backward(schedule);
-        PPSimulation sim =
-            simulate_pp_schedule(schedule, N, [&](int r, const PPAction& a) { return action_cost(r, a, split); });
+        const MatchedSchedule& schedule = matched_pp_schedule(par.pp.kind, N, m, V);
+        bool split = pp_splits_backward(schedule.actions);
+        PPSimulation sim = simulate_pp_schedule(schedule.actions, N, schedule.match,
+                                                [&](int r, const PPAction& a) { return action_cost(r, a, split); });
         makespan = sim.makespan, busy = sim.busy;
     } else {
         const PassCost& p = costs[0][0];
