@@ -27,7 +27,7 @@ include nvcc.mk
 HOST_ARCH ?= native
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=$(HOST_ARCH) -fopenmp -Wall -Wno-unknown-pragmas
-NVCC_FLAGS = -std=c++17 -O3 -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
+NVCC_FLAGS = -std=c++17 -O3 $(NVCC_THREADS) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
 LDLIBS = -lgomp -lnccl -lcublasLt -lcublas
 FLAGS_STAMP = build/flags.stamp
 # test and train install MPI before they build, in a make of their own: this one says nothing about MPI
@@ -42,15 +42,18 @@ CATCH2_INCLUDE ?= /usr/include/catch2
 # what the installer is told, so it looks where the build will
 DEPS_ENV = NVCC="$(NVCC)" PYTHON="$(PYTHON)" CATCH2_INCLUDE="$(CATCH2_INCLUDE)" MPICXX="$(MPICXX)" NO_MPI="$(NO_MPI)"
 
-HEADERS = $(wildcard llmc/*.h llmc/*.cuh)
-# The tests are two translation units, each a list of test files (test/suite_*.cu says why); nvcc writes what
-# each includes into build/*.d, so a change to any of those files rebuilds it, and only it.
+# nvcc writes what each program and object includes into build/*.d (DEPFLAGS), so a change to a header rebuilds
+# what includes it, and only that.
+DEPFLAGS = -MMD -MP -MF build/$(notdir $@).d
+# The tests are two translation units, each a list of test files (test/suite_*.cu says why).
 SUITES = model tools
 SUITE_OBJECTS = $(patsubst %,build/suite_%.o,$(SUITES))
-SUITE_MEMBERS := $(shell sed -n 's|^\#include "\(test/test_[a-z0-9_]*\.cu\)"$$|\1|p' $(patsubst %,test/suite_%.cu,$(SUITES)))
+SUITE_MEMBERS := $(shell sed -n 's|^\#include "\(test/test_[a-z0-9_]*\.cu\)"$$|\1|p' \
+    $(patsubst %,test/suite_%.cu,$(SUITES)))
 UNLISTED_TESTS := $(filter-out $(SUITE_MEMBERS),$(wildcard test/test_*.cu))
 ifneq ($(UNLISTED_TESTS),)
-$(error $(UNLISTED_TESTS): in no test suite; include it in test/suite_model.cu (if it compiles kernels) or test/suite_tools.cu)
+$(error $(UNLISTED_TESTS): in no test suite; include it in test/suite_model.cu (if it compiles kernels) or \
+    test/suite_tools.cu)
 endif
 
 # the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores; its log and plot go
@@ -62,9 +65,10 @@ TRAIN_OUT ?= build/demo
 
 all: train_gpt
 
-train_gpt: train_gpt.cu $(HEADERS) $(FLAGS_STAMP)
+train_gpt: train_gpt.cu $(FLAGS_STAMP)
+	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(ARCH_NAMES)))
-	$(Q)$(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) train_gpt.cu -o $@ $(LDLIBS)
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) $(DEPFLAGS) train_gpt.cu -o $@ $(LDLIBS)
 
 build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
 	@mkdir -p build
@@ -74,9 +78,7 @@ build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
 build/suite_%.o: test/suite_%.cu $(FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
-	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -MMD -MP -MF build/suite_$*.d -c $< -o $@
-
--include $(SUITE_OBJECTS:.o=.d)
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) $(DEPFLAGS) -c $< -o $@
 
 build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
 	$(call say,nvcc -> $@)
@@ -86,10 +88,12 @@ build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
 # test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
 # test/test_context_parallel.cu)
 MPI_CHECKS = build/comm_check build/cp_check
-$(MPI_CHECKS): build/%: test/%.cu $(HEADERS) $(FLAGS_STAMP)
+$(MPI_CHECKS): build/%: test/%.cu $(FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
-	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) $< -o $@ $(LDLIBS)
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) $(DEPFLAGS) $< -o $@ $(LDLIBS)
+
+-include $(wildcard build/*.d)
 
 deps:
 	$(DEPS_ENV) bash scripts/install_deps.sh

@@ -1,8 +1,8 @@
-# MPI for the Makefiles that build with it (the top level and dev/comm): found through its compiler wrapper,
-# which honours the environment (e.g. a packed OpenMPI), unless NO_MPI=1; MPI_QUIET=1 leaves out the warning
-# when there is none. Adds to NVCC_FLAGS and LDLIBS, then writes the compile line (with the GPU targets of
-# nvcc.mk, which the includer includes first) to FLAGS_STAMP (a path the includer sets) when it differs from what the stamp holds: targets that depend on the stamp are rebuilt when
-# MPI appears, goes or moves, or any other flag changes, and only then.
+# MPI for the Makefiles that build with it (the top level and dev/comm): found through its compiler wrapper, which
+# honours the environment (e.g. a packed OpenMPI), unless NO_MPI=1; MPI_QUIET=1 leaves out the warning when there is
+# none. Adds to NVCC_FLAGS and LDLIBS, then writes the compile line (with the GPU targets of nvcc.mk, which the includer
+# includes first) to FLAGS_STAMP (a path the includer sets) when it differs from what the stamp holds: targets that
+# depend on the stamp are rebuilt when MPI appears, goes or moves, or any other flag changes, and only then.
 MPICXX ?= mpicxx
 ifneq ($(NO_MPI),1)
 MPI_INCDIRS := $(shell $(MPICXX) --showme:incdirs 2>/dev/null)
