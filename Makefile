@@ -42,9 +42,7 @@ CATCH2_INCLUDE ?= /usr/include/catch2
 # what the installer is told, so it looks where the build will
 DEPS_ENV = NVCC="$(NVCC)" PYTHON="$(PYTHON)" CATCH2_INCLUDE="$(CATCH2_INCLUDE)" MPICXX="$(MPICXX)" NO_MPI="$(NO_MPI)"
 
-# nvcc writes what each program and object includes into build/*.d (DEPFLAGS), so a change to a header rebuilds
-# what includes it, and only that.
-DEPFLAGS = -MMD -MP -MF build/$(notdir $@).d
+DEP_DIR = build
 # The tests are two translation units, each a list of test files (test/suite_*.cu says why).
 SUITES = model tools
 SUITE_OBJECTS = $(patsubst %,build/suite_%.o,$(SUITES))
@@ -65,7 +63,7 @@ TRAIN_OUT ?= build/demo
 
 all: train_gpt
 
-train_gpt: train_gpt.cu $(FLAGS_STAMP)
+train_gpt: train_gpt.cu $(call dep_file,train_gpt) $(FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(ARCH_NAMES)))
 	$(Q)$(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) $(DEPFLAGS) train_gpt.cu -o $@ $(LDLIBS)
@@ -75,7 +73,7 @@ build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
 	$(call say,nvcc $< -> $@)
 	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -c $< -o $@
 
-build/suite_%.o: test/suite_%.cu $(FLAGS_STAMP)
+build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
 	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) $(DEPFLAGS) -c $< -o $@
@@ -88,12 +86,14 @@ build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
 # test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
 # test/test_context_parallel.cu)
 MPI_CHECKS = build/comm_check build/cp_check
-$(MPI_CHECKS): build/%: test/%.cu $(FLAGS_STAMP)
+$(MPI_CHECKS): build/%: test/%.cu $(DEP_DIR)/%.d $(FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
 	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) $(DEPFLAGS) $< -o $@ $(LDLIBS)
 
--include $(wildcard build/*.d)
+$(DEP_DIR)/%.d: ;
+.PRECIOUS: $(DEP_DIR)/%.d
+-include $(wildcard $(DEP_DIR)/*.d)
 
 deps:
 	$(DEPS_ENV) bash scripts/install_deps.sh

@@ -33,6 +33,12 @@ endif
 # of 72 s on two cores
 NVCC_THREADS = --threads 0
 
+# nvcc writes what each program or object includes into DEP_DIR (set by the includer), and the includer reads
+# those files back, so a change to a header rebuilds what includes it, and only that. A target lists its own
+# dependency file as a prerequisite (dep_file), so one built without it is built again.
+DEPFLAGS = -MMD -MP -MF $(DEP_DIR)/$(notdir $@).d
+dep_file = $(DEP_DIR)/$(notdir $(1)).d
+
 comma := ,
 arch_names = $(patsubst code=%,%,$(filter code=%,$(subst $(comma), ,$(1))))
 ARCH_NAMES = $(call arch_names,$(CUDA_ARCH))
