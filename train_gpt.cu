@@ -217,7 +217,7 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
     for (int r = 0; r < grid.tp; r++) {
         ParamViews theirs = param_views(&shares[r * m.num_parameters], m.param_sizes);
         for (int t = 0; t < NUM_PARAM_TENSORS; t++)
-            if (is_replicated(t) && memcmp(mine[t], theirs[t], m.param_sizes[t] * sizeof(float)) != 0)
+            if (m.table[t].split == TPSplit::Replicated && memcmp(mine[t], theirs[t], m.param_sizes[t] * sizeof(float)) != 0)
                 fail("replicas: differ: tensor %d on tp rank %d and tp rank %d", t, grid.at.tp, r);
     }
     if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");

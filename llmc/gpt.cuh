@@ -28,6 +28,7 @@
 #include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
+#include "llmc/model_table.h"
 #include "llmc/moe.cuh"
 #include "llmc/nvtx.h"
 #include "llmc/residual.cuh"
@@ -37,53 +38,6 @@
 constexpr int MODEL_MAGIC = 20240326;
 constexpr int MODEL_VERSION_FP32 = 3;
 constexpr int MODEL_VERSION_BF16 = 5;
-
-struct GPTConfig {
-    int max_seq_len = 1024;
-    int vocab_size = 50257;
-    int padded_vocab_size = 50304;  // vocab rounded up to a multiple of 128
-    int num_layers = 12;
-    int num_heads = 12;
-    int channels = 768;
-    int num_experts = 1;  // E experts in every layer's MLP, top_k of them per token (llmc/moe.cuh); 1 and 1: dense
-    int top_k = 1;
-    bool moe() const { return num_experts > 1; }
-};
-
-inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
-
-// The part of the model one rank holds: all of it, or under pipeline parallelism (llmc/pp.cuh) one stage's
-// chunks, each a run of consecutive layers (one chunk per virtual stage, in model order), stacked in that
-// order. The stage that runs the model's first chunk holds the embeddings; the one that runs its last chunk
-// holds the final layernorm and the classifier, whose weight is wte: it keeps a copy of the embeddings, which
-// llmc/zero.cuh keeps equal to the first stage's bit for bit.
-struct ModelPart {
-    std::vector<int> chunk_first, chunk_layers;  // per chunk: its first layer in the model, its number of layers
-    bool first = true, last = true;              // runs the model's first / last chunk
-
-    int chunks() const { return (int)chunk_layers.size(); }
-    int layers() const {
-        int n = 0;
-        for (int k : chunk_layers) n += k;
-        return n;
-    }
-    // where the chunk's layers start among the part's
-    int chunk_begin(int chunk) const {
-        int n = 0;
-        for (int k = 0; k < chunk; k++) n += chunk_layers[k];
-        return n;
-    }
-    bool embeddings() const { return first || last; }
-    bool head(int chunk) const { return last && chunk == chunks() - 1; }
-    bool starts_model(int chunk) const { return first && chunk == 0; }
-    // the model's index of the part's layer l
-    int model_layer(int l) const {
-        for (int k = 0; k < chunks(); l -= chunk_layers[k++])
-            if (l < chunk_layers[k]) return chunk_first[k] + l;
-        fail("model part: layer %d is not in the part", l);
-    }
-};
-inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_layers}, true, true}; }
 
 inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (c.num_layers < 1 || c.num_heads < 1 || c.channels < 1 || c.max_seq_len < 1 || c.vocab_size < 1)
@@ -150,141 +104,6 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     return c;
 }
 
-// ----------------------------------------------------------------------------------------------------------
-// parameters: llm.c's 16 tensors in its order, stored back to back, and the router's weight before the MLP's;
-// with experts, each MLP tensor stacks the experts of a layer (layer first, then expert). A dense model has
-// an empty router, so its buffers are llm.c's.
-
-enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
-                   FCPROJB, LNFW, LNFB, NUM_PARAM_TENSORS };
-
-// the tensors that hold experts: split over the ranks of an expert-parallel group, E/ep experts each
-inline bool is_expert(int tensor) { return tensor == FCW || tensor == FCB || tensor == FCPROJW || tensor == FCPROJB; }
-
-// the tensors' sizes on one rank of a tensor-parallel group of tp ranks and an expert-parallel group of ep
-// ranks (1 and 1: the whole model): QKV and fc keep their rows of the rank's heads and hidden units, the
-// projections their columns, wte its vocab rows, the MLP tensors the rank's E/ep experts; a part of the model
-// has its layers, and empty tensors for what it does not hold
-inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp, const ModelPart& part,
-                               int ep = 1) {
-    size_t L = part.layers(), C = c.channels, Cl = C / tp, Hl = 4 * C / tp, E = part.embeddings(), F = part.last;
-    size_t X = c.num_experts / ep, R = c.moe() ? c.num_experts : 0;
-    sizes[WTE] = E * TensorParallel::vocab_rows(c.padded_vocab_size, tp) * C;
-    sizes[WPE] = E * c.max_seq_len * C;
-    sizes[LN1W] = L * C;
-    sizes[LN1B] = L * C;
-    sizes[QKVW] = L * 3 * Cl * C;
-    sizes[QKVB] = L * 3 * Cl;
-    sizes[ATTPROJW] = L * C * Cl;
-    sizes[ATTPROJB] = L * C;
-    sizes[LN2W] = L * C;
-    sizes[LN2B] = L * C;
-    sizes[ROUTERW] = L * R * C;
-    sizes[FCW] = L * X * Hl * C;
-    sizes[FCB] = L * X * Hl;
-    sizes[FCPROJW] = L * X * C * Hl;
-    sizes[FCPROJB] = L * X * C;
-    sizes[LNFW] = F * C;
-    sizes[LNFB] = F * C;
-}
-inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp = 1) {
-    param_tensor_sizes(c, sizes, tp, whole_part(c));
-}
-
-// tensors every rank of a tensor-parallel group holds whole
-inline bool is_replicated(int tensor) {
-    return tensor == WPE || tensor == LN1W || tensor == LN1B || tensor == ATTPROJB || tensor == LN2W ||
-           tensor == LN2B || tensor == ROUTERW || tensor == FCPROJB || tensor == LNFW || tensor == LNFB;
-}
-// the replicated tensors whose gradients are partial sums under sequence parallelism (the others see every row)
-inline bool is_sequence_partial(int tensor) {
-    return is_replicated(tensor) && tensor != ATTPROJB && tensor != ROUTERW && tensor != FCPROJB;
-}
-
-inline size_t num_parameters(const GPTConfig& c, int tp, const ModelPart& part, int ep = 1) {
-    size_t sizes[NUM_PARAM_TENSORS], n = 0;
-    param_tensor_sizes(c, sizes, tp, part, ep);
-    for (size_t s : sizes) n += s;
-    return n;
-}
-inline size_t num_parameters(const GPTConfig& c, int tp = 1) { return num_parameters(c, tp, whole_part(c)); }
-
-// the 2-D weight matrices, which AdamW decays; biases and layernorm parameters are not decayed
-inline bool is_decayed(int tensor) {
-    return tensor == WTE || tensor == WPE || tensor == QKVW || tensor == ATTPROJW || tensor == ROUTERW || tensor == FCW ||
-           tensor == FCPROJW;
-}
-
-// pointers to the tensors of one flat buffer (parameters or gradients, same layout), or to one unit's slices
-template <typename floatX>
-struct ParamViews {
-    floatX* t[NUM_PARAM_TENSORS] = {};
-    floatX* operator[](int i) const { return t[i]; }
-};
-
-template <typename floatX>
-inline ParamViews<floatX> param_views(floatX* base, const size_t sizes[NUM_PARAM_TENSORS]) {
-    ParamViews<floatX> v;
-    for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
-        v.t[i] = base;
-        base += sizes[i];
-    }
-    return v;
-}
-
-// Units: the parameters that forward uses together and that backward finishes together, numbered in the order
-// backward finishes them: 0 the final layernorm, 1..L the layers from last to first, L+1 the embeddings (the
-// token embedding is also the classifier, so its gradient is final only at the very end). Data parallelism
-// reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters unit by unit. L counts the
-// layers of the model's part; a part without the final layernorm or the embeddings has those units empty.
-constexpr int FINAL_NORM_UNIT = 0;
-inline int num_units(int layers) { return layers + 2; }
-inline int layer_unit(int layers, int layer) { return layers - layer; }
-inline int embedding_unit(int layers) { return layers + 1; }
-
-// a unit's slice of one tensor: where it sits in the flat buffer
-struct Segment {
-    int tensor;
-    size_t offset, size;
-};
-
-// a unit's slices in llm.c tensor order; packed back to back, they are the unit's packed layout
-inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part, int ep = 1) {
-    size_t sizes[NUM_PARAM_TENSORS], start[NUM_PARAM_TENSORS], offset = 0;
-    param_tensor_sizes(c, sizes, tp, part, ep);
-    for (int i = 0; i < NUM_PARAM_TENSORS; i++) start[i] = offset, offset += sizes[i];
-    std::vector<Segment> segs;
-    size_t L = part.layers();
-    if (unit == FINAL_NORM_UNIT) {
-        for (int t : {LNFW, LNFB}) segs.push_back({t, start[t], sizes[t]});
-    } else if (unit == embedding_unit(L)) {
-        for (int t : {WTE, WPE}) segs.push_back({t, start[t], sizes[t]});
-    } else {
-        size_t l = L - unit;
-        for (int t = LN1W; t <= FCPROJB; t++)
-            if (sizes[t] > 0) segs.push_back({t, start[t] + l * (sizes[t] / L), sizes[t] / L});  // a dense model has no router
-    }
-    return segs;
-}
-
-inline size_t segments_size(const std::vector<Segment>& segs) {
-    size_t n = 0;
-    for (const Segment& s : segs) n += s.size;
-    return n;
-}
-
-// views of a unit's tensors: inside the flat buffer at base, or packed back to back from base
-template <typename floatX>
-inline ParamViews<floatX> unit_views(const std::vector<Segment>& segs, floatX* base, bool packed) {
-    ParamViews<floatX> v;
-    size_t running = 0;
-    for (const Segment& s : segs) {
-        v.t[s.tensor] = base + (packed ? running : s.offset);
-        running += s.size;
-    }
-    return v;
-}
-
 // Where the parameters and gradients live when they are not the model's own flat buffers, and what to do when
 // backward has finished a unit's gradients: the hooks a data-parallel runtime (llmc/zero.cuh) plugs into the
 // model. Without one, everything is local and flat.
@@ -321,7 +140,7 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.K = c.moe() ? c.top_k : 0;
     d.expert_rows = c.moe() ? (long)ep * d.BT * std::min(c.top_k, c.num_experts / ep) : 0;
     d.R = tp.sp ? d.BT / tp.size : d.BT;
-    d.Cl = c.channels / tp.size, d.Hl = 4 * c.channels / tp.size, d.NHl = c.num_heads / tp.size;
+    d.Cl = c.channels / tp.size, d.Hl = (int)(model_table(c)[FCPROJW].cols / tp.size), d.NHl = c.num_heads / tp.size;
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
     return d;
 }
@@ -358,36 +177,82 @@ inline size_t attention_state_floats(const LocalDims& d, Device dev) {
     return (size_t)d.NHl * d.B * d.T * (dev == Device::CUDA || d.ring ? 1 : d.T);
 }
 
-// the elements of each per-layer slot, in Activations order: the layernorm outputs are whole (they enter a
-// column-parallel layer), their statistics and the residual stream are the rank's rows, the rest local; 0
-// for a slot that is recomputed, and for the output gradients unless the backward is split (the projections'
-// are whole: under sp they are gathered before the matmul; the MLP's two are not kept for experts, whose weight
-// gradients backward takes at once)
-inline std::vector<size_t> layer_slot_sizes(const LocalDims& d, int recompute, Device dev, bool split) {
-    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
-    size_t ln = recompute >= RECOMPUTE_LAYERNORM ? 0 : BT * C, gelu = recompute >= RECOMPUTE_GELU ? 0 : mlp_rows * d.Hl;
-    return {ln, R, R, BT * 3 * d.Cl, attention_state_floats(d, dev), BT * d.Cl, R * C, R * C,
-            ln, R, R, mlp_rows * d.Hl, gelu, R * C, R * C, S * BT * 3 * d.Cl, S * BT * C, M * BT * d.Hl, M * BT * C,
-            d.expert_rows * C, d.K * BT * C};
-}
-
-// a per-layer slot: where its pointer is, and the size of its elements
-struct SlotRef {
+// An activation slot: its name, where its pointer is, the size of its elements, and the elements it holds for
+// one layer (per-layer slots, stacked layer 0 first) or one micro-batch (the others); a per-layer slot that
+// -r recomputes from level `recomputed` on holds nothing per layer: one buffer per level, shared by every layer
+// and micro-batch, holds it while it is used.
+struct ActivationSlot {
+    const char* name;
     void** pointer;
-    size_t element;
+    size_t element, count;
+    int recomputed = 0;  // the -r level that recomputes it (0: never)
 };
 template <typename E>
-inline SlotRef slot(E*& p) {
-    return {reinterpret_cast<void**>(&p), sizeof(E)};
+inline ActivationSlot slot(const char* name, E*& p, size_t count, int recomputed = 0) {
+    return {name, reinterpret_cast<void**>(&p), sizeof(E), count, recomputed};
 }
 
-// the per-layer slot pointers of Activations, in the order of layer_slot_sizes
+// Every per-layer activation slot, sized: the layernorm outputs are whole (they enter a column-parallel layer),
+// their statistics and the residual stream are the rank's rows, the rest local. The output gradients of the
+// four matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
+// the matmul; the MLP's two not for experts, whose weight gradients backward takes at once); with experts the
+// rows the experts took (expert-major) and gave back (dispatch order), and the hidden layers the experts' rows.
 template <typename floatX>
-inline std::vector<SlotRef> layer_slots(Activations<floatX>& a) {
-    return {slot(a.ln1), slot(a.ln1_mean), slot(a.ln1_rstd), slot(a.qkv), slot(a.att), slot(a.atty), slot(a.attproj),
-            slot(a.residual2), slot(a.ln2), slot(a.ln2_mean), slot(a.ln2_rstd), slot(a.fch), slot(a.fch_gelu),
-            slot(a.fcproj), slot(a.residual3), slot(a.dqkv), slot(a.dattproj), slot(a.dfch), slot(a.dfcproj),
-            slot(a.moe_in), slot(a.moe_out)};
+inline std::vector<ActivationSlot> layer_slots(Activations<floatX>& a, const LocalDims& d, bool split) {
+    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
+    return {slot("ln1", a.ln1, BT * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, R), slot("ln1_rstd", a.ln1_rstd, R),
+            slot("qkv", a.qkv, BT * 3 * d.Cl), slot("att", a.att, attention_state_floats(d, device_of<floatX>)),
+            slot("atty", a.atty, BT * d.Cl), slot("attproj", a.attproj, R * C), slot("residual2", a.residual2, R * C),
+            slot("ln2", a.ln2, BT * C, RECOMPUTE_LAYERNORM), slot("ln2_mean", a.ln2_mean, R), slot("ln2_rstd", a.ln2_rstd, R),
+            slot("fch", a.fch, mlp_rows * d.Hl), slot("fch_gelu", a.fch_gelu, mlp_rows * d.Hl, RECOMPUTE_GELU),
+            slot("fcproj", a.fcproj, R * C), slot("residual3", a.residual3, R * C), slot("dqkv", a.dqkv, S * BT * 3 * d.Cl),
+            slot("dattproj", a.dattproj, S * BT * C), slot("dfch", a.dfch, M * BT * d.Hl), slot("dfcproj", a.dfcproj, M * BT * C),
+            slot("moe_in", a.moe_in, d.expert_rows * C), slot("moe_out", a.moe_out, d.K * BT * C)};
+}
+
+// ... and the slots of a micro-batch around the layers: the embeddings' output (where a previous stage's
+// activations arrive), and on the last stage the head's: the final layernorm (its output whole, its statistics
+// on the rank's rows), the rank's logits, the per-token losses and, under tp, their log-sum-exp
+template <typename floatX>
+inline std::vector<ActivationSlot> edge_slots(Activations<floatX>& a, const LocalDims& d, bool head, int tp) {
+    size_t BT = d.BT, R = d.R, C = d.C;
+    std::vector<ActivationSlot> slots = {slot("encoded", a.encoded, R * C)};
+    if (!head) return slots;
+    for (ActivationSlot s : {slot("lnf", a.lnf, BT * C), slot("lnf_mean", a.lnf_mean, R), slot("lnf_rstd", a.lnf_rstd, R),
+                             slot("logits", a.logits, BT * d.Vl), slot("losses", a.losses, BT)})
+        slots.push_back(s);
+    if (tp > 1) slots.push_back(slot("lse", a.lse, BT));
+    return slots;
+}
+
+// what a slot keeps per layer under recomputation level `recompute`
+inline size_t kept_per_layer(const ActivationSlot& s, int recompute) {
+    return s.recomputed && recompute >= s.recomputed ? 0 : s.count;
+}
+
+// the slot whose size the shared buffer of recomputation level `level` takes: the level's largest (null: none)
+inline const ActivationSlot* recomputed_slot(const std::vector<ActivationSlot>& per_layer, int level) {
+    const ActivationSlot* largest = nullptr;
+    for (const ActivationSlot& s : per_layer)
+        if (s.recomputed == level && (!largest || s.count > largest->count)) largest = &s;
+    return largest;
+}
+
+// The bytes of a micro-batch's activations in the storage type floatX: what each layer keeps, what the slots
+// around the layers hold, and the shared buffers of the slots -r recomputes. The plan's figures (llmc/plan.h).
+struct ActivationBytes {
+    size_t per_layer = 0, edges = 0, recomputed = 0;
+};
+template <typename floatX>
+inline ActivationBytes activation_bytes(const LocalDims& d, bool split, int recompute, bool head, int tp) {
+    Activations<floatX> a{};
+    ActivationBytes b;
+    std::vector<ActivationSlot> per_layer = layer_slots(a, d, split);
+    for (const ActivationSlot& s : per_layer) b.per_layer += kept_per_layer(s, recompute) * s.element;
+    for (const ActivationSlot& s : edge_slots(a, d, head, tp)) b.edges += s.count * s.element;
+    for (int level = RECOMPUTE_GELU; level <= recompute; level++)
+        if (const ActivationSlot* s = recomputed_slot(per_layer, level)) b.recomputed += s->count * s->element;
+    return b;
 }
 
 // layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
@@ -395,10 +260,8 @@ template <typename floatX>
 inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute,
                                        bool split) {
     Activations<floatX> v = a;
-    std::vector<SlotRef> slots = layer_slots(v);
-    std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>, split);
-    for (size_t i = 0; i < slots.size(); i++)
-        *slots[i].pointer = static_cast<char*>(*slots[i].pointer) + l * sizes[i] * slots[i].element;
+    for (const ActivationSlot& s : layer_slots(v, d, split))
+        *s.pointer = static_cast<char*>(*s.pointer) + l * kept_per_layer(s, recompute) * s.element;
     return v;
 }
 
@@ -444,6 +307,7 @@ struct MicroBatchSlot {
 template <typename floatX>
 struct GPTModel {
     GPTConfig config;
+    ModelTable table;  // its tensors (llmc/model_table.h)
     int B = 0, T = 0;  // the largest batch forward() accepts
     Ledger ledger;
     size_t param_sizes[NUM_PARAM_TENSORS];
@@ -513,6 +377,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     if (gpu && head_size != 64 && head_size != 128)
         fail("model: head size %d (channels / heads): the GPU attention kernels take 64 or 128", head_size);
     m.config = config;
+    m.table = model_table(config);
     m.B = B;
     m.T = T;
     m.tp.spec = tp;
@@ -535,30 +400,28 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     size_t mlp_rows = config.moe() ? d.expert_rows : d.BT;
     size_t C = config.channels, BT = d.BT, R = d.R;
     size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
-    auto act = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n); };
-    auto act_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_ACTIVATIONS, n); };
-    // a recomputed slot is one buffer for every layer of every micro-batch (layer_slice steps through it by 0)
-    floatX* gelu_shared = recompute >= RECOMPUTE_GELU ? act(mlp_rows * d.Hl) : nullptr;
-    floatX* layernorm_shared = recompute >= RECOMPUTE_LAYERNORM ? act(BT * C) : nullptr;
+    // a slot's buffer in its element type (on the CPU every slot is fp32)
+    auto act = [&](const ActivationSlot& s, size_t n) {
+        *s.pointer = s.element == sizeof(float) ? (void*)led.alloc<floatX, float>(MEM_ACTIVATIONS, n)
+                                                : (void*)led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n);
+    };
+    // a recomputed slot is one buffer per level for every layer of every micro-batch (layer_slice steps through
+    // it by 0), as large as the level's largest slot
+    void* recomputed_buffer[RECOMPUTE_LAYERNORM + 1] = {};
+    Activations<floatX> sizing{};
+    std::vector<ActivationSlot> per_layer = layer_slots(sizing, d, split_backward);
+    for (int level = RECOMPUTE_GELU; level <= recompute; level++)
+        if (const ActivationSlot* s = recomputed_slot(per_layer, level)) act(*s, s->count), recomputed_buffer[level] = *s->pointer;
     m.slots.resize(slots);
     for (MicroBatchSlot<floatX>& mb : m.slots) {
         Activations<floatX>& a = mb.acts;
-        a.encoded = act(R * C);
-        std::vector<SlotRef> per_layer = layer_slots(a);
-        std::vector<size_t> sizes = layer_slot_sizes(d, recompute, device_of<floatX>, split_backward);
-        for (size_t i = 0; i < per_layer.size(); i++)
-            *per_layer[i].pointer = per_layer[i].element == sizeof(float) ? (void*)act_f(chunk_layers * sizes[i])
-                                                                          : (void*)act(chunk_layers * sizes[i]);
-        if (gelu_shared) a.fch_gelu = gelu_shared;
-        if (layernorm_shared) a.ln1 = a.ln2 = layernorm_shared;
-        if (part.last) {  // the head: the final layernorm, the logits and the losses
-            a.lnf = act(BT * C);
-            a.lnf_mean = act_f(R);
-            a.lnf_rstd = act_f(R);
-            a.logits = act(BT * d.Vl);
-            a.losses = act_f(BT);
-            a.lse = tp.size > 1 ? act_f(BT) : nullptr;
+        std::vector<ActivationSlot> edges = edge_slots(a, d, part.last, tp.size);
+        act(edges[0], edges[0].count);  // the embeddings' output
+        for (const ActivationSlot& s : layer_slots(a, d, split_backward)) {
+            act(s, chunk_layers * kept_per_layer(s, recompute));
+            if (s.recomputed && recompute >= s.recomputed) *s.pointer = recomputed_buffer[s.recomputed];
         }
+        for (size_t i = 1; i < edges.size(); i++) act(edges[i], edges[i].count);
         mb.inputs.assign(BT, 0);
         mb.targets.assign(BT, 0);
         mb.routes.resize(config.moe() ? chunk_layers : 0);
@@ -610,100 +473,28 @@ inline ExpertTensors<floatX> expert_tensors(const ParamViews<floatX>& v) {
     return {v[ROUTERW], v[FCW], v[FCB], v[FCPROJW], v[FCPROJB]};
 }
 
-// A rank's coordinates in the groups that split the parameters: tensor parallelism splits every matrix,
-// expert parallelism the experts
-struct ShareSpec {
-    int tp = 1, tp_rank = 0, ep = 1, ep_rank = 0;
-};
-
-// A run of elements that lie back to back both in one rank's share of the parameters and in the whole model
-// (llm.c's flat layout): `count` of them, from `whole` in the model and from `local` in the share. A run never
-// crosses from one tensor, layer or expert to the next.
-struct ShareRun {
-    size_t whole, local, count;
-};
-
-// Where a rank's share of the parameters lies in the whole model: its tensor-parallel share (QKV and fc rows of
-// its heads and hidden units, the projections' columns, wte's vocab rows) of its expert-parallel group's experts
-// of its part of the model, as runs in the share's order. What copy_share_params moves, and what a checkpoint's
-// index records.
-inline std::vector<ShareRun> share_runs(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part) {
-    size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS], wo[NUM_PARAM_TENSORS], lo[NUM_PARAM_TENSORS];
-    param_tensor_sizes(c, ws, 1);
-    param_tensor_sizes(c, ls, sh.tp, part, sh.ep);
-    for (size_t t = 0, w = 0, l = 0; t < NUM_PARAM_TENSORS; w += ws[t], l += ls[t], t++) wo[t] = w, lo[t] = l;
-    std::vector<ShareRun> runs;
-    // `rows`: the next run may continue this one (rows of one matrix that the rank holds whole)
-    auto add = [&](size_t whole, size_t local, size_t n, bool rows = false) {
-        if (rows && !runs.empty() && runs.back().whole + runs.back().count == whole &&
-            runs.back().local + runs.back().count == local)
-            runs.back().count += n;
-        else
-            runs.push_back({whole, local, n});
-    };
-    size_t L = c.num_layers, Lp = part.layers(), C = c.channels, Cl = C / sh.tp, Hl = 4 * C / sh.tp, rank = sh.tp_rank;
-    size_t E = c.num_experts, X = E / sh.ep;  // the experts of the model, and of the rank
-    for (size_t layer = 0; layer < Lp; layer++) {
-        size_t in_model = part.model_layer((int)layer);
-        auto wl = [&](int t) { return wo[t] + in_model * (ws[t] / L); };  // the layer's slice of a tensor
-        auto ll = [&](int t) { return lo[t] + layer * (ls[t] / Lp); };
-        for (int t : {LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW}) {
-            if (ws[t] == 0) continue;  // a dense model has no router
-            if (t == QKVW || t == QKVB) {
-                size_t row = t == QKVW ? C : 1;  // Q, K and V: this rank's heads of each
-                for (size_t q = 0; q < 3; q++) add(wl(t) + (q * C + rank * Cl) * row, ll(t) + q * Cl * row, Cl * row);
-            } else if (t == ATTPROJW) {
-                for (size_t o = 0; o < C; o++) add(wl(t) + o * C + rank * Cl, ll(t) + o * Cl, Cl, true);
-            } else {
-                add(wl(t), ll(t), ws[t] / L);
-            }
-        }
-        for (size_t x = 0; x < X; x++) {  // the rank's experts (the dense MLP is one)
-            size_t e = sh.ep_rank * X + x;
-            add(wl(FCW) + (e * 4 * C + rank * Hl) * C, ll(FCW) + x * Hl * C, Hl * C);
-            add(wl(FCB) + e * 4 * C + rank * Hl, ll(FCB) + x * Hl, Hl);
-            for (size_t o = 0; o < C; o++)  // the projection: this rank's columns of every output row
-                add(wl(FCPROJW) + (e * C + o) * 4 * C + rank * Hl, ll(FCPROJW) + (x * C + o) * Hl, Hl, true);
-            add(wl(FCPROJB) + e * C, ll(FCPROJB) + x * C, C);
-        }
-    }
-    if (part.embeddings()) {
-        size_t Vp = c.padded_vocab_size, Vl = TensorParallel::vocab_rows((int)Vp, sh.tp), vlo = rank * Vl;
-        if (vlo < Vp) add(wo[WTE] + vlo * C, lo[WTE], (std::min(Vp, vlo + Vl) - vlo) * C);
-        add(wo[WPE], lo[WPE], ws[WPE]);
-    }
-    if (part.last)
-        for (int t : {LNFW, LNFB}) add(wo[t], lo[t], ws[t]);
-    std::sort(runs.begin(), runs.end(), [](const ShareRun& a, const ShareRun& b) { return a.local < b.local; });
-    return runs;
-}
-
-// Moves parameters between the whole model and one rank's share of it (share_runs), in either direction: what
-// initializing and loading a model split, and what saving one gathers.
-inline void copy_share_params(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part, float* whole, float* local,
-                              bool to_local) {
-    for (const ShareRun& r : share_runs(c, sh, part)) {
-        if (to_local) memcpy(local + r.local, whole + r.whole, r.count * sizeof(float));
-        else memcpy(whole + r.whole, local + r.local, r.count * sizeof(float));
-    }
-}
-
-// GPT-2's initialization: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L), zero biases, unit
-// layernorm gains. Drawn in fixed chunks from per-chunk seeds so any thread count gives the same weights.
+// Initialization as the table says: zeros, ones, N(0, 0.02), or N(0, 0.02/sqrt(2L)) for the projections into
+// the residual stream (GPT-2's; torchtitan's for Llama). A vocab-split tensor draws only the vocab's rows: the
+// padding rows stay zero, since no token ever uses them. Drawn in fixed chunks from per-chunk seeds so any
+// thread count gives the same weights.
 inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
+    ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes);
     ParamViews p = param_views(params, sizes);
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
+        const TensorSpec& spec = table[i];
         float* t = p[i];
         size_t n = sizes[i];
-        if (i == LN1W || i == LN2W || i == LNFW) {
-            for (size_t j = 0; j < n; j++) t[j] = 1.0f;
+        if (spec.init == Init::Zeros || spec.init == Init::Ones) {
+            std::fill(t, t + n, spec.init == Init::Ones ? 1.0f : 0.0f);
             continue;
         }
-        if (!is_decayed(i)) continue;  // biases and layernorm shifts stay zero
-        float std = (i == ATTPROJW || i == FCPROJW) ? 0.02f / sqrtf(2.0f * c.num_layers) : 0.02f;
-        if (i == WTE) n = (size_t)c.vocab_size * c.channels;  // padding rows stay zero: no token ever uses them
+        float std = spec.init == Init::ResidualNormal ? 0.02f / sqrtf(2.0f * c.num_layers) : 0.02f;
+        if (spec.split == TPSplit::Vocab) {
+            std::fill(t + (size_t)c.vocab_size * spec.cols, t + n, 0.0f);
+            n = (size_t)c.vocab_size * spec.cols;
+        }
         constexpr size_t CHUNK = 1 << 20;
         size_t chunks = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for
@@ -744,56 +535,6 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
     return c;
 }
 
-inline const char* param_tensor_name(int tensor) {
-    static const char* names[NUM_PARAM_TENSORS] = {"wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw",
-                                                   "attprojb", "ln2w", "ln2b", "routerw", "fcw", "fcb", "fcprojw",
-                                                   "fcprojb", "lnfw", "lnfb"};
-    return names[tensor];
-}
-
-// An element of the whole model in the model's own coordinates: its tensor, the layer and the expert whose
-// block of the tensor holds it (0 where the tensor has no layers or no experts), and its place in that block
-struct ParamCoord {
-    int tensor, layer, expert;
-    size_t element;
-};
-
-// the blocks a tensor stacks (per layer, and per expert of a layer), and the elements of each
-inline bool is_per_layer(int t) { return t != WTE && t != WPE && t != LNFW && t != LNFB; }
-inline size_t param_layers(const GPTConfig& c, int t) { return is_per_layer(t) ? c.num_layers : 1; }
-inline size_t param_experts(const GPTConfig& c, int t) { return is_expert(t) ? c.num_experts : 1; }
-inline size_t param_block_size(const GPTConfig& c, int t) {
-    size_t sizes[NUM_PARAM_TENSORS];
-    param_tensor_sizes(c, sizes);
-    return sizes[t] / param_layers(c, t) / param_experts(c, t);
-}
-
-// element i of the whole model's flat buffer in the model's coordinates, and back
-inline ParamCoord param_coord(const GPTConfig& c, size_t i) {
-    size_t sizes[NUM_PARAM_TENSORS];
-    param_tensor_sizes(c, sizes);
-    int t = 0;
-    while (t + 1 < NUM_PARAM_TENSORS && i >= sizes[t]) i -= sizes[t++];
-    size_t block = param_block_size(c, t), per_layer = block * param_experts(c, t);
-    return {t, (int)(i / per_layer), (int)(i % per_layer / block), i % block};
-}
-inline size_t param_offset(const GPTConfig& c, const ParamCoord& p) {
-    size_t sizes[NUM_PARAM_TENSORS], offset = 0;
-    param_tensor_sizes(c, sizes);
-    for (int t = 0; t < p.tensor; t++) offset += sizes[t];
-    size_t block = param_block_size(c, p.tensor);
-    return offset + ((size_t)p.layer * param_experts(c, p.tensor) + p.expert) * block + p.element;
-}
-
-// where element i of the whole model's flat buffer lies, in words: "ln1w of layer 1, element 5"
-inline std::string describe_param(const GPTConfig& c, size_t i) {
-    ParamCoord p = param_coord(c, i);
-    std::string where = param_tensor_name(p.tensor);
-    if (is_per_layer(p.tensor)) where += strfmt(" of layer %d", p.layer);
-    if (c.moe() && is_expert(p.tensor)) where += strfmt(", expert %d", p.expert);
-    return where + strfmt(", element %zu", p.element);
-}
-
 // the index of the first NaN or Inf among n floats, or n when every one is finite
 inline size_t first_non_finite(const float* x, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -830,9 +571,6 @@ inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vecto
             fail("%s: %g in %s (a model must be finite)", path.c_str(), dst[bad], describe_param(c, r.whole + bad).c_str());
     }
 }
-
-// the whole model as one share: runs that place it onto itself
-inline std::vector<ShareRun> whole_runs(const GPTConfig& c) { return share_runs(c, ShareSpec{}, whole_part(c)); }
 
 // reads a whole model file into params (a flat buffer)
 inline void gpt_load_params(const GPTConfig& mc, float* params, const std::string& path) {
@@ -1208,7 +946,7 @@ inline void gpt_update(GPTModel<floatX>& m, float lr, float weight_decay, float 
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
         size_t n = m.param_sizes[i];
         adamw_update(m.params + offset, m.master ? m.master + offset : nullptr, m.grads + offset, m.adam_m + offset,
-                     m.adam_v + offset, (long)n, lr, is_decayed(i) ? weight_decay : 0.0f, grad_scale, m.adam_step,
+                     m.adam_v + offset, (long)n, lr, m.table[i].decayed ? weight_decay : 0.0f, grad_scale, m.adam_step,
                      m.seed, (long)offset);
         offset += n;
     }

@@ -1,6 +1,8 @@
-// --plan: the memory a run will need, per ledger category, predicted from the flags alone with closed-form
-// counts (no allocation). Written from the model's arithmetic, not from the allocation code, so that the test
-// comparing it with the Ledger checks one against the other.
+// --plan: the memory a run will need, per ledger category, predicted from the flags alone (no allocation). The
+// model's sizes come from where the model defines them, once: its parameters from the table of its tensors
+// (llmc/model_table.h), its activations from its named slots (llmc/gpt.cuh). The rest is the layout's arithmetic,
+// written here apart from the allocation code so that the test comparing the plan with the Ledger checks one
+// against the other: ZeRO's shards and staging, the micro-batches in flight, the scratch, the comm buffers.
 //
 // Notation as in the Ultra-Scale Playbook: Ψ parameters, L layers, C channels (h), NH heads (a), B×T tokens
 // (b, s), Vp padded vocab. On the CPU everything is fp32 (4 bytes), the parameters are their own master copy,
@@ -90,28 +92,6 @@ struct MemoryPlan {
     }
 };
 
-// Ψ = Vp·C + maxT·C + L·(12C² + 13C) + 2C: embeddings, per layer 4C² attention + 8C² MLP weights with their
-// 9C biases and 4C layernorm parameters, and the final layernorm. With E experts each layer has E MLPs
-// (8C² + 5C each) and the router's E·C weight in place of the one MLP: L·(4C² + 8C + E·(8C² + 6C)).
-inline size_t count_parameters(const GPTConfig& c) {
-    size_t C = c.channels, L = c.num_layers, E = c.num_experts;
-    size_t layer = c.moe() ? 4 * C * C + 8 * C + E * (8 * C * C + 6 * C) : 12 * C * C + 13 * C;
-    return (size_t)c.padded_vocab_size * C + (size_t)c.max_seq_len * C + L * layer + 2 * C;
-}
-
-// one rank's share under tensor parallelism over t ranks, of a pipeline stage's L layers: ⌈Vp/t⌉ vocab rows
-// and maxT·C positions on the first and the last stage; per layer the 12C² weights and 7C biases of QKV, fc
-// and the projections split t ways, the 6C of layernorms and row-parallel biases whole; the final layernorm's
-// 2C on the last stage. With experts split over ep ranks, a layer holds the whole router (E·C) and E/ep
-// experts, each split over tp as the dense MLP is (8C²/t + 4C/t, and fc_proj's bias whole).
-inline size_t count_parameters_per_rank(const GPTConfig& c, int t, const ModelPart& part, int ep = 1) {
-    size_t C = c.channels, L = part.layers(), Vl = (c.padded_vocab_size + t - 1) / t, X = c.num_experts / ep;
-    size_t embeddings = part.embeddings() ? Vl * C + (size_t)c.max_seq_len * C : 0;
-    size_t attention = 4 * C * C / t + 3 * C / t + 5 * C, mlp = 8 * C * C / t + 4 * C / t + C;
-    size_t layer = c.moe() ? attention + c.num_experts * C + X * mlp : attention + mlp;
-    return embeddings + L * layer + (part.last ? 2 * C : 0);
-}
-
 // bytes per element of each model state: fp32 on the CPU; bf16 mixed precision on a GPU
 struct StatePrecision {
     size_t params, master, grads, optimizer;
@@ -137,18 +117,16 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
     const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
     const ModelPart part = planned_part(c, par);
-    size_t t = par.tp, psi = count_parameters_per_rank(c, par.tp, part, par.ep);
+    size_t t = par.tp, psi = num_parameters(c, par.tp, part, par.ep);
     // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
     const int sequence = T;
     T /= par.cp;
-    size_t C = c.channels, NH = c.num_heads, BT = (size_t)B * T;
-    // R rows of the residual stream per rank (BT/t under sequence parallelism); Cl, Hl channels and hidden
-    // units of the rank's heads; Vl vocab rows
-    size_t R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = (c.padded_vocab_size + t - 1) / t;
-    // with experts: K slots per token, and the rows the rank's E/ep experts may see at most, every token of
-    // the ep group with min(K, E/ep) of them (llmc/moe.cuh); the MLP's hidden layers are sized for those rows
-    size_t K = c.moe() ? c.top_k : 0, E = c.num_experts;
-    size_t expert_rows = K ? par.ep * BT * std::min<size_t>(K, E / par.ep) : 0, mlp_rows = K ? expert_rows : BT;
+    // the sizes a rank works with (llmc/gpt.cuh): R rows of the residual stream (BT/t under sequence
+    // parallelism); Cl, Hl channels and hidden units of the rank's heads; with experts K slots per token, and
+    // the rows the rank's E/ep experts may see at most, for which the MLP's hidden layers are sized
+    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep);
+    size_t C = c.channels, NH = c.num_heads, BT = d.BT, R = d.R, Cl = d.Cl, Hl = d.Hl;
+    size_t K = d.K, E = c.num_experts, expert_rows = d.expert_rows, mlp_rows = K ? expert_rows : BT;
     MemoryPlan p;
     if (par.grad_ranks() == 1 && par.zero == 0) {  // one dp rank without ZeRO stages nothing (llmc/zero.cuh)
         plan_model_states(p.bytes, psi, psi, 0, precision);
@@ -167,40 +145,26 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         }
         p.bytes[MEM_COMM] = X * staging;
     }
-    // What forward keeps for backward. Per layer: the two layernorm outputs whole (BT·C each: they enter a
-    // column-parallel layer) and their mean and 1/std on the rank's rows (4R); the rank's heads' qkv (3·BT·Cl),
-    // softmax probabilities (NH/t·B·T²) and attention output (BT·Cl); the MLP hidden layer before and after
-    // GELU (2·BT·Hl); and on the rank's rows the two projections' outputs and the two residual sums (4·R·C).
-    // With t = 1: 18·BTC + 4·BT + NH·B·T². Around the layers: the embedding output (R·C), the final layernorm
-    // (BT·C + 2R), the rank's logits (BT·Vl), the per-token losses (BT) and, under tp, their log-sum-exp (BT).
-    // With experts the hidden layers hold the experts' rows (mlp_rows·Hl each), and each layer also keeps the
-    // rows the experts took (expert_rows·C) and gave back (K·BT·C).
-    // With -r 1 GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only.
-    // On the GPU attention keeps NH/t·B·T logsumexps instead of the probabilities, and the tokens and targets
-    // have device copies (2·BT int32); so does ring attention (cp > 1) on both devices, which also keeps the
-    // position embedding's T rows of this rank's positions (T·C) and, on the GPU, the positions (T int32).
+    // What forward keeps for backward, from the model's activation slots (llmc/gpt.cuh), which say what each
+    // holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs whole,
+    // their statistics, qkv, the softmax probabilities (on the GPU the logsumexps), attention's output, the MLP's
+    // hidden layer before and after GELU, and the two projections' outputs and residual sums; around the layers
+    // the embedding output and on the last stage the final layernorm, the logits and the losses. With -r 1
+    // GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only. The GPU keeps
+    // the tokens and targets (2·BT int32); ring attention (cp > 1) the position embedding's T rows of this rank's
+    // positions (T·C) and, on the GPU, the positions (T int32).
     // Under pipeline parallelism a stage keeps all of this for each micro-batch in flight, of one chunk of its
     // layers (the longest), the head's share only on the last stage; the recomputed buffers and the ring's
     // are shared. The embedding output's buffer is where the previous stage's activations arrive, and the last
     // layer's output the next stage's gradient: the exchanges need no buffers of their own.
     const bool ring = par.cp > 1;
-    size_t ln_out = BT * C, gelu_out = mlp_rows * Hl;
-    size_t stored = 2 * ln_out + 3 * BT * Cl + BT * Cl + mlp_rows * Hl + gelu_out + 4 * R * C;  // storage type
-    stored += expert_rows * C + K * BT * C;
-    size_t stats = 4 * R + NH / t * B * (size_t)T * (gpu || ring ? 1 : T);                // fp32
-    size_t shared = 0;
-    if (par.recompute >= 1) stored -= gelu_out, shared += gelu_out;
-    if (par.recompute >= 2) stored -= 2 * ln_out, shared += ln_out;
-    size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end()), head = part.last;
-    // a split backward (zb) also keeps each layer's four matmul output gradients for the weight-gradient step:
-    // qkv's (3·BT·Cl), the hidden layer's (BT·Hl) and the two projections' (BT·C each, whole under sp); with
-    // experts only attention's two, since the experts' weight gradients are taken in backward
-    if (par.pp.kind == PPKind::ZeroBubble) stored += BT * 3 * Cl + BT * C + (K ? 0 : BT * Hl + BT * C);
-    size_t slot_stored = chunk * stored + R * C + head * (BT * C + BT * Vl);
-    size_t slot_fp32 = chunk * stats + head * (2 * R + BT + (t > 1 ? BT : 0)) + (gpu ? 2 * BT : 0);
+    bool split = par.pp.kind == PPKind::ZeroBubble;  // the zero-bubble schedule splits backward
+    ActivationBytes kept = gpu ? activation_bytes<bf16>(d, split, par.recompute, part.last, par.tp)
+                               : activation_bytes<float>(d, split, par.recompute, part.last, par.tp);
+    size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
     size_t slots = planned_in_flight(par.pp, par.accumulation);
-    p.bytes[MEM_ACTIVATIONS] = X * (slots * slot_stored + shared + (ring ? T * C : 0)) +
-                               F * (slots * slot_fp32 + (ring && gpu ? T : 0));
+    p.bytes[MEM_ACTIVATIONS] = slots * (chunk * kept.per_layer + kept.edges + (gpu ? F * 2 * BT : 0)) + kept.recomputed +
+                               X * (ring ? T * C : 0) + F * (ring && gpu ? T : 0);
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
     // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (mlp_rows·Hl); T floats per thread for
     // attention; the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece
@@ -209,7 +173,6 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + mlp_rows * Hl;
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
-    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep);
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
     // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Cl, storage type) and three fp32
     // dK/dV accumulators of the same size, counted as comm buffers; in fp32 scratch the running output or dQ

@@ -100,7 +100,7 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
     int dp = grid_dp(world, grid_shape(o));
     ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
-    size_t psi = count_parameters(config);
+    size_t psi = num_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
            config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);

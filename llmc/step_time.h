@@ -54,12 +54,15 @@ inline double link_seconds(const Link& l, double bytes, double calls) {
     return bytes / l.bytes_per_second + calls * l.latency;
 }
 
-// FLOPs per token by llm.c's count: 6 per parameter a token uses (with experts, K of the E MLPs) and 6·L·C·T
-// for attention
+// FLOPs per token by llm.c's count: 6 per parameter a token uses (with experts, K of the E blocks of each expert
+// tensor) and 6·L·C·T for attention
 inline double model_flops_per_token(const GPTConfig& c, int T) {
-    double C = c.channels, L = c.num_layers, psi = (double)count_parameters(c);
-    if (c.moe()) psi -= L * (c.num_experts - c.top_k) * (8 * C * C + 5 * C);
-    return 6 * psi + 6 * L * C * T;
+    ModelTable table = model_table(c);
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    double dense = 0, experts = 0, C = c.channels, L = c.num_layers;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) (table[t].expert ? experts : dense) += (double)sizes[t];
+    return 6 * (dense + experts * c.top_k / c.num_experts) + 6 * L * C * T;
 }
 
 // One micro-batch's work on one rank: a forward pass and a backward pass of a chunk of layers (with the
@@ -96,17 +99,21 @@ struct StepModel {
     // a chunk of `layers` layers, with the embeddings and/or the head
     PassCost pass(int layers, bool embeddings, bool head, bool sends_forward, bool sends_backward) const {
         const double X = value_bytes(), t = par.tp, C = c.channels, BT = (double)B * T / par.cp;
-        const double R = par.sp ? BT / t : BT, Cl = C / t, Hl = 4 * C / t, Vl = std::ceil(c.padded_vocab_size / t);
+        const double R = par.sp ? BT / t : BT, Cl = C / t, Vl = std::ceil(c.padded_vocab_size / t);
         PassCost p;
-        // the layer's matmuls, forward; backward does each shape twice
-        double mm = gemm(BT, 3 * Cl, C) + gemm(BT, C, Cl), mlp_rows = BT;
-        if (c.moe()) {
-            double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E;  // balanced routing
-            mlp_rows = rows * experts;
-            mm += gemm(BT, E, C) + experts * (gemm(rows, Hl, C) + gemm(rows, C, Hl));
-        } else {
-            mm += gemm(BT, Hl, C) + gemm(BT, C, Hl);
+        // the layer's matmuls, forward, from the table: each 2-D weight of a layer as the rank holds it, on every
+        // token row, an expert's on the rows balanced routing sends it; backward does each shape twice
+        ModelTable table = model_table(c);
+        const double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E, mlp_rows = rows * experts;
+        const double Hl = (double)table[FCPROJW].cols / t;
+        double mm = 0, expert_mm = 0;
+        for (const TensorSpec& w : table) {
+            if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0) continue;
+            double out = w.split == TPSplit::Column ? w.rows() / t : w.rows(), in = w.split == TPSplit::Row ? w.cols / t : w.cols;
+            if (w.expert) expert_mm += gemm(rows, out, in);
+            else mm += gemm(BT, out, in);
         }
+        mm += experts * expert_mm;
         double attention_flops = 2 * (double)B * (T / par.cp) * T * Cl;
         double attn_f = attention_flops / (hw.attention_tflops * 1e12), attn_b = 2.5 * attn_f;
         // bytes of the element-wise ops: two layernorms (in, out) and two residual sums (two in, one out) on R
@@ -218,7 +225,7 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         }
         ParallelPlan stage = par;
         stage.pp.rank = r;
-        double psi = (double)count_parameters_per_rank(c, par.tp, part, par.ep);
+        double psi = (double)num_parameters(c, par.tp, part, par.ep);
         double owned = par.zero >= 1 && par.grad_ranks() > 1 ? (double)planned_shard_size(c, stage) : psi;
         // AdamW reads and writes 28 bytes per element it updates (parameters, moments, gradients, and on the GPU
         // the master weights); the norm reads the gradients

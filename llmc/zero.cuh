@@ -64,8 +64,8 @@ struct OwnedSegment {
 // which tensors a bucket layout packs: all of them (one reduction group), or the expert tensors and the others
 // apart (two groups, under expert parallelism)
 enum class TensorGroup { All, Dense, Experts };
-inline bool in_group(TensorGroup g, int tensor) {
-    return g == TensorGroup::All || (g == TensorGroup::Experts) == is_expert(tensor);
+inline bool in_group(TensorGroup g, const TensorSpec& tensor) {
+    return g == TensorGroup::All || (g == TensorGroup::Experts) == tensor.expert;
 }
 
 struct BucketLayout {
@@ -86,6 +86,7 @@ struct BucketLayout {
 inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floats, int tp, const ModelPart& part,
                                   int ep = 1, TensorGroup group = TensorGroup::All) {
     BucketLayout lay;
+    ModelTable table = model_table(c);
     int L = part.layers(), units = num_units(L), emb = embedding_unit(L);
     lay.unit_bucket.assign(units, 0);
     lay.unit_offset.assign(units, 0);
@@ -102,7 +103,7 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
         lay.unit_bucket[u] = (int)lay.buckets.size() - 1;
         lay.unit_offset[u] = b.size;
         for (const Segment& s : unit_segments(c, u, tp, part, ep))
-            if (in_group(group, s.tensor)) b.segments.push_back(s), b.size += s.size, lay.unit_segments[u].push_back(s);
+            if (in_group(group, table[s.tensor])) b.segments.push_back(s), b.size += s.size, lay.unit_segments[u].push_back(s);
         b.last_unit = u;
     }
     for (size_t i = 0; i < lay.buckets.size(); i++) {
@@ -402,8 +403,8 @@ struct DataParallel : ParamStore<floatX> {
             std::vector<std::pair<const floatX*, long>> spans;
             for (auto& segs : g.owned)
                 for (const OwnedSegment& s : segs)
-                    if ((m.tp.spec.rank == 0 || !is_replicated(s.tensor)) &&
-                        !(embedding_copy && (s.tensor == WTE || s.tensor == WPE)))
+                    if ((m.tp.spec.rank == 0 || m.table[s.tensor].split != TPSplit::Replicated) &&
+                        !(embedding_copy && m.table[s.tensor].holder == Holder::Embeddings))
                         spans.push_back({reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
             double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans));
             if (g.experts) group_total = sum_in_rank_order(*expert_links.ep, group_total);
@@ -424,7 +425,7 @@ struct DataParallel : ParamStore<floatX> {
         for (const OwnedSegment& s : all_owned()) {
             size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
             adamw_update(p + pi, shard_master ? shard_master + s.shard_offset : nullptr, g + gi, shard_m + s.shard_offset,
-                         shard_v + s.shard_offset, (long)s.size, lr, is_decayed(s.tensor) ? weight_decay : 0.0f, scale,
+                         shard_v + s.shard_offset, (long)s.size, lr, m.table[s.tensor].decayed ? weight_decay : 0.0f, scale,
                          m.adam_step, m.seed, (long)s.flat_offset);
         }
         if (stage < 3) all_gather_params(m.params);
@@ -574,7 +575,7 @@ struct DataParallel : ParamStore<floatX> {
         std::vector<std::pair<size_t, size_t>> partials;  // (where in grads, size)
         size_t running = 0, count = 0;
         for (const Segment& s : b.segments) {
-            if (is_sequence_partial(s.tensor)) partials.push_back({packed ? running : s.offset, s.size}), count += s.size;
+            if (m.table[s.tensor].sequence_partial) partials.push_back({packed ? running : s.offset, s.size}), count += s.size;
             running += s.size;
         }
         if (count == 0) return;

@@ -267,7 +267,7 @@ TEST_CASE("a cp × dp run resumed from its checkpoint continues bit-exactly; its
     for (int z : {0, 1}) {
         INFO("cp 2 × dp 2, ZeRO-" << z);
         check_resumes_bit_exactly(4, data.flags(2, 2 * 2 * 16, 6, CP_MODEL) + strfmt(" --cp 2 -z %d", z),
-                                  out / strfmt("whole%d", z), out / strfmt("resumed%d", z), count_parameters(c));
+                                  out / strfmt("whole%d", z), out / strfmt("resumed%d", z), num_parameters(c));
     }
 }
 

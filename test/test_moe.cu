@@ -12,6 +12,7 @@
 #include "llmc/gpt.cuh"
 #include "llmc/plan.h"
 #include "mpi_helpers.h"
+#include "parameter_counts.h"
 
 namespace test_moe {
 
@@ -157,7 +158,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumu
 TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and "
           "recomputation", "[moe]") {
     GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2");
-    CHECK(count_parameters(c) == num_parameters(c));
+    CHECK(gpt2_parameter_count(c) == num_parameters(c));
     struct Layout {
         int ep, dp, tp, cp, pp;
         PPKind kind;
@@ -189,7 +190,7 @@ TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, Ze
                     ParallelPlan par{l.dp, zero, 1000, l.pp > 1 ? m_micro : 1, l.tp, l.tp > 1, recompute, l.cp};
                     if (l.pp > 1) par.pp = pp;
                     par.ep = l.ep;
-                    CHECK(count_parameters_per_rank(c, l.tp, planned_part(c, par), l.ep) == m.num_parameters);
+                    CHECK(gpt2_parameter_count_per_rank(c, l.tp, planned_part(c, par), l.ep) == m.num_parameters);
                     MemoryPlan plan = plan_memory(c, B, T, omp_get_max_threads(), par);
                     for (int i = 0; i < MEM_CATEGORIES; i++) {
                         INFO(mem_category_name(i));
@@ -209,7 +210,7 @@ TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, Ze
         INFO(mem_category_name(i));
         CHECK(plan_category_bytes(r.output, mem_category_name(i)) == (long long)plan.bytes[i]);
     }
-    CHECK(r.output.find(strfmt("E=4 K=2: %zu parameters", count_parameters(c))) != std::string::npos);
+    CHECK(r.output.find(strfmt("E=4 K=2: %zu parameters", gpt2_parameter_count(c))) != std::string::npos);
     CHECK(r.output.find("ep=2 (each expert on 2 ranks)") != std::string::npos);
     CHECK(line_value(r.output, "expert-parallel communication per step per rank, with balanced routing: ") ==
           planned_ep_comm_bytes(c, par, 2, 16, Device::CPU));

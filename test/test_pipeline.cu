@@ -205,7 +205,7 @@ TEST_CASE("a pp 2 × dp 2 run resumed from its checkpoint continues bit-exactly;
     for (int z : {0, 2}) {
         INFO("pp 2 × dp 2, ZeRO-" << z);
         check_resumes_bit_exactly(4, data.flags(1, 128, 6, PP_MODEL) + strfmt(" --pp 2 -z %d", z), out / strfmt("whole%d", z),
-                                  out / strfmt("resumed%d", z), count_parameters(c));
+                                  out / strfmt("resumed%d", z), num_parameters(c));
     }
 }
 

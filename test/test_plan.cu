@@ -1,5 +1,5 @@
-// Tests of --plan: plan_memory's closed-form counts must equal, category by category and to the byte, what
-// gpt_allocate records in the model's Ledger; count_parameters must equal the allocated parameter count;
+// Tests of --plan: plan_memory's counts must equal, category by category and to the byte, what gpt_allocate
+// records in the model's Ledger; GPT-2's closed-form parameter count must equal the allocated parameter count;
 // `train_gpt --plan` must print that same plan; and for GPT-2 124M (d12) the counts must agree with a hand
 // count written out independently of both.
 #include <omp.h>
@@ -10,6 +10,7 @@
 
 #include "llmc/gpt.cuh"
 #include "llmc/plan.h"
+#include "parameter_counts.h"
 #include "test_helpers.h"
 
 namespace test_plan {
@@ -29,7 +30,7 @@ void check_plan_against_ledger(const std::string& descriptor, int B, int T, int 
         CHECK(plan.bytes[i] == m.ledger.bytes[i]);
     }
     CHECK(plan.total() == m.ledger.total());
-    CHECK(count_parameters(config) == m.num_parameters);
+    CHECK(gpt2_parameter_count(config) == m.num_parameters);
     // everything is fp32 on the CPU: parameters, gradients and two AdamW moments are 16 bytes per parameter
     CHECK(m.ledger.bytes[MEM_PARAMS] + m.ledger.bytes[MEM_GRADS] + m.ledger.bytes[MEM_OPTIMIZER] == 16 * m.num_parameters);
 }
@@ -73,7 +74,7 @@ void check_plan_command(const std::string& descriptor, int B, int T, int threads
     }
     std::smatch m;
     REQUIRE(std::regex_search(r.output, m, std::regex(R"((\d+) parameters)")));
-    CHECK(std::stoull(m[1]) == count_parameters(config));
+    CHECK(std::stoull(m[1]) == gpt2_parameter_count(config));
     // a plan, not a run
     CHECK(!std::regex_search(r.output, std::regex(R"(step +[0-9]+/)")));
     CHECK(r.output.find("train:") == std::string::npos);
@@ -94,7 +95,7 @@ TEST_CASE("plan_memory equals gpt_allocate's ledger, category by category", "[pl
         for (int threads : {omp_get_max_threads(), 1, 3}) check_plan_against_ledger(c.model, c.B, c.T, threads);
 }
 
-TEST_CASE("count_parameters counts llm.c's GPT-2 124M (d12): 124,475,904 with the padded vocab", "[plan]") {
+TEST_CASE("the model table counts llm.c's GPT-2 124M (d12): 124,475,904 with the padded vocab", "[plan]") {
     GPTConfig d12 = parse_model_descriptor("d12");
     REQUIRE(d12.num_layers == 12);
     REQUIRE(d12.channels == 768);
@@ -107,11 +108,12 @@ TEST_CASE("count_parameters counts llm.c's GPT-2 124M (d12): 124,475,904 with th
     // projection 3072·768 + 768 = 2,360,064, in all 7,087,872, times 12 = 85,054,464; lnf 1,536
     const size_t hand = 38633472ull + 786432ull + 12ull * (1536 + 1771776 + 590592 + 1536 + 2362368 + 2360064) + 1536;
     CHECK(hand == 124475904ull);
-    CHECK(count_parameters(d12) == 124475904ull);
+    CHECK(num_parameters(d12) == 124475904ull);
+    CHECK(gpt2_parameter_count(d12) == 124475904ull);
     // without the padding rows it is the familiar 124,439,808 of Hugging Face's gpt2
     GPTConfig unpadded = d12;
     unpadded.padded_vocab_size = 50257;
-    CHECK(count_parameters(unpadded) == 124439808ull);
+    CHECK(num_parameters(unpadded) == 124439808ull);
 }
 
 TEST_CASE("the GPU's dp and tp byte formulas equal the bytes counted on an H100", "[plan]") {

@@ -88,7 +88,7 @@ TEST_CASE("a checkpoint missing one rank's optimizer file is refused with one li
 }
 
 TEST_CASE("the tp and ep shares of the model cover it: each tensor once per rank that holds it whole", "[reshard]") {
-    for (const char* model : {"d3c48h4t32v301", "d3c48h4t32v301e4k2"}) {
+    for (const char* model : {"d3c48h4t32v301", "d1c48h4t32v301", "d3c48h4t32v301e4k2"}) {
         GPTConfig c = parse_model_descriptor(model);
         for (int tp : {1, 2, 4})
             for (int ep : {1, 2, 4}) {
@@ -117,7 +117,8 @@ TEST_CASE("the tp and ep shares of the model cover it: each tensor once per rank
                 size_t wrong = 0;
                 for (size_t i = 0; i < times.size(); i++) {
                     ParamCoord p = param_coord(c, i);
-                    int want = (is_replicated(p.tensor) ? tp : 1) * (c.moe() && is_expert(p.tensor) ? 1 : ep);
+                    const TensorSpec spec = model_table(c)[p.tensor];
+                    int want = (spec.split == TPSplit::Replicated ? tp : 1) * (c.moe() && spec.expert ? 1 : ep);
                     wrong += times[i] != want;
                 }
                 CHECK(wrong == 0);

@@ -171,7 +171,7 @@ TEST_CASE("the whole model saved under one tp loads under any other", "[tp]") {
         INFO(path);
         REQUIRE(file_exists(path));
         std::string bytes = read_file(path);
-        CHECK(bytes.size() == 256 * sizeof(int32_t) + count_parameters(c) * sizeof(float));
+        CHECK(bytes.size() == 256 * sizeof(int32_t) + num_parameters(c) * sizeof(float));
         REQUIRE(bytes.size() >= 256 * sizeof(int32_t));
         const int32_t* header = (const int32_t*)bytes.data();
         CHECK(header[0] == 20240326);

@@ -1,0 +1,362 @@
+// The model's shape: its configuration, and the table of its tensors, one row each, from which everything that
+// sizes, splits, names, decays or initializes a parameter derives: the flat buffers (llm.c's tensor order), a
+// rank's share under tensor and expert parallelism, the units data parallelism reduces and ZeRO-3 gathers, the
+// element coordinates checkpoints index, the plan and the step-time model. Nothing else restates a shape.
+//
+// A row says: the tensor's name; which unit holds it (the embeddings, each layer, the final norm); whether each
+// layer stacks one block of it per expert; its rows and columns (the rows in parts when a column split divides
+// them separately: Q, K and V); how tensor parallelism places it (the table below); whether AdamW decays it;
+// whether its gradient is a partial sum of the rank's rows under sequence parallelism; and how it starts.
+//
+//   split       a rank of tp holds                                        GPT-2
+//   replicated  all of it                                                 wpe, norms, row-parallel biases, router
+//   column      rows [r·n/tp, (r+1)·n/tp) of each part of n rows         qkvw/qkvb (3 parts), fcw/fcb
+//   row         columns [r·k/tp, (r+1)·k/tp) of every row of k columns   attprojw, fcprojw
+//   vocab       rows [r·⌈V/tp⌉, (r+1)·⌈V/tp⌉) of the padded vocab         wte (and so the tied classifier)
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "llmc/tp.cuh"
+#include "llmc/utils.h"
+
+struct GPTConfig {
+    int max_seq_len = 1024;
+    int vocab_size = 50257;
+    int padded_vocab_size = 50304;  // vocab rounded up to a multiple of 128
+    int num_layers = 12;
+    int num_heads = 12;
+    int channels = 768;
+    int num_experts = 1;  // E experts in every layer's MLP, top_k of them per token (llmc/moe.cuh); 1 and 1: dense
+    int top_k = 1;
+    bool moe() const { return num_experts > 1; }
+};
+
+inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
+
+// The part of the model one rank holds: all of it, or under pipeline parallelism (llmc/pp.cuh) one stage's
+// chunks, each a run of consecutive layers (one chunk per virtual stage, in model order), stacked in that
+// order. The stage that runs the model's first chunk holds the embeddings; the one that runs its last chunk
+// holds the final layernorm and the classifier, whose weight is wte: it keeps a copy of the embeddings, which
+// llmc/zero.cuh keeps equal to the first stage's bit for bit.
+struct ModelPart {
+    std::vector<int> chunk_first, chunk_layers;  // per chunk: its first layer in the model, its number of layers
+    bool first = true, last = true;              // runs the model's first / last chunk
+
+    int chunks() const { return (int)chunk_layers.size(); }
+    int layers() const {
+        int n = 0;
+        for (int k : chunk_layers) n += k;
+        return n;
+    }
+    // where the chunk's layers start among the part's
+    int chunk_begin(int chunk) const {
+        int n = 0;
+        for (int k = 0; k < chunk; k++) n += chunk_layers[k];
+        return n;
+    }
+    bool embeddings() const { return first || last; }
+    bool head(int chunk) const { return last && chunk == chunks() - 1; }
+    bool starts_model(int chunk) const { return first && chunk == 0; }
+    // the model's index of the part's layer l
+    int model_layer(int l) const {
+        for (int k = 0; k < chunks(); l -= chunk_layers[k++])
+            if (l < chunk_layers[k]) return chunk_first[k] + l;
+        fail("model part: layer %d is not in the part", l);
+    }
+};
+inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_layers}, true, true}; }
+
+// ----------------------------------------------------------------------------------------------------------
+// the table
+
+// The tensors in the order of llm.c's files: its 16, and the router's weight before the MLP's (empty in a dense
+// model, whose buffers are then llm.c's). With experts each MLP tensor stacks the experts of a layer (layer
+// first, then expert).
+enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
+                   FCPROJB, LNFW, LNFB, NUM_PARAM_TENSORS };
+
+enum class TPSplit { Replicated, Column, Row, Vocab };
+enum class Holder { Embeddings, Layer, FinalNorm };  // the unit that holds a tensor
+// how initialization fills a tensor: with zeros, ones, N(0, 0.02), or N(0, 0.02/sqrt(2L)) for the projections
+// that write into the residual stream (GPT-2's scaling, which torchtitan keeps)
+enum class Init { Zeros, Ones, Normal, ResidualNormal };
+
+struct TensorSpec {
+    const char* name;
+    Holder holder;
+    bool expert;       // one block per expert in every layer
+    size_t parts[3];   // its rows, in the parts a column split divides separately (unused parts 0)
+    size_t cols;       // elements per row (1 for a vector)
+    TPSplit split;
+    bool decayed;           // AdamW's weight decay applies (the 2-D weights)
+    bool sequence_partial;  // under sp, a rank's gradient sums its rows only
+    Init init;
+
+    size_t rows() const { return parts[0] + parts[1] + parts[2]; }
+    size_t block() const { return rows() * cols; }  // one layer's (and expert's) elements in the whole model
+    // ... and on one rank of a tensor-parallel group of tp ranks
+    size_t block(int tp) const {
+        switch (split) {
+            case TPSplit::Column: return (parts[0] / tp + parts[1] / tp + parts[2] / tp) * cols;
+            case TPSplit::Row: return rows() * (cols / tp);
+            case TPSplit::Vocab: return (size_t)TensorParallel::vocab_rows((int)rows(), tp) * cols;
+            default: return block();
+        }
+    }
+};
+using ModelTable = std::array<TensorSpec, NUM_PARAM_TENSORS>;
+
+// GPT-2: learned positions, layernorms with biases, biases on every matmul but the classifier, a 4C MLP with
+// GELU, and the classifier tied to wte
+inline ModelTable model_table(const GPTConfig& c) {
+    const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
+    const Holder emb = Holder::Embeddings, layer = Holder::Layer, final_norm = Holder::FinalNorm;
+    const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
+    size_t C = c.channels, Vp = c.padded_vocab_size, H = 4 * C, router = c.moe() ? c.num_experts : 0;
+    bool expert = true, decay = true, partial = true;
+    return {{
+        // name       holder      experts   rows           cols split   AdamW     sp grad   init
+        {"wte",      emb,        !expert, {Vp},         C,   vocab,  decay,  !partial, normal},
+        {"wpe",      emb,        !expert, {(size_t)c.max_seq_len}, C, rep, decay, partial, normal},
+        {"ln1w",     layer,      !expert, {C},          1,   rep,    !decay, partial,  ones},
+        {"ln1b",     layer,      !expert, {C},          1,   rep,    !decay, partial,  zeros},
+        {"qkvw",     layer,      !expert, {C, C, C},    C,   column, decay,  !partial, normal},
+        {"qkvb",     layer,      !expert, {C, C, C},    1,   column, !decay, !partial, zeros},
+        {"attprojw", layer,      !expert, {C},          C,   row,    decay,  !partial, residual},
+        {"attprojb", layer,      !expert, {C},          1,   rep,    !decay, !partial, zeros},
+        {"ln2w",     layer,      !expert, {C},          1,   rep,    !decay, partial,  ones},
+        {"ln2b",     layer,      !expert, {C},          1,   rep,    !decay, partial,  zeros},
+        {"routerw",  layer,      !expert, {router},     C,   rep,    decay,  !partial, normal},
+        {"fcw",      layer,      expert,  {H},          C,   column, decay,  !partial, normal},
+        {"fcb",      layer,      expert,  {H},          1,   column, !decay, !partial, zeros},
+        {"fcprojw",  layer,      expert,  {C},          H,   row,    decay,  !partial, residual},
+        {"fcprojb",  layer,      expert,  {C},          1,   rep,    !decay, !partial, zeros},
+        {"lnfw",     final_norm, !expert, {C},          1,   rep,    !decay, partial,  ones},
+        {"lnfb",     final_norm, !expert, {C},          1,   rep,    !decay, partial,  zeros},
+    }};
+}
+
+inline const char* param_tensor_name(const GPTConfig& c, int tensor) { return model_table(c)[tensor].name; }
+
+// ----------------------------------------------------------------------------------------------------------
+// sizes and the flat buffers
+
+// the tensors' sizes on one rank of a tensor-parallel group of tp ranks and an expert-parallel group of ep
+// ranks (1 and 1: the whole model), for a part of the model: its layers, the embeddings and the final norm if
+// it holds them (empty tensors otherwise), E/ep blocks of each expert tensor
+inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp, const ModelPart& part,
+                               int ep = 1) {
+    ModelTable table = model_table(c);
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        const TensorSpec& s = table[t];
+        size_t blocks = s.holder == Holder::Layer ? part.layers() : s.holder == Holder::Embeddings ? part.embeddings() : part.last;
+        sizes[t] = blocks * (s.expert ? c.num_experts / ep : 1) * s.block(tp);
+    }
+}
+inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSORS], int tp = 1) {
+    param_tensor_sizes(c, sizes, tp, whole_part(c));
+}
+
+inline size_t num_parameters(const GPTConfig& c, int tp, const ModelPart& part, int ep = 1) {
+    size_t sizes[NUM_PARAM_TENSORS], n = 0;
+    param_tensor_sizes(c, sizes, tp, part, ep);
+    for (size_t s : sizes) n += s;
+    return n;
+}
+inline size_t num_parameters(const GPTConfig& c, int tp = 1) { return num_parameters(c, tp, whole_part(c)); }
+
+// pointers to the tensors of one flat buffer (parameters or gradients, same layout), or to one unit's slices
+template <typename floatX>
+struct ParamViews {
+    floatX* t[NUM_PARAM_TENSORS] = {};
+    floatX* operator[](int i) const { return t[i]; }
+};
+
+template <typename floatX>
+inline ParamViews<floatX> param_views(floatX* base, const size_t sizes[NUM_PARAM_TENSORS]) {
+    ParamViews<floatX> v;
+    for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
+        v.t[i] = base;
+        base += sizes[i];
+    }
+    return v;
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// units: the parameters that forward uses together and that backward finishes together, numbered in the order
+// backward finishes them: 0 the final layernorm, 1..L the layers from last to first, L+1 the embeddings (the
+// token embedding is also the classifier, so its gradient is final only at the very end). Data parallelism
+// reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters unit by unit. L counts the
+// layers of the model's part; a part without the final layernorm or the embeddings has those units empty.
+constexpr int FINAL_NORM_UNIT = 0;
+inline int num_units(int layers) { return layers + 2; }
+inline int layer_unit(int layers, int layer) { return layers - layer; }
+inline int embedding_unit(int layers) { return layers + 1; }
+
+// a unit's slice of one tensor: where it sits in the flat buffer
+struct Segment {
+    int tensor;
+    size_t offset, size;
+};
+
+// a unit's slices in tensor order; packed back to back, they are the unit's packed layout. A tensor the
+// architecture lacks (a dense model's router) has none; one the part lacks, an empty one.
+inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part, int ep = 1) {
+    ModelTable table = model_table(c);
+    size_t sizes[NUM_PARAM_TENSORS], offset = 0, L = part.layers();
+    param_tensor_sizes(c, sizes, tp, part, ep);
+    Holder holder = unit == FINAL_NORM_UNIT ? Holder::FinalNorm : unit == embedding_unit(L) ? Holder::Embeddings : Holder::Layer;
+    std::vector<Segment> segs;
+    for (int t = 0; t < NUM_PARAM_TENSORS; offset += sizes[t++]) {
+        if (table[t].holder != holder || table[t].block() == 0) continue;
+        if (holder != Holder::Layer) segs.push_back({t, offset, sizes[t]});
+        else segs.push_back({t, offset + (L - unit) * (sizes[t] / L), sizes[t] / L});
+    }
+    return segs;
+}
+
+inline size_t segments_size(const std::vector<Segment>& segs) {
+    size_t n = 0;
+    for (const Segment& s : segs) n += s.size;
+    return n;
+}
+
+// views of a unit's tensors: inside the flat buffer at base, or packed back to back from base
+template <typename floatX>
+inline ParamViews<floatX> unit_views(const std::vector<Segment>& segs, floatX* base, bool packed) {
+    ParamViews<floatX> v;
+    size_t running = 0;
+    for (const Segment& s : segs) {
+        v.t[s.tensor] = base + (packed ? running : s.offset);
+        running += s.size;
+    }
+    return v;
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// a rank's share of the whole model
+
+// A rank's coordinates in the groups that split the parameters: tensor parallelism splits every matrix,
+// expert parallelism the experts
+struct ShareSpec {
+    int tp = 1, tp_rank = 0, ep = 1, ep_rank = 0;
+};
+
+// A run of elements that lie back to back both in one rank's share of the parameters and in the whole model
+// (llm.c's flat layout): `count` of them, from `whole` in the model and from `local` in the share. A run never
+// crosses from one tensor, layer or expert to the next.
+struct ShareRun {
+    size_t whole, local, count;
+};
+
+// Where a rank's share of the parameters lies in the whole model, as runs in the share's order: each tensor's
+// blocks (per layer of the rank's part, per expert of its ep rank's E/ep) placed by the table's split, a column
+// split giving a run per part, a row split a run per row joined where rows are whole. What copy_share_params
+// moves, and what a checkpoint's index records.
+inline std::vector<ShareRun> share_runs(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part) {
+    ModelTable table = model_table(c);
+    size_t ws[NUM_PARAM_TENSORS], ls[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, ws, 1);
+    param_tensor_sizes(c, ls, sh.tp, part, sh.ep);
+    std::vector<ShareRun> runs;
+    // `join`: the run may continue the one before (the next row of a matrix the rank holds whole)
+    auto add = [&](size_t whole, size_t local, size_t n, bool join) {
+        if (join && runs.back().whole + runs.back().count == whole && runs.back().local + runs.back().count == local)
+            runs.back().count += n;
+        else
+            runs.push_back({whole, local, n});
+    };
+    // one block of a tensor: at `whole` in the model, at `local` in the share
+    auto place = [&](const TensorSpec& s, size_t whole, size_t local) {
+        size_t tp = sh.tp, rank = sh.tp_rank, cols = s.cols;
+        if (s.split == TPSplit::Column) {
+            for (size_t p = 0, first = 0, mine = 0; p < 3 && s.parts[p] > 0; first += s.parts[p], mine += s.parts[p++] / tp)
+                add(whole + (first + rank * (s.parts[p] / tp)) * cols, local + mine * cols, s.parts[p] / tp * cols, false);
+        } else if (s.split == TPSplit::Row) {
+            for (size_t r = 0, k = cols / tp; r < s.rows(); r++) add(whole + r * cols + rank * k, local + r * k, k, r > 0);
+        } else if (s.split == TPSplit::Vocab) {
+            size_t V = s.rows(), Vl = TensorParallel::vocab_rows((int)V, sh.tp), lo = rank * Vl;
+            if (lo < V) add(whole + lo * cols, local, (std::min(V, lo + Vl) - lo) * cols, false);
+        } else {
+            add(whole, local, s.block(), false);
+        }
+    };
+    size_t L = c.num_layers, Lp = part.layers(), E = c.num_experts, X = E / sh.ep;
+    for (size_t t = 0, wo = 0, lo = 0; t < NUM_PARAM_TENSORS; wo += ws[t], lo += ls[t], t++) {
+        const TensorSpec& s = table[t];
+        if (s.block() == 0) continue;
+        if (s.holder == Holder::Layer) {
+            size_t experts = s.expert ? X : 1, first = s.expert ? sh.ep_rank * X : 0;
+            for (size_t layer = 0; layer < Lp; layer++)
+                for (size_t x = 0; x < experts; x++)
+                    place(s, wo + ((size_t)part.model_layer((int)layer) * (s.expert ? E : 1) + first + x) * s.block(),
+                          lo + (layer * experts + x) * s.block(sh.tp));
+        } else if (s.holder == Holder::Embeddings ? part.embeddings() : part.last) {
+            place(s, wo, lo);
+        }
+    }
+    std::sort(runs.begin(), runs.end(), [](const ShareRun& a, const ShareRun& b) { return a.local < b.local; });
+    return runs;
+}
+
+// Moves parameters between the whole model and one rank's share of it (share_runs), in either direction: what
+// initializing and loading a model split, and what saving one gathers.
+inline void copy_share_params(const GPTConfig& c, const ShareSpec& sh, const ModelPart& part, float* whole, float* local,
+                              bool to_local) {
+    for (const ShareRun& r : share_runs(c, sh, part)) {
+        if (to_local) memcpy(local + r.local, whole + r.whole, r.count * sizeof(float));
+        else memcpy(whole + r.whole, local + r.local, r.count * sizeof(float));
+    }
+}
+
+// the whole model as one share: runs that place it onto itself
+inline std::vector<ShareRun> whole_runs(const GPTConfig& c) { return share_runs(c, ShareSpec{}, whole_part(c)); }
+
+// ----------------------------------------------------------------------------------------------------------
+// an element's coordinates
+
+// An element of the whole model in the model's own coordinates: its tensor, the layer and the expert whose
+// block of the tensor holds it (0 where the tensor has no layers or no experts), and its place in that block
+struct ParamCoord {
+    int tensor, layer, expert;
+    size_t element;
+};
+
+// the blocks a tensor stacks (per layer, and per expert of a layer)
+inline size_t param_layers(const GPTConfig& c, int t) {
+    return model_table(c)[t].holder == Holder::Layer ? c.num_layers : 1;
+}
+inline size_t param_experts(const GPTConfig& c, int t) { return model_table(c)[t].expert ? c.num_experts : 1; }
+inline size_t param_block_size(const GPTConfig& c, int t) { return model_table(c)[t].block(); }
+
+// element i of the whole model's flat buffer in the model's coordinates, and back
+inline ParamCoord param_coord(const GPTConfig& c, size_t i) {
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    int t = 0;
+    while (t + 1 < NUM_PARAM_TENSORS && i >= sizes[t]) i -= sizes[t++];
+    size_t block = param_block_size(c, t), per_layer = block * param_experts(c, t);
+    return {t, (int)(i / per_layer), (int)(i % per_layer / block), i % block};
+}
+inline size_t param_offset(const GPTConfig& c, const ParamCoord& p) {
+    size_t sizes[NUM_PARAM_TENSORS], offset = 0;
+    param_tensor_sizes(c, sizes);
+    for (int t = 0; t < p.tensor; t++) offset += sizes[t];
+    size_t block = param_block_size(c, p.tensor);
+    return offset + ((size_t)p.layer * param_experts(c, p.tensor) + p.expert) * block + p.element;
+}
+
+// where element i of the whole model's flat buffer lies, in words: "ln1w of layer 1, element 5"
+inline std::string describe_param(const GPTConfig& c, size_t i) {
+    ParamCoord p = param_coord(c, i);
+    std::string where = param_tensor_name(c, p.tensor);
+    if (model_table(c)[p.tensor].holder == Holder::Layer) where += strfmt(" of layer %d", p.layer);
+    if (c.moe() && model_table(c)[p.tensor].expert) where += strfmt(", expert %d", p.expert);
+    return where + strfmt(", element %zu", p.element);
+}
