@@ -115,10 +115,21 @@ build/reference_moe/model.bin: test/reference/make_reference.py
 	@mkdir -p build/reference_moe
 	$(PYTHON) test/reference/make_reference.py --moe --out build/reference_moe
 
+# small Llama 3 models in float64: grouped-query attention with scaled RoPE, multi-query, multi-head
+LLAMA_REFERENCES = build/reference_llama_gqa/model.bin build/reference_llama_mqa/model.bin \
+    build/reference_llama_mha/model.bin
+build/reference_llama_gqa/model.bin: LLAMA_FLAGS = --kv 2 --scaled-rope
+build/reference_llama_mqa/model.bin: LLAMA_FLAGS = --kv 1
+build/reference_llama_mha/model.bin: LLAMA_FLAGS = --kv 6 --scaled-rope
+$(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llama_reference.py
+	@mkdir -p $(@D)
+	$(PYTHON) test/reference/make_llama_reference.py $(LLAMA_FLAGS) --out $(@D)
+
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them
 test: deps
-	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin dev/data/node_modules
+	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
+	    $(LLAMA_REFERENCES) dev/data/node_modules
 	bash test/run_tests.sh
 
 train: deps

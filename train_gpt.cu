@@ -453,11 +453,21 @@ static int train(const Options& o, const RunSetup& run) {
         val.reset(new DataLoader(o.val_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
         val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch) * accumulation;
     }
+    // Samples are decoded with the tokenizer, which must have the model's vocab. A --tokenizer that does not is a
+    // mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
+    // says why it does not sample, once, and trains.
     std::unique_ptr<Tokenizer> tokenizer;
     if (o.sample_every > 0) {
-        tokenizer.reset(new Tokenizer(o.tokenizer));
-        if (tokenizer->vocab_size != config.vocab_size)
-            fail("%s: vocab size %d differs from the model's %d", o.tokenizer.c_str(), tokenizer->vocab_size, config.vocab_size);
+        std::string path = o.tokenizer.empty() ? DEFAULT_TOKENIZER : o.tokenizer;
+        tokenizer.reset(new Tokenizer(path));
+        if (tokenizer->vocab_size != config.vocab_size && !o.tokenizer.empty())
+            fail("%s: vocab size %d differs from the model's %d", path.c_str(), tokenizer->vocab_size, config.vocab_size);
+        if (tokenizer->vocab_size != config.vocab_size) {
+            if (grid.rank == 0)
+                printf("sampling off: the model's %d tokens are not GPT-2's %d (--tokenizer names one of its vocab)\n",
+                       config.vocab_size, tokenizer->vocab_size);
+            tokenizer.reset();
+        }
     }
     int steps = o.max_steps >= 0 ? o.max_steps : (int)(train.total_tokens / total_batch);
     LRSchedule schedule = o.schedule;
@@ -480,9 +490,9 @@ static int train(const Options& o, const RunSetup& run) {
             printf("checkpoint verified in %.3f to %.3f s and read in %.3f to %.3f s per rank\n", verified.first,
                    verified.second, read.first, read.second);
         }
-        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
+        printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
-               config.padded_vocab_size, config.max_seq_len,
+               config.padded_vocab_size, config.max_seq_len, llama_shape(config).c_str(),
                config.moe() ? strfmt(" E=%d K=%d (aux %g, ep %d)", config.num_experts, config.top_k, o.moe_aux, grid.ep).c_str() : "",
                num_parameters(config), model.num_parameters, model.ledger.total() / 1048576.0);
         if (pp.on()) print_stage_layers(config, pp);

@@ -1,6 +1,9 @@
-// Causal multi-head self-attention on a packed qkv tensor (B, T, 3C): q, k, v each C wide, heads contiguous
-// slices of hs = C/NH channels. The forward keeps the softmax probabilities att (B, NH, T, T) for the backward;
-// entries above the diagonal are zero.
+// Causal self-attention with grouped-query attention (GQA) on a packed qkv tensor (B, T, (NH + 2·KV)·hs): each
+// row holds NH query heads, then KV key heads, then KV value heads (llm.c's Llama 3 layout), every head a
+// contiguous slice of hs = C/NH channels. Query head h attends with key/value head h / (NH/KV), so the NH/KV query
+// heads of a group share one K and one V, which are read where they lie, never repeated. KV = NH is GPT-2's
+// multi-head attention (rows 3C wide), KV = 1 multi-query attention. The output is (B, T, C), C = NH·hs. The
+// forward keeps the softmax probabilities att (B, NH, T, T) for the backward; entries above the diagonal are zero.
 #pragma once
 
 #include <cmath>
@@ -8,19 +11,33 @@
 
 #include <omp.h>
 
-inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
-    int hs = C / NH;
+#include "llmc/utils.h"
+
+// the width of a qkv row: NH query heads and KV key and KV value heads of C/NH channels
+inline long attention_qkv_width(int C, int NH, int KV) { return (long)C + 2L * KV * (C / NH); }
+
+// the head layout every entry point accepts: whole heads, and query heads in KV groups of equal size
+inline void attention_check_heads(int C, int NH, int KV) {
+    if (NH < 1 || C % NH != 0) fail("attention: C=%d is not a multiple of NH=%d", C, NH);
+    if (KV < 1 || NH % KV != 0)
+        fail("attention: the %d query heads do not split into groups over %d key/value heads (NH %% KV != 0)", NH, KV);
+}
+
+inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, int KV) {
+    attention_check_heads(C, NH, KV);
+    int hs = C / NH, group = NH / KV;
     float scale = 1.0f / sqrtf((float)hs);
-    int C3 = 3 * C;
+    long W = attention_qkv_width(C, NH, KV);
 #pragma omp parallel for collapse(3)
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++)
             for (int t = 0; t < T; t++) {
-                const float* q = qkv + ((size_t)b * T + t) * C3 + h * hs;
+                int kh = h / group;  // the key/value head of this query head
+                const float* q = qkv + ((size_t)b * T + t) * W + h * hs;
                 float* row = att + (((size_t)b * NH + h) * T + t) * T;
                 float maxv = -INFINITY;
                 for (int t2 = 0; t2 <= t; t2++) {
-                    const float* k = qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
+                    const float* k = qkv + ((size_t)b * T + t2) * W + C + kh * hs;
                     float s = 0.0f;
                     for (int i = 0; i < hs; i++) s += q[i] * k[i];
                     s *= scale;
@@ -38,55 +55,59 @@ inline void attention_forward(float* out, float* att, const float* qkv, int B, i
                 float* o = out + ((size_t)b * T + t) * C + h * hs;
                 for (int i = 0; i < hs; i++) o[i] = 0.0f;
                 for (int t2 = 0; t2 <= t; t2++) {
-                    const float* v = qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
+                    const float* v = qkv + ((size_t)b * T + t2) * W + C + (KV + kh) * hs;
                     for (int i = 0; i < hs; i++) o[i] += row[t2] * v[i];
                 }
             }
 }
 
-// dqkv (B, T, 3C) is overwritten. Keys and values receive gradient from every later query, so one thread owns
-// each (batch, head) pair and sums in query order. scratch holds T floats per thread.
+// dqkv (B, T, (NH + 2·KV)·hs) is overwritten. Keys and values receive gradient from every later query of every
+// query head of their group, so one thread owns each (batch, key/value head) pair, with its group's query heads,
+// and sums in head order, then query order (with KV = NH: per head, in query order). scratch holds T floats per
+// thread.
 inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
-                               int NH, float* scratch) {
-    int hs = C / NH;
+                               int NH, int KV, float* scratch) {
+    attention_check_heads(C, NH, KV);
+    int hs = C / NH, group = NH / KV;
     float scale = 1.0f / sqrtf((float)hs);
-    int C3 = 3 * C;
+    long W = attention_qkv_width(C, NH, KV);
 #pragma omp parallel for collapse(2)
     for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++) {
+        for (int kh = 0; kh < KV; kh++) {
             float* dpre = scratch + (size_t)omp_get_thread_num() * T;
             for (int t = 0; t < T; t++) {
-                float* base = dqkv + ((size_t)b * T + t) * C3 + h * hs;
-                memset(base, 0, hs * sizeof(float));
-                memset(base + C, 0, hs * sizeof(float));
-                memset(base + 2 * C, 0, hs * sizeof(float));
+                float* base = dqkv + ((size_t)b * T + t) * W;
+                memset(base + kh * group * hs, 0, group * hs * sizeof(float));
+                memset(base + C + kh * hs, 0, hs * sizeof(float));
+                memset(base + C + (KV + kh) * hs, 0, hs * sizeof(float));
             }
-            for (int t = 0; t < T; t++) {
-                const float* row = att + (((size_t)b * NH + h) * T + t) * T;
-                const float* d = dout + ((size_t)b * T + t) * C + h * hs;
-                // datt[t2] = d · v[t2]; dpre = att * (datt - Σ att·datt), the softmax backward
-                float dot = 0.0f;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    const float* v = qkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
-                    float s = 0.0f;
-                    for (int i = 0; i < hs; i++) s += d[i] * v[i];
-                    dpre[t2] = s;
-                    dot += row[t2] * s;
-                }
-                const float* q = qkv + ((size_t)b * T + t) * C3 + h * hs;
-                float* dq = dqkv + ((size_t)b * T + t) * C3 + h * hs;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    float g = row[t2] * (dpre[t2] - dot) * scale;
-                    const float* k = qkv + ((size_t)b * T + t2) * C3 + C + h * hs;
-                    float* dk = dqkv + ((size_t)b * T + t2) * C3 + C + h * hs;
-                    float* dv = dqkv + ((size_t)b * T + t2) * C3 + 2 * C + h * hs;
-                    for (int i = 0; i < hs; i++) {
-                        dq[i] += g * k[i];
-                        dk[i] += g * q[i];
-                        dv[i] += row[t2] * d[i];
+            for (int h = kh * group; h < (kh + 1) * group; h++)
+                for (int t = 0; t < T; t++) {
+                    const float* row = att + (((size_t)b * NH + h) * T + t) * T;
+                    const float* d = dout + ((size_t)b * T + t) * C + h * hs;
+                    // datt[t2] = d · v[t2]; dpre = att * (datt - Σ att·datt), the softmax backward
+                    float dot = 0.0f;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float* v = qkv + ((size_t)b * T + t2) * W + C + (KV + kh) * hs;
+                        float s = 0.0f;
+                        for (int i = 0; i < hs; i++) s += d[i] * v[i];
+                        dpre[t2] = s;
+                        dot += row[t2] * s;
+                    }
+                    const float* q = qkv + ((size_t)b * T + t) * W + h * hs;
+                    float* dq = dqkv + ((size_t)b * T + t) * W + h * hs;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        float g = row[t2] * (dpre[t2] - dot) * scale;
+                        const float* k = qkv + ((size_t)b * T + t2) * W + C + kh * hs;
+                        float* dk = dqkv + ((size_t)b * T + t2) * W + C + kh * hs;
+                        float* dv = dqkv + ((size_t)b * T + t2) * W + C + (KV + kh) * hs;
+                        for (int i = 0; i < hs; i++) {
+                            dq[i] += g * k[i];
+                            dk[i] += g * q[i];
+                            dv[i] += row[t2] * d[i];
+                        }
                     }
                 }
-            }
         }
 }
 
@@ -100,12 +121,16 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 // the tiles of the other operand are staged in shared memory by `cp.async`, the next tile loading while the
 // current one is used. Tiles entirely above the diagonal are skipped; the diagonal ones are masked element by
 // element.
-// The backward is deterministic without atomics: one kernel owns a key tile and sums dK and dV over query
-// tiles in order, another owns a query tile and sums dQ over key tiles in order. That recomputes QKᵀ and
-// dO·Vᵀ in both (7 tile products where FlashAttention-2 has 5 and adds dQ with atomics in arbitrary order).
-// out is (B, T, C) with head h in channels [h·hs, (h+1)·hs); lse is (B, NH, T) natural-log log-sum-exps of
-// the scaled scores; the backward's scratch holds D = rowsum(dO∘O), also (B, NH, T). qkv, out and dout must be
-// 16-byte aligned (tiles move in 16-byte pieces); B·NH is the grid's second dimension, at most 65535.
+// The backward is deterministic without atomics: one kernel owns a key tile of a key/value head and sums dK
+// and dV over the query tiles of each query head of its group, head after head, in order; another owns a query
+// tile and sums dQ over key tiles in order. That recomputes QKᵀ and dO·Vᵀ in both (7 tile products where
+// FlashAttention-2 has 5 and adds dQ with atomics in arbitrary order).
+// With grouped-query attention a block of queries reads its group's key/value head in place: the NH/KV query
+// heads of a group stream the same K and V tiles, which L2 serves after the first; nothing is repeated in memory.
+// qkv rows are (NH + 2·KV)·hs wide, out is (B, T, C) with head h in channels [h·hs, (h+1)·hs); lse is (B, NH, T)
+// natural-log log-sum-exps of the scaled scores; the backward's scratch holds D = rowsum(dO∘O), also (B, NH, T).
+// qkv, out and dout must be 16-byte aligned (tiles move in 16-byte pieces); B·NH is the grid's second
+// dimension (B·KV for dK/dV), at most 65535.
 // `cuobjdump -sass dev/cuda/attention | grep HMMA` lists the tensor-core instructions of these kernels.
 
 #include <cuda.h>  // CUtensorMap and its enums (the driver is reached through the runtime: no -lcuda)
@@ -241,15 +266,16 @@ static __device__ __forceinline__ void attention_async_rows(bf16* tile, const bf
 }
 
 // The double-buffered key/value loop of the forward and of the dQ pass: tile kt + 1 starts loading into the
-// other buffer, then tile kt (in buffer kt % 2) is waited for by every thread.
+// other buffer, then tile kt (in buffer kt % 2) is waited for by every thread. k_g is the key head's slice of
+// the sequence's first row, and the value head's lies v_offset further.
 template <int HS, int COLS>
-static __device__ __forceinline__ void attention_next_kv_tile(bf16* k_s, bf16* v_s, const bf16* q_g, int C, long stride,
-                                                              int kt, int tiles, int T) {
+static __device__ __forceinline__ void attention_next_kv_tile(bf16* k_s, bf16* v_s, const bf16* k_g, int v_offset,
+                                                              long stride, int kt, int tiles, int T) {
     constexpr int LD = HS + ATT_PAD;
     int buf = kt % 2, k0 = kt * COLS;
     if (kt + 1 < tiles) {
-        attention_async_rows<HS>(k_s + (buf ^ 1) * COLS * LD, q_g + C, stride, k0 + COLS, COLS, T);
-        attention_async_rows<HS>(v_s + (buf ^ 1) * COLS * LD, q_g + 2 * C, stride, k0 + COLS, COLS, T);
+        attention_async_rows<HS>(k_s + (buf ^ 1) * COLS * LD, k_g, stride, k0 + COLS, COLS, T);
+        attention_async_rows<HS>(v_s + (buf ^ 1) * COLS * LD, k_g + v_offset, stride, k0 + COLS, COLS, T);
         cp_async_commit();
         cp_async_wait<1>();
     } else {
@@ -470,24 +496,26 @@ static __device__ __forceinline__ void attention_forward_tile(float (&o)[SLABS][
 
 // grid (query blocks, B·NH); the longest rows (last blocks) start first so the tail of the grid is short.
 // Warp w owns queries [16·SLABS·w, 16·SLABS·(w+1)) of the block, as SLABS m16 slabs. scale_log2 = log2(e)/√hs:
-// scores are kept in base 2 so each exponential is one exp2.
+// scores are kept in base 2 so each exponential is one exp2. The query heads of a group read the same key and
+// value tiles (from L2 after the first).
 template <int HS, int SLABS>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
-    attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int C, int NH, float scale_log2) {
+    attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int C, int NH, int KV, float scale_log2) {
     constexpr int LD = HS + ATT_PAD, COLS = ATT_FWD_COLS, ROWS = 16 * SLABS * ATT_WARPS;
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* q_s = reinterpret_cast<bf16*>(attention_shared);
     bf16* k_s = q_s + ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV), warp = threadIdx.x / 32;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, row0 = warp * 16 * SLABS;
-    long stride = 3L * C;
+    int stride = C + 2 * KV * HS;
     const bf16* q_g = qkv + (long)b * T * stride + h * HS;
+    const bf16* k_g = qkv + (long)b * T * stride + C + kh * HS;  // the value head's lies KV·HS further
     int tiles = (min(q0 + ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
 
     attention_async_rows<HS>(q_s, q_g, stride, q0, ROWS, T);
-    attention_async_rows<HS>(k_s, q_g + C, stride, 0, COLS, T);
-    attention_async_rows<HS>(v_s, q_g + 2 * C, stride, 0, COLS, T);
+    attention_async_rows<HS>(k_s, k_g, stride, 0, COLS, T);
+    attention_async_rows<HS>(v_s, k_g + KV * HS, stride, 0, COLS, T);
     cp_async_commit();
 
     // per slab, this lane's two rows (accumulator rows g and g+8): the running max and this lane's share of
@@ -497,7 +525,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     for (int sl = 0; sl < SLABS; sl++) m[sl][0] = m[sl][1] = -INFINITY;
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
-        attention_next_kv_tile<HS, COLS>(k_s, v_s, q_g, C, stride, kt, tiles, T);  // this tile has landed for every thread
+        attention_next_kv_tile<HS, COLS>(k_s, v_s, k_g, KV * HS, stride, kt, tiles, T);  // landed for every thread
         // a diagonal tile can lie wholly after this warp's queries (the block's last tile, for its first
         // warps): then the warp has nothing to add
         if (k0 <= q0 + row0 + 16 * SLABS - 1) {
@@ -536,12 +564,13 @@ static __global__ void attention_delta_kernel(float* delta, const bf16* dout, co
     if (inside && i % LANES == 0) delta[row] = s;
 }
 
-// dK and dV for a block of keys (grid (key blocks, B·NH); block 0 has the most query tiles and starts first):
-// each warp holds 16 keys' dK and dV and walks the query tiles that can see them, in order.
+// dK and dV for a block of keys of one key/value head (grid (key blocks, B·KV); block 0 has the most query
+// tiles and starts first): each warp holds 16 keys' dK and dV and walks, for each query head of the group in
+// turn, the query tiles that can see them, in order, so the group's contributions add up in one fixed order.
 template <int HS>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
     attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                                   const float* delta, int T, int C, int NH, float scale, float scale_log2) {
+                                   const float* delta, int T, int C, int NH, int KV, float scale, float scale_log2) {
     constexpr int LD = HS + ATT_PAD, COLS = attention_backward_cols(HS);
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* k_s = reinterpret_cast<bf16*>(attention_shared);
@@ -550,27 +579,34 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     bf16* do_s = q_s + 2 * COLS * LD;
     float* lse_s = reinterpret_cast<float*>(do_s + 2 * COLS * LD);  // base-2, two buffers
     float* delta_s = lse_s + 2 * COLS;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32;
+    int group = NH / KV, bk = blockIdx.y, b = bk / KV, kh = bk % KV, warp = threadIdx.x / 32;
     int k0 = blockIdx.x * ATT_ROWS, row0 = warp * 16;
-    long stride = 3L * C;
-    const bf16* q_g = qkv + (long)b * T * stride + h * HS;
-    const bf16* do_g = dout + (long)b * T * C + h * HS;
-    int first = k0 / COLS, last = (T - 1) / COLS;  // query tiles holding a query at or after the first key
+    int stride = C + 2 * KV * HS;
+    const bf16* k_g = qkv + (long)b * T * stride + C + kh * HS;
+    const bf16* v_g = k_g + KV * HS;
+    // per query head, the query tiles holding a query at or after the first key; step n of the walk is tile
+    // first + n % per_head of the group's query head n / per_head
+    int first = k0 / COLS, per_head = (T - 1) / COLS + 1 - first, steps = group * per_head;
+    auto head_of = [&](int n) { return kh * group + n / per_head; };
+    auto tile_start = [&](int n) { return (first + n % per_head) * COLS; };
 
-    // query tile qt's rows into buffer buf, asynchronously
-    auto load_queries = [&](int qt, int buf) {
-        attention_async_rows<HS>(q_s + buf * COLS * LD, q_g, stride, qt * COLS, COLS, T);
-        attention_async_rows<HS>(do_s + buf * COLS * LD, do_g, C, qt * COLS, COLS, T);
+    // step n's query and output-gradient rows into buffer buf, asynchronously
+    auto load_queries = [&](int n, int buf) {
+        int h = head_of(n);
+        attention_async_rows<HS>(q_s + buf * COLS * LD, qkv + (long)b * T * stride + h * HS, stride, tile_start(n),
+                                 COLS, T);
+        attention_async_rows<HS>(do_s + buf * COLS * LD, dout + (long)b * T * C + h * HS, C, tile_start(n), COLS, T);
     };
-    // the base-2 lse and D of query qt·COLS + threadIdx.x (threads < COLS), fetched into registers a tile
-    // ahead so their latency hides behind the current tile's products; queries past T get lse = +inf, which
-    // makes their P, and with it their dS, exactly 0
+    // the base-2 lse and D of step n's query tile_start(n) + threadIdx.x (threads < COLS), fetched into
+    // registers a step ahead so their latency hides behind the current tile's products; queries past T get
+    // lse = +inf, which makes their P, and with it their dS, exactly 0
     float next_lse = INFINITY, next_delta = 0.0f;
-    auto fetch_stats = [&](int qt) {
-        int query = qt * COLS + threadIdx.x;
+    auto fetch_stats = [&](int n) {
+        int query = tile_start(n) + threadIdx.x;
         bool inside = threadIdx.x < COLS && query < T;
-        next_lse = inside ? lse[(long)bh * T + query] * 1.44269504f : INFINITY;
-        next_delta = inside ? delta[(long)bh * T + query] : 0.0f;
+        long row = ((long)b * NH + head_of(n)) * T + query;
+        next_lse = inside ? lse[row] * 1.44269504f : INFINITY;
+        next_delta = inside ? delta[row] : 0.0f;
     };
     auto store_stats = [&](int buf) {
         if (threadIdx.x < COLS) {
@@ -578,20 +614,20 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
             delta_s[buf * COLS + threadIdx.x] = next_delta;
         }
     };
-    attention_async_rows<HS>(k_s, q_g + C, stride, k0, ATT_ROWS, T);
-    attention_async_rows<HS>(v_s, q_g + 2 * C, stride, k0, ATT_ROWS, T);
-    load_queries(first, 0);
+    attention_async_rows<HS>(k_s, k_g, stride, k0, ATT_ROWS, T);
+    attention_async_rows<HS>(v_s, v_g, stride, k0, ATT_ROWS, T);
+    load_queries(0, 0);
     cp_async_commit();
-    fetch_stats(first);
+    fetch_stats(0);
     store_stats(0);
 
     float dk[1][HS / 8][4] = {}, dv[1][HS / 8][4] = {};
-    for (int qt = first; qt <= last; qt++) {
-        int buf = (qt - first) % 2, q0 = qt * COLS;
-        if (qt < last) {
-            load_queries(qt + 1, buf ^ 1);
+    for (int n = 0; n < steps; n++) {
+        int buf = n % 2, q0 = tile_start(n);
+        if (n + 1 < steps) {
+            load_queries(n + 1, buf ^ 1);
             cp_async_commit();
-            fetch_stats(qt + 1);
+            fetch_stats(n + 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -612,13 +648,13 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
             warp_pm<HS, COLS, 1>(dv, p, do_t);
             warp_pm<HS, COLS, 1>(dk, ds, q_t);
         }
-        if (qt < last) store_stats(buf ^ 1);  // that buffer was last read in the previous iteration
+        if (n + 1 < steps) store_stats(buf ^ 1);  // that buffer was last read in the previous iteration
         __syncthreads();
     }
     float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
-    bf16* dkey = dqkv + (long)b * T * stride + C + h * HS;
+    bf16* dkey = dqkv + (long)b * T * stride + C + kh * HS;
     warp_store_rows<HS>(dkey, stride, dk[0], k0 + row0, T, dk_scale);
-    warp_store_rows<HS>(dkey + C, stride, dv[0], k0 + row0, T, one);
+    warp_store_rows<HS>(dkey + KV * HS, stride, dv[0], k0 + row0, T, one);
 }
 
 // dQ for a block of queries (grid as the forward's): each warp holds 16 queries' dQ and walks the key tiles
@@ -626,23 +662,24 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
 template <int HS>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
     attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta,
-                                 int T, int C, int NH, float scale, float scale_log2) {
+                                 int T, int C, int NH, int KV, float scale, float scale_log2) {
     constexpr int LD = HS + ATT_PAD, COLS = attention_backward_cols(HS);
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* q_s = reinterpret_cast<bf16*>(attention_shared);
     bf16* do_s = q_s + ATT_ROWS * LD;
     bf16* k_s = do_s + ATT_ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, warp = threadIdx.x / 32;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV), warp = threadIdx.x / 32;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_ROWS, row0 = warp * 16;
-    long stride = 3L * C;
+    int stride = C + 2 * KV * HS;
     const bf16* q_g = qkv + (long)b * T * stride + h * HS;
+    const bf16* k_g = qkv + (long)b * T * stride + C + kh * HS;  // the value head's lies KV·HS further
     int tiles = (min(q0 + ATT_ROWS, T) - 1) / COLS + 1;
 
     attention_async_rows<HS>(q_s, q_g, stride, q0, ATT_ROWS, T);
     attention_async_rows<HS>(do_s, dout + (long)b * T * C + h * HS, C, q0, ATT_ROWS, T);
-    attention_async_rows<HS>(k_s, q_g + C, stride, 0, COLS, T);
-    attention_async_rows<HS>(v_s, q_g + 2 * C, stride, 0, COLS, T);
+    attention_async_rows<HS>(k_s, k_g, stride, 0, COLS, T);
+    attention_async_rows<HS>(v_s, k_g + KV * HS, stride, 0, COLS, T);
     cp_async_commit();
 
     float row_lse[2], row_delta[2];
@@ -651,7 +688,7 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     float dq[1][HS / 8][4] = {};
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
-        attention_next_kv_tile<HS, COLS>(k_s, v_s, q_g, C, stride, kt, tiles, T);
+        attention_next_kv_tile<HS, COLS>(k_s, v_s, k_g, KV * HS, stride, kt, tiles, T);
         const bf16* k_t = k_s + buf * COLS * LD;
 
         // a diagonal tile can lie wholly after this warp's queries (hs 128's narrow tiles, for the first warps)
@@ -679,10 +716,10 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
 // streamed tiles go through HOPPER_STAGES buffers: the producer refills a buffer once both consumers have
 // arrived on its `empty` barrier, and the consumers start on it once its `full` barrier says the bytes landed.
 // Per kernel, as in the mma.sync ones: the forward owns 128 queries and streams 128-key tiles of K and V; the
-// dK/dV kernel owns 128 keys and streams 64-query tiles of Q and dO (with their lse and D); the dQ kernel owns
-// 128 queries and streams 64-key tiles of K and V. The softmax, the masks and the stores are the mma.sync
-// kernels' helpers above: a wgmma accumulator gives each warp 16 of the warpgroup's 64 rows in the layout of
-// an m16n8 accumulator per 8 columns.
+// dK/dV kernel owns 128 keys of a key/value head and streams 64-query tiles of Q and dO (with their lse and D)
+// for each query head of the group in turn; the dQ kernel owns 128 queries and streams 64-key tiles of K and V.
+// The softmax, the masks and the stores are the mma.sync kernels' helpers above: a wgmma accumulator gives each
+// warp 16 of the warpgroup's 64 rows in the layout of an m16n8 accumulator per 8 columns.
 // Not done here (FlashAttention-3 has them): overlapping one warpgroup's softmax with the other's products by
 // explicit ping-pong barriers, and the next tile's QKᵀ with the current softmax; the two consumers interleave
 // only as the warp schedulers let them.
@@ -964,21 +1001,23 @@ static __device__ __forceinline__ void hopper_produce(const HopperBarriers& bar,
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ----------------------------------------------------------------------------------------------------------
-// the sm_90a kernels: grids as the mma.sync ones'; scale_log2 = log2(e)/√hs. Their bodies exist only in the
-// sm_90a machine code; in every other image they are empty, and attention_hopper_available says which image the
-// device runs.
+// the sm_90a kernels: grids as the mma.sync ones'; scale_log2 = log2(e)/√hs. qkv_map spans the whole qkv row
+// (NH + 2·KV heads): query head h's columns start at h·HS, its key head's at C + kh·HS and its value head's at
+// C + (KV + kh)·HS, kh = h / (NH/KV), all multiples of the 64-column box. Their bodies exist only in the sm_90a
+// machine code; in every other image they are empty, and attention_hopper_available says which image the device
+// runs.
 
 template <int HS>
 static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16* out, float* lse, int T, int C,
-                                    int NH, float scale_log2) {
+                                    int NH, int KV, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = HOPPER_FWD_COLS;
     using Smem = HopperSmem<HS, 1, COLS, false>;
     extern __shared__ __align__(1024) unsigned char hopper_shared[];
     HopperBarriers bar;
     uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV);
     int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
     int tiles = (min(q0 + HOPPER_ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
 
@@ -991,8 +1030,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                     tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full);
                 },
                 [&](int n, int stage, uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + h * HS, n * COLS, b, full);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b,
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + kh * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, C + (KV + kh) * HS, n * COLS, b,
                                       full);
                 },
                 [](int, int, int) {});
@@ -1023,13 +1062,15 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
 #endif
 }
 
-// dK and dV for 128 keys (grid as the mma.sync dK/dV kernel's): each consumer warpgroup holds 64 keys' dK and
-// dV and walks the query tiles that can see them, in order
+// dK and dV for 128 keys of one key/value head (grid as the mma.sync dK/dV kernel's, (key blocks, B·KV)): each
+// consumer warpgroup holds 64 keys' dK and dV and walks, for each query head of the group in turn, the query
+// tiles that can see them, in order
 template <int HS>
 static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     attention_backward_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                           const __grid_constant__ CUtensorMap dout_map, bf16* dqkv, const float* lse,
-                                          const float* delta, int T, int C, int NH, float scale, float scale_log2) {
+                                          const float* delta, int T, int C, int NH, int KV, float scale,
+                                          float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = HOPPER_BWD_COLS;
     using Smem = HopperSmem<HS, 2, COLS, true>;
@@ -1038,31 +1079,37 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
     float* lse_s = reinterpret_cast<float*>(hopper_shared + (base - shared_address(hopper_shared)) + Smem::lse);
     float* delta_s = reinterpret_cast<float*>(hopper_shared + (base - shared_address(hopper_shared)) + Smem::delta);
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    int group = NH / KV, bk = blockIdx.y, b = bk / KV, kh = bk % KV;
     int k0 = blockIdx.x * HOPPER_ROWS;
-    int first = k0 / COLS, tiles = (T - 1) / COLS + 1 - first;  // query tiles holding a query at or after k0
+    // per query head, the query tiles holding a query at or after k0; step n of the walk is tile
+    // first + n % per_head of the group's query head n / per_head
+    int first = k0 / COLS, per_head = (T - 1) / COLS + 1 - first, steps = group * per_head;
+    auto head_of = [&](int n) { return kh * group + n / per_head; };
+    auto tile_start = [&](int n) { return (first + n % per_head) * COLS; };
 
     if (threadIdx.x < 128) {
         setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
         if (threadIdx.x < 32)
             hopper_produce(
-                bar, tiles, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
+                bar, steps, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
                 [&](uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, C + h * HS, k0, b, full);
-                    tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &qkv_map, 2 * C + h * HS, k0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, C + kh * HS, k0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &qkv_map, C + (KV + kh) * HS, k0, b, full);
                 },
                 [&](int n, int stage, uint32_t full) {
-                    int q0 = (first + n) * COLS;
+                    int h = head_of(n), q0 = tile_start(n);
                     tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, h * HS, q0, b, full);
                     tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &dout_map, h * HS, q0, b, full);
                 },
                 // queries past T get lse = +inf, which makes their P, and with it their dS, exactly 0
                 [&](int n, int stage, int lane) {
+                    const float* lse_head = lse + ((long)b * NH + head_of(n)) * T;
+                    const float* delta_head = delta + ((long)b * NH + head_of(n)) * T;
                     for (int i = lane; i < COLS; i += 32) {
-                        int query = (first + n) * COLS + i;
+                        int query = tile_start(n) + i;
                         bool inside = query < T;
-                        lse_s[stage * COLS + i] = inside ? lse[(long)bh * T + query] * 1.44269504f : INFINITY;
-                        delta_s[stage * COLS + i] = inside ? delta[(long)bh * T + query] : 0.0f;
+                        lse_s[stage * COLS + i] = inside ? lse_head[query] * 1.44269504f : INFINITY;
+                        delta_s[stage * COLS + i] = inside ? delta_head[query] : 0.0f;
                     }
                 });
     } else {
@@ -1070,8 +1117,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
         int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), key0 = k0 + row0 + 16 * (threadIdx.x / 32 % 4);
         float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
         mbarrier_wait(bar.own_full(), 0);
-        for (int n = 0; n < tiles; n++) {
-            int stage = n % HOPPER_STAGES, q0 = (first + n) * COLS;
+        for (int n = 0; n < steps; n++) {
+            int stage = n % HOPPER_STAGES, q0 = tile_start(n);
             mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
             // a diagonal tile can lie wholly before this warpgroup's keys (the second one's, on the first tile)
             if (k0 + row0 <= q0 + COLS - 1) {
@@ -1095,9 +1142,10 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             mbarrier_arrive(bar.empty(stage));  // the lse and D reads too: the arrival releases them
         }
         float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
-        bf16* dkey = dqkv + (long)b * T * 3 * C + C + h * HS;
-        warp_store_rows<HS>(dkey, 3L * C, dk, key0, T, dk_scale);
-        warp_store_rows<HS>(dkey + C, 3L * C, dv, key0, T, one);
+        long stride = C + 2L * KV * HS;
+        bf16* dkey = dqkv + (long)b * T * stride + C + kh * HS;
+        warp_store_rows<HS>(dkey, stride, dk, key0, T, dk_scale);
+        warp_store_rows<HS>(dkey + KV * HS, stride, dv, key0, T, one);
     }
 #endif
 }
@@ -1108,14 +1156,15 @@ template <int HS>
 static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     attention_backward_dq_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map,
                                         const __grid_constant__ CUtensorMap dout_map, bf16* dqkv, const float* lse,
-                                        const float* delta, int T, int C, int NH, float scale, float scale_log2) {
+                                        const float* delta, int T, int C, int NH, int KV, float scale,
+                                        float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = HOPPER_BWD_COLS;
     using Smem = HopperSmem<HS, 2, COLS, false>;
     extern __shared__ __align__(1024) unsigned char hopper_shared[];
     HopperBarriers bar;
     uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV);
     int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
     int tiles = (min(q0 + HOPPER_ROWS, T) - 1) / COLS + 1;
 
@@ -1129,8 +1178,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                     tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &dout_map, h * HS, q0, b, full);
                 },
                 [&](int n, int stage, uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + h * HS, n * COLS, b, full);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, 2 * C + h * HS, n * COLS, b,
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + kh * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, C + (KV + kh) * HS, n * COLS, b,
                                       full);
                 },
                 [](int, int, int) {});
@@ -1165,7 +1214,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             mbarrier_arrive(bar.empty(stage));
         }
         float dq_scale[2] = {scale, scale};
-        warp_store_rows<HS>(dqkv + (long)b * T * 3 * C + h * HS, 3L * C, dq, query0, T, dq_scale);
+        long stride = C + 2L * KV * HS;
+        warp_store_rows<HS>(dqkv + (long)b * T * stride + h * HS, stride, dq, query0, T, dq_scale);
     }
 #endif
 }
@@ -1183,8 +1233,8 @@ static __global__ void attention_hopper_probe_kernel(int* present) {
 
 // the head sizes compiled in; others are refused rather than silently slow
 template <typename F>
-inline void attention_dispatch(int C, int NH, F&& launch) {
-    if (C % NH != 0) fail("attention: C=%d is not a multiple of NH=%d", C, NH);
+inline void attention_dispatch(int C, int NH, int KV, F&& launch) {
+    attention_check_heads(C, NH, KV);
     switch (C / NH) {
         case 64: launch(std::integral_constant<int, 64>{}); break;
         case 128: launch(std::integral_constant<int, 128>{}); break;
@@ -1207,24 +1257,25 @@ inline void attention_launch(dim3 grid, int threads, size_t bytes, cudaStream_t 
 
 // the forward with SLABS m16 slabs per warp (blocks of 16·SLABS·ATT_WARPS queries)
 template <int HS, int SLABS>
-inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
                                      cudaStream_t stream) {
     constexpr int ROWS = 16 * SLABS * ATT_WARPS;
     size_t bytes = (size_t)(ROWS + 4 * ATT_FWD_COLS) * (HS + ATT_PAD) * sizeof(bf16);
     float scale_log2 = 1.44269504f / sqrtf((float)HS);
     attention_launch<attention_forward_kernel<HS, SLABS>>(dim3(cuda_blocks(T, ROWS), B * NH), 32 * ATT_WARPS, bytes,
-                                                          stream, out, lse, qkv, T, C, NH, scale_log2);
+                                                          stream, out, lse, qkv, T, C, NH, KV, scale_log2);
 }
 
-// out (B, T, C) and lse (B, NH, T) from qkv (B, T, 3C), causal, head size C/NH in {64, 128}; any T >= 1
-inline void attention_forward_cuda(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+// out (B, T, C) and lse (B, NH, T) from qkv (B, T, (NH + 2·KV)·hs), causal, head size hs = C/NH in {64, 128},
+// NH a multiple of KV; any T >= 1
+inline void attention_forward_cuda(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
                                    cudaStream_t stream) {
-    attention_dispatch(C, NH, [&](auto hs) {
-        attention_forward_launch<decltype(hs)::value, ATT_FWD_SLABS>(out, lse, qkv, B, T, C, NH, stream);
+    attention_dispatch(C, NH, KV, [&](auto hs) {
+        attention_forward_launch<decltype(hs)::value, ATT_FWD_SLABS>(out, lse, qkv, B, T, C, NH, KV, stream);
     });
 }
 
-// fp32 scratch of attention_backward_cuda: D = rowsum(dO∘O), one per (b, h, t)
+// fp32 scratch of attention_backward_cuda: D = rowsum(dO∘O), one per (b, h, t) of the NH query heads whatever KV
 inline size_t attention_backward_scratch_floats(int B, int T, int C, int NH) {
     (void)C;
     return (size_t)B * NH * T;
@@ -1239,21 +1290,24 @@ inline void attention_delta_cuda(float* delta, const bf16* dout, const bf16* out
     cuda_check(cudaGetLastError());
 }
 
-// dqkv (B, T, 3C) overwritten; out and lse are the forward's; deterministic (no atomics)
+// dqkv (B, T, (NH + 2·KV)·hs) overwritten; out and lse are the forward's; deterministic (no atomics): dK and dV
+// of a key/value head are summed over its group's query heads by the one block that owns the key block
 inline void attention_backward_cuda(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                                    float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
+                                    float* scratch, int B, int T, int C, int NH, int KV, cudaStream_t stream) {
     float* delta = scratch;
-    attention_dispatch(C, NH, [&](auto hs) {
+    attention_dispatch(C, NH, KV, [&](auto hs) {
         constexpr int HS = decltype(hs)::value, COLS = attention_backward_cols(HS);
         attention_delta_cuda<HS>(delta, dout, out, B, T, C, NH, stream);
         float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
-        dim3 grid(cuda_blocks(T, ATT_ROWS), B * NH);
+        int blocks = cuda_blocks(T, ATT_ROWS);
         size_t tiles_bytes = (size_t)(2 * ATT_ROWS + 4 * COLS) * (HS + ATT_PAD) * sizeof(bf16);
         size_t stats_bytes = 4 * COLS * sizeof(float);
-        attention_launch<attention_backward_dkdv_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes + stats_bytes, stream,
-                                                             dqkv, dout, qkv, lse, delta, T, C, NH, scale, scale_log2);
-        attention_launch<attention_backward_dq_kernel<HS>>(grid, 32 * ATT_WARPS, tiles_bytes, stream, dqkv, dout, qkv,
-                                                           lse, delta, T, C, NH, scale, scale_log2);
+        attention_launch<attention_backward_dkdv_kernel<HS>>(dim3(blocks, B * KV), 32 * ATT_WARPS,
+                                                             tiles_bytes + stats_bytes, stream, dqkv, dout, qkv, lse,
+                                                             delta, T, C, NH, KV, scale, scale_log2);
+        attention_launch<attention_backward_dq_kernel<HS>>(dim3(blocks, B * NH), 32 * ATT_WARPS, tiles_bytes, stream,
+                                                           dqkv, dout, qkv, lse, delta, T, C, NH, KV, scale,
+                                                           scale_log2);
     });
 }
 
@@ -1314,34 +1368,35 @@ inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) 
 
 // the forward on the wgmma kernels (attention_hopper_available must hold); the arguments as
 // attention_forward_cuda's
-inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
                                      cudaStream_t stream) {
-    attention_dispatch(C, NH, [&](auto hs) {
+    attention_dispatch(C, NH, KV, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
-        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, 3 * C);
+        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, (int)attention_qkv_width(C, NH, KV));
         float scale_log2 = 1.44269504f / sqrtf((float)HS);
         attention_launch<attention_forward_hopper_kernel<HS>>(dim3(cuda_blocks(T, HOPPER_ROWS), B * NH), HOPPER_THREADS,
                                                               HopperSmem<HS, 1, HOPPER_FWD_COLS, false>::bytes, stream,
-                                                              qkv_map, out, lse, T, C, NH, scale_log2);
+                                                              qkv_map, out, lse, T, C, NH, KV, scale_log2);
     });
 }
 
 // the backward on the wgmma kernels: the arguments, the scratch and the determinism as attention_backward_cuda's
 inline void attention_backward_hopper(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                                      float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
+                                      float* scratch, int B, int T, int C, int NH, int KV, cudaStream_t stream) {
     float* delta = scratch;
-    attention_dispatch(C, NH, [&](auto hs) {
+    attention_dispatch(C, NH, KV, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
         attention_delta_cuda<HS>(delta, dout, out, B, T, C, NH, stream);
-        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, 3 * C), dout_map = hopper_tensor_map(dout, B, T, C);
+        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, (int)attention_qkv_width(C, NH, KV)),
+                    dout_map = hopper_tensor_map(dout, B, T, C);
         float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
-        dim3 grid(cuda_blocks(T, HOPPER_ROWS), B * NH);
+        int blocks = cuda_blocks(T, HOPPER_ROWS);
         attention_launch<attention_backward_dkdv_hopper_kernel<HS>>(
-            grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, true>::bytes, stream, qkv_map, dout_map, dqkv, lse,
-            delta, T, C, NH, scale, scale_log2);
+            dim3(blocks, B * KV), HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, true>::bytes, stream, qkv_map,
+            dout_map, dqkv, lse, delta, T, C, NH, KV, scale, scale_log2);
         attention_launch<attention_backward_dq_hopper_kernel<HS>>(
-            grid, HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, qkv_map, dout_map, dqkv,
-            lse, delta, T, C, NH, scale, scale_log2);
+            dim3(blocks, B * NH), HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, qkv_map,
+            dout_map, dqkv, lse, delta, T, C, NH, KV, scale, scale_log2);
     });
 }
 
@@ -1372,21 +1427,21 @@ inline void attention_select_wgmma() {
 #include "llmc/device.cuh"
 
 inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float*, const float* att, int B,
-                               int T, int C, int NH, float* scratch) {
-    attention_backward(dqkv, dout, qkv, att, B, T, C, NH, scratch);
+                               int T, int C, int NH, int KV, float* scratch) {
+    attention_backward(dqkv, dout, qkv, att, B, T, C, NH, KV, scratch);
 }
 
-inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH) {
+inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV) {
     if (attention_kernels() == AttentionKernels::WGMMA)
-        attention_forward_hopper(out, lse, qkv, B, T, C, NH, main_stream());
+        attention_forward_hopper(out, lse, qkv, B, T, C, NH, KV, main_stream());
     else
-        attention_forward_cuda(out, lse, qkv, B, T, C, NH, main_stream());
+        attention_forward_cuda(out, lse, qkv, B, T, C, NH, KV, main_stream());
 }
 inline void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B,
-                               int T, int C, int NH, float*) {
+                               int T, int C, int NH, int KV, float*) {
     float* scratch = gpu_scratch(attention_backward_scratch_floats(B, T, C, NH), "attention_backward");
     if (attention_kernels() == AttentionKernels::WGMMA)
-        attention_backward_hopper(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
+        attention_backward_hopper(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, KV, main_stream());
     else
-        attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, main_stream());
+        attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, KV, main_stream());
 }

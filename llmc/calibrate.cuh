@@ -82,8 +82,8 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         if (gpu) gpu_scratch_registry() = {scratch, scratch_floats};
         fill_random(qkv, BT * 3 * C, 3), fill_random(dout, BT * C, 4);
         double s = seconds_per_call<floatX>([&] {
-            attention_forward(att_out, kept, qkv, B, T, C, NH);
-            attention_backward(dqkv, dout, qkv, att_out, kept, B, T, C, NH, scratch);
+            attention_forward(att_out, kept, qkv, B, T, C, NH, NH);
+            attention_backward(dqkv, dout, qkv, att_out, kept, B, T, C, NH, NH, scratch);
         });
         h.attention_tflops = 3.5 * 2.0 * B * T * (double)T * C / s / 1e12;
         if (gpu) gpu_scratch_registry() = {};

@@ -712,16 +712,24 @@ struct ContextParallel {
         if (on()) add_position_rows(dwpe, position_table_grads, device_positions, (int)positions.size(), C);
     }
 
-    // attention over the whole sequence for this rank's Tl local rows; state is what backward needs (the
-    // probabilities or log-sum-exps of llmc/attention.cuh, or the ring's global log-sum-exps (B, NH, Tl))
-    void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH) {
-        if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH);
+    // attention over the whole sequence for this rank's Tl local rows, NH query heads over KV key/value heads;
+    // state is what backward needs (the probabilities or log-sum-exps of llmc/attention.cuh, or the ring's
+    // global log-sum-exps (B, NH, Tl)). The ring moves qkv rows of 3C (KV = NH) only.
+    void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH, int KV) {
+        if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH, KV);
+        ring_check_heads(NH, KV);
         ring_attention_forward(out, state, qkv, B, C, NH, layout, *comm, ring);
     }
     void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* state,
-                            int B, int Tl, int C, int NH, float* scratch) {
-        if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, scratch);
+                            int B, int Tl, int C, int NH, int KV, float* scratch) {
+        if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, KV, scratch);
+        ring_check_heads(NH, KV);
         ring_attention_backward(dqkv, dout, qkv, out, state, B, C, NH, layout, *comm, ring);
+    }
+    void ring_check_heads(int NH, int KV) const {
+        if (KV != NH)
+            fail("--cp %d: ring attention with grouped-query attention (KV heads != heads) is not implemented yet",
+                 spec.size);
     }
 
     // which rank holds position t of a sequence, and at which local index

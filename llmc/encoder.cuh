@@ -11,12 +11,17 @@ inline void encoder_forward(float* out, const int* tokens, const float* wte, con
         for (int t = 0; t < T; t++) {
             float* o = out + ((size_t)b * T + t) * C;
             const float* tok = wte + (size_t)tokens[b * T + t] * C;
+            if (!wpe) {  // a model without a position table (Llama: RoPE turns q and k instead)
+                for (int c = 0; c < C; c++) o[c] = tok[c];
+                continue;
+            }
             const float* pos = wpe + (size_t)t * C;
             for (int c = 0; c < C; c++) o[c] = tok[c] + pos[c];
         }
 }
 
-// dwte (V rows) and dwpe accumulate (+=); the CUDA kernel sizes its sort keys by V
+// dwte (V rows) and dwpe accumulate (+=); the CUDA kernel sizes its sort keys by V. Without a position table
+// (wpe and dwpe null) the output is the token's row alone.
 inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C, int V) {
     constexpr int CHUNK = 64;
 #pragma omp parallel for
@@ -26,11 +31,10 @@ inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const 
             for (int t = 0; t < T; t++) {
                 const float* d = dout + ((size_t)b * T + t) * C;
                 float* tok = dwte + (size_t)tokens[b * T + t] * C;
+                for (int c = c0; c < c1; c++) tok[c] += d[c];
+                if (!dwpe) continue;
                 float* pos = dwpe + (size_t)t * C;
-                for (int c = c0; c < c1; c++) {
-                    tok[c] += d[c];
-                    pos[c] += d[c];
-                }
+                for (int c = c0; c < c1; c++) pos[c] += d[c];
             }
     }
 }
@@ -76,8 +80,10 @@ static __global__ void encoder_forward_kernel(bf16* out, const int* tokens, cons
     int c = (int)(i % C), t = (int)(bt % T);
     float tok[8], pos[8];
     unpack_bf16x8(*reinterpret_cast<const bf16x8*>(wte + (long)tokens[bt] * C + c), tok);
-    unpack_bf16x8(*reinterpret_cast<const bf16x8*>(wpe + (long)t * C + c), pos);
-    for (int j = 0; j < 8; j++) tok[j] += pos[j];
+    if (wpe) {  // null: no position table (Llama)
+        unpack_bf16x8(*reinterpret_cast<const bf16x8*>(wpe + (long)t * C + c), pos);
+        for (int j = 0; j < 8; j++) tok[j] += pos[j];
+    }
     *reinterpret_cast<bf16x8*>(out + i) = pack_bf16x8(tok);
 }
 
@@ -253,7 +259,7 @@ inline void encoder_backward_cuda(bf16* dwte, bf16* dwpe, const bf16* dout, cons
     if (n == 0) return;
     if (encoder_short_keys(V)) encoder_backward_wte<uint16_t>(dwte, dout, tokens, n, C, V, scratch, stream);
     else encoder_backward_wte<uint32_t>(dwte, dout, tokens, n, C, V, scratch, stream);
-    encoder_wpe_backward_kernel<<<cuda_blocks((long)T * C / 8, 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
+    if (dwpe) encoder_wpe_backward_kernel<<<cuda_blocks((long)T * C / 8, 256), 256, 0, stream>>>(dwpe, dout, B, T, C);
     cuda_check(cudaGetLastError());
 }
 

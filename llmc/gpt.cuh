@@ -32,6 +32,9 @@
 #include "llmc/moe.cuh"
 #include "llmc/nvtx.h"
 #include "llmc/residual.cuh"
+#include "llmc/rmsnorm.cuh"
+#include "llmc/rope.cuh"
+#include "llmc/swiglu.cuh"
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
@@ -53,16 +56,62 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
         fail("%s: padded vocab %d is smaller than vocab %d", where.c_str(), c.padded_vocab_size, c.vocab_size);
     if (c.num_experts < 1 || c.num_experts > 1024 || c.top_k < 1 || c.top_k > c.num_experts)
         fail("%s: %d experts with top-%d routing: need 1 <= K <= E <= 1024", where.c_str(), c.num_experts, c.top_k);
+    if (!c.llama()) return;
+    int KV = c.kv_heads();
+    if (KV < 1 || KV > c.num_heads || c.num_heads % KV != 0)
+        fail("%s: %d key/value heads must divide the %d query heads", where.c_str(), KV, c.num_heads);
+    if (c.head_size() % 2 != 0) fail("%s: RoPE rotates pairs: head size %d must be even", where.c_str(), c.head_size());
+    if (c.multiple_of < 1 || c.multiple_of > (1 << 20) || !(c.ffn_dim_multiplier >= 0 && c.ffn_dim_multiplier <= 64))
+        fail("%s: MLP size: multiple_of %d, ffn_dim_multiplier %g", where.c_str(), c.multiple_of, c.ffn_dim_multiplier);
+    if (c.hidden() < 1 || c.hidden() > (1 << 20)) fail("%s: implausible MLP hidden size %d", where.c_str(), c.hidden());
+    if (!(c.norm_eps > 0 && c.norm_eps < 1) || !(c.rope_theta > 1))
+        fail("%s: norm eps %g and RoPE theta %g: need 0 < eps < 1 and theta > 1", where.c_str(), c.norm_eps, c.rope_theta);
+    if (c.moe()) fail("%s: experts are built for GPT-2 models only so far", where.c_str());
+    if (c.padded_vocab_size != c.vocab_size) fail("%s: a Llama's vocab is not padded", where.c_str());
 }
 
 // "d12", "d24", "d36", "d48" are GPT-2 124M, 350M, 774M and 1.5B. Other shapes: d<L>c<C>h<NH>[t<maxT>][v<V>],
 // e.g. d4c128h4 (4 layers, 128 channels, 4 heads, maxT 1024, the GPT-2 vocab) or d2c64h2t128v1000. Either form
 // may end in e<E>k<K>: a mixture of E experts with top-K routing in every layer (d12e8k2, d2c48h4e4k2); e1k1
 // is the dense model.
-inline bool is_model_descriptor(const std::string& s) { return s.size() >= 2 && s[0] == 'd' && isdigit(s[1]); }
+// Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
+// 8 key/value heads, RoPE theta 500000 with Llama 3.1's scaling, maxT 8192); any other shape is
+// l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>]: KV key/value heads (default NH), H hidden units in the MLP (default
+// Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2 vocab by default, RoPE theta
+// 500000 unscaled, e.g. l4c128h4g2f352 (4 layers, 128 channels, 4 heads sharing 2 key/value heads).
+inline bool is_model_descriptor(const std::string& s) {
+    return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l') && isdigit(s[1])) || s.rfind("llama3-", 0) == 0;
+}
+
+// Meta's published Llama 3 shapes (Llama 3.1 8B, 70B, 405B; Llama 3.2 1B, 3B)
+inline GPTConfig llama3_named(const std::string& s) {
+    struct Shape {
+        const char* name;
+        int L, C, NH, multiple_of;
+        float multiplier;
+    };
+    for (Shape m : {Shape{"llama3-1b", 16, 2048, 32, 256, 1.5f}, Shape{"llama3-3b", 28, 3072, 24, 256, 1.0f},
+                    Shape{"llama3-8b", 32, 4096, 32, 1024, 1.3f}, Shape{"llama3-70b", 80, 8192, 64, 4096, 1.3f},
+                    Shape{"llama3-405b", 126, 16384, 128, 4096, 1.2f}}) {
+        if (s != m.name) continue;
+        GPTConfig c;
+        c.arch = Arch::Llama3;
+        c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8;
+        c.multiple_of = m.multiple_of, c.ffn_dim_multiplier = m.multiplier;
+        c.vocab_size = c.padded_vocab_size = 128256, c.max_seq_len = 8192;
+        c.rope_theta = 500000.0f, c.scaled_rope = true;
+        validate_config(c, "-e " + s);
+        return c;
+    }
+    fail("-e %s: Llama 3 sizes are llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b; give other shapes as "
+         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>]", s.c_str());
+}
 
 inline GPTConfig parse_model_descriptor(const std::string& s) {
+    if (s.rfind("llama3-", 0) == 0) return llama3_named(s);
     GPTConfig c;
+    bool llama = s[0] == 'l';
+    c.arch = llama ? Arch::Llama3 : Arch::GPT2;
     const char* p = s.c_str() + 1;
     auto number = [&](char key) {
         char* end;
@@ -71,21 +120,38 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
         p = end;
         return (int)v;
     };
-    c.num_layers = number('d');
+    c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
+    int hidden = 0;
+    const char* fields = llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>]" : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
     while (*p) {
         char key = *p++;
+        bool known = true;
         switch (key) {
             case 'c': c.channels = number(key), have_c = true; break;
             case 'h': c.num_heads = number(key), have_h = true; break;
             case 't': c.max_seq_len = number(key); break;
             case 'v': c.vocab_size = number(key); break;
-            case 'e': c.num_experts = number(key), have_e = true; break;
-            case 'k': c.top_k = number(key), have_k = true; break;
-            default: fail("-e %s: unknown field '%c' (expected d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>])", s.c_str(), key);
+            case 'e': known = !llama && (c.num_experts = number(key), have_e = true); break;
+            case 'k': known = !llama && (c.top_k = number(key), have_k = true); break;
+            case 'g': known = llama && (c.num_kv_heads = number(key)); break;
+            case 'f': known = llama && (hidden = number(key)); break;
+            default: known = false;
         }
+        if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
+    if (llama) {
+        if (!have_c || !have_h) fail("-e %s: a Llama shape needs c<channels> and h<heads>", s.c_str());
+        c.padded_vocab_size = c.vocab_size;
+        // H hidden units exactly: Meta's rule with multiple_of H and a multiplier that brings 2/3 of 4C to H + 1/2,
+        // which truncates to H whatever the multiplier's rounding
+        if (hidden > 0)
+            c.multiple_of = hidden, c.ffn_dim_multiplier = (hidden + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
+        validate_config(c, "-e " + s);
+        if (hidden > 0 && c.hidden() != hidden) fail("-e %s: no Llama MLP rule gives %d hidden units", s.c_str(), hidden);
+        return c;
+    }
     if (!have_c && !have_h) {
         switch (c.num_layers) {
             case 12: c.channels = 768, c.num_heads = 12; break;
@@ -123,12 +189,14 @@ struct ParamStore {
 
 // the sizes one rank works with: T its tokens of each sequence (T/cp under context parallelism), BT token rows
 // in the parallel regions, R rows between them (BT/tp under sequence parallelism), and the rank's share of
-// channels, hidden units, heads and vocab rows; ring: attention runs around a cp group
+// channels, hidden units, query and key/value heads and vocab rows, and the widths of its qkv and of the MLP's
+// first matmul (Llama's holds c_fc and c_fc2: twice the hidden units); ring: attention runs around a cp group;
+// means: the norms keep a mean (GPT-2's layernorm; Llama's RMSNorm keeps only 1/rms)
 struct LocalDims {
     int B, T, C;
     long BT, R;
-    int Cl, Hl, NHl, Vl;
-    bool ring;
+    int Cl, Hl, NHl, KVl, hd, QKVl, FCl, Vl;
+    bool ring, means;
     int K;             // with experts: the slots per token (0: a dense MLP)
     long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
 };
@@ -140,8 +208,12 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.K = c.moe() ? c.top_k : 0;
     d.expert_rows = c.moe() ? (long)ep * d.BT * std::min(c.top_k, c.num_experts / ep) : 0;
     d.R = tp.sp ? d.BT / tp.size : d.BT;
-    d.Cl = c.channels / tp.size, d.Hl = (int)(model_table(c)[FCPROJW].cols / tp.size), d.NHl = c.num_heads / tp.size;
+    ModelTable table = model_table(c);
+    d.Cl = c.channels / tp.size, d.Hl = (int)(table[FCPROJW].cols / tp.size);
+    d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads() / tp.size, d.hd = c.head_size();
+    d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
+    d.means = !c.llama();
     return d;
 }
 
@@ -154,7 +226,7 @@ struct Activations {
     float* att;  // attention's saved state: the probabilities on the CPU, the logsumexp on the GPU
     floatX *atty, *attproj, *residual2, *ln2;
     float *ln2_mean, *ln2_rstd;
-    floatX *fch, *fch_gelu, *fcproj, *residual3, *lnf;
+    floatX *fch, *fch_act, *fcproj, *residual3, *lnf;  // fch_act: the MLP's activation, GELU's or SwiGLU's
     float *lnf_mean, *lnf_rstd;
     floatX* logits;
     float *losses, *lse;
@@ -166,9 +238,10 @@ struct Activations {
     floatX *moe_in, *moe_out;
 };
 
-// Activation recomputation (-r): 0 keeps everything; 1 recomputes GELU's output in backward from its input;
-// 2 also recomputes both layernorms' outputs from their inputs (the saved statistics make it cheap). What is
-// recomputed is not kept per layer: one buffer, shared by all layers, holds it while it is used.
+// Activation recomputation (-r): 0 keeps everything; 1 recomputes the MLP's activation (GELU's output, or
+// SwiGLU's product) in backward from its input; 2 also recomputes both norms' outputs from their inputs (the
+// saved statistics make it cheap). What is recomputed is not kept per layer: one buffer, shared by all layers,
+// holds it while it is used.
 enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_GELU = 1, RECOMPUTE_LAYERNORM = 2 };
 
 // attention's saved state per layer: the T×T probabilities of every head on the CPU, T logsumexps on the GPU
@@ -192,21 +265,22 @@ inline ActivationSlot slot(const char* name, E*& p, size_t count, int recomputed
     return {name, reinterpret_cast<void**>(&p), sizeof(E), count, recomputed};
 }
 
-// Every per-layer activation slot, sized: the layernorm outputs are whole (they enter a column-parallel layer),
-// their statistics and the residual stream are the rank's rows, the rest local. The output gradients of the
+// Every per-layer activation slot, sized: the norm outputs are whole (they enter a column-parallel layer), their
+// statistics and the residual stream are the rank's rows, the rest local. The output gradients of the
 // four matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
 // the matmul; the MLP's two not for experts, whose weight gradients backward takes at once); with experts the
 // rows the experts took (expert-major) and gave back (dispatch order), and the hidden layers the experts' rows.
 template <typename floatX>
 inline std::vector<ActivationSlot> layer_slots(Activations<floatX>& a, const LocalDims& d, bool split) {
     size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
-    return {slot("ln1", a.ln1, BT * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, R), slot("ln1_rstd", a.ln1_rstd, R),
-            slot("qkv", a.qkv, BT * 3 * d.Cl), slot("att", a.att, attention_state_floats(d, device_of<floatX>)),
+    size_t means = d.means ? R : 0;
+    return {slot("ln1", a.ln1, BT * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, means), slot("ln1_rstd", a.ln1_rstd, R),
+            slot("qkv", a.qkv, BT * d.QKVl), slot("att", a.att, attention_state_floats(d, device_of<floatX>)),
             slot("atty", a.atty, BT * d.Cl), slot("attproj", a.attproj, R * C), slot("residual2", a.residual2, R * C),
-            slot("ln2", a.ln2, BT * C, RECOMPUTE_LAYERNORM), slot("ln2_mean", a.ln2_mean, R), slot("ln2_rstd", a.ln2_rstd, R),
-            slot("fch", a.fch, mlp_rows * d.Hl), slot("fch_gelu", a.fch_gelu, mlp_rows * d.Hl, RECOMPUTE_GELU),
-            slot("fcproj", a.fcproj, R * C), slot("residual3", a.residual3, R * C), slot("dqkv", a.dqkv, S * BT * 3 * d.Cl),
-            slot("dattproj", a.dattproj, S * BT * C), slot("dfch", a.dfch, M * BT * d.Hl), slot("dfcproj", a.dfcproj, M * BT * C),
+            slot("ln2", a.ln2, BT * C, RECOMPUTE_LAYERNORM), slot("ln2_mean", a.ln2_mean, means), slot("ln2_rstd", a.ln2_rstd, R),
+            slot("fch", a.fch, mlp_rows * d.FCl), slot("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_GELU),
+            slot("fcproj", a.fcproj, R * C), slot("residual3", a.residual3, R * C), slot("dqkv", a.dqkv, S * BT * d.QKVl),
+            slot("dattproj", a.dattproj, S * BT * C), slot("dfch", a.dfch, M * BT * d.FCl), slot("dfcproj", a.dfcproj, M * BT * C),
             slot("moe_in", a.moe_in, d.expert_rows * C), slot("moe_out", a.moe_out, d.K * BT * C)};
 }
 
@@ -218,7 +292,7 @@ inline std::vector<ActivationSlot> edge_slots(Activations<floatX>& a, const Loca
     size_t BT = d.BT, R = d.R, C = d.C;
     std::vector<ActivationSlot> slots = {slot("encoded", a.encoded, R * C)};
     if (!head) return slots;
-    for (ActivationSlot s : {slot("lnf", a.lnf, BT * C), slot("lnf_mean", a.lnf_mean, R), slot("lnf_rstd", a.lnf_rstd, R),
+    for (ActivationSlot s : {slot("lnf", a.lnf, BT * C), slot("lnf_mean", a.lnf_mean, d.means ? R : 0), slot("lnf_rstd", a.lnf_rstd, R),
                              slot("logits", a.logits, BT * d.Vl), slot("losses", a.losses, BT)})
         slots.push_back(s);
     if (tp > 1) slots.push_back(slot("lse", a.lse, BT));
@@ -268,18 +342,19 @@ inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, cons
 // buffers that live only inside backward (activation gradients), plus the kernels' workspaces (on the CPU the
 // GEMM's packing panels and attention's rows per thread; on the GPU the shared kernel scratch of
 // llmc/device.cuh); under tensor parallelism also the partial sums of row-parallel outputs, and under sequence
-// parallelism the gathered output gradients and the reduced input gradients
+// parallelism the gathered output gradients and the reduced input gradients. dact: the gradient of SwiGLU's
+// output, which is half as wide as its input's (GPT-2's GELU takes its gradient in place: null)
 template <typename floatX>
 struct Scratch {
-    floatX *dresidual, *dln, *dqkv, *datty, *dfch;
+    floatX *dresidual, *dln, *dqkv, *datty, *dfch, *dact;
     float *attention, *gemm;
     floatX *partial, *gather, *whole, *dchunk;
 };
 
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
 inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
-    size_t need = (size_t)layernorm_backward_scratch_floats(d.R, d.C);
-    for (long oc : {3L * d.Cl, (long)d.C, (long)d.Hl})  // the matmuls with a bias gradient (an expert's: all its rows)
+    size_t need = (size_t)(d.means ? layernorm_backward_scratch_floats(d.R, d.C) : rmsnorm_backward_scratch_floats(d.R, d.C));
+    for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl})  // the matmuls with a bias gradient (an expert's: all its rows)
         need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));
     need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
     // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions
@@ -329,6 +404,7 @@ struct GPTModel {
     bool split_backward = false;  // backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk()
     std::vector<MicroBatchSlot<floatX>> slots;  // one per micro-batch in flight (one without pipelining)
     Scratch<floatX> scratch;
+    float* rope = nullptr;  // Llama: RoPE's (cos, sin) per position and frequency (llmc/rope.cuh)
 
     GPTModel() = default;
     GPTModel(const GPTModel&) = delete;
@@ -348,6 +424,10 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
     if (config.num_heads % tp.size != 0)
         fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
+    if (config.kv_heads() % tp.size != 0)
+        fail("--tp %d: must divide the number of key/value heads (%d)", tp.size, config.kv_heads());
+    if (config.llama() && cp.size > 1)
+        fail("--cp %d: context parallelism for Llama models (RoPE at each rank's positions) is not built yet", cp.size);
     if (cp.size > 1) cp_layout(T, cp.size, cp.rank, cp.split);  // T splits into 2·cp chunks
     if (tp.sp && cp.size == 1 && T % tp.size != 0)
         fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
@@ -439,9 +519,10 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
     s.dresidual = scr(R * C);
     s.dln = scr(BT * C);
-    s.dqkv = scr(BT * 3 * d.Cl);
+    s.dqkv = scr(BT * d.QKVl);
     s.datty = scr(BT * d.Cl);
-    s.dfch = scr(mlp_rows * d.Hl);
+    s.dfch = scr(mlp_rows * d.FCl);
+    s.dact = d.FCl != d.Hl ? scr(mlp_rows * d.Hl) : nullptr;
     if (gpu) {
         size_t floats = gpu_kernel_scratch_floats(d);
         s.attention = nullptr;
@@ -456,6 +537,13 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.whole = tp.sp ? scr(BT * C) : nullptr;
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
     m.tp.gather = s.gather;
+    if (config.llama()) {  // RoPE's (cos, sin) table for every position the model takes
+        size_t n = (size_t)config.max_seq_len * d.hd;
+        std::vector<float> table(n);
+        rope_table(table.data(), config.max_seq_len, d.hd, config.rope_theta, config.scaled_rope);
+        m.rope = led.alloc<floatX, float>(MEM_SCRATCH, n);
+        device_upload<floatX>(m.rope, table.data(), n);
+    }
     m.cp.allocate(led, B, T, (int)C, d.Cl, d.NHl);
     m.moe.ep_size = ep;
     m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C);
@@ -507,14 +595,62 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// llm.c model files: 256 int32 header, then the parameters in order, fp32 (version 3) or bf16 (version 5)
+// llm.c model files, fp32 (version 3) or bf16 (version 5). GPT-2's: a header of 256 int32 (magic 20240326,
+// version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file), then the parameters in
+// table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
+// multiple_of, use_scaled_rope, major, minor) and 256 float32 (ffn_dim_multiplier, norm_eps, rope_theta), then the
+// tensors in GPT-2's slots: lm_head in wpe's, and every bias slot present and zero (the table's file_rows).
+
+constexpr int LLAMA_MODEL_MAGIC = 20240803;
+
+// Where each tensor lies in a model file and in the flat buffer, in elements
+struct FileLayout {
+    long header = 0;                      // bytes
+    size_t file_start[NUM_PARAM_TENSORS];  // elements of the file before the tensor
+    size_t file_size[NUM_PARAM_TENSORS];   // the tensor's elements in the file (zeros where it is absent here)
+    size_t flat_start[NUM_PARAM_TENSORS];  // elements of the flat buffer before it
+    size_t elements = 0;                   // in the file
+};
+inline FileLayout file_layout(const GPTConfig& c) {
+    ModelTable table = model_table(c);
+    size_t sizes[NUM_PARAM_TENSORS], flat = 0;
+    param_tensor_sizes(c, sizes);
+    FileLayout f;
+    f.header = c.llama() ? 2048 : 1024;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        size_t blocks = table[t].holder == Holder::Layer ? c.num_layers : 1;
+        f.flat_start[t] = flat, flat += sizes[t];
+        f.file_start[t] = f.elements;
+        f.file_size[t] = table[t].block() > 0 ? sizes[t] : blocks * table[t].file_rows;
+        f.elements += f.file_size[t];
+    }
+    return f;
+}
+
+// what a Llama adds to the shape GPT-2's L, C, NH, V and maxT say, in the lines that print a model ("" for GPT-2)
+inline std::string llama_shape(const GPTConfig& c) {
+    if (!c.llama()) return "";
+    return strfmt(" Llama %d.%d KV=%d H=%d eps=%g theta=%g%s", c.version_major, c.version_minor, c.kv_heads(), c.hidden(),
+                  c.norm_eps, c.rope_theta, c.scaled_rope ? " scaled" : "");
+}
+
+inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
+    return a.arch == b.arch && a.num_layers == b.num_layers && a.channels == b.channels && a.num_heads == b.num_heads &&
+           a.kv_heads() == b.kv_heads() && a.vocab_size == b.vocab_size && a.padded_vocab_size == b.padded_vocab_size &&
+           a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
+           (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
+                           a.scaled_rope == b.scaled_rope));
+}
 
 inline GPTConfig read_model_header(const std::string& path, int* version) {
     File f(path, "rb");
     int h[256];
+    float hf[256] = {};
     if (f.size() < (long)sizeof(h)) fail("%s: too short for a model header", path.c_str());
     f.read(h, sizeof(h));
-    if (h[0] != MODEL_MAGIC) fail("%s: not an llm.c model file (magic %d, expected %d)", path.c_str(), h[0], MODEL_MAGIC);
+    if (h[0] != MODEL_MAGIC && h[0] != LLAMA_MODEL_MAGIC)
+        fail("%s: not an llm.c model file (magic %d, expected %d for GPT-2 or %d for Llama 3)", path.c_str(), h[0],
+             MODEL_MAGIC, LLAMA_MODEL_MAGIC);
     if (h[1] != MODEL_VERSION_FP32 && h[1] != MODEL_VERSION_BF16)
         fail("%s: unsupported model version %d (expected 3 for fp32 or 5 for bf16)", path.c_str(), h[1]);
     GPTConfig c;
@@ -522,13 +658,27 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
     c.vocab_size = h[3];
     c.num_layers = h[4];
     c.num_heads = h[5];
-    c.channels = h[6];
-    c.padded_vocab_size = h[7];
-    // header[8] and [9]: the experts and their top-K (0 and 0 in llm.c's dense files)
-    if (h[8] > 1 || h[9] > 1) c.num_experts = h[8], c.top_k = h[9];
-    else if (h[8] != h[9]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[8], h[9]);
+    if (h[0] == LLAMA_MODEL_MAGIC) {
+        if (f.size() < (long)(sizeof(h) + sizeof(hf))) fail("%s: too short for a Llama 3 model header", path.c_str());
+        f.read(hf, sizeof(hf));
+        c.arch = Arch::Llama3;
+        c.num_kv_heads = h[6];
+        c.channels = h[7];
+        c.padded_vocab_size = c.vocab_size;
+        c.multiple_of = h[8];
+        c.scaled_rope = h[9] != 0;
+        c.version_major = h[10], c.version_minor = h[11];
+        c.ffn_dim_multiplier = hf[0], c.norm_eps = hf[1], c.rope_theta = hf[2];
+    } else {
+        c.channels = h[6];
+        c.padded_vocab_size = h[7];
+        // header[8] and [9]: the experts and their top-K (0 and 0 in llm.c's dense files)
+        if (h[8] > 1 || h[9] > 1) c.num_experts = h[8], c.top_k = h[9];
+        else if (h[8] != h[9]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[8], h[9]);
+    }
     validate_config(c, path);
-    long expected = (long)sizeof(h) + (long)(num_parameters(c) * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
+    FileLayout layout = file_layout(c);
+    long expected = layout.header + (long)(layout.elements * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
     if (f.size() != expected)
         fail("%s: size %ld bytes, but its header implies %ld", path.c_str(), f.size(), expected);
     *version = h[1];
@@ -542,33 +692,45 @@ inline size_t first_non_finite(const float* x, size_t n) {
     return n;
 }
 
+// n values of a model file from element `at` on, as fp32
+inline void read_file_values(File& f, const FileLayout& layout, int version, size_t at, size_t n, float* dst) {
+    if (version == MODEL_VERSION_FP32) return f.read_at(dst, n * 4, layout.header + (long)at * 4);
+    std::vector<uint16_t> halves(n);
+    f.read_at(halves.data(), n * 2, layout.header + (long)at * 2);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)halves[i] << 16;  // bf16 is the top half of an fp32
+        memcpy(&dst[i], &bits, 4);
+    }
+}
+
 // Reads the runs of the parameters that a rank holds (`runs`: where each run of `params` lies in the whole model)
 // from a model file whose header matches mc, fp32 or bf16. A NaN or Inf is refused, naming the tensor, since
-// training from it could only produce NaN.
+// training from it could only produce NaN; so is a nonzero value in a slot the model does not have (a Llama's
+// biases), which this model could not represent.
 inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vector<ShareRun>& runs, const std::string& path) {
     int version;
     GPTConfig c = read_model_header(path, &version);
-    if (c.num_layers != mc.num_layers || c.channels != mc.channels || c.num_heads != mc.num_heads ||
-        c.vocab_size != mc.vocab_size || c.padded_vocab_size != mc.padded_vocab_size || c.max_seq_len != mc.max_seq_len ||
-        c.num_experts != mc.num_experts || c.top_k != mc.top_k)
-        fail("%s: model shape differs from the run's model", path.c_str());
+    if (!same_model_shape(c, mc)) fail("%s: model shape differs from the run's model", path.c_str());
+    FileLayout layout = file_layout(c);
+    ModelTable table = model_table(c);
     File f(path, "rb");
-    std::vector<uint16_t> halves;
     for (const ShareRun& r : runs) {
+        int t = param_coord(c, r.whole).tensor;
         float* dst = params + r.local;
-        if (version == MODEL_VERSION_FP32) {
-            f.read_at(dst, r.count * 4, 1024 + (long)r.whole * 4);
-        } else {
-            halves.resize(r.count);
-            f.read_at(halves.data(), r.count * 2, 1024 + (long)r.whole * 2);
-            for (size_t i = 0; i < r.count; i++) {
-                uint32_t bits = (uint32_t)halves[i] << 16;  // bf16 is the top half of an fp32
-                memcpy(&dst[i], &bits, 4);
-            }
-        }
+        read_file_values(f, layout, version, layout.file_start[t] + (r.whole - layout.flat_start[t]), r.count, dst);
         size_t bad = first_non_finite(dst, r.count);
         if (bad < r.count)
             fail("%s: %g in %s (a model must be finite)", path.c_str(), dst[bad], describe_param(c, r.whole + bad).c_str());
+    }
+    std::vector<float> absent;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        if (table[t].block() > 0 || layout.file_size[t] == 0) continue;
+        absent.resize(layout.file_size[t]);
+        read_file_values(f, layout, version, layout.file_start[t], absent.size(), absent.data());
+        for (size_t i = 0; i < absent.size(); i++)
+            if (absent[i] != 0.0f)
+                fail("%s: %s holds %g at element %zu: this Llama has no biases, so every bias slot must be zero",
+                     path.c_str(), table[t].name, absent[i], i);
     }
 }
 
@@ -577,37 +739,60 @@ inline void gpt_load_params(const GPTConfig& mc, float* params, const std::strin
     gpt_read_params(mc, params, whole_runs(mc), path);
 }
 
+// n values to a model file: fp32 as they are, or bf16 rounded to nearest even (null: n zeros)
+inline void write_file_values(File& f, const float* values, size_t n, int version) {
+    std::vector<float> zeros(values ? 0 : std::min(n, (size_t)1 << 20), 0.0f);
+    std::vector<uint16_t> halves(version == MODEL_VERSION_FP32 ? 0 : std::min(n, (size_t)1 << 20));
+    for (size_t done = 0; done < n;) {
+        size_t k = std::min(n - done, values ? n - done : zeros.size());
+        const float* v = values ? values + done : zeros.data();
+        if (version == MODEL_VERSION_FP32) {
+            f.write(v, k * 4);
+        } else {
+            k = std::min(k, halves.size());
+            for (size_t i = 0; i < k; i++) {
+                uint32_t bits;
+                memcpy(&bits, &v[i], 4);
+                halves[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+            }
+            f.write(halves.data(), k * 2);
+        }
+        done += k;
+    }
+}
+
 // writes an llm.c model file from a flat parameter buffer: fp32 (version 3), or bf16 (version 5) rounded to
 // nearest even; returns the checksum of the bytes written
 inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const std::string& path,
                                 int version = MODEL_VERSION_FP32) {
     int h[256] = {};
-    h[0] = MODEL_MAGIC;
+    float hf[256] = {};
     h[1] = version;
     h[2] = c.max_seq_len;
     h[3] = c.vocab_size;
     h[4] = c.num_layers;
     h[5] = c.num_heads;
-    h[6] = c.channels;
-    h[7] = c.padded_vocab_size;
-    if (c.moe()) h[8] = c.num_experts, h[9] = c.top_k;  // a dense file stays llm.c's, byte for byte
-    File f(path, "wb");
-    size_t count = num_parameters(c);
-    f.write(h, sizeof(h));
-    if (version == MODEL_VERSION_FP32) {
-        f.write(params, count * 4);
+    if (c.llama()) {
+        h[0] = LLAMA_MODEL_MAGIC;
+        h[6] = c.kv_heads();
+        h[7] = c.channels;
+        h[8] = c.multiple_of;
+        h[9] = c.scaled_rope;
+        h[10] = c.version_major, h[11] = c.version_minor;
+        hf[0] = c.ffn_dim_multiplier, hf[1] = c.norm_eps, hf[2] = c.rope_theta;
     } else {
-        std::vector<uint16_t> halves(1 << 20);
-        for (size_t done = 0; done < count; done += halves.size()) {
-            size_t n = std::min(halves.size(), count - done);
-            for (size_t i = 0; i < n; i++) {
-                uint32_t bits;
-                memcpy(&bits, &params[done + i], 4);
-                halves[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-            }
-            f.write(halves.data(), n * 2);
-        }
+        h[0] = MODEL_MAGIC;
+        h[6] = c.channels;
+        h[7] = c.padded_vocab_size;
+        if (c.moe()) h[8] = c.num_experts, h[9] = c.top_k;  // a dense file stays llm.c's, byte for byte
     }
+    FileLayout layout = file_layout(c);
+    File f(path, "wb");
+    f.write(h, sizeof(h));
+    if (c.llama()) f.write(hf, sizeof(hf));
+    ModelTable table = model_table(c);
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++)
+        write_file_values(f, table[t].block() > 0 ? params + layout.flat_start[t] : nullptr, layout.file_size[t], version);
     f.close();
     return f.written.value;
 }
@@ -630,6 +815,71 @@ inline ParamViews<floatX> unit_grads(GPTModel<floatX>& m, int unit) {
 inline std::pair<int, int> chunk_units(const ModelPart& part, int chunk) {
     int L = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
     return {chunk == part.chunks() - 1 ? FINAL_NORM_UNIT : layer_unit(L, lo + n - 1), layer_unit(L, lo)};
+}
+
+// What a layer's forward starts from: the layer before it in the chunk, whose residual add is fused with this
+// layer's first norm, or (null) the chunk's input
+template <typename floatX>
+struct LayerInput {
+    const Activations<floatX>* prev;
+    const floatX* chunk_input;
+    const floatX* residual() const { return prev ? prev->residual3 : chunk_input; }
+};
+
+// GPT-2's layer, forward, in the order of the Playbook's diagrams: layernorm, qkv, attention, the attention
+// projection, the residual add fused with the second layernorm, fc with GELU (or the experts), the MLP
+// projection; the residual add that ends it is fused with the next layer's first layernorm. tp wraps the calls
+// that cross ranks (llmc/tp.cuh), cp attention (llmc/cp.cuh).
+template <typename floatX>
+inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                               const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
+    TensorParallel& tp = m.tp;
+    long BT = d.BT, R = d.R, C = d.C, first = tp.first_row(BT) * C;
+    float* ws = m.scratch.gemm;
+    floatX* partial = m.scratch.partial;
+    if (!in.prev) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
+    else fused_residual_layernorm_forward(in.prev->residual3, la.ln1 + first, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
+                                          in.prev->fcproj, w[LN1W], w[LN1B], R, C);
+    tp.gather_rows(la.ln1, BT, C);
+    matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, d.QKVl, ws);
+    m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
+    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws);
+    fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
+                                     w[LN2W], w[LN2B], R, C);
+    tp.gather_rows(la.ln2, BT, C);
+    if (route) {
+        m.moe.forward(la.fcproj, partial, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2, expert_tensors(w), B,
+                      d.T, (int)C, d.Hl, tp, m.cp, layer, ws);
+    } else {
+        matmul_gelu_forward(la.fch_act, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
+        tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
+    }
+}
+
+// Llama 3's layer, forward: RMSNorm, qkv (NH query heads, KV key/value heads), RoPE on q and k, grouped-query
+// attention, the attention projection, the residual add fused with the second RMSNorm, c_fc and c_fc2 in one
+// matmul, SwiGLU, the MLP projection. No biases anywhere.
+template <typename floatX>
+inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                                const LayerInput<floatX>& in, const ParamViews<floatX>& w) {
+    TensorParallel& tp = m.tp;
+    long BT = d.BT, R = d.R, C = d.C, first = tp.first_row(BT) * C;
+    float* ws = m.scratch.gemm, eps = m.config.norm_eps;
+    floatX* partial = m.scratch.partial;
+    const floatX* none = nullptr;
+    if (!in.prev) rmsnorm_forward(la.ln1 + first, la.ln1_rstd, in.chunk_input, w[LN1W], R, C, eps);
+    else fused_residual_rmsnorm_forward(in.prev->residual3, la.ln1 + first, la.ln1_rstd, in.prev->residual2,
+                                        in.prev->fcproj, w[LN1W], R, C, eps);
+    tp.gather_rows(la.ln1, BT, C);
+    matmul_forward(la.qkv, la.ln1, w[QKVW], none, BT, C, d.QKVl, ws);
+    rope_forward(la.qkv, m.rope, (const int*)nullptr, B, d.T, d.NHl, d.KVl, d.hd);
+    m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
+    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws);
+    fused_residual_rmsnorm_forward(la.residual2, la.ln2 + first, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
+    tp.gather_rows(la.ln2, BT, C);
+    matmul_forward(la.fch, la.ln2, w[FCW], none, BT, C, d.FCl, ws);
+    swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
+    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws);
 }
 
 // Runs chunk `chunk` of the model's part on a micro-batch of B×T tokens (B and T at most what the model was
@@ -676,35 +926,19 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     auto [low_unit, high_unit] = chunk_units(part, chunk);
     if (m.store) m.store->begin_pass(false, low_unit, high_unit);
 
-    if (part.starts_model(chunk)) {
+    if (part.starts_model(chunk)) {  // GPT-2 adds its learned positions; Llama's RoPE turns q and k instead
         ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
-        tp.embedding_forward(a.encoded, partial, mb.device_inputs, emb[WTE], cp.position_rows(emb[WPE], C), B, d.T, C,
-                             d.Vl);
+        const floatX* positions = c.llama() ? nullptr : cp.position_rows(emb[WPE], C);
+        tp.embedding_forward(a.encoded, partial, mb.device_inputs, emb[WTE], positions, B, d.T, C, d.Vl);
     }
     int lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
     for (int i = 0; i < n; i++) {
         NvtxRange layer("layer", part.model_layer(lo + i));
         ParamViews<floatX> w = unit_params(m, layer_unit(Lp, lo + i));
         Activations<floatX> la = layer_slice(a, i, d, m.recompute, m.split_backward), prev = layer_slice(a, std::max(i - 1, 0), d, m.recompute, m.split_backward);
-        // the residual add that ends the previous layer is fused with the layernorm that begins this one
-        if (i == 0) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, a.encoded, w[LN1W], w[LN1B], R, C);
-        else fused_residual_layernorm_forward(prev.residual3, la.ln1 + first, la.ln1_mean, la.ln1_rstd, prev.residual2,
-                                              prev.fcproj, w[LN1W], w[LN1B], R, C);
-        const floatX* residual = i == 0 ? a.encoded : prev.residual3;
-        tp.gather_rows(la.ln1, BT, C);
-        matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, 3 * d.Cl, ws);
-        cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl);
-        tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws);
-        fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, residual, la.attproj,
-                                         w[LN2W], w[LN2B], R, C);
-        tp.gather_rows(la.ln2, BT, C);
-        if (c.moe()) {
-            m.moe.forward(la.fcproj, partial, mb.routes[i], la.moe_in, la.fch, la.fch_gelu, la.moe_out, la.ln2,
-                          expert_tensors(w), B, d.T, (int)C, d.Hl, tp, cp, part.model_layer(lo + i), ws);
-        } else {
-            matmul_gelu_forward(la.fch_gelu, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
-            tp.row_parallel_forward(la.fcproj, partial, la.fch_gelu, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
-        }
+        LayerInput<floatX> in{i == 0 ? nullptr : &prev, a.encoded};
+        if (c.llama()) llama_layer_forward(m, d, B, la, in, w);
+        else gpt2_layer_forward(m, d, B, la, in, w, c.moe() ? &mb.routes[i] : nullptr, part.model_layer(lo + i));
     }
     Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
     if (!head) {
@@ -712,12 +946,15 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         if (m.store) m.store->end_pass();
         return -1.0f;
     }
+    // the head: the last residual add fused with the final norm, and the classifier (GPT-2's is wte, tied)
     ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT);
-    fused_residual_layernorm_forward(last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
-                                     fin[LNFW], fin[LNFB], R, C);
+    if (c.llama()) fused_residual_rmsnorm_forward(last.residual3, a.lnf + first, a.lnf_rstd, last.residual2, last.fcproj,
+                                                  fin[LNFW], R, C, c.norm_eps);
+    else fused_residual_layernorm_forward(last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
+                                          fin[LNFW], fin[LNFB], R, C);
     tp.gather_rows(a.lnf, BT, C);
     ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
-    matmul_forward(a.logits, a.lnf, emb[WTE], (const floatX*)nullptr, BT, C, d.Vl, ws);
+    matmul_forward(a.logits, a.lnf, emb[classifier_tensor(c)], (const floatX*)nullptr, BT, C, d.Vl, ws);
     if (m.store) m.store->end_pass();
     if (!targets) return -1.0f;
     mb.loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl)
@@ -770,21 +1007,104 @@ inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t, int 
 }
 
 // What forward did not keep under -r, computed again exactly as forward did (and gathered again under sp) where
-// a layer's backward or its weight-gradient step reads it: GELU's output (-r 1), the layernorms' (-r 2)
+// a layer's backward or its weight-gradient step reads it: the MLP's activation (-r 1: GELU's output, or
+// SwiGLU's product), the norms' outputs (-r 2)
 template <typename floatX>
-inline void recompute_gelu(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
-    if (m.recompute >= RECOMPUTE_GELU) gelu_forward(la.fch_gelu, la.fch, rows * d.Hl);
+inline void recompute_activation(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
+    if (m.recompute < RECOMPUTE_GELU) return;
+    if (m.config.llama()) swiglu_forward(la.fch_act, la.fch, rows, d.Hl);
+    else gelu_forward(la.fch_act, la.fch, rows * d.Hl);
 }
 template <typename floatX>
-inline void recompute_layernorm(GPTModel<floatX>& m, const LocalDims& d, floatX* out, float* mean, float* rstd,
-                                const floatX* inp, const floatX* weight, const floatX* bias) {
+inline void recompute_norm(GPTModel<floatX>& m, const LocalDims& d, floatX* out, float* mean, float* rstd,
+                           const floatX* inp, const floatX* weight, const floatX* bias) {
     if (m.recompute < RECOMPUTE_LAYERNORM) return;
-    layernorm_forward(out + m.tp.first_row(d.BT) * d.C, mean, rstd, inp, weight, bias, d.R, d.C);
+    floatX* rows = out + m.tp.first_row(d.BT) * d.C;
+    if (m.config.llama()) rmsnorm_forward(rows, rstd, inp, weight, d.R, d.C, m.config.norm_eps);
+    else layernorm_forward(rows, mean, rstd, inp, weight, bias, d.R, d.C);
     m.tp.gather_rows(out, d.BT, d.C);
 }
 
 template <typename floatX>
 inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.num_parameters); }
+
+// GPT-2's layer, backward: the forward's calls in reverse. The scratch's dresidual carries the gradient of the
+// residual stream: each branch reads it and adds its input gradient back (the residual add passes gradient to
+// both of its inputs unchanged). `residual`: the layer's input. A split backward (the zero-bubble pipeline)
+// leaves the matmuls' weight gradients to gpt_weight_grads_chunk and keeps their output gradients.
+template <typename floatX>
+inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                                const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
+                                MoERoute* route, float dloss) {
+    TensorParallel& tp = m.tp;
+    Scratch<floatX>& s = m.scratch;
+    long BT = d.BT, R = d.R, C = d.C;
+    float* ws = s.gemm;
+    floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;  // a norm output's gradient, reduced to this rank's rows
+    bool split = m.split_backward;
+    auto now = [&](floatX* grad) { return split ? nullptr : grad; };
+    floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
+    recompute_activation(m, la, d, route ? route->rows : BT);
+
+    const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    if (route) {
+        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        m.moe.backward(s.dln, expert_tensors(dw), dout, s.dfch, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2,
+                       expert_tensors(w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
+    } else {
+        if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+        matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
+        gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
+        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+    }
+    tp.reduce_rows(s.dln, dln_rows, BT, C);
+    layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
+    dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
+    matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+    m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
+    recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
+    matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
+    tp.reduce_rows(s.dln, dln_rows, BT, C);
+    layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
+}
+
+// Llama 3's layer, backward: the forward's calls in reverse, as GPT-2's. SwiGLU's output gradient (half as wide
+// as its input's) has a buffer of its own; RoPE's backward turns dq and dk back in place, so a split backward
+// keeps the gradient of qkv before RoPE for the weight-gradient step.
+template <typename floatX>
+inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                                 const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw) {
+    TensorParallel& tp = m.tp;
+    Scratch<floatX>& s = m.scratch;
+    long BT = d.BT, R = d.R, C = d.C;
+    float* ws = s.gemm;
+    floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
+    floatX* none = nullptr;
+    bool split = m.split_backward;
+    auto now = [&](floatX* grad) { return split ? nullptr : grad; };
+    floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
+    recompute_activation(m, la, d, BT);
+
+    const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+    matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
+    swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
+    recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+    matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+    tp.reduce_rows(s.dln, dln_rows, BT, C);
+    rmsnorm_backward(s.dresidual, dw[LN2W], dln_rows, la.residual2, w[LN2W], la.ln2_rstd, R, C);
+    dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
+    matmul_backward(s.datty, now(dw[ATTPROJW]), none, dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+    m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
+    rope_backward(dqkv, m.rope, (const int*)nullptr, B, d.T, d.NHl, d.KVl, d.hd);
+    recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
+    matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
+    tp.reduce_rows(s.dln, dln_rows, BT, C);
+    rmsnorm_backward(s.dresidual, dw[LN1W], dln_rows, residual, w[LN1W], la.ln1_rstd, R, C);
+}
 
 // Accumulates into the gradients the backward of chunk `chunk` for the micro-batch whose forward is in `slot`.
 // The model's last chunk starts from the loss (its forward must have had targets): dloss is the weight of
@@ -824,13 +1144,15 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, mb.device_targets, BT, V, d.Vl, dloss);
         else crossentropy_backward_inplace(a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
         ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp)), demb = unit_grads(m, embedding_unit(Lp));
-        matmul_backward(s.dln, demb[WTE], (floatX*)nullptr, a.logits, a.lnf, emb[WTE], BT, C, d.Vl, ws);
+        int cls = classifier_tensor(c);
+        matmul_backward(s.dln, demb[cls], (floatX*)nullptr, a.logits, a.lnf, emb[cls], BT, C, d.Vl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         device_zero<floatX>(s.dresidual, R * C);
         const floatX* last_residual = layer_slice(a, n - 1, d, m.recompute, m.split_backward).residual3;
         ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
-        layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
-                           a.lnf_rstd, R, C);
+        if (c.llama()) rmsnorm_backward(s.dresidual, dfin[LNFW], dln_rows, last_residual, fin[LNFW], a.lnf_rstd, R, C);
+        else layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
+                                a.lnf_rstd, R, C);
     } else {
         device_copy<floatX>(s.dresidual, gpt_chunk_output(m, slot, chunk), R * C);
     }
@@ -845,40 +1167,15 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         const floatX* residual = i == 0 ? a.encoded : layer_slice(a, i - 1, d, m.recompute, m.split_backward).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        recompute_gelu(m, la, d, c.moe() ? mb.routes[i].rows : BT);
-        // a split backward leaves the matmuls' weight gradients for later and keeps their output gradients
-        auto now = [&](floatX* grad) { return split ? nullptr : grad; };
-        floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
-
-        const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
-        if (c.moe()) {
-            recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            m.moe.backward(s.dln, expert_tensors(dw), dout, s.dfch, mb.routes[i], la.moe_in, la.fch, la.fch_gelu,
-                           la.moe_out, la.ln2, expert_tensors(w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
-        } else {
-            if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-            matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_gelu, w[FCPROJW], BT, d.Hl, C, ws);
-            gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
-            recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
-        }
-        tp.reduce_rows(s.dln, dln_rows, BT, C);
-        layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
-        dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
-        if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
-        matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
-        cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, s.attention);
-        recompute_layernorm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-        matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
-        tp.reduce_rows(s.dln, dln_rows, BT, C);
-        layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
+        if (c.llama()) llama_layer_backward(m, d, B, la, residual, w, dw);
+        else gpt2_layer_backward(m, d, B, la, residual, w, dw, c.moe() ? &mb.routes[i] : nullptr, dloss);
         done(unit);
     }
     if (part.starts_model(chunk)) {
         ParamViews<floatX> demb = unit_grads(m, embedding_unit(Lp));
-        tp.embedding_backward(demb[WTE], cp.position_grads_begin(demb[WPE], C), s.dresidual, s.whole, mb.device_inputs,
-                              B, d.T, C, d.Vl);
-        cp.position_grads_end(demb[WPE], C);
+        floatX* dpositions = c.llama() ? nullptr : cp.position_grads_begin(demb[WPE], C);
+        tp.embedding_backward(demb[WTE], dpositions, s.dresidual, s.whole, mb.device_inputs, B, d.T, C, d.Vl);
+        if (dpositions) cp.position_grads_end(demb[WPE], C);
     }
     // the embeddings' unit goes with the part's first chunk, whose backward of a micro-batch comes last: on the
     // last stage its wte gradient, the classifier's, is complete by then too (empty on the middle stages)
@@ -888,7 +1185,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
 }
 
 // The weight gradients a split backward of chunk `chunk` left for later (the W step of the zero-bubble
-// pipeline): the four matmuls of each of its layers, from the output gradients backward kept and the inputs
+// pipeline): the four matmuls of each of its layers (the same for both architectures; Llama's biases are null), from the output gradients backward kept and the inputs
 // forward kept (computed again where -r does not keep them). The units' gradients are complete after it. With
 // experts it is attention's two: an expert's matmuls see a different number of rows in every micro-batch, and
 // backward takes their weight gradients at once rather than keep their output gradients.
@@ -914,15 +1211,15 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
         if (!m.config.moe()) {
-            recompute_gelu(m, la, d, BT);
-            matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_gelu, w[FCPROJW], BT, d.Hl, C,
+            recompute_activation(m, la, d, BT);
+            matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_act, w[FCPROJW], BT, d.Hl, C,
                             ws);
-            recompute_layernorm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.Hl, ws);
+            recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+            matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
         }
         matmul_backward((floatX*)nullptr, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
-        recompute_layernorm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-        matmul_backward((floatX*)nullptr, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, 3 * d.Cl, ws);
+        recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
+        matmul_backward((floatX*)nullptr, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
         done(unit);
     }
     if (chunk == 0) done(embedding_unit(Lp));

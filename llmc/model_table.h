@@ -25,16 +25,43 @@
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
+// the architectures (a table and a layer body each): GPT-2, and Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query
+// attention, an untied classifier, no biases, no position table)
+enum class Arch { GPT2, Llama3 };
+
 struct GPTConfig {
+    Arch arch = Arch::GPT2;
     int max_seq_len = 1024;
     int vocab_size = 50257;
-    int padded_vocab_size = 50304;  // vocab rounded up to a multiple of 128
+    int padded_vocab_size = 50304;  // vocab rounded up to a multiple of 128 (Llama: not padded)
     int num_layers = 12;
     int num_heads = 12;
+    int num_kv_heads = 0;  // key/value heads under grouped-query attention; 0: one per query head (GPT-2)
     int channels = 768;
     int num_experts = 1;  // E experts in every layer's MLP, top_k of them per token (llmc/moe.cuh); 1 and 1: dense
     int top_k = 1;
+    // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
+    // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and whether Llama 3.1's frequency scaling
+    // applies, and the version the file names
+    int multiple_of = 256;
+    float ffn_dim_multiplier = 0.0f;
+    float norm_eps = 1e-5f;
+    float rope_theta = 500000.0f;
+    bool scaled_rope = false;
+    int version_major = 3, version_minor = 1;
+
     bool moe() const { return num_experts > 1; }
+    bool llama() const { return arch == Arch::Llama3; }
+    int kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+    int head_size() const { return channels / num_heads; }
+    // the MLP's hidden units: 4C for GPT-2; for Llama Meta's: 2/3 of 4C, times ffn_dim_multiplier, rounded up
+    // to a multiple of multiple_of (Llama 3 8B: 4096 channels, 1.3 and 1024 give 14336)
+    int hidden() const {
+        if (!llama()) return 4 * channels;
+        long h = (long)(2.0 * (4L * channels) / 3);
+        if (ffn_dim_multiplier > 0) h = (long)((double)ffn_dim_multiplier * h);
+        return (int)((h + multiple_of - 1) / multiple_of * multiple_of);
+    }
 };
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
@@ -77,7 +104,7 @@ inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_l
 
 // The tensors in the order of llm.c's files: its 16, and the router's weight before the MLP's (empty in a dense
 // model, whose buffers are then llm.c's). With experts each MLP tensor stacks the experts of a layer (layer
-// first, then expert).
+// first, then expert). Llama keeps its lm_head in wpe's slot, as llm.c's Llama 3 files do.
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
                    FCPROJB, LNFW, LNFB, NUM_PARAM_TENSORS };
 
@@ -97,28 +124,30 @@ struct TensorSpec {
     bool decayed;           // AdamW's weight decay applies (the 2-D weights)
     bool sequence_partial;  // under sp, a rank's gradient sums its rows only
     Init init;
+    size_t file_rows = 0;  // absent here (no rows) but in the model file as zeros: llm.c's Llama 3 files keep GPT-2's
+                           // bias slots
 
     size_t rows() const { return parts[0] + parts[1] + parts[2]; }
     size_t block() const { return rows() * cols; }  // one layer's (and expert's) elements in the whole model
-    // ... and on one rank of a tensor-parallel group of tp ranks
-    size_t block(int tp) const {
+    // ... and on one rank of a tensor-parallel group of tp ranks: its rows and its block
+    size_t local_rows(int tp) const {
         switch (split) {
-            case TPSplit::Column: return (parts[0] / tp + parts[1] / tp + parts[2] / tp) * cols;
-            case TPSplit::Row: return rows() * (cols / tp);
-            case TPSplit::Vocab: return (size_t)TensorParallel::vocab_rows((int)rows(), tp) * cols;
-            default: return block();
+            case TPSplit::Column: return parts[0] / tp + parts[1] / tp + parts[2] / tp;
+            case TPSplit::Vocab: return (size_t)TensorParallel::vocab_rows((int)rows(), tp);
+            default: return rows();
         }
     }
+    size_t block(int tp) const { return local_rows(tp) * (split == TPSplit::Row ? cols / tp : cols); }
 };
 using ModelTable = std::array<TensorSpec, NUM_PARAM_TENSORS>;
 
 // GPT-2: learned positions, layernorms with biases, biases on every matmul but the classifier, a 4C MLP with
 // GELU, and the classifier tied to wte
-inline ModelTable model_table(const GPTConfig& c) {
+inline ModelTable gpt2_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, final_norm = Holder::FinalNorm;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
-    size_t C = c.channels, Vp = c.padded_vocab_size, H = 4 * C, router = c.moe() ? c.num_experts : 0;
+    size_t C = c.channels, Vp = c.padded_vocab_size, H = c.hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true, partial = true;
     return {{
         // name       holder      experts   rows           cols split   AdamW     sp grad   init
@@ -141,6 +170,45 @@ inline ModelTable model_table(const GPTConfig& c) {
         {"lnfb",     final_norm, !expert, {C},          1,   rep,    !decay, partial,  zeros},
     }};
 }
+
+// Llama 3: no position table, RMSNorm without biases, no biases anywhere, grouped-query attention (NH query
+// heads and KV key/value heads of hd channels, so qkvw has NH·hd + 2·KV·hd rows), SwiGLU's two input matrices
+// c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and an untied classifier, lm_head, in
+// the slot of GPT-2's wpe as llm.c's Llama 3 files keep it. The bias slots are empty here; the files hold them,
+// as zeros (file_rows).
+inline ModelTable llama_table(const GPTConfig& c) {
+    const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
+    const Holder emb = Holder::Embeddings, layer = Holder::Layer, final_norm = Holder::FinalNorm;
+    const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
+    size_t C = c.channels, V = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
+    size_t H = c.hidden();
+    bool expert = true, decay = true, partial = true;
+    return {{
+        // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file
+        {"wte",      emb,        !expert, {V},        C,   vocab,  decay,  !partial, normal},
+        {"lm_head",  emb,        !expert, {V},        C,   vocab,  decay,  !partial, normal},
+        {"ln1w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
+        {"ln1b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
+        {"qkvw",     layer,      !expert, {Q, KV, KV}, C,  column, decay,  !partial, normal},
+        {"qkvb",     layer,      !expert, {0},        1,   column, !decay, !partial, zeros,   Q + 2 * KV},
+        {"attprojw", layer,      !expert, {C},        Q,   row,    decay,  !partial, residual},
+        {"attprojb", layer,      !expert, {0},        1,   rep,    !decay, !partial, zeros,   C},
+        {"ln2w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
+        {"ln2b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
+        {"routerw",  layer,      !expert, {0},        C,   rep,    decay,  !partial, normal},
+        {"fcw",      layer,      expert,  {H, H},     C,   column, decay,  !partial, normal},
+        {"fcb",      layer,      expert,  {0},        1,   column, !decay, !partial, zeros,   2 * H},
+        {"fcprojw",  layer,      expert,  {C},        H,   row,    decay,  !partial, residual},
+        {"fcprojb",  layer,      expert,  {0},        1,   rep,    !decay, !partial, zeros,   C},
+        {"lnfw",     final_norm, !expert, {C},        1,   rep,    !decay, partial,  ones},
+        {"lnfb",     final_norm, !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
+    }};
+}
+
+inline ModelTable model_table(const GPTConfig& c) { return c.llama() ? llama_table(c) : gpt2_table(c); }
+
+// the tensor the classifier multiplies by: GPT-2's is the token embedding (tied), Llama's its own lm_head
+inline int classifier_tensor(const GPTConfig& c) { return c.llama() ? WPE : WTE; }
 
 inline const char* param_tensor_name(const GPTConfig& c, int tensor) { return model_table(c)[tensor].name; }
 

@@ -14,12 +14,15 @@
 #include "llmc/schedule.h"
 #include "llmc/utils.h"
 
+// the tokenizer that decodes samples unless --tokenizer names another: GPT-2's, which make train prepares
+constexpr const char* DEFAULT_TOKENIZER = "data/gpt2_tokenizer.bin";
+
 struct Options {
     std::string train_pattern = "data/sotu/train.bin";  // -i
     std::string val_pattern = "data/sotu/val.bin";      // -j
     std::string model = "d12";                          // -e: a model file or a descriptor
     std::string out_dir;                                // -o
-    std::string tokenizer = "data/gpt2_tokenizer.bin";  // --tokenizer
+    std::string tokenizer;                              // --tokenizer: empty is GPT-2's, DEFAULT_TOKENIZER
     std::string device;                                 // --device: "" picks the best available
     std::string attention = "mma";                      // --attention: the GPU's attention kernels
     int B = 4;                                          // -b

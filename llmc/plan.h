@@ -165,15 +165,18 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     size_t slots = planned_in_flight(par.pp, par.accumulation);
     p.bytes[MEM_ACTIVATIONS] = slots * (chunk * kept.per_layer + kept.edges + (gpu ? F * 2 * BT : 0)) + kept.recomputed +
                                X * (ring ? T * C : 0) + F * (ring && gpu ? T : 0);
-    // Backward's activation gradients, reused by every layer: the residual stream (R·C), a layernorm input
-    // (BT·C), qkv (3·BT·Cl), attention output (BT·Cl) and MLP hidden (mlp_rows·Hl); T floats per thread for
-    // attention; the GEMM's packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece
-    // for the all-reduce (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C).
-    // On the GPU the kernels' shared scratch replaces the last two.
-    size_t scratch = R * C + BT * C + 3 * BT * Cl + BT * Cl + mlp_rows * Hl;
+    // Backward's activation gradients, reused by every layer: the residual stream (R·C), a norm input (BT·C),
+    // qkv (BT·QKVl: 3·BT·Cl for GPT-2), attention output (BT·Cl), the MLP's first matmul's output
+    // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl); T floats per thread for attention; the GEMM's
+    // packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the all-reduce
+    // (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C). On the GPU the
+    // kernels' shared scratch replaces the last two. Llama's RoPE table: maxT·hd fp32 (cos and sin per position
+    // and frequency).
+    size_t scratch = R * C + BT * C + BT * d.QKVl + BT * Cl + mlp_rows * d.FCl + (d.FCl != d.Hl ? mlp_rows * Hl : 0);
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
+    if (c.llama()) kernels += (size_t)c.max_seq_len * d.hd;
     // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Cl, storage type) and three fp32
     // dK/dV accumulators of the same size, counted as comm buffers; in fp32 scratch the running output or dQ
     // (BT·Cl), one block's output and log-sum-exps (B·T/2 rows: B·T/2·Cl and NH/t·B·T/2) and D (NH/t·BT); and

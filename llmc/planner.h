@@ -101,8 +101,8 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
     ParallelPlan par = parallel_plan(o, dp, accumulation);
     printf("%s\n", device.c_str());
     size_t psi = num_parameters(config);
-    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s: %zu parameters\n", config.num_layers, config.channels,
-           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len,
+    printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s%s: %zu parameters\n", config.num_layers, config.channels,
+           config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, llama_shape(config).c_str(),
            config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);
     printf(
         "layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
@@ -275,9 +275,9 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
     std::vector<SearchCandidate> found = search_layouts(o, config, dev, hw, per_node, refused, too_big);
     size_t considered = found.size() + too_big;
     for (auto& [flag, n] : refused) considered += n;
-    printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s, -t %d -d %ld, %s\n", o.search_gpus,
+    printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s%s, -t %d -d %ld, %s\n", o.search_gpus,
            per_node, hw.name.c_str(), hw_path.c_str(), config.num_layers, config.channels, config.num_heads,
-           config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", o.T, o.total_batch,
+           llama_shape(config).c_str(), config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", o.T, o.total_batch,
            dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu");
     printf("layouts considered: %zu; fit: %zu; do not fit in %.1f GiB: %d; refused by the trainer: %zu\n", considered,
            found.size(), hw.memory_gib, too_big, considered - found.size() - too_big);

@@ -367,7 +367,8 @@ struct TensorParallel {
         long BT = (long)B * T;
         masked_lookup(partial, tokens, wte, BT, C, (long)spec.rank * Vl, Vl);
         reduce_rows(partial, out, BT, C);
-        add_positions(out, spec.sp ? out : partial, wpe, rows(BT), first_row(BT), T, C);
+        if (wpe) add_positions(out, spec.sp ? out : partial, wpe, rows(BT), first_row(BT), T, C);
+        else if (!spec.sp) device_copy<floatX>(out, partial, BT * C);  // no position table (Llama): the sum itself
     }
 
     // dwte (this rank's vocab rows) and dwpe accumulate; dout is this rank's rows, whole scratch BT×C
@@ -377,7 +378,7 @@ struct TensorParallel {
         if (!on()) return encoder_backward(dwte, dwpe, dout, tokens, B, T, C, Vl);
         long BT = (long)B * T;
         // wpe: from this rank's rows (under sp a partial sum, completed before the dp reduction)
-        position_grads(dwpe, dout, rows(BT), first_row(BT), T, C);
+        if (dwpe) position_grads(dwpe, dout, rows(BT), first_row(BT), T, C);
         const floatX* d = row_parallel_dout(dout, whole, BT, C);
         masked_embedding_grads(dwte, d, tokens, BT, C, (long)spec.rank * Vl, Vl);
     }

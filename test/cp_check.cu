@@ -55,8 +55,8 @@ int main() {
         for (float& x : dout) x = rng.normal(0.0f, 1.0f);
         std::vector<float> out(dout.size()), att((size_t)B * NH * T * T), dqkv(qkv.size()), lse((size_t)B * NH * T);
         std::vector<float> scratch((size_t)omp_get_max_threads() * T);
-        attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
-        attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
+        attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, NH);
+        attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, NH, scratch.data());
         for (int b = 0; b < B; b++)
             for (int h = 0; h < NH; h++)
                 for (int t = 0; t < T; t++) {

@@ -125,7 +125,7 @@ TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference", "[
     };
     for (Shape s : {Shape{2, 42, 128, 2}, Shape{1, 30, 96, 3}}) {  // head sizes 64 and 32
         INFO("B=" << s.B << " T=" << s.T << " C=" << s.C << " NH=" << s.NH);
-        AttentionCase k(s.B, s.T, s.C, s.NH, 15);
+        AttentionCase k(s.B, s.T, s.C, s.NH, s.NH, 15);
         Comm self;
         CPLayout l = cp_layout(s.T, 1, 0, CPSplit::ZigZag);
         auto close = [](const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {

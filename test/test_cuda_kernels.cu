@@ -82,9 +82,10 @@ void check_matmul(long N, long C, long OC) {
     require_close("matmul dbias", download(k.d_db), k.dbias, 2e-2);
 }
 
-// the mma.sync kernels, or the wgmma ones (hopper)
-void check_attention(int B, int T, int C, int NH, bool hopper = false) {
-    AttentionCase k(B, T, C, NH, 14);
+// the mma.sync kernels, or the wgmma ones (hopper); NH query heads over KV key/value heads
+void check_attention(int B, int T, int C, int NH, int KV, bool hopper = false) {
+    INFO("attention B=" << B << " T=" << T << " hs=" << C / NH << " NH=" << NH << " KV=" << KV);
+    AttentionCase k(B, T, C, NH, KV, 14);
     auto forward = [&] { hopper ? k.gpu_forward_hopper() : k.gpu_forward(); };
     auto backward = [&] { hopper ? k.gpu_backward_hopper() : k.gpu_backward(); };
     forward();
@@ -453,22 +454,34 @@ TEST_CASE("CUDA cuBLASLt matmul forward (bias, GELU) and backward match the CPU"
     check_matmul(100, 72, 40);
 }
 
-TEST_CASE("CUDA flash attention forward and deterministic backward match the CPU for head sizes 64 and 128",
+// Grouped-query shapes: 8 query heads over 2 key/value heads (groups of 4) and over 1 (multi-query), so that a
+// wrong key/value head, a group's dK/dV contributions lost or counted twice, or a walk that stops at the first
+// query head of a group shows against the CPU; T crosses tile and block boundaries.
+TEST_CASE("CUDA flash attention forward and deterministic backward match the CPU for head sizes 64 and 128, "
+          "multi-head and grouped-query",
           "[cuda]") {
     SKIP_WITHOUT_GPU_CASE();
-    check_attention(2, 64, 128, 2);   // hs 64, one tile
-    check_attention(1, 77, 256, 2);   // hs 128, T not a multiple of the tile
-    check_attention(2, 200, 192, 3);  // hs 64, several tiles and a ragged last one
+    check_attention(2, 64, 128, 2, 2);    // hs 64, one tile
+    check_attention(1, 77, 256, 2, 2);    // hs 128, T not a multiple of the tile
+    check_attention(2, 200, 192, 3, 3);   // hs 64, several tiles and a ragged last one
+    check_attention(2, 200, 512, 8, 2);   // hs 64, groups of 4
+    check_attention(1, 77, 512, 8, 1);    // hs 64, multi-query
+    check_attention(1, 150, 1024, 8, 2);  // hs 128, groups of 4, ragged
+    check_attention(2, 64, 1024, 8, 1);   // hs 128, multi-query, one tile
 }
 
 TEST_CASE("CUDA wgmma flash attention (Hopper) forward and deterministic backward match the CPU for head sizes 64 "
-          "and 128",
+          "and 128, multi-head and grouped-query",
           "[cuda]") {
     SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
-    check_attention(2, 64, 128, 2, true);    // hs 64, less than one block
-    check_attention(1, 77, 256, 2, true);    // hs 128, T not a multiple of the tile
-    check_attention(2, 200, 192, 3, true);   // hs 64, two blocks, the second ragged
-    check_attention(1, 333, 1024, 8, true);  // hs 128, three blocks and a ragged last tile
+    check_attention(2, 64, 128, 2, 2, true);    // hs 64, less than one block
+    check_attention(1, 77, 256, 2, 2, true);    // hs 128, T not a multiple of the tile
+    check_attention(2, 200, 192, 3, 3, true);   // hs 64, two blocks, the second ragged
+    check_attention(1, 333, 1024, 8, 8, true);  // hs 128, three blocks and a ragged last tile
+    check_attention(2, 200, 512, 8, 2, true);   // hs 64, groups of 4, two blocks
+    check_attention(1, 77, 512, 8, 1, true);    // hs 64, multi-query
+    check_attention(1, 333, 1024, 8, 2, true);  // hs 128, groups of 4, three blocks
+    check_attention(2, 64, 1024, 8, 1, true);   // hs 128, multi-query, less than one block
 }
 
 TEST_CASE("CUDA GELU forward and backward match the CPU", "[cuda]") {
@@ -518,6 +531,11 @@ TEST_CASE("CUDA entry points refuse shapes and pointers their 16-byte accesses c
                         Catch::Contains("C = 12"));
     REQUIRE_THROWS_WITH(crossentropy_forward_cuda(stats, aligned, nullptr, 4, 77, 100, 0),
                         Catch::Contains("Vp = 100"));
+    // 8 query heads do not split into groups over 3 key/value heads
+    REQUIRE_THROWS_WITH(attention_forward_cuda(aligned, stats, aligned, 1, 4, 512, 8, 3, 0),
+                        Catch::Contains("NH % KV != 0"));
+    REQUIRE_THROWS_WITH(attention_backward_cuda(aligned, aligned, aligned, aligned, stats, stats, 1, 4, 512, 8, 3, 0),
+                        Catch::Contains("NH % KV != 0"));
 }
 
 }  // namespace test_cuda_kernels

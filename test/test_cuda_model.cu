@@ -25,6 +25,9 @@ double relative_l2(const float* a, const float* b, size_t n) {
 
 const char* DENSE_MODEL = "d2c128h2t64v1000";  // head size 64, as the GPU kernels need
 const char* MOE_MODEL = "d2c128h2t64v1000e4k2";  // ... with 4 experts in each MLP, top-2
+// a Llama of the same size: two query heads sharing one key/value head, 344 hidden units (a multiple of 8, as
+// SwiGLU's kernels need), the vocab unpadded
+const char* LLAMA_MODEL = "l2c128h2g1f344t64v1000";
 
 struct Pair {
     GPTConfig config;
@@ -129,6 +132,22 @@ TEST_CASE("GPU model on the wgmma attention (Hopper): step 0 and 20 AdamW steps 
     WgmmaAttention on;
     check_step_zero(DENSE_MODEL, 5e-2);
     check_training(DENSE_MODEL);
+}
+
+TEST_CASE("GPU Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): loss, logits and every gradient against the "
+          "CPU model at step 0, and 20 AdamW steps of 2 micro-steps",
+          "[cuda][model][llama]") {
+    SKIP_WITHOUT_GPU_CASE();
+    check_step_zero(LLAMA_MODEL, 5e-2);
+    check_training(LLAMA_MODEL);
+}
+
+TEST_CASE("GPU Llama on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",
+          "[cuda][model][llama][wgmma]") {
+    SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
+    WgmmaAttention on;
+    check_step_zero(LLAMA_MODEL, 5e-2);
+    check_training(LLAMA_MODEL);
 }
 
 TEST_CASE("GPU model with experts (E=4, K=2): loss, logits and every gradient against the CPU model at step 0",

@@ -421,7 +421,7 @@ TEST_CASE("attention backward matches finite differences and overwrites dqkv", "
     std::vector<float> qkv = random_vector(BT * 3 * C, rng), w = random_vector(BT * C, rng);
     std::vector<float> out(BT * C), att((size_t)B * NH * T * T, NaN);
     auto f = [&]() {
-        attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+        attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, NH);
         return weighted_sum(w, out);
     };
 
@@ -461,7 +461,7 @@ TEST_CASE("attention backward matches finite differences and overwrites dqkv", "
 
     std::vector<float> scratch((size_t)omp_get_max_threads() * T);
     std::vector<float> dqkv(qkv.size(), NaN);  // overwritten
-    attention_backward(dqkv.data(), w.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
+    attention_backward(dqkv.data(), w.data(), qkv.data(), att.data(), B, T, C, NH, NH, scratch.data());
     double e_qkv = gradient_error(qkv, dqkv, 1e-2f, f);
     CHECK(e_qkv < 5e-3);
     // the first query attends only to itself, so its q gets no gradient
@@ -470,8 +470,96 @@ TEST_CASE("attention backward matches finite differences and overwrites dqkv", "
 
     std::vector<float> dqkv2 = random_vector(qkv.size(), rng);
     f();
-    attention_backward(dqkv2.data(), w.data(), qkv.data(), att.data(), B, T, C, NH, scratch.data());
+    attention_backward(dqkv2.data(), w.data(), qkv.data(), att.data(), B, T, C, NH, NH, scratch.data());
     CHECK(memcmp(dqkv2.data(), dqkv.data(), dqkv.size() * sizeof(float)) == 0);
+}
+
+// Grouped-query attention (NH query heads over KV key/value heads, qkv rows (NH + 2·KV)·hs wide) against
+// multi-head attention on a qkv whose key and value slots of query head h hold copies of key/value head
+// h / (NH/KV). The forward (out and att) and dQ must be the same bits: the same float operations in the same order.
+// dK and dV of a key/value head must equal the sum of its repeated heads' dK and dV to fp32 rounding (GQA adds
+// the group's heads in one running sum, the reference per head and then in double): within 1e-5 of the largest.
+// With KV = NH the two runs are one, to the bit.
+TEST_CASE("grouped-query attention equals multi-head attention on explicitly repeated keys and values", "[layers]") {
+    const int B = 2, T = 7, NH = 6, hs = 8, C = NH * hs;
+    const long BT = (long)B * T;
+    for (int KV : {2, 1, NH}) {
+        INFO("NH=" << NH << " KV=" << KV);
+        const int group = NH / KV;
+        const long W = attention_qkv_width(C, NH, KV);
+        REQUIRE(W == (NH + 2 * KV) * hs);
+        Rng rng(20 + KV);
+        std::vector<float> qkv = random_vector(BT * W, rng), dout = random_vector(BT * C, rng);
+        // where element i of query head h's k (part 1) or v (part 2) lies among the 2·KV·hs key and value
+        // channels after the C query channels of a GQA row
+        auto kv_offset = [&](int part, int h, int i) { return ((part - 1) * KV + h / group) * hs + i; };
+        std::vector<float> repeated(BT * 3 * C);
+        for (long n = 0; n < BT; n++)
+            for (int h = 0; h < NH; h++)
+                for (int i = 0; i < hs; i++) {
+                    repeated[n * 3 * C + h * hs + i] = qkv[n * W + h * hs + i];
+                    for (int part = 1; part < 3; part++)
+                        repeated[(n * 3 + part) * C + h * hs + i] = qkv[n * W + C + kv_offset(part, h, i)];
+                }
+
+        std::vector<float> out(BT * C, NaN), att((size_t)B * NH * T * T, NaN), out_mha = out, att_mha = att;
+        attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, KV);
+        attention_forward(out_mha.data(), att_mha.data(), repeated.data(), B, T, C, NH, NH);
+        CHECK(memcmp(out.data(), out_mha.data(), out.size() * sizeof(float)) == 0);
+        CHECK(memcmp(att.data(), att_mha.data(), att.size() * sizeof(float)) == 0);
+
+        std::vector<float> scratch((size_t)omp_get_max_threads() * T);
+        std::vector<float> dqkv(qkv.size(), NaN), dqkv_mha(repeated.size(), NaN);  // overwritten
+        attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, KV, scratch.data());
+        attention_backward(dqkv_mha.data(), dout.data(), repeated.data(), att_mha.data(), B, T, C, NH, NH,
+                           scratch.data());
+        bool dq_same = true;
+        double largest = 0.0, worst = 0.0;
+        for (long n = 0; n < BT; n++) {
+            std::vector<double> summed(2 * KV * hs, 0.0);  // row n's repeated dK and dV, summed per group
+            for (int h = 0; h < NH; h++)
+                for (int i = 0; i < hs; i++) {
+                    dq_same = dq_same && dqkv[n * W + h * hs + i] == dqkv_mha[n * 3 * C + h * hs + i];
+                    for (int part = 1; part < 3; part++)
+                        summed[kv_offset(part, h, i)] += dqkv_mha[(n * 3 + part) * C + h * hs + i];
+                }
+            for (int j = 0; j < 2 * KV * hs; j++) {
+                largest = std::max(largest, fabs(summed[j]));
+                double e = fabs(dqkv[n * W + C + j] - summed[j]);
+                if (!(e <= worst)) worst = e;  // a NaN (an element left unwritten) becomes the worst error
+            }
+        }
+        CHECK(dq_same);
+        REQUIRE(largest > 0.0);
+        CHECK(worst / largest < 1e-5);
+        if (KV == NH) CHECK(memcmp(dqkv.data(), dqkv_mha.data(), dqkv.size() * sizeof(float)) == 0);
+    }
+    std::vector<float> any(1);
+    REQUIRE_THROWS_WITH(attention_forward(any.data(), any.data(), any.data(), B, T, C, NH, 4),
+                        Catch::Contains("NH % KV != 0"));
+}
+
+// The GQA backward against central differences (step 1e-2) of the double objective Σ w ⊙ out, on a shape small
+// enough to perturb every input: within 5e-3 relative, as the multi-head test above. A key/value element's
+// gradient there is the whole group's, so a head left out of the sum or counted twice shows.
+TEST_CASE("grouped-query attention backward matches finite differences", "[layers]") {
+    const int B = 2, T = 5, NH = 4, hs = 3, C = NH * hs;
+    const long BT = (long)B * T;
+    for (int KV : {2, 1}) {
+        INFO("NH=" << NH << " KV=" << KV);
+        Rng rng(30 + KV);
+        std::vector<float> qkv = random_vector(BT * attention_qkv_width(C, NH, KV), rng);
+        std::vector<float> w = random_vector(BT * C, rng);
+        std::vector<float> out(BT * C), att((size_t)B * NH * T * T);
+        auto f = [&]() {
+            attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, KV);
+            return weighted_sum(w, out);
+        };
+        f();
+        std::vector<float> scratch((size_t)omp_get_max_threads() * T), dqkv(qkv.size(), NaN);  // overwritten
+        attention_backward(dqkv.data(), w.data(), qkv.data(), att.data(), B, T, C, NH, KV, scratch.data());
+        CHECK(gradient_error(qkv, dqkv, 1e-2f, f) < 5e-3);
+    }
 }
 
 TEST_CASE("cross-entropy backward matches finite differences of the mean loss and ignores padded columns",

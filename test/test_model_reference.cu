@@ -1,14 +1,15 @@
 // The CPU model against PyTorch: test/reference/make_reference.py builds a small GPT-2 of an odd shape, and
 // one whose MLPs are mixtures of experts (--moe), and records their logits, loss, every gradient and the
-// losses of 10 AdamW steps; `make test` writes them to build/reference/ and build/reference_moe/ before
-// running this.
+// losses of 10 AdamW steps; test/reference/make_llama_reference.py does the same for small Llama 3 models in
+// float64 (grouped-query, multi-query and multi-head attention; RoPE scaled and not), whose 10 steps each
+// accumulate two micro-batches. `make test` writes them under build/ before running this.
 #include "llmc/gpt.cuh"
 #include "test_helpers.h"
 
 namespace test_model_reference {
 
 struct ReferenceState {
-    int B, T, V, Vp, steps;
+    int B, T, V, Vp, steps, micro;  // micro: micro-batches per training step (B×T tokens each)
     float lr, weight_decay, grad_clip;
     float aux_weight, aux;  // with experts: the load-balancing loss's weight, and its value on the batch
     std::vector<int> inputs, targets;
@@ -32,14 +33,15 @@ ReferenceState read_state(const std::string& path, size_t num_parameters) {
     s.B = h[2], s.T = h[3], s.V = h[4], s.Vp = h[5], s.steps = h[6];
     s.lr = float_from_bits(h[7]), s.weight_decay = float_from_bits(h[8]), s.grad_clip = float_from_bits(h[9]);
     s.aux_weight = float_from_bits(h[10]), s.aux = float_from_bits(h[11]);
+    s.micro = std::max(h[12], 1);
     size_t BT = (size_t)s.B * s.T;
-    s.inputs.resize(BT);
-    s.targets.resize(BT);
+    s.inputs.resize(s.micro * BT);
+    s.targets.resize(s.micro * BT);
     s.logits.resize(BT * s.V);
     s.grads.resize(num_parameters);
     s.losses.resize(s.steps);
-    f.read(s.inputs.data(), BT * 4);
-    f.read(s.targets.data(), BT * 4);
+    f.read(s.inputs.data(), s.inputs.size() * 4);
+    f.read(s.targets.data(), s.targets.size() * 4);
     f.read(s.logits.data(), s.logits.size() * 4);
     f.read(&s.loss, 4);
     f.read(s.grads.data(), num_parameters * 4);
@@ -98,11 +100,14 @@ void check_against_pytorch(const std::string& dir) {
     }
 
     for (int step = 0; step < ref.steps; step++) {
-        float l = gpt_forward(m, ref.inputs.data(), ref.targets.data(), ref.B, ref.T);
+        gpt_zero_grad(m);
+        float l = 0.0f;
+        for (int k = 0; k < ref.micro; k++) {  // the step's mean loss, over micro-batches of B×T tokens
+            l += gpt_forward(m, &ref.inputs[k * BT], &ref.targets[k * BT], ref.B, ref.T) / ref.micro;
+            gpt_backward(m, 1.0f / (BT * ref.micro));
+        }
         INFO("step " << step << ": ours " << l << ", PyTorch " << ref.losses[step]);
         CHECK(fabs(l - ref.losses[step]) / ref.losses[step] < 1e-5);
-        gpt_zero_grad(m);
-        gpt_backward(m, 1.0f / BT);
         float scale = clip_scale(gpt_grad_norm(m), ref.grad_clip);
         gpt_update(m, ref.lr, ref.weight_decay, scale);
     }
@@ -115,6 +120,16 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
 TEST_CASE("CPU GPT-2 with experts (E=4, K=2) matches PyTorch: logits, loss, aux loss, gradients and 10 AdamW steps",
           "[model][reference][moe]") {
     check_against_pytorch("build/reference_moe");
+}
+
+TEST_CASE("CPU Llama 3 from an llm.c Llama 3 file matches a float64 PyTorch Llama: logits, loss, gradients and 10 "
+          "AdamW steps of 2 micro-batches, with grouped-query (KV=2, scaled RoPE), multi-query (KV=1, unscaled) and "
+          "multi-head (KV=NH, scaled) attention",
+          "[model][reference][llama]") {
+    for (const char* dir : {"build/reference_llama_gqa", "build/reference_llama_mqa", "build/reference_llama_mha"}) {
+        INFO(dir);
+        check_against_pytorch(dir);
+    }
 }
 
 }  // namespace test_model_reference
