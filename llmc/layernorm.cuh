@@ -196,15 +196,15 @@ constexpr int LAYERNORM_BWD_WARPS = 4;  // warps per backward block, each with i
 
 // rows per backward block, a function of N alone (so the summation order, and the bits, do not depend on the
 // GPU): about 1024 blocks to fill any GPU, and at least 16 rows each so the partial sums stay a small fraction
-// of the traffic
-inline int layernorm_backward_rows_per_block(long N) {
+// of the traffic. RMSNorm's backward (llmc/rmsnorm.cuh) blocks its rows the same way.
+inline int norm_backward_rows_per_block(long N) {
     int rows = 16;
     while (rows < 64 && (long)rows * 1024 < N) rows *= 2;
     return rows;
 }
 
 inline long layernorm_backward_scratch_floats(long N, int C) {
-    long rows = layernorm_backward_rows_per_block(N);
+    long rows = norm_backward_rows_per_block(N);
     return (N + rows - 1) / rows * 2 * (long)C;
 }
 
@@ -309,7 +309,7 @@ inline void layernorm_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, cons
                                     float* scratch, cudaStream_t stream) {
     layernorm_check_shape("layernorm_backward_cuda", C, {dinp, dout, inp, weight});
     if (N == 0) return;
-    int rows = layernorm_backward_rows_per_block(N);
+    int rows = norm_backward_rows_per_block(N);
     long blocks = (N + rows - 1) / rows;
     size_t shared_bytes = (size_t)LAYERNORM_BWD_WARPS * 2 * C * sizeof(float);
     layernorm_with_row_vectors(C, [&](auto k) {

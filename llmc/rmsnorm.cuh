@@ -67,6 +67,7 @@ inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, con
 #include <type_traits>
 
 #include "llmc/cuda_common.cuh"
+#include "llmc/layernorm.cuh"
 
 constexpr int RMSNORM_MAX_C = 16384;  // Llama 3.1 405B's width
 constexpr int RMSNORM_WARPS = 8;      // warps per block, both directions: 8 / W rows at a time
@@ -199,17 +200,9 @@ inline void fused_residual_rmsnorm_forward_cuda(bf16* residual, bf16* out, float
     });
 }
 
-// rows per backward block, a function of N alone (so the summation order, and the bits, do not depend on the
-// GPU): about 1024 blocks to fill any GPU, and at least 16 rows each so the partial sums (C floats a block) stay
-// a small fraction of the traffic (8 bytes an element)
-inline int rmsnorm_backward_rows_per_block(long N) {
-    int rows = 16;
-    while (rows < 64 && (long)rows * 1024 < N) rows *= 2;
-    return rows;
-}
-
+// the backward's partial sums: C floats for each block of norm_backward_rows_per_block rows (llmc/layernorm.cuh)
 inline long rmsnorm_backward_scratch_floats(long N, int C) {
-    long rows = rmsnorm_backward_rows_per_block(N);
+    long rows = norm_backward_rows_per_block(N);
     return (N + rows - 1) / rows * (long)C;
 }
 
@@ -326,7 +319,7 @@ inline void rmsnorm_backward_cuda(bf16* dinp, bf16* dweight, const bf16* dout, c
                                   const float* rstd, long N, int C, float* scratch, cudaStream_t stream) {
     rmsnorm_check_shape("rmsnorm_backward_cuda", C, {dinp, dout, inp, weight});
     if (N == 0) return;
-    int rows = rmsnorm_backward_rows_per_block(N);
+    int rows = norm_backward_rows_per_block(N);
     long blocks = (N + rows - 1) / rows;
     rmsnorm_with_row_layout(C, [&](auto k, auto w) {
         constexpr int K = decltype(k)::value, W = decltype(w)::value;

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <catch.hpp>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -35,6 +37,21 @@ inline std::vector<float> random_vector(size_t n, Rng& rng, float scale = 1.0f) 
     std::vector<float> v(n);
     for (auto& x : v) x = rng.normal(0.0f, scale);
     return v;
+}
+
+// the worst |after - (before + fresh)| relative to the magnitudes involved: checks that an op added its
+// gradient `fresh` (computed into zeroed buffers) onto the buffer's previous contents `before`
+inline double accumulation_error(const std::vector<float>& after, const std::vector<float>& before,
+                          const std::vector<float>& fresh) {
+    REQUIRE(after.size() == before.size());
+    REQUIRE(after.size() == fresh.size());
+    double worst = 0.0;
+    for (size_t i = 0; i < after.size(); i++) {
+        double expect = (double)before[i] + (double)fresh[i];
+        double e = fabs((double)after[i] - expect) / std::max(fabs((double)before[i]) + fabs((double)fresh[i]), 1e-6);
+        if (!(e <= worst)) worst = e;
+    }
+    return worst;
 }
 
 // largest |a-b| / max(|b|, floor) over the arrays; the floor keeps near-zero references from dominating

@@ -83,21 +83,6 @@ double gradient_error(std::vector<float>& x, const std::vector<float>& analytic,
     return worst;
 }
 
-// the worst |after - (before + fresh)| relative to the magnitudes involved: checks that an op added its
-// gradient `fresh` (computed into zeroed buffers) onto the buffer's previous contents `before`
-double accumulation_error(const std::vector<float>& after, const std::vector<float>& before,
-                          const std::vector<float>& fresh) {
-    REQUIRE(after.size() == before.size());
-    REQUIRE(after.size() == fresh.size());
-    double worst = 0.0;
-    for (size_t i = 0; i < after.size(); i++) {
-        double expect = (double)before[i] + (double)fresh[i];
-        double e = fabs((double)after[i] - expect) / std::max(fabs((double)before[i]) + fabs((double)fresh[i]), 1e-6);
-        if (!(e <= worst)) worst = e;
-    }
-    return worst;
-}
-
 bool all_finite(const std::vector<float>& v) {
     for (float x : v)
         if (!std::isfinite(x)) return false;

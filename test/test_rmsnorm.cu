@@ -98,21 +98,6 @@ Errors check_against_double(long N, int C, float eps, float scale, uint64_t seed
                   relative_error(dinp, numeric_gradient(x)), relative_error(dweight, numeric_gradient(weight))};
 }
 
-// the worst |after - (before + fresh)| relative to the magnitudes involved: checks that an op added its
-// gradient `fresh` (computed into zeroed buffers) onto the buffer's previous contents `before`
-double accumulation_error(const std::vector<float>& after, const std::vector<float>& before,
-                          const std::vector<float>& fresh) {
-    REQUIRE(after.size() == before.size());
-    REQUIRE(after.size() == fresh.size());
-    double worst = 0.0;
-    for (size_t i = 0; i < after.size(); i++) {
-        double expect = (double)before[i] + (double)fresh[i];
-        double e = fabs((double)after[i] - expect) / std::max(fabs((double)before[i]) + fabs((double)fresh[i]), 1e-6);
-        if (!(e <= worst)) worst = e;
-    }
-    return worst;
-}
-
 // fp32 against double: the forward rounds a handful of times per element (1e-6 leaves room for C = 37 terms of
 // Σx²); the backward's error is fp32's, the finite differences' ~1e-10, so 1e-4 is loose for a right formula and
 // far too tight for a wrong one (a missing s² term is off by tens of percent at these row scales)
