@@ -13,9 +13,11 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe resume nccl plan bench, in this order [all]
+#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe llama resume nccl plan bench, in this
+#               order                                                                                  [all]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
-#               determinism, mpi): a test of this script's plumbing on a machine without a GPU        [cuda]
+#               determinism, mpi; llama: its PyTorch comparison): a test of this script's plumbing on a
+#               machine without a GPU                                                                  [cuda]
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
 #   ENV_SCRIPT  sourced first (MPI, Catch2, NCCL paths)                    [.devdeps/env.sh when present]
 #   PREBUILT    1: binaries built elsewhere and newer than their sources are used as they are          [0]
@@ -25,11 +27,14 @@
 #   PYTHON      an interpreter with torch                        [python3, else /usr/bin/python3 if it has torch]
 #   DATA, VAL   token shards for every run                          [data/sotu/train.bin, data/sotu/val.bin]
 #   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe, resume and nccl
-#   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
 #                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
+#   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
 #   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
 #               initialization), batch, steps, constant lr, largest |loss difference|
 #                                              [cuda: 12:768:12, 4, 1024, 10, 3e-4, 0.05; cpu: 2:128:2, 4, 64, 1e-4]
+#   LLAMA_SHAPE the llama phase's Llama 3 file against PyTorch: L:C:NH:KV:H (KV key/value heads, H the MLP's
+#               hidden size; RoPE θ 500000 with Llama 3.1's scaling; the other PT_ values as the pytorch
+#               phase's)                                       [cuda: 4:256:4:2:688; cpu: 2:128:4:2:344]
 #   MPI_TOL     largest relative loss difference of a 2-rank layout from the single-rank run
 #               (bf16 sums in another order; fp32 on the cpu: the equivalence principle's 1e-5)  [cuda 2e-2; cpu 1e-5]
 #   NCCL_TOL    the same for one rank over NCCL (the same arithmetic as without it)                  [0]
@@ -39,6 +44,7 @@
 #   STEP_TOL    largest relative difference of --plan's predicted step (dev/hardware/h100.txt) from the
 #               measured median step of the same run                                                     [0.25]
 #   BENCH_PHASES  the phases of dev/bench/gpu_bench.sh the bench phase runs     [llm5d llmc pytorch profile]
+#   TRAIN_GPT   the train_gpt every run uses                                  [./train_gpt, the build phase's]
 #   WORK        scratch for model files, checkpoints and run directories       [LOGDIR/work, removed at the
 #               end unless KEEP_WORK=1; it holds model files of GPT-2 size]
 
@@ -51,7 +57,7 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe resume nccl plan bench"
+ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe llama resume nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
@@ -71,11 +77,13 @@ if [[ $DEVICE == cuda ]]; then
     PT_SHAPE=${PT_SHAPE:-12:768:12} PT_B=${PT_B:-4} PT_T=${PT_T:-1024} PT_TOL=${PT_TOL:-0.05}
     MPI_TOL=${MPI_TOL:-2e-2}
     MOE_MODEL=${MOE_MODEL:-d6c384h6e8k2}
+    LLAMA_SHAPE=${LLAMA_SHAPE:-4:256:4:2:688}
 elif [[ $DEVICE == cpu ]]; then
     CHECK_MODEL=${CHECK_MODEL:-d4c128h2} CHECK_B=${CHECK_B:-2} CHECK_T=${CHECK_T:-64} CHECK_STEPS=${CHECK_STEPS:-10}
     PT_SHAPE=${PT_SHAPE:-2:128:2} PT_B=${PT_B:-4} PT_T=${PT_T:-64} PT_TOL=${PT_TOL:-1e-4}
     MPI_TOL=${MPI_TOL:-1e-5}
     MOE_MODEL=${MOE_MODEL:-d4c128h2e4k2}
+    LLAMA_SHAPE=${LLAMA_SHAPE:-2:128:4:2:344}
 else
     echo "verify: DEVICE must be cuda or cpu (got '$DEVICE')" >&2; exit 2
 fi
@@ -88,6 +96,8 @@ for n in TIMEOUT JOBS CHECK_B CHECK_T CHECK_STEPS PT_B PT_T PT_STEPS; do
     [[ ${!n} =~ ^[0-9]+$ && ${!n} -ge 1 ]] || { echo "verify: $n must be a positive integer (got '${!n}')" >&2; exit 2; }
 done
 [[ $PT_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || { echo "verify: PT_SHAPE must be L:C:NH (got '$PT_SHAPE')" >&2; exit 2; }
+[[ $LLAMA_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+):([0-9]+):([0-9]+)$ ]] ||
+    { echo "verify: LLAMA_SHAPE must be L:C:NH:KV:H (got '$LLAMA_SHAPE')" >&2; exit 2; }
 
 if [[ -n ${ENV_SCRIPT:-} ]]; then
     [[ -f $ENV_SCRIPT ]] || { echo "verify: ENV_SCRIPT=$ENV_SCRIPT: no such file" >&2; exit 2; }
@@ -214,21 +224,27 @@ within() { awk -v d="$1" -v t="$2" 'BEGIN { exit !(d != "inf" && d + 0 <= t + 0)
 device_of() { run_output | grep -m 1 -E '^device'; }
 ran_on_device() { [[ $DEVICE == cpu || $(device_of) == "device: cuda"* ]]; }
 
-TRAIN_GPT=./train_gpt
+TRAIN_GPT=${TRAIN_GPT:-./train_gpt}
 # train_gpt for the checks: --device, data, no validation or samples
 train() { run "$TRAIN_GPT" --device "$DEVICE" -i "$DATA" -j "$VAL" -v 0 -s 0 "$@"; }
 MPIRUN=(mpirun --oversubscribe --bind-to none -np 2)
 # on the cpu the two ranks share the cores: one thread each, as the distributed tests run
 [[ $DEVICE == cpu ]] && MPIRUN=(env OMP_NUM_THREADS=1 "${MPIRUN[@]}")
 
-# needs_gpu: SKIPs the phase (true) when it needs a GPU that is not there, or a device other than cuda
+# needs_gpu [CHECK]: SKIPs the phase, or its CHECK, (true) when it needs a GPU that is not there, or a device
+# other than cuda
 needs_gpu() {
-    if [[ $DEVICE != cuda ]]; then result SKIP "$PHASE" "the GPU phase" "(DEVICE=$DEVICE)"; return 0; fi
-    if (( !HAVE_GPU )); then result SKIP "$PHASE" "the GPU phase" "(no GPU: nvidia-smi found none)"; return 0; fi
+    local check=${1:-the GPU phase}
+    if [[ $DEVICE != cuda ]]; then result SKIP "$PHASE" "$check" "(DEVICE=$DEVICE)"; return 0; fi
+    if (( !HAVE_GPU )); then result SKIP "$PHASE" "$check" "(no GPU: nvidia-smi found none)"; return 0; fi
     return 1
 }
+# needs_device [CHECK]: the same for a phase, or its CHECK, that runs on DEVICE, and FAILs it when train_gpt or
+# the data are missing
 needs_device() {
-    if [[ $DEVICE == cuda ]] && (( !HAVE_GPU )); then result SKIP "$PHASE" "the GPU phase" "(no GPU: nvidia-smi found none)"; return 0; fi
+    if [[ $DEVICE == cuda ]] && (( !HAVE_GPU )); then
+        result SKIP "$PHASE" "${1:-the GPU phase}" "(no GPU: nvidia-smi found none)"; return 0
+    fi
     if [[ ! -x $TRAIN_GPT ]]; then result FAIL "$PHASE" "train_gpt" "(not built: add the build phase)"; return 0; fi
     if [[ ! -f $DATA ]]; then result FAIL "$PHASE" "data" "($DATA missing: make data, and take data/ along)"; return 0; fi
     return 1
@@ -249,6 +265,34 @@ catch2_result() {
     else
         result FAIL "$PHASE" "$check" "${summary:-$(why "$rc")}"
     fi
+}
+
+# catch2_last RC CHECK: catch2_result on the last run's output alone (the phase's log may hold earlier runs)
+catch2_last() {
+    run_output >"$WORK/catch2_last.log"
+    catch2_result "$1" "$WORK/catch2_last.log" "$2"
+}
+
+# catch2_wgmma RC CHECK: the same for a run of wgmma cases, which only a Hopper runs: SKIP on another GPU
+catch2_wgmma() {
+    run_output >"$WORK/catch2_last.log"
+    if [[ $GPU_CC != 9.0 ]] && grep -q 'skipped: not Hopper' "$WORK/catch2_last.log"; then
+        result SKIP "$PHASE" "$2" "(not a Hopper: compute capability $GPU_CC)"
+    else
+        catch2_result "$1" "$WORK/catch2_last.log" "$2"
+    fi
+}
+
+# kernel_result RC CHECK SUMMARY: the last run, of dev/cuda programs: PASS with their SUMMARY line; a program
+# that skipped on a GPU host (or the wgmma variant on a Hopper) fails
+kernel_result() {
+    local rc=$1 check=$2 summary=$3
+    if [[ $(run_output) == *"skipped: no GPU"* ]]; then
+        result FAIL "$PHASE" "$check" "(a program printed 'skipped: no GPU' on a GPU host)"
+    elif [[ $GPU_CC == 9.0 && $(run_output) == *"skipped: not Hopper"* ]]; then
+        result FAIL "$PHASE" "$check" "(the wgmma attention variant was skipped on a Hopper: is sm_90a in CUDA_ARCH?)"
+    elif (( rc == 0 )); then result PASS "$PHASE" "$check" "$summary"
+    else result FAIL "$PHASE" "$check" "${summary:-$(why "$rc")}"; fi
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -314,13 +358,7 @@ if has_phase kernels; then
     if ! needs_gpu; then
         run dev/cuda/run_all.sh
         rc=$?
-        line=$(run_output | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
-        if [[ $(run_output) == *"skipped: no GPU"* ]]; then
-            result FAIL kernels "dev/cuda/run_all.sh" "(a program printed 'skipped: no GPU' on a GPU host)"
-        elif [[ $GPU_CC == 9.0 && $(run_output) == *"skipped: not Hopper"* ]]; then
-            result FAIL kernels "dev/cuda/run_all.sh" "(the wgmma attention variant was skipped on a Hopper: is sm_90a in CUDA_ARCH?)"
-        elif (( rc == 0 )); then result PASS kernels "dev/cuda/run_all.sh" "$line"
-        else result FAIL kernels "dev/cuda/run_all.sh" "${line:-$(why "$rc")}"; fi
+        kernel_result "$rc" "dev/cuda/run_all.sh" "$(run_output | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)"
         if [[ -f dev/cuda/attention_sdpa.py ]]; then
             run "$PYTHON" dev/cuda/attention_sdpa.py
             rc=$?
@@ -350,52 +388,46 @@ if has_phase model; then
     start_phase model
     if ! needs_gpu; then
         run build/tests "[cuda][model]~[wgmma]"
-        catch2_result $? "$PHASE_LOG" 'build/tests "[cuda][model]~[wgmma]" (GPU model against the CPU model)'
+        catch2_last $? 'build/tests "[cuda][model]~[wgmma]" (GPU model against the CPU model)'
         # the same on the wgmma attention (--attention wgmma), which only a Hopper runs
         run build/tests "[cuda][model][wgmma]"
-        rc=$?
-        run_output >"$WORK/model_wgmma.log"
-        name='build/tests "[cuda][model][wgmma]" (GPU model on the wgmma attention against the CPU model)'
-        if [[ $GPU_CC != 9.0 ]] && grep -q 'skipped: not Hopper' "$WORK/model_wgmma.log"; then
-            result SKIP model "$name" "(not a Hopper: compute capability $GPU_CC)"
-        else
-            catch2_result "$rc" "$WORK/model_wgmma.log" "$name"
-        fi
+        catch2_wgmma $? 'build/tests "[cuda][model][wgmma]" (GPU model on the wgmma attention against the CPU model)'
     fi
 fi
 
 # ---------------------------------------------------------------------------------------------------------
 # pytorch: the same model file and batches in PyTorch (bf16 autocast on the GPU), 10 AdamW steps
 
+# against_pytorch NAME INIT_ARGS...: pytorch_check.py init writes a model file (INIT_ARGS: its architecture and
+# shape), train_gpt trains it for PT_STEPS steps and pytorch_check.py train the same file on the same batches;
+# the check NAME passes when every step's losses agree within PT_TOL
+against_pytorch() {
+    local name=$1; shift
+    local dir=$WORK/$PHASE rc verdict
+    rm -rf "$dir" && mkdir -p "$dir"
+    run "$PYTHON" dev/gpu/pytorch_check.py init --out "$dir/model.bin" "$@"
+    rc=$?
+    if (( rc != 0 )); then result FAIL "$PHASE" "the model file" "$(why "$rc")"; return; fi
+    train -e "$dir/model.bin" -b "$PT_B" -t "$PT_T" -x "$PT_STEPS" -l "$PT_LR" -c 0.1 -k constant -u 0 --shuffle 0 \
+        -o "$dir/run"
+    rc=$?
+    if (( rc != 0 )); then result FAIL "$PHASE" "train_gpt --device $DEVICE" "$(why "$rc")"; return; fi
+    if ! ran_on_device; then result FAIL "$PHASE" "train_gpt --device $DEVICE" "(ran on: $(device_of))"; return; fi
+    run "$PYTHON" dev/gpu/pytorch_check.py train --model "$dir/model.bin" --data "$DATA" --batch "$PT_B" \
+        --seq-len "$PT_T" --steps "$PT_STEPS" --lr "$PT_LR" --weight-decay 0.1 --device "$DEVICE" \
+        --compare "$dir/run/main.log" --tol "$PT_TOL"
+    rc=$?
+    verdict=$(run_output | grep -E '^pytorch_check: max' | tail -n 1 | sed 's/^pytorch_check: //; s/: \(PASS\|FAIL\)$//')
+    if (( rc == 0 )); then result PASS "$PHASE" "$name" "$verdict"
+    else result FAIL "$PHASE" "$name" "${verdict:-$(why "$rc")}"; fi
+}
+
 if has_phase pytorch; then
     start_phase pytorch
     if ! needs_device; then
         IFS=: read -r L C NH <<<"$PT_SHAPE"
-        dir=$WORK/pytorch
-        rm -rf "$dir" && mkdir -p "$dir"
-        run "$PYTHON" dev/gpu/pytorch_check.py init --out "$dir/model.bin" --layers "$L" --channels "$C" --heads "$NH"
-        rc=$?
-        if (( rc != 0 )); then
-            result FAIL pytorch "the model file" "$(why "$rc")"
-        else
-            train -e "$dir/model.bin" -b "$PT_B" -t "$PT_T" -x "$PT_STEPS" -l "$PT_LR" -c 0.1 -k constant -u 0 \
-                --shuffle 0 -o "$dir/run"
-            rc=$?
-            if (( rc != 0 )); then
-                result FAIL pytorch "train_gpt --device $DEVICE" "$(why "$rc")"
-            elif ! ran_on_device; then
-                result FAIL pytorch "train_gpt --device $DEVICE" "(ran on: $(device_of))"
-            else
-                run "$PYTHON" dev/gpu/pytorch_check.py train --model "$dir/model.bin" --data "$DATA" --batch "$PT_B" \
-                    --seq-len "$PT_T" --steps "$PT_STEPS" --lr "$PT_LR" --weight-decay 0.1 --device "$DEVICE" \
-                    --compare "$dir/run/main.log" --tol "$PT_TOL"
-                rc=$?
-                verdict=$(grep -E '^pytorch_check: max' "$PHASE_LOG" | tail -n 1 | sed 's/^pytorch_check: //; s/: \(PASS\|FAIL\)$//')
-                name="L=$L C=$C NH=$NH B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch"
-                if (( rc == 0 )); then result PASS pytorch "$name" "$verdict"
-                else result FAIL pytorch "$name" "${verdict:-$(why "$rc")}"; fi
-            fi
-        fi
+        against_pytorch "L=$L C=$C NH=$NH B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch" \
+            --layers "$L" --channels "$C" --heads "$NH"
     fi
 fi
 
@@ -532,6 +564,40 @@ if has_phase moe; then
         for z in 0 1; do two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"; done
         two_ranks "$WORK/moe" "$MOE_MODEL, dp 2 (experts replicated), 2 micro-steps" -e "$MOE_MODEL"
         two_ranks "$WORK/moe" "$MOE_MODEL, pp 2 (zb), 4 micro-batches" -e "$MOE_MODEL" --pp 2 --pp-schedule zb
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# llama: the Llama 3 path. On the GPU: the dev/cuda checks of its kernels (RMSNorm, RoPE, SwiGLU, and the
+# attention, whose shapes include grouped-query ones), their Catch2 [cuda] tests and the GPU Llama against the
+# CPU model; then, like the pytorch phase, a Llama 3 file (LLAMA_SHAPE) trained by train_gpt and by PyTorch
+
+# the kernels' Catch2 tests: RMSNorm's and RoPE's by tag, SwiGLU's by file (-# makes each file's name a tag:
+# its [cuda] cases have no tag of their own), the grouped-query attention cases by name (mma.sync and wgmma)
+LLAMA_KERNEL_TESTS='[cuda][rmsnorm],[cuda][rope],[cuda][#test_swiglu],CUDA flash attention forward*,CUDA wgmma flash attention*'
+
+if has_phase llama; then
+    start_phase llama
+    if ! needs_gpu "dev/cuda's kernel checks and the Catch2 [cuda] tests"; then
+        for program in rmsnorm rope swiglu attention; do
+            if [[ ! -x dev/cuda/$program ]]; then
+                result FAIL llama "dev/cuda/$program" "(not built: add the build phase)"; continue
+            fi
+            run "dev/cuda/$program"
+            rc=$?
+            kernel_result "$rc" "dev/cuda/$program" "$(run_output | grep -E '^[0-9]+ of [0-9]+ checks passed' | tail -n 1)"
+        done
+        run build/tests -# "$LLAMA_KERNEL_TESTS"
+        catch2_last $? 'build/tests: the [cuda] tests of RMSNorm, RoPE, SwiGLU and grouped-query attention'
+        run build/tests "[cuda][llama]~[wgmma]"
+        catch2_last $? 'build/tests "[cuda][llama]~[wgmma]" (GPU Llama against the CPU model)'
+        run build/tests "[cuda][llama][wgmma]"
+        catch2_wgmma $? 'build/tests "[cuda][llama][wgmma]" (GPU Llama on the wgmma attention against the CPU model)'
+    fi
+    if ! needs_device "the Llama 3 file against PyTorch"; then
+        IFS=: read -r L C NH KV H <<<"$LLAMA_SHAPE"
+        against_pytorch "Llama 3 L=$L C=$C NH=$NH KV=$KV H=$H B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch" \
+            --arch llama3 --layers "$L" --channels "$C" --heads "$NH" --kv-heads "$KV" --hidden "$H" --scaled-rope
     fi
 fi
 
