@@ -593,6 +593,19 @@ if has_phase llama; then
         catch2_last $? 'build/tests "[cuda][llama]~[wgmma]" (GPU Llama against the CPU model)'
         run build/tests "[cuda][llama][wgmma]"
         catch2_wgmma $? 'build/tests "[cuda][llama][wgmma]" (GPU Llama on the wgmma attention against the CPU model)'
+        # a named Llama 3 shape trains: Meta's 1B (1.5 billion parameters here, its lm_head untied; 24 GB of model
+        # states, more than a CPU host of this project's size holds in fp32), 10 steps on the SOTU tokens
+        dir=$WORK/llama3_1b
+        run "$TRAIN_GPT" --device cuda -e llama3-1b -i "$DATA" -j "$VAL" -v 0 -s 0 -b 4 -t 1024 -x 10 -l 3e-4 -o "$dir"
+        rc=$?
+        losses=$(grep -o 'trl:[0-9.eE+-]*' "$dir/main.log" 2>/dev/null | cut -d: -f2 | tr '\n' ' ')
+        read -r first _ <<<"$losses"
+        last=${losses% }; last=${last##* }
+        name="llama3-1b, B=4 T=1024, 10 steps"
+        if (( rc != 0 )); then result FAIL llama "$name" "$(why "$rc")"
+        elif [[ -n $first ]] && awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a) }'; then
+            result PASS llama "$name" "loss $first -> $last, $(run_output | grep -m 1 '^memory' || true)"
+        else result FAIL llama "$name" "(loss did not fall: ${first:-none} -> ${last:-none})"; fi
     fi
     if ! needs_device "the Llama 3 file against PyTorch"; then
         IFS=: read -r L C NH KV H <<<"$LLAMA_SHAPE"
