@@ -17,6 +17,7 @@
 #include "llmc/dataloader.h"
 #include "llmc/gpt.cuh"
 #include "llmc/grid.cuh"
+#include "llmc/hf.h"
 #include "llmc/logger.h"
 #include "llmc/options.h"
 #include "llmc/planner.h"
@@ -238,29 +239,47 @@ static RunLayout run_layout(const Options& o, int world, int dp, long total_batc
                      o.cp_split, o.pp, o.vpp, o.ep, dev == Device::CUDA ? "cuda" : "cpu"};
 }
 
-// --convert DIR --to FILE: a checkpoint's model (verified first) as an llm.c file of its own, for llm.c and the
-// tools that read its files; written under a temporary name and renamed, never over an existing file
-static int convert_checkpoint(const Options& o) {
-    std::string dir = o.convert;
-    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    size_t slash = dir.rfind('/');
-    std::string parent = slash == std::string::npos ? "." : dir.substr(0, slash), name = dir.substr(slash + 1);
-    int step;
-    if (!is_checkpoint_name(name, &step))
-        fail("--convert %s: not a checkpoint directory (ckpt_STEP, under a run's -o)", o.convert.c_str());
-    verify_checkpoint(parent, step);
+// --convert SRC --to PATH: the model of a checkpoint (verified first) or of a model file, as an llm.c file of its
+// own or (--format hf) a Hugging Face directory; written under a temporary name and renamed, never over an
+// existing file or directory
+static int convert_model(const Options& o) {
+    std::string src = o.convert, model_path = src;
+    while (src.size() > 1 && src.back() == '/') src.pop_back();
+    struct stat st;
+    if (stat(src.c_str(), &st) != 0) fail("--convert %s: %s", o.convert.c_str(), strerror(errno));
+    std::string what = "model file " + src;
+    if (S_ISDIR(st.st_mode)) {
+        size_t slash = src.rfind('/');
+        std::string parent = slash == std::string::npos ? "." : src.substr(0, slash), name = src.substr(slash + 1);
+        int step;
+        if (!is_checkpoint_name(name, &step))
+            fail("--convert %s: neither a model file nor a checkpoint directory (ckpt_STEP, under a run's -o)",
+                 o.convert.c_str());
+        verify_checkpoint(parent, step);
+        model_path = src + "/model.bin";
+        what = strfmt("the model of %s (step %d)", src.c_str(), step);
+    }
     if (access(o.convert_to.c_str(), F_OK) == 0)
-        fail("--to %s: already exists; name a new file (an existing one is never replaced)", o.convert_to.c_str());
-    GPTConfig config = checkpoint_config(dir);
+        fail("--to %s: already exists; name a new %s (an existing one is never replaced)", o.convert_to.c_str(),
+             o.convert_format == "hf" ? "directory" : "file");
+    int version;
+    GPTConfig config = read_model_header(model_path, &version);
     std::vector<float> params(num_parameters(config));
-    gpt_load_params(config, params.data(), dir + "/model.bin");
-    int version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
+    gpt_load_params(config, params.data(), model_path);
+    if (o.convert_format == "hf") {
+        int files = hf_save(config, params.data(), o.convert_to, o.convert_dtype);
+        printf("wrote %s: %s (%zu parameters) as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(),
+               what.c_str(), params.size(), config.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel",
+               o.convert_dtype == "bf16" ? "bfloat16" : "float32", files, files == 1 ? "" : "s");
+        return 0;
+    }
+    version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
     std::string tmp = o.convert_to + ".tmp";
     gpt_save_params(config, params.data(), tmp, version);
     if (rename(tmp.c_str(), o.convert_to.c_str()) != 0)
         fail("--to %s: cannot rename %s into place (%s)", o.convert_to.c_str(), tmp.c_str(), strerror(errno));
-    printf("wrote %s: the model of %s (step %d, %zu parameters) as an llm.c %s file (version %d)\n",
-           o.convert_to.c_str(), dir.c_str(), step, params.size(), o.convert_dtype.c_str(), version);
+    printf("wrote %s: %s (%zu parameters) as an llm.c %s file (version %d)\n", o.convert_to.c_str(), what.c_str(),
+           params.size(), o.convert_dtype.c_str(), version);
     return 0;
 }
 
@@ -752,7 +771,7 @@ static int calibrate(const Options& o, Device dev) {
 // printed, so a bad input gets exactly one line; only the lines that name what was removed from -o or skipped
 // there (open_out_dir, and the checkpoints that fail verification) may come before it.
 static int run(const Options& o) {
-    if (!o.convert.empty()) return convert_checkpoint(o);
+    if (!o.convert.empty()) return convert_model(o);
     Device dev = pick_device(o);
     if (!o.calibrate.empty()) return calibrate(o, dev);
     if (o.comm == "nccl" && dev == Device::CPU)

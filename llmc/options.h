@@ -50,9 +50,10 @@ struct Options {
     bool search = false;                                // --search
     int search_gpus = 0;                                // --gpus: the devices --search lays a run out on
     std::string calibrate;                              // --calibrate: the profile file to write
-    std::string convert;                                // --convert: a checkpoint directory
-    std::string convert_to;                             // --to: the llm.c model file it becomes
+    std::string convert;                                // --convert: a checkpoint directory or a model file
+    std::string convert_to;                             // --to: the llm.c model file, or HF directory, it becomes
     std::string convert_dtype = "fp32";                 // --dtype
+    std::string convert_format = "llmc";                // --format: llm.c's model file, or Hugging Face's
     // parallelism and communication
     int tp = 1, cp = 1, pp = 1, ep = 1;                 // --tp --cp --pp --ep
     int sp = -1;                                        // --sp: -1 = on when tp > 1
@@ -119,9 +120,12 @@ inline const char* USAGE =
     "  -y 0|1            resume from the newest checkpoint in -o that verifies, on any layout; -e,\n"
     "                    --seed, --shuffle, -i, -t and -d must be those it recorded, -x beyond its step [0]\n"
     "  --overwrite 0|1   a fresh run first removes another run's main.log and checkpoints from -o [0]\n"
-    "  --convert DIR     write checkpoint DIR's model as the llm.c file --to FILE, and exit [none]\n"
-    "  --to FILE         with --convert: the file to write (never an existing one) [none]\n"
-    "  --dtype fp32|bf16  with --convert: llm.c's version 3 (fp32) or 5 (bf16)     [fp32]\n"
+    "  --convert SRC     write the model of checkpoint directory or model file SRC as --to, and exit [none]\n"
+    "  --to PATH         with --convert: the llm.c file, or with --format hf the directory, to write\n"
+    "                    (never an existing one)                                   [none]\n"
+    "  --format llmc|hf  with --convert: an llm.c model file, or a Hugging Face directory (config.json,\n"
+    "                    model.safetensors) that transformers' from_pretrained reads  [llmc]\n"
+    "  --dtype fp32|bf16  with --convert: llm.c's version 3 (fp32) or 5 (bf16); HF's float32 or bfloat16 [fp32]\n"
     "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
     "is given, exit code 5; a second one ends it at once):\n"
     "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"
@@ -247,6 +251,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--convert", text(&o.convert)},
         {"--to", text(&o.convert_to)},
         {"--dtype", choice(&o.convert_dtype, {"fp32", "bf16"})},
+        {"--format", choice(&o.convert_format, {"llmc", "hf"})},
         {"--tp", integer(&o.tp, 1, 1 << 16)},
         {"--cp", integer(&o.cp, 1, 1 << 16)},
         {"--pp", integer(&o.pp, 1, 1 << 16)},
@@ -301,6 +306,7 @@ inline Options parse_options(int argc, char** argv) {
     if (!o.convert.empty() && o.convert_to.empty()) fail("--convert %s: needs --to FILE", o.convert.c_str());
     if (o.convert.empty() && !o.convert_to.empty()) fail("--to %s: only with --convert", o.convert_to.c_str());
     if (o.convert.empty() && o.convert_dtype != "fp32") fail("--dtype %s: only with --convert", o.convert_dtype.c_str());
+    if (o.convert.empty() && o.convert_format != "llmc") fail("--format %s: only with --convert", o.convert_format.c_str());
     if (o.search && o.plan) fail("--search: prints its own plans; drop --plan");
     if (o.search && o.search_gpus == 0) fail("--search: needs --gpus N, the devices to lay the run out on");
     if (o.search_gpus > 0 && !o.search) fail("--gpus %d: only with --search (a run's devices are the ranks launched)", o.search_gpus);

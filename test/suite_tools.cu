@@ -1,7 +1,8 @@
 // The test files that compile no kernels: the flags and runs through ./train_gpt, the tokenizer, the data
-// loader and the pipeline schedules. One translation unit beside test/suite_model.cu (which says why), built in
+// loader, the pipeline schedules, and the safetensors and JSON files. One translation unit beside test/suite_model.cu (which says why), built in
 // parallel with it.
 #include "test/test_cli.cu"
 #include "test/test_dataloader.cu"
 #include "test/test_pp_schedules.cu"
+#include "test/test_safetensors.cu"
 #include "test/test_tokenizer.cu"

@@ -1,0 +1,77 @@
+// Tests of the Hugging Face export (llmc/hf.h): the PyTorch reference models of test/reference, exported by
+// `train_gpt --convert FILE --to DIR --format hf`, read back by test/reference/hf_reference.py, an independent
+// implementation of HF's GPT-2 and Llama (its tensor names, Conv1D layout, rotate-half RoPE, llama3 rope
+// scaling), whose logits and loss on the reference batch must be the reference's; sharded and bf16 exports;
+// and the refusals.
+#include "llmc/hf.h"
+#include "mpi_helpers.h"
+
+namespace test_hf {
+
+const char* PYTHON = "/usr/bin/python3";  // Debian's, which has torch (test/reference needs it)
+
+// hf_reference.py on an exported directory against a reference state; returns its output line
+std::string check_export(const std::string& dir, const std::string& reference, const char* tol = "1e-5") {
+    CommandResult r = run_command(strfmt("%s test/reference/hf_reference.py --hf '%s' --state build/%s/state.bin --tol %s",
+                                         PYTHON, dir.c_str(), reference.c_str(), tol));
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(r.output.find(": PASS") != std::string::npos);
+    return r.output;
+}
+
+TEST_CASE("GPT-2 and Llama exported to Hugging Face give the PyTorch reference's logits and loss in HF's own "
+          "conventions: GPT-2, Llama with GQA and scaled RoPE, with MQA, with MHA",
+          "[hf]") {
+    TempDir out;
+    for (const char* reference : {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha"}) {
+        INFO(reference);
+        std::string model = strfmt("build/%s/model.bin", reference), dir = out / reference;
+        REQUIRE(file_exists(model));
+        CommandResult r = single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), dir.c_str()));
+        INFO(r.output);
+        REQUIRE(r.status == 0);
+        CHECK(file_exists(dir + "/config.json"));
+        CHECK(file_exists(dir + "/model.safetensors"));
+        check_export(dir, reference);
+        // the tensors hold what the model file holds: bf16 is the same model rounded
+        std::string half = out / (std::string(reference) + "_bf16");
+        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf --dtype bf16", model.c_str(), half.c_str())).status == 0);
+        check_export(half, reference, "2e-2");
+    }
+}
+
+TEST_CASE("a Hugging Face export above the shard size is sharded with an index, and reads as the whole", "[hf]") {
+    int version;
+    GPTConfig c = read_model_header("build/reference_llama_gqa/model.bin", &version);
+    std::vector<float> params(num_parameters(c));
+    gpt_load_params(c, params.data(), "build/reference_llama_gqa/model.bin");
+    TempDir out;
+    std::string dir = out / "sharded";
+    int shards = hf_save(c, params.data(), dir, "fp32", 100000);  // 100 kB: each shard a few layers' tensors
+    CHECK(shards >= 3);
+    CHECK(file_exists(dir + "/model.safetensors.index.json"));
+    CHECK(!file_exists(dir + "/model.safetensors"));
+    CHECK(file_exists(dir + strfmt("/model-00001-of-%05d.safetensors", shards)));
+    // no shard above the limit unless one tensor is (the embeddings, 397 x 48 fp32 = 76 kB, are not)
+    for (int i = 1; i <= shards; i++) {
+        SafetensorsFile f = read_safetensors(dir + strfmt("/model-%05d-of-%05d.safetensors", i, shards));
+        size_t bytes = 0;
+        for (const SafetensorsTensor& t : f.tensors) bytes += t.end - t.begin;
+        CHECK(bytes <= 100000);
+        CHECK(f.metadata.at("format") == "pt");
+    }
+    check_export(dir, "reference_llama_gqa");
+}
+
+TEST_CASE("--convert --format hf refuses an existing --to and a source that is neither model nor checkpoint", "[hf]") {
+    TempDir out;
+    make_dirs(out / "there");
+    check_one_line_error(single("--convert build/reference/model.bin --to '" + (out / "there") + "' --format hf"),
+                         {"already exists"});
+    check_one_line_error(single("--convert '" + (out / "missing.bin") + "' --to '" + (out / "x") + "' --format hf"),
+                         {"missing.bin"});
+    check_one_line_error(single("--format hf"), {"--format hf: only with --convert"});
+}
+
+}  // namespace test_hf
