@@ -247,17 +247,15 @@ static int convert_model(const Options& o) {
     while (src.size() > 1 && src.back() == '/') src.pop_back();
     struct stat st;
     if (stat(src.c_str(), &st) != 0) fail("--convert %s: %s", o.convert.c_str(), strerror(errno));
-    std::string what = "model file " + src;
+    int step = -1;  // a checkpoint's
     if (S_ISDIR(st.st_mode)) {
         size_t slash = src.rfind('/');
         std::string parent = slash == std::string::npos ? "." : src.substr(0, slash), name = src.substr(slash + 1);
-        int step;
         if (!is_checkpoint_name(name, &step))
             fail("--convert %s: neither a model file nor a checkpoint directory (ckpt_STEP, under a run's -o)",
                  o.convert.c_str());
         verify_checkpoint(parent, step);
         model_path = src + "/model.bin";
-        what = strfmt("the model of %s (step %d)", src.c_str(), step);
     }
     if (access(o.convert_to.c_str(), F_OK) == 0)
         fail("--to %s: already exists; name a new %s (an existing one is never replaced)", o.convert_to.c_str(),
@@ -266,10 +264,12 @@ static int convert_model(const Options& o) {
     GPTConfig config = read_model_header(model_path, &version);
     std::vector<float> params(num_parameters(config));
     gpt_load_params(config, params.data(), model_path);
+    std::string what = step >= 0 ? strfmt("the model of %s (step %d, %zu parameters)", src.c_str(), step, params.size())
+                                 : strfmt("model file %s (%zu parameters)", src.c_str(), params.size());
     if (o.convert_format == "hf") {
         int files = hf_save(config, params.data(), o.convert_to, o.convert_dtype);
-        printf("wrote %s: %s (%zu parameters) as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(),
-               what.c_str(), params.size(), config.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel",
+        printf("wrote %s: %s as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(), what.c_str(),
+               config.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel",
                o.convert_dtype == "bf16" ? "bfloat16" : "float32", files, files == 1 ? "" : "s");
         return 0;
     }
@@ -278,8 +278,8 @@ static int convert_model(const Options& o) {
     gpt_save_params(config, params.data(), tmp, version);
     if (rename(tmp.c_str(), o.convert_to.c_str()) != 0)
         fail("--to %s: cannot rename %s into place (%s)", o.convert_to.c_str(), tmp.c_str(), strerror(errno));
-    printf("wrote %s: %s (%zu parameters) as an llm.c %s file (version %d)\n", o.convert_to.c_str(), what.c_str(),
-           params.size(), o.convert_dtype.c_str(), version);
+    printf("wrote %s: %s as an llm.c %s file (version %d)\n", o.convert_to.c_str(), what.c_str(),
+           o.convert_dtype.c_str(), version);
     return 0;
 }
 
