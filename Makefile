@@ -56,7 +56,7 @@ endif
 
 # the CPU demo: a small GPT on SOTU whose loss falls visibly within minutes on two cores; its log and plot go
 # to TRAIN_OUT
-TRAIN_FLAGS ?= --device cpu -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64
+TRAIN_FLAGS ?= --device cpu -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64 -n 300
 TRAIN_OUT ?= build/demo
 
 .PHONY: all train test bench data deps clean
@@ -136,6 +136,8 @@ train: deps
 	$(MAKE) data train_gpt
 	./train_gpt $(TRAIN_FLAGS) -o $(TRAIN_OUT)
 	$(PYTHON) scripts/plot_log.py $(TRAIN_OUT)/main.log -o $(TRAIN_OUT)/loss.png
+	@ckpt=$$(ls -d $(TRAIN_OUT)/ckpt_* 2>/dev/null | tail -n 1); [ -z "$$ckpt" ] || echo "for Hugging Face \
+	(transformers, lm-evaluation-harness): ./train_gpt --convert $$ckpt --to $(TRAIN_OUT)/hf --format hf"
 
 bench: train_gpt data
 	bash dev/bench/cpu_bench.sh

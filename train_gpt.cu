@@ -64,6 +64,7 @@ static std::string device_line(Device dev, bool plan) {
 static GPTConfig model_config(const Options& o, const std::string& checkpoint_dir) {
     if (!checkpoint_dir.empty()) return checkpoint_config(checkpoint_dir);
     if (is_model_descriptor(o.model)) return parse_model_descriptor(o.model);
+    if (is_hf_dir(o.model)) return hf_read_config(o.model);
     int version;
     return read_model_header(o.model, &version);
 }
@@ -239,8 +240,8 @@ static RunLayout run_layout(const Options& o, int world, int dp, long total_batc
                      o.cp_split, o.pp, o.vpp, o.ep, dev == Device::CUDA ? "cuda" : "cpu"};
 }
 
-// --convert SRC --to PATH: the model of a checkpoint (verified first) or of a model file, as an llm.c file of its
-// own or (--format hf) a Hugging Face directory; written under a temporary name and renamed, never over an
+// --convert SRC --to PATH: the model of a checkpoint (verified first), a model file or a Hugging Face directory,
+// as an llm.c file of its own or (--format hf) a Hugging Face directory; written under a temporary name and renamed, never over an
 // existing file or directory
 static int convert_model(const Options& o) {
     std::string src = o.convert, model_path = src;
@@ -248,11 +249,13 @@ static int convert_model(const Options& o) {
     struct stat st;
     if (stat(src.c_str(), &st) != 0) fail("--convert %s: %s", o.convert.c_str(), strerror(errno));
     int step = -1;  // a checkpoint's
-    if (S_ISDIR(st.st_mode)) {
+    bool hf = is_hf_dir(src);
+    if (S_ISDIR(st.st_mode) && !hf) {
         size_t slash = src.rfind('/');
         std::string parent = slash == std::string::npos ? "." : src.substr(0, slash), name = src.substr(slash + 1);
         if (!is_checkpoint_name(name, &step))
-            fail("--convert %s: neither a model file nor a checkpoint directory (ckpt_STEP, under a run's -o)",
+            fail("--convert %s: neither a model file, a Hugging Face directory nor a checkpoint directory (ckpt_STEP, "
+                 "under a run's -o)",
                  o.convert.c_str());
         verify_checkpoint(parent, step);
         model_path = src + "/model.bin";
@@ -261,11 +264,13 @@ static int convert_model(const Options& o) {
         fail("--to %s: already exists; name a new %s (an existing one is never replaced)", o.convert_to.c_str(),
              o.convert_format == "hf" ? "directory" : "file");
     int version;
-    GPTConfig config = read_model_header(model_path, &version);
+    GPTConfig config = hf ? hf_read_config(src) : read_model_header(model_path, &version);
     std::vector<float> params(num_parameters(config));
-    gpt_load_params(config, params.data(), model_path);
+    if (hf) hf_load(config, params.data(), src);
+    else gpt_load_params(config, params.data(), model_path);
     std::string what = step >= 0 ? strfmt("the model of %s (step %d, %zu parameters)", src.c_str(), step, params.size())
-                                 : strfmt("model file %s (%zu parameters)", src.c_str(), params.size());
+                                 : strfmt("%s %s (%zu parameters)", hf ? "Hugging Face directory" : "model file",
+                                          src.c_str(), params.size());
     if (o.convert_format == "hf") {
         int files = hf_save(config, params.data(), o.convert_to, o.convert_dtype);
         printf("wrote %s: %s as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(), what.c_str(),
@@ -446,6 +451,7 @@ static int train(const Options& o, const RunSetup& run) {
         } else {
             std::vector<float> whole(num_parameters(config));
             if (is_model_descriptor(o.model)) gpt_init_random(config, whole.data(), o.seed);
+            else if (is_hf_dir(o.model)) hf_load(config, whole.data(), o.model);
             else gpt_load_params(config, whole.data(), o.model);
             copy_share_params(config, share_spec(grid), model.part, whole.data(), mine, true);
         }

@@ -122,9 +122,27 @@ inline uint64_t file_checksum(const std::string& path, size_t limit = SIZE_MAX) 
     return sum.value;
 }
 
-// reads the model file and every shard header (the descriptor of a model needs nothing read)
+// a model's checksum: its file's, or a model directory's (Hugging Face's) files' names and bytes in name order
+inline uint64_t model_source_checksum(const std::string& path) {
+    DIR* d = opendir(path.c_str());
+    if (!d) return file_checksum(path);
+    std::vector<std::string> names;
+    while (struct dirent* e = readdir(d))
+        if (e->d_name[0] != '.') names.push_back(e->d_name);
+    closedir(d);
+    std::sort(names.begin(), names.end());
+    Fnv1a64 sum;
+    for (const std::string& name : names) {
+        uint64_t file = file_checksum(path + "/" + name);
+        sum.update(name.data(), name.size());
+        sum.update(&file, sizeof(file));
+    }
+    return sum.value;
+}
+
+// reads the model file (or directory) and every shard header (the descriptor of a model needs nothing read)
 inline RunInputs run_inputs(const std::string& model, uint64_t seed, bool shuffle, const std::string& train_pattern) {
-    RunInputs in{model, is_model_descriptor(model) ? 0 : file_checksum(model), seed, shuffle, train_pattern, {}};
+    RunInputs in{model, is_model_descriptor(model) ? 0 : model_source_checksum(model), seed, shuffle, train_pattern, {}};
     for (const std::string& path : shard_paths(train_pattern)) {
         File f(path, "rb");
         in.shards.push_back({path, f.size(), file_checksum(path, SHARD_HEADER_BYTES)});

@@ -1,6 +1,8 @@
 // Hugging Face checkpoints at the edge: `--convert ... --format hf` writes what transformers' from_pretrained
 // reads, a directory of config.json and model.safetensors (sharded above HF_SHARD_BYTES, with
-// model.safetensors.index.json, as save_pretrained shards), from a whole model in llm5d's flat layout.
+// model.safetensors.index.json, as save_pretrained shards), from a whole model in llm5d's flat layout; `-e DIR`
+// reads such a directory (F32, BF16 or F16) as the model to train. One table (hf_placements) says where each HF
+// tensor lies in the flat buffer, for both directions.
 //
 // The tensors take HF's names, shapes and layouts (GPT2LMHeadModel, LlamaForCausalLM):
 //   GPT-2   transformer.wte (the padded vocab rows dropped; lm_head is tied to it, so it is not written),
@@ -15,96 +17,112 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "llmc/checkpoint.h"
 #include "llmc/gpt.cuh"
+#include "llmc/json.h"
 #include "llmc/safetensors.h"
 
 constexpr size_t HF_SHARD_BYTES = 5000000000ull;  // save_pretrained's default max_shard_size, "5GB"
 
-// one tensor as HF names and lays it out
-struct HfTensor {
+// Where one HF tensor lies in the flat buffer: rows [first, first + rows) of `cols` columns of one layer's block
+// (layer 0 for a tensor without layers) of our tensor, transposed in HF's file (GPT-2's Conv1D) or not, and for
+// q_proj and k_proj the number of heads whose rows are reordered (0: none)
+struct HfPlacement {
     std::string name;
     std::vector<int64_t> shape;
-    std::vector<float> values;
+    int tensor;
+    int64_t layer;
+    size_t first, rows, cols;
+    bool transpose;
+    int rotated_heads;
 };
 
-// rows [first, first + n) of a row-major matrix with `cols` columns, optionally transposed ([cols, n])
-inline std::vector<float> hf_rows(const float* m, size_t first, size_t n, size_t cols, bool transpose) {
-    std::vector<float> out(n * cols);
-    for (size_t r = 0; r < n; r++)
-        for (size_t c = 0; c < cols; c++) out[transpose ? c * n + r : r * cols + c] = m[(first + r) * cols + c];
-    return out;
-}
-
-// heads of hd rows each, their rows reordered from RoPE's interleaved pairs to HF's halves: HF's row i of a head
-// is our row 2i, its row hd/2 + i our row 2i + 1
-inline std::vector<float> hf_rotate_half_rows(const std::vector<float>& w, int heads, int hd, size_t cols) {
-    std::vector<float> out(w.size());
-    for (int h = 0; h < heads; h++)
-        for (int i = 0; i < hd; i++) {
-            int ours = i < hd / 2 ? 2 * i : 2 * (i - hd / 2) + 1;
-            std::copy_n(&w[((size_t)h * hd + ours) * cols], cols, &out[((size_t)h * hd + i) * cols]);
-        }
-    return out;
-}
-
-// the whole model's tensors (params: the flat buffer of the whole model) as HF has them, in HF's order
-inline std::vector<HfTensor> hf_tensors(const GPTConfig& c, const float* params) {
-    size_t sizes[NUM_PARAM_TENSORS];
-    param_tensor_sizes(c, sizes);
-    ParamViews<const float> p = param_views<const float>(params, sizes);
+// the whole model's HF tensors, in HF's order: the one table export and import both read
+inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
     int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.hidden();
-    std::vector<HfTensor> out;
-    auto add = [&](std::string name, std::vector<int64_t> shape, std::vector<float> values) {
-        out.push_back({std::move(name), std::move(shape), std::move(values)});
-    };
-    // layer l's block of a per-layer tensor: rows [first, first + n) of `cols`, transposed or not
-    auto block = [&](int t, int64_t l, size_t first, size_t n, size_t cols, bool transpose) {
-        return hf_rows(p[t] + l * (sizes[t] / L), first, n, cols, transpose);
+    std::vector<HfPlacement> out;
+    // rows [first, first + n) of `cols` columns of layer l's block of tensor t, as HF's shape
+    auto add = [&](std::string name, int t, int64_t l, size_t first, size_t n, size_t cols, bool transpose = false,
+                   int rotated = 0) {
+        std::vector<int64_t> shape = cols == 1 ? std::vector<int64_t>{(int64_t)n}
+                                     : transpose ? std::vector<int64_t>{(int64_t)cols, (int64_t)n}
+                                                 : std::vector<int64_t>{(int64_t)n, (int64_t)cols};
+        out.push_back({std::move(name), shape, t, l, first, n, cols, transpose, rotated});
     };
     if (!c.llama()) {
-        add("transformer.wte.weight", {V, C}, hf_rows(p[WTE], 0, V, C, false));
-        add("transformer.wpe.weight", {c.max_seq_len, C}, hf_rows(p[WPE], 0, c.max_seq_len, C, false));
+        add("transformer.wte.weight", WTE, 0, 0, V, C);
+        add("transformer.wpe.weight", WPE, 0, 0, c.max_seq_len, C);
         for (int64_t l = 0; l < L; l++) {
             std::string h = strfmt("transformer.h.%ld.", (long)l);
-            add(h + "ln_1.weight", {C}, block(LN1W, l, 0, C, 1, false));
-            add(h + "ln_1.bias", {C}, block(LN1B, l, 0, C, 1, false));
-            add(h + "attn.c_attn.weight", {C, 3 * C}, block(QKVW, l, 0, 3 * C, C, true));
-            add(h + "attn.c_attn.bias", {3 * C}, block(QKVB, l, 0, 3 * C, 1, false));
-            add(h + "attn.c_proj.weight", {C, C}, block(ATTPROJW, l, 0, C, C, true));
-            add(h + "attn.c_proj.bias", {C}, block(ATTPROJB, l, 0, C, 1, false));
-            add(h + "ln_2.weight", {C}, block(LN2W, l, 0, C, 1, false));
-            add(h + "ln_2.bias", {C}, block(LN2B, l, 0, C, 1, false));
-            add(h + "mlp.c_fc.weight", {C, H}, block(FCW, l, 0, H, C, true));
-            add(h + "mlp.c_fc.bias", {H}, block(FCB, l, 0, H, 1, false));
-            add(h + "mlp.c_proj.weight", {H, C}, block(FCPROJW, l, 0, C, H, true));
-            add(h + "mlp.c_proj.bias", {C}, block(FCPROJB, l, 0, C, 1, false));
+            add(h + "ln_1.weight", LN1W, l, 0, C, 1);
+            add(h + "ln_1.bias", LN1B, l, 0, C, 1);
+            add(h + "attn.c_attn.weight", QKVW, l, 0, 3 * C, C, true);
+            add(h + "attn.c_attn.bias", QKVB, l, 0, 3 * C, 1);
+            add(h + "attn.c_proj.weight", ATTPROJW, l, 0, C, C, true);
+            add(h + "attn.c_proj.bias", ATTPROJB, l, 0, C, 1);
+            add(h + "ln_2.weight", LN2W, l, 0, C, 1);
+            add(h + "ln_2.bias", LN2B, l, 0, C, 1);
+            add(h + "mlp.c_fc.weight", FCW, l, 0, H, C, true);
+            add(h + "mlp.c_fc.bias", FCB, l, 0, H, 1);
+            add(h + "mlp.c_proj.weight", FCPROJW, l, 0, C, H, true);
+            add(h + "mlp.c_proj.bias", FCPROJB, l, 0, C, 1);
         }
-        add("transformer.ln_f.weight", {C}, hf_rows(p[LNFW], 0, C, 1, false));
-        add("transformer.ln_f.bias", {C}, hf_rows(p[LNFB], 0, C, 1, false));
+        add("transformer.ln_f.weight", LNFW, 0, 0, C, 1);
+        add("transformer.ln_f.bias", LNFB, 0, 0, C, 1);
         return out;
     }
-    int NH = c.num_heads, KV = c.kv_heads(), hd = c.head_size();
-    int64_t Q = (int64_t)NH * hd, K = (int64_t)KV * hd;
-    add("model.embed_tokens.weight", {V, C}, hf_rows(p[WTE], 0, V, C, false));
+    int NH = c.num_heads, KV = c.kv_heads();
+    size_t Q = (size_t)NH * c.head_size(), K = (size_t)KV * c.head_size();
+    add("model.embed_tokens.weight", WTE, 0, 0, V, C);
     for (int64_t l = 0; l < L; l++) {
         std::string h = strfmt("model.layers.%ld.", (long)l);
-        add(h + "input_layernorm.weight", {C}, block(LN1W, l, 0, C, 1, false));
-        add(h + "self_attn.q_proj.weight", {Q, C}, hf_rotate_half_rows(block(QKVW, l, 0, Q, C, false), NH, hd, C));
-        add(h + "self_attn.k_proj.weight", {K, C}, hf_rotate_half_rows(block(QKVW, l, Q, K, C, false), KV, hd, C));
-        add(h + "self_attn.v_proj.weight", {K, C}, block(QKVW, l, Q + K, K, C, false));
-        add(h + "self_attn.o_proj.weight", {C, Q}, block(ATTPROJW, l, 0, C, Q, false));
-        add(h + "post_attention_layernorm.weight", {C}, block(LN2W, l, 0, C, 1, false));
-        add(h + "mlp.gate_proj.weight", {H, C}, block(FCW, l, H, H, C, false));
-        add(h + "mlp.up_proj.weight", {H, C}, block(FCW, l, 0, H, C, false));
-        add(h + "mlp.down_proj.weight", {C, H}, block(FCPROJW, l, 0, C, H, false));
+        add(h + "input_layernorm.weight", LN1W, l, 0, C, 1);
+        add(h + "self_attn.q_proj.weight", QKVW, l, 0, Q, C, false, NH);
+        add(h + "self_attn.k_proj.weight", QKVW, l, Q, K, C, false, KV);
+        add(h + "self_attn.v_proj.weight", QKVW, l, Q + K, K, C);
+        add(h + "self_attn.o_proj.weight", ATTPROJW, l, 0, C, Q);
+        add(h + "post_attention_layernorm.weight", LN2W, l, 0, C, 1);
+        add(h + "mlp.gate_proj.weight", FCW, l, H, H, C);
+        add(h + "mlp.up_proj.weight", FCW, l, 0, H, C);
+        add(h + "mlp.down_proj.weight", FCPROJW, l, 0, C, H);
     }
-    add("model.norm.weight", {C}, hf_rows(p[LNFW], 0, C, 1, false));
-    add("lm_head.weight", {V, C}, hf_rows(p[WPE], 0, V, C, false));
+    add("model.norm.weight", LNFW, 0, 0, C, 1);
+    add("lm_head.weight", WPE, 0, 0, V, C);
     return out;
+}
+
+// where our row r of a rotated head goes in HF's: our pair (2i, 2i + 1) is HF's (i, hd/2 + i)
+inline int hf_rotated_row(int r, int hd) { return r % 2 == 0 ? r / 2 : hd / 2 + r / 2; }
+
+// where a placement's block starts in the flat buffer
+inline float* hf_block(const GPTConfig& c, float* params, const HfPlacement& p) {
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes);
+    ParamViews<float> v = param_views(params, sizes);
+    return v[p.tensor] + p.layer * (sizes[p.tensor] / (model_table(c)[p.tensor].holder == Holder::Layer ? c.num_layers : 1));
+}
+
+// A placement's values in HF's layout, from the flat buffer (export), or into it (import)
+inline void hf_move(const GPTConfig& c, float* params, const HfPlacement& p, float* values, bool to_hf) {
+    float* m = hf_block(c, params, p);
+    int hd = c.head_size();
+    for (size_t r = 0; r < p.rows; r++) {
+        // the HF row this row of ours lands in: rotated heads reorder theirs within each head
+        size_t hf = r;
+        if (p.rotated_heads) hf = r / hd * hd + hf_rotated_row((int)(r % hd), hd);
+        for (size_t k = 0; k < p.cols; k++) {
+            float& ours = m[(p.first + r) * p.cols + k];
+            float& theirs = values[p.transpose ? k * p.rows + hf : hf * p.cols + k];
+            if (to_hf) theirs = ours;
+            else ours = theirs;
+        }
+    }
 }
 
 // the shortest decimal that reads back as the same float (1e-05, not 9.99999975e-06)
@@ -149,14 +167,18 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
 // metadata says "format": "pt", which transformers requires of a safetensors checkpoint. Returns the shards.
 inline int hf_save(const GPTConfig& c, const float* params, const std::string& dir, const std::string& dtype,
                    size_t shard_bytes = HF_SHARD_BYTES) {
-    std::vector<HfTensor> tensors = hf_tensors(c, params);
+    std::vector<HfPlacement> placements = hf_placements(c);
+    std::vector<std::vector<float>> values(placements.size());
     SafetensorsDtype type = dtype == "bf16" ? SafetensorsDtype::BF16 : SafetensorsDtype::F32;
-    std::vector<std::vector<const HfTensor*>> shards(1);
+    std::vector<std::vector<size_t>> shards(1);
     size_t in_shard = 0, total = 0;
-    for (const HfTensor& t : tensors) {
-        size_t bytes = t.values.size() * dtype_bytes(type);
+    for (size_t i = 0; i < placements.size(); i++) {
+        const HfPlacement& p = placements[i];
+        values[i].resize(p.rows * p.cols);
+        hf_move(c, const_cast<float*>(params), p, values[i].data(), true);  // reads params only
+        size_t bytes = values[i].size() * dtype_bytes(type);
         if (in_shard > 0 && in_shard + bytes > shard_bytes) shards.emplace_back(), in_shard = 0;
-        shards.back().push_back(&t);
+        shards.back().push_back(i);
         in_shard += bytes, total += bytes;
     }
     std::string tmp = dir + ".tmp";
@@ -170,22 +192,159 @@ inline int hf_save(const GPTConfig& c, const float* params, const std::string& d
     write_text("config.json", hf_config_json(c, dtype));
     int n = (int)shards.size();
     std::string weight_map;
-    for (int i = 0; i < n; i++) {
-        std::string file = n == 1 ? "model.safetensors" : strfmt("model-%05d-of-%05d.safetensors", i + 1, n);
+    for (int s = 0; s < n; s++) {
+        std::string file = n == 1 ? "model.safetensors" : strfmt("model-%05d-of-%05d.safetensors", s + 1, n);
         SafetensorsWriter w;
         w.metadata("format", "pt");
-        for (const HfTensor* t : shards[i]) {
-            w.add(t->name, type, t->shape, t->values.data());
-            weight_map += strfmt("%s\n    \"%s\": \"%s\"", weight_map.empty() ? "" : ",", t->name.c_str(), file.c_str());
+        // what config.json has no field for, so that an llm.c Llama file comes back byte for byte
+        if (c.llama()) {
+            w.metadata("llmc_multiple_of", std::to_string(c.multiple_of));
+            w.metadata("llmc_ffn_dim_multiplier", hf_float(c.ffn_dim_multiplier));
+            w.metadata("llmc_version", strfmt("%d.%d", c.version_major, c.version_minor));
+        }
+        for (size_t i : shards[s]) {
+            w.add(placements[i].name, type, placements[i].shape, values[i].data());
+            weight_map += strfmt("%s\n    \"%s\": \"%s\"", weight_map.empty() ? "" : ",", placements[i].name.c_str(),
+                                 file.c_str());
         }
         w.write(tmp + "/" + file);
     }
-    if (n > 1) {
-        std::string index = strfmt("{\n  \"metadata\": {\n    \"total_size\": %zu\n  },\n  \"weight_map\": {%s\n  }\n}\n",
-                                   total, weight_map.c_str());
-        write_text("model.safetensors.index.json", index);
-    }
+    if (n > 1)
+        write_text("model.safetensors.index.json",
+                   strfmt("{\n  \"metadata\": {\n    \"total_size\": %zu\n  },\n  \"weight_map\": {%s\n  }\n}\n", total,
+                          weight_map.c_str()));
     if (rename(tmp.c_str(), dir.c_str()) != 0)
         fail("--to %s: cannot rename %s into place (%s)", dir.c_str(), tmp.c_str(), strerror(errno));
     return n;
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// import: -e DIR with a Hugging Face GPT-2 or Llama directory
+
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+    std::string s = "[";
+    for (size_t i = 0; i < shape.size(); i++) s += strfmt(i ? ", %lld" : "%lld", (long long)shape[i]);
+    return s + "]";
+}
+
+inline bool is_hf_dir(const std::string& path) {
+    struct stat st;
+    return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && file_exists(path + "/config.json");
+}
+
+// The tensors of an HF directory: model.safetensors, or the shards model.safetensors.index.json names
+struct HfFiles {
+    std::vector<SafetensorsFile> files;
+    std::map<std::string, std::pair<size_t, const SafetensorsTensor*>> tensors;  // name -> (file, tensor)
+};
+inline HfFiles hf_open(const std::string& dir) {
+    std::vector<std::string> names;
+    if (file_exists(dir + "/model.safetensors.index.json")) {
+        JsonDoc index = JsonDoc::from_file(dir + "/model.safetensors.index.json");
+        const JsonValue& map = index.root.at("weight_map").as_object();
+        for (const JsonValue& file : map.items)
+            if (std::find(names.begin(), names.end(), file.as_string()) == names.end()) names.push_back(file.as_string());
+    } else {
+        names.push_back("model.safetensors");
+    }
+    HfFiles h;
+    for (const std::string& name : names) h.files.push_back(read_safetensors(dir + "/" + name));
+    for (size_t f = 0; f < h.files.size(); f++)
+        for (const SafetensorsTensor& t : h.files[f].tensors) h.tensors[t.name] = {f, &t};
+    return h;
+}
+
+// the model config.json describes, or one line naming the field this model cannot represent
+inline GPTConfig hf_read_config(const std::string& dir) {
+    JsonDoc doc = JsonDoc::from_file(dir + "/config.json");
+    const JsonValue& j = doc.root.as_object();
+    const char* where = doc.where.c_str();
+    auto integer = [&](const char* key) { return (int)j.at(key).as_int64(); };
+    // a field that must hold `expected` when present: anything else is a model this trainer does not build
+    auto require = [&](const char* key, auto expected, const char* why) {
+        const JsonValue* v = j.find(key);
+        if (!v || v->is_null()) return;
+        bool same;
+        if constexpr (std::is_same_v<decltype(expected), bool>) same = v->as_bool() == expected;
+        else if constexpr (std::is_same_v<decltype(expected), const char*>) same = v->as_string() == expected;
+        else same = v->as_double() == expected;
+        if (!same) fail("%s: \"%s\": %s", where, key, why);
+    };
+    const std::vector<JsonValue>& archs = j.at("architectures").as_array();
+    std::string arch = archs.empty() ? "" : archs[0].as_string();
+    GPTConfig c;
+    if (arch == "GPT2LMHeadModel") {
+        c.channels = integer("n_embd"), c.num_heads = integer("n_head"), c.num_layers = integer("n_layer");
+        c.max_seq_len = integer("n_positions"), c.vocab_size = integer("vocab_size");
+        c.padded_vocab_size = pad_vocab(c.vocab_size);
+        require("layer_norm_epsilon", 1e-5, "GPT-2's layernorm here has eps 1e-5");
+        require("activation_function", "gelu_new", "GPT-2's MLP here is GELU's tanh form (gelu_new)");
+        require("n_inner", 4.0 * c.channels, "GPT-2's MLP here has 4·n_embd hidden units");
+        require("tie_word_embeddings", true, "GPT-2's classifier here is wte");
+    } else if (arch == "LlamaForCausalLM") {
+        c.arch = Arch::Llama3;
+        c.channels = integer("hidden_size"), c.num_heads = integer("num_attention_heads");
+        c.num_layers = integer("num_hidden_layers"), c.max_seq_len = integer("max_position_embeddings");
+        c.vocab_size = c.padded_vocab_size = integer("vocab_size");
+        c.num_kv_heads = j.find("num_key_value_heads") ? integer("num_key_value_heads") : c.num_heads;
+        c.norm_eps = (float)j.at("rms_norm_eps").as_double();
+        c.rope_theta = (float)j.at("rope_theta").as_double();
+        // the MLP's size: llm.c's own multiple_of and ffn_dim_multiplier where our export kept them (so that an
+        // llm.c file comes back byte for byte), else H exactly as the descriptors make it
+        int H = integer("intermediate_size");
+        c.multiple_of = H, c.ffn_dim_multiplier = (H + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
+        HfFiles files = hf_open(dir);
+        const std::map<std::string, std::string>& meta = files.files[0].metadata;
+        if (meta.count("llmc_multiple_of") && meta.count("llmc_ffn_dim_multiplier") && meta.count("llmc_version")) {
+            c.multiple_of = atoi(meta.at("llmc_multiple_of").c_str());
+            c.ffn_dim_multiplier = strtof(meta.at("llmc_ffn_dim_multiplier").c_str(), nullptr);
+            sscanf(meta.at("llmc_version").c_str(), "%d.%d", &c.version_major, &c.version_minor);
+            if (c.multiple_of < 1 || c.hidden() != H)
+                fail("%s: \"intermediate_size\" %d disagrees with the safetensors metadata's llmc_multiple_of and "
+                     "llmc_ffn_dim_multiplier", where, H);
+        }
+        require("hidden_act", "silu", "Llama's MLP here is SwiGLU");
+        require("attention_bias", false, "this Llama has no biases");
+        require("mlp_bias", false, "this Llama has no biases");
+        require("tie_word_embeddings", false, "this Llama's lm_head is its own");
+        require("head_dim", (double)c.channels / c.num_heads, "the head size must be hidden_size / num_attention_heads");
+        const JsonValue* scaling = j.find("rope_scaling");
+        if (scaling && !scaling->is_null()) {
+            const JsonValue& s = scaling->as_object();
+            const JsonValue* type = s.find("rope_type") ? s.find("rope_type") : s.find("type");
+            if (!type || type->as_string() != "llama3" || s.at("factor").as_double() != 8 ||
+                s.at("low_freq_factor").as_double() != 1 || s.at("high_freq_factor").as_double() != 4 ||
+                s.at("original_max_position_embeddings").as_int64() != 8192)
+                fail("%s: \"rope_scaling\": only Llama 3.1's (llama3, factor 8, low 1, high 4, original 8192) is built",
+                     where);
+            c.scaled_rope = true;
+        }
+    } else {
+        fail("%s: \"architectures\": %s is neither GPT2LMHeadModel nor LlamaForCausalLM", where,
+             arch.empty() ? "none" : arch.c_str());
+    }
+    validate_config(c, dir);
+    return c;
+}
+
+// Reads the whole model of an HF directory into params (its flat buffer, zero where HF has nothing: the padded
+// vocab rows); a missing tensor, or one of another shape, is refused naming it
+inline void hf_load(const GPTConfig& c, float* params, const std::string& dir) {
+    HfFiles h = hf_open(dir);
+    memset(params, 0, num_parameters(c) * sizeof(float));
+    std::vector<float> values;
+    for (const HfPlacement& p : hf_placements(c)) {
+        auto it = h.tensors.find(p.name);
+        if (it == h.tensors.end()) fail("%s: tensor \"%s\" is missing", dir.c_str(), p.name.c_str());
+        const SafetensorsTensor& t = *it->second.second;
+        if (t.shape != p.shape)
+            fail("%s: tensor \"%s\" has shape %s, the config says %s", dir.c_str(), p.name.c_str(),
+                 shape_string(t.shape).c_str(), shape_string(p.shape).c_str());
+        values.resize(t.numel());
+        h.files[it->second.first].read_floats(t, values.data());
+        hf_move(c, params, p, values.data(), false);
+    }
+    size_t bad = first_non_finite(params, num_parameters(c));
+    if (bad < num_parameters(c))
+        fail("%s: %g in %s (a model must be finite)", dir.c_str(), params[bad], describe_param(c, bad).c_str());
 }

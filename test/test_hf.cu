@@ -1,8 +1,8 @@
-// Tests of the Hugging Face export (llmc/hf.h): the PyTorch reference models of test/reference, exported by
-// `train_gpt --convert FILE --to DIR --format hf`, read back by test/reference/hf_reference.py, an independent
-// implementation of HF's GPT-2 and Llama (its tensor names, Conv1D layout, rotate-half RoPE, llama3 rope
-// scaling), whose logits and loss on the reference batch must be the reference's; sharded and bf16 exports;
-// and the refusals.
+// Tests of the Hugging Face export and import (llmc/hf.h): the PyTorch reference models of test/reference,
+// exported by `train_gpt --convert FILE --to DIR --format hf`, read back by test/reference/hf_reference.py, an
+// independent implementation of HF's GPT-2 and Llama (its tensor names, Conv1D layout, rotate-half RoPE, llama3
+// rope scaling), whose logits and loss on the reference batch must be the reference's; sharded and bf16
+// exports; round trips byte for byte; an HF directory training as its llm.c file does; and the refusals.
 #include "llmc/hf.h"
 #include "mpi_helpers.h"
 
@@ -72,6 +72,80 @@ TEST_CASE("--convert --format hf refuses an existing --to and a source that is n
     check_one_line_error(single("--convert '" + (out / "missing.bin") + "' --to '" + (out / "x") + "' --format hf"),
                          {"missing.bin"});
     check_one_line_error(single("--format hf"), {"--format hf: only with --convert"});
+}
+
+TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -> Hugging Face, byte for byte",
+          "[hf]") {
+    TempDir out;
+    for (const char* reference : {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha"}) {
+        INFO(reference);
+        std::string model = strfmt("build/%s/model.bin", reference), hf = out / (std::string(reference) + ".hf"),
+                    back = out / (std::string(reference) + ".bin"), again = out / (std::string(reference) + ".hf2");
+        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), hf.c_str())).status == 0);
+        REQUIRE(single(strfmt("--convert '%s' --to '%s'", hf.c_str(), back.c_str())).status == 0);
+        CHECK(read_file(back) == read_file(model));
+        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", back.c_str(), again.c_str())).status == 0);
+        CHECK(read_file(again + "/model.safetensors") == read_file(hf + "/model.safetensors"));
+        CHECK(read_file(again + "/config.json") == read_file(hf + "/config.json"));
+    }
+}
+
+TEST_CASE("-e with a Hugging Face directory trains to the llm.c file's losses, equal to the last digit", "[hf]") {
+    Data data;
+    TempDir out;
+    for (const char* reference : {"reference", "reference_llama_gqa"}) {
+        INFO(reference);
+        std::string model = strfmt("build/%s/model.bin", reference), hf = out / (std::string(reference) + ".hf");
+        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), hf.c_str())).status == 0);
+        train(1, data.flags(2, 64, 10, "'" + model + "'"), out / (std::string(reference) + "_file"));
+        train(1, data.flags(2, 64, 10, "'" + hf + "'"), out / (std::string(reference) + "_hf"));
+        std::map<std::string, double> a = losses(out / (std::string(reference) + "_file"));
+        CHECK(a.size() >= 10);
+        CHECK(losses(out / (std::string(reference) + "_hf")) == a);
+    }
+}
+
+TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged one, is refused in one line naming "
+          "the field or the tensor",
+          "[hf]") {
+    Data data;
+    TempDir out;
+    std::string gpt2 = out / "gpt2", llama = out / "llama";
+    REQUIRE(single("--convert build/reference/model.bin --to '" + gpt2 + "' --format hf").status == 0);
+    REQUIRE(single("--convert build/reference_llama_gqa/model.bin --to '" + llama + "' --format hf").status == 0);
+    // a copy of `dir` with config.json's `from` replaced by `to`
+    auto edited = [&](const std::string& dir, const std::string& from, const std::string& to) {
+        std::string copy = dir + "_edited";
+        remove_tree(copy);
+        REQUIRE(run_command("cp -r '" + dir + "' '" + copy + "'").status == 0);
+        std::string config = read_file(copy + "/config.json");
+        size_t at = config.find(from);
+        REQUIRE(at != std::string::npos);
+        config.replace(at, from.size(), to);
+        File f(copy + "/config.json", "wb");
+        f.write(config.data(), config.size());
+        f.close();
+        return copy;
+    };
+    auto refused = [&](const std::string& dir, const std::vector<std::string>& words) {
+        check_one_line_error(single("-e '" + dir + "' --plan"), words);
+    };
+    refused(edited(gpt2, "GPT2LMHeadModel", "BertModel"), {"architectures", "BertModel"});
+    refused(edited(llama, "\"attention_bias\": false", "\"attention_bias\": true"), {"attention_bias", "no biases"});
+    refused(edited(llama, "\"llama3\"", "\"dynamic\""), {"rope_scaling"});
+    refused(edited(llama, "\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true"), {"tie_word_embeddings"});
+    // what only reading the tensors finds: a run, not a plan
+    auto run_refused = [&](const std::string& dir, const std::vector<std::string>& words) {
+        check_one_line_error(single(data.flags(1, 16, 1, "'" + dir + "'")), words);
+    };
+    run_refused(edited(gpt2, "\"n_layer\": 3", "\"n_layer\": 4"), {"transformer.h.3.ln_1.weight", "missing"});
+    // a truncated safetensors file
+    std::string cut = edited(llama, "\"mlp_bias\": false", "\"mlp_bias\": false");
+    std::string bytes = read_file(cut + "/model.safetensors");
+    File f(cut + "/model.safetensors", "wb");
+    f.write(bytes.data(), bytes.size() - 100);
+    f.close();
+    run_refused(cut, {"model.safetensors"});
 }
 
 }  // namespace test_hf

@@ -191,7 +191,7 @@ TEST_CASE("--convert writes a checkpoint's model as an llm.c fp32 or bf16 file, 
     // refused, one line each: an existing --to, a directory that is not a checkpoint, a damaged checkpoint
     check_one_line_error(single("--convert '" + ckpt + "' --to '" + fp32 + "'"), {"--to " + fp32, "already exists"});
     check_one_line_error(single("--convert '" + dir + "' --to '" + (out / "x.bin") + "'"),
-                         {"neither a model file nor a checkpoint directory"});
+                         {"neither a model file, a Hugging Face directory nor a checkpoint directory"});
     {
         std::string model = read_file(ckpt + "/model.bin");
         model[2000] ^= 1;
