@@ -90,13 +90,19 @@ TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -
     }
 }
 
-TEST_CASE("-e with a Hugging Face directory trains to the llm.c file's losses, equal to the last digit", "[hf]") {
+TEST_CASE("-e with a Hugging Face directory written by an independent Python converter (one file, or 3 shards) "
+          "trains to the llm.c file's losses, equal to the last digit",
+          "[hf]") {
     Data data;
     TempDir out;
-    for (const char* reference : {"reference", "reference_llama_gqa"}) {
+    for (const char* reference : {"reference", "reference_llama_gqa", "reference_llama_mha"}) {
         INFO(reference);
         std::string model = strfmt("build/%s/model.bin", reference), hf = out / (std::string(reference) + ".hf");
-        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), hf.c_str())).status == 0);
+        const char* shards = std::string(reference) == "reference_llama_mha" ? "3" : "1";
+        CommandResult w = run_command(strfmt("%s test/reference/make_hf_reference.py '%s' '%s' --shards %s", PYTHON,
+                                             model.c_str(), hf.c_str(), shards));
+        INFO(w.output);
+        REQUIRE(w.status == 0);
         train(1, data.flags(2, 64, 10, "'" + model + "'"), out / (std::string(reference) + "_file"));
         train(1, data.flags(2, 64, 10, "'" + hf + "'"), out / (std::string(reference) + "_hf"));
         std::map<std::string, double> a = losses(out / (std::string(reference) + "_file"));
