@@ -728,8 +728,8 @@ struct ContextParallel {
     }
     void ring_check_heads(int NH, int KV) const {
         if (KV != NH)
-            fail("--cp %d: ring attention with grouped-query attention (KV heads != heads) is not implemented yet",
-                 spec.size);
+            fail("--cp %d: ring attention passes one key/value head per query head; %d query heads share %d here",
+                 spec.size, NH, KV);
     }
 
     // which rank holds position t of a sequence, and at which local index

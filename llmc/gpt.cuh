@@ -427,7 +427,8 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
     if (config.kv_heads() % tp.size != 0)
         fail("--tp %d: must divide the number of key/value heads (%d)", tp.size, config.kv_heads());
     if (config.llama() && cp.size > 1)
-        fail("--cp %d: context parallelism for Llama models (RoPE at each rank's positions) is not built yet", cp.size);
+        fail("--cp %d: context parallelism takes GPT-2 models (a Llama's RoPE would need each rank's positions)",
+             cp.size);
     if (cp.size > 1) cp_layout(T, cp.size, cp.rank, cp.split);  // T splits into 2·cp chunks
     if (tp.sp && cp.size == 1 && T % tp.size != 0)
         fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
@@ -697,10 +698,7 @@ inline void read_file_values(File& f, const FileLayout& layout, int version, siz
     if (version == MODEL_VERSION_FP32) return f.read_at(dst, n * 4, layout.header + (long)at * 4);
     std::vector<uint16_t> halves(n);
     f.read_at(halves.data(), n * 2, layout.header + (long)at * 2);
-    for (size_t i = 0; i < n; i++) {
-        uint32_t bits = (uint32_t)halves[i] << 16;  // bf16 is the top half of an fp32
-        memcpy(&dst[i], &bits, 4);
-    }
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_bits_to_float(halves[i]);
 }
 
 // Reads the runs of the parameters that a rank holds (`runs`: where each run of `params` lies in the whole model)
@@ -750,11 +748,7 @@ inline void write_file_values(File& f, const float* values, size_t n, int versio
             f.write(v, k * 4);
         } else {
             k = std::min(k, halves.size());
-            for (size_t i = 0; i < k; i++) {
-                uint32_t bits;
-                memcpy(&bits, &v[i], 4);
-                halves[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-            }
+            for (size_t i = 0; i < k; i++) halves[i] = float_to_bf16_bits(v[i]);  // the values are finite
             f.write(halves.data(), k * 2);
         }
         done += k;

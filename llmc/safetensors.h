@@ -45,14 +45,6 @@ inline uint32_t f32_bits(float f) {
     return bits;
 }
 
-inline float float_from_bf16(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }  // bf16 is fp32's top half
-
-inline uint16_t bf16_from_float(float f) {
-    uint32_t bits = f32_bits(f);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x0040u);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // f16: 1 sign, 5 exponent (bias 15), 10 mantissa bits; exponent 0 holds the subnormals, multiples of 2^-24
 inline float float_from_f16(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -115,7 +107,7 @@ struct SafetensorsFile {
             size_t k = (size_t)std::min<int64_t>(n - done, (int64_t)halves.size());
             f.read_at(halves.data(), k * 2, at + (long)done * 2);
             for (size_t i = 0; i < k; i++)
-                dst[done + i] = t.dtype == SafetensorsDtype::BF16 ? float_from_bf16(halves[i]) : float_from_f16(halves[i]);
+                dst[done + i] = t.dtype == SafetensorsDtype::BF16 ? bf16_bits_to_float(halves[i]) : float_from_f16(halves[i]);
             done += (int64_t)k;
         }
     }
@@ -296,7 +288,7 @@ struct SafetensorsWriter {
                 for (int64_t done = 0; done < e.numel;) {
                     size_t k = (size_t)std::min<int64_t>(e.numel - done, (int64_t)halves.size());
                     for (size_t i = 0; i < k; i++)
-                        halves[i] = e.dtype == SafetensorsDtype::BF16 ? bf16_from_float(e.values[done + i])
+                        halves[i] = e.dtype == SafetensorsDtype::BF16 ? float_to_bf16_bits(e.values[done + i])
                                                                      : f16_from_float(e.values[done + i]);
                     f.write(halves.data(), k * 2);
                     done += (int64_t)k;

@@ -80,6 +80,22 @@ struct File {
     }
 };
 
+// bf16 as its 16 bits (the collectives' staging, model files, safetensors): exact widening to fp32, and fp32
+// rounded to the nearest bf16 (ties to even; a NaN stays NaN)
+inline float bf16_bits_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+inline uint16_t float_to_bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x0040u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 inline void File::close() {
     if (!f) return;
     bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;

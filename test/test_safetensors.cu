@@ -85,11 +85,11 @@ TEST_CASE("safetensors: 16-bit conversions match CUDA's, bit for bit", "[safeten
         INFO("bits 0x" << std::hex << h);
         if (std::isnan(f16)) REQUIRE(std::isnan(float_from_f16(bits)));
         else REQUIRE(f32_bits(float_from_f16(bits)) == f32_bits(f16));
-        if (std::isnan(b16)) REQUIRE(std::isnan(float_from_bf16(bits)));
-        else REQUIRE(f32_bits(float_from_bf16(bits)) == f32_bits(b16));
+        if (std::isnan(b16)) REQUIRE(std::isnan(bf16_bits_to_float(bits)));
+        else REQUIRE(f32_bits(bf16_bits_to_float(bits)) == f32_bits(b16));
         // a NaN comes back a NaN, with its payload and a quiet bit; anything else comes back exactly
         if (!std::isnan(f16)) REQUIRE(f16_from_float(float_from_f16(bits)) == bits);
-        if (!std::isnan(b16)) REQUIRE(bf16_from_float(float_from_bf16(bits)) == bits);
+        if (!std::isnan(b16)) REQUIRE(float_to_bf16_bits(bf16_bits_to_float(bits)) == bits);
     }
     // narrowing: every exponent and sign with the low mantissa bits at, around and far from both ties
     std::vector<uint32_t> lows = {0x0000, 0x0001, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x8000,
@@ -99,10 +99,10 @@ TEST_CASE("safetensors: 16-bit conversions match CUDA's, bit for bit", "[safeten
         for (uint32_t low : lows) {
             uint32_t bits = (high << 16) ^ low;
             float x = f32_from_bits(bits);
-            uint16_t ours_b = bf16_from_float(x), ours_f = f16_from_float(x);
+            uint16_t ours_b = float_to_bf16_bits(x), ours_f = f16_from_float(x);
             INFO("fp32 bits 0x" << std::hex << bits);
             if (std::isnan(x)) {
-                REQUIRE(std::isnan(float_from_bf16(ours_b)));
+                REQUIRE(std::isnan(bf16_bits_to_float(ours_b)));
                 REQUIRE(std::isnan(float_from_f16(ours_f)));
                 continue;
             }
@@ -114,14 +114,14 @@ TEST_CASE("safetensors: 16-bit conversions match CUDA's, bit for bit", "[safeten
     for (int i = 0; i < 1000000; i++) {
         float x = f32_from_bits((uint32_t)rng.next_u64());
         if (std::isnan(x)) continue;
-        REQUIRE(bf16_from_float(x) == cuda_bf16(x));
+        REQUIRE(float_to_bf16_bits(x) == cuda_bf16(x));
         REQUIRE(f16_from_float(x) == cuda_f16(x));
     }
     REQUIRE(checked > 900000);
     // the cases by name
-    REQUIRE(bf16_from_float(f32_from_bits(0x3F808000u)) == 0x3F80);  // a tie goes to the even neighbor, down
-    REQUIRE(bf16_from_float(f32_from_bits(0x3F818000u)) == 0x3F82);  // and up
-    REQUIRE(bf16_from_float(3.4028234663852886e38f) == 0x7F80);      // fp32's largest rounds to inf
+    REQUIRE(float_to_bf16_bits(f32_from_bits(0x3F808000u)) == 0x3F80);  // a tie goes to the even neighbor, down
+    REQUIRE(float_to_bf16_bits(f32_from_bits(0x3F818000u)) == 0x3F82);  // and up
+    REQUIRE(float_to_bf16_bits(3.4028234663852886e38f) == 0x7F80);      // fp32's largest rounds to inf
     REQUIRE(f16_from_float(2049.0f) == 0x6800);                      // 2048
     REQUIRE(f16_from_float(2051.0f) == 0x6802);                      // 2052
     REQUIRE(f16_from_float(65519.0f) == 0x7BFF);                     // 65504, f16's largest
