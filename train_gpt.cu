@@ -224,7 +224,7 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
     }
     if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");
     // the tied embeddings (wte and wpe, at the front of the share) of the first and the last stage
-    if (grid.pp > 1 && m.part.embeddings()) {
+    if (grid.pp > 1 && m.part.embedding_copy()) {
         size_t n = m.param_sizes[WTE] + m.param_sizes[WPE];
         std::vector<float> pair(2 * n);
         grid.tied_comm.wait(grid.tied_comm.all_gather(mine[WTE], pair.data(), n, DType::F32));
@@ -413,7 +413,7 @@ static int train(const Options& o, const RunSetup& run) {
     model.seed = o.seed;
     // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
     Comm& grad_comm = grid.dp_cp();
-    StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embeddings() ? &grid.tied_comm : nullptr};
+    StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embedding_copy() ? &grid.tied_comm : nullptr};
     // with experts split over ep, their gradients are reduced over the ranks that hold the same experts
     ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
     // what the gradient reductions have sent: over dp·cp, and under ep over the experts' replicas too
@@ -449,11 +449,15 @@ static int train(const Options& o, const RunSetup& run) {
                 device_upload<floatX>(adam_v, staged_v.data(), moments);
             }
         } else {
-            std::vector<float> whole(num_parameters(config));
-            if (is_model_descriptor(o.model)) gpt_init_random(config, whole.data(), o.seed);
-            else if (is_hf_dir(o.model)) hf_load(config, whole.data(), o.model);
-            else gpt_load_params(config, whole.data(), o.model);
-            copy_share_params(config, share_spec(grid), model.part, whole.data(), mine, true);
+            // the whole model, made in place when the share is all of it (no second copy of a big model's
+            // parameters in memory), else in a temporary the share is cut from
+            bool in_place = holds_whole_model(grid, o.zero);
+            std::vector<float> temporary(in_place ? 0 : num_parameters(config));
+            float* whole = in_place ? mine : temporary.data();
+            if (is_model_descriptor(o.model)) gpt_init_random(config, whole, o.seed);
+            else if (is_hf_dir(o.model)) hf_load(config, whole, o.model);
+            else gpt_load_params(config, whole, o.model);
+            if (!in_place) copy_share_params(config, share_spec(grid), model.part, whole, mine, true);
         }
         install_share(model, dpr, o.zero, mine);
     }
@@ -761,7 +765,9 @@ static int calibrate(const Options& o, Device dev) {
                                             : calibrate_hardware<float>(base, world, one_node);
     comm_finalize(world);
     if (world.rank != 0) return 0;
-    h.name = base.name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
+    // a profile calibrated before names the host it was measured on: the new measurement replaces that note
+    std::string name = base.name.substr(0, base.name.find(" (calibrated on "));
+    h.name = name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
     std::string text = "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h);
     std::string tmp = o.calibrate + ".tmp";
     File f(tmp, "w");

@@ -66,6 +66,8 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (c.hidden() < 1 || c.hidden() > (1 << 20)) fail("%s: implausible MLP hidden size %d", where.c_str(), c.hidden());
     if (!(c.norm_eps > 0 && c.norm_eps < 1) || !(c.rope_theta > 1))
         fail("%s: norm eps %g and RoPE theta %g: need 0 < eps < 1 and theta > 1", where.c_str(), c.norm_eps, c.rope_theta);
+    if (!(c.rope_scaling == 0 || (c.rope_scaling >= 1 && c.rope_scaling <= 1024)))
+        fail("%s: RoPE scaling factor %g: need 0 (none) or 1 to 1024", where.c_str(), c.rope_scaling);
     if (c.moe()) fail("%s: experts are built for GPT-2 models only so far", where.c_str());
     if (c.padded_vocab_size != c.vocab_size) fail("%s: a Llama's vocab is not padded", where.c_str());
 }
@@ -75,10 +77,12 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // may end in e<E>k<K>: a mixture of E experts with top-K routing in every layer (d12e8k2, d2c48h4e4k2); e1k1
 // is the dense model.
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
-// 8 key/value heads, RoPE theta 500000 with Llama 3.1's scaling, maxT 8192); any other shape is
-// l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>]: KV key/value heads (default NH), H hidden units in the MLP (default
-// Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2 vocab by default, RoPE theta
-// 500000 unscaled, e.g. l4c128h4g2f352 (4 layers, 128 channels, 4 heads sharing 2 key/value heads).
+// 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
+// the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
+// shape is l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][w]: KV key/value heads (default NH), H hidden units in the
+// MLP (default Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2 vocab by
+// default, RoPE theta 500000 unscaled, w: the classifier tied to wte, e.g. l4c128h4g2f352 (4 layers, 128
+// channels, 4 heads sharing 2 key/value heads).
 inline bool is_model_descriptor(const std::string& s) {
     return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l') && isdigit(s[1])) || s.rfind("llama3-", 0) == 0;
 }
@@ -89,22 +93,25 @@ inline GPTConfig llama3_named(const std::string& s) {
         const char* name;
         int L, C, NH, multiple_of;
         float multiplier;
+        int minor;  // Llama 3.2's small models tie the classifier to wte and scale RoPE by 32; Llama 3.1's by 8
     };
-    for (Shape m : {Shape{"llama3-1b", 16, 2048, 32, 256, 1.5f}, Shape{"llama3-3b", 28, 3072, 24, 256, 1.0f},
-                    Shape{"llama3-8b", 32, 4096, 32, 1024, 1.3f}, Shape{"llama3-70b", 80, 8192, 64, 4096, 1.3f},
-                    Shape{"llama3-405b", 126, 16384, 128, 4096, 1.2f}}) {
+    for (Shape m : {Shape{"llama3-1b", 16, 2048, 32, 256, 1.5f, 2}, Shape{"llama3-3b", 28, 3072, 24, 256, 1.0f, 2},
+                    Shape{"llama3-8b", 32, 4096, 32, 1024, 1.3f, 1}, Shape{"llama3-70b", 80, 8192, 64, 4096, 1.3f, 1},
+                    Shape{"llama3-405b", 126, 16384, 128, 4096, 1.2f, 1}}) {
         if (s != m.name) continue;
         GPTConfig c;
         c.arch = Arch::Llama3;
         c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8;
         c.multiple_of = m.multiple_of, c.ffn_dim_multiplier = m.multiplier;
         c.vocab_size = c.padded_vocab_size = 128256, c.max_seq_len = 8192;
-        c.rope_theta = 500000.0f, c.scaled_rope = true;
+        c.version_minor = m.minor;
+        c.tied_embeddings = m.minor == 2;
+        c.rope_theta = 500000.0f, c.rope_scaling = m.minor == 2 ? 32.0f : 8.0f;
         validate_config(c, "-e " + s);
         return c;
     }
     fail("-e %s: Llama 3 sizes are llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b; give other shapes as "
-         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>]", s.c_str());
+         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][w]", s.c_str());
 }
 
 inline GPTConfig parse_model_descriptor(const std::string& s) {
@@ -123,7 +130,7 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>]" : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
+    const char* fields = llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][w]" : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -136,6 +143,7 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'k': known = !llama && (c.top_k = number(key), have_k = true); break;
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
+            case 'w': known = c.tied_embeddings = llama && !*p; break;  // a flag, last
             default: known = false;
         }
         if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
@@ -541,7 +549,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     if (config.llama()) {  // RoPE's (cos, sin) table for every position the model takes
         size_t n = (size_t)config.max_seq_len * d.hd;
         std::vector<float> table(n);
-        rope_table(table.data(), config.max_seq_len, d.hd, config.rope_theta, config.scaled_rope);
+        rope_table(table.data(), config.max_seq_len, d.hd, config.rope_theta, config.rope_scaling);
         m.rope = led.alloc<floatX, float>(MEM_SCRATCH, n);
         device_upload<floatX>(m.rope, table.data(), n);
     }
@@ -575,6 +583,7 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
         const TensorSpec& spec = table[i];
         float* t = p[i];
         size_t n = sizes[i];
+        if (n == 0) continue;  // a tensor the architecture lacks (a dense model's router, a tied Llama's lm_head)
         if (spec.init == Init::Zeros || spec.init == Init::Ones) {
             std::fill(t, t + n, spec.init == Init::Ones ? 1.0f : 0.0f);
             continue;
@@ -599,8 +608,10 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
 // llm.c model files, fp32 (version 3) or bf16 (version 5). GPT-2's: a header of 256 int32 (magic 20240326,
 // version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file), then the parameters in
 // table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
-// multiple_of, use_scaled_rope, major, minor) and 256 float32 (ffn_dim_multiplier, norm_eps, rope_theta), then the
-// tensors in GPT-2's slots: lm_head in wpe's, and every bias slot present and zero (the table's file_rows).
+// multiple_of, use_scaled_rope, major, minor; then llm5d's [14]: 1 if the classifier is tied to wte) and 256
+// float32 (ffn_dim_multiplier, norm_eps, rope_theta; then llm5d's [3]: RoPE's scaling factor where it is not
+// llm.c's 8), then the tensors in GPT-2's slots: lm_head in wpe's (a tied model's wte again, so that llm.c
+// reads it), and every bias slot present and zero (the table's file_rows).
 
 constexpr int LLAMA_MODEL_MAGIC = 20240803;
 
@@ -608,7 +619,7 @@ constexpr int LLAMA_MODEL_MAGIC = 20240803;
 struct FileLayout {
     long header = 0;                      // bytes
     size_t file_start[NUM_PARAM_TENSORS];  // elements of the file before the tensor
-    size_t file_size[NUM_PARAM_TENSORS];   // the tensor's elements in the file (zeros where it is absent here)
+    size_t file_size[NUM_PARAM_TENSORS];   // the tensor's elements in the file (zeros or a copy where it is absent)
     size_t flat_start[NUM_PARAM_TENSORS];  // elements of the flat buffer before it
     size_t elements = 0;                   // in the file
 };
@@ -622,7 +633,8 @@ inline FileLayout file_layout(const GPTConfig& c) {
         size_t blocks = table[t].holder == Holder::Layer ? c.num_layers : 1;
         f.flat_start[t] = flat, flat += sizes[t];
         f.file_start[t] = f.elements;
-        f.file_size[t] = table[t].block() > 0 ? sizes[t] : blocks * table[t].file_rows;
+        f.file_size[t] = table[t].block() > 0 ? sizes[t] : table[t].file_copy >= 0 ? sizes[table[t].file_copy]
+                                                                                   : blocks * table[t].file_rows;
         f.elements += f.file_size[t];
     }
     return f;
@@ -631,8 +643,9 @@ inline FileLayout file_layout(const GPTConfig& c) {
 // what a Llama adds to the shape GPT-2's L, C, NH, V and maxT say, in the lines that print a model ("" for GPT-2)
 inline std::string llama_shape(const GPTConfig& c) {
     if (!c.llama()) return "";
-    return strfmt(" Llama %d.%d KV=%d H=%d eps=%g theta=%g%s", c.version_major, c.version_minor, c.kv_heads(), c.hidden(),
-                  c.norm_eps, c.rope_theta, c.scaled_rope ? " scaled" : "");
+    std::string scaling = c.rope_scaling > 0 ? strfmt(" scaled x%g", c.rope_scaling) : "";
+    return strfmt(" Llama %d.%d KV=%d H=%d eps=%g theta=%g%s%s", c.version_major, c.version_minor, c.kv_heads(),
+                  c.hidden(), c.norm_eps, c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
 }
 
 inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
@@ -640,7 +653,7 @@ inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
            a.kv_heads() == b.kv_heads() && a.vocab_size == b.vocab_size && a.padded_vocab_size == b.padded_vocab_size &&
            a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
-                           a.scaled_rope == b.scaled_rope));
+                           a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings));
 }
 
 inline GPTConfig read_model_header(const std::string& path, int* version) {
@@ -667,9 +680,12 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.channels = h[7];
         c.padded_vocab_size = c.vocab_size;
         c.multiple_of = h[8];
-        c.scaled_rope = h[9] != 0;
         c.version_major = h[10], c.version_minor = h[11];
         c.ffn_dim_multiplier = hf[0], c.norm_eps = hf[1], c.rope_theta = hf[2];
+        if (h[9] == 0 && hf[3] != 0) fail("%s: header gives RoPE a scaling factor %g but use_scaled_rope 0", path.c_str(), hf[3]);
+        c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
+        if (h[14] != 0 && h[14] != 1) fail("%s: header slot 14 (tied embeddings) is %d, not 0 or 1", path.c_str(), h[14]);
+        c.tied_embeddings = h[14] == 1;
     } else {
         c.channels = h[6];
         c.padded_vocab_size = h[7];
@@ -720,15 +736,25 @@ inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vecto
         if (bad < r.count)
             fail("%s: %g in %s (a model must be finite)", path.c_str(), dst[bad], describe_param(c, r.whole + bad).c_str());
     }
-    std::vector<float> absent;
+    // the slots this model lacks, a million values at a time: zeros, or the copy of the tensor they repeat
+    std::vector<float> absent, copied;
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
-        if (table[t].block() > 0 || layout.file_size[t] == 0) continue;
-        absent.resize(layout.file_size[t]);
-        read_file_values(f, layout, version, layout.file_start[t], absent.size(), absent.data());
-        for (size_t i = 0; i < absent.size(); i++)
-            if (absent[i] != 0.0f)
+        if (table[t].block() > 0) continue;
+        int source = table[t].file_copy;
+        for (size_t at = 0, n; at < layout.file_size[t]; at += n) {
+            n = std::min(layout.file_size[t] - at, (size_t)1 << 20);
+            absent.resize(n), copied.assign(n, 0.0f);
+            read_file_values(f, layout, version, layout.file_start[t] + at, n, absent.data());
+            if (source >= 0) read_file_values(f, layout, version, layout.file_start[source] + at, n, copied.data());
+            for (size_t i = 0; i < n; i++) {
+                if (absent[i] == copied[i]) continue;
+                if (source >= 0)
+                    fail("%s: %s differs from %s at element %zu: the header ties the classifier to %s, so the two "
+                         "must be equal", path.c_str(), table[t].name, table[source].name, at + i, table[source].name);
                 fail("%s: %s holds %g at element %zu: this Llama has no biases, so every bias slot must be zero",
-                     path.c_str(), table[t].name, absent[i], i);
+                     path.c_str(), table[t].name, absent[i], at + i);
+            }
+        }
     }
 }
 
@@ -771,9 +797,11 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         h[6] = c.kv_heads();
         h[7] = c.channels;
         h[8] = c.multiple_of;
-        h[9] = c.scaled_rope;
+        h[9] = c.rope_scaling > 0;
         h[10] = c.version_major, h[11] = c.version_minor;
+        h[14] = c.tied_embeddings;
         hf[0] = c.ffn_dim_multiplier, hf[1] = c.norm_eps, hf[2] = c.rope_theta;
+        hf[3] = c.rope_scaling == 8.0f ? 0.0f : c.rope_scaling;  // llm.c's files stay llm.c's, byte for byte
     } else {
         h[0] = MODEL_MAGIC;
         h[6] = c.channels;
@@ -785,8 +813,10 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
     f.write(h, sizeof(h));
     if (c.llama()) f.write(hf, sizeof(hf));
     ModelTable table = model_table(c);
-    for (int t = 0; t < NUM_PARAM_TENSORS; t++)
-        write_file_values(f, table[t].block() > 0 ? params + layout.flat_start[t] : nullptr, layout.file_size[t], version);
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        int source = table[t].block() > 0 ? t : table[t].file_copy;
+        write_file_values(f, source >= 0 ? params + layout.flat_start[source] : nullptr, layout.file_size[t], version);
+    }
     f.close();
     return f.written.value;
 }
@@ -808,7 +838,7 @@ inline ParamViews<floatX> unit_grads(GPTModel<floatX>& m, int unit) {
 // is 0, with the model's last chunk), so that a store can fetch them ahead in order
 inline std::pair<int, int> chunk_units(const ModelPart& part, int chunk) {
     int L = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
-    return {chunk == part.chunks() - 1 ? FINAL_NORM_UNIT : layer_unit(L, lo + n - 1), layer_unit(L, lo)};
+    return {chunk == part.chunks() - 1 ? HEAD_UNIT : layer_unit(L, lo + n - 1), layer_unit(L, lo)};
 }
 
 // What a layer's forward starts from: the layer before it in the chunk, whose residual add is fused with this
@@ -940,15 +970,15 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         if (m.store) m.store->end_pass();
         return -1.0f;
     }
-    // the head: the last residual add fused with the final norm, and the classifier (GPT-2's is wte, tied)
-    ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT);
+    // the head: the last residual add fused with the final norm, and the classifier (wte when tied)
+    ParamViews<floatX> fin = unit_params(m, HEAD_UNIT);
     if (c.llama()) fused_residual_rmsnorm_forward(last.residual3, a.lnf + first, a.lnf_rstd, last.residual2, last.fcproj,
                                                   fin[LNFW], R, C, c.norm_eps);
     else fused_residual_layernorm_forward(last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
                                           fin[LNFW], fin[LNFB], R, C);
     tp.gather_rows(a.lnf, BT, C);
-    ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
-    matmul_forward(a.logits, a.lnf, emb[classifier_tensor(c)], (const floatX*)nullptr, BT, C, d.Vl, ws);
+    ParamViews<floatX> cls = unit_params(m, classifier_unit(c, Lp));
+    matmul_forward(a.logits, a.lnf, cls[classifier_tensor(c)], (const floatX*)nullptr, BT, C, d.Vl, ws);
     if (m.store) m.store->end_pass();
     if (!targets) return -1.0f;
     mb.loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl)
@@ -1134,24 +1164,24 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     if (m.store) m.store->begin_pass(true, low_unit, high_unit);
 
     if (head) {
-        // the classifier: logits turn into their gradient in place, then through the tied wte and the final norm
+        // the classifier: logits turn into their gradient in place, then through its weight and the final norm
         if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, mb.device_targets, BT, V, d.Vl, dloss);
         else crossentropy_backward_inplace(a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
-        ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp)), demb = unit_grads(m, embedding_unit(Lp));
-        int cls = classifier_tensor(c);
-        matmul_backward(s.dln, demb[cls], (floatX*)nullptr, a.logits, a.lnf, emb[cls], BT, C, d.Vl, ws);
+        int unit = classifier_unit(c, Lp), t = classifier_tensor(c);
+        ParamViews<floatX> cls = unit_params(m, unit), dcls = unit_grads(m, unit);
+        matmul_backward(s.dln, dcls[t], (floatX*)nullptr, a.logits, a.lnf, cls[t], BT, C, d.Vl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         device_zero<floatX>(s.dresidual, R * C);
         const floatX* last_residual = layer_slice(a, n - 1, d, m.recompute, m.split_backward).residual3;
-        ParamViews<floatX> fin = unit_params(m, FINAL_NORM_UNIT), dfin = unit_grads(m, FINAL_NORM_UNIT);
+        ParamViews<floatX> fin = unit_params(m, HEAD_UNIT), dfin = unit_grads(m, HEAD_UNIT);
         if (c.llama()) rmsnorm_backward(s.dresidual, dfin[LNFW], dln_rows, last_residual, fin[LNFW], a.lnf_rstd, R, C);
         else layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
                                 a.lnf_rstd, R, C);
     } else {
         device_copy<floatX>(s.dresidual, gpt_chunk_output(m, slot, chunk), R * C);
     }
-    // the final layernorm's unit goes with the part's last chunk (empty off the model's last stage)
-    if (chunk == part.chunks() - 1) done(FINAL_NORM_UNIT);
+    // the head's unit goes with the part's last chunk (empty off the model's last stage)
+    if (chunk == part.chunks() - 1) done(HEAD_UNIT);
 
     // dresidual carries the gradient of the residual stream down the layers: each branch reads it and adds
     // its input gradient back (the residual add passes gradient to both of its inputs unchanged)
@@ -1198,7 +1228,7 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     NvtxRange pass("weight gradients");
     auto [low_unit, high_unit] = chunk_units(part, chunk);
     if (m.store) m.store->begin_pass(true, low_unit, high_unit);
-    if (chunk == part.chunks() - 1) done(FINAL_NORM_UNIT);
+    if (chunk == part.chunks() - 1) done(HEAD_UNIT);
     for (int i = n - 1; i >= 0; i--) {
         Activations<floatX> la = layer_slice(mb.acts, i, d, m.recompute, true);
         const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;

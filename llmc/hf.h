@@ -9,7 +9,8 @@
 //           transformer.wpe, transformer.h.{l}.ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj,
 //           transformer.ln_f. HF's Conv1D stores a weight [in, out], the transpose of ours [out, in].
 //   Llama   model.embed_tokens, model.layers.{l}.input_layernorm, self_attn.{q,k,v,o}_proj,
-//           post_attention_layernorm, mlp.{gate,up,down}_proj, model.norm, lm_head. Our fcw holds c_fc (HF's
+//           post_attention_layernorm, mlp.{gate,up,down}_proj, model.norm, lm_head (none when tied to
+//           embed_tokens, tie_word_embeddings, as Llama 3.2 1B and 3B are). Our fcw holds c_fc (HF's
 //           up_proj) then c_fc2 (gate_proj, the one SwiGLU passes through silu). HF's Llama turns RoPE's pairs
 //           (i, i + hd/2) (rotate_half), ours and Meta's (2i, 2i + 1): q_proj's and k_proj's rows are reordered
 //           within each head so that HF's pair i is our pair i, which leaves every attention score unchanged.
@@ -93,7 +94,7 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
         add(h + "mlp.down_proj.weight", FCPROJW, l, 0, C, H);
     }
     add("model.norm.weight", LNFW, 0, 0, C, 1);
-    add("lm_head.weight", WPE, 0, 0, V, C);
+    if (!c.tied_embeddings) add("lm_head.weight", WPE, 0, 0, V, C);
     return out;
 }
 
@@ -145,19 +146,21 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
             "  \"bos_token_id\": 50256,\n  \"eos_token_id\": 50256,\n  \"tie_word_embeddings\": true,\n"
             "  \"torch_dtype\": \"%s\"\n}\n",
             c.vocab_size, c.max_seq_len, c.max_seq_len, c.channels, c.num_layers, c.num_heads, torch_dtype.c_str());
-    std::string scaling = c.scaled_rope ? "{\n    \"rope_type\": \"llama3\",\n    \"factor\": 8.0,\n"
-                                          "    \"low_freq_factor\": 1.0,\n    \"high_freq_factor\": 4.0,\n"
-                                          "    \"original_max_position_embeddings\": 8192\n  }"
-                                        : "null";
+    std::string scaling = c.rope_scaling > 0 ? strfmt("{\n    \"rope_type\": \"llama3\",\n    \"factor\": %s,\n"
+                                                      "    \"low_freq_factor\": 1.0,\n    \"high_freq_factor\": 4.0,\n"
+                                                      "    \"original_max_position_embeddings\": 8192\n  }",
+                                                      hf_float(c.rope_scaling).c_str())
+                                             : "null";
     return strfmt(
         "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n  \"vocab_size\": %d,\n"
         "  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
         "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
         "  \"head_dim\": %d,\n  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": %s,\n  \"rope_theta\": %s,\n"
         "  \"rope_scaling\": %s,\n  \"attention_bias\": false,\n  \"mlp_bias\": false,\n"
-        "  \"tie_word_embeddings\": false,\n  \"initializer_range\": 0.02,\n  \"torch_dtype\": \"%s\"\n}\n",
+        "  \"tie_word_embeddings\": %s,\n  \"initializer_range\": 0.02,\n  \"torch_dtype\": \"%s\"\n}\n",
         c.vocab_size, c.max_seq_len, c.channels, c.hidden(), c.num_layers, c.num_heads, c.kv_heads(), c.head_size(),
-        hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(), torch_dtype.c_str());
+        hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(),
+        c.tied_embeddings ? "true" : "false", torch_dtype.c_str());
 }
 
 // Writes the whole model (params: its flat buffer) as the Hugging Face directory `dir`, which must not exist:
@@ -306,18 +309,17 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         require("hidden_act", "silu", "Llama's MLP here is SwiGLU");
         require("attention_bias", false, "this Llama has no biases");
         require("mlp_bias", false, "this Llama has no biases");
-        require("tie_word_embeddings", false, "this Llama's lm_head is its own");
+        const JsonValue* tie = j.find("tie_word_embeddings");
+        c.tied_embeddings = tie && !tie->is_null() && tie->as_bool();
         require("head_dim", (double)c.channels / c.num_heads, "the head size must be hidden_size / num_attention_heads");
         const JsonValue* scaling = j.find("rope_scaling");
         if (scaling && !scaling->is_null()) {
             const JsonValue& s = scaling->as_object();
             const JsonValue* type = s.find("rope_type") ? s.find("rope_type") : s.find("type");
-            if (!type || type->as_string() != "llama3" || s.at("factor").as_double() != 8 ||
-                s.at("low_freq_factor").as_double() != 1 || s.at("high_freq_factor").as_double() != 4 ||
-                s.at("original_max_position_embeddings").as_int64() != 8192)
-                fail("%s: \"rope_scaling\": only Llama 3.1's (llama3, factor 8, low 1, high 4, original 8192) is built",
-                     where);
-            c.scaled_rope = true;
+            if (!type || type->as_string() != "llama3" || s.at("low_freq_factor").as_double() != 1 ||
+                s.at("high_freq_factor").as_double() != 4 || s.at("original_max_position_embeddings").as_int64() != 8192)
+                fail("%s: \"rope_scaling\": only Llama 3's (llama3, low 1, high 4, original 8192) is built", where);
+            c.rope_scaling = (float)s.at("factor").as_double();
         }
     } else {
         fail("%s: \"architectures\": %s is neither GPT2LMHeadModel nor LlamaForCausalLM", where,

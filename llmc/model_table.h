@@ -3,7 +3,7 @@
 // rank's share under tensor and expert parallelism, the units data parallelism reduces and ZeRO-3 gathers, the
 // element coordinates checkpoints index, the plan and the step-time model. Nothing else restates a shape.
 //
-// A row says: the tensor's name; which unit holds it (the embeddings, each layer, the final norm); whether each
+// A row says: the tensor's name; which unit holds it (the embeddings, each layer, the head); whether each
 // layer stacks one block of it per expert; its rows and columns (the rows in parts when a column split divides
 // them separately: Q, K and V); how tensor parallelism places it (the table below); whether AdamW decays it;
 // whether its gradient is a partial sum of the rank's rows under sequence parallelism; and how it starts.
@@ -26,7 +26,7 @@
 #include "llmc/utils.h"
 
 // the architectures (a table and a layer body each): GPT-2, and Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query
-// attention, an untied classifier, no biases, no position table)
+// attention, no biases, no position table, a classifier of its own or tied to the token embedding)
 enum class Arch { GPT2, Llama3 };
 
 struct GPTConfig {
@@ -41,17 +41,20 @@ struct GPTConfig {
     int num_experts = 1;  // E experts in every layer's MLP, top_k of them per token (llmc/moe.cuh); 1 and 1: dense
     int top_k = 1;
     // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
-    // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and whether Llama 3.1's frequency scaling
-    // applies, and the version the file names
+    // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and the factor of Llama 3's frequency scaling
+    // (0: none; 8 in Llama 3.1, 32 in Llama 3.2), and the version the file names; whether the classifier is the
+    // token embedding (Llama 3.2 1B and 3B) rather than a matrix of its own
     int multiple_of = 256;
     float ffn_dim_multiplier = 0.0f;
     float norm_eps = 1e-5f;
     float rope_theta = 500000.0f;
-    bool scaled_rope = false;
+    float rope_scaling = 0.0f;
     int version_major = 3, version_minor = 1;
+    bool tied_embeddings = false;
 
     bool moe() const { return num_experts > 1; }
     bool llama() const { return arch == Arch::Llama3; }
+    bool tied() const { return !llama() || tied_embeddings; }  // GPT-2's classifier always is wte
     int kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
     int head_size() const { return channels / num_heads; }
     // the MLP's hidden units: 4C for GPT-2; for Llama Meta's: 2/3 of 4C, times ffn_dim_multiplier, rounded up
@@ -69,11 +72,13 @@ inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
 // The part of the model one rank holds: all of it, or under pipeline parallelism (llmc/pp.cuh) one stage's
 // chunks, each a run of consecutive layers (one chunk per virtual stage, in model order), stacked in that
 // order. The stage that runs the model's first chunk holds the embeddings; the one that runs its last chunk
-// holds the final layernorm and the classifier, whose weight is wte: it keeps a copy of the embeddings, which
-// llmc/zero.cuh keeps equal to the first stage's bit for bit.
+// holds the head: the final norm and the classifier. A classifier of its own (an untied Llama's lm_head) is in
+// the head; a tied one is wte, so that stage keeps a copy of the embeddings, which llmc/zero.cuh keeps equal to
+// the first stage's bit for bit.
 struct ModelPart {
     std::vector<int> chunk_first, chunk_layers;  // per chunk: its first layer in the model, its number of layers
     bool first = true, last = true;              // runs the model's first / last chunk
+    bool tied = true;                            // the classifier is wte
 
     int chunks() const { return (int)chunk_layers.size(); }
     int layers() const {
@@ -87,7 +92,9 @@ struct ModelPart {
         for (int k = 0; k < chunk; k++) n += chunk_layers[k];
         return n;
     }
-    bool embeddings() const { return first || last; }
+    bool embeddings() const { return first || (last && tied); }
+    // holds one of the two copies of the tied embeddings (under pp: the first stage or the last)
+    bool embedding_copy() const { return tied && (first || last); }
     bool head(int chunk) const { return last && chunk == chunks() - 1; }
     bool starts_model(int chunk) const { return first && chunk == 0; }
     // the model's index of the part's layer l
@@ -97,7 +104,7 @@ struct ModelPart {
         fail("model part: layer %d is not in the part", l);
     }
 };
-inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_layers}, true, true}; }
+inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_layers}, true, true, c.tied()}; }
 
 // ----------------------------------------------------------------------------------------------------------
 // the table
@@ -109,7 +116,8 @@ enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, L
                    FCPROJB, LNFW, LNFB, NUM_PARAM_TENSORS };
 
 enum class TPSplit { Replicated, Column, Row, Vocab };
-enum class Holder { Embeddings, Layer, FinalNorm };  // the unit that holds a tensor
+// the unit that holds a tensor: the embeddings, a layer, or the head (the final norm, and a classifier of its own)
+enum class Holder { Embeddings, Layer, Head };
 // how initialization fills a tensor: with zeros, ones, N(0, 0.02), or N(0, 0.02/sqrt(2L)) for the projections
 // that write into the residual stream (GPT-2's scaling, which torchtitan keeps)
 enum class Init { Zeros, Ones, Normal, ResidualNormal };
@@ -126,6 +134,7 @@ struct TensorSpec {
     Init init;
     size_t file_rows = 0;  // absent here (no rows) but in the model file as zeros: llm.c's Llama 3 files keep GPT-2's
                            // bias slots
+    int file_copy = -1;    // absent here but in the model file as a copy of this tensor (a tied Llama's lm_head)
 
     size_t rows() const { return parts[0] + parts[1] + parts[2]; }
     size_t block() const { return rows() * cols; }  // one layer's (and expert's) elements in the whole model
@@ -145,7 +154,7 @@ using ModelTable = std::array<TensorSpec, NUM_PARAM_TENSORS>;
 // GELU, and the classifier tied to wte
 inline ModelTable gpt2_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
-    const Holder emb = Holder::Embeddings, layer = Holder::Layer, final_norm = Holder::FinalNorm;
+    const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, H = c.hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true, partial = true;
@@ -166,27 +175,28 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
         {"fcb",      layer,      expert,  {H},          1,   column, !decay, !partial, zeros},
         {"fcprojw",  layer,      expert,  {C},          H,   row,    decay,  !partial, residual},
         {"fcprojb",  layer,      expert,  {C},          1,   rep,    !decay, !partial, zeros},
-        {"lnfw",     final_norm, !expert, {C},          1,   rep,    !decay, partial,  ones},
-        {"lnfb",     final_norm, !expert, {C},          1,   rep,    !decay, partial,  zeros},
+        {"lnfw",     head,       !expert, {C},          1,   rep,    !decay, partial,  ones},
+        {"lnfb",     head,       !expert, {C},          1,   rep,    !decay, partial,  zeros},
     }};
 }
 
 // Llama 3: no position table, RMSNorm without biases, no biases anywhere, grouped-query attention (NH query
 // heads and KV key/value heads of hd channels, so qkvw has NH·hd + 2·KV·hd rows), SwiGLU's two input matrices
-// c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and an untied classifier, lm_head, in
-// the slot of GPT-2's wpe as llm.c's Llama 3 files keep it. The bias slots are empty here; the files hold them,
-// as zeros (file_rows).
+// c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and a classifier, lm_head, in the slot
+// of GPT-2's wpe as llm.c's Llama 3 files keep it. The bias slots are empty here; the files hold them, as zeros
+// (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is wte, which its files repeat
+// in lm_head's slot (file_copy), so that llm.c reads them as they are.
 inline ModelTable llama_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
-    const Holder emb = Holder::Embeddings, layer = Holder::Layer, final_norm = Holder::FinalNorm;
+    const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, V = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
     size_t H = c.hidden();
-    bool expert = true, decay = true, partial = true;
+    bool expert = true, decay = true, partial = true, tied = c.tied_embeddings;
     return {{
-        // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file
+        // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file, copy of
         {"wte",      emb,        !expert, {V},        C,   vocab,  decay,  !partial, normal},
-        {"lm_head",  emb,        !expert, {V},        C,   vocab,  decay,  !partial, normal},
+        {"lm_head",  head,       !expert, {tied ? 0 : V}, C, vocab, decay, !partial, normal,  0,   tied ? WTE : -1},
         {"ln1w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
         {"ln1b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
         {"qkvw",     layer,      !expert, {Q, KV, KV}, C,  column, decay,  !partial, normal},
@@ -200,15 +210,15 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"fcb",      layer,      expert,  {0},        1,   column, !decay, !partial, zeros,   2 * H},
         {"fcprojw",  layer,      expert,  {C},        H,   row,    decay,  !partial, residual},
         {"fcprojb",  layer,      expert,  {0},        1,   rep,    !decay, !partial, zeros,   C},
-        {"lnfw",     final_norm, !expert, {C},        1,   rep,    !decay, partial,  ones},
-        {"lnfb",     final_norm, !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
+        {"lnfw",     head,       !expert, {C},        1,   rep,    !decay, partial,  ones},
+        {"lnfb",     head,       !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
     }};
 }
 
 inline ModelTable model_table(const GPTConfig& c) { return c.llama() ? llama_table(c) : gpt2_table(c); }
 
-// the tensor the classifier multiplies by: GPT-2's is the token embedding (tied), Llama's its own lm_head
-inline int classifier_tensor(const GPTConfig& c) { return c.llama() ? WPE : WTE; }
+// the tensor the classifier multiplies by: the token embedding (GPT-2's, a tied Llama's), or Llama's lm_head
+inline int classifier_tensor(const GPTConfig& c) { return c.tied() ? WTE : WPE; }
 
 inline const char* param_tensor_name(const GPTConfig& c, int tensor) { return model_table(c)[tensor].name; }
 
@@ -258,14 +268,17 @@ inline ParamViews<floatX> param_views(floatX* base, const size_t sizes[NUM_PARAM
 
 // ----------------------------------------------------------------------------------------------------------
 // units: the parameters that forward uses together and that backward finishes together, numbered in the order
-// backward finishes them: 0 the final layernorm, 1..L the layers from last to first, L+1 the embeddings (the
-// token embedding is also the classifier, so its gradient is final only at the very end). Data parallelism
-// reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters unit by unit. L counts the
-// layers of the model's part; a part without the final layernorm or the embeddings has those units empty.
-constexpr int FINAL_NORM_UNIT = 0;
+// backward finishes them: 0 the head (the final norm, and a classifier of its own), 1..L the layers from last
+// to first, L+1 the embeddings (a tied token embedding is also the classifier, so its gradient is final only at
+// the very end). Data parallelism reduces gradients unit by unit as backward goes; ZeRO-3 gathers parameters
+// unit by unit. L counts the layers of the model's part; a part without the head or the embeddings has those
+// units empty.
+constexpr int HEAD_UNIT = 0;
 inline int num_units(int layers) { return layers + 2; }
 inline int layer_unit(int layers, int layer) { return layers - layer; }
 inline int embedding_unit(int layers) { return layers + 1; }
+// the unit that holds the classifier's weight (classifier_tensor) in a part of `layers` layers
+inline int classifier_unit(const GPTConfig& c, int layers) { return c.tied() ? embedding_unit(layers) : HEAD_UNIT; }
 
 // a unit's slice of one tensor: where it sits in the flat buffer
 struct Segment {
@@ -279,7 +292,7 @@ inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, 
     ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS], offset = 0, L = part.layers();
     param_tensor_sizes(c, sizes, tp, part, ep);
-    Holder holder = unit == FINAL_NORM_UNIT ? Holder::FinalNorm : unit == embedding_unit(L) ? Holder::Embeddings : Holder::Layer;
+    Holder holder = unit == HEAD_UNIT ? Holder::Head : unit == embedding_unit(L) ? Holder::Embeddings : Holder::Layer;
     std::vector<Segment> segs;
     for (int t = 0; t < NUM_PARAM_TENSORS; offset += sizes[t++]) {
         if (table[t].holder != holder || table[t].block() == 0) continue;

@@ -234,20 +234,25 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // crossings of a BT·C activation, each an all-reduce without sp (2 units of (t-1)/t·BT·C floats when leaving,
 // none when entering) or an all-gather / reduce-scatter with sp (1 unit each): 4L + 2 units either way, and as
 // many again in backward. The cross-entropy all-gathers three floats per token (max, sum, target logit).
-// Under sp, the gradients of the layernorms and wpe (4LC + 2C + maxT·C) are summed over the group
-// (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
+// Under sp, the gradients the table marks sequence-partial (the norms' weights, and GPT-2's biases of them and
+// wpe: 4LC + 2C + maxT·C; Llama's 2LC + C) are summed over the group (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
 // all-gathers one double. Recomputing the layernorms (-r 2) under sp gathers their outputs again in backward:
 // 2L more units. Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
-// the cross-entropy on the last, the final layernorm on the last and wpe on both.
+// the cross-entropy on the last, the final norm on the last and GPT-2's wpe on both.
 inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.tp == 1) return 0.0;
     ModelPart part = planned_part(c, par);
     double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = part.layers(), k = par.accumulation;
-    double first = part.first, last = part.last, embeddings = part.embeddings();
+    double first = part.first, last = part.last;
     double units = 8 * L + 2 * (first + last) + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
     double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float);
-    double partial_grads = par.sp ? (t - 1) * (4 * L * C + last * 2 * C + embeddings * c.max_seq_len * C) * value : 0.0;
+    ModelTable table = model_table(c);
+    size_t sizes[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, sizes, par.tp, part, par.ep);
+    double partial = 0.0;
+    for (int i = 0; i < NUM_PARAM_TENSORS; i++) partial += table[i].sequence_partial ? sizes[i] : 0;
+    double partial_grads = par.sp ? (t - 1) * partial * value : 0.0;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
 }

@@ -7,8 +7,9 @@
 // The split. The L layers form N·V virtual stages (V = --vpp, virtual stages per rank, for the interleaved
 // schedule), as even as can be: the first L mod (N·V) get one layer more (the last stage also runs the final
 // layernorm and the classifier, so the extra layers go first). Virtual stage g runs on rank g mod N as its
-// chunk g / N. The first stage holds the embeddings; the last the final layernorm and the classifier, and with
-// it a copy of the embeddings, whose wte is the classifier's weight (llmc/zero.cuh keeps the copies equal).
+// chunk g / N. The first stage holds the embeddings; the last the final norm and the classifier: a tied one is
+// wte, so that stage holds a copy of the embeddings (llmc/zero.cuh keeps the copies equal), while an untied
+// Llama's lm_head is its own and lives on the last stage alone.
 //
 // What crosses stages: the residual stream after a chunk's last layer, forward, and its gradient, backward;
 // B×T/cp rows of C on each rank, or under sequence parallelism the rank's share of them (each tp rank
@@ -52,6 +53,7 @@ inline ModelPart stage_part(const GPTConfig& c, const PPSpec& pp) {
     }
     part.first = pp.rank == 0;
     part.last = pp.rank == N - 1;
+    part.tied = c.tied();
     return part;
 }
 
@@ -218,7 +220,8 @@ inline void print_stage_layers(const GPTConfig& c, const PPSpec& pp) {
         }
         line += strfmt(" on stage %d", s);
     }
-    printf("%s (embeddings on stages 0 and %d, the classifier on stage %d)\n", line.c_str(), pp.size - 1, pp.size - 1);
+    std::string embeddings = c.tied() ? strfmt("stages 0 and %d", pp.size - 1) : "stage 0";
+    printf("%s (embeddings on %s, the classifier on stage %d)\n", line.c_str(), embeddings.c_str(), pp.size - 1);
 }
 
 // Writes every rank's trace of one step as a Chrome trace (JSON, which chrome://tracing and ui.perfetto.dev

@@ -2,7 +2,7 @@
 // token is only through these rotations of its query and key heads (GPT-2 adds a learned position embedding
 // instead, llmc/encoder.cuh). Pairs are interleaved, as in Meta's reference code and llm.c's Llama 3 work:
 // elements (2i, 2i+1) of a head are one complex number, turned by the angle pos·freq[i], i in [0, hd/2),
-// freq[i] = 1 / theta^(2i/hd), with Llama 3.1's stretching of the low frequencies when `scaled`.
+// freq[i] = 1 / theta^(2i/hd), with Llama 3's stretching of the low frequencies by a factor `scaling` (0: none).
 //
 // The rotation works in place on the packed qkv activation: N = B·T rows of (NH + 2·KV)·hd values, NH query
 // heads, then KV key heads, then KV value heads (grouped-query attention; KV = NH for GPT-2-style attention),
@@ -22,9 +22,9 @@
 
 #include "llmc/utils.h"
 
-// Llama 3.1's frequency scaling (apply_scaling): wavelengths below 8192/4 tokens keep their frequency, those
-// above 8192/1 are stretched 8 times, and those between are blended
-constexpr float ROPE_SCALE_FACTOR = 8.0f, ROPE_LOW_FREQ_FACTOR = 1.0f, ROPE_HIGH_FREQ_FACTOR = 4.0f;
+// Llama 3's frequency scaling (apply_scaling): wavelengths below 8192/4 tokens keep their frequency, those
+// above 8192/1 are stretched `scaling` times (Llama 3.1: 8, Llama 3.2: 32), and those between are blended
+constexpr float ROPE_LOW_FREQ_FACTOR = 1.0f, ROPE_HIGH_FREQ_FACTOR = 4.0f;
 constexpr float ROPE_OLD_CONTEXT = 8192.0f;
 
 inline void rope_check_head_size(const char* what, int hd) {
@@ -36,7 +36,7 @@ inline void rope_check_head_size(const char* what, int hd) {
 // reciprocal(tensor) · a (Tensor.__rtruediv__), so wavelen = 2π/freq and 8192/wavelen below are products with
 // a reciprocal. pow has no fp32 result every library agrees on: here it is the correctly rounded one (the
 // double result rounded once), which PyTorch's pow (within an ulp) returns but for rare near-ties.
-inline void rope_frequencies(float* freq, int hd, float theta, bool scaled) {
+inline void rope_frequencies(float* freq, int hd, float theta, float scaling) {
     rope_check_head_size("rope_frequencies", hd);
     const float two_pi = (float)6.283185307179586;  // Python's 2 * math.pi, rounded to fp32 as torch does
     const float low_freq_wavelen = ROPE_OLD_CONTEXT / ROPE_LOW_FREQ_FACTOR;
@@ -44,14 +44,14 @@ inline void rope_frequencies(float* freq, int hd, float theta, bool scaled) {
     for (int i = 0; i < hd / 2; i++) {
         float exponent = (float)(2 * i) / (float)hd;
         float f = 1.0f / (float)pow((double)theta, (double)exponent);
-        if (scaled) {
+        if (scaling > 0) {
             float wavelen = (1.0f / f) * two_pi;  // below high_freq_wavelen the frequency stays
             if (wavelen > low_freq_wavelen) {
-                f = f / ROPE_SCALE_FACTOR;
+                f = f / scaling;
             } else if (wavelen >= high_freq_wavelen) {
                 float smooth = ((1.0f / wavelen) * ROPE_OLD_CONTEXT - ROPE_LOW_FREQ_FACTOR) /
                                (ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR);
-                f = (1.0f - smooth) * f / ROPE_SCALE_FACTOR + smooth * f;
+                f = (1.0f - smooth) * f / scaling + smooth * f;
             }
         }
         freq[i] = f;
@@ -62,11 +62,11 @@ inline void rope_frequencies(float* freq, int hd, float theta, bool scaled) {
 // product (torch.outer of fp32 positions and frequencies), then cos and sin of that fp32 angle, correctly
 // rounded (computed in double and rounded once; torch.polar's cosf and sinf are within an ulp of it). On the
 // GPU the model uploads it once.
-inline void rope_table(float* table, int maxT, int hd, float theta, bool scaled) {
+inline void rope_table(float* table, int maxT, int hd, float theta, float scaling) {
     rope_check_head_size("rope_table", hd);
     const int half = hd / 2;
     std::vector<float> freq(half);
-    rope_frequencies(freq.data(), hd, theta, scaled);
+    rope_frequencies(freq.data(), hd, theta, scaling);
 #pragma omp parallel for
     for (int pos = 0; pos < maxT; pos++)
         for (int i = 0; i < half; i++) {

@@ -345,7 +345,8 @@ struct TensorParallel {
         if (!on()) return matmul_forward(out, inp, W, bias, BT, C, OC, ws);
         matmul_forward(partial, inp, W, nullptr, BT, C, OC, ws);
         reduce_rows(partial, out, BT, OC);
-        add_bias_rows(out, spec.sp ? out : partial, bias, rows(BT), OC);
+        if (bias) add_bias_rows(out, spec.sp ? out : partial, bias, rows(BT), OC);
+        else if (!spec.sp) device_copy<floatX>(out, partial, BT * OC);  // no bias (Llama): the sum itself
     }
 
     // the output gradient of a row-parallel layer for every row: gathered (sp) or as it is

@@ -234,6 +234,40 @@ inline void check_close(const std::map<std::string, double>& a, const std::map<s
         CHECK(fabs(kv.second - other->second) <= tol * fabs(other->second));
     }
 }
+
+// Resuming under another layout: RESUME_SAVED_AT steps on one layout, the rest of RESUME_STEPS on another from
+// its checkpoint, against the single-rank run that was never interrupted. Every run: -d 192 tokens per step,
+// validation every 4 steps. RESUME_SAVED_AT is the first step after the warmup (-u 3), so that the shorter first
+// run's learning rates are the whole run's.
+constexpr int RESUME_STEPS = 8, RESUME_SAVED_AT = 4;
+
+struct ResumeLayout {
+    int ranks;
+    std::string flags;  // -b and the parallelism
+};
+
+inline std::string resume_run_flags(const Data& data, const char* model, int steps, const ResumeLayout& l) {
+    return data.flags(4, 192, steps, model) + " -v 4 " + l.flags;
+}
+
+// the losses of the single-rank run of RESUME_STEPS steps
+inline std::map<std::string, double> resume_reference_losses(const Data& data, const char* model, const std::string& dir) {
+    REQUIRE(single_ok(resume_run_flags(data, model, RESUME_STEPS, {1, "-b 4"}), dir));
+    return losses(dir);
+}
+
+// RESUME_SAVED_AT steps on layout a, the rest on layout b from a's checkpoint: every loss within 1e-5 of the
+// reference
+inline void check_resume(const Data& data, const char* model, const ResumeLayout& a, const ResumeLayout& b,
+                         const std::map<std::string, double>& reference, const std::string& dir) {
+    INFO(a.ranks << " ranks " << a.flags << " -> " << b.ranks << " ranks " << b.flags);
+    if (!train_ok(a.ranks, resume_run_flags(data, model, RESUME_SAVED_AT, a) + " -n 4", dir)) return;
+    std::string output;
+    if (!train_ok(b.ranks, resume_run_flags(data, model, RESUME_STEPS, b) + " -n 4 -y 1", dir, &output)) return;
+    std::string resumed = "resumed from " + dir + "/ckpt_00000004 at step 4: written on ";
+    CHECK(output.find(resumed) != std::string::npos);
+    check_close(losses(dir), reference, 1e-5, RESUME_STEPS + 3);
+}
 // one loss of main.log, NAN when it is missing
 inline double loss_at(const std::map<std::string, double>& v, const std::string& key) {
     auto it = v.find(key);

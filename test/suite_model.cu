@@ -13,6 +13,7 @@
 #include "test/test_hf.cu"
 #include "test/test_layers.cu"
 #include "test/test_llama.cu"
+#include "test/test_llama_parallel.cu"
 #include "test/test_model_reference.cu"
 #include "test/test_moe.cu"
 #include "test/test_pipeline.cu"

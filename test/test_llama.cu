@@ -14,6 +14,7 @@ namespace test_llama {
 // 80 hidden units
 const char* MODEL = "l2c32h4g2f80t32v301";
 const char* REFERENCE = "build/reference_llama_gqa/model.bin";  // make_llama_reference.py's, in llm.c's format
+const char* TIED = "build/reference_llama_tied/model.bin";       // ... with the classifier tied to wte
 
 TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; bad ones are refused", "[llama]") {
     GPTConfig c = parse_model_descriptor("llama3-8b");
@@ -26,9 +27,22 @@ TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; ba
     CHECK(c.vocab_size == 128256);
     CHECK(c.padded_vocab_size == 128256);
     CHECK(c.rope_theta == 500000.0f);
-    CHECK(c.scaled_rope);
+    CHECK(c.rope_scaling == 8.0f);
+    CHECK(!c.tied_embeddings);
     // Meta's published count for Llama 3.1 8B
     CHECK(num_parameters(c) == 8030261248ull);
+    // Llama 3.2's small models: the classifier tied to wte, RoPE scaled by 32; Meta's counts (HF's
+    // Llama-3.2-1B and -3B, whose safetensors hold 1235814400 and 3212749824 parameters)
+    for (const char* name : {"llama3-1b", "llama3-3b"}) {
+        GPTConfig s = parse_model_descriptor(name);
+        CHECK(s.tied_embeddings);
+        CHECK(s.rope_scaling == 32.0f);
+        CHECK(classifier_tensor(s) == WTE);
+    }
+    CHECK(num_parameters(parse_model_descriptor("llama3-1b")) == 1235814400ull);
+    CHECK(num_parameters(parse_model_descriptor("llama3-3b")) == 3212749824ull);
+    CHECK(parse_model_descriptor("l2c32h4w").tied_embeddings);
+    CHECK(!parse_model_descriptor("l2c32h4").tied_embeddings);
     CHECK(parse_model_descriptor("llama3-1b").hidden() == 8192);
     CHECK(parse_model_descriptor("llama3-3b").hidden() == 8192);
     CHECK(parse_model_descriptor("llama3-70b").hidden() == 28672);
@@ -50,7 +64,7 @@ TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; ba
         CHECK(parse_model_descriptor(strfmt("l1c64h4f%d", H)).hidden() == H);
     CHECK(parse_model_descriptor("l1c64h4").kv_heads() == 4);        // multi-head by default
     CHECK(parse_model_descriptor("l1c64h4").hidden() == 256);        // 170 rounded up to a multiple of 256
-    for (const char* bad : {"l2c32h4g3", "l2c30h6", "l2c32h4e4k2", "llama3-2b", "l2c32", "l2c32h4g0"}) {
+    for (const char* bad : {"l2c32h4g3", "l2c30h6", "l2c32h4e4k2", "llama3-2b", "l2c32", "l2c32h4g0", "l2c32h4wg2", "d2c32h4w"}) {
         CommandResult r = single(strfmt("-e %s --plan", bad));
         INFO(bad << ": " << r.output);
         CHECK(r.status != 0);
@@ -67,12 +81,24 @@ TEST_CASE("an llm.c Llama 3 file is read and written back byte for byte, fp32 an
     CHECK(c.llama());
     CHECK(c.kv_heads() == 2);
     CHECK(c.hidden() == 180);
-    CHECK(c.scaled_rope);
+    CHECK(c.rope_scaling == 8.0f);
     std::vector<float> params(num_parameters(c));
     gpt_load_params(c, params.data(), REFERENCE);
     TempDir dir;
     gpt_save_params(c, params.data(), dir / "again.bin");
     CHECK(read_file(dir / "again.bin") == read_file(REFERENCE));
+    // tied, with Llama 3.2's scaling: llm5d's header slots, and wte repeated in lm_head's slot
+    GPTConfig tied = read_model_header(TIED, &version);
+    CHECK(tied.tied_embeddings);
+    CHECK(tied.rope_scaling == 32.0f);
+    GPTConfig untied = tied;
+    untied.tied_embeddings = false;
+    CHECK(num_parameters(tied) == num_parameters(untied) - (size_t)tied.vocab_size * tied.channels);
+    CHECK(file_layout(tied).file_size[WPE] == file_layout(tied).file_size[WTE]);
+    std::vector<float> tied_params(num_parameters(tied));
+    gpt_load_params(tied, tied_params.data(), TIED);
+    gpt_save_params(tied, tied_params.data(), dir / "tied.bin");
+    CHECK(read_file(dir / "tied.bin") == read_file(TIED));
     // bf16: written, read, written again: the same bytes
     gpt_save_params(c, params.data(), dir / "half.bin", MODEL_VERSION_BF16);
     std::vector<float> halves(params.size());
@@ -108,6 +134,16 @@ TEST_CASE("a Llama file with a nonzero bias or a truncated tensor is refused in 
     memcpy(&bias[at], &one, 4);
     refused(bias, "qkvb holds 1 at element");
     refused(good.substr(0, good.size() - 4), "size");
+    // a tied file whose lm_head slot is not wte's copy, and a header slot 14 that is neither 0 nor 1
+    REQUIRE(file_exists(TIED));
+    GPTConfig t = read_model_header(TIED, &version);
+    FileLayout tl = file_layout(t);
+    std::string tied = read_file(TIED), untied = tied, slot = tied;
+    memcpy(&untied[tl.header + 4 * (tl.file_start[WPE] + 5)], &one, 4);
+    refused(untied, "lm_head differs from wte at element 5");
+    int two = 2;
+    memcpy(&slot[4 * 14], &two, 4);
+    refused(slot, "header slot 14");
 }
 
 TEST_CASE("--plan predicts a Llama's ledger on one rank, with recomputation and a split backward; --plan -e "

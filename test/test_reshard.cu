@@ -6,44 +6,15 @@
 
 namespace test_reshard {
 
-constexpr int STEPS = 8, SAVED_AT = 4;
 const char* DENSE = "d2c32h4t32v301";   // 4 heads and T=16: tp 2 and cp 2 divide it
 const char* MOE = "d2c48h4t32v301e4k2";
-
-struct Layout {
-    int ranks;
-    std::string flags;  // -b and the parallelism
-};
-
-// every run: -d 192 tokens per step, validation every 4 steps
-std::string run_flags(const Data& data, const char* model, int steps, const Layout& l) {
-    return data.flags(4, 192, steps, model) + " -v 4 " + l.flags;
-}
-
-// the losses of the single-rank run of `steps` steps
-std::map<std::string, double> reference_losses(const Data& data, const char* model, const std::string& dir) {
-    REQUIRE(single_ok(run_flags(data, model, STEPS, {1, "-b 4"}), dir));
-    return losses(dir);
-}
-
-// SAVED_AT steps on layout a, the rest on layout b from a's checkpoint: every loss within 1e-5 of the reference
-void check_resume(const Data& data, const char* model, const Layout& a, const Layout& b,
-                  const std::map<std::string, double>& reference, const std::string& dir) {
-    INFO(a.ranks << " ranks " << a.flags << " -> " << b.ranks << " ranks " << b.flags);
-    if (!train_ok(a.ranks, run_flags(data, model, SAVED_AT, a) + " -n 4", dir)) return;
-    std::string output;
-    if (!train_ok(b.ranks, run_flags(data, model, STEPS, b) + " -n 4 -y 1", dir, &output)) return;
-    std::string resumed = "resumed from " + dir + "/ckpt_00000004 at step 4: written on ";
-    CHECK(output.find(resumed) != std::string::npos);
-    check_close(losses(dir), reference, 1e-5, STEPS + 3);
-}
 
 TEST_CASE("a run resumes under another layout with the losses of the uninterrupted single-rank run", "[reshard]") {
     Data data;
     TempDir out;
-    std::map<std::string, double> reference = reference_losses(data, DENSE, out / "reference");
+    std::map<std::string, double> reference = resume_reference_losses(data, DENSE, out / "reference");
     struct Case {
-        Layout from, to;
+        ResumeLayout from, to;
     } cases[] = {
         {{1, "-b 4"}, {3, "-b 2 -z 2"}},                      // 1 rank -> dp 3 ZeRO-2
         {{2, "-b 2 -z 1"}, {4, "-b 1 -z 3"}},                 // dp 2 ZeRO-1 -> dp 4 ZeRO-3
@@ -60,7 +31,7 @@ TEST_CASE("a run resumes under another layout with the losses of the uninterrupt
 TEST_CASE("a mixture of experts saved under ep 2 resumes on one rank, and the other way", "[reshard]") {
     Data data;
     TempDir out;
-    std::map<std::string, double> reference = reference_losses(data, MOE, out / "reference");
+    std::map<std::string, double> reference = resume_reference_losses(data, MOE, out / "reference");
     check_resume(data, MOE, {2, "-b 2 --ep 2"}, {1, "-b 4"}, reference, out / "ep2_to_1");
     check_resume(data, MOE, {1, "-b 4"}, {4, "-b 1 --ep 2 -z 1"}, reference, out / "1_to_ep2_z1");
 }
@@ -69,13 +40,13 @@ TEST_CASE("a checkpoint missing one rank's optimizer file is refused with one li
           "[reshard]") {
     Data data;
     TempDir out;
-    std::map<std::string, double> reference = reference_losses(data, DENSE, out / "reference");
+    std::map<std::string, double> reference = resume_reference_losses(data, DENSE, out / "reference");
     const std::string dir = out / "run";
-    REQUIRE(train_ok(2, run_flags(data, DENSE, SAVED_AT, {2, "-b 2 -z 1"}) + " -n 2", dir));
+    REQUIRE(train_ok(2, resume_run_flags(data, DENSE, RESUME_SAVED_AT, {2, "-b 2 -z 1"}) + " -n 2", dir));
     REQUIRE(list_checkpoints(dir) == std::vector<int>{2, 4});
     REQUIRE(unlink((dir + "/ckpt_00000004/optimizer_rank1.bin").c_str()) == 0);
     std::string output;
-    REQUIRE(train_ok(1, run_flags(data, DENSE, STEPS, {1, "-b 4"}) + " -n 2 -y 1", dir, &output));
+    REQUIRE(train_ok(1, resume_run_flags(data, DENSE, RESUME_STEPS, {1, "-b 4"}) + " -n 2 -y 1", dir, &output));
     std::string newest = dir + "/ckpt_00000004";
     std::vector<std::string> said;
     for (const std::string& line : lines_of(output))
@@ -84,7 +55,7 @@ TEST_CASE("a checkpoint missing one rank's optimizer file is refused with one li
     CHECK(said[0] == "checkpoint " + newest + " fails verification, skipped and kept as " + newest + ".unverified: " +
                          newest + "/optimizer_rank1.bin: missing (the manifest lists it)");
     CHECK(output.find("resumed from " + dir + "/ckpt_00000002 at step 2") != std::string::npos);
-    check_close(losses(dir), reference, 1e-5, STEPS + 3);
+    check_close(losses(dir), reference, 1e-5, RESUME_STEPS + 3);
 }
 
 TEST_CASE("the tp and ep shares of the model cover it: each tensor once per rank that holds it whole", "[reshard]") {
@@ -157,7 +128,7 @@ TEST_CASE("--convert writes a checkpoint's model as an llm.c fp32 or bf16 file, 
     Data data;
     TempDir out;
     const std::string dir = out / "run";
-    REQUIRE(train_ok(2, run_flags(data, DENSE, SAVED_AT, {2, "-b 2 -z 1"}) + " -n 4", dir));
+    REQUIRE(train_ok(2, resume_run_flags(data, DENSE, RESUME_SAVED_AT, {2, "-b 2 -z 1"}) + " -n 4", dir));
     const std::string ckpt = dir + "/ckpt_00000004", fp32 = out / "model_fp32.bin", bf16 = out / "model_bf16.bin";
     CommandResult r = single("--convert '" + ckpt + "/' --to '" + fp32 + "'");
     INFO(r.output);
@@ -186,7 +157,7 @@ TEST_CASE("--convert writes a checkpoint's model as an llm.c fp32 or bf16 file, 
     CHECK(differ == 0);
     // and a run starts from it
     std::string started;
-    CHECK(single_ok(run_flags(data, ("'" + bf16 + "'").c_str(), 1, {1, "-b 4"}), out / "from_bf16", &started));
+    CHECK(single_ok(resume_run_flags(data, ("'" + bf16 + "'").c_str(), 1, {1, "-b 4"}), out / "from_bf16", &started));
 
     // refused, one line each: an existing --to, a directory that is not a checkpoint, a damaged checkpoint
     check_one_line_error(single("--convert '" + ckpt + "' --to '" + fp32 + "'"), {"--to " + fp32, "already exists"});

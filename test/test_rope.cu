@@ -15,16 +15,17 @@
 namespace test_rope {
 
 // Llama 3's frequency i of hd, in double, written from the formula (not from llmc/rope.cuh): 1 / theta^(2i/hd),
-// and with Llama 3.1's scaling (factor 8, low_freq_factor 1, high_freq_factor 4, original context 8192) a
-// wavelength 2π/freq below 8192/4 keeps it, above 8192/1 divides it by 8, and between blends the two
-double formula_freq(int i, int hd, double theta, bool scaled) {
+// and with Llama 3's scaling by a factor s (Llama 3.1: 8, Llama 3.2: 32; low_freq_factor 1, high_freq_factor
+// 4, original context 8192) a wavelength 2π/freq below 8192/4 keeps it, above 8192/1 divides it by s, and
+// between blends the two; s = 0: no scaling
+double formula_freq(int i, int hd, double theta, double s) {
     double freq = 1.0 / pow(theta, 2.0 * i / hd);
-    if (!scaled) return freq;
+    if (s == 0) return freq;
     double wavelen = 2.0 * M_PI / freq;
     if (wavelen < 8192.0 / 4.0) return freq;
-    if (wavelen > 8192.0 / 1.0) return freq / 8.0;
+    if (wavelen > 8192.0 / 1.0) return freq / s;
     double smooth = (8192.0 / wavelen - 1.0) / (4.0 - 1.0);
-    return (1.0 - smooth) * freq / 8.0 + smooth * freq;
+    return (1.0 - smooth) * freq / s + smooth * freq;
 }
 
 // the shape of the layer tests: B=2 sequences of T=5 tokens, 6 query heads over 2 key/value heads of hd=8
@@ -34,9 +35,9 @@ const std::vector<int> POSITIONS = {3, 17, 4, 1000, 9};  // out of order and far
 
 // theta 500000 with scaling puts hd=8's four frequencies in all three regimes: kept (i = 0, 1), blended (i = 2,
 // wavelength 4443), divided by 8 (i = 3, wavelength 118000)
-std::vector<float> make_table(int maxT, int head_size, float theta = 500000.0f, bool scaled = true) {
+std::vector<float> make_table(int maxT, int head_size, float theta = 500000.0f, float scaling = 8.0f) {
     std::vector<float> table((size_t)maxT * head_size);
-    rope_table(table.data(), maxT, head_size, theta, scaled);
+    rope_table(table.data(), maxT, head_size, theta, scaling);
     return table;
 }
 
@@ -128,10 +129,10 @@ TEST_CASE("rope turns q and k pairs by pos·freq (double, 1e-5), keeps their nor
     // double one by more than 1e-5 (64·2^-24 here)
     const int Tl = 64, Bl = 2, head = 16;
     const long row = (NH + 2 * KV) * head, n = (long)Bl * Tl * row;
-    for (bool scaled : {false, true}) {
-        INFO((scaled ? "theta 500000, scaled" : "theta 10000"));
-        double theta = scaled ? 500000.0 : 10000.0;
-        std::vector<float> table = make_table(Tl, head, (float)theta, scaled);
+    for (float scaling : {0.0f, 8.0f, 32.0f}) {
+        INFO((scaling > 0 ? "theta 500000, scaled by " : "theta 10000, scaling ") << scaling);
+        double theta = scaling > 0 ? 500000.0 : 10000.0;
+        std::vector<float> table = make_table(Tl, head, (float)theta, scaling);
         Rng rng(33);
         std::vector<float> x = random_vector(n, rng), y = x;
         rope_forward(y.data(), table.data(), nullptr, Bl, Tl, NH, KV, head);
@@ -141,7 +142,7 @@ TEST_CASE("rope turns q and k pairs by pos·freq (double, 1e-5), keeps their nor
             for (int h = 0; h < NH + KV; h++)
                 for (int i = 0; i < head / 2; i++) {
                     long k = r * row + h * head + 2 * i;
-                    double a = x[k], b = x[k + 1], angle = pos * formula_freq(i, head, theta, scaled);
+                    double a = x[k], b = x[k + 1], angle = pos * formula_freq(i, head, theta, scaling);
                     double c = a * cos(angle) - b * sin(angle), d = a * sin(angle) + b * cos(angle);
                     double size = sqrt(a * a + b * b);
                     angle_err = std::max(angle_err, hypot(y[k] - c, y[k + 1] - d) / std::max(size, 1.0));
@@ -159,20 +160,21 @@ TEST_CASE("rope turns q and k pairs by pos·freq (double, 1e-5), keeps their nor
     }
 }
 
-TEST_CASE("rope frequencies with and without Llama 3.1 scaling match the formula in double, in all three regimes",
+TEST_CASE("rope frequencies with and without Llama 3's scaling (3.1's and 3.2's factors) match the formula in double, "
+          "in all three regimes",
           "[layers][rope]") {
     struct Setting {
         int hd;
         float theta;
     };
     for (Setting s : {Setting{128, 500000.0f}, Setting{64, 10000.0f}, Setting{96, 10000.0f}, Setting{8, 500000.0f}}) {
-        for (bool scaled : {false, true}) {
-            INFO("hd " << s.hd << ", theta " << s.theta << (scaled ? ", scaled" : ""));
+        for (float scaling : {0.0f, 8.0f, 32.0f}) {
+            INFO("hd " << s.hd << ", theta " << s.theta << ", scaling " << scaling);
             std::vector<float> freq(s.hd / 2);
-            rope_frequencies(freq.data(), s.hd, s.theta, scaled);
+            rope_frequencies(freq.data(), s.hd, s.theta, scaling);
             double worst = 0.0;
             for (int i = 0; i < s.hd / 2; i++) {
-                double ref = formula_freq(i, s.hd, s.theta, scaled);
+                double ref = formula_freq(i, s.hd, s.theta, scaling);
                 worst = std::max(worst, fabs(freq[i] - ref) / ref);
             }
             CHECK(worst < 1e-6);
@@ -181,9 +183,10 @@ TEST_CASE("rope frequencies with and without Llama 3.1 scaling match the formula
 
     // hd=128, theta 500000 (Llama 3.1): frequency i has wavelength 2π·500000^(i/64), below 2048 up to i = 28,
     // above 8192 from i = 35; one of each regime, the regime decided here in double
-    std::vector<float> plain(64), scaled(64);
-    rope_frequencies(plain.data(), 128, 500000.0f, false);
-    rope_frequencies(scaled.data(), 128, 500000.0f, true);
+    std::vector<float> plain(64), scaled(64), scaled32(64);
+    rope_frequencies(plain.data(), 128, 500000.0f, 0.0f);
+    rope_frequencies(scaled.data(), 128, 500000.0f, 8.0f);
+    rope_frequencies(scaled32.data(), 128, 500000.0f, 32.0f);
     auto wavelen = [](int i) { return 2.0 * M_PI * pow(500000.0, i / 64.0); };
     REQUIRE(wavelen(0) < 2048.0);
     REQUIRE((wavelen(31) > 2048.0 && wavelen(31) < 8192.0));
@@ -192,9 +195,12 @@ TEST_CASE("rope frequencies with and without Llama 3.1 scaling match the formula
     CHECK(scaled[0] == 1.0f);
     CHECK(scaled[28] == plain[28]);
     CHECK((scaled[31] < plain[31] && scaled[31] > plain[31] / 8.0f));  // blended
-    CHECK(scaled[31] == Approx(formula_freq(31, 128, 500000.0, true)).epsilon(1e-6));
+    CHECK(scaled[31] == Approx(formula_freq(31, 128, 500000.0, 8.0)).epsilon(1e-6));
     CHECK(scaled[35] == plain[35] / 8.0f);  // divided by 8, exactly
     CHECK(scaled[63] == plain[63] / 8.0f);
+    CHECK(scaled32[28] == plain[28]);  // Llama 3.2's factor: the same regimes, the low frequencies divided by 32
+    CHECK((scaled32[31] < scaled[31] && scaled32[31] > plain[31] / 32.0f));
+    CHECK(scaled32[63] == plain[63] / 32.0f);
 
     // the table: (cos, sin) of the fp32 angle pos·freq[i] at (pos·hd/2 + i)·2, as precompute_freqs_cis lays it out
     const int maxT = 4100;
@@ -206,7 +212,7 @@ TEST_CASE("rope frequencies with and without Llama 3.1 scaling match the formula
             double angle = (double)((float)pos * scaled[i]);
             CHECK(fabs(cs[0] - cos(angle)) <= 6e-8);  // half an fp32 ulp of values below 1
             CHECK(fabs(cs[1] - sin(angle)) <= 6e-8);
-            if (pos <= 7) CHECK(fabs(angle - pos * formula_freq(i, 128, 500000.0, true)) < 1e-6);
+            if (pos <= 7) CHECK(fabs(angle - pos * formula_freq(i, 128, 500000.0, 8.0)) < 1e-6);
         }
     CHECK(table[0] == 1.0f);
     CHECK(table[1] == 0.0f);
@@ -249,15 +255,15 @@ void check_rope(RopeCase& k) {
 TEST_CASE("CUDA RoPE forward and backward match the CPU and leave the values untouched", "[cuda][rope]") {
     SKIP_WITHOUT_GPU_CASE();
     {
-        RopeCase k(B, T, NH, KV, hd, 1001, 500000.0f, true, POSITIONS, 41);
+        RopeCase k(B, T, NH, KV, hd, 1001, 500000.0f, 8.0f, POSITIONS, 41);
         check_rope(k);
     }
     {
-        RopeCase k(3, 7, 3, 3, 24, 7, 10000.0f, false, {}, 42);  // 3 vectors a head: vectors cross no head
+        RopeCase k(3, 7, 3, 3, 24, 7, 10000.0f, 0.0f, {}, 42);  // 3 vectors a head: vectors cross no head
         check_rope(k);
     }
     {
-        RopeCase k(1, 77, 32, 8, 128, 8192, 500000.0f, true, {}, 43);  // Llama 3 8B's heads
+        RopeCase k(1, 77, 32, 8, 128, 8192, 500000.0f, 32.0f, {}, 43);  // Llama 3 8B's heads
         check_rope(k);
     }
 }

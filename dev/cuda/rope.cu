@@ -44,15 +44,15 @@ int main() {
     SKIP_WITHOUT_GPU();
     Checks checks;
     {
-        RopeCase gpt2(64, 1024, 12, 12, 64, 1024, 10000.0f, false, {}, 5);
+        RopeCase gpt2(64, 1024, 12, 12, 64, 1024, 10000.0f, 0.0f, {}, 5);
         check_and_time(checks, gpt2, "gpt2");
     }
     {
-        RopeCase llama(16, 1024, 32, 8, 128, 8192, 500000.0f, true, {}, 6);
+        RopeCase llama(16, 1024, 32, 8, 128, 8192, 500000.0f, 8.0f, {}, 6);
         check_and_time(checks, llama, "llama3");
     }
     {
-        RopeCase cp(16, 1024, 32, 8, 128, 8192, 500000.0f, true, zigzag_positions(1024, 1, 4), 7);
+        RopeCase cp(16, 1024, 32, 8, 128, 8192, 500000.0f, 8.0f, zigzag_positions(1024, 1, 4), 7);
         check_and_time(checks, cp, "llama3 cp rank 1/4");
     }
     return checks.exit_code();

@@ -10,7 +10,7 @@
 #include "llmc/rope.cuh"
 
 // rope_forward on a random qkv and rope_backward on a random dqkv, each in place, with the table of maxT
-// positions for (theta, scaled) and the tokens at `positions` (empty: 0..T-1, which the kernels get as null).
+// positions for (theta, scaling) and the tokens at `positions` (empty: 0..T-1, which the kernels get as null).
 // The kernels run in place, so there is no separate output to poison; the checks are the rotated q and k
 // against the CPU and the values' bits against the input's.
 struct RopeCase {
@@ -26,7 +26,7 @@ struct RopeCase {
     DeviceArray<float> d_table;
     DeviceArray<int> d_positions;
 
-    RopeCase(int B_, int T_, int NH_, int KV_, int hd_, int maxT_, float theta, bool scaled,
+    RopeCase(int B_, int T_, int NH_, int KV_, int hd_, int maxT_, float theta, float scaling,
              std::vector<int> positions_, uint64_t seed)
         : B(B_), T(T_), NH(NH_), KV(KV_), hd(hd_), maxT(maxT_), N((long)B_ * T_), n(N * (NH_ + 2 * KV_) * hd_),
           positions(std::move(positions_)), table((size_t)maxT * hd), d_qkv(n), d_dqkv(n), d_table(table.size()),
@@ -34,7 +34,7 @@ struct RopeCase {
         Rng rng(seed);
         qkv = random_bf16_values(n, rng);
         dqkv = random_bf16_values(n, rng);
-        rope_table(table.data(), maxT, hd, theta, scaled);
+        rope_table(table.data(), maxT, hd, theta, scaling);
         upload(d_table, table);
         upload(d_positions, positions);
         out = qkv;

@@ -9,8 +9,8 @@ in wpe's and every bias slot zero, the vocab unpadded; README's "File formats"):
 
 `train` loads a model file, GPT-2 or Llama 3 as its magic says, into a PyTorch model: dev/bench/pytorch_gpt2.py's
 GPT-2 (the benchmark's PyTorch model, so there is one PyTorch GPT-2 in the project), or the Llama 3 below
-(RMSNorm, RoPE on interleaved pairs with Llama 3.1's frequency scaling when the file asks for it, grouped-query
-attention, SwiGLU, an untied lm_head, no biases; written after test/reference/make_llama_reference.py and llm.c's
+(RMSNorm, RoPE on interleaved pairs with Llama 3's frequency scaling when the file asks for it, grouped-query
+attention, SwiGLU, an lm_head of its own or tied to wte as the file says, no biases; written after test/reference/make_llama_reference.py and llm.c's
 train_llama3.py). It trains it for --steps AdamW steps as train_gpt does with `--shuffle 0 -k constant -u 0 -d
 B*T` on one rank (step k reads tokens [k*B*T, (k+1)*B*T + 1) of the shard, wrapping like train_gpt's loader;
 constant learning rate; β (0.9, 0.95), ε 1e-8, weight decay on the 2-D weights; gradients clipped to a global
@@ -22,7 +22,7 @@ between its bf16 GPU trainer and PyTorch).
 
     python3 dev/gpu/pytorch_check.py init --out model.bin --layers 12 --channels 768 --heads 12
     python3 dev/gpu/pytorch_check.py init --arch llama3 --out model.bin --layers 4 --channels 256 --heads 4 \\
-        --kv-heads 2 --hidden 688 --scaled-rope
+        --kv-heads 2 --hidden 688 --rope-scaling 8
     ./train_gpt --device cuda -e model.bin -b 4 -t 1024 -x 10 -l 3e-4 -c 0.1 -k constant --shuffle 0 -v 0 -s 0 -o run
     python3 dev/gpu/pytorch_check.py train --model model.bin --batch 4 --seq-len 1024 --steps 10 --lr 3e-4 \\
         --weight-decay 0.1 --compare run/main.log --tol 0.05
@@ -69,10 +69,10 @@ def exact_multiplier(C, H):
     return float(np.float32(H + 0.5) / np.float32(int(2.0 * (4 * C) / 3)))
 
 
-def llama31_scaling(freqs):
-    """Llama 3.1's stretch of the low frequencies (llm.c's apply_scaling): wavelengths below 8192/4 tokens keep
-    their frequency, those above 8192 are slowed 8 times, those between are blended."""
-    factor, low, high, old_context = 8.0, 1.0, 4.0, 8192.0
+def llama3_scaling(freqs, factor):
+    """Llama 3's stretch of the low frequencies (llm.c's apply_scaling): wavelengths below 8192/4 tokens keep
+    their frequency, those above 8192 are slowed `factor` times (3.1: 8, 3.2: 32), those between are blended."""
+    low, high, old_context = 1.0, 4.0, 8192.0
     wavelen = 2 * math.pi / freqs
     smooth = (old_context / wavelen - low) / (high - low)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
@@ -80,12 +80,12 @@ def llama31_scaling(freqs):
                        torch.where(wavelen > old_context / low, freqs / factor, blended))
 
 
-def rope_angles(head_size, max_seq_len, theta, scaled):
+def rope_angles(head_size, max_seq_len, theta, scaling):
     """cos and sin of pos·freq[i], (maxT, hd/2), in fp32 as llm.c's precompute_freqs_cis computes them, which is
     the table train_gpt's RoPE reads (llmc/rope.cuh)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_size, 2)[: head_size // 2].float() / head_size))
-    if scaled:
-        freqs = llama31_scaling(freqs)
+    if scaling:
+        freqs = llama3_scaling(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -149,7 +149,9 @@ class Llama(nn.Module):
                                     for _ in range(hd["L"]))
         self.ln_f = RMSNorm(hd["C"], hd["norm_eps"])
         self.lm_head = nn.Linear(hd["C"], hd["V"], bias=False)
-        cos, sin = rope_angles(hd["C"] // hd["NH"], hd["maxT"], hd["rope_theta"], hd["scaled_rope"])
+        if hd["tied"]:  # the classifier is the token embedding (Llama 3.2 1B and 3B)
+            self.lm_head.weight = self.wte.weight
+        cos, sin = rope_angles(hd["C"] // hd["NH"], hd["maxT"], hd["rope_theta"], hd["rope_scaling"])
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -189,7 +191,8 @@ def gpt2_tensors(model):
 
 
 def llama_tensors(model):
-    """The same for a Llama 3 file: GPT-2's slots with lm_head in wpe's, each layer's fcw its c_fc then its c_fc2,
+    """The same for a Llama 3 file: GPT-2's slots with lm_head in wpe's (a tied model's wte, the same tensor
+    twice), each layer's fcw its c_fc then its c_fc2,
     and in every bias slot (LLAMA_BIAS_SLOTS) zero tensors of the slot's size, which are no parameters."""
     blocks = model.blocks
     per_layer = lambda get: [get(b) for b in blocks]  # noqa: E731
@@ -239,10 +242,13 @@ def read_header(path):
     if len(raw) < 2 * HEADER_INTS * 4:
         sys.exit(f"pytorch_check: {path}: shorter than the Llama 3 model header")
     version, maxT, V, L, NH, KV, C, multiple_of, scaled = (int(x) for x in h[1:10])
-    ffn_dim_multiplier, norm_eps, rope_theta = (float(x) for x in np.frombuffer(raw[HEADER_INTS * 4:], "<f4")[:3])
+    floats = np.frombuffer(raw[HEADER_INTS * 4:], "<f4")
+    ffn_dim_multiplier, norm_eps, rope_theta, factor = (float(x) for x in floats[:4])
+    # llm5d's slots: int [14] 1 when the classifier is tied to wte, float [3] a scaling factor other than 8
     hd = dict(arch="llama3", header_bytes=2 * HEADER_INTS * 4, version=version, maxT=maxT, V=V, L=L, NH=NH, KV=KV,
               C=C, multiple_of=multiple_of, ffn_dim_multiplier=ffn_dim_multiplier, norm_eps=norm_eps,
-              rope_theta=rope_theta, scaled_rope=scaled != 0, H=llama_hidden(C, multiple_of, ffn_dim_multiplier))
+              rope_theta=rope_theta, rope_scaling=(factor or 8.0) if scaled else 0.0, tied=int(h[14]) == 1,
+              H=llama_hidden(C, multiple_of, ffn_dim_multiplier))
     check_llama_shape(hd, path)
     return hd
 
@@ -253,10 +259,11 @@ def header_bytes(hd):
     if hd["arch"] == "gpt2":
         ints[:8] = [GPT2_MAGIC, 3, hd["maxT"], hd["V"], hd["L"], hd["NH"], hd["C"], hd["Vp"]]
         return ints.tobytes()
-    ints[:12] = [LLAMA_MAGIC, 3, hd["maxT"], hd["V"], hd["L"], hd["NH"], hd["KV"], hd["C"], hd["multiple_of"],
-                 int(hd["scaled_rope"]), *LLAMA_VERSION]
+    ints[:15] = [LLAMA_MAGIC, 3, hd["maxT"], hd["V"], hd["L"], hd["NH"], hd["KV"], hd["C"], hd["multiple_of"],
+                 int(hd["rope_scaling"] > 0), *LLAMA_VERSION, 0, 0, int(hd["tied"])]
     floats = np.zeros(HEADER_INTS, dtype="<f4")
-    floats[:3] = [hd["ffn_dim_multiplier"], hd["norm_eps"], hd["rope_theta"]]
+    floats[:4] = [hd["ffn_dim_multiplier"], hd["norm_eps"], hd["rope_theta"],
+                  hd["rope_scaling"] if hd["rope_scaling"] != 8 else 0.0]
     return ints.tobytes() + floats.tobytes()
 
 
@@ -264,9 +271,10 @@ def describe(hd):
     shape = f"L={hd['L']} C={hd['C']} NH={hd['NH']}"
     if hd["arch"] == "gpt2":
         return f"{shape} V={hd['V']} (Vp {hd['Vp']}) maxT={hd['maxT']}"
-    rope_scaling = " (Llama 3.1's scaling)" if hd["scaled_rope"] else ""
+    rope_scaling = f" (scaled by {hd['rope_scaling']:g})" if hd["rope_scaling"] else ""
+    tied = ", tied to wte" if hd["tied"] else ""
     return (f"Llama 3 {shape} KV={hd['KV']} H={hd['H']} V={hd['V']} maxT={hd['maxT']} eps={hd['norm_eps']:g} "
-            f"theta={hd['rope_theta']:g}{rope_scaling}")
+            f"theta={hd['rope_theta']:g}{rope_scaling}{tied}")
 
 
 def model_and_tensors(hd, where):
@@ -339,7 +347,7 @@ def reference_init(tensors, L, gen, absent=()):
 
 # ------------------------------------------------------------------------------------------------------------
 
-LLAMA_OPTIONS = ("kv_heads", "hidden", "rope_theta", "norm_eps", "scaled_rope")
+LLAMA_OPTIONS = ("kv_heads", "hidden", "rope_theta", "norm_eps", "rope_scaling", "tied")
 
 
 def init_header(args):
@@ -356,7 +364,8 @@ def init_header(args):
     # without --hidden, Meta's rule with multiple_of 256 and no multiplier, as train_gpt's descriptors
     multiple_of, multiplier = (args.hidden, exact_multiplier(args.channels, args.hidden)) if args.hidden else (256, 0.0)
     hd.update(KV=args.kv_heads or args.heads, multiple_of=multiple_of, ffn_dim_multiplier=multiplier,
-              norm_eps=args.norm_eps or 1e-5, rope_theta=args.rope_theta or 500000.0, scaled_rope=args.scaled_rope,
+              norm_eps=args.norm_eps or 1e-5, rope_theta=args.rope_theta or 500000.0,
+              rope_scaling=args.rope_scaling or 0.0, tied=args.tied,
               H=llama_hidden(args.channels, multiple_of, multiplier))
     if args.hidden and hd["H"] != args.hidden:
         sys.exit(f"pytorch_check: no multiplier gives --hidden {args.hidden} by Meta's rule for C={args.channels}")
@@ -473,7 +482,9 @@ def main():
     init.add_argument("--hidden", type=int,
                       help="llama3: the MLP's hidden size exactly (default Meta's rule with multiple_of 256)")
     init.add_argument("--rope-theta", type=float, help="llama3: RoPE's theta (default 500000)")
-    init.add_argument("--scaled-rope", action="store_true", help="llama3: Llama 3.1's RoPE frequency scaling")
+    init.add_argument("--rope-scaling", type=float,
+                      help="llama3: Llama 3's RoPE frequency scaling factor (3.1: 8, 3.2: 32; default none)")
+    init.add_argument("--tied", action="store_true", help="llama3: the classifier tied to wte (Llama 3.2 1B, 3B)")
     init.add_argument("--norm-eps", type=float, help="llama3: RMSNorm's eps (default 1e-5)")
 
     train = sub.add_parser("train", help="train a model file in PyTorch, compare with a train_gpt main.log")

@@ -610,7 +610,7 @@ if has_phase llama; then
     if ! needs_device "the Llama 3 file against PyTorch"; then
         IFS=: read -r L C NH KV H <<<"$LLAMA_SHAPE"
         against_pytorch "Llama 3 L=$L C=$C NH=$NH KV=$KV H=$H B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch" \
-            --arch llama3 --layers "$L" --channels "$C" --heads "$NH" --kv-heads "$KV" --hidden "$H" --scaled-rope
+            --arch llama3 --layers "$L" --channels "$C" --heads "$NH" --kv-heads "$KV" --hidden "$H" --rope-scaling 8
     fi
 fi
 

@@ -68,7 +68,8 @@ def to_rotate_half(w, heads, hd):
 
 def llama(h, hf, flat):
     maxT, V, L, NH, KV, C, mult_of, scaled = (int(x) for x in h[2:10])
-    ffn_mult, eps, theta = (float(x) for x in hf[:3])
+    ffn_mult, eps, theta, factor = (float(x) for x in hf[:4])
+    tied = h[14] == 1  # llm5d's slot: the classifier is wte, which lm_head's slot repeats
     hd = C // NH; Q = (NH + 2 * KV) * hd
     # H from the file size: the rest after the fixed tensors is L*H*(2C + 2 + C)
     fixed = 2 * V * C + L * (6 * C + Q * C + Q + C * C) + 2 * C
@@ -95,13 +96,15 @@ def llama(h, hf, flat):
         up, gate = fcw[i][:H], fcw[i][H:]   # c_fc then c_fc2
         T[p + "mlp.gate_proj.weight"] = gate; T[p + "mlp.up_proj.weight"] = up
         T[p + "mlp.down_proj.weight"] = fpw[i]
-    T["model.norm.weight"] = lnfw; T["lm_head.weight"] = lm_head
-    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    T["model.norm.weight"] = lnfw
+    if tied: assert (lm_head == wte).all()
+    else: T["lm_head.weight"] = lm_head
+    rs = {"rope_type": "llama3", "factor": factor or 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192} if scaled else None
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": C, "intermediate_size": H,
            "num_attention_heads": NH, "num_key_value_heads": KV, "num_hidden_layers": L, "head_dim": hd,
            "max_position_embeddings": maxT, "rms_norm_eps": eps, "rope_theta": theta, "rope_scaling": rs,
-           "vocab_size": V, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+           "vocab_size": V, "tie_word_embeddings": bool(tied), "hidden_act": "silu", "attention_bias": False,
            "mlp_bias": False, "torch_dtype": "float32"}
     return T, cfg
 

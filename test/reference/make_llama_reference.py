@@ -3,13 +3,15 @@
 
 Run with Debian's interpreter, which ships torch and numpy:
 
-    /usr/bin/python3 test/reference/make_llama_reference.py --out DIR --kv KV [--scaled-rope]
+    /usr/bin/python3 test/reference/make_llama_reference.py --out DIR --kv KV [--rope-scaling F] [--tied]
 
 An independent Llama 3 written here from Meta's reference model (RMSNorm, RoPE on interleaved pairs with
-Llama 3.1's frequency scaling when asked, SwiGLU, grouped-query attention with KV key/value heads, an untied
-lm_head, no biases), computed in float64 from float32 weights. Writes DIR/model.bin in llm.c's Llama 3 layout
-(the llama3 branch's write_model: 256 int32 + 256 float32 header, GPT-2's tensor slots, zero biases, lm_head
-in wpe's slot) and DIR/state.bin in the GPT-2 reference's state format: the first micro-batch's inputs,
+Llama 3's frequency scaling by a factor F when asked, SwiGLU, grouped-query attention with KV key/value heads,
+an lm_head of its own or the token embedding's transpose when tied, no biases), computed in float64 from float32
+weights. Writes DIR/model.bin in llm.c's Llama 3 layout (the llama3 branch's write_model: 256 int32 + 256
+float32 header, GPT-2's tensor slots, zero biases, lm_head in wpe's slot; llm5d's additions: int [14] 1 when
+tied, with wte repeated in lm_head's slot, and float [3] the scaling factor when it is not 8) and DIR/state.bin
+in the GPT-2 reference's state format: the first micro-batch's inputs,
 targets, logits, loss and every gradient (in llm5d's flat order, which has no bias slots), then the losses of
 10 AdamW steps with weight decay, each accumulating MICRO micro-batches (header[12]).
 """
@@ -60,12 +62,12 @@ def hidden_size():
 H = hidden_size()
 
 
-def rope_frequencies(theta, scaled):
-    """Meta's frequencies, in float64; with Llama 3.1's scaling (factor 8, low 1, high 4, context 8192)."""
+def rope_frequencies(theta, factor):
+    """Meta's frequencies, in float64; with Llama 3's scaling by factor (low 1, high 4, context 8192) unless 0."""
     freqs = [1.0 / theta ** (2 * i / HD) for i in range(HD // 2)]
-    if not scaled:
+    if factor == 0:
         return freqs
-    factor, low, high, old = 8.0, 1.0, 4.0, 8192.0
+    low, high, old = 1.0, 4.0, 8192.0
     out = []
     for f in freqs:
         wavelen = 2 * math.pi / f
@@ -98,15 +100,17 @@ def rmsnorm(x, w):
 class Llama:
     """The parameters as a dict of float64 leaf tensors, and the forward pass."""
 
-    def __init__(self, kv, theta, scaled, gen):
-        self.kv, self.theta, self.scaled = kv, theta, scaled
-        self.freqs = rope_frequencies(theta, scaled)
+    def __init__(self, kv, theta, scaling, tied, gen):
+        self.kv, self.theta, self.tied = kv, theta, tied
+        self.freqs = rope_frequencies(theta, scaling)
 
         def normal(*shape, std):  # drawn in float32, as the model file stores them
             return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).double()
 
         resid = 0.02 / math.sqrt(2 * L)
-        p = {"wte": normal(V, C, std=0.02), "lm_head": normal(V, C, std=0.02)}
+        p = {"wte": normal(V, C, std=0.02)}
+        if not tied:
+            p["lm_head"] = normal(V, C, std=0.02)
         for l in range(L):
             # norm gains away from 1 so that a norm that ignored its weight would show
             p[f"ln1.{l}"] = 1.0 + normal(C, std=0.1)
@@ -144,23 +148,23 @@ class Llama:
         for l in range(L):
             x = x + self.attention(rmsnorm(x, self.p[f"ln1.{l}"]), l)
             x = x + self.mlp(rmsnorm(x, self.p[f"ln2.{l}"]), l)
-        logits = rmsnorm(x, self.p["lnf"]) @ self.p["lm_head"].t()
+        logits = rmsnorm(x, self.p["lnf"]) @ self.p["wte" if self.tied else "lm_head"].t()
         return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
 
     def flat(self, grads=False):
-        """llm5d's flat order: wte, lm_head, ln1w, qkvw, attprojw, ln2w, fcw (c_fc then c_fc2), fcprojw, lnfw."""
+        """llm5d's flat order: wte, lm_head (untied), ln1w, qkvw, attprojw, ln2w, fcw (c_fc, c_fc2), fcprojw, lnfw."""
         get = (lambda t: t.grad) if grads else (lambda t: t.detach())
         per_layer = lambda name: [get(self.p[f"{name}.{l}"]) for l in range(L)]
         fcw = [torch.cat([get(self.p[f"fc.{l}"]), get(self.p[f"fc2.{l}"])]) for l in range(L)]
-        parts = [get(self.p["wte"]), get(self.p["lm_head"])] + per_layer("ln1") + per_layer("qkv") + \
+        parts = [get(self.p["wte"])] + ([] if self.tied else [get(self.p["lm_head"])]) + per_layer("ln1") + per_layer("qkv") + \
             per_layer("attproj") + per_layer("ln2") + fcw + per_layer("fcproj") + [get(self.p["lnf"])]
         return np.concatenate([t.numpy().astype("<f4").ravel() for t in parts])
 
     def file_tensors(self):
-        """llm.c's Llama 3 file: GPT-2's slots, lm_head in wpe's, every bias slot present and zero."""
+        """llm.c's Llama 3 file: GPT-2's slots, lm_head (wte when tied) in wpe's, every bias slot present, zero."""
         t = lambda name, l: self.p[f"{name}.{l}"].detach()
         zeros = lambda n: torch.zeros(n, dtype=torch.float64)
-        out = [self.p["wte"].detach(), self.p["lm_head"].detach()]
+        out = [self.p["wte"].detach(), self.p["wte" if self.tied else "lm_head"].detach()]
         out += [t("ln1", l) for l in range(L)] + [zeros(C) for _ in range(L)]
         out += [t("qkv", l) for l in range(L)] + [zeros((NH + 2 * self.kv) * HD) for _ in range(L)]
         out += [t("attproj", l) for l in range(L)] + [zeros(C) for _ in range(L)]
@@ -185,16 +189,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kv", type=int, required=True, help="key/value heads (divides %d)" % NH)
-    ap.add_argument("--scaled-rope", action="store_true", help="Llama 3.1's RoPE frequency scaling")
+    ap.add_argument("--rope-scaling", type=float, default=0.0,
+                    help="Llama 3's RoPE frequency scaling factor (3.1: 8, 3.2: 32; 0: none)")
+    ap.add_argument("--tied", action="store_true", help="the classifier is the token embedding (Llama 3.2 1B, 3B)")
     args = ap.parse_args()
     assert NH % args.kv == 0
-    theta = 500000.0 if args.scaled_rope else 10000.0
+    theta = 500000.0 if args.rope_scaling else 10000.0
 
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(SEED + args.kv)
-    model = Llama(args.kv, theta, args.scaled_rope, gen)
+    model = Llama(args.kv, theta, args.rope_scaling, args.tied, gen)
     params = list(model.p.values())
     x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
     y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
@@ -231,9 +237,11 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "model.bin"), "wb") as f:
-        f.write(header_ints([LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, MULTIPLE_OF, int(args.scaled_rope), 3, 1]))
+        scaled = args.rope_scaling > 0
+        f.write(header_ints([LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, MULTIPLE_OF, int(scaled), 3, 2 if args.tied else 1,
+                             0, 0, int(args.tied)]))
         hf = np.zeros(256, dtype="<f4")
-        hf[:3] = [FFN_DIM_MULTIPLIER, NORM_EPS, theta]
+        hf[:4] = [FFN_DIM_MULTIPLIER, NORM_EPS, theta, args.rope_scaling if args.rope_scaling != 8 else 0]
         f.write(hf.tobytes())
         f.write(file_values.tobytes())
     with open(os.path.join(args.out, "state.bin"), "wb") as f:
@@ -245,7 +253,8 @@ def main():
         f.write(np.array([init_loss], dtype="<f4").tobytes())
         f.write(init_grads.tobytes())
         f.write(np.array(losses, dtype="<f4").tobytes())
-    print(f"Llama L={L} C={C} NH={NH} KV={args.kv} H={H} V={V} theta={theta:g} scaled={args.scaled_rope}: "
+    print(f"Llama L={L} C={C} NH={NH} KV={args.kv} H={H} V={V} theta={theta:g} scaling={args.rope_scaling:g} "
+          f"tied={args.tied}: "
           f"{init_grads.size} parameters, initial loss {init_loss:.6f} (ln V = {math.log(V):.6f}), "
           f"losses {losses[0]:.6f} -> {losses[-1]:.6f}")
     return 0

@@ -1,0 +1,114 @@
+// Tests of Llama 3 under the parallelisms on the CPU, under `mpirun --oversubscribe`, against the single-rank
+// Llama run with the same global batch over 20 steps of 2 or 4 micro-batches (the equivalence principle):
+// dp 2 under ZeRO-1 and ZeRO-3; tp 2 with and without sp, which splits the 4 query heads and the 2 key/value
+// heads; pp 2
+// under 1F1B, ZB-H1 and the interleaved schedule, and pp 2 × dp 2; a Llama whose classifier is tied to wte
+// (Llama 3.2's) under pp 2, where the first and the last stage sum the tied gradient, and under tp 2; the bytes
+// counted against the formulas. Also the ledger of every rank against --plan, where an untied lm_head lives (on
+// the last stage alone), and a Llama checkpoint resumed under another layout.
+//
+// The models: 4 layers (pp 2 × 2 virtual stages of 1), 32 channels in 4 heads of 8 sharing 2 key/value heads,
+// 80 hidden units (tp 2 splits each of SwiGLU's two input matrices), a vocab of 301 that no tp divides.
+#include <omp.h>
+
+#include "llmc/plan.h"
+#include "llmc/pp.cuh"
+#include "llmc/zero.cuh"
+#include "mpi_helpers.h"
+
+namespace test_llama_parallel {
+
+const char* LLAMA = "l4c32h4g2f80t32v301";
+const char* TIED = "l4c32h4g2f80t32v301w";
+
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F1B, ZB-H1, interleaved) and pp 2 × dp 2 gives "
+          "the single-rank run's losses over 20 steps with accumulation; a tied Llama under pp 2 and tp 2 too",
+          "[llama][parallel]") {
+    Data data;
+    TempDir out;
+    struct Layout {
+        const char* name;
+        const char* model;
+        int ranks, b;  // b: the sequences per micro-batch of a rank, for the same global batch of 8
+        const char* flags;
+    };
+    std::map<std::string, std::map<std::string, double>> reference;
+    for (const char* model : {LLAMA, TIED}) {
+        REQUIRE(single_ok(data.flags(2, 128, 20, model), out / model));  // 4 micro-batches of 2
+        reference[model] = losses(out / model);
+    }
+    for (Layout l : {Layout{"dp2_z1", LLAMA, 2, 2, " -z 1"}, Layout{"dp2_z3", LLAMA, 2, 2, " -z 3"},
+                     Layout{"tp2_sp", LLAMA, 2, 2, " --tp 2 --sp 1"}, Layout{"tp2", LLAMA, 2, 2, " --tp 2 --sp 0"},
+                     Layout{"pp2_1f1b", LLAMA, 2, 2, " --pp 2 --debug-check-replicas 1"},
+                     Layout{"pp2_zb", LLAMA, 2, 2, " --pp 2 --pp-schedule zb"},
+                     Layout{"pp2_interleaved", LLAMA, 2, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
+                     Layout{"pp2_dp2", LLAMA, 4, 1, " --pp 2 -z 1 --debug-check-replicas 1"},
+                     Layout{"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"},
+                     Layout{"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}}) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags, dir, &run)) continue;
+        check_close(losses(dir), reference[l.model], 1e-5);
+        // the bytes counted against the formulas; and under pp, where the embeddings and the classifier live
+        std::string flags = l.flags;
+        if (flags.find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, flags.find("--sp 1") != std::string::npos);
+        if (flags.find("-z") != std::string::npos) require_counted_equals_formula(run);
+        bool tied = l.model == TIED;
+        if (flags.find("--pp") != std::string::npos)
+            CHECK(run.find(tied ? "(embeddings on stages 0 and 1, the classifier on stage 1)"
+                                : "(embeddings on stage 0, the classifier on stage 1)") != std::string::npos);
+        if (flags.find("replicas") != std::string::npos)  // only a tied classifier keeps a second copy of wte
+            CHECK((run.find("replicas: the embeddings are identical on the first and the last stage") != std::string::npos) == tied);
+    }
+}
+
+TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp, and pp; an untied "
+          "lm_head lives on the last stage only, a tied wte on both ends",
+          "[llama][parallel]") {
+    for (const char* model : {LLAMA, TIED}) {
+        GPTConfig c = parse_model_descriptor(model);
+        // the stages' parameters: the whole model, plus the last stage's copy of a tied wte
+        PPSpec two{2, 0, 1, PPKind::OneFOneB};
+        size_t stages = num_parameters(c, 1, stage_part(c, two)) + num_parameters(c, 1, stage_part(c, PPSpec{2, 1, 1, PPKind::OneFOneB}));
+        CHECK(stages == num_parameters(c) + (c.tied() ? (size_t)c.vocab_size * c.channels : 0));
+        for (int zero : {1, 3})
+            for (int tp : {1, 2})
+                for (int N : {1, 2})
+                    for (int stage = 0; stage < N; stage++)
+                        for (int tp_rank = 0; tp_rank < tp; tp_rank++) {
+                            INFO(model << " ZeRO-" << zero << " dp 2, tp " << tp << " rank " << tp_rank << ", pp " << N
+                                       << " stage " << stage);
+                            PPSpec pp{N, stage, 1, PPKind::OneFOneB};
+                            int micro = 4, slots = N > 1 ? planned_in_flight(pp, micro) : 1;
+                            Comm group;  // dp 2: only the size and rank matter until a collective runs
+                            group.size = 2;
+                            GPT m;
+                            gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, tp_rank, tp > 1},
+                                         RECOMPUTE_NONE, CPSpec{}, N > 1 ? stage_part(c, pp) : ModelPart{}, slots);
+                            DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
+                            ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
+                            if (N > 1) par.pp = pp;
+                            MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
+                            for (int i = 0; i < MEM_CATEGORIES; i++) {
+                                INFO(mem_category_name(i));
+                                CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                            }
+                        }
+    }
+}
+
+TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "
+          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3; tied too",
+          "[llama][parallel]") {
+    Data data;
+    TempDir out;
+    for (const char* model : {LLAMA, TIED}) {
+        INFO(model);
+        std::map<std::string, double> reference = resume_reference_losses(data, model, out / (std::string(model) + "_one"));
+        check_resume(data, model, {4, "-b 2 --tp 2 -z 1"}, {4, "-b 2 --pp 2 -z 1"}, reference, out / (std::string(model) + "_tp"));
+        check_resume(data, model, {2, "-b 4 --pp 2"}, {1, "-b 4"}, reference, out / (std::string(model) + "_pp"));
+        check_resume(data, model, {1, "-b 4"}, {2, "-b 2 -z 3"}, reference, out / (std::string(model) + "_z3"));
+    }
+}
+
+}  // namespace test_llama_parallel
