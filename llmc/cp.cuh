@@ -12,7 +12,8 @@
 // group hold the same parameters; their gradients are partial sums over other tokens, reduced over dp × cp by
 // the data-parallel runtime (llmc/grid.cuh). ContextParallel, at the end, is what the model calls.
 //
-// Ring attention. Each rank keeps the queries of its own tokens; the keys and values travel. At step s a rank
+// Ring attention. Each rank keeps the queries of its own tokens; the keys and values travel (under grouped-query
+// attention only the KV key/value heads, NH/KV times fewer bytes than the queries' heads). At step s a rank
 // holds the K and V of rank r-s, and before it computes with them it posts their send to rank r+1 and the
 // receive of the next block from rank r-1 into a second buffer, so the transfer overlaps the compute; after N-1
 // transfers every rank has seen every block once. Each (query chunk, key chunk) pair is a block of attention
@@ -115,32 +116,47 @@ inline long cp_attention_pairs(const CPLayout& l) {
 }
 
 // ==========================================================================================================
-// The per-block kernels. A block is n local query rows starting at q0 of qkv (B, Tl, 3C) against n key rows
-// starting at k0 of kv (B, Tl, 2C: K then V, the layout that travels), per (batch, head); causal masks key j
-// after query i of the block (both chunks are the same n positions of the sequence).
+// The heads a rank's attention has: NH query heads over KV key/value heads of hs channels (grouped-query
+// attention: query head h reads key/value head h / (NH/KV); KV = NH is multi-head attention). C = NH·hs is the
+// width of the queries and of the output, K = KV·hs that of the keys and of the values: a row of qkv holds
+// C + 2K values (q, then k, then v), a row of what travels the ring 2K (k, then v).
+struct RingHeads {
+    int C, NH, KV;
+    __host__ __device__ int hs() const { return C / NH; }
+    __host__ __device__ int K() const { return KV * (C / NH); }
+    __host__ __device__ int qkv_row() const { return C + 2 * K(); }
+    __host__ __device__ int kv_row() const { return 2 * K(); }
+    __host__ __device__ int kv_head(int h) const { return h / (NH / KV); }
+};
+
+// ==========================================================================================================
+// The per-block kernels. A block is n local query rows starting at q0 of qkv (B, Tl, C + 2K) against n key rows
+// starting at k0 of kv (B, Tl, 2K: K then V, the layout that travels), per (batch, query head); causal masks key
+// j after query i of the block (both chunks are the same n positions of the sequence).
 //
 // forward: out_blk (B, n, C) = the block's softmax over its keys applied to V, lse_blk (B, NH, n) its
 // log-sum-exp (natural log, of the scaled scores).
 // backward: with the global lse and D = rowsum(dO∘O) of the query rows (B, NH, Tl), adds the block's share to
-// dq (B, Tl, C) at the query rows and to dkv (B, Tl, 2C) at the key rows, all fp32.
+// dq (B, Tl, C) at the query rows and to dkv (B, Tl, 2K) at the key rows, all fp32; a key/value head's gradient
+// sums its NH/KV query heads, in head order.
 
 inline void cp_block_forward(float* out_blk, float* lse_blk, const float* qkv, int q0, const float* kv, int k0, int n,
-                             bool causal, int B, int Tl, int C, int NH) {
-    int hs = C / NH;
+                             bool causal, int B, int Tl, RingHeads a) {
+    int hs = a.hs(), C = a.C, NH = a.NH;
     float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for collapse(3)
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++)
             for (int i = 0; i < n; i++) {
-                const float* q = qkv + ((size_t)b * Tl + q0 + i) * 3 * C + h * hs;
+                const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
                 float* o = out_blk + ((size_t)b * n + i) * C + h * hs;
                 for (int d = 0; d < hs; d++) o[d] = 0.0f;
                 // one pass of the online softmax: o and sum stay scaled to the running maximum
                 float maxv = -INFINITY, sum = 0.0f;
                 int keys = causal ? i + 1 : n;
                 for (int j = 0; j < keys; j++) {
-                    const float* k = kv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
-                    const float* v = k + C;
+                    const float* k = kv + ((size_t)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
+                    const float* v = k + a.K();
                     float s = 0.0f;
                     for (int d = 0; d < hs; d++) s += q[d] * k[d];
                     s *= scale;
@@ -157,14 +173,16 @@ inline void cp_block_forward(float* out_blk, float* lse_blk, const float* qkv, i
 // Two passes, one owning the query rows (dQ) and one the key rows (dK, dV), so no two threads add to the same
 // entry; each recomputes the probabilities it needs.
 inline void cp_block_backward(float* dq, float* dkv, const float* dout, const float* qkv, int q0, const float* kv, int k0,
-                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, int C, int NH) {
-    int hs = C / NH;
+                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, RingHeads a) {
+    int hs = a.hs(), C = a.C, NH = a.NH, group = a.NH / a.KV;
     float scale = 1.0f / sqrtf((float)hs);
+    // key j's K and V (local row k0 + j) as query head h reads them
+    auto key = [&](int b, int h, int j) { return kv + ((size_t)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs; };
     // P and dS = P·(dO·v - D) of query i (local row q0 + i) and key j (local row k0 + j)
     auto scores = [&](int b, int h, int i, int j, float* p, float* ds) {
-        const float* q = qkv + ((size_t)b * Tl + q0 + i) * 3 * C + h * hs;
-        const float* k = kv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
-        const float* v = k + C;
+        const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
+        const float* k = key(b, h, j);
+        const float* v = k + a.K();
         const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
         float s = 0.0f, dp = 0.0f;
         for (int e = 0; e < hs; e++) s += q[e] * k[e], dp += d[e] * v[e];
@@ -180,23 +198,24 @@ inline void cp_block_backward(float* dq, float* dkv, const float* dout, const fl
                 for (int j = 0; j < (causal ? i + 1 : n); j++) {
                     float p, ds;
                     scores(b, h, i, j, &p, &ds);
-                    const float* k = kv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
+                    const float* k = key(b, h, j);
                     for (int e = 0; e < hs; e++) g[e] += ds * scale * k[e];
                 }
             }
 #pragma omp parallel for collapse(3)
     for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
+        for (int g = 0; g < a.KV; g++)
             for (int j = 0; j < n; j++) {
-                float* dk = dkv + ((size_t)b * Tl + k0 + j) * 2 * C + h * hs;
-                float* dv = dk + C;
-                for (int i = causal ? j : 0; i < n; i++) {
-                    float p, ds;
-                    scores(b, h, i, j, &p, &ds);
-                    const float* q = qkv + ((size_t)b * Tl + q0 + i) * 3 * C + h * hs;
-                    const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
-                    for (int e = 0; e < hs; e++) dk[e] += ds * scale * q[e], dv[e] += p * d[e];
-                }
+                float* dk = dkv + ((size_t)b * Tl + k0 + j) * a.kv_row() + g * hs;
+                float* dv = dk + a.K();
+                for (int h = g * group; h < (g + 1) * group; h++)
+                    for (int i = causal ? j : 0; i < n; i++) {
+                        float p, ds;
+                        scores(b, h, i, j, &p, &ds);
+                        const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
+                        const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
+                        for (int e = 0; e < hs; e++) dk[e] += ds * scale * q[e], dv[e] += p * d[e];
+                    }
             }
 }
 
@@ -205,11 +224,11 @@ inline void cp_block_backward(float* dq, float* dkv, const float* dout, const fl
 constexpr int CP_MAX_HS = 256, CP_DIMS_PER_LANE = CP_MAX_HS / 32, CP_WARPS = 4;
 
 static __global__ void cp_block_forward_kernel(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv,
-                                               int k0, int n, bool causal, int Tl, int C, int NH, float scale) {
+                                               int k0, int n, bool causal, int Tl, RingHeads a, float scale) {
     int i = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH;
+    int bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, hs = a.hs(), C = a.C;
     if (i >= n) return;
-    const bf16* q_g = qkv + ((long)b * Tl + q0 + i) * 3 * C + h * hs;
+    const bf16* q_g = qkv + ((long)b * Tl + q0 + i) * a.qkv_row() + h * hs;
     float q[CP_DIMS_PER_LANE], o[CP_DIMS_PER_LANE];
 #pragma unroll
     for (int u = 0; u < CP_DIMS_PER_LANE; u++) {
@@ -219,7 +238,7 @@ static __global__ void cp_block_forward_kernel(float* out_blk, float* lse_blk, c
     }
     float maxv = -INFINITY, sum = 0.0f;
     for (int j = 0; j < (causal ? i + 1 : n); j++) {
-        const bf16* k = kv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+        const bf16* k = kv + ((long)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
         float s = 0.0f;
 #pragma unroll
         for (int u = 0; u < CP_DIMS_PER_LANE; u++)
@@ -229,7 +248,7 @@ static __global__ void cp_block_forward_kernel(float* out_blk, float* lse_blk, c
         sum = sum * rescale + p;
 #pragma unroll
         for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-            if (lane + 32 * u < hs) o[u] = o[u] * rescale + p * __bfloat162float(k[C + lane + 32 * u]);
+            if (lane + 32 * u < hs) o[u] = o[u] * rescale + p * __bfloat162float(k[a.K() + lane + 32 * u]);
         maxv = m;
     }
     float* o_g = out_blk + ((long)b * n + i) * C + h * hs;
@@ -239,10 +258,10 @@ static __global__ void cp_block_forward_kernel(float* out_blk, float* lse_blk, c
     if (lane == 0) lse_blk[(long)bh * n + i] = maxv + logf(sum);
 }
 
-// P and dS for query row qrow (local) against key row krow of (b, h): q, dO of the query held by the lane, the
-// key's K and V read here
+// P and dS for a query row against a key row: q, dO of the query held by the lane, the key's K (at k) and V (K
+// values on) read here
 static __device__ __forceinline__ void cp_warp_scores(float* p, float* ds, const float (&q)[CP_DIMS_PER_LANE],
-                                                      const float (&d)[CP_DIMS_PER_LANE], const bf16* k, int C, int hs,
+                                                      const float (&d)[CP_DIMS_PER_LANE], const bf16* k, int K, int hs,
                                                       float scale, float lse, float delta) {
     int lane = threadIdx.x % 32;
     float s = 0.0f, dp = 0.0f;
@@ -250,7 +269,7 @@ static __device__ __forceinline__ void cp_warp_scores(float* p, float* ds, const
     for (int u = 0; u < CP_DIMS_PER_LANE; u++)
         if (lane + 32 * u < hs) {
             s += q[u] * __bfloat162float(k[lane + 32 * u]);
-            dp += d[u] * __bfloat162float(k[C + lane + 32 * u]);
+            dp += d[u] * __bfloat162float(k[K + lane + 32 * u]);
         }
     *p = expf(warp_sum(s) * scale - lse);
     *ds = *p * (warp_sum(dp) - delta);
@@ -266,18 +285,18 @@ static __device__ __forceinline__ void cp_load_row(float (&dst)[CP_DIMS_PER_LANE
 // dQ: a warp per query row, walking the keys it sees
 static __global__ void cp_block_backward_dq_kernel(float* dq, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
                                                    int k0, int n, bool causal, const float* lse, const float* delta,
-                                                   int Tl, int C, int NH, float scale) {
+                                                   int Tl, RingHeads a, float scale) {
     int i = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH;
+    int bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, hs = a.hs(), C = a.C;
     if (i >= n) return;
     float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE], g[CP_DIMS_PER_LANE] = {};
-    cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * 3 * C + h * hs, hs);
+    cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * a.qkv_row() + h * hs, hs);
     cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
     float row_lse = lse[(long)bh * Tl + q0 + i], row_delta = delta[(long)bh * Tl + q0 + i];
     for (int j = 0; j < (causal ? i + 1 : n); j++) {
-        const bf16* k = kv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+        const bf16* k = kv + ((long)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
         float p, ds;
-        cp_warp_scores(&p, &ds, q, d, k, C, hs, scale, row_lse, row_delta);
+        cp_warp_scores(&p, &ds, q, d, k, a.K(), hs, scale, row_lse, row_delta);
 #pragma unroll
         for (int u = 0; u < CP_DIMS_PER_LANE; u++)
             if (lane + 32 * u < hs) g[u] += ds * scale * __bfloat162float(k[lane + 32 * u]);
@@ -288,54 +307,58 @@ static __global__ void cp_block_backward_dq_kernel(float* dq, const bf16* dout, 
         if (lane + 32 * u < hs) g_g[lane + 32 * u] += g[u];
 }
 
-// dK and dV: a warp per key row, walking the queries that see it
+// dK and dV: a warp per key row of a key/value head, walking the queries of its NH/KV query heads that see it
 static __global__ void cp_block_backward_dkv_kernel(float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
                                                     int k0, int n, bool causal, const float* lse, const float* delta,
-                                                    int Tl, int C, int NH, float scale) {
+                                                    int Tl, RingHeads a, float scale) {
     int j = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, hs = C / NH;
+    int bg = blockIdx.y, b = bg / a.KV, g = bg % a.KV, hs = a.hs(), C = a.C, group = a.NH / a.KV;
     if (j >= n) return;
-    const bf16* k = kv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+    const bf16* k = kv + ((long)b * Tl + k0 + j) * a.kv_row() + g * hs;
     float dk[CP_DIMS_PER_LANE] = {}, dv[CP_DIMS_PER_LANE] = {};
-    for (int i = causal ? j : 0; i < n; i++) {
-        float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE];
-        cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * 3 * C + h * hs, hs);
-        cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
-        float p, ds;
-        cp_warp_scores(&p, &ds, q, d, k, C, hs, scale, lse[(long)bh * Tl + q0 + i], delta[(long)bh * Tl + q0 + i]);
+    for (int h = g * group; h < (g + 1) * group; h++) {
+        long bh = (long)b * a.NH + h;
+        for (int i = causal ? j : 0; i < n; i++) {
+            float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE];
+            cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * a.qkv_row() + h * hs, hs);
+            cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
+            float p, ds;
+            cp_warp_scores(&p, &ds, q, d, k, a.K(), hs, scale, lse[bh * Tl + q0 + i], delta[bh * Tl + q0 + i]);
 #pragma unroll
-        for (int u = 0; u < CP_DIMS_PER_LANE; u++) dk[u] += ds * scale * q[u], dv[u] += p * d[u];
+            for (int u = 0; u < CP_DIMS_PER_LANE; u++) dk[u] += ds * scale * q[u], dv[u] += p * d[u];
+        }
     }
-    float* dk_g = dkv + ((long)b * Tl + k0 + j) * 2 * C + h * hs;
+    float* dk_g = dkv + ((long)b * Tl + k0 + j) * a.kv_row() + g * hs;
 #pragma unroll
     for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-        if (lane + 32 * u < hs) dk_g[lane + 32 * u] += dk[u], dk_g[C + lane + 32 * u] += dv[u];
+        if (lane + 32 * u < hs) dk_g[lane + 32 * u] += dk[u], dk_g[a.K() + lane + 32 * u] += dv[u];
 }
 
 
-// the head sizes the CUDA block kernels hold in registers
-inline void cp_check_heads(int C, int NH) {
-    if (NH < 1 || C % NH != 0) fail("ring attention: C=%d is not a multiple of NH=%d", C, NH);
-    if (C / NH > CP_MAX_HS) fail("ring attention: head size %d is more than the %d the CUDA block kernels hold", C / NH, CP_MAX_HS);
+// heads ring attention can run: KV dividing NH, and a head size the CUDA block kernels hold in registers
+inline void cp_check_heads(RingHeads a) {
+    if (a.NH < 1 || a.C % a.NH != 0) fail("ring attention: C=%d is not a multiple of NH=%d", a.C, a.NH);
+    if (a.KV < 1 || a.NH % a.KV != 0) fail("ring attention: %d key/value heads must divide the %d query heads", a.KV, a.NH);
+    if (a.hs() > CP_MAX_HS) fail("ring attention: head size %d is more than the %d the CUDA block kernels hold", a.hs(), CP_MAX_HS);
 }
 
 inline void cp_block_forward(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv, int k0, int n,
-                             bool causal, int B, int Tl, int C, int NH) {
-    dim3 grid(cuda_blocks(n, CP_WARPS), B * NH);
+                             bool causal, int B, int Tl, RingHeads a) {
+    dim3 grid(cuda_blocks(n, CP_WARPS), B * a.NH);
     cp_block_forward_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(out_blk, lse_blk, qkv, q0, kv, k0, n, causal, Tl,
-                                                                        C, NH, 1.0f / sqrtf((float)(C / NH)));
+                                                                        a, 1.0f / sqrtf((float)a.hs()));
     cuda_check(cudaGetLastError());
 }
 
 inline void cp_block_backward(float* dq, float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv, int k0,
-                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, int C, int NH) {
-    dim3 grid(cuda_blocks(n, CP_WARPS), B * NH);
-    float scale = 1.0f / sqrtf((float)(C / NH));
-    cp_block_backward_dq_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(dq, dout, qkv, q0, kv, k0, n, causal, lse,
-                                                                            delta, Tl, C, NH, scale);
+                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, RingHeads a) {
+    float scale = 1.0f / sqrtf((float)a.hs());
+    dim3 queries(cuda_blocks(n, CP_WARPS), B * a.NH), keys(cuda_blocks(n, CP_WARPS), B * a.KV);
+    cp_block_backward_dq_kernel<<<queries, 32 * CP_WARPS, 0, main_stream()>>>(dq, dout, qkv, q0, kv, k0, n, causal, lse,
+                                                                               delta, Tl, a, scale);
     cuda_check(cudaGetLastError());
-    cp_block_backward_dkv_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(dkv, dout, qkv, q0, kv, k0, n, causal, lse,
-                                                                             delta, Tl, C, NH, scale);
+    cp_block_backward_dkv_kernel<<<keys, 32 * CP_WARPS, 0, main_stream()>>>(dkv, dout, qkv, q0, kv, k0, n, causal, lse,
+                                                                             delta, Tl, a, scale);
     cuda_check(cudaGetLastError());
 }
 
@@ -344,36 +367,38 @@ inline void cp_block_backward(float* dq, float* dkv, const bf16* dout, const bf1
 // both devices, so the steps that touch only them take the storage type as a template argument to know where
 // they live.
 
-// kv (rows, 2C) = the K and V columns of qkv (rows, 3C): what travels the ring
-inline void cp_pack_kv(float* kv, const float* qkv, long rows, int C) {
+// kv (rows, 2K) = the K and V columns of qkv (rows, C + 2K): what travels the ring
+inline void cp_pack_kv(float* kv, const float* qkv, long rows, RingHeads a) {
 #pragma omp parallel for
-    for (long r = 0; r < rows; r++) memcpy(kv + r * 2 * C, qkv + r * 3 * C + C, 2 * C * sizeof(float));
+    for (long r = 0; r < rows; r++) memcpy(kv + r * a.kv_row(), qkv + r * a.qkv_row() + a.C, a.kv_row() * sizeof(float));
 }
-static __global__ void cp_pack_kv_kernel(bf16* kv, const bf16* qkv, long rows, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * 2 * C; i += (long)gridDim.x * blockDim.x)
-        kv[i] = qkv[i / (2 * C) * 3 * C + C + i % (2 * C)];
+static __global__ void cp_pack_kv_kernel(bf16* kv, const bf16* qkv, long rows, RingHeads a) {
+    long width = a.kv_row();
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * width; i += (long)gridDim.x * blockDim.x)
+        kv[i] = qkv[i / width * a.qkv_row() + a.C + i % width];
 }
-inline void cp_pack_kv(bf16* kv, const bf16* qkv, long rows, int C) {
-    launch_elementwise(cp_pack_kv_kernel, rows * 2 * C, kv, qkv, rows, C);
+inline void cp_pack_kv(bf16* kv, const bf16* qkv, long rows, RingHeads a) {
+    launch_elementwise(cp_pack_kv_kernel, rows * a.kv_row(), kv, qkv, rows, a);
 }
 
-// dqkv (rows, 3C) = dq (rows, C) beside dkv (rows, 2C), in the storage type
-inline void cp_store_grads(float* dqkv, const float* dq, const float* dkv, long rows, int C) {
+// dqkv (rows, C + 2K) = dq (rows, C) beside dkv (rows, 2K), in the storage type
+inline void cp_store_grads(float* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
 #pragma omp parallel for
     for (long r = 0; r < rows; r++) {
-        memcpy(dqkv + r * 3 * C, dq + r * C, C * sizeof(float));
-        memcpy(dqkv + r * 3 * C + C, dkv + r * 2 * C, 2 * C * sizeof(float));
+        memcpy(dqkv + r * a.qkv_row(), dq + r * a.C, a.C * sizeof(float));
+        memcpy(dqkv + r * a.qkv_row() + a.C, dkv + r * a.kv_row(), a.kv_row() * sizeof(float));
     }
 }
-static __global__ void cp_store_grads_kernel(bf16* dqkv, const float* dq, const float* dkv, long rows, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * 3 * C; i += (long)gridDim.x * blockDim.x) {
-        long r = i / (3 * C);
-        int c = (int)(i % (3 * C));
-        dqkv[i] = __float2bfloat16(c < C ? dq[r * C + c] : dkv[r * 2 * C + c - C]);
+static __global__ void cp_store_grads_kernel(bf16* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
+    long width = a.qkv_row();
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * width; i += (long)gridDim.x * blockDim.x) {
+        long r = i / width;
+        int c = (int)(i % width);
+        dqkv[i] = __float2bfloat16(c < a.C ? dq[r * a.C + c] : dkv[r * a.kv_row() + c - a.C]);
     }
 }
-inline void cp_store_grads(bf16* dqkv, const float* dq, const float* dkv, long rows, int C) {
-    launch_elementwise(cp_store_grads_kernel, rows * 3 * C, dqkv, dq, dkv, rows, C);
+inline void cp_store_grads(bf16* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
+    launch_elementwise(cp_store_grads_kernel, rows * a.qkv_row(), dqkv, dq, dkv, rows, a);
 }
 
 // delta (B, NH, Tl) = dO·O over each head: the softmax backward's Σ_j P·dP of the row
@@ -500,18 +525,18 @@ struct RingBuffers {
     float *rows = nullptr, *out_blk = nullptr, *lse_blk = nullptr, *delta = nullptr;
 };
 
-// the elements of each buffer for B sequences of Tl local tokens (chunks of Tl/2), C channels and NH heads
+// the elements of each buffer for B sequences of Tl local tokens (chunks of Tl/2) and the heads a
 struct RingSizes {
     size_t kv, rows, out_blk, lse_blk, delta;
 };
-inline RingSizes ring_sizes(int B, int Tl, int C, int NH) {
+inline RingSizes ring_sizes(int B, int Tl, RingHeads a) {
     size_t rows = (size_t)B * Tl, n = (size_t)Tl / 2;
-    return {rows * 2 * C, rows * C, B * n * C, B * NH * n, rows * NH};
+    return {rows * a.kv_row(), rows * a.C, B * n * a.C, B * a.NH * n, rows * a.NH};
 }
 
 template <typename floatX>
-inline RingBuffers<floatX> ring_buffers(Ledger& led, int B, int Tl, int C, int NH) {
-    RingSizes z = ring_sizes(B, Tl, C, NH);
+inline RingBuffers<floatX> ring_buffers(Ledger& led, int B, int Tl, RingHeads a) {
+    RingSizes z = ring_sizes(B, Tl, a);
     RingBuffers<floatX> r;
     r.kv_held = led.alloc<floatX, floatX>(MEM_COMM, z.kv);
     r.kv_incoming = led.alloc<floatX, floatX>(MEM_COMM, z.kv);
@@ -524,24 +549,24 @@ inline RingBuffers<floatX> ring_buffers(Ledger& led, int B, int Tl, int C, int N
     return r;
 }
 
-inline void cp_check_group(const CPLayout& l, const Comm& comm, int C, int NH) {
+inline void cp_check_group(const CPLayout& l, const Comm& comm, RingHeads a) {
     if (comm.size != l.size || comm.rank != l.rank)
         fail("ring attention: the layout is rank %d of %d, the group rank %d of %d", l.rank, l.size, comm.rank, comm.size);
-    cp_check_heads(C, NH);
+    cp_check_heads(a);
 }
 
 // out (B, Tl, C) and lse (B, NH, Tl, the global log-sum-exp of each query's scaled scores) of causal attention
-// over the whole sequence, for this rank's Tl = T/N local rows of qkv (B, Tl, 3C); comm is the cp group, buf
+// over the whole sequence, for this rank's Tl = T/N local rows of qkv (B, Tl, C + 2K); comm is the cp group, buf
 // sized for at least B sequences of Tl tokens
 template <typename floatX>
-void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, int C, int NH, const CPLayout& l, Comm& comm,
+void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, RingHeads a, const CPLayout& l, Comm& comm,
                             RingBuffers<floatX>& buf) {
-    cp_check_group(l, comm, C, NH);
-    int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens();
-    size_t kv_count = (size_t)B * Tl * 2 * C;
+    cp_check_group(l, comm, a);
+    int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens(), C = a.C, NH = a.NH;
+    size_t kv_count = (size_t)B * Tl * a.kv_row();
     floatX *held = buf.kv_held, *incoming = buf.kv_incoming;
     float* running = buf.rows;
-    cp_pack_kv(held, qkv, (long)B * Tl, C);
+    cp_pack_kv(held, qkv, (long)B * Tl, a);
     device_zero<floatX>(running, (size_t)B * Tl * C);
     cp_fill<floatX>(lse, (long)B * NH * Tl, -INFINITY);
     for (int step = 0; step < N; step++) {
@@ -554,7 +579,7 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, i
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
                 cp_block_forward(buf.out_blk, buf.lse_blk, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, B,
-                                 Tl, C, NH);
+                                 Tl, a);
                 cp_merge<floatX>(running, lse, qi * n, buf.out_blk, buf.lse_blk, n, B, Tl, C, NH);
             }
         if (more) {
@@ -565,16 +590,16 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, i
     convert_on_device(out, running, (long)B * Tl * C);
 }
 
-// dqkv (B, Tl, 3C) overwritten with the gradient of this rank's rows, from dout and the forward's out and lse
+// dqkv (B, Tl, C + 2K) overwritten with the gradient of this rank's rows, from dout and the forward's out and lse
 template <typename floatX>
 void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, int C, int NH, const CPLayout& l, Comm& comm, RingBuffers<floatX>& buf) {
-    cp_check_group(l, comm, C, NH);
-    int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens();
-    size_t kv_count = (size_t)B * Tl * 2 * C;
+                             int B, RingHeads a, const CPLayout& l, Comm& comm, RingBuffers<floatX>& buf) {
+    cp_check_group(l, comm, a);
+    int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens(), C = a.C, NH = a.NH;
+    size_t kv_count = (size_t)B * Tl * a.kv_row();
     floatX *held = buf.kv_held, *incoming = buf.kv_incoming;
     float *dq = buf.rows, *arrived = buf.acc_arrived;
-    cp_pack_kv(held, qkv, (long)B * Tl, C);
+    cp_pack_kv(held, qkv, (long)B * Tl, a);
     cp_delta(buf.delta, dout, out, B, Tl, C, NH);
     device_zero<floatX>(dq, (size_t)B * Tl * C);
     RingHop grads;  // the accumulator sent on at the end of the previous step
@@ -591,7 +616,7 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
                 cp_block_backward(dq, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse, buf.delta,
-                                  B, Tl, C, NH);
+                                  B, Tl, a);
             }
         // the accumulator for the source's keys arrives from the rank that held them a step ago, and leaves with
         // this rank's share added; after the last step's hop every rank holds its own keys' gradient
@@ -608,7 +633,7 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
         }
     }
     if (N > 1) ring_wait(comm, grads);
-    cp_store_grads(dqkv, dq, N > 1 ? arrived : buf.acc[0], (long)B * Tl, C);
+    cp_store_grads(dqkv, dq, N > 1 ? arrived : buf.acc[0], (long)B * Tl, a);
 }
 
 // ==========================================================================================================
@@ -662,22 +687,25 @@ struct ContextParallel {
     CPLayout layout;       // of the last forward's sequence length
     std::vector<int> positions;  // this rank's positions, in local order
     int* device_positions = nullptr;
-    floatX *position_table = nullptr, *position_table_grads = nullptr;  // wpe's rows at them, and their gradient
+    floatX *position_table = nullptr, *position_table_grads = nullptr;  // wpe's rows at them, and their gradient (GPT-2)
     RingBuffers<floatX> ring;
 
     bool on() const { return spec.size > 1; }
 
     // the buffers for up to B sequences of T tokens (through the model's ledger): positions, the position
-    // table and its gradient, and the ring's
-    void allocate(Ledger& led, int B, int T, int C, int Cl, int NHl) {
+    // table and its gradient when the model has a learned one (C wide; 0: RoPE's positions need none), and the
+    // ring's for the rank's heads
+    void allocate(Ledger& led, int B, int T, int table_width, RingHeads heads) {
         if (!on()) return;
         layout = cp_layout(T, spec.size, spec.rank, spec.split);
         int Tl = layout.local_tokens();
-        cp_check_heads(Cl, NHl);
+        cp_check_heads(heads);
         if constexpr (device_of<floatX> == Device::CUDA) device_positions = led.alloc<floatX, int>(MEM_ACTIVATIONS, Tl);
-        position_table = led.alloc<floatX, floatX>(MEM_ACTIVATIONS, (size_t)Tl * C);
-        position_table_grads = led.alloc<floatX, floatX>(MEM_SCRATCH, (size_t)Tl * C);
-        ring = ring_buffers<floatX>(led, B, Tl, Cl, NHl);
+        if (table_width > 0) {
+            position_table = led.alloc<floatX, floatX>(MEM_ACTIVATIONS, (size_t)Tl * table_width);
+            position_table_grads = led.alloc<floatX, floatX>(MEM_SCRATCH, (size_t)Tl * table_width);
+        }
+        ring = ring_buffers<floatX>(led, B, Tl, heads);
     }
 
     // a forward on sequences of T tokens begins: the split for T, and where the kernels find its positions
@@ -695,6 +723,9 @@ struct ContextParallel {
         if (on()) cp_select(mine, all, B, T, 1, positions);
         else std::copy(all, all + (long)B * T, mine);
     }
+
+    // the sequence positions of the local tokens, where the kernels read them (null: 0..T-1), for RoPE
+    const int* token_positions() const { return on() ? device_positions : nullptr; }
 
     // the position embedding rows the encoder adds, one per local position
     const floatX* position_rows(const floatX* wpe, int C) {
@@ -714,22 +745,15 @@ struct ContextParallel {
 
     // attention over the whole sequence for this rank's Tl local rows, NH query heads over KV key/value heads;
     // state is what backward needs (the probabilities or log-sum-exps of llmc/attention.cuh, or the ring's
-    // global log-sum-exps (B, NH, Tl)). The ring moves qkv rows of 3C (KV = NH) only.
+    // global log-sum-exps (B, NH, Tl))
     void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH, int KV) {
         if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH, KV);
-        ring_check_heads(NH, KV);
-        ring_attention_forward(out, state, qkv, B, C, NH, layout, *comm, ring);
+        ring_attention_forward(out, state, qkv, B, RingHeads{C, NH, KV}, layout, *comm, ring);
     }
     void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* state,
                             int B, int Tl, int C, int NH, int KV, float* scratch) {
         if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, KV, scratch);
-        ring_check_heads(NH, KV);
-        ring_attention_backward(dqkv, dout, qkv, out, state, B, C, NH, layout, *comm, ring);
-    }
-    void ring_check_heads(int NH, int KV) const {
-        if (KV != NH)
-            fail("--cp %d: ring attention passes one key/value head per query head; %d query heads share %d here",
-                 spec.size, NH, KV);
+        ring_attention_backward(dqkv, dout, qkv, out, state, B, RingHeads{C, NH, KV}, layout, *comm, ring);
     }
 
     // which rank holds position t of a sequence, and at which local index

@@ -434,9 +434,6 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
         fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
     if (config.kv_heads() % tp.size != 0)
         fail("--tp %d: must divide the number of key/value heads (%d)", tp.size, config.kv_heads());
-    if (config.llama() && cp.size > 1)
-        fail("--cp %d: context parallelism takes GPT-2 models (a Llama's RoPE would need each rank's positions)",
-             cp.size);
     if (cp.size > 1) cp_layout(T, cp.size, cp.rank, cp.split);  // T splits into 2·cp chunks
     if (tp.sp && cp.size == 1 && T % tp.size != 0)
         fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);
@@ -553,7 +550,8 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         m.rope = led.alloc<floatX, float>(MEM_SCRATCH, n);
         device_upload<floatX>(m.rope, table.data(), n);
     }
-    m.cp.allocate(led, B, T, (int)C, d.Cl, d.NHl);
+    // under cp, GPT-2's learned positions are gathered at the rank's positions (C wide); RoPE reads the positions
+    m.cp.allocate(led, B, T, config.llama() ? 0 : (int)C, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep;
     m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C);
 }
@@ -896,7 +894,7 @@ inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, 
                                         in.prev->fcproj, w[LN1W], R, C, eps);
     tp.gather_rows(la.ln1, BT, C);
     matmul_forward(la.qkv, la.ln1, w[QKVW], none, BT, C, d.QKVl, ws);
-    rope_forward(la.qkv, m.rope, (const int*)nullptr, B, d.T, d.NHl, d.KVl, d.hd);
+    rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws);
     fused_residual_rmsnorm_forward(la.residual2, la.ln2 + first, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
@@ -1123,7 +1121,7 @@ inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B,
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
     matmul_backward(s.datty, now(dw[ATTPROJW]), none, dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
-    rope_backward(dqkv, m.rope, (const int*)nullptr, B, d.T, d.NHl, d.KVl, d.hd);
+    rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
     matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
     tp.reduce_rows(s.dln, dln_rows, BT, C);

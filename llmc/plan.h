@@ -151,20 +151,21 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // hidden layer before and after GELU, and the two projections' outputs and residual sums; around the layers
     // the embedding output and on the last stage the final layernorm, the logits and the losses. With -r 1
     // GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only. The GPU keeps
-    // the tokens and targets (2·BT int32); ring attention (cp > 1) the position embedding's T rows of this rank's
-    // positions (T·C) and, on the GPU, the positions (T int32).
+    // the tokens and targets (2·BT int32); ring attention (cp > 1) GPT-2's position embedding at the T rows of
+    // this rank's positions (T·C) and, on the GPU, the positions (T int32).
     // Under pipeline parallelism a stage keeps all of this for each micro-batch in flight, of one chunk of its
     // layers (the longest), the head's share only on the last stage; the recomputed buffers and the ring's
     // are shared. The embedding output's buffer is where the previous stage's activations arrive, and the last
     // layer's output the next stage's gradient: the exchanges need no buffers of their own.
     const bool ring = par.cp > 1;
+    const size_t table = ring && !c.llama() ? T * C : 0;  // GPT-2's wpe rows at the rank's positions (RoPE needs none)
     bool split = par.pp.kind == PPKind::ZeroBubble;  // the zero-bubble schedule splits backward
     ActivationBytes kept = gpu ? activation_bytes<bf16>(d, split, par.recompute, part.last, par.tp)
                                : activation_bytes<float>(d, split, par.recompute, part.last, par.tp);
     size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
     size_t slots = planned_in_flight(par.pp, par.accumulation);
     p.bytes[MEM_ACTIVATIONS] = slots * (chunk * kept.per_layer + kept.edges + (gpu ? F * 2 * BT : 0)) + kept.recomputed +
-                               X * (ring ? T * C : 0) + F * (ring && gpu ? T : 0);
+                               X * table + F * (ring && gpu ? T : 0);
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a norm input (BT·C),
     // qkv (BT·QKVl: 3·BT·Cl for GPT-2), attention output (BT·Cl), the MLP's first matmul's output
     // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl); T floats per thread for attention; the GEMM's
@@ -177,14 +178,14 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     if (par.sp) scratch += BT * C + R * C;
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
     if (c.llama()) kernels += (size_t)c.max_seq_len * d.hd;
-    // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Cl, storage type) and three fp32
-    // dK/dV accumulators of the same size, counted as comm buffers; in fp32 scratch the running output or dQ
-    // (BT·Cl), one block's output and log-sum-exps (B·T/2 rows: B·T/2·Cl and NH/t·B·T/2) and D (NH/t·BT); and
-    // the position embedding's gradient rows (T·C, storage type).
+    // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Kl, Kl = KV/t·hd the rank's key
+    // channels; storage type) and three fp32 dK/dV accumulators of the same size, counted as comm buffers; in
+    // fp32 scratch the running output or dQ (BT·Cl), one block's output and log-sum-exps (B·T/2 rows: B·T/2·Cl
+    // and NH/t·B·T/2) and D (NH/t·BT); and GPT-2's position embedding's gradient rows (T·C, storage type).
     if (ring) {
-        size_t kv = BT * 2 * Cl, half = (size_t)B * (T / 2);
+        size_t kv = BT * 2 * d.KVl * d.hd, half = (size_t)B * (T / 2);
         p.bytes[MEM_COMM] += X * 2 * kv + F * 3 * kv;
-        scratch += T * C;
+        scratch += table;
         kernels += BT * Cl + half * Cl + NH / t * half + NH / t * BT;
     }
     // The experts' layers share (llmc/moe.cuh): the rows in dispatch order (K·BT·C), on the experts' side
@@ -258,11 +259,12 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
 }
 
 // Bytes one rank sends to its cp group per optimizer step: in each layer of each micro-step, forward passes
-// the K/V block on N-1 times (BT·2Cl values as stored, BT = B·T/N local rows), and backward passes it on N-1
-// times again and its fp32 dK/dV accumulator N times (the last hop brings each one home to the keys' rank).
+// the K/V block on N-1 times (BT·2Kl values as stored, BT = B·T/N local rows, Kl = KV/tp·hd the rank's key
+// channels: Cl for GPT-2, NH/KV times fewer under grouped-query attention), and backward passes it on N-1 times
+// again and its fp32 dK/dV accumulator N times (the last hop brings each one home to the keys' rank).
 inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.cp == 1) return 0.0;
-    double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.channels / par.tp);
+    double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.kv_heads() / par.tp * c.head_size());
     double per_layer = 2 * (N - 1) * kv * stored_value_bytes(device) + N * kv * sizeof(float);
     return par.accumulation * planned_part(c, par).layers() * per_layer;
 }

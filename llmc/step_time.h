@@ -151,10 +151,10 @@ struct StepModel {
             p.tp = f + link_seconds(l, regions + regathered, calls + (regathered > 0 ? 2 * layers : 0));
             p.forward_comm += f;
         }
-        // cp: per layer, forward passes the K/V block N-1 times, backward again and the fp32 dK/dV N times;
-        // the hops overlap with the attention of the block in hand
+        // cp: per layer, forward passes the K/V block (the rank's key/value heads) N-1 times, backward again and
+        // the fp32 dK/dV N times; the hops overlap with the attention of the block in hand
         if (par.cp > 1) {
-            double N = par.cp, kv = BT * 2 * Cl;
+            double N = par.cp, kv = BT * 2 * ((double)c.kv_heads() / t * c.head_size());
             Link l = cp_link();
             double f = link_seconds(l, (N - 1) * kv * X, N - 1),
                    b = link_seconds(l, (N - 1) * kv * X + N * kv * 4, 2 * N - 1);

@@ -1,10 +1,11 @@
 // cp_check: ring attention (llmc/cp.cuh) against attention over the whole sequence, run under mpirun on 2, 3 or 4
-// ranks (test/test_context_parallel.cu starts it). Every rank draws the same random qkv and output gradient for
-// the whole sequence (B=2, T=2N·7: never a power of two, and chunks of 7 tokens) and runs llmc/attention.cuh's
-// CPU reference on all of it; the reference log-sum-exp is computed here in double from the same scores. Then,
-// for the zig-zag and the contiguous split, ring attention runs on this rank's rows alone, and its output,
-// log-sum-exp and dQ, dK, dV must equal the reference's at the same positions within 1e-6 relative (fp32, against each
-// quantity's largest entry).
+// ranks (test/test_context_parallel.cu starts it). For multi-head attention (3 heads) and grouped-query attention
+// (4 query heads sharing 2 key/value heads), every rank draws the same random qkv and output gradient for the
+// whole sequence (B=2, T=2N·7: never a power of two, and chunks of 7 tokens) and runs llmc/attention.cuh's CPU
+// reference on all of it; the reference log-sum-exp is computed here in double from the same scores. Then, for
+// the zig-zag and the contiguous split, ring attention runs on this rank's rows alone, and its output,
+// log-sum-exp and dQ, dK, dV must equal the reference's at the same positions within 1e-6 relative (fp32, against
+// each quantity's largest entry).
 // On rank 0, the line "cp_check: R ranks, N passed, M failed", then one with the worst relative error of each quantity;
 // the exit status is 1 if anything failed.
 #include <omp.h>
@@ -46,68 +47,71 @@ int main() {
         CommSettings s;
         s.timeout_s = 60;
         Comm world = comm_world(s);
-        const int N = world.size, B = 2, C = 24, NH = 3, T = 2 * N * 7, hs = C / NH;
-
-        // the whole sequence, the same on every rank
-        Rng rng(2024);
-        std::vector<float> qkv((size_t)B * T * 3 * C), dout((size_t)B * T * C);
-        for (float& x : qkv) x = rng.normal(0.0f, 1.0f);
-        for (float& x : dout) x = rng.normal(0.0f, 1.0f);
-        std::vector<float> out(dout.size()), att((size_t)B * NH * T * T), dqkv(qkv.size()), lse((size_t)B * NH * T);
-        std::vector<float> scratch((size_t)omp_get_max_threads() * T);
-        attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, NH);
-        attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, NH, scratch.data());
-        for (int b = 0; b < B; b++)
-            for (int h = 0; h < NH; h++)
-                for (int t = 0; t < T; t++) {
-                    std::vector<double> scores;
-                    double top = -INFINITY, sum = 0.0;
-                    for (int t2 = 0; t2 <= t; t2++) {
-                        double dot = 0.0;
-                        for (int e = 0; e < hs; e++)
-                            dot += (double)qkv[((size_t)b * T + t) * 3 * C + h * hs + e] *
-                                   qkv[((size_t)b * T + t2) * 3 * C + C + h * hs + e];
-                        scores.push_back(dot / sqrt((double)hs));
-                        top = fmax(top, scores.back());
-                    }
-                    for (double x : scores) sum += exp(x - top);
-                    lse[((size_t)b * NH + h) * T + t] = (float)(top + log(sum));
-                }
-
+        const int N = world.size, B = 2, C = 24, T = 2 * N * 7;
         double worst[5] = {};  // out, lse, dq, dk, dv
-        for (CPSplit split : {CPSplit::ZigZag, CPSplit::Contiguous}) {
-            CPLayout layout = cp_layout(T, N, world.rank, split);
-            std::vector<int> positions = cp_positions(layout);
-            int Tl = layout.local_tokens();
-            auto slice = [&](const std::vector<float>& whole, long outer, int width) {
-                std::vector<float> part((size_t)outer * Tl * width);
-                cp_select(part.data(), whole.data(), outer, T, width, positions);
-                return part;
-            };
-            std::vector<float> my_qkv = slice(qkv, B, 3 * C), my_dout = slice(dout, B, C);
-            std::vector<float> my_out((size_t)B * Tl * C, NAN), my_lse((size_t)B * NH * Tl, NAN),
-                my_dqkv((size_t)B * Tl * 3 * C, NAN);
-            Ledger ledger;
-            RingBuffers<float> ring = ring_buffers<float>(ledger, B, Tl, C, NH);
-            ring_attention_forward(my_out.data(), my_lse.data(), my_qkv.data(), B, C, NH, layout, world, ring);
-            ring_attention_backward(my_dqkv.data(), my_dout.data(), my_qkv.data(), my_out.data(), my_lse.data(), B, C, NH,
-                                    layout, world, ring);
+        for (RingHeads a : {RingHeads{C, 3, 3}, RingHeads{C, 4, 2}}) {
+            const int NH = a.NH, KV = a.KV, hs = a.hs(), K = a.K(), row = a.qkv_row();
+            // the whole sequence, the same on every rank
+            Rng rng(2024 + KV);
+            std::vector<float> qkv((size_t)B * T * row), dout((size_t)B * T * C);
+            for (float& x : qkv) x = rng.normal(0.0f, 1.0f);
+            for (float& x : dout) x = rng.normal(0.0f, 1.0f);
+            std::vector<float> out(dout.size()), att((size_t)B * NH * T * T), dqkv(qkv.size()), lse((size_t)B * NH * T);
+            std::vector<float> scratch((size_t)omp_get_max_threads() * T);
+            attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, KV);
+            attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, KV, scratch.data());
+            for (int b = 0; b < B; b++)
+                for (int h = 0; h < NH; h++)
+                    for (int t = 0; t < T; t++) {
+                        std::vector<double> scores;
+                        double top = -INFINITY, sum = 0.0;
+                        for (int t2 = 0; t2 <= t; t2++) {
+                            double dot = 0.0;
+                            for (int e = 0; e < hs; e++)
+                                dot += (double)qkv[((size_t)b * T + t) * row + h * hs + e] *
+                                       qkv[((size_t)b * T + t2) * row + C + h / (NH / KV) * hs + e];
+                            scores.push_back(dot / sqrt((double)hs));
+                            top = fmax(top, scores.back());
+                        }
+                        for (double x : scores) sum += exp(x - top);
+                        lse[((size_t)b * NH + h) * T + t] = (float)(top + log(sum));
+                    }
 
-            std::vector<float> want_dqkv = slice(dqkv, B, 3 * C);
-            // the Q, K and V columns of a (B·Tl, 3C) gradient apart
-            auto part = [&](const std::vector<float>& g, int which) {
-                std::vector<float> p((size_t)B * Tl * C);
-                for (size_t r = 0; r < (size_t)B * Tl; r++)
-                    for (int c = 0; c < C; c++) p[r * C + c] = g[r * 3 * C + which * C + c];
-                return p;
-            };
-            std::string tag = strfmt("cp=%d %s", N, cp_split_name(split));
-            check(world, relative_error(my_out, slice(out, B, C)), tag + " out", &worst[0]);
-            check(world, relative_error(my_lse, slice(lse, (long)B * NH, 1)), tag + " lse", &worst[1]);
-            const char* names[3] = {"dq", "dk", "dv"};
-            for (int which = 0; which < 3; which++)
-                check(world, relative_error(part(my_dqkv, which), part(want_dqkv, which)), tag + " " + names[which],
-                      &worst[2 + which]);
+            for (CPSplit split : {CPSplit::ZigZag, CPSplit::Contiguous}) {
+                CPLayout layout = cp_layout(T, N, world.rank, split);
+                std::vector<int> positions = cp_positions(layout);
+                int Tl = layout.local_tokens();
+                auto slice = [&](const std::vector<float>& whole, long outer, int width) {
+                    std::vector<float> part((size_t)outer * Tl * width);
+                    cp_select(part.data(), whole.data(), outer, T, width, positions);
+                    return part;
+                };
+                std::vector<float> my_qkv = slice(qkv, B, row), my_dout = slice(dout, B, C);
+                std::vector<float> my_out((size_t)B * Tl * C, NAN), my_lse((size_t)B * NH * Tl, NAN),
+                    my_dqkv((size_t)B * Tl * row, NAN);
+                Ledger ledger;
+                RingBuffers<float> ring = ring_buffers<float>(ledger, B, Tl, a);
+                ring_attention_forward(my_out.data(), my_lse.data(), my_qkv.data(), B, a, layout, world, ring);
+                ring_attention_backward(my_dqkv.data(), my_dout.data(), my_qkv.data(), my_out.data(), my_lse.data(), B, a,
+                                        layout, world, ring);
+
+                std::vector<float> want_dqkv = slice(dqkv, B, row);
+                // the Q, K and V columns of a (B·Tl, C + 2K) gradient apart
+                auto part = [&](const std::vector<float>& g, int which) {
+                    int first = which == 0 ? 0 : C + (which - 1) * K, width = which == 0 ? C : K;
+                    std::vector<float> p((size_t)B * Tl * width);
+                    for (size_t r = 0; r < (size_t)B * Tl; r++)
+                        for (int c = 0; c < width; c++) p[r * width + c] = g[r * row + first + c];
+                    return p;
+                };
+                std::string tag = strfmt("cp=%d %s NH=%d KV=%d", N, cp_split_name(split), NH, KV);
+                check(world, relative_error(my_out, slice(out, B, C)), tag + " out", &worst[0]);
+                check(world, relative_error(my_lse, slice(lse, (long)B * NH, 1)), tag + " lse", &worst[1]);
+                const char* names[3] = {"dq", "dk", "dv"};
+                for (int which = 0; which < 3; which++)
+                    check(world, relative_error(part(my_dqkv, which), part(want_dqkv, which)), tag + " " + names[which],
+                          &worst[2 + which]);
+            }
         }
 
         int counts[2] = {passes, failures}, totals[2];

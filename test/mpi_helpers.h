@@ -202,6 +202,33 @@ inline void check_resumes_bit_exactly(int ranks, const std::string& flags, const
     CHECK(read_file(whole + "/ckpt_00000006/model.bin").size() == 256 * 4 + parameters * 4);
 }
 
+// "comm: rank 0 sent X bytes on cp in this step; the formula for cp=N says Y": X equals Y, and is not 0
+inline void require_cp_counted_equals_formula(const std::string& output, int cp) {
+    double sent = -1, formula = -2;
+    int n = 0;
+    for (const std::string& line : lines_of(output))
+        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on cp in this step; the formula for cp=%d says %lf", &sent,
+                   &n, &formula) == 3)
+            break;
+    INFO(output);
+    REQUIRE(n == cp);
+    CHECK(sent > 0);
+    CHECK(sent == formula);
+}
+
+// "comm: rank 0 sent X bytes on pp in this step; the formula for pp=N vpp=V says Y": X equals Y, and is not 0
+inline void require_pp_counted_equals_formula(const std::string& output) {
+    double sent = -1, formula = -2;
+    int n = 0, v = 0;
+    for (const std::string& line : lines_of(output))
+        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on pp in this step; the formula for pp=%d vpp=%d says %lf",
+                   &sent, &n, &v, &formula) == 4)
+            break;
+    INFO(output);
+    CHECK(sent > 0);
+    CHECK(sent == formula);
+}
+
 // like train(), but a failed run is recorded and the test goes on with the next layout; false when it failed
 inline bool train_ok(int ranks, const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
     CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");

@@ -36,20 +36,6 @@ std::vector<long> cp_pairs_lines(const std::string& output) {
     return pairs;
 }
 
-// "comm: rank 0 sent X bytes on cp in this step; the formula for cp=N says Y": X equals Y, and is not 0
-void require_cp_counted_equals_formula(const std::string& output, int cp) {
-    double sent = -1, formula = -2;
-    int n = 0;
-    for (const std::string& line : lines_of(output))
-        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on cp in this step; the formula for cp=%d says %lf", &sent,
-                   &n, &formula) == 3)
-            break;
-    INFO(output);
-    REQUIRE(n == cp);
-    CHECK(sent > 0);
-    CHECK(sent == formula);
-}
-
 TEST_CASE("the zig-zag split gives rank r chunks r and 2N-1-r, the contiguous split chunks 2r and 2r+1", "[cp]") {
     CHECK(cp_positions(cp_layout(8, 2, 0, CPSplit::ZigZag)) == std::vector<int>{0, 1, 6, 7});
     CHECK(cp_positions(cp_layout(8, 2, 1, CPSplit::ZigZag)) == std::vector<int>{2, 3, 4, 5});
@@ -106,11 +92,12 @@ TEST_CASE("under a causal mask zig-zag gives every rank the same attention work,
     }
 }
 
-TEST_CASE("ring attention equals whole-sequence attention on every rank's slice, cp = 2, 3, 4, both splits", "[cp]") {
+TEST_CASE("ring attention equals whole-sequence attention on every rank's slice, cp = 2, 3, 4, both splits, "
+          "multi-head and grouped-query", "[cp]") {
     REQUIRE(access("build/cp_check", X_OK) == 0);
     for (int ranks : {2, 3, 4}) {
         CheckCounts counts = run_check_program(ranks, "cp_check");
-        CHECK(counts.passed == 2 * 5 * ranks);  // per rank and split: out, lse, dq, dk, dv
+        CHECK(counts.passed == 2 * 2 * 5 * ranks);  // per rank, heads and split: out, lse, dq, dk, dv
         CHECK(counts.failed == 0);
     }
 }
@@ -121,11 +108,12 @@ TEST_CASE("ring attention equals whole-sequence attention on every rank's slice,
 TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference", "[cp][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
     struct Shape {
-        int B, T, C, NH;
+        int B, T, C, NH, KV;
     };
-    for (Shape s : {Shape{2, 42, 128, 2}, Shape{1, 30, 96, 3}}) {  // head sizes 64 and 32
-        INFO("B=" << s.B << " T=" << s.T << " C=" << s.C << " NH=" << s.NH);
-        AttentionCase k(s.B, s.T, s.C, s.NH, s.NH, 15);
+    for (Shape s : {Shape{2, 42, 128, 2, 2}, Shape{1, 30, 96, 3, 3}, Shape{1, 30, 256, 4, 2}}) {  // head sizes 64, 32, 64
+        INFO("B=" << s.B << " T=" << s.T << " C=" << s.C << " NH=" << s.NH << " KV=" << s.KV);
+        AttentionCase k(s.B, s.T, s.C, s.NH, s.KV, 15);
+        RingHeads heads{s.C, s.NH, s.KV};
         Comm self;
         CPLayout l = cp_layout(s.T, 1, 0, CPSplit::ZigZag);
         auto close = [](const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
@@ -134,13 +122,12 @@ TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference", "[
             CHECK(c.pass());
         };
         Ledger ledger;
-        RingBuffers<bf16> ring = ring_buffers<bf16>(ledger, s.B, s.T, s.C, s.NH);
-        ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, s.C, s.NH, l, self, ring);
+        RingBuffers<bf16> ring = ring_buffers<bf16>(ledger, s.B, s.T, heads);
+        ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, heads, l, self, ring);
         cuda_check(cudaStreamSynchronize(main_stream()));
         close("out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
         close("lse", download(k.d_lse), k.lse, 1e-3);
-        ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, s.C, s.NH, l, self,
-                                ring);
+        ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, heads, l, self, ring);
         cuda_check(cudaStreamSynchronize(main_stream()));
         close("dqkv", download(k.d_dqkv), k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
     }

@@ -7,6 +7,10 @@
 // counted against the formulas. Also the ledger of every rank against --plan, where an untied lm_head lives (on
 // the last stage alone), and a Llama checkpoint resumed under another layout.
 //
+// Under cp 2 (zig-zag and contiguous, and cp 2 × tp 2) RoPE turns each token by its position in the whole
+// sequence, which is not contiguous on a rank, and the ring carries the key/value heads only: the counted cp
+// bytes equal the formula, which counts KV/NH of what GPT-2's ring sends.
+//
 // The models: 4 layers (pp 2 × 2 virtual stages of 1), 32 channels in 4 heads of 8 sharing 2 key/value heads,
 // 80 hidden units (tp 2 splits each of SwiGLU's two input matrices), a vocab of 301 that no tp divides.
 #include <omp.h>
@@ -21,8 +25,9 @@ namespace test_llama_parallel {
 const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
 
-TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F1B, ZB-H1, interleaved) and pp 2 × dp 2 gives "
-          "the single-rank run's losses over 20 steps with accumulation; a tied Llama under pp 2 and tp 2 too",
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
+          "cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
+          "tied Llama under pp 2, tp 2 and cp 2 too",
           "[llama][parallel]") {
     Data data;
     TempDir out;
@@ -43,8 +48,11 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
                      Layout{"pp2_zb", LLAMA, 2, 2, " --pp 2 --pp-schedule zb"},
                      Layout{"pp2_interleaved", LLAMA, 2, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
                      Layout{"pp2_dp2", LLAMA, 4, 1, " --pp 2 -z 1 --debug-check-replicas 1"},
+                     Layout{"cp2_zigzag", LLAMA, 2, 2, " --cp 2 --cp-split zigzag"},
+                     Layout{"cp2_contiguous", LLAMA, 2, 2, " --cp 2 --cp-split contiguous"},
+                     Layout{"cp2_tp2", LLAMA, 4, 2, " --cp 2 --tp 2 --sp 1"},
                      Layout{"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"},
-                     Layout{"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}}) {
+                     Layout{"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}, Layout{"tied_cp2", TIED, 2, 2, " --cp 2"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
         if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags, dir, &run)) continue;
@@ -53,7 +61,9 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
         std::string flags = l.flags;
         if (flags.find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, flags.find("--sp 1") != std::string::npos);
         if (flags.find("-z") != std::string::npos) require_counted_equals_formula(run);
+        if (flags.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);
         bool tied = l.model == TIED;
+        if (flags.find("--pp") != std::string::npos) require_pp_counted_equals_formula(run);
         if (flags.find("--pp") != std::string::npos)
             CHECK(run.find(tied ? "(embeddings on stages 0 and 1, the classifier on stage 1)"
                                 : "(embeddings on stage 0, the classifier on stage 1)") != std::string::npos);
@@ -62,7 +72,7 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
     }
 }
 
-TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp, and pp; an untied "
+TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp, cp and pp; an untied "
           "lm_head lives on the last stage only, a tied wte on both ends",
           "[llama][parallel]") {
     for (const char* model : {LLAMA, TIED}) {
@@ -73,27 +83,32 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
         CHECK(stages == num_parameters(c) + (c.tied() ? (size_t)c.vocab_size * c.channels : 0));
         for (int zero : {1, 3})
             for (int tp : {1, 2})
-                for (int N : {1, 2})
-                    for (int stage = 0; stage < N; stage++)
-                        for (int tp_rank = 0; tp_rank < tp; tp_rank++) {
-                            INFO(model << " ZeRO-" << zero << " dp 2, tp " << tp << " rank " << tp_rank << ", pp " << N
-                                       << " stage " << stage);
-                            PPSpec pp{N, stage, 1, PPKind::OneFOneB};
-                            int micro = 4, slots = N > 1 ? planned_in_flight(pp, micro) : 1;
-                            Comm group;  // dp 2: only the size and rank matter until a collective runs
-                            group.size = 2;
-                            GPT m;
-                            gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, tp_rank, tp > 1},
-                                         RECOMPUTE_NONE, CPSpec{}, N > 1 ? stage_part(c, pp) : ModelPart{}, slots);
-                            DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
-                            ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
-                            if (N > 1) par.pp = pp;
-                            MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
-                            for (int i = 0; i < MEM_CATEGORIES; i++) {
-                                INFO(mem_category_name(i));
-                                CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                for (int cp : {1, 2})
+                    for (int N : {1, 2})
+                        for (int stage = 0; stage < N; stage++)
+                            for (int rank = 0; rank < tp * cp; rank++) {  // tp fastest, then cp
+                                INFO(model << " ZeRO-" << zero << " dp 2, tp " << tp << ", cp " << cp << ", rank " << rank
+                                           << ", pp " << N << " stage " << stage);
+                                PPSpec pp{N, stage, 1, PPKind::OneFOneB};
+                                int micro = 4, slots = N > 1 ? planned_in_flight(pp, micro) : 1;
+                                Comm group;  // dp 2 × cp: only the size and rank matter until a collective runs
+                                group.size = 2 * cp;
+                                group.rank = rank / tp;
+                                GPT m;
+                                gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero),
+                                             TPSpec{tp, rank % tp, tp > 1}, RECOMPUTE_NONE,
+                                             CPSpec{cp, rank / tp, CPSplit::ZigZag}, N > 1 ? stage_part(c, pp) : ModelPart{},
+                                             slots);
+                                DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
+                                ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
+                                par.cp = cp;
+                                if (N > 1) par.pp = pp;
+                                MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
+                                for (int i = 0; i < MEM_CATEGORIES; i++) {
+                                    INFO(mem_category_name(i));
+                                    CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                                }
                             }
-                        }
     }
 }
 

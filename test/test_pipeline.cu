@@ -19,19 +19,6 @@ namespace test_pipeline {
 const char* PP_MODEL = "d4c36h4t32v301";     // 4 layers: 2 stages of 2, or 2 × 2 virtual stages of 1
 const char* UNEVEN_MODEL = "d5c36h4t32v301"; // 5 layers on 3 stages: 2, 2, 1
 
-// "comm: rank 0 sent X bytes on pp in this step; the formula for pp=N vpp=V says Y": X equals Y, and is not 0
-void require_pp_counted_equals_formula(const std::string& output) {
-    double sent = -1, formula = -2;
-    int n = 0, v = 0;
-    for (const std::string& line : lines_of(output))
-        if (sscanf(line.c_str(), "comm: rank 0 sent %lf bytes on pp in this step; the formula for pp=%d vpp=%d says %lf",
-                   &sent, &n, &v, &formula) == 4)
-            break;
-    INFO(output);
-    CHECK(sent > 0);
-    CHECK(sent == formula);
-}
-
 // the measured bubble and the formula's, from "pp: bubble X measured (...); the S formula says Y"
 bool bubble_line(const std::string& output, double* measured, double* formula) {
     for (const std::string& line : lines_of(output)) {
