@@ -29,6 +29,8 @@
 #   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe, resume and nccl
 #                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
 #   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
+#   LLAMA_MODEL the Llama the mpi, cp and pp phases also run (grouped-query: 4 heads over 2 key/value heads)
+#                                                      [l4c256h4g2f688 on cuda, l4c128h4g2f344 on cpu]
 #   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
 #               initialization), batch, steps, constant lr, largest |loss difference|
 #                                              [cuda: 12:768:12, 4, 1024, 10, 3e-4, 0.05; cpu: 2:128:2, 4, 64, 1e-4]
@@ -77,12 +79,14 @@ if [[ $DEVICE == cuda ]]; then
     PT_SHAPE=${PT_SHAPE:-12:768:12} PT_B=${PT_B:-4} PT_T=${PT_T:-1024} PT_TOL=${PT_TOL:-0.05}
     MPI_TOL=${MPI_TOL:-2e-2}
     MOE_MODEL=${MOE_MODEL:-d6c384h6e8k2}
+    LLAMA_MODEL=${LLAMA_MODEL:-l4c256h4g2f688}
     LLAMA_SHAPE=${LLAMA_SHAPE:-4:256:4:2:688}
 elif [[ $DEVICE == cpu ]]; then
     CHECK_MODEL=${CHECK_MODEL:-d4c128h2} CHECK_B=${CHECK_B:-2} CHECK_T=${CHECK_T:-64} CHECK_STEPS=${CHECK_STEPS:-10}
     PT_SHAPE=${PT_SHAPE:-2:128:2} PT_B=${PT_B:-4} PT_T=${PT_T:-64} PT_TOL=${PT_TOL:-1e-4}
     MPI_TOL=${MPI_TOL:-1e-5}
     MOE_MODEL=${MOE_MODEL:-d4c128h2e4k2}
+    LLAMA_MODEL=${LLAMA_MODEL:-l4c128h4g2f344}
     LLAMA_SHAPE=${LLAMA_SHAPE:-2:128:4:2:344}
 else
     echo "verify: DEVICE must be cuda or cpu (got '$DEVICE')" >&2; exit 2
@@ -474,7 +478,7 @@ fi
 
 # ---------------------------------------------------------------------------------------------------------
 # mpi: 2 ranks sharing the device over MPI (dp with ZeRO-0..3 and 2 micro-steps; tp 2) against one rank, all
-# with the same global batch of 4 micro-batches
+# with the same global batch of 4 micro-batches; then a Llama (LLAMA_MODEL) under dp 2 with ZeRO-1 and tp 2
 
 GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
 
@@ -527,22 +531,31 @@ if has_phase mpi; then
         for z in 0 1 2 3; do two_ranks "$WORK/mpi" "dp 2, ZeRO-$z, 2 micro-steps" -z "$z"; done
         two_ranks "$WORK/mpi" "tp 2 (sp), 4 micro-steps" --tp 2
     fi
+    if two_ranks_ready "$WORK/mpi_llama" -e "$LLAMA_MODEL"; then
+        two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, dp 2, ZeRO-1, 2 micro-steps" -e "$LLAMA_MODEL" -z 1
+        two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, tp 2 (sp), 4 micro-steps" -e "$LLAMA_MODEL" --tp 2
+    fi
 fi
 
 # ---------------------------------------------------------------------------------------------------------
 # cp: context parallelism on 2 ranks sharing the device over MPI (ring attention with the zig-zag and the
-# contiguous split, 2 micro-steps), against one rank with the same global batch
+# contiguous split, 2 micro-steps), against one rank with the same global batch; then a Llama (RoPE at the
+# rank's positions, the ring carrying the key/value heads only) under the zig-zag split
 
 if has_phase cp; then
     start_phase cp
     if two_ranks_ready "$WORK/cp"; then
         for split in zigzag contiguous; do two_ranks "$WORK/cp" "cp 2 ($split), 4 micro-steps" --cp 2 --cp-split "$split"; done
     fi
+    if two_ranks_ready "$WORK/cp_llama" -e "$LLAMA_MODEL"; then
+        two_ranks "$WORK/cp_llama" "$LLAMA_MODEL, cp 2 (zigzag), 4 micro-steps" -e "$LLAMA_MODEL" --cp 2
+    fi
 fi
 
 # ---------------------------------------------------------------------------------------------------------
 # pp: pipeline parallelism on 2 ranks sharing the device over MPI (each schedule over the 4 micro-batches of
-# the global batch; the interleaved one with 2 virtual stages per rank), against one rank
+# the global batch; the interleaved one with 2 virtual stages per rank), against one rank; then a Llama (its
+# lm_head on the last stage alone) under 1F1B
 
 if has_phase pp; then
     start_phase pp
@@ -550,6 +563,9 @@ if has_phase pp; then
         for schedule in afab 1f1b zb; do two_ranks "$WORK/pp" "pp 2 ($schedule), 4 micro-batches" --pp 2 --pp-schedule "$schedule"; done
         two_ranks "$WORK/pp" "pp 2 (interleaved, vpp 2), 4 micro-batches" --pp 2 --pp-schedule interleaved --vpp 2 \
             --trace "$WORK/pp/interleaved.json"
+    fi
+    if two_ranks_ready "$WORK/pp_llama" -e "$LLAMA_MODEL"; then
+        two_ranks "$WORK/pp_llama" "$LLAMA_MODEL, pp 2 (1f1b), 4 micro-batches" -e "$LLAMA_MODEL" --pp 2 --pp-schedule 1f1b
     fi
 fi
 
