@@ -116,13 +116,14 @@ build/reference_moe/model.bin: test/reference/make_reference.py
 	$(PYTHON) test/reference/make_reference.py --moe --out build/reference_moe
 
 # small Llama 3 models in float64: grouped-query attention with Llama 3.1's RoPE scaling, multi-query,
-# multi-head, and Llama 3.2's tied classifier with its RoPE scaling
+# multi-head, Llama 3.2's tied classifier with its RoPE scaling, and Mixtral's experts (4 SwiGLU experts, top 2)
 LLAMA_REFERENCES = build/reference_llama_gqa/model.bin build/reference_llama_mqa/model.bin \
-    build/reference_llama_mha/model.bin build/reference_llama_tied/model.bin
+    build/reference_llama_mha/model.bin build/reference_llama_tied/model.bin build/reference_llama_moe/model.bin
 build/reference_llama_gqa/model.bin: LLAMA_FLAGS = --kv 2 --rope-scaling 8
 build/reference_llama_mqa/model.bin: LLAMA_FLAGS = --kv 1
 build/reference_llama_mha/model.bin: LLAMA_FLAGS = --kv 6 --rope-scaling 8
 build/reference_llama_tied/model.bin: LLAMA_FLAGS = --kv 3 --rope-scaling 32 --tied
+build/reference_llama_moe/model.bin: LLAMA_FLAGS = --kv 2 --rope-scaling 8 --experts 4 --top-k 2
 $(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llama_reference.py
 	@mkdir -p $(@D)
 	$(PYTHON) test/reference/make_llama_reference.py $(LLAMA_FLAGS) --out $(@D)

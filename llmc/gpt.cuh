@@ -68,7 +68,6 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
         fail("%s: norm eps %g and RoPE theta %g: need 0 < eps < 1 and theta > 1", where.c_str(), c.norm_eps, c.rope_theta);
     if (!(c.rope_scaling == 0 || (c.rope_scaling >= 1 && c.rope_scaling <= 1024)))
         fail("%s: RoPE scaling factor %g: need 0 (none) or 1 to 1024", where.c_str(), c.rope_scaling);
-    if (c.moe()) fail("%s: experts are built for GPT-2 models only so far", where.c_str());
     if (c.padded_vocab_size != c.vocab_size) fail("%s: a Llama's vocab is not padded", where.c_str());
 }
 
@@ -79,10 +78,11 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
 // 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
 // the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
-// shape is l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][w]: KV key/value heads (default NH), H hidden units in the
-// MLP (default Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2 vocab by
-// default, RoPE theta 500000 unscaled, w: the classifier tied to wte, e.g. l4c128h4g2f352 (4 layers, 128
-// channels, 4 heads sharing 2 key/value heads).
+// shape is l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]: KV key/value heads (default NH), H hidden
+// units in the MLP (default Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2
+// vocab by default, RoPE theta 500000 unscaled, E SwiGLU experts of H hidden units with top-K routing in every
+// layer (Mixtral's shape), w: the classifier tied to wte, e.g. l4c128h4g2f352 (4 layers, 128 channels, 4 heads
+// sharing 2 key/value heads).
 inline bool is_model_descriptor(const std::string& s) {
     return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l') && isdigit(s[1])) || s.rfind("llama3-", 0) == 0;
 }
@@ -111,7 +111,7 @@ inline GPTConfig llama3_named(const std::string& s) {
         return c;
     }
     fail("-e %s: Llama 3 sizes are llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b; give other shapes as "
-         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][w]", s.c_str());
+         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
 }
 
 inline GPTConfig parse_model_descriptor(const std::string& s) {
@@ -130,7 +130,7 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][w]" : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
+    const char* fields = llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]" : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -139,8 +139,8 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'h': c.num_heads = number(key), have_h = true; break;
             case 't': c.max_seq_len = number(key); break;
             case 'v': c.vocab_size = number(key); break;
-            case 'e': known = !llama && (c.num_experts = number(key), have_e = true); break;
-            case 'k': known = !llama && (c.top_k = number(key), have_k = true); break;
+            case 'e': c.num_experts = number(key), have_e = true; break;
+            case 'k': c.top_k = number(key), have_k = true; break;
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
             case 'w': known = c.tied_embeddings = llama && !*p; break;  // a flag, last
@@ -553,7 +553,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     // under cp, GPT-2's learned positions are gathered at the rank's positions (C wide); RoPE reads the positions
     m.cp.allocate(led, B, T, config.llama() ? 0 : (int)C, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep;
-    m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C);
+    m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C, config.llama());
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -562,10 +562,11 @@ inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
     return local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size, m.moe.ep_size);
 }
 
-// a layer's router and experts, out of its unit's tensors
+// a layer's router and experts, out of its unit's tensors (null for the biases a model has none of)
 template <typename floatX>
-inline ExpertTensors<floatX> expert_tensors(const ParamViews<floatX>& v) {
-    return {v[ROUTERW], v[FCW], v[FCB], v[FCPROJW], v[FCPROJB]};
+inline ExpertTensors<floatX> expert_tensors(const GPTModel<floatX>& m, const ParamViews<floatX>& v) {
+    auto held = [&](int t) { return m.table[t].block() > 0 ? v[t] : nullptr; };
+    return {v[ROUTERW], v[FCW], held(FCB), v[FCPROJW], held(FCPROJB)};
 }
 
 // Initialization as the table says: zeros, ones, N(0, 0.02), or N(0, 0.02/sqrt(2L)) for the projections into
@@ -606,7 +607,8 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
 // llm.c model files, fp32 (version 3) or bf16 (version 5). GPT-2's: a header of 256 int32 (magic 20240326,
 // version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file), then the parameters in
 // table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
-// multiple_of, use_scaled_rope, major, minor; then llm5d's [14]: 1 if the classifier is tied to wte) and 256
+// multiple_of, use_scaled_rope, major, minor; then llm5d's [12] and [13]: experts E and top-K, 0 in a dense
+// file, and [14]: 1 if the classifier is tied to wte) and 256
 // float32 (ffn_dim_multiplier, norm_eps, rope_theta; then llm5d's [3]: RoPE's scaling factor where it is not
 // llm.c's 8), then the tensors in GPT-2's slots: lm_head in wpe's (a tied model's wte again, so that llm.c
 // reads it), and every bias slot present and zero (the table's file_rows).
@@ -628,7 +630,7 @@ inline FileLayout file_layout(const GPTConfig& c) {
     FileLayout f;
     f.header = c.llama() ? 2048 : 1024;
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
-        size_t blocks = table[t].holder == Holder::Layer ? c.num_layers : 1;
+        size_t blocks = (table[t].holder == Holder::Layer ? c.num_layers : 1) * (table[t].expert ? c.num_experts : 1);
         f.flat_start[t] = flat, flat += sizes[t];
         f.file_start[t] = f.elements;
         f.file_size[t] = table[t].block() > 0 ? sizes[t] : table[t].file_copy >= 0 ? sizes[table[t].file_copy]
@@ -679,6 +681,9 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.padded_vocab_size = c.vocab_size;
         c.multiple_of = h[8];
         c.version_major = h[10], c.version_minor = h[11];
+        // header[12] and [13]: llm5d's experts and their top-K (0 and 0 in a dense file)
+        if (h[12] > 1 || h[13] > 1) c.num_experts = h[12], c.top_k = h[13];
+        else if (h[12] != h[13]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[12], h[13]);
         c.ffn_dim_multiplier = hf[0], c.norm_eps = hf[1], c.rope_theta = hf[2];
         if (h[9] == 0 && hf[3] != 0) fail("%s: header gives RoPE a scaling factor %g but use_scaled_rope 0", path.c_str(), hf[3]);
         c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
@@ -797,6 +802,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         h[8] = c.multiple_of;
         h[9] = c.rope_scaling > 0;
         h[10] = c.version_major, h[11] = c.version_minor;
+        if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
         h[14] = c.tied_embeddings;
         hf[0] = c.ffn_dim_multiplier, hf[1] = c.norm_eps, hf[2] = c.rope_theta;
         hf[3] = c.rope_scaling == 8.0f ? 0.0f : c.rope_scaling;  // llm.c's files stay llm.c's, byte for byte
@@ -870,8 +876,8 @@ inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, c
                                      w[LN2W], w[LN2B], R, C);
     tp.gather_rows(la.ln2, BT, C);
     if (route) {
-        m.moe.forward(la.fcproj, partial, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2, expert_tensors(w), B,
-                      d.T, (int)C, d.Hl, tp, m.cp, layer, ws);
+        m.moe.forward(la.fcproj, partial, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2, expert_tensors(m, w),
+                      B, d.T, (int)C, d.Hl, tp, m.cp, layer, ws);
     } else {
         matmul_gelu_forward(la.fch_act, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
         tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
@@ -880,10 +886,11 @@ inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, c
 
 // Llama 3's layer, forward: RMSNorm, qkv (NH query heads, KV key/value heads), RoPE on q and k, grouped-query
 // attention, the attention projection, the residual add fused with the second RMSNorm, c_fc and c_fc2 in one
-// matmul, SwiGLU, the MLP projection. No biases anywhere.
+// matmul, SwiGLU, the MLP projection (or, with experts, Mixtral's: SwiGLU experts behind a router). No biases
+// anywhere.
 template <typename floatX>
 inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                                const LayerInput<floatX>& in, const ParamViews<floatX>& w) {
+                                const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
     TensorParallel& tp = m.tp;
     long BT = d.BT, R = d.R, C = d.C, first = tp.first_row(BT) * C;
     float* ws = m.scratch.gemm, eps = m.config.norm_eps;
@@ -899,6 +906,11 @@ inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws);
     fused_residual_rmsnorm_forward(la.residual2, la.ln2 + first, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
     tp.gather_rows(la.ln2, BT, C);
+    if (route) {
+        m.moe.forward(la.fcproj, partial, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2, expert_tensors(m, w),
+                      B, d.T, (int)C, d.Hl, tp, m.cp, layer, ws);
+        return;
+    }
     matmul_forward(la.fch, la.ln2, w[FCW], none, BT, C, d.FCl, ws);
     swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
     tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws);
@@ -959,8 +971,9 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         ParamViews<floatX> w = unit_params(m, layer_unit(Lp, lo + i));
         Activations<floatX> la = layer_slice(a, i, d, m.recompute, m.split_backward), prev = layer_slice(a, std::max(i - 1, 0), d, m.recompute, m.split_backward);
         LayerInput<floatX> in{i == 0 ? nullptr : &prev, a.encoded};
-        if (c.llama()) llama_layer_forward(m, d, B, la, in, w);
-        else gpt2_layer_forward(m, d, B, la, in, w, c.moe() ? &mb.routes[i] : nullptr, part.model_layer(lo + i));
+        MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
+        if (c.llama()) llama_layer_forward(m, d, B, la, in, w, route, part.model_layer(lo + i));
+        else gpt2_layer_forward(m, d, B, la, in, w, route, part.model_layer(lo + i));
     }
     Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
     if (!head) {
@@ -1071,8 +1084,8 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (route) {
         recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        m.moe.backward(s.dln, expert_tensors(dw), dout, s.dfch, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2,
-                       expert_tensors(w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
+        m.moe.backward(s.dln, expert_tensors(m, dw), dout, s.dfch, s.dfch, *route, la.moe_in, la.fch, la.fch_act,
+                       la.moe_out, la.ln2, expert_tensors(m, w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
         matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
@@ -1097,7 +1110,8 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
 // keeps the gradient of qkv before RoPE for the weight-gradient step.
 template <typename floatX>
 inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                                 const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw) {
+                                 const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
+                                 MoERoute* route, float dloss) {
     TensorParallel& tp = m.tp;
     Scratch<floatX>& s = m.scratch;
     long BT = d.BT, R = d.R, C = d.C;
@@ -1107,14 +1121,20 @@ inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B,
     bool split = m.split_backward;
     auto now = [&](floatX* grad) { return split ? nullptr : grad; };
     floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
-    recompute_activation(m, la, d, BT);
+    recompute_activation(m, la, d, route ? route->rows : BT);
 
     const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
-    if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-    matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
-    swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
-    recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-    matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+    if (route) {
+        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        m.moe.backward(s.dln, expert_tensors(m, dw), dout, s.dact, s.dfch, *route, la.moe_in, la.fch, la.fch_act,
+                       la.moe_out, la.ln2, expert_tensors(m, w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
+    } else {
+        if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+        matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
+        swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
+        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+    }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     rmsnorm_backward(s.dresidual, dw[LN2W], dln_rows, la.residual2, w[LN2W], la.ln2_rstd, R, C);
     dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
@@ -1189,8 +1209,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         const floatX* residual = i == 0 ? a.encoded : layer_slice(a, i - 1, d, m.recompute, m.split_backward).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        if (c.llama()) llama_layer_backward(m, d, B, la, residual, w, dw);
-        else gpt2_layer_backward(m, d, B, la, residual, w, dw, c.moe() ? &mb.routes[i] : nullptr, dloss);
+        MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
+        if (c.llama()) llama_layer_backward(m, d, B, la, residual, w, dw, route, dloss);
+        else gpt2_layer_backward(m, d, B, la, residual, w, dw, route, dloss);
         done(unit);
     }
     if (part.starts_model(chunk)) {

@@ -46,6 +46,9 @@ struct HfPlacement {
 
 // the whole model's HF tensors, in HF's order: the one table export and import both read
 inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
+    if (c.moe())
+        fail("--format hf: a model with experts (%d, top-%d) has no GPT2LMHeadModel or LlamaForCausalLM form, and "
+             "Mixtral's layout is not built", c.num_experts, c.top_k);
     int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.hidden();
     std::vector<HfPlacement> out;
     // rows [first, first + n) of `cols` columns of layer l's block of tensor t, as HF's shape

@@ -185,13 +185,14 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
 // c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and a classifier, lm_head, in the slot
 // of GPT-2's wpe as llm.c's Llama 3 files keep it. The bias slots are empty here; the files hold them, as zeros
 // (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is wte, which its files repeat
-// in lm_head's slot (file_copy), so that llm.c reads them as they are.
+// in lm_head's slot (file_copy), so that llm.c reads them as they are. With experts (Mixtral's shape) every
+// layer has a router (E×C, after ln2's slots) and E SwiGLU experts, each MLP tensor stacking them as GPT-2's do.
 inline ModelTable llama_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, V = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
-    size_t H = c.hidden();
+    size_t H = c.hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true, partial = true, tied = c.tied_embeddings;
     return {{
         // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file, copy of
@@ -205,7 +206,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"attprojb", layer,      !expert, {0},        1,   rep,    !decay, !partial, zeros,   C},
         {"ln2w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
         {"ln2b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
-        {"routerw",  layer,      !expert, {0},        C,   rep,    decay,  !partial, normal},
+        {"routerw",  layer,      !expert, {router},   C,   rep,    decay,  !partial, normal},
         {"fcw",      layer,      expert,  {H, H},     C,   column, decay,  !partial, normal},
         {"fcb",      layer,      expert,  {0},        1,   column, !decay, !partial, zeros,   2 * H},
         {"fcprojw",  layer,      expert,  {C},        H,   row,    decay,  !partial, residual},

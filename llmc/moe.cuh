@@ -1,5 +1,6 @@
-// The mixture-of-experts MLP: a router picks K of E experts for every token, each expert is GPT-2's MLP over
-// the rows routed to it, and the layer's output is the gate-weighted sum of the K expert outputs.
+// The mixture-of-experts MLP: a router picks K of E experts for every token, each expert is the model's MLP
+// (GPT-2's, or Llama's SwiGLU, as Mixtral's experts are) over the rows routed to it, and the layer's output is
+// the gate-weighted sum of the K expert outputs.
 //
 //   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias); the K largest are chosen (ties go to the lower
 //            expert), and their gates are the softmax over those K logits. Dropless: every token reaches all
@@ -7,7 +8,8 @@
 //   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
-//   experts  one matmul per expert over its contiguous rows: fc (+bias), GELU, fc_proj (+bias).
+//   experts  one matmul per expert over its contiguous rows: fc (+bias), GELU, fc_proj (+bias); or gated (Llama):
+//            fc holding c_fc and c_fc2 (2·H rows), SwiGLU, fc_proj, no biases.
 //   combine  out[t] = Σ_k gate[t,k] · y[t,k], in slot order, so the sum is the same on every layout.
 //   aux loss per sequence and layer, α·E·Σ_i f_i·P_i, f_i the share of the sequence's K·T assignments that went
 //            to expert i (a constant), P_i the mean over its tokens of the full softmax over the E logits.
@@ -29,6 +31,7 @@
 #include "llmc/cp.cuh"
 #include "llmc/device.cuh"
 #include "llmc/gelu.cuh"
+#include "llmc/swiglu.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
 #include "llmc/tp.cuh"
@@ -267,6 +270,7 @@ inline void sequence_statistics(MoERoute& r, std::vector<float>& prob_sums, Cont
 template <typename floatX>
 struct MixtureOfExperts {
     int E = 1, K = 1, X = 1;  // experts, chosen per token, held by this rank
+    bool gated = false;       // SwiGLU experts (Llama's): fc holds c_fc and c_fc2, twice the hidden units
     float alpha = 0.01f;      // the aux loss's weight
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     int ep_size = 1, ep_rank = 0;
@@ -301,8 +305,8 @@ struct MixtureOfExperts {
     // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
     long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
 
-    void allocate(Ledger& led, int experts, int top_k, int layers, long BT, int C) {
-        E = experts, K = top_k, X = E / ep_size;
+    void allocate(Ledger& led, int experts, int top_k, int layers, long BT, int C, bool swiglu) {
+        E = experts, K = top_k, X = E / ep_size, gated = swiglu;
         load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
         auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
@@ -366,11 +370,12 @@ struct MixtureOfExperts {
                 }
     }
 
-    // Forward of one layer's MLP. ln2: the layernorm's output, every row (BT×C); out: this rank's rows of the
-    // MLP's output (R×C), with `partial` BT×C scratch under sequence parallelism; w: the layer's parameters;
-    // inputs (rows×C), fch and fch_gelu (rows×Hl) and outputs (K·BT×C, dispatch order) are kept for backward.
-    // B sequences of Tl tokens each on this rank; layer is the layer's index in the model (for the load).
-    void forward(floatX* out, floatX* partial, MoERoute& r, floatX* inputs, floatX* fch, floatX* fch_gelu, floatX* outputs,
+    // Forward of one layer's MLP. ln2: the norm's output, every row (BT×C); out: this rank's rows of the MLP's
+    // output (R×C), with `partial` BT×C scratch under sequence parallelism; w: the layer's parameters (biases
+    // null when the model has none); inputs (rows×C), fch (rows×FCl: Hl, or 2·Hl when gated), fch_act (rows×Hl)
+    // and outputs (K·BT×C, dispatch order) are kept for backward. B sequences of Tl tokens each on this rank;
+    // layer is the layer's index in the model (for the load).
+    void forward(floatX* out, floatX* partial, MoERoute& r, floatX* inputs, floatX* fch, floatX* fch_act, floatX* outputs,
                  const floatX* ln2, const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp,
                  ContextParallel<floatX>& cp, int layer, float* ws) {
         long BT = (long)B * Tl;
@@ -397,14 +402,16 @@ struct MixtureOfExperts {
             gather_rows(inputs, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
         }
         floatX* expert_out = ep_size > 1 ? expert_rows : outputs;
+        long FCl = gated ? 2L * Hl : Hl;
         for (int x = 0; x < X; x++) {
             long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
             if (n == 0) continue;
-            matmul_forward(fch + first * Hl, inputs + first * C, w.fcw + (long)x * Hl * C, w.fcb + (long)x * Hl, n, C,
-                           Hl, ws);
-            gelu_forward(fch_gelu + first * Hl, fch + first * Hl, n * Hl);
-            const floatX* bias = tp.spec.rank == 0 ? w.fcprojb + (long)x * C : nullptr;
-            matmul_forward(expert_out + first * C, fch_gelu + first * Hl, w.fcprojw + (long)x * C * Hl, bias, n, Hl, C, ws);
+            matmul_forward(fch + first * FCl, inputs + first * C, w.fcw + x * FCl * C, w.fcb ? w.fcb + x * FCl : nullptr, n,
+                           C, (int)FCl, ws);
+            if (gated) swiglu_forward(fch_act + first * Hl, fch + first * FCl, n, Hl);
+            else gelu_forward(fch_act + first * Hl, fch + first * Hl, n * Hl);
+            const floatX* bias = tp.spec.rank == 0 && w.fcprojb ? w.fcprojb + (long)x * C : nullptr;
+            matmul_forward(expert_out + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, bias, n, Hl, C, ws);
         }
         if (ep_size > 1) {
             gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
@@ -417,10 +424,11 @@ struct MixtureOfExperts {
 
     // Backward of the layer: dln (BT×C) is overwritten with the gradient of ln2's output (this rank's partial
     // sum under tp), dw accumulates the layer's gradients. dout: the gradient of the MLP's output for every
-    // row; dhidden: rows×Hl scratch; dloss: each token's weight in the objective (the aux loss's gradient is
-    // that of its per-sequence mean, scaled alike).
-    void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dhidden, const MoERoute& r,
-                  const floatX* inputs, const floatX* fch, const floatX* fch_gelu, const floatX* outputs, const floatX* ln2,
+    // row; dhidden: rows×Hl scratch, and dfc rows×FCl (dhidden itself unless gated); dloss: each token's weight
+    // in the objective (the aux loss's gradient is that of its per-sequence mean, scaled alike).
+    void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dhidden, floatX* dfc,
+                  const MoERoute& r, const floatX* inputs, const floatX* fch, const floatX* fch_act, const floatX* outputs,
+                  const floatX* ln2,
                   const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp, float dloss, float* ws) {
         long BT = (long)B * Tl;
         const int* rows_of = on_device(row_of, r.row_of);
@@ -440,14 +448,16 @@ struct MixtureOfExperts {
             dexpert = expert_rows;
         }
         // dexpert turns into the experts' input gradients row by row, each expert's rows once it is done with them
+        long FCl = gated ? 2L * Hl : Hl;
         for (int x = 0; x < X; x++) {
             long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
             if (n == 0) continue;
-            matmul_backward(dhidden, dw.fcprojw + (long)x * C * Hl, dw.fcprojb + (long)x * C, dexpert + first * C,
-                            fch_gelu + first * Hl, w.fcprojw + (long)x * C * Hl, n, Hl, C, ws);
-            gelu_backward(dhidden, fch + first * Hl, dhidden, n * Hl);
-            matmul_backward(dexpert + first * C, dw.fcw + (long)x * Hl * C, dw.fcb + (long)x * Hl, dhidden,
-                            inputs + first * C, w.fcw + (long)x * Hl * C, n, C, Hl, ws);
+            matmul_backward(dhidden, dw.fcprojw + (long)x * C * Hl, dw.fcprojb ? dw.fcprojb + (long)x * C : nullptr,
+                            dexpert + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, n, Hl, C, ws);
+            if (gated) swiglu_backward(dfc, fch + first * FCl, dhidden, n, Hl);
+            else gelu_backward(dfc, fch + first * Hl, dhidden, n * Hl);
+            matmul_backward(dexpert + first * C, dw.fcw + x * FCl * C, dw.fcb ? dw.fcb + x * FCl : nullptr, dfc,
+                            inputs + first * C, w.fcw + x * FCl * C, n, C, (int)FCl, ws);
         }
         const floatX* dinputs = dexpert;  // dispatch order, once back
         if (ep_size > 1) {

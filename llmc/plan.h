@@ -238,7 +238,9 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // Under sp, the gradients the table marks sequence-partial (the norms' weights, and GPT-2's biases of them and
 // wpe: 4LC + 2C + maxT·C; Llama's 2LC + C) are summed over the group (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
 // all-gathers one double. Recomputing the layernorms (-r 2) under sp gathers their outputs again in backward:
-// 2L more units. Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three as fp32.
+// 2L more units. With experts, each layer's backward sums the gates' gradients over the group (all-gathers
+// BT·K fp32). Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three and the
+// gates' gradients as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
 // the cross-entropy on the last, the final norm on the last and GPT-2's wpe on both.
 inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
@@ -247,7 +249,8 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = part.layers(), k = par.accumulation;
     double first = part.first, last = part.last;
     double units = 8 * L + 2 * (first + last) + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
-    double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float);
+    double gates = c.moe() ? L * (t - 1) * BT * c.top_k * sizeof(float) : 0.0;
+    double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float) + gates;
     ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes, par.tp, part, par.ep);

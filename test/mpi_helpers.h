@@ -229,6 +229,21 @@ inline void require_pp_counted_equals_formula(const std::string& output) {
     CHECK(sent == formula);
 }
 
+// "comm: rank 0 sent X bytes on ep in this step; ... says Y": X equals Y, and is not 0
+inline void require_ep_counted_equals_formula(const std::string& output) {
+    for (const std::string& line : lines_of(output))
+        if (line.rfind("comm: rank 0 sent ", 0) == 0 && line.find(" on ep ") != std::string::npos) {
+            double sent = -1, formula = -2;
+            REQUIRE(sscanf(line.c_str(), "comm: rank 0 sent %lf", &sent) == 1);
+            REQUIRE(sscanf(line.c_str() + line.find(" says ") + 6, "%lf", &formula) == 1);
+            INFO(line);
+            CHECK(sent > 0);
+            CHECK(sent == formula);
+            return;
+        }
+    FAIL("no ep comm line in:\n" << output);
+}
+
 // like train(), but a failed run is recorded and the test goes on with the next layout; false when it failed
 inline bool train_ok(int ranks, const std::string& flags, const std::string& out_dir, std::string* output = nullptr) {
     CommandResult r = mpirun(ranks, "./train_gpt", flags + " -o '" + out_dir + "'");

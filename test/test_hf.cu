@@ -142,6 +142,10 @@ TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged 
     refused(edited(llama, "\"attention_bias\": false", "\"attention_bias\": true"), {"attention_bias", "no biases"});
     refused(edited(llama, "\"llama3\"", "\"dynamic\""), {"rope_scaling"});
     refused(edited(llama, "\"high_freq_factor\": 4.0", "\"high_freq_factor\": 2.0"), {"rope_scaling"});
+    // a model with experts has no GPT2LMHeadModel or LlamaForCausalLM form
+    for (const char* moe : {"build/reference_moe/model.bin", "build/reference_llama_moe/model.bin"})
+        check_one_line_error(single(strfmt("--convert %s --to '%s' --format hf", moe, (out / "moe").c_str())),
+                             {"--format hf", "experts"});
     // what only reading the tensors finds: a run, not a plan
     auto run_refused = [&](const std::string& dir, const std::vector<std::string>& words) {
         check_one_line_error(single(data.flags(1, 16, 1, "'" + dir + "'")), words);

@@ -15,6 +15,7 @@ namespace test_llama {
 const char* MODEL = "l2c32h4g2f80t32v301";
 const char* REFERENCE = "build/reference_llama_gqa/model.bin";  // make_llama_reference.py's, in llm.c's format
 const char* TIED = "build/reference_llama_tied/model.bin";       // ... with the classifier tied to wte
+const char* MOE = "build/reference_llama_moe/model.bin";         // ... with 4 SwiGLU experts, top 2
 
 TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; bad ones are refused", "[llama]") {
     GPTConfig c = parse_model_descriptor("llama3-8b");
@@ -64,7 +65,10 @@ TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; ba
         CHECK(parse_model_descriptor(strfmt("l1c64h4f%d", H)).hidden() == H);
     CHECK(parse_model_descriptor("l1c64h4").kv_heads() == 4);        // multi-head by default
     CHECK(parse_model_descriptor("l1c64h4").hidden() == 256);        // 170 rounded up to a multiple of 256
-    for (const char* bad : {"l2c32h4g3", "l2c30h6", "l2c32h4e4k2", "llama3-2b", "l2c32", "l2c32h4g0", "l2c32h4wg2", "d2c32h4w"}) {
+    CHECK(parse_model_descriptor("l2c32h4e4k2").num_experts == 4);  // Mixtral's shape
+    CHECK(parse_model_descriptor("l2c32h4e4k2w").top_k == 2);
+    for (const char* bad : {"l2c32h4g3", "l2c30h6", "l2c32h4e4", "l2c32h4e2k3", "llama3-2b", "l2c32", "l2c32h4g0",
+                            "l2c32h4wg2", "d2c32h4w"}) {
         CommandResult r = single(strfmt("-e %s --plan", bad));
         INFO(bad << ": " << r.output);
         CHECK(r.status != 0);
@@ -99,6 +103,14 @@ TEST_CASE("an llm.c Llama 3 file is read and written back byte for byte, fp32 an
     gpt_load_params(tied, tied_params.data(), TIED);
     gpt_save_params(tied, tied_params.data(), dir / "tied.bin");
     CHECK(read_file(dir / "tied.bin") == read_file(TIED));
+    // with experts: E and K in header slots 12 and 13, the router after ln2's slots, the experts stacked
+    GPTConfig moe = read_model_header(MOE, &version);
+    CHECK(moe.num_experts == 4);
+    CHECK(moe.top_k == 2);
+    std::vector<float> moe_params(num_parameters(moe));
+    gpt_load_params(moe, moe_params.data(), MOE);
+    gpt_save_params(moe, moe_params.data(), dir / "moe.bin");
+    CHECK(read_file(dir / "moe.bin") == read_file(MOE));
     // bf16: written, read, written again: the same bytes
     gpt_save_params(c, params.data(), dir / "half.bin", MODEL_VERSION_BF16);
     std::vector<float> halves(params.size());

@@ -12,7 +12,8 @@
 // bytes equal the formula, which counts KV/NH of what GPT-2's ring sends.
 //
 // The models: 4 layers (pp 2 × 2 virtual stages of 1), 32 channels in 4 heads of 8 sharing 2 key/value heads,
-// 80 hidden units (tp 2 splits each of SwiGLU's two input matrices), a vocab of 301 that no tp divides.
+// 80 hidden units (tp 2 splits each of SwiGLU's two input matrices), a vocab of 301 that no tp divides; one
+// with Mixtral's experts (4 SwiGLU experts of 80 hidden units in every layer, top 2) under ep 2 and ep 2 × tp 2.
 #include <omp.h>
 
 #include "llmc/plan.h"
@@ -24,10 +25,11 @@ namespace test_llama_parallel {
 
 const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
+const char* MOE = "l4c32h4g2f80t32v301e4k2";  // Mixtral's shape: 4 SwiGLU experts in every layer, top 2
 
 TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
           "cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
-          "tied Llama under pp 2, tp 2 and cp 2 too",
+          "tied Llama under pp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 and dp 2",
           "[llama][parallel]") {
     Data data;
     TempDir out;
@@ -38,7 +40,7 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
         const char* flags;
     };
     std::map<std::string, std::map<std::string, double>> reference;
-    for (const char* model : {LLAMA, TIED}) {
+    for (const char* model : {LLAMA, TIED, MOE}) {
         REQUIRE(single_ok(data.flags(2, 128, 20, model), out / model));  // 4 micro-batches of 2
         reference[model] = losses(out / model);
     }
@@ -52,16 +54,19 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
                      Layout{"cp2_contiguous", LLAMA, 2, 2, " --cp 2 --cp-split contiguous"},
                      Layout{"cp2_tp2", LLAMA, 4, 2, " --cp 2 --tp 2 --sp 1"},
                      Layout{"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"},
-                     Layout{"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}, Layout{"tied_cp2", TIED, 2, 2, " --cp 2"}}) {
+                     Layout{"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}, Layout{"tied_cp2", TIED, 2, 2, " --cp 2"},
+                     Layout{"moe_ep2", MOE, 2, 2, " --ep 2 -z 1"}, Layout{"moe_ep2_tp2", MOE, 4, 2, " --ep 2 --tp 2 -z 1"},
+                     Layout{"moe_dp2", MOE, 2, 2, " -z 1"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
         if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference[l.model], 1e-5);
         // the bytes counted against the formulas; and under pp, where the embeddings and the classifier live
         std::string flags = l.flags;
-        if (flags.find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, flags.find("--sp 1") != std::string::npos);
+        if (flags.find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, flags.find("--sp 0") == std::string::npos);
         if (flags.find("-z") != std::string::npos) require_counted_equals_formula(run);
         if (flags.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);
+        if (flags.find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
         bool tied = l.model == TIED;
         if (flags.find("--pp") != std::string::npos) require_pp_counted_equals_formula(run);
         if (flags.find("--pp") != std::string::npos)
@@ -110,6 +115,29 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
                                 }
                             }
     }
+}
+
+TEST_CASE("--plan predicts the ledger of every rank of a Llama with SwiGLU experts under ep 2, with tp, ZeRO-1 and 3",
+          "[llama][parallel]") {
+    GPTConfig c = parse_model_descriptor(MOE);
+    for (int ep : {1, 2})
+        for (int tp : {1, 2})
+            for (int zero : {1, 3}) {
+                INFO("ep " << ep << " (dp 2), tp " << tp << ", ZeRO-" << zero);
+                Comm group, replicas, experts;  // only the sizes matter until a collective runs
+                group.size = 2, replicas.size = 2 / ep, experts.size = ep;
+                GPT m;
+                gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, 0, tp > 1}, RECOMPUTE_NONE,
+                             CPSpec{}, ModelPart{}, 1, false, ep);
+                DataParallel dpr(m, group, zero, 1000, StageLinks{}, ExpertLinks{ep > 1 ? &replicas : nullptr, &experts});
+                ParallelPlan par{2, zero, 1000, 1, tp, tp > 1};
+                par.ep = ep;
+                MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
+                for (int i = 0; i < MEM_CATEGORIES; i++) {
+                    INFO(mem_category_name(i));
+                    CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                }
+            }
 }
 
 TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "

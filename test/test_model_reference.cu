@@ -124,10 +124,11 @@ TEST_CASE("CPU GPT-2 with experts (E=4, K=2) matches PyTorch: logits, loss, aux 
 
 TEST_CASE("CPU Llama 3 from an llm.c Llama 3 file matches a float64 PyTorch Llama: logits, loss, gradients and 10 "
           "AdamW steps of 2 micro-batches, with grouped-query (KV=2, scaled RoPE), multi-query (KV=1, unscaled) and "
-          "multi-head (KV=NH, scaled) attention, and tied to wte with Llama 3.2's scaling (KV=3, factor 32)",
+          "multi-head (KV=NH, scaled) attention, tied to wte with Llama 3.2's scaling (KV=3, factor 32), and with "
+          "Mixtral's experts (4 SwiGLU experts, top 2, the load-balancing loss)",
           "[model][reference][llama]") {
     for (const char* dir : {"build/reference_llama_gqa", "build/reference_llama_mqa", "build/reference_llama_mha",
-                            "build/reference_llama_tied"}) {
+                            "build/reference_llama_tied", "build/reference_llama_moe"}) {
         INFO(dir);
         check_against_pytorch(dir);
     }

@@ -18,21 +18,6 @@ namespace test_moe {
 
 const char* MOE_MODEL = "d2c48h4t32v301e4k2";
 
-// "comm: rank 0 sent X bytes on ep in this step; ... says Y": X equals Y, and is not 0
-void require_ep_counted_equals_formula(const std::string& output) {
-    for (const std::string& line : lines_of(output))
-        if (line.rfind("comm: rank 0 sent ", 0) == 0 && line.find(" on ep ") != std::string::npos) {
-            double sent = -1, formula = -2;
-            REQUIRE(sscanf(line.c_str(), "comm: rank 0 sent %lf", &sent) == 1);
-            REQUIRE(sscanf(line.c_str() + line.find(" says ") + 6, "%lf", &formula) == 1);
-            INFO(line);
-            CHECK(sent > 0);
-            CHECK(sent == formula);
-            return;
-        }
-    FAIL("no ep comm line in:\n" << output);
-}
-
 TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates over the chosen, and the dispatch order",
           "[moe]") {
     const int E = 5, K = 3;

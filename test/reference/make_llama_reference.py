@@ -4,14 +4,19 @@
 Run with Debian's interpreter, which ships torch and numpy:
 
     /usr/bin/python3 test/reference/make_llama_reference.py --out DIR --kv KV [--rope-scaling F] [--tied]
+        [--experts E --top-k K]
 
 An independent Llama 3 written here from Meta's reference model (RMSNorm, RoPE on interleaved pairs with
 Llama 3's frequency scaling by a factor F when asked, SwiGLU, grouped-query attention with KV key/value heads,
-an lm_head of its own or the token embedding's transpose when tied, no biases), computed in float64 from float32
-weights. Writes DIR/model.bin in llm.c's Llama 3 layout (the llama3 branch's write_model: 256 int32 + 256
+an lm_head of its own or the token embedding's transpose when tied, no biases; with --experts, Mixtral's MLP:
+a router picking the top K of E SwiGLU experts per token, gates the softmax over the K chosen logits, and a
+load-balancing loss ALPHA·E·Σ f_i·P_i per sequence and layer added to the objective as its mean over the
+sequences), computed in float64 from float32 weights. Writes DIR/model.bin in llm.c's Llama 3 layout (the llama3 branch's write_model: 256 int32 + 256
 float32 header, GPT-2's tensor slots, zero biases, lm_head in wpe's slot; llm5d's additions: int [14] 1 when
-tied, with wte repeated in lm_head's slot, and float [3] the scaling factor when it is not 8) and DIR/state.bin
-in the GPT-2 reference's state format: the first micro-batch's inputs,
+tied, with wte repeated in lm_head's slot, float [3] the scaling factor when it is not 8, and int [12], [13]
+E and K with experts, whose router follows ln2's slots and whose tensors stack the experts per layer) and
+DIR/state.bin in the GPT-2 reference's state format (with experts ALPHA and the first micro-batch's aux loss in
+header [10] and [11]): the first micro-batch's inputs,
 targets, logits, loss and every gradient (in llm5d's flat order, which has no bias slots), then the losses of
 10 AdamW steps with weight decay, each accumulating MICRO micro-batches (header[12]).
 """
@@ -41,6 +46,7 @@ T = 17
 NORM_EPS = 1e-5
 
 NSTEPS = 10
+ALPHA = 0.1    # the load-balancing loss's weight, with experts
 LR = 1e-3
 WD = 0.1
 CLIP = 1.0
@@ -100,8 +106,8 @@ def rmsnorm(x, w):
 class Llama:
     """The parameters as a dict of float64 leaf tensors, and the forward pass."""
 
-    def __init__(self, kv, theta, scaling, tied, gen):
-        self.kv, self.theta, self.tied = kv, theta, tied
+    def __init__(self, kv, theta, scaling, tied, experts, top_k, gen):
+        self.kv, self.theta, self.tied, self.E, self.K = kv, theta, tied, experts, top_k
         self.freqs = rope_frequencies(theta, scaling)
 
         def normal(*shape, std):  # drawn in float32, as the model file stores them
@@ -117,9 +123,13 @@ class Llama:
             p[f"qkv.{l}"] = normal((NH + 2 * kv) * HD, C, std=0.02)
             p[f"attproj.{l}"] = normal(C, C, std=resid)
             p[f"ln2.{l}"] = 1.0 + normal(C, std=0.1)
-            p[f"fc.{l}"] = normal(H, C, std=0.02)
-            p[f"fc2.{l}"] = normal(H, C, std=0.02)
-            p[f"fcproj.{l}"] = normal(C, H, std=resid)
+            experts = (experts,) if experts else ()  # with experts every MLP tensor stacks them first
+            if experts:
+                p[f"router.{l}"] = normal(experts[0], C, std=0.02)
+            p[f"fc.{l}"] = normal(*experts, H, C, std=0.02)
+            p[f"fc2.{l}"] = normal(*experts, H, C, std=0.02)
+            p[f"fcproj.{l}"] = normal(*experts, C, H, std=resid)
+            experts = experts[0] if experts else 0
         p["lnf"] = 1.0 + normal(C, std=0.1)
         for t in p.values():
             t.requires_grad_(True)
@@ -141,24 +151,48 @@ class Llama:
         return y @ self.p[f"attproj.{l}"].t()
 
     def mlp(self, x, l):
-        return (F.silu(x @ self.p[f"fc2.{l}"].t()) * (x @ self.p[f"fc.{l}"].t())) @ self.p[f"fcproj.{l}"].t()
+        """SwiGLU, or with experts the mixture of SwiGLU experts; returns (output, load-balancing loss)."""
+        fc, fc2, fcproj = (self.p[f"{name}.{l}"] for name in ("fc", "fc2", "fcproj"))
+        if not self.E:
+            return (F.silu(x @ fc2.t()) * (x @ fc.t())) @ fcproj.t(), 0.0
+        logits = x @ self.p[f"router.{l}"].t()                      # (nb, nt, E)
+        top_logits, top_idx = torch.topk(logits, self.K, dim=-1)
+        gates = torch.softmax(top_logits, dim=-1)                    # (nb, nt, K)
+        # every expert on every token (tiny sizes), then keep the chosen ones
+        hidden = F.silu(torch.einsum("btc,ehc->bteh", x, fc2)) * torch.einsum("btc,ehc->bteh", x, fc)
+        out = torch.einsum("bteh,ech->btec", hidden, fcproj)
+        chosen = torch.gather(out, 2, top_idx.unsqueeze(-1).expand(-1, -1, -1, C))
+        y = (gates.unsqueeze(-1) * chosen).sum(dim=2)
+        # f_i: the share of the sequence's K·T assignments that went to expert i, a constant
+        counts = F.one_hot(top_idx, self.E).sum(dim=(1, 2)).to(x.dtype)    # (nb, E)
+        f = (counts / (x.shape[1] * self.K)).detach()
+        prob = torch.softmax(logits, dim=-1).mean(dim=1)                    # (nb, E)
+        return y, (ALPHA * self.E * (f * prob).sum(dim=-1)).mean()
 
     def forward(self, idx, targets):
-        x = self.p["wte"][idx]
+        """(logits, cross-entropy, the load-balancing loss summed over the layers)."""
+        x, aux = self.p["wte"][idx], 0.0
         for l in range(L):
             x = x + self.attention(rmsnorm(x, self.p[f"ln1.{l}"]), l)
-            x = x + self.mlp(rmsnorm(x, self.p[f"ln2.{l}"]), l)
+            y, layer_aux = self.mlp(rmsnorm(x, self.p[f"ln2.{l}"]), l)
+            x, aux = x + y, aux + layer_aux
         logits = rmsnorm(x, self.p["lnf"]) @ self.p["wte" if self.tied else "lm_head"].t()
-        return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1))
+        return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1)), aux
 
     def flat(self, grads=False):
-        """llm5d's flat order: wte, lm_head (untied), ln1w, qkvw, attprojw, ln2w, fcw (c_fc, c_fc2), fcprojw, lnfw."""
+        """llm5d's flat order: wte, lm_head (untied), ln1w, qkvw, attprojw, ln2w, routerw (with experts), fcw (c_fc
+        then c_fc2, per expert), fcprojw, lnfw."""
         get = (lambda t: t.grad) if grads else (lambda t: t.detach())
         per_layer = lambda name: [get(self.p[f"{name}.{l}"]) for l in range(L)]
-        fcw = [torch.cat([get(self.p[f"fc.{l}"]), get(self.p[f"fc2.{l}"])]) for l in range(L)]
-        parts = [get(self.p["wte"])] + ([] if self.tied else [get(self.p["lm_head"])]) + per_layer("ln1") + per_layer("qkv") + \
-            per_layer("attproj") + per_layer("ln2") + fcw + per_layer("fcproj") + [get(self.p["lnf"])]
+        parts = [get(self.p["wte"])] + ([] if self.tied else [get(self.p["lm_head"])]) + per_layer("ln1") + \
+            per_layer("qkv") + per_layer("attproj") + per_layer("ln2") + (per_layer("router") if self.E else []) + \
+            self.fcw(get) + per_layer("fcproj") + [get(self.p["lnf"])]
         return np.concatenate([t.numpy().astype("<f4").ravel() for t in parts])
+
+    def fcw(self, get):
+        """Each layer's fcw: c_fc's rows then c_fc2's, of each expert in turn."""
+        stack = lambda l: torch.cat([get(self.p[f"fc.{l}"]), get(self.p[f"fc2.{l}"])], dim=-2)
+        return [stack(l) for l in range(L)]
 
     def file_tensors(self):
         """llm.c's Llama 3 file: GPT-2's slots, lm_head (wte when tied) in wpe's, every bias slot present, zero."""
@@ -169,8 +203,10 @@ class Llama:
         out += [t("qkv", l) for l in range(L)] + [zeros((NH + 2 * self.kv) * HD) for _ in range(L)]
         out += [t("attproj", l) for l in range(L)] + [zeros(C) for _ in range(L)]
         out += [t("ln2", l) for l in range(L)] + [zeros(C) for _ in range(L)]
-        out += [torch.cat([t("fc", l), t("fc2", l)]) for l in range(L)] + [zeros(2 * H) for _ in range(L)]
-        out += [t("fcproj", l) for l in range(L)] + [zeros(C) for _ in range(L)]
+        out += [t("router", l) for l in range(L)] if self.E else []
+        experts = max(self.E, 1)
+        out += self.fcw(lambda x: x.detach()) + [zeros(experts * 2 * H) for _ in range(L)]
+        out += [t("fcproj", l) for l in range(L)] + [zeros(experts * C) for _ in range(L)]
         out += [self.p["lnf"].detach(), zeros(C)]
         return np.concatenate([x.numpy().astype("<f4").ravel() for x in out])
 
@@ -192,24 +228,28 @@ def main():
     ap.add_argument("--rope-scaling", type=float, default=0.0,
                     help="Llama 3's RoPE frequency scaling factor (3.1: 8, 3.2: 32; 0: none)")
     ap.add_argument("--tied", action="store_true", help="the classifier is the token embedding (Llama 3.2 1B, 3B)")
+    ap.add_argument("--experts", type=int, default=0, help="E SwiGLU experts in every MLP (0: dense)")
+    ap.add_argument("--top-k", type=int, default=0, help="experts per token, with --experts")
     args = ap.parse_args()
     assert NH % args.kv == 0
+    assert (args.experts > 1) == (args.top_k > 0) and args.top_k <= args.experts
     theta = 500000.0 if args.rope_scaling else 10000.0
 
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(SEED + args.kv)
-    model = Llama(args.kv, theta, args.rope_scaling, args.tied, gen)
+    model = Llama(args.kv, theta, args.rope_scaling, args.tied, args.experts, args.top_k, gen)
     params = list(model.p.values())
     x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
     y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
     file_values = model.file_tensors()
 
-    # the first micro-batch alone: logits, loss and every gradient of its mean loss
-    logits, loss = model.forward(x[:B], y[:B])
-    loss.backward()
-    init_logits, init_loss, init_grads = logits.detach().clone(), float(loss), model.flat(grads=True)
+    # the first micro-batch alone: logits, loss and every gradient of its objective (the mean loss, plus with
+    # experts the load-balancing loss)
+    logits, loss, aux = model.forward(x[:B], y[:B])
+    (loss + aux).backward()
+    init_logits, init_loss, init_aux, init_grads = logits.detach().clone(), float(loss), float(aux), model.flat(grads=True)
 
     # 10 steps, each the mean loss of MICRO micro-batches (their gradients summed, each weighted 1/MICRO)
     m_state = [torch.zeros_like(p) for p in params]
@@ -220,8 +260,8 @@ def main():
             p.grad = None
         total = 0.0
         for k in range(MICRO):
-            _, loss = model.forward(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
-            (loss / MICRO).backward()
+            _, loss, aux = model.forward(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
+            ((loss + aux) / MICRO).backward()
             total += float(loss) / MICRO
         losses.append(total)
         norm = math.sqrt(sum(float((p.grad ** 2).sum()) for p in params))
@@ -239,14 +279,15 @@ def main():
     with open(os.path.join(args.out, "model.bin"), "wb") as f:
         scaled = args.rope_scaling > 0
         f.write(header_ints([LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, MULTIPLE_OF, int(scaled), 3, 2 if args.tied else 1,
-                             0, 0, int(args.tied)]))
+                             args.experts, args.top_k, int(args.tied)]))
         hf = np.zeros(256, dtype="<f4")
         hf[:4] = [FFN_DIM_MULTIPLIER, NORM_EPS, theta, args.rope_scaling if args.rope_scaling != 8 else 0]
         f.write(hf.tobytes())
         f.write(file_values.tobytes())
     with open(os.path.join(args.out, "state.bin"), "wb") as f:
+        moe = [f32_bits(ALPHA), f32_bits(init_aux)] if args.experts else [0, 0]
         f.write(header_ints([STATE_MAGIC, STATE_VERSION, B, T, V, V, NSTEPS, f32_bits(LR), f32_bits(WD),
-                             f32_bits(CLIP), 0, 0, MICRO]))
+                             f32_bits(CLIP), *moe, MICRO]))
         f.write(x.numpy().astype("<i4").tobytes())
         f.write(y.numpy().astype("<i4").tobytes())
         f.write(init_logits.numpy().astype("<f4").tobytes())
@@ -254,7 +295,7 @@ def main():
         f.write(init_grads.tobytes())
         f.write(np.array(losses, dtype="<f4").tobytes())
     print(f"Llama L={L} C={C} NH={NH} KV={args.kv} H={H} V={V} theta={theta:g} scaling={args.rope_scaling:g} "
-          f"tied={args.tied}: "
+          f"tied={args.tied} experts={args.experts} top-k={args.top_k}: "
           f"{init_grads.size} parameters, initial loss {init_loss:.6f} (ln V = {math.log(V):.6f}), "
           f"losses {losses[0]:.6f} -> {losses[-1]:.6f}")
     return 0
