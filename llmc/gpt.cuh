@@ -433,7 +433,17 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
     if (config.num_heads % tp.size != 0)
         fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
     if (config.kv_heads() % tp.size != 0)
-        fail("--tp %d: must divide the number of key/value heads (%d)", tp.size, config.kv_heads());
+        fail("--tp %d: must divide the number of key/value heads (%d; holding a key/value head on several tp ranks "
+             "is not built)", tp.size, config.kv_heads());
+    // every column split's parts and every row split's columns (the MLP's hidden units among them)
+    for (const TensorSpec& s : model_table(config)) {
+        for (size_t part : s.parts)
+            if (s.split == TPSplit::Column && part % tp.size != 0)
+                fail("--tp %d: must divide the %zu rows of each part of %s (the MLP's hidden units, or the heads' channels)",
+                     tp.size, part, s.name);
+        if (s.split == TPSplit::Row && s.block() > 0 && s.cols % tp.size != 0)
+            fail("--tp %d: must divide the %zu columns of %s", tp.size, s.cols, s.name);
+    }
     if (cp.size > 1) cp_layout(T, cp.size, cp.rank, cp.split);  // T splits into 2·cp chunks
     if (tp.sp && cp.size == 1 && T % tp.size != 0)
         fail("--sp 1: the sequence length -t %d must be divisible by --tp %d (each rank keeps T/tp positions)", T, tp.size);

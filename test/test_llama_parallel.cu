@@ -140,6 +140,20 @@ TEST_CASE("--plan predicts the ledger of every rank of a Llama with SwiGLU exper
             }
 }
 
+TEST_CASE("Llama layouts tp cannot split are refused in one line naming the flag", "[llama][parallel]") {
+    Data data;
+    struct Refused {
+        const char *model, *flags;
+        std::vector<std::string> words;
+    };
+    for (const Refused& r : {Refused{LLAMA, "--world 3 --tp 3", {"--tp 3", "heads (4)"}},
+                             Refused{LLAMA, "--world 4 --tp 4", {"--tp 4", "key/value heads (2"}},
+                             Refused{"l4c32h4g2f81t32v301", "--world 2 --tp 2", {"--tp 2", "81", "fcw"}}}) {
+        INFO(r.model << " " << r.flags);
+        check_one_line_error(single(data.flags(2, 128, 1, r.model) + " --plan " + r.flags), r.words);
+    }
+}
+
 TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "
           "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3; tied too",
           "[llama][parallel]") {
