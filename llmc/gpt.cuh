@@ -864,6 +864,26 @@ struct LayerInput {
     const floatX* residual() const { return prev ? prev->residual3 : chunk_input; }
 };
 
+// A layer's mixture of experts (llmc/moe.cuh) in place of its MLP, for either architecture's layer body:
+// forward from the norm's output ln2, and backward from the MLP output's gradient dout (SwiGLU experts take the
+// hidden units' gradient in a buffer of its own, half as wide as the first matmul's)
+template <typename floatX>
+inline void layer_experts_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                                  const ParamViews<floatX>& w, MoERoute& route, int layer) {
+    m.moe.forward(la.fcproj, m.scratch.partial, route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2,
+                  expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, m.cp, layer, m.scratch.gemm);
+}
+template <typename floatX>
+inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                                   const ParamViews<floatX>& w, const ParamViews<floatX>& dw, const MoERoute& route,
+                                   const floatX* dout, float dloss) {
+    Scratch<floatX>& s = m.scratch;
+    recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+    floatX* dhidden = d.FCl != d.Hl ? s.dact : s.dfch;
+    m.moe.backward(s.dln, expert_tensors(m, dw), dout, dhidden, s.dfch, route, la.moe_in, la.fch, la.fch_act, la.moe_out,
+                   la.ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm);
+}
+
 // GPT-2's layer, forward, in the order of the Playbook's diagrams: layernorm, qkv, attention, the attention
 // projection, the residual add fused with the second layernorm, fc with GELU (or the experts), the MLP
 // projection; the residual add that ends it is fused with the next layer's first layernorm. tp wraps the calls
@@ -886,8 +906,7 @@ inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, c
                                      w[LN2W], w[LN2B], R, C);
     tp.gather_rows(la.ln2, BT, C);
     if (route) {
-        m.moe.forward(la.fcproj, partial, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2, expert_tensors(m, w),
-                      B, d.T, (int)C, d.Hl, tp, m.cp, layer, ws);
+        layer_experts_forward(m, d, B, la, w, *route, layer);
     } else {
         matmul_gelu_forward(la.fch_act, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
         tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
@@ -916,11 +935,7 @@ inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws);
     fused_residual_rmsnorm_forward(la.residual2, la.ln2 + first, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
     tp.gather_rows(la.ln2, BT, C);
-    if (route) {
-        m.moe.forward(la.fcproj, partial, *route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2, expert_tensors(m, w),
-                      B, d.T, (int)C, d.Hl, tp, m.cp, layer, ws);
-        return;
-    }
+    if (route) return layer_experts_forward(m, d, B, la, w, *route, layer);
     matmul_forward(la.fch, la.ln2, w[FCW], none, BT, C, d.FCl, ws);
     swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
     tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws);
@@ -1093,9 +1108,7 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
 
     const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (route) {
-        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        m.moe.backward(s.dln, expert_tensors(m, dw), dout, s.dfch, s.dfch, *route, la.moe_in, la.fch, la.fch_act,
-                       la.moe_out, la.ln2, expert_tensors(m, w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
+        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
         matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
@@ -1135,9 +1148,7 @@ inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B,
 
     const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (route) {
-        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        m.moe.backward(s.dln, expert_tensors(m, dw), dout, s.dact, s.dfch, *route, la.moe_in, la.fch, la.fch_act,
-                       la.moe_out, la.ln2, expert_tensors(m, w), B, d.T, (int)C, d.Hl, tp, dloss, ws);
+        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
         matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
