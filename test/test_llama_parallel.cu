@@ -155,7 +155,8 @@ TEST_CASE("Llama layouts tp cannot split are refused in one line naming the flag
 }
 
 TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "
-          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3; tied too",
+          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3; tied too; --convert of the "
+          "checkpoints",
           "[llama][parallel]") {
     Data data;
     TempDir out;
@@ -165,6 +166,15 @@ TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupte
         check_resume(data, model, {4, "-b 2 --tp 2 -z 1"}, {4, "-b 2 --pp 2 -z 1"}, reference, out / (std::string(model) + "_tp"));
         check_resume(data, model, {2, "-b 4 --pp 2"}, {1, "-b 4"}, reference, out / (std::string(model) + "_pp"));
         check_resume(data, model, {1, "-b 4"}, {2, "-b 2 -z 3"}, reference, out / (std::string(model) + "_z3"));
+        // --convert of a checkpoint written under tp 2 × dp 2 (then resumed under pp 2 × dp 2): llm.c's Llama file,
+        // the checkpoint's whole model byte for byte
+        std::string ckpt = out / (std::string(model) + "_tp/ckpt_00000008"), file = out / (std::string(model) + ".bin");
+        CommandResult conv = single("--convert '" + ckpt + "' --to '" + file + "'");
+        INFO(conv.output);
+        REQUIRE(conv.status == 0);
+        CHECK(read_file(file) == read_file(ckpt + "/model.bin"));
+        int version;
+        CHECK(same_model_shape(read_model_header(file, &version), parse_model_descriptor(model)));
     }
 }
 
