@@ -553,17 +553,18 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.whole = tp.sp ? scr(BT * C) : nullptr;
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
     m.tp.gather = s.gather;
-    if (config.llama()) {  // RoPE's (cos, sin) table for every position the model takes
+    if (!config.learned_positions()) {  // RoPE's (cos, sin) table for every position the model takes
         size_t n = (size_t)config.max_seq_len * d.hd;
         std::vector<float> table(n);
         rope_table(table.data(), config.max_seq_len, d.hd, config.rope_theta, config.rope_scaling);
         m.rope = led.alloc<floatX, float>(MEM_SCRATCH, n);
         device_upload<floatX>(m.rope, table.data(), n);
     }
-    // under cp, GPT-2's learned positions are gathered at the rank's positions (C wide); RoPE reads the positions
-    m.cp.allocate(led, B, T, config.llama() ? 0 : (int)C, RingHeads{d.Cl, d.NHl, d.KVl});
+    // under cp, a learned position table is gathered at the rank's positions (C wide); RoPE reads the positions
+    m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep;
-    m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C, config.llama());
+    // the experts are gated (SwiGLU) when the MLP's first matmul is twice as wide as its hidden units
+    m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C, d.FCl != d.Hl);
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -987,7 +988,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
 
     if (part.starts_model(chunk)) {  // GPT-2 adds its learned positions; Llama's RoPE turns q and k instead
         ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
-        const floatX* positions = c.llama() ? nullptr : cp.position_rows(emb[WPE], C);
+        const floatX* positions = c.learned_positions() ? cp.position_rows(emb[WPE], C) : nullptr;
         tp.embedding_forward(a.encoded, partial, mb.device_inputs, emb[WTE], positions, B, d.T, C, d.Vl);
     }
     int lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
@@ -1237,7 +1238,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     }
     if (part.starts_model(chunk)) {
         ParamViews<floatX> demb = unit_grads(m, embedding_unit(Lp));
-        floatX* dpositions = c.llama() ? nullptr : cp.position_grads_begin(demb[WPE], C);
+        floatX* dpositions = c.learned_positions() ? cp.position_grads_begin(demb[WPE], C) : nullptr;
         tp.embedding_backward(demb[WTE], dpositions, s.dresidual, s.whole, mb.device_inputs, B, d.T, C, d.Vl);
         if (dpositions) cp.position_grads_end(demb[WPE], C);
     }

@@ -55,6 +55,8 @@ struct GPTConfig {
     bool moe() const { return num_experts > 1; }
     bool llama() const { return arch == Arch::Llama3; }
     bool tied() const { return !llama() || tied_embeddings; }  // GPT-2's classifier always is wte
+    // how attention sees positions: a learned table added to the embeddings (GPT-2's wpe), or RoPE (Llama)
+    bool learned_positions() const { return !llama(); }
     int kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
     int head_size() const { return channels / num_heads; }
     // the MLP's hidden units: 4C for GPT-2; for Llama Meta's: 2/3 of 4C, times ffn_dim_multiplier, rounded up

@@ -158,7 +158,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // are shared. The embedding output's buffer is where the previous stage's activations arrive, and the last
     // layer's output the next stage's gradient: the exchanges need no buffers of their own.
     const bool ring = par.cp > 1;
-    const size_t table = ring && !c.llama() ? T * C : 0;  // GPT-2's wpe rows at the rank's positions (RoPE needs none)
+    const size_t table = ring && c.learned_positions() ? T * C : 0;  // wpe's rows at the rank's positions (RoPE: none)
     bool split = par.pp.kind == PPKind::ZeroBubble;  // the zero-bubble schedule splits backward
     ActivationBytes kept = gpu ? activation_bytes<bf16>(d, split, par.recompute, part.last, par.tp)
                                : activation_bytes<float>(d, split, par.recompute, part.last, par.tp);
@@ -177,7 +177,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += BT * C + R * C;
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
-    if (c.llama()) kernels += (size_t)c.max_seq_len * d.hd;
+    if (!c.learned_positions()) kernels += (size_t)c.max_seq_len * d.hd;
     // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Kl, Kl = KV/t·hd the rank's key
     // channels; storage type) and three fp32 dK/dV accumulators of the same size, counted as comm buffers; in
     // fp32 scratch the running output or dQ (BT·Cl), one block's output and log-sum-exps (B·T/2 rows: B·T/2·Cl

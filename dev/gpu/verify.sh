@@ -486,10 +486,12 @@ GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
 single_rank() {
     local dir=$1; shift
     train "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -o "$dir" "$@"
-    local rc=$?
-    if (( rc != 0 )); then result FAIL "$PHASE" "one rank, $CHECK_NAME" "$(why "$rc")"; return 1; fi
+    local rc=$? name=$CHECK_NAME args=("$@") i
+    # the model the FLAGS name (-e), when they replace CHECK_MODEL's
+    for (( i = 0; i + 1 < ${#args[@]}; i++ )); do [[ ${args[i]} == -e ]] && name=${CHECK_NAME/#$CHECK_MODEL/${args[i + 1]}}; done
+    if (( rc != 0 )); then result FAIL "$PHASE" "one rank, $name" "$(why "$rc")"; return 1; fi
     if ! ran_on_device; then result FAIL "$PHASE" "one rank" "(ran on: $(device_of))"; return 1; fi
-    result PASS "$PHASE" "one rank, $CHECK_NAME, 4 micro-steps" "final loss $(losses "$dir/main.log" | tail -n 1 | cut -d' ' -f2)"
+    result PASS "$PHASE" "one rank, $name, 4 micro-steps" "final loss $(losses "$dir/main.log" | tail -n 1 | cut -d' ' -f2)"
 }
 
 # against REF DIR NAME TOL RC: a layout's run in DIR against the one-rank run in REF
