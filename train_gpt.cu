@@ -210,24 +210,31 @@ static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& 
     return storage.data();
 }
 
-// every tensor that all tp ranks hold whole must hold the same bits on each (a test aid: --debug-check-replicas;
-// on the GPU the master weights are compared)
+// every element that several tp ranks hold (the tensors all hold whole, the key/value heads several hold when
+// tp exceeds them) must hold the same bits on each (a test aid: --debug-check-replicas; on the GPU the master
+// weights are compared)
 template <typename floatX>
 static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero) {
     std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
-    ParamViews mine = param_views(&shares[grid.at.tp * m.num_parameters], m.param_sizes);
+    float* mine = &shares[grid.at.tp * m.num_parameters];
+    auto tensor_at = [&](size_t offset) {
+        int t = 0;
+        while (offset >= m.param_sizes[t]) offset -= m.param_sizes[t++];
+        return m.table[t].name;
+    };
     for (int r = 0; r < grid.tp; r++) {
-        ParamViews theirs = param_views(&shares[r * m.num_parameters], m.param_sizes);
-        for (int t = 0; t < NUM_PARAM_TENSORS; t++)
-            if (m.table[t].split == TPSplit::Replicated && memcmp(mine[t], theirs[t], m.param_sizes[t] * sizeof(float)) != 0)
-                fail("replicas: differ: tensor %d on tp rank %d and tp rank %d", t, grid.at.tp, r);
+        if (r == grid.at.tp) continue;
+        const float* theirs = &shares[r * m.num_parameters];
+        for (const ShareRange& c : common_ranges(m.table, m.param_sizes, grid.tp, grid.at.tp, r))
+            if (memcmp(mine + c.offset, theirs + c.offset, c.count * sizeof(float)) != 0)
+                fail("replicas: differ: %s on tp rank %d and tp rank %d", tensor_at(c.offset), grid.at.tp, r);
     }
     if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");
     // the tied embeddings (wte and wpe, at the front of the share) of the first and the last stage
     if (grid.pp > 1 && m.part.embedding_copy()) {
         size_t n = m.param_sizes[WTE] + m.param_sizes[WPE];
         std::vector<float> pair(2 * n);
-        grid.tied_comm.wait(grid.tied_comm.all_gather(mine[WTE], pair.data(), n, DType::F32));
+        grid.tied_comm.wait(grid.tied_comm.all_gather(mine, pair.data(), n, DType::F32));
         if (memcmp(pair.data(), pair.data() + n, n * sizeof(float)) != 0)
             fail("replicas: the embeddings differ between the first and the last stage (tp rank %d)", grid.at.tp);
         if (grid.rank == 0) printf("replicas: the embeddings are identical on the first and the last stage\n");

@@ -218,7 +218,7 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.R = tp.sp ? d.BT / tp.size : d.BT;
     ModelTable table = model_table(c);
     d.Cl = c.channels / tp.size, d.Hl = (int)(table[FCPROJW].cols / tp.size);
-    d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads() / tp.size, d.hd = c.head_size();
+    d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
     d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
     d.means = !c.llama();
@@ -432,9 +432,9 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
     if (config.num_heads % tp.size != 0)
         fail("--tp %d: must divide the number of heads (%d)", tp.size, config.num_heads);
-    if (config.kv_heads() % tp.size != 0)
-        fail("--tp %d: must divide the number of key/value heads (%d; holding a key/value head on several tp ranks "
-             "is not built)", tp.size, config.kv_heads());
+    if (config.kv_heads() % tp.size != 0 && tp.size % config.kv_heads() != 0)
+        fail("--tp %d: must divide the number of key/value heads (%d) or be a multiple of it (each head then held by "
+             "tp/KV ranks)", tp.size, config.kv_heads());
     // every column split's parts and every row split's columns (the MLP's hidden units among them)
     for (const TensorSpec& s : model_table(config)) {
         for (size_t part : s.parts)

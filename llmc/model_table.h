@@ -11,6 +11,8 @@
 //   split       a rank of tp holds                                        GPT-2
 //   replicated  all of it                                                 wpe, norms, row-parallel biases, router
 //   column      rows [r·n/tp, (r+1)·n/tp) of each part of n rows         qkvw/qkvb (3 parts), fcw/fcb
+//               (a part of h heads, h < tp: head ⌊r·h/tp⌋, held whole    Llama's K and V when tp > KV
+//               by tp/h ranks)
 //   row         columns [r·k/tp, (r+1)·k/tp) of every row of k columns   attprojw, fcprojw
 //   vocab       rows [r·⌈V/tp⌉, (r+1)·⌈V/tp⌉) of the padded vocab         wte (and so the tied classifier)
 #pragma once
@@ -58,6 +60,8 @@ struct GPTConfig {
     // how attention sees positions: a learned table added to the embeddings (GPT-2's wpe), or RoPE (Llama)
     bool learned_positions() const { return !llama(); }
     int kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+    // ... and those one of tp ranks holds: KV/tp, or one when tp exceeds KV (each held by tp/KV ranks)
+    int kv_heads(int tp) const { return std::max(1, kv_heads() / tp); }
     int head_size() const { return channels / num_heads; }
     // the MLP's hidden units: 4C for GPT-2; for Llama Meta's: 2/3 of 4C, times ffn_dim_multiplier, rounded up
     // to a multiple of multiple_of (Llama 3 8B: 4096 channels, 1.3 and 1024 give 14336)
@@ -137,18 +141,41 @@ struct TensorSpec {
     size_t file_rows = 0;  // absent here (no rows) but in the model file as zeros: llm.c's Llama 3 files keep GPT-2's
                            // bias slots
     int file_copy = -1;    // absent here but in the model file as a copy of this tensor (a tied Llama's lm_head)
+    size_t head_rows = 0;  // rows per attention head: a column split never cuts one (0: rows without heads)
 
     size_t rows() const { return parts[0] + parts[1] + parts[2]; }
     size_t block() const { return rows() * cols; }  // one layer's (and expert's) elements in the whole model
+    // A column split cuts part p into tp pieces, one a rank, or, where the part has fewer heads than tp, into
+    // its heads, each then held whole by tp/heads consecutive ranks (as Megatron-LM replicates key/value heads):
+    // the pieces, the rows of one, and the piece tp rank r holds
+    size_t pieces(int p, int tp) const {
+        size_t heads = head_rows ? parts[p] / head_rows : 0;
+        return heads > 0 && heads < (size_t)tp ? heads : tp;
+    }
+    size_t piece_rows(int p, int tp) const { return parts[p] / pieces(p, tp); }
+    size_t piece_of(int p, int tp, int r) const { return r / (tp / pieces(p, tp)); }
     // ... and on one rank of a tensor-parallel group of tp ranks: its rows and its block
     size_t local_rows(int tp) const {
         switch (split) {
-            case TPSplit::Column: return parts[0] / tp + parts[1] / tp + parts[2] / tp;
+            case TPSplit::Column: return piece_rows(0, tp) + piece_rows(1, tp) + piece_rows(2, tp);
             case TPSplit::Vocab: return (size_t)TensorParallel::vocab_rows((int)rows(), tp);
             default: return rows();
         }
     }
-    size_t block(int tp) const { return local_rows(tp) * (split == TPSplit::Row ? cols / tp : cols); }
+    size_t local_cols(int tp) const { return split == TPSplit::Row ? cols / tp : cols; }
+    size_t block(int tp) const { return local_rows(tp) * local_cols(tp); }
+    // where in a rank's block (from a local row, that many rows) a column split's pieces held by several ranks
+    // lie, and how many consecutive ranks hold each
+    struct SharedRows {
+        size_t first, rows;
+        int ranks;
+    };
+    std::vector<SharedRows> shared_rows(int tp) const {
+        std::vector<SharedRows> shared;
+        for (size_t p = 0, first = 0; split == TPSplit::Column && p < 3 && parts[p] > 0; first += piece_rows((int)p++, tp))
+            if (pieces((int)p, tp) < (size_t)tp) shared.push_back({first, piece_rows((int)p, tp), tp / (int)pieces((int)p, tp)});
+        return shared;
+    }
 };
 using ModelTable = std::array<TensorSpec, NUM_PARAM_TENSORS>;
 
@@ -160,7 +187,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, H = c.hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true, partial = true;
-    return {{
+    ModelTable table = {{
         // name       holder      experts   rows           cols split   AdamW     sp grad   init
         {"wte",      emb,        !expert, {Vp},         C,   vocab,  decay,  !partial, normal},
         {"wpe",      emb,        !expert, {(size_t)c.max_seq_len}, C, rep, decay, partial, normal},
@@ -180,6 +207,8 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
         {"lnfw",     head,       !expert, {C},          1,   rep,    !decay, partial,  ones},
         {"lnfb",     head,       !expert, {C},          1,   rep,    !decay, partial,  zeros},
     }};
+    table[QKVW].head_rows = table[QKVB].head_rows = c.head_size();
+    return table;
 }
 
 // Llama 3: no position table, RMSNorm without biases, no biases anywhere, grouped-query attention (NH query
@@ -196,7 +225,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
     size_t C = c.channels, V = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
     size_t H = c.hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true, partial = true, tied = c.tied_embeddings;
-    return {{
+    ModelTable table = {{
         // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file, copy of
         {"wte",      emb,        !expert, {V},        C,   vocab,  decay,  !partial, normal},
         {"lm_head",  head,       !expert, {tied ? 0 : V}, C, vocab, decay, !partial, normal,  0,   tied ? WTE : -1},
@@ -216,6 +245,8 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"lnfw",     head,       !expert, {C},        1,   rep,    !decay, partial,  ones},
         {"lnfb",     head,       !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
     }};
+    table[QKVW].head_rows = hd;  // with fewer key/value heads than tp ranks, each is held by tp/KV ranks
+    return table;
 }
 
 inline ModelTable model_table(const GPTConfig& c) { return c.llama() ? llama_table(c) : gpt2_table(c); }
@@ -358,10 +389,14 @@ inline std::vector<ShareRun> share_runs(const GPTConfig& c, const ShareSpec& sh,
     };
     // one block of a tensor: at `whole` in the model, at `local` in the share
     auto place = [&](const TensorSpec& s, size_t whole, size_t local) {
-        size_t tp = sh.tp, rank = sh.tp_rank, cols = s.cols;
+        int tp = sh.tp, rank = sh.tp_rank;
+        size_t cols = s.cols;
         if (s.split == TPSplit::Column) {
-            for (size_t p = 0, first = 0, mine = 0; p < 3 && s.parts[p] > 0; first += s.parts[p], mine += s.parts[p++] / tp)
-                add(whole + (first + rank * (s.parts[p] / tp)) * cols, local + mine * cols, s.parts[p] / tp * cols, false);
+            size_t first = 0, mine = 0;  // the part's first row in the block, and in the rank's block
+            for (int p = 0; p < 3 && s.parts[p] > 0; first += s.parts[p], mine += s.piece_rows(p++, tp)) {
+                size_t n = s.piece_rows(p, tp);
+                add(whole + (first + s.piece_of(p, tp, rank) * n) * cols, local + mine * cols, n * cols, false);
+            }
         } else if (s.split == TPSplit::Row) {
             for (size_t r = 0, k = cols / tp; r < s.rows(); r++) add(whole + r * cols + rank * k, local + r * k, k, r > 0);
         } else if (s.split == TPSplit::Vocab) {
@@ -401,6 +436,51 @@ inline void copy_share_params(const GPTConfig& c, const ShareSpec& sh, const Mod
 
 // the whole model as one share: runs that place it onto itself
 inline std::vector<ShareRun> whole_runs(const GPTConfig& c) { return share_runs(c, ShareSpec{}, whole_part(c)); }
+
+// A range of elements of a rank's share
+struct ShareRange {
+    size_t offset, count;
+};
+
+// The elements two ranks a ≠ b of a tp group both hold: the tensors every rank holds whole, and the pieces of a
+// column split that several ranks hold (Llama's key/value heads when tp exceeds them) where a and b hold the
+// same piece. Every tp rank's share has the same layout (sizes: its tensors' sizes), so the ranges lie at the
+// same offsets in both; in offset order. What the gradient norm counts once and what the replica check compares.
+inline std::vector<ShareRange> common_ranges(const ModelTable& table, const size_t sizes[NUM_PARAM_TENSORS], int tp,
+                                             int a, int b) {
+    std::vector<ShareRange> ranges;
+    for (size_t t = 0, offset = 0; t < NUM_PARAM_TENSORS; offset += sizes[t++]) {
+        const TensorSpec& s = table[t];
+        if (sizes[t] == 0) continue;
+        if (s.split == TPSplit::Replicated) {
+            ranges.push_back({offset, sizes[t]});
+            continue;
+        }
+        size_t block = s.block(tp), cols = s.local_cols(tp);
+        for (size_t k = 0; k < sizes[t] / block; k++)
+            for (const TensorSpec::SharedRows& shared : s.shared_rows(tp))
+                if (a / shared.ranks == b / shared.ranks)
+                    ranges.push_back({offset + k * block + shared.first * cols, shared.rows * cols});
+    }
+    return ranges;
+}
+
+// ... and the elements of rank a's share that a lower rank of its group holds too, merged, in offset order: a
+// sum over the group that counts each element once leaves them out
+inline std::vector<ShareRange> repeated_ranges(const ModelTable& table, const size_t sizes[NUM_PARAM_TENSORS], int tp,
+                                               int a) {
+    std::vector<ShareRange> all, merged;
+    for (int b = 0; b < a; b++)
+        for (const ShareRange& r : common_ranges(table, sizes, tp, a, b)) all.push_back(r);
+    std::sort(all.begin(), all.end(), [](const ShareRange& x, const ShareRange& y) { return x.offset < y.offset; });
+    for (const ShareRange& r : all) {
+        if (!merged.empty() && r.offset <= merged.back().offset + merged.back().count)
+            merged.back().count = std::max(merged.back().count, r.offset + r.count - merged.back().offset);
+        else
+            merged.push_back(r);
+    }
+    return merged;
+}
 
 // ----------------------------------------------------------------------------------------------------------
 // an element's coordinates

@@ -236,9 +236,11 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // none when entering) or an all-gather / reduce-scatter with sp (1 unit each): 4L + 2 units either way, and as
 // many again in backward. The cross-entropy all-gathers three floats per token (max, sum, target logit).
 // Under sp, the gradients the table marks sequence-partial (the norms' weights, and GPT-2's biases of them and
-// wpe: 4LC + 2C + maxT·C; Llama's 2LC + C) are summed over the group (all-gathered) once per reduction: once per step under ZeRO-0/1, each micro-step under ZeRO-2/3. The norm
-// all-gathers one double. Recomputing the layernorms (-r 2) under sp gathers their outputs again in backward:
-// 2L more units. With experts, each layer's backward sums the gates' gradients over the group (all-gathers
+// wpe: 4LC + 2C + maxT·C; Llama's 2LC + C) are summed over the group (all-gathered), and so are, under any tp,
+// the key/value heads' rows that several ranks hold when tp exceeds KV (2·hd·C a layer, gathered from the whole
+// group, summed over the ranks holding them): once per reduction, that is once per step under ZeRO-0/1, each
+// micro-step under ZeRO-2/3. The norm all-gathers one double. Recomputing the layernorms (-r 2) under sp
+// gathers their outputs again in backward: 2L more units. With experts, each layer's backward sums the gates' gradients over the group (all-gathers
 // BT·K fp32). Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three and the
 // gates' gradients as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
@@ -254,20 +256,24 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes, par.tp, part, par.ep);
-    double partial = 0.0;
-    for (int i = 0; i < NUM_PARAM_TENSORS; i++) partial += table[i].sequence_partial ? sizes[i] : 0;
-    double partial_grads = par.sp ? (t - 1) * partial * value : 0.0;
+    double partial = 0.0, shared = 0.0;
+    for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
+        partial += par.sp && table[i].sequence_partial ? sizes[i] : 0;
+        for (const TensorSpec::SharedRows& rows : table[i].shared_rows(par.tp))
+            shared += (double)sizes[i] / table[i].block(par.tp) * rows.rows * table[i].local_cols(par.tp);
+    }
+    double partial_grads = (t - 1) * (partial + shared) * value;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
 }
 
 // Bytes one rank sends to its cp group per optimizer step: in each layer of each micro-step, forward passes
 // the K/V block on N-1 times (BT·2Kl values as stored, BT = B·T/N local rows, Kl = KV/tp·hd the rank's key
-// channels: Cl for GPT-2, NH/KV times fewer under grouped-query attention), and backward passes it on N-1 times
+// channels: Cl for GPT-2, NH/KV times fewer under grouped-query attention, hd when tp exceeds KV), and backward passes it on N-1 times
 // again and its fp32 dK/dV accumulator N times (the last hop brings each one home to the keys' rank).
 inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.cp == 1) return 0.0;
-    double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.kv_heads() / par.tp * c.head_size());
+    double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.kv_heads(par.tp) * c.head_size());
     double per_layer = 2 * (N - 1) * kv * stored_value_bytes(device) + N * kv * sizeof(float);
     return par.accumulation * planned_part(c, par).layers() * per_layer;
 }

@@ -109,7 +109,7 @@ struct StepModel {
         double mm = 0, expert_mm = 0;
         for (const TensorSpec& w : table) {
             if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0) continue;
-            double out = w.split == TPSplit::Column ? w.rows() / t : w.rows(), in = w.split == TPSplit::Row ? w.cols / t : w.cols;
+            double out = w.local_rows(par.tp), in = w.local_cols(par.tp);
             if (w.expert) expert_mm += gemm(rows, out, in);
             else mm += gemm(BT, out, in);
         }
@@ -154,7 +154,7 @@ struct StepModel {
         // cp: per layer, forward passes the K/V block (the rank's key/value heads) N-1 times, backward again and
         // the fp32 dK/dV N times; the hops overlap with the attention of the block in hand
         if (par.cp > 1) {
-            double N = par.cp, kv = BT * 2 * ((double)c.kv_heads() / t * c.head_size());
+            double N = par.cp, kv = BT * 2 * ((double)c.kv_heads(par.tp) * c.head_size());
             Link l = cp_link();
             double f = link_seconds(l, (N - 1) * kv * X, N - 1),
                    b = link_seconds(l, (N - 1) * kv * X + N * kv * 4, 2 * N - 1);

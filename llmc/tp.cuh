@@ -1,7 +1,10 @@
 // Tensor parallelism with sequence parallelism, in Megatron-LM's layout (the Playbook's "Tensor Parallelism"
 // and "Sequence Parallelism" sections). The tp ranks of a group split every layer:
 //   attention  QKV column-parallel: each rank holds the Q, K and V rows of NH/tp heads and runs attention on
-//              them alone; the output projection row-parallel (its input columns split the same way).
+//              them alone; the output projection row-parallel (its input columns split the same way). With
+//              fewer key/value heads than ranks (grouped-query attention, tp a multiple of KV), each rank holds
+//              the one its query heads read, tp/KV ranks the same one; their partial gradients of it are summed
+//              over those ranks (llmc/zero.cuh) and counted once in the gradient norm.
 //   MLP        fc column-parallel (4C/tp hidden units per rank), GELU local, fc projection row-parallel.
 //   embedding  the token embedding (and so the tied classifier) split by rows of the padded vocab; a lookup
 //              masks the rows a rank does not hold, and the cross-entropy combines each rank's max, sum of
@@ -407,13 +410,16 @@ struct TensorParallel {
 
     // --- group sums that leave every rank with the same bits -----------------------------------------------
 
-    // x (n elements) summed over the group in rank order: every rank's x gathered, then added up locally
+    // x (n elements) summed over the group in rank order: every rank's x gathered, then added up locally; or,
+    // with `ranks`, over the block of that many consecutive ranks that holds this one (the ranks holding the
+    // same key/value heads)
     template <typename floatX>
-    void sum_in_rank_order(floatX* x, long n) {
+    void sum_in_rank_order(floatX* x, long n, int ranks = 0) {
         if (!on()) return;
+        if (ranks == 0) ranks = size();
         DeviceTemp<floatX, floatX> all(n * size());
         comm->wait(comm->all_gather(x, all.data, n, dtype_of<floatX>()));
-        sum_ranks(x, all.data, n, size());
+        sum_ranks(x, all.data + (spec.rank - spec.rank % ranks) * n, n, ranks);
     }
 
    private:

@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <vector>
 
 #include "llmc/comm.cuh"
@@ -241,6 +242,7 @@ struct DataParallel : ParamStore<floatX> {
     floatX* shard_params = nullptr;                // ZeRO 3
     bool last_micro_step = true, backward = false;
     uint64_t started = 0;
+    std::vector<ShareRange> repeated;  // what lower tp ranks hold too (repeated_ranges): the norm leaves it out
 
     DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats, StageLinks stage_links = {},
                  ExpertLinks experts = {})
@@ -255,6 +257,7 @@ struct DataParallel : ParamStore<floatX> {
         }
         if (!engaged()) return;
         m.store = this;
+        repeated = repeated_ranges(m.table, m.param_sizes, m.tp.size(), m.tp.spec.rank);
         Ledger& led = m.ledger;
         if (stage >= 1) {
             if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, shard_size());
@@ -362,11 +365,11 @@ struct DataParallel : ParamStore<floatX> {
             if (stage >= 2) grad_staging(g, unit);  // a unit no one wrote (empty on this stage) still needs one
             if (++g.units_done[b] == bk.last_unit - bk.first_unit + 1 && (stage >= 2 || last_micro_step)) {
                 if (stage < 2) {
-                    sum_sequence_partials(bk, m.grads, false);
+                    sum_partials(bk, m.grads, false);
                     if (g.N == 1) continue;  // one rank in the group (tp alone): the flat gradients are final
                     pack_bucket(bk, m.grads, g.reduce_slots[acquire_reduce_slot(g, b)].packed);
                 } else {
-                    sum_sequence_partials(bk, g.reduce_slots[g.reduce_slot_of[b]].packed, true);
+                    sum_partials(bk, g.reduce_slots[g.reduce_slot_of[b]].packed, true);
                 }
                 Slot& s = g.reduce_slots[g.reduce_slot_of[b]];
                 s.request = g.comm->reduce_scatter(s.packed, s.piece, bk.piece, dtype_of<floatX>());
@@ -395,17 +398,19 @@ struct DataParallel : ParamStore<floatX> {
         sum_tied_gradients();
         // The norm from the owned pieces, summed in bucket order, then over the group's ranks (the experts' also
         // over the ep group, whose ranks hold different experts), the groups added in order; then over the tp
-        // ranks (a tensor every tp rank holds whole counts once) and the pipeline stages (the tied embeddings
-        // count on the first): the same sums in every stage, on every rank.
+        // ranks (an element several tp ranks hold counts on the lowest) and the pipeline stages (the tied
+        // embeddings count on the first): the same sums in every stage, on every rank.
         bool embedding_copy = links.stages && !m.part.first;
         double total = 0.0;
         for (Group& g : groups) {
             std::vector<std::pair<const floatX*, long>> spans;
             for (auto& segs : g.owned)
-                for (const OwnedSegment& s : segs)
-                    if ((m.tp.spec.rank == 0 || m.table[s.tensor].split != TPSplit::Replicated) &&
-                        !(embedding_copy && m.table[s.tensor].holder == Holder::Embeddings))
-                        spans.push_back({reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset), (long)s.size});
+                for (const OwnedSegment& s : segs) {
+                    if (embedding_copy && m.table[s.tensor].holder == Holder::Embeddings) continue;
+                    const floatX* base = reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset);
+                    for (const ShareRange& r : uncounted(s.flat_offset, s.size))
+                        spans.push_back({base + (r.offset - s.flat_offset), (long)r.count});
+                }
             double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans));
             if (g.experts) group_total = sum_in_rank_order(*expert_links.ep, group_total);
             total += group_total;
@@ -567,24 +572,50 @@ struct DataParallel : ParamStore<floatX> {
         return total;
     }
 
-    // Under sequence parallelism each tp rank has the layernorm and wpe gradients of its own rows only: the
-    // group's sum goes in before the bucket is reduced across dp. grads is the flat buffer or, packed, the
-    // bucket's staging.
-    void sum_sequence_partials(const Bucket& b, floatX* grads, bool packed) {
-        if (!m.tp.spec.sp) return;
-        std::vector<std::pair<size_t, size_t>> partials;  // (where in grads, size)
-        size_t running = 0, count = 0;
+    // the parts of this rank's share range [offset, offset + count) that the gradient norm counts here: those
+    // no lower tp rank holds too (repeated_ranges)
+    std::vector<ShareRange> uncounted(size_t offset, size_t count) const {
+        std::vector<ShareRange> kept;
+        size_t at = offset, end = offset + count;
+        auto it = std::upper_bound(repeated.begin(), repeated.end(), at,
+                                   [](size_t x, const ShareRange& r) { return x < r.offset; });
+        if (it != repeated.begin()) --it;
+        for (; at < end && it != repeated.end() && it->offset < end; ++it) {
+            if (it->offset + it->count <= at) continue;
+            if (it->offset > at) kept.push_back({at, it->offset - at});
+            at = it->offset + it->count;
+        }
+        if (at < end) kept.push_back({at, end - at});
+        return kept;
+    }
+
+    // Gradients a tp rank holds only partial sums of, completed over the tp ranks before the bucket is reduced
+    // across dp: under sequence parallelism the norms' and wpe's, from the rank's rows only (summed over the
+    // group); and the key/value heads several ranks hold, from each rank's query heads only (summed over the
+    // ranks holding them). grads is the flat buffer or, packed, the bucket's staging.
+    void sum_partials(const Bucket& b, floatX* grads, bool packed) {
+        if (!m.tp.on()) return;
+        std::map<int, std::vector<ShareRange>> partials;  // per group size (0: the whole group), where in grads
+        size_t running = 0;
         for (const Segment& s : b.segments) {
-            if (m.table[s.tensor].sequence_partial) partials.push_back({packed ? running : s.offset, s.size}), count += s.size;
+            const TensorSpec& spec = m.table[s.tensor];
+            size_t at = packed ? running : s.offset, block = spec.block(m.tp.size()), cols = spec.local_cols(m.tp.size());
+            if (spec.sequence_partial && m.tp.spec.sp) partials[0].push_back({at, s.size});
+            for (size_t k = 0; k < s.size / std::max<size_t>(block, 1); k++)
+                for (const TensorSpec::SharedRows& shared : spec.shared_rows(m.tp.size()))
+                    partials[shared.ranks].push_back({at + k * block + shared.first * cols, shared.rows * cols});
             running += s.size;
         }
-        if (count == 0) return;
-        DeviceTemp<floatX, floatX> gathered(count);
-        size_t at = 0;
-        for (const auto& [where, size] : partials) device_copy<floatX>(gathered.data + at, grads + where, size), at += size;
-        m.tp.sum_in_rank_order(gathered.data, (long)count);
-        at = 0;
-        for (const auto& [where, size] : partials) device_copy<floatX>(grads + where, gathered.data + at, size), at += size;
+        for (const auto& [ranks, ranges] : partials) {
+            size_t count = 0;
+            for (const ShareRange& r : ranges) count += r.count;
+            DeviceTemp<floatX, floatX> gathered(count);
+            size_t at = 0;
+            for (const ShareRange& r : ranges) device_copy<floatX>(gathered.data + at, grads + r.offset, r.count), at += r.count;
+            m.tp.sum_in_rank_order(gathered.data, (long)count, ranks);
+            at = 0;
+            for (const ShareRange& r : ranges) device_copy<floatX>(grads + r.offset, gathered.data + at, r.count), at += r.count;
+        }
     }
 
     // let MPI move the operations in flight while compute goes on

@@ -1,11 +1,12 @@
 // Tests of Llama 3 under the parallelisms on the CPU, under `mpirun --oversubscribe`, against the single-rank
 // Llama run with the same global batch over 20 steps of 2 or 4 micro-batches (the equivalence principle):
 // dp 2 under ZeRO-1 and ZeRO-3; tp 2 with and without sp, which splits the 4 query heads and the 2 key/value
-// heads; pp 2
-// under 1F1B, ZB-H1 and the interleaved schedule, and pp 2 × dp 2; a Llama whose classifier is tied to wte
-// (Llama 3.2's) under pp 2, where the first and the last stage sum the tied gradient, and under tp 2; the bytes
-// counted against the formulas. Also the ledger of every rank against --plan, where an untied lm_head lives (on
-// the last stage alone), and a Llama checkpoint resumed under another layout.
+// heads; tp 4 (with sp, and without it under ZeRO-2), which holds each key/value head on two ranks and sums its
+// gradient over them; pp 2 under 1F1B, ZB-H1 and the interleaved schedule, and pp 2 × dp 2; a Llama whose
+// classifier is tied to wte (Llama 3.2's) under pp 2, where the first and the last stage sum the tied gradient,
+// and under tp 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where an untied lm_head lives (on
+// the last stage alone), and a Llama checkpoint resumed under another layout (tp 4's too, whose replicated
+// key/value heads two optimizer files hold).
 //
 // Under cp 2 (zig-zag and contiguous, and cp 2 × tp 2) RoPE turns each token by its position in the whole
 // sequence, which is not contiguous on a rank, and the ring carries the key/value heads only: the counted cp
@@ -27,7 +28,7 @@ const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
 const char* MOE = "l4c32h4g2f80t32v301e4k2";  // Mixtral's shape: 4 SwiGLU experts in every layer, top 2
 
-TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
           "cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
           "tied Llama under pp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 and dp 2",
           "[llama][parallel]") {
@@ -46,6 +47,8 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
     }
     for (Layout l : {Layout{"dp2_z1", LLAMA, 2, 2, " -z 1"}, Layout{"dp2_z3", LLAMA, 2, 2, " -z 3"},
                      Layout{"tp2_sp", LLAMA, 2, 2, " --tp 2 --sp 1"}, Layout{"tp2", LLAMA, 2, 2, " --tp 2 --sp 0"},
+                     Layout{"tp4_sp", LLAMA, 4, 2, " --tp 4 --sp 1 --debug-check-replicas 1"},
+                     Layout{"tp4_z2", LLAMA, 4, 2, " --tp 4 --sp 0 -z 2 --debug-check-replicas 1"},
                      Layout{"pp2_1f1b", LLAMA, 2, 2, " --pp 2 --debug-check-replicas 1"},
                      Layout{"pp2_zb", LLAMA, 2, 2, " --pp 2 --pp-schedule zb"},
                      Layout{"pp2_interleaved", LLAMA, 2, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
@@ -63,8 +66,9 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
         check_close(losses(dir), reference[l.model], 1e-5);
         // the bytes counted against the formulas; and under pp, where the embeddings and the classifier live
         std::string flags = l.flags;
-        if (flags.find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, flags.find("--sp 0") == std::string::npos);
-        if (flags.find("-z") != std::string::npos) require_counted_equals_formula(run);
+        int tp = flags.find("--tp 4") != std::string::npos ? 4 : 2;
+        if (flags.find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, tp, flags.find("--sp 0") == std::string::npos);
+        if (flags.find("-z") != std::string::npos && run.find(" dp=1,") == std::string::npos) require_counted_equals_formula(run);
         if (flags.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);
         if (flags.find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
         bool tied = l.model == TIED;
@@ -77,8 +81,8 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, pp 2 (1F
     }
 }
 
-TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp, cp and pp; an untied "
-          "lm_head lives on the last stage only, a tied wte on both ends",
+TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp (tp 4 replicating the "
+          "key/value heads), cp and pp; an untied lm_head lives on the last stage only, a tied wte on both ends",
           "[llama][parallel]") {
     for (const char* model : {LLAMA, TIED}) {
         GPTConfig c = parse_model_descriptor(model);
@@ -87,7 +91,7 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
         size_t stages = num_parameters(c, 1, stage_part(c, two)) + num_parameters(c, 1, stage_part(c, PPSpec{2, 1, 1, PPKind::OneFOneB}));
         CHECK(stages == num_parameters(c) + (c.tied() ? (size_t)c.vocab_size * c.channels : 0));
         for (int zero : {1, 3})
-            for (int tp : {1, 2})
+            for (int tp : {1, 2, 4})  // tp 4: each key/value head on two ranks
                 for (int cp : {1, 2})
                     for (int N : {1, 2})
                         for (int stage = 0; stage < N; stage++)
@@ -147,7 +151,7 @@ TEST_CASE("Llama layouts tp cannot split are refused in one line naming the flag
         std::vector<std::string> words;
     };
     for (const Refused& r : {Refused{LLAMA, "--world 3 --tp 3", {"--tp 3", "heads (4)"}},
-                             Refused{LLAMA, "--world 4 --tp 4", {"--tp 4", "key/value heads (2"}},
+                             Refused{"l2c96h12g4f96t32v301", "--world 6 --tp 6", {"--tp 6", "key/value heads (4)"}},
                              Refused{"l4c32h4g2f81t32v301", "--world 2 --tp 2", {"--tp 2", "81", "fcw"}}}) {
         INFO(r.model << " " << r.flags);
         check_one_line_error(single(data.flags(2, 128, 1, r.model) + " --plan " + r.flags), r.words);
@@ -155,8 +159,8 @@ TEST_CASE("Llama layouts tp cannot split are refused in one line naming the flag
 }
 
 TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "
-          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3; tied too; --convert of the "
-          "checkpoints",
+          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3, tp 4 (key/value heads on two "
+          "ranks each) to tp 2; tied too; --convert of the checkpoints",
           "[llama][parallel]") {
     Data data;
     TempDir out;
@@ -166,6 +170,8 @@ TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupte
         check_resume(data, model, {4, "-b 2 --tp 2 -z 1"}, {4, "-b 2 --pp 2 -z 1"}, reference, out / (std::string(model) + "_tp"));
         check_resume(data, model, {2, "-b 4 --pp 2"}, {1, "-b 4"}, reference, out / (std::string(model) + "_pp"));
         check_resume(data, model, {1, "-b 4"}, {2, "-b 2 -z 3"}, reference, out / (std::string(model) + "_z3"));
+        // tp 4 holds each of the 2 key/value heads on two ranks, whose optimizer files both hold its state
+        check_resume(data, model, {4, "-b 4 --tp 4"}, {2, "-b 4 --tp 2"}, reference, out / (std::string(model) + "_tp4"));
         // --convert of a checkpoint written under tp 2 × dp 2 (then resumed under pp 2 × dp 2): llm.c's Llama file,
         // the checkpoint's whole model byte for byte
         std::string ckpt = out / (std::string(model) + "_tp/ckpt_00000008"), file = out / (std::string(model) + ".bin");

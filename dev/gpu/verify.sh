@@ -29,7 +29,8 @@
 #   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe, resume and nccl
 #                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
 #   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
-#   LLAMA_MODEL the Llama the mpi, cp and pp phases also run (grouped-query: 4 heads over 2 key/value heads)
+#   LLAMA_MODEL the Llama the mpi, cp and pp phases also run (grouped-query: 4 heads over 2 key/value heads);
+#               the mpi phase also runs it with one key/value head, which tp 2 holds on both ranks
 #                                                      [l4c256h4g2f688 on cuda, l4c128h4g2f344 on cpu]
 #   PT_SHAPE, PT_B, PT_T, PT_STEPS, PT_LR, PT_TOL   the pytorch phase: model L:C:NH (test/reference's
 #               initialization), batch, steps, constant lr, largest |loss difference|
@@ -92,6 +93,7 @@ else
     echo "verify: DEVICE must be cuda or cpu (got '$DEVICE')" >&2; exit 2
 fi
 PT_STEPS=${PT_STEPS:-10} PT_LR=${PT_LR:-3e-4}
+LLAMA_MQA=${LLAMA_MODEL/g2/g1}
 
 for p in $PHASES; do
     [[ " $ALL_PHASES " == *" $p "* ]] || { echo "verify: PHASES: unknown phase '$p' (known: $ALL_PHASES)" >&2; exit 2; }
@@ -478,7 +480,8 @@ fi
 
 # ---------------------------------------------------------------------------------------------------------
 # mpi: 2 ranks sharing the device over MPI (dp with ZeRO-0..3 and 2 micro-steps; tp 2) against one rank, all
-# with the same global batch of 4 micro-batches; then a Llama (LLAMA_MODEL) under dp 2 with ZeRO-1 and tp 2
+# with the same global batch of 4 micro-batches; then a Llama (LLAMA_MODEL) under dp 2 with ZeRO-1 and tp 2,
+# and with one key/value head (LLAMA_MQA) under tp 2, both ranks holding it and summing its gradient
 
 GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
 
@@ -536,6 +539,10 @@ if has_phase mpi; then
     if two_ranks_ready "$WORK/mpi_llama" -e "$LLAMA_MODEL"; then
         two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, dp 2, ZeRO-1, 2 micro-steps" -e "$LLAMA_MODEL" -z 1
         two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, tp 2 (sp), 4 micro-steps" -e "$LLAMA_MODEL" --tp 2
+    fi
+    if two_ranks_ready "$WORK/mpi_mqa" -e "$LLAMA_MQA"; then
+        two_ranks "$WORK/mpi_mqa" "$LLAMA_MQA, tp 2 (sp) over its one key/value head, 4 micro-steps" -e "$LLAMA_MQA" \
+            --tp 2 --debug-check-replicas 1
     fi
 fi
 
