@@ -173,30 +173,13 @@ done
 
 echo
 python3 - "$rows" "$MARKDOWN" <<'EOF'
-import statistics, sys
+import os, statistics, sys
+
+sys.path.insert(0, os.path.join(os.getcwd(), "dev/bench"))
+from rank_correlation import spearman
 
 rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
 markdown = sys.argv[2]
-
-def ranks(xs):  # average ranks, ties sharing theirs
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    r = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return r
-
-def pearson(a, b):
-    ma, mb = sum(a) / len(a), sum(b) / len(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    va = sum((x - ma) ** 2 for x in a)
-    vb = sum((y - mb) ** 2 for y in b)
-    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else float("nan")
 
 table, meas, pred, errs = [], [], [], []
 for name, np_, flags, m, p in rows:
@@ -214,7 +197,7 @@ w = [max(len(r[i]) for r in table + [head]) for i in range(5)]
 fmt = lambda r: " | ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(r))
 lines = [fmt(head), "-+-".join("-" * x for x in w)] + [fmt(r) for r in table]
 if len(meas) >= 2:
-    summary = [f"Spearman rank correlation: {pearson(ranks(meas), ranks(pred)):.3f}",
+    summary = [f"Spearman rank correlation: {spearman(meas, pred):.3f}",
                f"median |error|: {statistics.median(errs):.1f}%"]
 elif meas:
     summary = ["Spearman rank correlation: n/a (one layout)", f"median |error|: {statistics.median(errs):.1f}%"]

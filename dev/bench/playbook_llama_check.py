@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import sys
 
+from rank_correlation import spearman
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
 
@@ -89,27 +91,6 @@ def bench_flags(model, dp, tp, pp, mbs, accumulation, zero):
     return ["-e", BENCH_MODELS[model], "-t", str(SEQ), "-b", str(mbs), "-d", str(dp * mbs * accumulation * SEQ),
             "--world", str(GPUS), "--tp", str(tp), "--sp", "1" if tp > 1 else "0", "--pp", str(pp),
             "--pp-schedule", "1f1b", "-z", str(zero), "-r", "0"]
-
-
-def ranks(values):
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    r = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            r[order[k]] = (i + j) / 2
-        i = j + 1
-    return r
-
-
-def spearman(a, b):
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
 def terms_text(terms):
