@@ -437,10 +437,10 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
              "tp/KV ranks)", tp.size, config.kv_heads());
     // every column split's parts and every row split's columns (the MLP's hidden units among them)
     for (const TensorSpec& s : model_table(config)) {
-        for (size_t part : s.parts)
-            if (s.split == TPSplit::Column && part % tp.size != 0)
+        for (int p = 0; p < 3; p++)  // into tp pieces, or a part with fewer heads into its heads
+            if (s.split == TPSplit::Column && s.parts[p] % s.pieces(p, tp.size) != 0)
                 fail("--tp %d: must divide the %zu rows of each part of %s (the MLP's hidden units, or the heads' channels)",
-                     tp.size, part, s.name);
+                     tp.size, s.parts[p], s.name);
         if (s.split == TPSplit::Row && s.block() > 0 && s.cols % tp.size != 0)
             fail("--tp %d: must divide the %zu columns of %s", tp.size, s.cols, s.name);
     }

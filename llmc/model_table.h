@@ -172,8 +172,9 @@ struct TensorSpec {
     };
     std::vector<SharedRows> shared_rows(int tp) const {
         std::vector<SharedRows> shared;
-        for (size_t p = 0, first = 0; split == TPSplit::Column && p < 3 && parts[p] > 0; first += piece_rows((int)p++, tp))
-            if (pieces((int)p, tp) < (size_t)tp) shared.push_back({first, piece_rows((int)p, tp), tp / (int)pieces((int)p, tp)});
+        size_t first = 0;  // the part's first row in the rank's block
+        for (int p = 0; split == TPSplit::Column && p < 3; first += piece_rows(p++, tp))
+            if (pieces(p, tp) < (size_t)tp) shared.push_back({first, piece_rows(p, tp), tp / (int)pieces(p, tp)});
         return shared;
     }
 };
@@ -457,8 +458,9 @@ inline std::vector<ShareRange> common_ranges(const ModelTable& table, const size
             continue;
         }
         size_t block = s.block(tp), cols = s.local_cols(tp);
-        for (size_t k = 0; k < sizes[t] / block; k++)
-            for (const TensorSpec::SharedRows& shared : s.shared_rows(tp))
+        std::vector<TensorSpec::SharedRows> shared_rows = s.shared_rows(tp);
+        for (size_t k = 0; k < sizes[t] / block; k++)  // each layer's (and expert's) block
+            for (const TensorSpec::SharedRows& shared : shared_rows)
                 if (a / shared.ranks == b / shared.ranks)
                     ranges.push_back({offset + k * block + shared.first * cols, shared.rows * cols});
     }

@@ -240,9 +240,9 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // the key/value heads' rows that several ranks hold when tp exceeds KV (2·hd·C a layer, gathered from the whole
 // group, summed over the ranks holding them): once per reduction, that is once per step under ZeRO-0/1, each
 // micro-step under ZeRO-2/3. The norm all-gathers one double. Recomputing the layernorms (-r 2) under sp
-// gathers their outputs again in backward: 2L more units. With experts, each layer's backward sums the gates' gradients over the group (all-gathers
-// BT·K fp32). Activations and gradients move as stored (bf16 on the GPU), the cross-entropy's three and the
-// gates' gradients as fp32.
+// gathers their outputs again in backward: 2L more units. With experts, each layer's backward sums the gates'
+// gradients over the group (all-gathers BT·K fp32). Activations and gradients move as stored (bf16 on the
+// GPU), the cross-entropy's three and the gates' gradients as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
 // the cross-entropy on the last, the final norm on the last and GPT-2's wpe on both.
 inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
@@ -269,8 +269,9 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
 
 // Bytes one rank sends to its cp group per optimizer step: in each layer of each micro-step, forward passes
 // the K/V block on N-1 times (BT·2Kl values as stored, BT = B·T/N local rows, Kl = KV/tp·hd the rank's key
-// channels: Cl for GPT-2, NH/KV times fewer under grouped-query attention, hd when tp exceeds KV), and backward passes it on N-1 times
-// again and its fp32 dK/dV accumulator N times (the last hop brings each one home to the keys' rank).
+// channels: Cl for GPT-2, NH/KV times fewer under grouped-query attention, hd when tp exceeds KV), and
+// backward passes it on N-1 times again and its fp32 dK/dV accumulator N times (the last hop brings each one
+// home to the keys' rank).
 inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.cp == 1) return 0.0;
     double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.kv_heads(par.tp) * c.head_size());

@@ -408,7 +408,7 @@ struct DataParallel : ParamStore<floatX> {
                 for (const OwnedSegment& s : segs) {
                     if (embedding_copy && m.table[s.tensor].holder == Holder::Embeddings) continue;
                     const floatX* base = reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset);
-                    for (const ShareRange& r : uncounted(s.flat_offset, s.size))
+                    for (const ShareRange& r : counted_here(s.flat_offset, s.size))
                         spans.push_back({base + (r.offset - s.flat_offset), (long)r.count});
                 }
             double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans));
@@ -574,7 +574,7 @@ struct DataParallel : ParamStore<floatX> {
 
     // the parts of this rank's share range [offset, offset + count) that the gradient norm counts here: those
     // no lower tp rank holds too (repeated_ranges)
-    std::vector<ShareRange> uncounted(size_t offset, size_t count) const {
+    std::vector<ShareRange> counted_here(size_t offset, size_t count) const {
         std::vector<ShareRange> kept;
         size_t at = offset, end = offset + count;
         auto it = std::upper_bound(repeated.begin(), repeated.end(), at,
@@ -601,8 +601,9 @@ struct DataParallel : ParamStore<floatX> {
             const TensorSpec& spec = m.table[s.tensor];
             size_t at = packed ? running : s.offset, block = spec.block(m.tp.size()), cols = spec.local_cols(m.tp.size());
             if (spec.sequence_partial && m.tp.spec.sp) partials[0].push_back({at, s.size});
-            for (size_t k = 0; k < s.size / std::max<size_t>(block, 1); k++)
-                for (const TensorSpec::SharedRows& shared : spec.shared_rows(m.tp.size()))
+            std::vector<TensorSpec::SharedRows> shared_rows = spec.shared_rows(m.tp.size());
+            for (size_t k = 0; !shared_rows.empty() && k < s.size / block; k++)  // each layer's (and expert's) block
+                for (const TensorSpec::SharedRows& shared : shared_rows)
                     partials[shared.ranks].push_back({at + k * block + shared.first * cols, shared.rows * cols});
             running += s.size;
         }

@@ -4,9 +4,9 @@
 // heads; tp 4 (with sp, and without it under ZeRO-2), which holds each key/value head on two ranks and sums its
 // gradient over them; pp 2 under 1F1B, ZB-H1 and the interleaved schedule, and pp 2 × dp 2; a Llama whose
 // classifier is tied to wte (Llama 3.2's) under pp 2, where the first and the last stage sum the tied gradient,
-// and under tp 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where an untied lm_head lives (on
-// the last stage alone), and a Llama checkpoint resumed under another layout (tp 4's too, whose replicated
-// key/value heads two optimizer files hold).
+// and under tp 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where
+// an untied lm_head lives (on the last stage alone), and a Llama checkpoint resumed under another layout (tp
+// 4's too, whose replicated key/value heads two optimizer files hold).
 //
 // Under cp 2 (zig-zag and contiguous, and cp 2 × tp 2) RoPE turns each token by its position in the whole
 // sequence, which is not contiguous on a rank, and the ring carries the key/value heads only: the counted cp
