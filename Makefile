@@ -132,7 +132,7 @@ $(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llam
 # installer left them
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
-	    $(LLAMA_REFERENCES) dev/data/node_modules
+	    $(LLAMA_REFERENCES) dev/data/node_modules data/sotu/train.bin
 	bash test/run_tests.sh
 
 train: deps

@@ -418,6 +418,11 @@ static int train(const Options& o, const RunSetup& run) {
     model.moe.ep_rank = grid.at.ep;
     model.moe.alpha = o.moe_aux;
     model.seed = o.seed;
+    if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
+        gpt_allocate_fp8(model);
+        model.fp8.group = &grid.tp_cp();
+        model.fp8_experts.group = &grid.tp_comm;
+    }
     // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
     Comm& grad_comm = grid.dp_cp();
     StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embedding_copy() ? &grid.tied_comm : nullptr};
@@ -532,6 +537,10 @@ static int train(const Options& o, const RunSetup& run) {
                config.moe() ? strfmt(" E=%d K=%d (aux %g, ep %d)", config.num_experts, config.top_k, o.moe_aux, grid.ep).c_str() : "",
                num_parameters(config), model.num_parameters, model.ledger.total() / 1048576.0);
         if (pp.on()) print_stage_layers(config, pp);
+        if (o.fp8)
+            printf("fp8: the matmuls of layers 1 to %d in E4M3 (activations, weights) and E5M2 (gradients), a scale per "
+                   "tensor; layers 0 and %d, attention, the embeddings and the classifier in %s\n", config.num_layers - 2,
+                   config.num_layers - 1, on_gpu ? "bf16" : "fp32");
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
         if (!o.out_dir.empty()) {

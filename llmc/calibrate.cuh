@@ -2,6 +2,8 @@
 // the trainer's own layer entry points on the run's device, so that the step-time model prices a layout with
 // what this build achieves here rather than with data-sheet numbers:
 //   matmul_tflops     matmul_forward, M rows by n by n, at each size n of the base profile's list
+//   fp8_matmul_tflops on a GPU with FP8 tensor cores, cuBLASLt's E4M3 GEMM of the same shapes (the casts that
+//                     precede it in a run are priced as memory passes)
 //   attention_tflops  causal attention forward and backward (B sequences of T tokens, 12 heads of 64)
 //   memory_gbps       a residual sum and AdamW over buffers far larger than the caches
 //   transcendental_gbps  GELU forward and backward, over the same buffers
@@ -17,6 +19,7 @@
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
 #include "llmc/comm.cuh"
+#include "llmc/fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/hardware.h"
 #include "llmc/ledger.h"
@@ -67,6 +70,26 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         long n = (long)size;
         double s = seconds_per_call<floatX>([&] { matmul_forward(out, a, w, nullptr, rows, n, n, workspace); });
         rate = 2.0 * rows * n * n / s / 1e12;
+    }
+    if constexpr (gpu) {
+        h.fp8_matmul_tflops.clear();
+        if (fp8_gpu_problem().empty()) {
+            uint8_t* a8 = led.alloc<floatX, uint8_t>(MEM_SCRATCH, rows * largest);
+            uint8_t* w8 = led.alloc<floatX, uint8_t>(MEM_SCRATCH, largest * largest);
+            float* ones = led.alloc<floatX, float>(MEM_SCRATCH, 2);  // a scale and its inverse, both 1
+            const float one_one[2] = {1.0f, 1.0f};
+            device_upload<floatX>(ones, one_one, 2);
+            fp8_quantize(a8, nullptr, a, rows, largest, 0, ones, Fp8Format::E4M3);
+            fp8_quantize(w8, nullptr, w, largest, largest, 0, ones, Fp8Format::E4M3);
+            for (auto [size, rate] : h.matmul_tflops) {
+                long n = (long)size;
+                double s = seconds_per_call<floatX>([&] {
+                    cublaslt_matmul(out, w8, a8, nullptr, nullptr, true, false, n, rows, n, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                                    main_stream(), GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, ones + 1, ones + 1});
+                });
+                h.fp8_matmul_tflops.push_back({size, 2.0 * rows * n * n / s / 1e12});
+            }
+        }
     }
     // attention: the FLOPs step_time.h counts, 2·B·T·T·C forward and 2.5 times that backward
     {

@@ -23,6 +23,7 @@
 #include "llmc/cp.cuh"
 #include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
+#include "llmc/fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/layernorm.cuh"
@@ -413,6 +414,10 @@ struct GPTModel {
     std::vector<MicroBatchSlot<floatX>> slots;  // one per micro-batch in flight (one without pipelining)
     Scratch<floatX> scratch;
     float* rope = nullptr;  // Llama: RoPE's (cos, sin) per position and frequency (llmc/rope.cuh)
+    // --fp8 (gpt_allocate_fp8): the layers' FP8 casts, their scales shared over the ranks that hold pieces of a
+    // micro-batch's tensors (tp × cp), and the same buffers for the experts, whose scales tp alone shares
+    bool fp8_on = false;
+    Fp8Scaling<floatX> fp8, fp8_experts;
 
     GPTModel() = default;
     GPTModel(const GPTModel&) = delete;
@@ -571,6 +576,50 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
 template <typename floatX>
 inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
     return local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size, m.moe.ep_size);
+}
+
+// The FP8 casts' buffers (llmc/fp8.cuh) for a rank's layer matmuls: inputs up to the widest of ln's C, attention's
+// Cl and the MLP's Hl; outputs up to the widest of qkv's, the projections' C and the MLP's first; the largest
+// weight; on the rows of a micro-batch or, with experts, the most an expert may see; group: the ranks whose
+// amaxes are gathered (tp × cp)
+inline Fp8Sizes fp8_layer_sizes(const LocalDims& d, int group, Device dev) {
+    long rows = std::max(d.BT, d.expert_rows);
+    long in = std::max({(long)d.C, (long)d.Cl, (long)d.Hl}), out = std::max({(long)d.QKVl, (long)d.C, (long)d.FCl});
+    size_t weight = std::max({(size_t)d.QKVl * d.C, (size_t)d.C * d.Cl, (size_t)d.FCl * d.C, (size_t)d.C * d.Hl});
+    return fp8_sizes(rows, in, out, weight, group, dev);
+}
+
+// --fp8 1: the buffers of the FP8 casts, after gpt_allocate; the groups are set with the rest of the comms
+template <typename floatX>
+inline void gpt_allocate_fp8(GPTModel<floatX>& m) {
+    constexpr Device dev = device_of<floatX>;
+    if (m.config.num_layers <= 2)
+        fail("--fp8 1: the first and the last layer stay bf16, so a model of %d layers has none to run in FP8",
+             m.config.num_layers);
+    if (dev == Device::CUDA) fp8_check_gpu();
+    LocalDims d = model_dims(m, m.B, m.T);
+    // cuBLASLt's FP8 kernels want every K, and the leading dimensions, a multiple of 16 (the rows are padded)
+    for (long k : {(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.QKVl, (long)d.FCl})
+        if (dev == Device::CUDA && k % 16 != 0)
+            fail("--fp8 1: the rank's matmul widths (C %d, C/tp %d, hidden %d, qkv %d, MLP in %d) must be multiples of 16",
+                 d.C, d.Cl, d.Hl, d.QKVl, d.FCl);
+    Fp8Sizes z = fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev);
+    using Code = typename Fp8Scaling<floatX>::Code;
+    auto codes = [&](size_t n) { return n ? m.ledger.template alloc<floatX, Code>(MEM_SCRATCH, n) : nullptr; };
+    Fp8Scaling<floatX>& q = m.fp8;
+    q.input = codes(z.input), q.weight = codes(z.weight), q.grad = codes(z.grad), q.grad_t = codes(z.grad_t);
+    q.scales = m.ledger.template alloc<floatX, float>(MEM_SCRATCH, z.floats);
+    q.amaxes = q.scales + 6;
+    m.fp8_experts = q;
+    m.fp8_on = true;
+}
+
+// the FP8 state of model layer `layer`'s matmuls, its experts' with `experts`; null where they stay bf16: every
+// layer without --fp8, and the first and the last layer with it
+template <typename floatX>
+inline const Fp8Scaling<floatX>* fp8_for(const GPTModel<floatX>& m, int layer, bool experts = false) {
+    if (!m.fp8_on || layer == 0 || layer == m.config.num_layers - 1) return nullptr;
+    return experts ? &m.fp8_experts : &m.fp8;
 }
 
 // a layer's router and experts, out of its unit's tensors (null for the biases a model has none of)
@@ -872,17 +921,17 @@ template <typename floatX>
 inline void layer_experts_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                   const ParamViews<floatX>& w, MoERoute& route, int layer) {
     m.moe.forward(la.fcproj, m.scratch.partial, route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2,
-                  expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, m.cp, layer, m.scratch.gemm);
+                  expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, m.cp, layer, m.scratch.gemm, fp8_for(m, layer, true));
 }
 template <typename floatX>
 inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                    const ParamViews<floatX>& w, const ParamViews<floatX>& dw, const MoERoute& route,
-                                   const floatX* dout, float dloss) {
+                                   const floatX* dout, float dloss, int layer) {
     Scratch<floatX>& s = m.scratch;
     recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
     floatX* dhidden = d.FCl != d.Hl ? s.dact : s.dfch;
     m.moe.backward(s.dln, expert_tensors(m, dw), dout, dhidden, s.dfch, route, la.moe_in, la.fch, la.fch_act, la.moe_out,
-                   la.ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm);
+                   la.ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm, fp8_for(m, layer, true));
 }
 
 // GPT-2's layer, forward, in the order of the Playbook's diagrams: layernorm, qkv, attention, the attention
@@ -896,21 +945,22 @@ inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, c
     long BT = d.BT, R = d.R, C = d.C, first = tp.first_row(BT) * C;
     float* ws = m.scratch.gemm;
     floatX* partial = m.scratch.partial;
+    const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     if (!in.prev) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
     else fused_residual_layernorm_forward(in.prev->residual3, la.ln1 + first, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
                                           in.prev->fcproj, w[LN1W], w[LN1B], R, C);
     tp.gather_rows(la.ln1, BT, C);
-    matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, d.QKVl, ws);
+    matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, d.QKVl, ws, fp8);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
-    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws);
+    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws, fp8);
     fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
                                      w[LN2W], w[LN2B], R, C);
     tp.gather_rows(la.ln2, BT, C);
     if (route) {
         layer_experts_forward(m, d, B, la, w, *route, layer);
     } else {
-        matmul_gelu_forward(la.fch_act, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws);
-        tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws);
+        matmul_gelu_forward(la.fch_act, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws, fp8);
+        tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws, fp8);
     }
 }
 
@@ -926,20 +976,21 @@ inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     float* ws = m.scratch.gemm, eps = m.config.norm_eps;
     floatX* partial = m.scratch.partial;
     const floatX* none = nullptr;
+    const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     if (!in.prev) rmsnorm_forward(la.ln1 + first, la.ln1_rstd, in.chunk_input, w[LN1W], R, C, eps);
     else fused_residual_rmsnorm_forward(in.prev->residual3, la.ln1 + first, la.ln1_rstd, in.prev->residual2,
                                         in.prev->fcproj, w[LN1W], R, C, eps);
     tp.gather_rows(la.ln1, BT, C);
-    matmul_forward(la.qkv, la.ln1, w[QKVW], none, BT, C, d.QKVl, ws);
+    matmul_forward(la.qkv, la.ln1, w[QKVW], none, BT, C, d.QKVl, ws, fp8);
     rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
-    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws);
+    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws, fp8);
     fused_residual_rmsnorm_forward(la.residual2, la.ln2 + first, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
     tp.gather_rows(la.ln2, BT, C);
     if (route) return layer_experts_forward(m, d, B, la, w, *route, layer);
-    matmul_forward(la.fch, la.ln2, w[FCW], none, BT, C, d.FCl, ws);
+    matmul_forward(la.fch, la.ln2, w[FCW], none, BT, C, d.FCl, ws, fp8);
     swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
-    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws);
+    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws, fp8);
 }
 
 // Runs chunk `chunk` of the model's part on a micro-batch of B×T tokens (B and T at most what the model was
@@ -1096,7 +1147,7 @@ inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.
 template <typename floatX>
 inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                 const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
-                                MoERoute* route, float dloss) {
+                                MoERoute* route, float dloss, int layer) {
     TensorParallel& tp = m.tp;
     Scratch<floatX>& s = m.scratch;
     long BT = d.BT, R = d.R, C = d.C;
@@ -1105,26 +1156,27 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     bool split = m.split_backward;
     auto now = [&](floatX* grad) { return split ? nullptr : grad; };
     floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
+    const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     recompute_activation(m, la, d, route ? route->rows : BT);
 
     const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (route) {
-        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss);
+        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-        matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
+        matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
         gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
         recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+        matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
     dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
-    matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+    matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
     recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-    matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
+    matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
 }
@@ -1135,7 +1187,7 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
 template <typename floatX>
 inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                  const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
-                                 MoERoute* route, float dloss) {
+                                 MoERoute* route, float dloss, int layer) {
     TensorParallel& tp = m.tp;
     Scratch<floatX>& s = m.scratch;
     long BT = d.BT, R = d.R, C = d.C;
@@ -1145,27 +1197,28 @@ inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B,
     bool split = m.split_backward;
     auto now = [&](floatX* grad) { return split ? nullptr : grad; };
     floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
+    const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     recompute_activation(m, la, d, route ? route->rows : BT);
 
     const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (route) {
-        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss);
+        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-        matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws);
+        matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
         swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
         recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+        matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     rmsnorm_backward(s.dresidual, dw[LN2W], dln_rows, la.residual2, w[LN2W], la.ln2_rstd, R, C);
     dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
-    matmul_backward(s.datty, now(dw[ATTPROJW]), none, dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+    matmul_backward(s.datty, now(dw[ATTPROJW]), none, dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
     rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-    matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
+    matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     rmsnorm_backward(s.dresidual, dw[LN1W], dln_rows, residual, w[LN1W], la.ln1_rstd, R, C);
 }
@@ -1232,8 +1285,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
         MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
-        if (c.llama()) llama_layer_backward(m, d, B, la, residual, w, dw, route, dloss);
-        else gpt2_layer_backward(m, d, B, la, residual, w, dw, route, dloss);
+        int layer_index = part.model_layer(lo + i);
+        if (c.llama()) llama_layer_backward(m, d, B, la, residual, w, dw, route, dloss, layer_index);
+        else gpt2_layer_backward(m, d, B, la, residual, w, dw, route, dloss, layer_index);
         done(unit);
     }
     if (part.starts_model(chunk)) {
@@ -1275,16 +1329,17 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
+        const Fp8Scaling<floatX>* fp8 = fp8_for(m, part.model_layer(lo + i));
+        floatX* none = nullptr;
         if (!m.config.moe()) {
             recompute_activation(m, la, d, BT);
-            matmul_backward((floatX*)nullptr, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_act, w[FCPROJW], BT, d.Hl, C,
-                            ws);
+            matmul_backward(none, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
             recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            matmul_backward((floatX*)nullptr, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.FCl, ws);
+            matmul_backward(none, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
         }
-        matmul_backward((floatX*)nullptr, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws);
+        matmul_backward(none, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
         recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-        matmul_backward((floatX*)nullptr, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws);
+        matmul_backward(none, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
         done(unit);
     }
     if (chunk == 0) done(embedding_unit(Lp));

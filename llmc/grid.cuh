@@ -31,12 +31,15 @@ struct Grid {
     GridCoords at;  // this rank's coordinates
     Comm world_comm, tp_comm, cp_comm, dp_comm, pp_comm, ep_comm;
     Comm dp_cp_comm;  // only with cp > 1: without, dp_cp() is the dp group itself
+    Comm tp_cp_comm;  // only with tp > 1 and cp > 1: without, tp_cp() is the tp or the cp group itself
     Comm tied_comm;   // only with pp > 1, on the first and the last stage: the two that hold the embeddings
     Comm expert_dp_comm;  // only with ep > 1: the ranks that hold the same experts
 
     // the group that reduces gradients and shards the optimizer: dp × cp
     Comm& dp_cp() { return cp > 1 ? dp_cp_comm : dp_comm; }
     int dp_cp_rank() const { return at.cp + cp * at.dp; }
+    // the ranks that hold pieces of the same micro-batch's tensors: tp × cp, tp fastest (FP8's amax group)
+    Comm& tp_cp() { return tp > 1 && cp > 1 ? tp_cp_comm : cp > 1 ? cp_comm : tp_comm; }
     // the group that reduces the expert tensors' gradients: dp × cp itself without expert parallelism
     Comm& expert_replicas() { return ep > 1 ? expert_dp_comm : dp_cp(); }
 };
@@ -100,6 +103,11 @@ inline Grid make_grid(Comm& world, const GridShape& s) {
         GridCoords first = c;
         first.cp = first.dp = 0;
         g.dp_cp_comm = world.split(grid_rank(first, s, g.dp), g.dp_cp_rank(), "dp_cp");
+    }
+    if (s.tp > 1 && s.cp > 1) {
+        GridCoords first = c;
+        first.tp = first.cp = 0;
+        g.tp_cp_comm = world.split(grid_rank(first, s, g.dp), c.tp + s.tp * c.cp, "tp_cp");
     }
     // the tied embeddings' pair: the first and the last stage of a pipeline (the middle stages, each alone,
     // never use theirs)

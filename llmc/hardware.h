@@ -24,6 +24,8 @@ struct HardwareProfile {
     int devices_per_node = 1;     // GPUs per node (cores per node on a CPU, one rank per core)
     double peak_tflops = 0;       // the data sheet's dense peak, for MFU
     std::vector<std::pair<double, double>> matmul_tflops;  // (smallest dimension, achieved TFLOP/s), ascending
+    // the same for FP8 GEMMs (--fp8 1, llmc/fp8.cuh); optional: without it FP8 matmuls are priced as bf16's
+    std::vector<std::pair<double, double>> fp8_matmul_tflops;
     double attention_tflops = 0;  // causal attention, forward and backward, over the FLOPs they do
     double memory_gbps = 0;       // streaming kernels (residual, layernorm, AdamW): bytes read and written per second
     // the kernels that take a tanh or exp per element (GELU, the cross-entropy's softmax): bound by memory on a
@@ -34,9 +36,9 @@ struct HardwareProfile {
     double inter_gbps = 0, inter_latency_us = 0;  // ... across nodes
     double overlap = 1.0;  // the share of overlappable communication the backend hides behind compute
 
-    // achieved matmul TFLOP/s for a GEMM whose smallest dimension is n
-    double matmul_rate(double n) const {
-        const auto& pts = matmul_tflops;
+    // achieved matmul TFLOP/s for a GEMM whose smallest dimension is n, bf16 or FP8
+    double matmul_rate(double n, bool fp8 = false) const {
+        const auto& pts = fp8 && !fp8_matmul_tflops.empty() ? fp8_matmul_tflops : matmul_tflops;
         if (n <= pts.front().first) return pts.front().second;
         if (n >= pts.back().first) return pts.back().second;
         size_t i = 1;
@@ -46,7 +48,8 @@ struct HardwareProfile {
     }
 };
 
-// The keys of a profile file and where each goes; every one is required, matmul_tflops at least once.
+// The keys of a profile file and where each goes; every one is required, matmul_tflops at least once,
+// fp8_matmul_tflops as often as wanted.
 inline HardwareProfile parse_hardware(const std::string& text, const std::string& path) {
     HardwareProfile h;
     std::map<std::string, double*> reals = {
@@ -87,7 +90,8 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
                      s.c_str());
             return v;
         };
-        if (++seen[key] > 1 && key != "matmul_tflops")
+        bool list = key == "matmul_tflops" || key == "fp8_matmul_tflops";
+        if (++seen[key] > 1 && !list)
             fail("%s:%d: %s given twice", path.c_str(), line_no, key.c_str());
         if (key == "name") {
             h.name = value;
@@ -96,12 +100,13 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
             h.device = value;
         } else if (key == "devices_per_node") {
             devices = number(value);
-        } else if (key == "matmul_tflops") {
+        } else if (list) {
             size_t gap = value.find_first_of(" \t");
-            if (gap == std::string::npos) fail("%s:%d: matmul_tflops: expected SIZE TFLOPS", path.c_str(), line_no);
+            if (gap == std::string::npos) fail("%s:%d: %s: expected SIZE TFLOPS", path.c_str(), line_no, key.c_str());
             std::string rest = value.substr(gap);
             rest.erase(0, rest.find_first_not_of(" \t"));
-            h.matmul_tflops.push_back({number(value.substr(0, gap)), number(rest)});
+            auto& points = key == "matmul_tflops" ? h.matmul_tflops : h.fp8_matmul_tflops;
+            points.push_back({number(value.substr(0, gap)), number(rest)});
         } else if (reals.count(key)) {
             *reals[key] = number(value);
         } else {
@@ -114,10 +119,13 @@ inline HardwareProfile parse_hardware(const std::string& text, const std::string
         if (!seen.count(key)) fail("%s: missing '%s'", path.c_str(), key.c_str());
     if (h.matmul_tflops.empty()) fail("%s: missing 'matmul_tflops SIZE TFLOPS'", path.c_str());
     std::sort(h.matmul_tflops.begin(), h.matmul_tflops.end());
+    std::sort(h.fp8_matmul_tflops.begin(), h.fp8_matmul_tflops.end());
     h.devices_per_node = (int)devices;
     if (h.devices_per_node < 1 || devices != h.devices_per_node)
         fail("%s: devices_per_node: expected a whole number of at least 1", path.c_str());
-    for (auto [size, rate] : h.matmul_tflops)
+    std::vector<std::pair<double, double>> points = h.matmul_tflops;
+    points.insert(points.end(), h.fp8_matmul_tflops.begin(), h.fp8_matmul_tflops.end());
+    for (auto [size, rate] : points)
         if (size < 1 || rate <= 0)
             fail("%s: matmul_tflops %g %g: sizes and rates must be positive", path.c_str(), size, rate);
     for (double rate : {h.attention_tflops, h.memory_gbps, h.transcendental_gbps, h.intra_gbps, h.inter_gbps,
@@ -138,6 +146,7 @@ inline std::string format_hardware(const HardwareProfile& h) {
         strfmt("name %s\ndevice %s\nmemory_gib %g\nreserved_mib %g\ndevices_per_node %d\npeak_tflops %g\n",
                h.name.c_str(), h.device.c_str(), h.memory_gib, h.reserved_mib, h.devices_per_node, h.peak_tflops);
     for (auto [size, rate] : h.matmul_tflops) s += strfmt("matmul_tflops %g %.4g\n", size, rate);
+    for (auto [size, rate] : h.fp8_matmul_tflops) s += strfmt("fp8_matmul_tflops %g %.4g\n", size, rate);
     s += strfmt("attention_tflops %.4g\nmemory_gbps %.4g\ntranscendental_gbps %.4g\nlaunch_us %.3g\n",
                 h.attention_tflops, h.memory_gbps, h.transcendental_gbps, h.launch_us);
     s += strfmt("intra_gbps %.4g\nintra_latency_us %.3g\ninter_gbps %.4g\ninter_latency_us %.3g\noverlap %g\n",

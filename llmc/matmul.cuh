@@ -72,9 +72,9 @@ inline void gemm_pack_b(float* dst, MatView b, long k0, int kc, long j0, int nc)
     }
 }
 
-// C[0:rows, 0:cols] (+)= packed A panel · packed B panel; a full MR×NR tile lives in registers
+// C[0:rows, 0:cols] (+)= alpha · packed A panel · packed B panel; a full MR×NR tile lives in registers
 inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* __restrict__ b, float* c,
-                              long ldc, int rows, int cols, bool accumulate) {
+                              long ldc, int rows, int cols, bool accumulate, float alpha) {
     gemm_vec acc0[GEMM_MR], acc1[GEMM_MR];
     for (int i = 0; i < GEMM_MR; i++) acc0[i] = acc1[i] = gemm_vec{};
     for (int k = 0; k < kc; k++) {
@@ -87,6 +87,8 @@ inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* 
             acc1[i] += ai * b1;
         }
     }
+    if (alpha != 1.0f)  // FP8's dequantizing scales (llmc/fp8.cuh); 1 leaves every other product's bits alone
+        for (int i = 0; i < GEMM_MR; i++) acc0[i] *= alpha, acc1[i] *= alpha;
     if (rows == GEMM_MR && cols == GEMM_NR) {
         for (int i = 0; i < GEMM_MR; i++) {
             float* row = c + i * ldc;
@@ -111,9 +113,9 @@ inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* 
     }
 }
 
-// C[M×N] (row-major, leading dimension ldc) = (accumulate ? C : 0) + A[M×K] · B[K×N]
+// C[M×N] (row-major, leading dimension ldc) = (accumulate ? C : 0) + alpha · A[M×K] · B[K×N]
 inline void gemm(long M, long N, long K, MatView a, MatView b, float* c, long ldc, bool accumulate,
-                 float* workspace) {
+                 float* workspace, float alpha = 1.0f) {
     long m_tiles = (M + GEMM_MC - 1) / GEMM_MC, n_tiles = (N + GEMM_NC - 1) / GEMM_NC;
 #pragma omp parallel for schedule(dynamic)
     for (long tile = 0; tile < m_tiles * n_tiles; tile++) {
@@ -130,7 +132,7 @@ inline void gemm(long M, long N, long K, MatView a, MatView b, float* c, long ld
                 for (int p = 0; p < mc; p += GEMM_MR)
                     gemm_micro_kernel(kc, pack_a + (size_t)p * kc, pack_b + (size_t)q * kc,
                                       c + (i0 + p) * ldc + j0 + q, ldc, std::min(GEMM_MR, mc - p),
-                                      std::min(GEMM_NR, nc - q), acc);
+                                      std::min(GEMM_NR, nc - q), acc, alpha);
         }
     }
     if (K == 0 && !accumulate)
@@ -192,16 +194,39 @@ inline int pointer_alignment(const void* p) {
     return align;
 }
 
+// What A and B hold: bf16, or FP8 codes with the device pointers to the factors that turn them back into values
+// (llmc/fp8.cuh); D = alpha·a_scale·b_scale·op(A)·op(B). cuBLASLt's FP8 kernels take only A transposed and B not.
+struct GemmOperands {
+    cudaDataType_t a = CUDA_R_16BF, b = CUDA_R_16BF;
+    const float *a_scale = nullptr, *b_scale = nullptr;
+};
+
 // D[m×n] (column-major, ld m) = op(A)·op(B) + beta·D, op(X) = Xᵀ when trans; leading dimensions follow from
 // the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks.
-inline void cublaslt_matmul(bf16* d, const bf16* a, const bf16* b, const bf16* bias, bf16* aux, bool transa,
+inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* bias, bf16* aux, bool transa,
                             bool transb, long m, long n, long k, float beta, cublasLtEpilogue_t epilogue,
-                            cudaStream_t stream) {
-    // the key holds everything the heuristic sees: the shapes, the epilogue, and the alignment of every pointer
-    // set before it runs (a, b, d, and the epilogue's bias and aux), so no plan is reused on a less-aligned pointer
-    static std::map<std::array<long, 12>, MatmulPlan> plans;
+                            cudaStream_t stream, GemmOperands in = {}) {
+    // the key holds everything the heuristic sees: the shapes, the types, the epilogue, and the alignment of
+    // every pointer set before it runs (a, b, d, and the epilogue's bias and aux), so no plan is reused on a
+    // less-aligned pointer
+    static std::map<std::array<long, 14>, MatmulPlan> plans;
     CublasLtContext& ctx = cublaslt();
-    std::array<long, 12> key{transa,
+    // the pointers the epilogue and the FP8 scales read, set on the plan's descriptor before every call (and
+    // before the heuristic, which may look at them)
+    auto set_pointers = [&](MatmulPlan& p) {
+        if (bias)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+        if (aux)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                        sizeof(aux)));
+        if (in.a_scale)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &in.a_scale,
+                                                        sizeof(in.a_scale)));
+        if (in.b_scale)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in.b_scale,
+                                                        sizeof(in.b_scale)));
+    };
+    std::array<long, 14> key{transa,
                              transb,
                              m,
                              n,
@@ -212,7 +237,9 @@ inline void cublaslt_matmul(bf16* d, const bf16* a, const bf16* b, const bf16* b
                              pointer_alignment(b),
                              pointer_alignment(d),
                              aux ? pointer_alignment(aux) : 0,
-                             bias ? pointer_alignment(bias) : 0};
+                             bias ? pointer_alignment(bias) : 0,
+                             (long)in.a,
+                             (long)in.b};
     auto it = plans.find(key);
     if (it == plans.end()) {
         MatmulPlan p;
@@ -231,8 +258,8 @@ inline void cublaslt_matmul(bf16* d, const bf16* a, const bf16* b, const bf16* b
             cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
                                                         &bf16_type, sizeof(bf16_type)));
         }
-        cublas_check(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, transa ? k : m, transa ? m : k, transa ? k : m));
-        cublas_check(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, transb ? n : k, transb ? k : n, transb ? n : k));
+        cublas_check(cublasLtMatrixLayoutCreate(&p.a, in.a, transa ? k : m, transa ? m : k, transa ? k : m));
+        cublas_check(cublasLtMatrixLayoutCreate(&p.b, in.b, transb ? n : k, transb ? k : n, transb ? n : k));
         cublas_check(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, m, n, m));
 
         cublasLtMatmulPreference_t pref;
@@ -248,27 +275,19 @@ inline void cublaslt_matmul(bf16* d, const bf16* a, const bf16* b, const bf16* b
                                                           sizeof(align_d)));
         cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
                                                           sizeof(align_d)));
-        // the heuristic may look at the pointers' epilogue attributes, so set them before asking
-        if (bias)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-        if (aux)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
-                                                        sizeof(aux)));
+        set_pointers(p);
         cublasLtMatmulHeuristicResult_t result;
         int found = 0;
         cublas_check(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found));
         cublas_check(cublasLtMatmulPreferenceDestroy(pref));
         if (found == 0)
-            fail("cuBLASLt has no algorithm for m=%ld n=%ld k=%ld transa=%d transb=%d epilogue=%d", m, n, k,
-                 (int)transa, (int)transb, (int)epilogue);
+            fail("cuBLASLt has no algorithm for m=%ld n=%ld k=%ld transa=%d transb=%d epilogue=%d types A=%d B=%d", m, n,
+                 k, (int)transa, (int)transb, (int)epilogue, (int)in.a, (int)in.b);
         p.algo = result.algo;
         it = plans.emplace(key, p).first;
     }
     MatmulPlan& p = it->second;
-    if (bias)
-        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    if (aux)
-        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+    set_pointers(p);
     float alpha = 1.0f;
     cublas_check(cublasLtMatmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
                                 ctx.workspace, ctx.workspace_bytes, stream));

@@ -20,7 +20,9 @@
 // keeps the decisions (MoERoute) for backward. Under tensor parallelism each expert is split as the dense
 // MLP is (fc by rows, fc_proj by columns): every tp rank routes the same whole rows the same way, the combined
 // partial outputs are reduced over the group, and fc_proj's bias is added on tp rank 0 alone so that the
-// reduction adds it once.
+// reduction adds it once. Under --fp8 the experts' matmuls are FP8 too (llmc/fp8.cuh), each scaled over its
+// expert's rows on the rank, whose count differs between the ranks of a cp group: their scales are shared
+// over tp alone, so cp and ep runs with experts agree with one rank to FP8's precision rather than exactly.
 #pragma once
 
 #include <algorithm>
@@ -33,6 +35,7 @@
 #include "llmc/gelu.cuh"
 #include "llmc/swiglu.cuh"
 #include "llmc/ledger.h"
+#include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/tp.cuh"
 
@@ -377,7 +380,7 @@ struct MixtureOfExperts {
     // layer is the layer's index in the model (for the load).
     void forward(floatX* out, floatX* partial, MoERoute& r, floatX* inputs, floatX* fch, floatX* fch_act, floatX* outputs,
                  const floatX* ln2, const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp,
-                 ContextParallel<floatX>& cp, int layer, float* ws) {
+                 ContextParallel<floatX>& cp, int layer, float* ws, const Fp8Scaling<floatX>* fp8) {
         long BT = (long)B * Tl;
         router_forward(logits, ln2, w.router, BT, C, E);
         host_logits.resize((size_t)BT * E);
@@ -407,11 +410,11 @@ struct MixtureOfExperts {
             long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
             if (n == 0) continue;
             matmul_forward(fch + first * FCl, inputs + first * C, w.fcw + x * FCl * C, w.fcb ? w.fcb + x * FCl : nullptr, n,
-                           C, (int)FCl, ws);
+                           C, (int)FCl, ws, fp8);
             if (gated) swiglu_forward(fch_act + first * Hl, fch + first * FCl, n, Hl);
             else gelu_forward(fch_act + first * Hl, fch + first * Hl, n * Hl);
             const floatX* bias = tp.spec.rank == 0 && w.fcprojb ? w.fcprojb + (long)x * C : nullptr;
-            matmul_forward(expert_out + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, bias, n, Hl, C, ws);
+            matmul_forward(expert_out + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, bias, n, Hl, C, ws, fp8);
         }
         if (ep_size > 1) {
             gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
@@ -429,7 +432,8 @@ struct MixtureOfExperts {
     void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dhidden, floatX* dfc,
                   const MoERoute& r, const floatX* inputs, const floatX* fch, const floatX* fch_act, const floatX* outputs,
                   const floatX* ln2,
-                  const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp, float dloss, float* ws) {
+                  const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp, float dloss, float* ws,
+                  const Fp8Scaling<floatX>* fp8) {
         long BT = (long)B * Tl;
         const int* rows_of = on_device(row_of, r.row_of);
         // the gates: dgate = dout · y, summed over the tp ranks' partial outputs
@@ -453,11 +457,11 @@ struct MixtureOfExperts {
             long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
             if (n == 0) continue;
             matmul_backward(dhidden, dw.fcprojw + (long)x * C * Hl, dw.fcprojb ? dw.fcprojb + (long)x * C : nullptr,
-                            dexpert + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, n, Hl, C, ws);
+                            dexpert + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, n, Hl, C, ws, fp8);
             if (gated) swiglu_backward(dfc, fch + first * FCl, dhidden, n, Hl);
             else gelu_backward(dfc, fch + first * Hl, dhidden, n * Hl);
             matmul_backward(dexpert + first * C, dw.fcw + x * FCl * C, dw.fcb ? dw.fcb + x * FCl : nullptr, dfc,
-                            inputs + first * C, w.fcw + x * FCl * C, n, C, (int)FCl, ws);
+                            inputs + first * C, w.fcw + x * FCl * C, n, C, (int)FCl, ws, fp8);
         }
         const floatX* dinputs = dexpert;  // dispatch order, once back
         if (ep_size > 1) {

@@ -64,6 +64,7 @@ struct Options {
     std::string trace;                                  // --trace
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r
+    int fp8 = 0;                                        // --fp8
     float bucket_mb = 25.0f;                            // --bucket-mb
     std::string comm;                                   // --comm: "" picks nccl on cuda, mpi on cpu
     std::string comm_init = "mpi";                      // --comm-init
@@ -99,6 +100,9 @@ inline const char* USAGE =
     "  --attention mma|wgmma  the GPU's flash attention: mma.sync (any GPU), or wgmma (Hopper, a build with\n"
     "                    sm_90a)                                                   [mma]\n"
     "  -r 0|1|2          activation recomputation: none, GELU, GELU and layernorm  [0]\n"
+    "  --fp8 0|1         FP8 matmuls in the transformer layers but the first and the last: E4M3\n"
+    "                    activations and weights, E5M2 gradients, a scale per tensor (a GPU of compute\n"
+    "                    capability 8.9+; emulated on the CPU)                     [0]\n"
     "optimization:\n"
     "  -x N              training steps; -1 = one epoch                            [-1]\n"
     "  -l LR             peak learning rate                                        [3e-4]\n"
@@ -259,6 +263,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--moe-aux", real(&o.moe_aux, 0.0f, 100.0f)},
         {"-z", integer(&o.zero, 0, 3)},
         {"-r", integer(&o.recompute, 0, 2)},
+        {"--fp8", integer(&o.fp8, 0, 1)},
         {"--sp", integer(&o.sp, 0, 1)},
         {"--cp-split", choice(&o.cp_split, {"zigzag", "contiguous"})},
         {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb"})},

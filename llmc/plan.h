@@ -39,6 +39,7 @@ struct ParallelPlan {
     int cp = 1;
     PPSpec pp;  // the stages, the schedule, and which stage the plan is for (pp.rank)
     int ep = 1;
+    bool fp8 = false;  // --fp8
     // the ranks that reduce gradients and shard model states together (the expert tensors': expert_ranks())
     int grad_ranks() const { return dp * cp; }
     int expert_ranks() const { return dp / ep * cp; }
@@ -198,6 +199,9 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         kernels += 2 * BT * E + 2 * BT * K + (gpu ? 2 * BT * K + expert_rows : 0);
     }
     p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
+    // --fp8: the cast operands (an input, a weight, an output gradient and, on the GPU, its transpose; one byte a
+    // code, the CPU's decoded floats four) and the scales and amaxes (llmc/fp8.cuh)
+    if (par.fp8) p.bytes[MEM_SCRATCH] += fp8_bytes(fp8_layer_sizes(d, par.tp * par.cp, dev), dev);
     return p;
 }
 

@@ -29,7 +29,7 @@ inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     ParallelPlan p;
     p.dp = dp, p.zero = o.zero, p.bucket_floats = o.bucket_floats();
     p.accumulation = accumulation;
-    p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
+    p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.fp8 = o.fp8 == 1, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
     return p;
 }
 
@@ -115,7 +115,8 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
             : "",
         accumulation, o.recompute);
     if (par.pp.on()) print_stage_layers(config, par.pp);
-    const char* precision = dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu";
+    const char* precision = dev == Device::CUDA ? (o.fp8 ? "bf16 mixed precision with FP8 matmuls on cuda" : "bf16 mixed precision on cuda")
+                                                : (o.fp8 ? "fp32 with FP8 matmuls emulated on cpu" : "fp32 on cpu");
     // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
     for (int stage = 0; stage < o.pp; stage++) {
         par.pp.rank = stage;
@@ -193,6 +194,7 @@ inline std::string layout_flags(const Options& o) {
     if (o.ep > 1) s += strfmt(" --ep %d", o.ep);
     if (o.zero > 0) s += strfmt(" -z %d", o.zero);
     if (o.recompute > 0) s += strfmt(" -r %d", o.recompute);
+    if (o.fp8) s += " --fp8 1";
     return s;
 }
 
@@ -205,13 +207,16 @@ inline std::vector<int> divisors(int n) {
 
 // Every layout of `gpus` devices: tp within a node and dividing the heads, cp splitting the sequence, pp with
 // each schedule (interleaved with 2 and 4 virtual stages), ep dividing dp and the experts, ZeRO 0-3,
-// micro-batches of powers of two and recomputation 0-2; sp with tp. Those the trainer refuses are counted by
+// micro-batches of powers of two, recomputation 0-2, and bf16 or FP8 matmuls; sp with tp. Those the trainer refuses are counted by
 // the flag that refuses them, those that do not fit by how much they lack.
 inline std::vector<SearchCandidate> search_layouts(const Options& base, const GPTConfig& config, Device dev,
                                                    const HardwareProfile& hw, int per_node,
                                                    std::map<std::string, int>& refused, int& too_big) {
     std::vector<SearchCandidate> fitting;
     int gpus = base.search_gpus;
+    // FP8 where the profile prices it (a GPU with FP8 rates) and the model has layers between its first and last
+    std::vector<int> fp8_choices = {0};
+    if (dev == Device::CUDA && !hw.fp8_matmul_tflops.empty() && config.num_layers > 2) fp8_choices.push_back(1);
     too_big = 0;
     for (int tp : divisors(std::min(gpus, per_node)))
         for (int cp = 1; tp * cp <= gpus; cp *= 2)
@@ -224,11 +229,11 @@ inline std::vector<SearchCandidate> search_layouts(const Options& base, const GP
                     for (int ep : config.moe() ? divisors(dp) : std::vector<int>{1})
                         for (int zero = 0; zero <= 3; zero++)
                             for (int B = 1; (long)B * base.T * dp <= base.total_batch; B *= 2)
-                                for (int recompute = 0; recompute <= 2; recompute++) {
+                                for (int recompute = 0; recompute <= 2; recompute++) for (int fp8 : fp8_choices) {
                                     Options o = base;
                                     o.tp = tp, o.sp = tp > 1, o.cp = cp, o.pp = pp, o.pp_schedule = schedule,
                                     o.vpp = vpp;
-                                    o.ep = ep, o.zero = zero, o.B = B, o.recompute = recompute;
+                                    o.ep = ep, o.zero = zero, o.B = B, o.recompute = recompute, o.fp8 = fp8;
                                     CheckedLayout l;
                                     try {
                                         l = check_layout(o, config, gpus);
@@ -278,7 +283,9 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
     printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s%s, -t %d -d %ld, %s\n", o.search_gpus,
            per_node, hw.name.c_str(), hw_path.c_str(), config.num_layers, config.channels, config.num_heads,
            llama_shape(config).c_str(), config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", o.T, o.total_batch,
-           dev == Device::CUDA ? "bf16 mixed precision on cuda" : "fp32 on cpu");
+           dev == Device::CUDA ? (hw.fp8_matmul_tflops.empty() ? "bf16 mixed precision on cuda"
+                                                               : "bf16 mixed precision, with and without FP8 matmuls, on cuda")
+                               : "fp32 on cpu");
     printf("layouts considered: %zu; fit: %zu; do not fit in %.1f GiB: %d; refused by the trainer: %zu\n", considered,
            found.size(), hw.memory_gib, too_big, considered - found.size() - too_big);
     for (auto& [flag, n] : refused) printf("  refused by %s: %d\n", flag.c_str(), n);

@@ -4,9 +4,11 @@
 // Compute. Each matmul costs 2·M·N·K FLOPs at the profile's rate for its smallest dimension; backward does two
 // of the same shapes per forward matmul (the input's gradient and the weight's). Causal attention does
 // 2·B·Tq·T·Cl FLOPs forward (Tq = T/cp local queries against T/2 keys on average, two products) and 2.5 times
-// that backward. The element-wise kernels cost the bytes they read and write at the profile's bandwidth:
-// streaming ones (layernorm, residual, the embeddings, AdamW, the gradient norm) at memory_gbps, those with a
-// tanh or exp per element (GELU, the cross-entropy) at transcendental_gbps; every op a fixed launch cost.
+// that backward. Under --fp8 the matmuls of every layer but the model's first and last run at the profile's FP8
+// rate, after the casts of their operands. The element-wise kernels cost the bytes they read and write at the
+// profile's bandwidth: streaming ones (layernorm, residual, the embeddings, AdamW, the gradient norm, FP8's
+// casts) at memory_gbps, those with a tanh or exp per element (GELU, the cross-entropy) at transcendental_gbps;
+// every op a fixed launch cost.
 //
 // Communication. Each collective costs the bytes one rank sends (the plan's counts: llmc/plan.h) at the bus
 // bandwidth of the link its group crosses, plus a latency per call. Ranks are laid out tp fastest, then cp,
@@ -82,8 +84,8 @@ struct StepModel {
     int B, T, gpus_per_node;
 
     double value_bytes() const { return stored_value_bytes(dev); }
-    double gemm(double M, double N, double K) const {
-        return 2 * M * N * K / (hw.matmul_rate(std::min({M, N, K})) * 1e12) + hw.launch_us * 1e-6;
+    double gemm(double M, double N, double K, bool fp8 = false) const {
+        return 2 * M * N * K / (hw.matmul_rate(std::min({M, N, K}), fp8) * 1e12) + hw.launch_us * 1e-6;
     }
     double memory(double bytes, int ops) const { return bytes / (hw.memory_gbps * 1e9) + ops * hw.launch_us * 1e-6; }
     double transcendental(double bytes, int ops) const {
@@ -106,14 +108,21 @@ struct StepModel {
         ModelTable table = model_table(c);
         const double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E, mlp_rows = rows * experts;
         const double Hl = (double)table[FCPROJW].cols / t;
-        double mm = 0, expert_mm = 0;
+        // Under --fp8 the layers between the model's first and last run them at the FP8 rate, and each GEMM's
+        // operands are cast first (llmc/fp8.cuh): an amax pass and a cast pass over the input and the weight
+        // forward (2X + 1 bytes an element), backward over the output gradient (two copies out: 2X + 2), the
+        // weight and the input again; four ops a cast
+        double mm = 0, mm8 = 0, cast_f = 0, cast_b = 0;
         for (const TensorSpec& w : table) {
             if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0) continue;
-            double out = w.local_rows(par.tp), in = w.local_cols(par.tp);
-            if (w.expert) expert_mm += gemm(rows, out, in);
-            else mm += gemm(BT, out, in);
+            double out = w.local_rows(par.tp), in = w.local_cols(par.tp), M = w.expert ? rows : BT, k = w.expert ? experts : 1;
+            bool router = &w == &table[ROUTERW];  // the router stays in its own precision
+            mm += k * gemm(M, out, in);
+            mm8 += k * gemm(M, out, in, !router);
+            if (router) continue;
+            cast_f += k * memory((2 * X + 1) * (M * in + out * in), 8);
+            cast_b += k * memory((2 * X + 2) * M * out + (2 * X + 1) * (out * in + M * in), 12);
         }
-        mm += experts * expert_mm;
         double attention_flops = 2 * (double)B * (T / par.cp) * T * Cl;
         double attn_f = attention_flops / (hw.attention_tflops * 1e12), attn_b = 2.5 * attn_f;
         // bytes of the element-wise ops: two layernorms (in, out) and two residual sums (two in, one out) on R
@@ -121,13 +130,14 @@ struct StepModel {
         // one out forward, two in and one out backward, once more forward when -r recomputes it)
         double stream = X * 10 * R * C + (c.moe() ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * mlp_rows * Hl;
         bool again_gelu = par.recompute >= 1, again_layernorm = par.recompute >= 2;
-        double layer_f = mm + attn_f + memory(stream, 6) + transcendental(gelu, 1);
-        double layer_b_input = mm + attn_b +
-                               memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
-                               transcendental(1.5 * gelu + (again_gelu ? gelu : 0), 1 + again_gelu);
-        p.forward = layers * layer_f;
-        p.backward = layers * layer_b_input;
-        p.weight_grad = layers * mm;  // the weight gradients' matmuls
+        double other_f = attn_f + memory(stream, 6) + transcendental(gelu, 1);
+        double other_b = attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
+                         transcendental(1.5 * gelu + (again_gelu ? gelu : 0), 1 + again_gelu);
+        // the chunk holding the embeddings holds the model's first layer, the head's its last
+        int fp8_layers = par.fp8 ? std::max(0, layers - (int)embeddings - (int)head) : 0, plain = layers - fp8_layers;
+        p.forward = plain * (mm + other_f) + fp8_layers * (mm8 + cast_f + other_f);
+        p.backward = plain * (mm + other_b) + fp8_layers * (mm8 + cast_b + other_b);
+        p.weight_grad = plain * mm + fp8_layers * mm8;  // the weight gradients' matmuls
         if (embeddings) {  // the first chunk's lookup and its gradient's scatter
             p.forward += memory(X * 3 * R * C, 1);
             p.backward += memory(X * 3 * R * C, 1);

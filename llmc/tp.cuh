@@ -34,6 +34,7 @@
 #include "llmc/comm.cuh"
 #include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
+#include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -341,12 +342,13 @@ struct TensorParallel {
 
     // --- row-parallel layers --------------------------------------------------------------------------------
 
-    // out (this rank's rows) = inp · Wᵀ summed over the group, plus bias; partial is BT×OC scratch
+    // out (this rank's rows) = inp · Wᵀ summed over the group, plus bias; partial is BT×OC scratch; fp8: the
+    // layer's FP8 state (null: bf16)
     template <typename floatX>
     void row_parallel_forward(floatX* out, floatX* partial, const floatX* inp, const floatX* W, const floatX* bias,
-                              long BT, int C, int OC, float* ws) {
-        if (!on()) return matmul_forward(out, inp, W, bias, BT, C, OC, ws);
-        matmul_forward(partial, inp, W, nullptr, BT, C, OC, ws);
+                              long BT, int C, int OC, float* ws, const Fp8Scaling<floatX>* fp8) {
+        if (!on()) return matmul_forward(out, inp, W, bias, BT, C, OC, ws, fp8);
+        matmul_forward(partial, inp, W, (const floatX*)nullptr, BT, C, OC, ws, fp8);
         reduce_rows(partial, out, BT, OC);
         if (bias) add_bias_rows(out, spec.sp ? out : partial, bias, rows(BT), OC);
         else if (!spec.sp) device_copy<floatX>(out, partial, BT * OC);  // no bias (Llama): the sum itself

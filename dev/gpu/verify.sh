@@ -13,8 +13,8 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe llama resume nccl plan bench, in this
-#               order                                                                                  [all]
+#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe llama fp8 resume nccl plan bench, in
+#               this order                                                                             [all]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi; llama: its PyTorch comparison): a test of this script's plumbing on a
 #               machine without a GPU                                                                  [cuda]
@@ -38,6 +38,11 @@
 #   LLAMA_SHAPE the llama phase's Llama 3 file against PyTorch: L:C:NH:KV:H (KV key/value heads, H the MLP's
 #               hidden size; RoPE θ 500000 with Llama 3.1's scaling; the other PT_ values as the pytorch
 #               phase's)                                       [cuda: 4:256:4:2:688; cpu: 2:128:4:2:344]
+#   FP8_RUNS    model:B:T runs of 200 steps with and without --fp8 1, whose losses must agree within FP8_TOL
+#                                                          [d12:16:1024 l16c2048h32g8f8192t1024:4:1024]
+#   FP8_TOL     largest relative difference of a --fp8 1 run's loss from the bf16 run's, any step      [0.02]
+#   FP8_SPEED   model:B:T runs timed with and without --fp8 1 (30 steps, the median of steps 11 to 30)
+#               [d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096]
 #   MPI_TOL     largest relative loss difference of a 2-rank layout from the single-rank run
 #               (bf16 sums in another order; fp32 on the cpu: the equivalence principle's 1e-5)  [cuda 2e-2; cpu 1e-5]
 #   NCCL_TOL    the same for one rank over NCCL (the same arithmetic as without it)                  [0]
@@ -60,7 +65,7 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe llama resume nccl plan bench"
+ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe llama fp8 resume nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
@@ -70,6 +75,9 @@ DATA=${DATA:-data/sotu/train.bin}
 VAL=${VAL:-data/sotu/val.bin}
 PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1}
 PLAN_TOL=${PLAN_TOL:-0.05}
+FP8_RUNS=${FP8_RUNS:-d12:16:1024 l16c2048h32g8f8192t1024:4:1024}
+FP8_TOL=${FP8_TOL:-0.02}
+FP8_SPEED=${FP8_SPEED:-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096}
 STEP_TOL=${STEP_TOL:-0.25}
 NCCL_TOL=${NCCL_TOL:-0}
 BENCH_PHASES=${BENCH_PHASES:-llm5d llmc pytorch profile}
@@ -636,6 +644,49 @@ if has_phase llama; then
         IFS=: read -r L C NH KV H <<<"$LLAMA_SHAPE"
         against_pytorch "Llama 3 L=$L C=$C NH=$NH KV=$KV H=$H B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch" \
             --arch llama3 --layers "$L" --channels "$C" --heads "$NH" --kv-heads "$KV" --hidden "$H" --rope-scaling 8
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------
+# fp8: --fp8 1 on the GPU (llmc/fp8.cuh). Its Catch2 tests: the cast kernels bit for bit against the software
+# cast, each FP8 GEMM (cuBLASLt, E4M3 and E5M2) against the CPU emulation. Then FP8_RUNS: 200 steps with and
+# without --fp8 1 on the SOTU tokens, every step's loss within FP8_TOL; and FP8_SPEED: the median step with and
+# without it, side by side (the figures dev/bench/RESULTS.md records)
+
+# the median of a run's step times, steps 11 on, in ms (its console lines "step N/M | ... | X ms | ...")
+median_step_ms() {
+    run_output | sed -n 's/^step *\([0-9]*\)\/.* | \([0-9.]*\) ms |.*/\1 \2/p' | awk '$1 > 10 { print $2 }' | sort -g |
+        awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
+}
+
+if has_phase fp8; then
+    start_phase fp8
+    if ! needs_gpu "the [cuda][fp8] tests and the FP8 runs" && ! needs_device; then
+        run build/tests "[cuda][fp8]"
+        catch2_last $? 'build/tests "[cuda][fp8]" (cast kernels against the software cast, FP8 GEMMs against the CPU emulation)'
+        for spec in $FP8_RUNS; do
+            IFS=: read -r model B T <<<"$spec"
+            for fp8 in 0 1; do
+                train -e "$model" -b "$B" -t "$T" -x 200 -l 6e-4 -u 20 --fp8 "$fp8" -o "$WORK/fp8/${model}_$fp8"
+                rc=$?
+                (( rc == 0 )) || break
+            done
+            against "$WORK/fp8/${model}_0" "$WORK/fp8/${model}_1" "$model B=$B T=$T, 200 steps, --fp8 1 against bf16" \
+                "$FP8_TOL" $rc
+        done
+        for spec in $FP8_SPEED; do
+            IFS=: read -r model B T <<<"$spec"
+            ms=()
+            for fp8 in 0 1; do
+                train -e "$model" -b "$B" -t "$T" -x 30 --fp8 "$fp8"
+                rc=$?
+                (( rc == 0 )) || break
+                ms+=("$(median_step_ms)")
+            done
+            name="step time $model B=$B T=$T"
+            if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"
+            else result PASS fp8 "$name" "bf16 ${ms[0]} ms, fp8 ${ms[1]} ms, speedup $(awk -v a="${ms[0]}" -v b="${ms[1]}" 'BEGIN { printf "%.2f", a / b }')x"; fi
+        done
     fi
 fi
 

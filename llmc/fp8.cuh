@@ -1,0 +1,347 @@
+// FP8 matmuls (--fp8 1), the Hopper recipe of the Ultra-Scale Playbook and Transformer Engine's current
+// scaling: a linear layer's three GEMMs take 8-bit operands and accumulate in fp32. Activations and weights are
+// E4M3 (3 mantissa bits, up to 448), output gradients E5M2 (2 mantissa bits, up to 57344: gradients need range
+// more than precision). Each operand gets one scale per tensor, from the tensor in hand (current scaling, not
+// the previous steps' history): scale = the format's largest value / the tensor's absolute maximum, so the
+// largest element lands on the format's largest value. The cast saturates and rounds to nearest even; the GEMM
+// multiplies the 8-bit values and undoes both scales in its epilogue (D = a⁻¹·b⁻¹·A·B + bias).
+//
+// What stays bf16 (the model decides, llmc/gpt.cuh): the embeddings, the classifier, attention itself, the
+// bias gradients (column sums of the unquantized output gradient), and the first and last transformer layers,
+// the ones most sensitive to the lost precision. Master weights and optimizer state do not change.
+//
+// The same casts on both devices. On the CPU a cast value is kept as the float its code decodes to (on the
+// FP8 grid, before unscaling), so the fp32 GEMM multiplies exactly the GPU's operands: the emulation is how the
+// recipe's numerics are tested without a GPU, and the software cast below is the reference the GPU's cast
+// kernels are tested against, bit for bit. On the GPU the operands are codes, cast by the kernels below and
+// multiplied by cuBLASLt, whose FP8 kernels want both operands K-major: the cast kernels write the transposed
+// copies the backward GEMMs need (Wᵀ for the input gradient; the output gradient's and the input's transposes,
+// their rows zero-padded to a multiple of 16, for the weight gradient) instead of separate transposing passes.
+//
+// A tensor split over ranks must be cast with the scale of the whole: each rank's amax is gathered over the
+// group that holds the tensor's pieces (tp × cp for the dense layers: Megatron-LM's amax reduction group) and
+// the largest taken, so a layout casts exactly what one rank would.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "llmc/comm.cuh"
+#include "llmc/device.cuh"
+#include "llmc/gelu.cuh"
+#include "llmc/matmul.cuh"
+
+enum class Fp8Format { E4M3, E5M2 };
+
+// a format's mantissa bits, exponent bias and largest finite value
+struct Fp8Grid {
+    int mantissa, bias;
+    float max;
+};
+__host__ __device__ constexpr Fp8Grid fp8_grid(Fp8Format f) {
+    return f == Fp8Format::E4M3 ? Fp8Grid{3, 7, 448.0f} : Fp8Grid{2, 15, 57344.0f};
+}
+inline const char* fp8_name(Fp8Format f) { return f == Fp8Format::E4M3 ? "E4M3" : "E5M2"; }
+
+// ----------------------------------------------------------------------------------------------------------
+// the software cast: float -> code (saturating, round to nearest even, NaN stays NaN) and code -> float
+
+inline uint8_t fp8_encode(float x, Fp8Format f) {
+    Fp8Grid g = fp8_grid(f);
+    uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    if (std::isnan(x)) return sign | (f == Fp8Format::E4M3 ? 0x7F : 0x7E);  // E4M3's one NaN; E5M2's quiet NaN
+    float a = std::fabs(x);
+    int emin = 1 - g.bias;  // the smallest normal exponent; below it the spacing stays that of 2^emin
+    int e;
+    std::frexp(a, &e);  // a = m·2^e with 0.5 <= m < 1
+    e = std::max(e - 1, emin);
+    float spacing = std::ldexp(1.0f, e - g.mantissa);
+    // rintf rounds ties to even; dividing and multiplying by a power of two are exact
+    float r = std::isinf(a) ? INFINITY : std::rint(a / spacing) * spacing;
+    r = std::min(r, g.max);  // saturate (a tie rounding up past max lands on max too)
+    if (r == 0.0f) return sign;
+    std::frexp(r, &e);  // the rounding may have carried into the next binade
+    e -= 1;
+    if (e < emin) return sign | (uint8_t)(r / std::ldexp(1.0f, emin - g.mantissa));  // subnormal: exponent field 0
+    int mantissa = (int)(r / std::ldexp(1.0f, e - g.mantissa)) - (1 << g.mantissa);
+    return sign | (uint8_t)(((e + g.bias) << g.mantissa) | mantissa);
+}
+
+inline float fp8_decode(uint8_t code, Fp8Format f) {
+    Fp8Grid g = fp8_grid(f);
+    int exponent = (code & 0x7F) >> g.mantissa, mantissa = code & ((1 << g.mantissa) - 1);
+    bool negative = code & 0x80;
+    if (f == Fp8Format::E4M3 && exponent == 15 && mantissa == 7) return NAN;
+    if (f == Fp8Format::E5M2 && exponent == 31) return mantissa ? NAN : negative ? -INFINITY : INFINITY;
+    float v = exponent == 0 ? std::ldexp((float)mantissa, 1 - g.bias - g.mantissa)
+                            : std::ldexp((float)((1 << g.mantissa) + mantissa), exponent - g.bias - g.mantissa);
+    return negative ? -v : v;
+}
+
+// x rounded to the format's grid (what the GEMM sees of it, before unscaling)
+inline float fp8_round(float x, Fp8Format f) { return fp8_decode(fp8_encode(x, f), f); }
+
+// The scale of a tensor whose pieces' amaxes are given, and its inverse: the format's max over the amax; 1 for
+// a tensor of zeros; at most FLT_MAX for a tiny one; NaN when an element is not finite, so that the cast carries
+// it on (the step is then skipped, as any other non-finite step) rather than saturating it away
+__host__ __device__ inline void fp8_scale_pair(float* pair, const float* amaxes, int pieces, Fp8Format f) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < pieces; i++) {
+        finite = finite && isfinite(amaxes[i]);
+        amax = fmaxf(amax, amaxes[i]);
+    }
+    float scale = !finite ? NAN : amax > 0.0f ? fminf(fp8_grid(f).max / amax, FLT_MAX) : 1.0f;
+    pair[0] = scale;
+    pair[1] = 1.0f / scale;
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// the casts, per device: the amax of x into *amax, then (once the group's amaxes are in and the scale pair
+// made) x·scale cast into out (rows×cols) and, on the GPU, its transpose into out_t (cols×ld_t, zero past rows)
+
+inline void fp8_amax(float* amax, const float* x, long n) {
+    float m = 0.0f;
+    int bad = 0;
+#pragma omp parallel for reduction(max : m) reduction(| : bad)
+    for (long i = 0; i < n; i++) {
+        bad |= !std::isfinite(x[i]);
+        m = std::max(m, std::fabs(x[i]));
+    }
+    *amax = bad ? NAN : m;
+}
+
+inline void fp8_quantize(float* out, float*, const float* x, long rows, long cols, long, const float* pair, Fp8Format f) {
+    float scale = pair[0];
+#pragma omp parallel for
+    for (long i = 0; i < rows * cols; i++) out[i] = fp8_round(x[i] * scale, f);
+}
+
+inline void fp8_make_scale(float* pair, const float* amaxes, int pieces, Fp8Format f, const float*) {
+    fp8_scale_pair(pair, amaxes, pieces, f);
+}
+
+__device__ inline uint8_t fp8_cast_device(float v, Fp8Format f) {
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// the largest |x| as its bits: for non-negative floats the integer order is the float order, and a NaN's bits
+// exceed infinity's, so a NaN wins and the scale turns NaN
+static __global__ void fp8_amax_kernel(float* amax, const bf16* x, long n) {
+    unsigned int m = 0;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        m = max(m, __float_as_uint(fabsf(__bfloat162float(x[i]))));
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffff, m, offset));
+    if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), m);
+}
+
+inline void fp8_amax(float* amax, const bf16* x, long n) {
+    cuda_check(cudaMemsetAsync(amax, 0, sizeof(float), main_stream()));
+    if (n == 0) return;
+    fp8_amax_kernel<<<std::min(grid_stride_blocks(n), 1024u), 256, 0, main_stream()>>>(amax, x, n);
+    cuda_check(cudaGetLastError());
+}
+
+static __global__ void fp8_scale_kernel(float* pair, const float* amaxes, int pieces, Fp8Format f) {
+    fp8_scale_pair(pair, amaxes, pieces, f);
+}
+inline void fp8_make_scale(float* pair, const float* amaxes, int pieces, Fp8Format f, const bf16*) {
+    fp8_scale_kernel<<<1, 1, 0, main_stream()>>>(pair, amaxes, pieces, f);
+    cuda_check(cudaGetLastError());
+}
+
+// A 32×32 tile per block: each element scaled and cast once, written in place and, through shared memory, to
+// the transposed copy, so both copies cost one read of x. Rows from `rows` to ld_t are the transposed copy's
+// zero padding.
+constexpr int FP8_TILE = 32;
+static __global__ void fp8_quantize_kernel(uint8_t* out, uint8_t* out_t, const bf16* x, long rows, long cols, long ld_t,
+                                           const float* pair, Fp8Format f) {
+    __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 1];
+    float scale = pair[0];
+    long r0 = (long)blockIdx.y * FP8_TILE, c0 = (long)blockIdx.x * FP8_TILE;
+    for (int i = threadIdx.y; i < FP8_TILE; i += blockDim.y) {
+        long r = r0 + i, c = c0 + threadIdx.x;
+        uint8_t q = 0;
+        if (r < rows && c < cols) {
+            q = fp8_cast_device(__bfloat162float(x[r * cols + c]) * scale, f);
+            if (out) out[r * cols + c] = q;
+        }
+        tile[i][threadIdx.x] = q;
+    }
+    if (!out_t) return;
+    __syncthreads();
+    for (int i = threadIdx.y; i < FP8_TILE; i += blockDim.y) {
+        long c = c0 + i, r = r0 + threadIdx.x;
+        if (c < cols && r < ld_t) out_t[c * ld_t + r] = tile[threadIdx.x][i];
+    }
+}
+
+inline void fp8_quantize(uint8_t* out, uint8_t* out_t, const bf16* x, long rows, long cols, long ld_t, const float* pair,
+                         Fp8Format f) {
+    long tile_rows = std::max(rows, out_t ? ld_t : 0L);
+    if (tile_rows == 0 || cols == 0) return;
+    dim3 grid((unsigned)((cols + FP8_TILE - 1) / FP8_TILE), (unsigned)((tile_rows + FP8_TILE - 1) / FP8_TILE));
+    fp8_quantize_kernel<<<grid, dim3(FP8_TILE, 8), 0, main_stream()>>>(out, out_t, x, rows, cols, ld_t, pair, f);
+    cuda_check(cudaGetLastError());
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// a model's FP8 state: where the cast operands go, their scales, and the group whose amaxes they share
+
+// the transposed copies' rows (the weight gradient's K) padded for cuBLASLt's FP8 kernels
+inline long fp8_padded(long rows) { return (rows + 15) / 16 * 16; }
+
+enum Fp8Operand { FP8_INPUT = 0, FP8_WEIGHT = 1, FP8_GRAD = 2 };
+
+template <typename floatX>
+struct Fp8Scaling {
+    // a cast operand: on the CPU the float its code decodes to, on the GPU the code
+    using Code = std::conditional_t<device_of<floatX> == Device::CUDA, uint8_t, float>;
+    Code *input = nullptr, *weight = nullptr, *grad = nullptr, *grad_t = nullptr;  // grad_t: the GPU's only
+    float* scales = nullptr;  // per operand (Fp8Operand) its scale and inverse, on the device of floatX
+    float* amaxes = nullptr;  // the group's amaxes of the operand in hand
+    Comm* group = nullptr;    // the ranks holding pieces of the same tensors (null: this rank alone)
+
+    const float* inverse(Fp8Operand o) const { return scales + 2 * o + 1; }
+    float host_inverse(Fp8Operand o) const {  // the CPU's: its scales live in host memory
+        static_assert(device_of<floatX> == Device::CPU, "the GPU's scales stay on the GPU");
+        return *inverse(o);
+    }
+
+    // x (rows×cols) cast as operand o in format f with a scale shared over the group: into out, and on the GPU
+    // its transpose into out_t (cols×ld_t); either may be null
+    void cast(Code* out, Code* out_t, const floatX* x, long rows, long cols, long ld_t, Fp8Operand o, Fp8Format f) const {
+        int pieces = group ? group->size : 1, mine = group ? group->rank : 0;
+        fp8_amax(amaxes + mine, x, rows * cols);
+        if (pieces > 1) group->wait(group->all_gather(amaxes + mine, amaxes, 1, DType::F32));
+        fp8_make_scale(scales + 2 * o, amaxes, pieces, f, x);
+        fp8_quantize(out, out_t, x, rows, cols, ld_t, scales + 2 * o, f);
+    }
+};
+
+// The buffers' sizes for GEMMs of up to `rows` rows, inputs up to `input_cols` wide, weights of up to
+// `weight_elements` and outputs up to `output_cols` wide: codes (the CPU's floats), and floats for the scales
+// and the group's amaxes
+struct Fp8Sizes {
+    size_t input, weight, grad, grad_t, floats;
+};
+inline Fp8Sizes fp8_sizes(long rows, long input_cols, long output_cols, size_t weight_elements, int group, Device dev) {
+    bool gpu = dev == Device::CUDA;
+    size_t padded = gpu ? fp8_padded(rows) : rows;
+    return {padded * input_cols, weight_elements, (size_t)rows * output_cols, gpu ? (size_t)output_cols * padded : 0,
+            (size_t)6 + group};
+}
+inline size_t fp8_bytes(const Fp8Sizes& s, Device dev) {
+    size_t code = dev == Device::CUDA ? 1 : sizeof(float);
+    return code * (s.input + s.weight + s.grad + s.grad_t) + sizeof(float) * s.floats;
+}
+
+// what stops FP8 on this GPU ("" when nothing does): FP8 tensor cores need compute capability 8.9 or later, and
+// the cast kernels code built for them (a build for older GPUs only would emulate the casts)
+inline std::string fp8_gpu_problem() {
+    int gpu = 0;
+    cudaDeviceProp prop;
+    cuda_check(cudaGetDevice(&gpu));
+    cuda_check(cudaGetDeviceProperties(&prop, gpu));
+    if (prop.major * 10 + prop.minor < 89)
+        return strfmt("needs FP8 tensor cores (compute capability 8.9 or later); %s is %d.%d", prop.name, prop.major,
+                      prop.minor);
+    cudaFuncAttributes attributes;
+    cuda_check(cudaFuncGetAttributes(&attributes, fp8_quantize_kernel));
+    if (attributes.ptxVersion < 89)
+        return strfmt("this build has no code for compute capability 8.9 or later (its kernels are compute_%d); "
+                      "rebuild with CUDA_ARCH=\"-gencode arch=compute_90a,code=sm_90a\"", attributes.ptxVersion);
+    return "";
+}
+inline void fp8_check_gpu() {
+    std::string why = fp8_gpu_problem();
+    if (!why.empty()) fail("--fp8 1: %s", why.c_str());
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// the three GEMMs of a linear layer, as matmul.cuh's entry points take them
+
+// out[N×OC] = inp · Wᵀ + bias; with pre_gelu, pre_gelu takes that and out its GELU
+inline void fp8_matmul_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias, long N,
+                               long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
+    q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
+    q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+    float* target = pre_gelu ? pre_gelu : out;
+    if (bias) {
+#pragma omp parallel for
+        for (long n = 0; n < N; n++) memcpy(target + n * OC, bias, OC * sizeof(float));
+    }
+    float alpha = q.host_inverse(FP8_INPUT) * q.host_inverse(FP8_WEIGHT);
+    gemm(N, OC, C, MatView{q.input, C, 1}, MatView{q.weight, 1, C}, target, OC, bias != nullptr, workspace, alpha);
+    if (pre_gelu) gelu_forward(out, pre_gelu, N * OC);
+}
+inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias, long N,
+                               long C, long OC, float*, const Fp8Scaling<bf16>& q) {
+    q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
+    q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+    cublasLtEpilogue_t epilogue = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                                           : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+    // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N), both K-major as they are; GELU's input goes to aux
+    cublaslt_matmul(out, q.weight, q.input, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue,
+                    main_stream(), GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, q.inverse(FP8_WEIGHT), q.inverse(FP8_INPUT)});
+}
+
+// dinp[N×C] = dout · W (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout, from
+// dout itself (any of the three may be null)
+inline void fp8_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                const float* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
+    q.cast(q.grad, nullptr, dout, N, OC, 0, FP8_GRAD, Fp8Format::E5M2);
+    if (dinp) {
+        q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+        gemm(N, C, OC, MatView{q.grad, OC, 1}, MatView{q.weight, C, 1}, dinp, C, false, workspace,
+             q.host_inverse(FP8_GRAD) * q.host_inverse(FP8_WEIGHT));
+    }
+    if (dweight) {
+        q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
+        gemm(OC, C, N, MatView{q.grad, 1, OC}, MatView{q.input, C, 1}, dweight, C, true, workspace,
+             q.host_inverse(FP8_GRAD) * q.host_inverse(FP8_INPUT));
+    }
+    if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
+}
+inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
+                                const bf16* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<bf16>& q) {
+    long padded = fp8_padded(N);
+    q.cast(q.grad, dweight ? q.grad_t : nullptr, dout, N, OC, padded, FP8_GRAD, Fp8Format::E5M2);
+    if (dinp) {  // dinpᵀ[C×N] = (Wᵀ as OC×C)ᵀ · (dout as OC×N)
+        q.cast(nullptr, q.weight, weight, OC, C, OC, FP8_WEIGHT, Fp8Format::E4M3);
+        cublaslt_matmul(dinp, q.weight, q.grad, nullptr, nullptr, true, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                        main_stream(), GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, q.inverse(FP8_WEIGHT), q.inverse(FP8_GRAD)});
+    }
+    if (dweight) {  // dWᵀ[C×OC] += (inpᵀ as N×C)ᵀ · (doutᵀ as N×OC), over the padded rows
+        q.cast(nullptr, q.input, inp, N, C, padded, FP8_INPUT, Fp8Format::E4M3);
+        cublaslt_matmul(dweight, q.input, q.grad_t, nullptr, nullptr, true, false, C, OC, padded, 1.0f,
+                        CUBLASLT_EPILOGUE_DEFAULT, main_stream(),
+                        GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, q.inverse(FP8_INPUT), q.inverse(FP8_GRAD)});
+    }
+    if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
+}
+
+// The model's entry points with one more argument: the layer's FP8 state, or null for bf16 (the layers that
+// stay bf16, and every layer without --fp8)
+template <typename floatX>
+inline void matmul_forward(floatX* out, const floatX* inp, const floatX* weight, const floatX* bias, long N, long C,
+                           long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+    if (fp8) fp8_matmul_forward(out, (floatX*)nullptr, inp, weight, bias, N, C, OC, workspace, *fp8);
+    else matmul_forward(out, inp, weight, bias, N, C, OC, workspace);
+}
+template <typename floatX>
+inline void matmul_gelu_forward(floatX* out, floatX* pre_gelu, const floatX* inp, const floatX* weight, const floatX* bias,
+                                long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+    if (fp8) fp8_matmul_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace, *fp8);
+    else matmul_gelu_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace);
+}
+template <typename floatX>
+inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
+                            const floatX* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+    if (fp8) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
+    else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
+}
