@@ -119,6 +119,33 @@ TEST_CASE("predict_step under tp 2 with sp and dp 2 equals a count by hand", "[p
     CHECK(apart.dp == Approx(2 * dp).epsilon(1e-12));
 }
 
+TEST_CASE("predict_step with --fp8 1: the layers between the first and the last at the FP8 rate, plus their casts, "
+          "by hand", "[planner][fp8]") {
+    GPTConfig c = parse_model_descriptor("d4c64h2t16v128");  // MODEL with 4 layers: layers 1 and 2 in FP8
+    HardwareProfile hw = round_profile();
+    hw.fp8_matmul_tflops = {{1, 5.0}};  // 5 TFLOP/s at every size, against bf16's 2
+    ParallelPlan plain, fp8;
+    fp8.fp8 = true;
+    double BT = B * T, mm = 0, mm8 = 0, casts = 0;
+    // the four linear layers (out, in): qkv, the attention projection, fc, fc_proj; each cast reads X bytes
+    // twice (the amax, then the cast) and writes one byte, the output gradient's cast two copies
+    for (auto [out, in] : {std::pair<double, double>{3 * C, C}, {C, C}, {4 * C, C}, {C, 4 * C}}) {
+        mm += 2 * BT * out * in / 2e12, mm8 += 2 * BT * out * in / 5e12;
+        casts += ((2 * X + 1) * (BT * in + out * in) + (2 * X + 2) * BT * out + (2 * X + 1) * (out * in + BT * in)) / 10e9;
+    }
+    // forward, the input gradient and the weight gradient: three GEMMs of each shape in each of the 2 layers
+    double saved = 2 * (3 * (mm - mm8) - casts);
+    StepTime a = predict_step(c, (int)B, (int)T, plain, Device::CPU, hw, 8), b = predict_step(c, (int)B, (int)T, fp8, Device::CPU, hw, 8);
+    CHECK(a.seconds - b.seconds == Approx(saved).epsilon(1e-9));
+    // without FP8 rates in the profile, FP8 GEMMs cost what bf16's do, and only the casts are added
+    StepTime priced_as_bf16 = predict_step(c, (int)B, (int)T, fp8, Device::CPU, round_profile(), 8);
+    CHECK(priced_as_bf16.seconds - a.seconds == Approx(2 * casts).epsilon(1e-9));
+    // a model of 2 layers has none in FP8
+    GPTConfig two = parse_model_descriptor(MODEL);
+    CHECK(predict_step(two, (int)B, (int)T, fp8, Device::CPU, hw, 8).seconds ==
+          predict_step(two, (int)B, (int)T, plain, Device::CPU, hw, 8).seconds);
+}
+
 TEST_CASE("a pipeline's predicted step is the simulated schedule's makespan plus the update", "[planner]") {
     // with pp the stages' timeline comes from the schedule: AFAB and 1F1B take equally long with the same
     // costs, and more micro-batches shrink the bubble's share
@@ -194,7 +221,10 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
         HardwareProfile again = parse_hardware(format_hardware(h), "formatted");
         CHECK(again.memory_gbps == Approx(h.memory_gbps).epsilon(1e-3));
         CHECK(again.matmul_tflops.size() == h.matmul_tflops.size());
+        CHECK(again.fp8_matmul_tflops.size() == h.fp8_matmul_tflops.size());
     }
+    CHECK(load_hardware("dev/hardware/h100.txt").fp8_matmul_tflops.size() == 4);  // Hopper has FP8
+    CHECK(load_hardware("dev/hardware/a100.txt").fp8_matmul_tflops.empty());      // Ampere has none
     HardwareProfile h = parse_hardware(round_profile_file(2), "round.txt");
     CHECK(h.memory_gib == 2.0);
     CHECK(h.matmul_rate(4096) == 2.0);
@@ -205,6 +235,10 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     CHECK(two.matmul_rate(16384) == 4.0);        // above the largest: its rate
     CHECK(two.matmul_rate(128) == Approx(3.0));  // log-linear between 64 and 256
     CHECK(two.matmul_rate(100) < two.matmul_rate(128));
+    CHECK(two.matmul_rate(128, true) == two.matmul_rate(128));  // no FP8 rates: FP8 at bf16's
+    HardwareProfile fp8 = parse_hardware(two_sizes + "fp8_matmul_tflops 64 5\nfp8_matmul_tflops 256 9\n", "fp8.txt");
+    CHECK(fp8.matmul_rate(128, true) == Approx(7.0));
+    CHECK(fp8.matmul_rate(128) == Approx(2.0));
     auto refused = [](const std::string& text, const std::string& words) {
         try {
             parse_hardware(text, "bad.txt");
