@@ -369,14 +369,16 @@ std::map<std::string, double> early_figures(const std::string& dir, int last) {
 // whole tensor's differs by 1e-5 to 3e-5 from step 0 on (tp 2 and cp 2, tried). tp 4 over 2 key/value heads is
 // not among the layouts: each replica of a head casts its partial gradient, where one rank casts their sum.
 TEST_CASE("--fp8 1 under dp 2, tp 2 (with and without sp), cp 2 x tp 2 and pp 2 (zero bubble) gives the single-rank "
-          "--fp8 1 run's first losses and gradient norms; GPT-2 under tp 2 and cp 2", "[fp8][parallel]") {
+          "--fp8 1 run's first losses and gradient norms; GPT-2 under tp 2 and cp 2; a Llama with experts under tp 2",
+          "[fp8][parallel]") {
     Data data;
     TempDir out;
     const char* LLAMA = "l4c32h4g2f80t32v301";
     const char* GPT2 = "d3c32h4t32v301";
+    const char* MOE = "l4c32h4g2f80t32v301e4k2";  // SwiGLU experts, whose scales tp shares
     const int STEPS = 2;
     std::map<std::string, std::map<std::string, double>> reference;
-    for (const char* model : {LLAMA, GPT2}) {
+    for (const char* model : {LLAMA, GPT2, MOE}) {
         REQUIRE(single_ok(data.flags(2, 128, STEPS, model) + " --fp8 1", out / model));
         reference[model] = early_figures(out / model, STEPS - 1);
     }
@@ -388,7 +390,8 @@ TEST_CASE("--fp8 1 under dp 2, tp 2 (with and without sp), cp 2 x tp 2 and pp 2 
     for (Layout l : {Layout{"dp2", LLAMA, 2, 2, " -z 1"}, Layout{"tp2_sp", LLAMA, 2, 2, " --tp 2 --sp 1"},
                      Layout{"tp2", LLAMA, 2, 2, " --tp 2 --sp 0"},
                      Layout{"cp2_tp2", LLAMA, 4, 2, " --cp 2 --tp 2 --sp 1"}, Layout{"pp2_zb", LLAMA, 2, 2, " --pp 2 --pp-schedule zb"},
-                     Layout{"gpt2_tp2", GPT2, 2, 2, " --tp 2"}, Layout{"gpt2_cp2", GPT2, 2, 2, " --cp 2"}}) {
+                     Layout{"gpt2_tp2", GPT2, 2, 2, " --tp 2"}, Layout{"gpt2_cp2", GPT2, 2, 2, " --cp 2"},
+                     Layout{"moe_tp2", MOE, 2, 2, " --tp 2"}}) {
         INFO(l.name);
         std::string dir = out / l.name;
         if (!train_ok(l.ranks, data.flags(l.b, 128, STEPS, l.model) + " --fp8 1" + l.flags, dir)) continue;
