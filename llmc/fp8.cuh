@@ -10,10 +10,11 @@
 // bias gradients (column sums of the unquantized output gradient), and the first and last transformer layers,
 // the ones most sensitive to the lost precision. Master weights and optimizer state do not change.
 //
-// The same casts on both devices. On the CPU a cast value is kept as the float its code decodes to (on the
-// FP8 grid, before unscaling), so the fp32 GEMM multiplies exactly the GPU's operands: the emulation is how the
-// recipe's numerics are tested without a GPU, and the software cast below is the reference the GPU's cast
-// kernels are tested against, bit for bit. On the GPU the operands are codes, cast by the kernels below and
+// The same casts on both devices. On the CPU a cast value is kept as its code's value times the inverse scale,
+// and the fp32 GEMM of matmul.cuh multiplies those: the GPU's operands, unscaled before the products rather
+// than after the sum (the same to fp32 rounding). The emulation is how the recipe's numerics are tested
+// without a GPU, and the software cast below is the reference the GPU's cast kernels are tested against, bit
+// for bit. On the GPU the operands are codes, cast by the kernels below and
 // multiplied by cuBLASLt, whose FP8 kernels want both operands K-major: the cast kernels write the transposed
 // copies the backward GEMMs need (Wᵀ for the input gradient; the output gradient's and the input's transposes,
 // their rows zero-padded to a multiple of 16, for the weight gradient) instead of separate transposing passes.
@@ -115,10 +116,11 @@ inline void fp8_amax(float* amax, const float* x, long n) {
     *amax = bad ? NAN : m;
 }
 
+// the CPU keeps what the GPU's GEMM makes of a code: its value times the inverse scale
 inline void fp8_quantize(float* out, float*, const float* x, long rows, long cols, long, const float* pair, Fp8Format f) {
-    float scale = pair[0];
+    float scale = pair[0], inverse = pair[1];
 #pragma omp parallel for
-    for (long i = 0; i < rows * cols; i++) out[i] = fp8_round(x[i] * scale, f);
+    for (long i = 0; i < rows * cols; i++) out[i] = fp8_round(x[i] * scale, f) * inverse;
 }
 
 inline void fp8_make_scale(float* pair, const float* amaxes, int pieces, Fp8Format f, const float*) {
@@ -199,7 +201,7 @@ enum Fp8Operand { FP8_INPUT = 0, FP8_WEIGHT = 1, FP8_GRAD = 2 };
 
 template <typename floatX>
 struct Fp8Scaling {
-    // a cast operand: on the CPU the float its code decodes to, on the GPU the code
+    // a cast operand: on the GPU the code, on the CPU the value the GPU's GEMM makes of it (llmc/fp8.cuh's top)
     using Code = std::conditional_t<device_of<floatX> == Device::CUDA, uint8_t, float>;
     Code *input = nullptr, *weight = nullptr, *grad = nullptr, *grad_t = nullptr;  // grad_t: the GPU's only
     float* scales = nullptr;  // per operand (Fp8Operand) its scale and inverse, on the device of floatX
@@ -207,10 +209,6 @@ struct Fp8Scaling {
     Comm* group = nullptr;    // the ranks holding pieces of the same tensors (null: this rank alone)
 
     const float* inverse(Fp8Operand o) const { return scales + 2 * o + 1; }
-    float host_inverse(Fp8Operand o) const {  // the CPU's: its scales live in host memory
-        static_assert(device_of<floatX> == Device::CPU, "the GPU's scales stay on the GPU");
-        return *inverse(o);
-    }
 
     // x (rows×cols) cast as operand o in format f with a scale shared over the group: into out, and on the GPU
     // its transpose into out_t (cols×ld_t); either may be null
@@ -263,48 +261,33 @@ inline void fp8_check_gpu() {
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// the three GEMMs of a linear layer, as matmul.cuh's entry points take them
+// the three GEMMs of a linear layer, as matmul.cuh's entry points take them. The CPU's run through those entry
+// points on the cast values; the GPU's through cuBLASLt's FP8 kernels.
 
 // out[N×OC] = inp · Wᵀ + bias; with pre_gelu, pre_gelu takes that and out its GELU
 inline void fp8_matmul_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias, long N,
                                long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
     q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
     q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
-    float* target = pre_gelu ? pre_gelu : out;
-    if (bias) {
-#pragma omp parallel for
-        for (long n = 0; n < N; n++) memcpy(target + n * OC, bias, OC * sizeof(float));
-    }
-    float alpha = q.host_inverse(FP8_INPUT) * q.host_inverse(FP8_WEIGHT);
-    gemm(N, OC, C, MatView{q.input, C, 1}, MatView{q.weight, 1, C}, target, OC, bias != nullptr, workspace, alpha);
-    if (pre_gelu) gelu_forward(out, pre_gelu, N * OC);
+    if (pre_gelu) matmul_gelu_forward(out, pre_gelu, q.input, q.weight, bias, N, C, OC, workspace);
+    else matmul_forward(out, q.input, q.weight, bias, N, C, OC, workspace);
 }
 inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias, long N,
                                long C, long OC, float*, const Fp8Scaling<bf16>& q) {
     q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
     q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
-    cublasLtEpilogue_t epilogue = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
-                                           : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
-    // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N), both K-major as they are; GELU's input goes to aux
-    cublaslt_matmul(out, q.weight, q.input, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue,
-                    main_stream(), GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, q.inverse(FP8_WEIGHT), q.inverse(FP8_INPUT)});
+    matmul_forward_cuda(out, q.input, q.weight, bias, N, C, OC, pre_gelu, main_stream(),
+                        GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, q.inverse(FP8_WEIGHT), q.inverse(FP8_INPUT)});
 }
 
 // dinp[N×C] = dout · W (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout, from
-// dout itself (any of the three may be null)
+// dout itself, not its cast (any of the three may be null)
 inline void fp8_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                 const float* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
     q.cast(q.grad, nullptr, dout, N, OC, 0, FP8_GRAD, Fp8Format::E5M2);
-    if (dinp) {
-        q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
-        gemm(N, C, OC, MatView{q.grad, OC, 1}, MatView{q.weight, C, 1}, dinp, C, false, workspace,
-             q.host_inverse(FP8_GRAD) * q.host_inverse(FP8_WEIGHT));
-    }
-    if (dweight) {
-        q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
-        gemm(OC, C, N, MatView{q.grad, 1, OC}, MatView{q.input, C, 1}, dweight, C, true, workspace,
-             q.host_inverse(FP8_GRAD) * q.host_inverse(FP8_INPUT));
-    }
+    if (dinp) q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+    if (dweight) q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
+    matmul_backward(dinp, dweight, nullptr, q.grad, q.input, q.weight, N, C, OC, workspace);
     if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,

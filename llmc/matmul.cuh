@@ -72,9 +72,9 @@ inline void gemm_pack_b(float* dst, MatView b, long k0, int kc, long j0, int nc)
     }
 }
 
-// C[0:rows, 0:cols] (+)= alpha · packed A panel · packed B panel; a full MR×NR tile lives in registers
+// C[0:rows, 0:cols] (+)= packed A panel · packed B panel; a full MR×NR tile lives in registers
 inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* __restrict__ b, float* c,
-                              long ldc, int rows, int cols, bool accumulate, float alpha) {
+                              long ldc, int rows, int cols, bool accumulate) {
     gemm_vec acc0[GEMM_MR], acc1[GEMM_MR];
     for (int i = 0; i < GEMM_MR; i++) acc0[i] = acc1[i] = gemm_vec{};
     for (int k = 0; k < kc; k++) {
@@ -87,8 +87,6 @@ inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* 
             acc1[i] += ai * b1;
         }
     }
-    if (alpha != 1.0f)  // FP8's dequantizing scales (llmc/fp8.cuh); 1 leaves every other product's bits alone
-        for (int i = 0; i < GEMM_MR; i++) acc0[i] *= alpha, acc1[i] *= alpha;
     if (rows == GEMM_MR && cols == GEMM_NR) {
         for (int i = 0; i < GEMM_MR; i++) {
             float* row = c + i * ldc;
@@ -113,9 +111,9 @@ inline void gemm_micro_kernel(int kc, const float* __restrict__ a, const float* 
     }
 }
 
-// C[M×N] (row-major, leading dimension ldc) = (accumulate ? C : 0) + alpha · A[M×K] · B[K×N]
+// C[M×N] (row-major, leading dimension ldc) = (accumulate ? C : 0) + A[M×K] · B[K×N]
 inline void gemm(long M, long N, long K, MatView a, MatView b, float* c, long ldc, bool accumulate,
-                 float* workspace, float alpha = 1.0f) {
+                 float* workspace) {
     long m_tiles = (M + GEMM_MC - 1) / GEMM_MC, n_tiles = (N + GEMM_NC - 1) / GEMM_NC;
 #pragma omp parallel for schedule(dynamic)
     for (long tile = 0; tile < m_tiles * n_tiles; tile++) {
@@ -132,7 +130,7 @@ inline void gemm(long M, long N, long K, MatView a, MatView b, float* c, long ld
                 for (int p = 0; p < mc; p += GEMM_MR)
                     gemm_micro_kernel(kc, pack_a + (size_t)p * kc, pack_b + (size_t)q * kc,
                                       c + (i0 + p) * ldc + j0 + q, ldc, std::min(GEMM_MR, mc - p),
-                                      std::min(GEMM_NR, nc - q), acc, alpha);
+                                      std::min(GEMM_NR, nc - q), acc);
         }
     }
     if (K == 0 && !accumulate)
@@ -294,13 +292,14 @@ inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
 }
 
 // out[N×OC] = inp[N×C] · weight[OC×C]ᵀ + bias[OC] (bias may be null). When pre_gelu is not null the GELU is
-// fused: pre_gelu receives inp·Wᵀ + bias and out its GELU (cuBLASLt's tanh approximation, as GPT-2's).
-inline void matmul_forward_cuda(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C,
-                                long OC, bf16* pre_gelu, cudaStream_t stream) {
+// fused: pre_gelu receives inp·Wᵀ + bias and out its GELU (cuBLASLt's tanh approximation, as GPT-2's). inp and
+// weight are bf16, or FP8 codes as `in` says (the weight is cuBLASLt's A, the input its B).
+inline void matmul_forward_cuda(bf16* out, const void* inp, const void* weight, const bf16* bias, long N, long C,
+                                long OC, bf16* pre_gelu, cudaStream_t stream, GemmOperands in = {}) {
     cublasLtEpilogue_t epilogue = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
                                            : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
     // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N)
-    cublaslt_matmul(out, weight, inp, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue, stream);
+    cublaslt_matmul(out, weight, inp, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue, stream, in);
 }
 
 // The bias gradient is a column sum of dout: memory-bound (N·OC bf16 read once), and it must accumulate (+=)
