@@ -3,7 +3,7 @@
 // build the model (fresh, from an llm.c file, or from the newest checkpoint) with its data-parallel runtime,
 // open this rank's slice of the data, then loop: checkpoint, validate, sample, and take one optimizer step
 // over a global batch of micro-batches (skipped when its loss or gradient norm is not finite), until the last
-// step, too many bad steps in a row, or a SIGTERM or SIGINT to any rank.
+// step, too many bad steps in a row, or a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) to any rank.
 #include <cuda_runtime.h>
 #include <omp.h>
 #include <time.h>
@@ -30,7 +30,7 @@
 // exit codes besides 0 (done) and 1 (a refused input or an error; 3 is a comm timeout, llmc/comm.cuh): README's
 // "Failures and recovery" lists them all, for the scripts that restart runs
 constexpr int EXIT_NON_FINITE = 4;  // --max-bad-steps steps in a row were skipped, or the state was not finite
-constexpr int EXIT_STOPPED = 5;     // SIGTERM or SIGINT: stopped after a step, with a checkpoint when -o is given
+constexpr int EXIT_STOPPED = 5;     // a stop signal: stopped after a step, with a checkpoint when -o is given
 
 // what the newest checkpoint in out_dir is, for the line that says why a run stopped
 static std::string newest_checkpoint(const std::string& out_dir) {
@@ -278,18 +278,28 @@ static int convert_model(const Options& o) {
     std::string what = step >= 0 ? strfmt("the model of %s (step %d, %zu parameters)", src.c_str(), step, params.size())
                                  : strfmt("%s %s (%zu parameters)", hf ? "Hugging Face directory" : "model file",
                                           src.c_str(), params.size());
+    // both formats are written to TO.tmp and renamed: a write that fails (a full disk) leaves neither behind
+    std::string tmp = o.convert_to + ".tmp";
+    int files = 0;
+    try {
+        if (o.convert_format == "hf") {
+            files = hf_save(config, params.data(), o.convert_to, o.convert_dtype);
+        } else {
+            version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
+            gpt_save_params(config, params.data(), tmp, version);
+            if (rename(tmp.c_str(), o.convert_to.c_str()) != 0)
+                fail("--to %s: cannot rename %s into place (%s)", o.convert_to.c_str(), tmp.c_str(), strerror(errno));
+        }
+    } catch (const Error&) {
+        remove_tree(tmp);
+        throw;
+    }
     if (o.convert_format == "hf") {
-        int files = hf_save(config, params.data(), o.convert_to, o.convert_dtype);
         printf("wrote %s: %s as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(), what.c_str(),
                config.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel",
                o.convert_dtype == "bf16" ? "bfloat16" : "float32", files, files == 1 ? "" : "s");
         return 0;
     }
-    version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
-    std::string tmp = o.convert_to + ".tmp";
-    gpt_save_params(config, params.data(), tmp, version);
-    if (rename(tmp.c_str(), o.convert_to.c_str()) != 0)
-        fail("--to %s: cannot rename %s into place (%s)", o.convert_to.c_str(), tmp.c_str(), strerror(errno));
     printf("wrote %s: %s as an llm.c %s file (version %d)\n", o.convert_to.c_str(), what.c_str(),
            o.convert_dtype.c_str(), version);
     return 0;
@@ -388,6 +398,7 @@ static int train(const Options& o, const RunSetup& run) {
     CommSettings cs = comm_settings(o, device_of<floatX>);
     Comm world_comm = comm_world(cs);
     if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
+    install_stop_handlers();  // from here on a signal stops the run between steps (llmc/run_guard.h)
     Grid grid = make_grid(world_comm, grid_shape(o));
     const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
     RunLayout layout = run_layout(o, grid.world, grid.dp, total_batch, bucket_floats, device_of<floatX>);
@@ -515,8 +526,7 @@ static int train(const Options& o, const RunSetup& run) {
     schedule.total_steps = steps;
     Logger log;
     int bad_steps = 0;      // steps skipped in a row for a non-finite loss or gradient norm
-    bool stopping = false;  // some rank was sent SIGTERM or SIGINT: checkpoint, then end
-    install_stop_handlers();
+    bool stopping = stop_requested(grid.world_comm);  // some rank was signalled to stop: checkpoint, then end
     if (lead) {
         printf("%s\n", device.c_str());
         if (grid.world > 1)
@@ -638,7 +648,10 @@ static int train(const Options& o, const RunSetup& run) {
             }
         }
         if (stopping) {
-            if (lead)
+            if (lead && step == state.step)
+                fprintf(stderr, "train_gpt: stopped before step %d on %s; no step taken, nothing written\n", step + 1,
+                        stop_reason());
+            else if (lead)
                 fprintf(stderr, "train_gpt: stopped after step %d on %s; %s\n", step, stop_reason(),
                         o.out_dir.empty() ? "no checkpoint (no -o)"
                                           : ("checkpoint " + o.out_dir + "/" + checkpoint_name(step) +

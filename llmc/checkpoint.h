@@ -600,7 +600,8 @@ struct ListedFile {
 };
 
 // Fails with one line naming the file and the reason unless the manifest of out_dir/ckpt_STEP matches its own
-// checksum and records the run's inputs, every file it lists exists, and the directory name, the manifest, the
+// checksum and records the run's inputs, it lists exactly the files its layout implies, every one exists, and
+// the directory name, the manifest, the
 // state and the optimizer files agree on the step (the optimizer files on AdamW's, which trails the step by the
 // updates skipped as non-finite). Reads the manifest and the files' headers only; returns the files it lists,
 // whose contents verify_files checks.
@@ -635,12 +636,22 @@ inline std::vector<ListedFile> verify_manifest(const std::string& out_dir, int s
         unsigned long long want;
         if (sscanf(at, "\nchecksum %255s fnv1a64=%llx", name, &want) != 2)
             fail("%s: malformed checksum line", manifest.c_str());
-        std::string path = dir + "/" + name;
-        if (!file_exists(path)) fail("%s: missing (the manifest lists it)", path.c_str());
         files.push_back({name, want});
     }
-    if (files.size() < 3 || files[0].name != "model.bin" || files[1].name != "state_rank0.bin")
-        fail("%s: malformed manifest (lists no checksum of model.bin, the state and an optimizer file)", manifest.c_str());
+    // the files a resume opens are those the layout implies: each must have its checksum here, and only they may
+    std::vector<std::string> implied{"model.bin", "state_rank0.bin"};
+    for (int i = 0; i < read_manifest_layout(manifest).optimizer_files(); i++)
+        implied.push_back(strfmt("optimizer_rank%d.bin", i));
+    for (size_t i = 0; i < std::max(implied.size(), files.size()); i++) {
+        if (i < files.size() && i < implied.size() && files[i].name == implied[i]) continue;
+        if (i >= files.size())
+            fail("%s: no checksum of %s, which its layout implies", manifest.c_str(), implied[i].c_str());
+        fail("%s: a checksum of %s where its layout implies %s", manifest.c_str(), files[i].name.c_str(),
+             i < implied.size() ? implied[i].c_str() : "no more files");
+    }
+    for (const ListedFile& file : files)
+        if (!file_exists(dir + "/" + file.name))
+            fail("%s/%s: missing (the manifest lists it)", dir.c_str(), file.name.c_str());
     int state_step = header_step(dir + "/state_rank0.bin", TRAIN_STATE_MAGIC, "a training state");
     if (state_step != step)
         fail("%s: records step %d, the manifest step %d", (dir + "/state_rank0.bin").c_str(), state_step, step);

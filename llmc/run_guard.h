@@ -1,5 +1,6 @@
 // What guards a run against the world around it: a lock that keeps a second run out of its output directory,
-// and the handling of SIGTERM and SIGINT that turns the first of them into a checkpoint and a clean stop. Both
+// and the handling of the signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) that turns the first of them into a
+// checkpoint and a clean stop. Both
 // are state of the whole process (a file descriptor held open, a signal handler), so they live here rather than
 // in the training story of train_gpt.cu.
 #pragma once
@@ -49,25 +50,29 @@ struct RunLock {
     }
 };
 
-// The first SIGTERM (what Slurm sends before a job's time limit) or SIGINT asks the run to stop after the
-// current step; a second one, while the first is being honoured, ends the process at once.
+// The first SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 asks the run to stop after the current step with a checkpoint.
+// SIGUSR1 is the advance notice a scheduler can be asked for (`sbatch --signal=B:USR1@SECONDS`), and the signal
+// OpenMPI's mpirun passes on to the ranks as it is (on SIGTERM mpirun aborts the job: the README's failure table
+// says what that costs, and how the launch scripts avoid it). The same request often comes more than once, so a
+// repeated SIGTERM, SIGUSR1 or SIGUSR2 is ignored: Slurm signals mpirun and the ranks alike, mpirun passes its
+// own on, and a scheduler that runs out of patience sends SIGKILL anyway. Only a SIGINT after the first request
+// (Ctrl-C pressed again) ends the process at once.
 inline volatile sig_atomic_t stop_signal = 0;  // the number of the first signal received, 0 before any
 
 inline void on_stop_signal(int sig) {
-    if (stop_signal != 0) {
+    if (stop_signal == 0) {
+        stop_signal = sig;
+    } else if (sig == SIGINT) {
         signal(sig, SIG_DFL);
         raise(sig);  // delivered, by default, when this handler returns
-        return;
     }
-    stop_signal = sig;
 }
 
 inline void install_stop_handlers() {
     struct sigaction sa = {};
     sa.sa_handler = on_stop_signal;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGINT, &sa, nullptr);
+    for (int sig : {SIGTERM, SIGINT, SIGUSR1, SIGUSR2}) sigaction(sig, &sa, nullptr);
 }
 
 // Whether any rank has been asked to stop: a sum over all ranks, so that every rank stops after the same step
@@ -80,5 +85,11 @@ inline bool stop_requested(Comm& world) {
 
 // what asked this run to stop, for the line that says so
 inline const char* stop_reason() {
-    return stop_signal == SIGTERM ? "SIGTERM" : stop_signal == SIGINT ? "SIGINT" : "a signal to another rank";
+    switch (stop_signal) {
+        case SIGTERM: return "SIGTERM";
+        case SIGINT: return "SIGINT";
+        case SIGUSR1: return "SIGUSR1";
+        case SIGUSR2: return "SIGUSR2";
+        default: return "a signal to another rank";
+    }
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <string>
@@ -40,6 +41,12 @@ struct File {
     File(const std::string& p, const char* mode) : path(p) {
         f = fopen(p.c_str(), mode);
         if (!f) fail("%s: cannot open (%s)", p.c_str(), strerror(errno));
+        // fopen reads a directory without complaint, and its first read then fails as a short file would
+        struct stat st;
+        if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+            fclose(f);
+            fail("%s: not a regular file", p.c_str());
+        }
     }
     ~File() {
         if (f) fclose(f);

@@ -6,6 +6,8 @@
 #include <catch.hpp>
 #include <math.h>
 #include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <map>
 #include <sstream>
@@ -318,6 +320,35 @@ inline double loss_at(const std::map<std::string, double>& v, const std::string&
 inline bool rel_close(double a, double b, double tol) { return fabs(a - b) <= tol * fabs(b); }
 
 // the contract for a refused layout: exit status 1 and one line, "train_gpt: ...", mentioning every word
+// starts a shell command line in the background, its output going to `log`; the pid is the command's own (the
+// shell execs it), so that signals reach it
+inline pid_t start_command(const std::string& command, const std::string& log) {
+    std::string line = "exec " + command + " > '" + log + "' 2>&1";
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", line.c_str(), (char*)nullptr);
+        _exit(127);
+    }
+    REQUIRE(pid > 0);
+    return pid;
+}
+
+// waits until the file `log` holds `text` (true) or `seconds` pass (false)
+inline bool wait_for(const std::string& log, const std::string& text, double seconds = 120) {
+    for (double waited = 0; waited < seconds; waited += 0.01) {
+        if (file_exists(log) && read_file(log).find(text) != std::string::npos) return true;
+        usleep(10000);
+    }
+    return false;
+}
+
+// the exit status of a started process, as the shell reports it (128 + the signal when one ended it)
+inline int finish(pid_t pid) {
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 inline void check_one_line_error(const CommandResult& r, const std::vector<std::string>& words) {
     INFO("exit status " << r.status << ", output:\n" << r.output);
     CHECK(r.status == 1);

@@ -526,6 +526,10 @@ TEST_CASE("bad -e model files are rejected", "[cli]") {
     File(truncated, "wb").write("llm.c", 5);
     expect_error(e(truncated), {truncated}, {"short", "size", "header"});
 
+    std::string dir = run.dir / "a_directory";  // neither a model file nor a Hugging Face directory (no config.json)
+    REQUIRE(mkdir(dir.c_str(), 0755) == 0);
+    expect_error(e(dir), {dir}, {"not a regular file"});
+
     std::string shape = run.dir / "bad_shape.bin";  // 16 channels over 3 heads
     ModelShape odd;
     odd.NH = 3;

@@ -10,7 +10,8 @@
 // fresh run refuses an -o holding another run's main.log, or one that is a file; incomplete checkpoint directories
 // left by an interrupted run are removed, one line each.
 // SIGTERM (from the run itself on its last rank, or from outside) stops the run after its step with a checkpoint
-// from which -y 1 continues bit-exactly, on one rank and on two; a second signal ends it at once. main.log: a
+// from which -y 1 continues bit-exactly, on one rank and on two; the same request repeated (SIGTERM, SIGUSR1,
+// SIGUSR2) changes nothing, a SIGINT after it ends the run at once (test_stop.cu stops runs of 2 ranks). main.log: a
 // write error (a full disk) stops the run, and a resumed run cuts the log back to its checkpoint's step.
 // The binary tests run ./train_gpt from the repository root (`make test` builds it first).
 #include <signal.h>
@@ -95,33 +96,9 @@ int count_lines_with(const std::string& text, const std::string& what) {
 
 const char* MODEL = "d3c33h3t32v301";
 
-// starts ./train_gpt with args in the background, its output going to `log`; the pid is train_gpt's own (the
-// shell execs it), so that signals reach it
+// starts ./train_gpt with args in the background, its output going to `log`; the pid is train_gpt's own
 pid_t start(const std::string& args, const std::string& log) {
-    std::string cmd = "exec env " + std::string(RUN_ENV) + " ./train_gpt " + args + " > '" + log + "' 2>&1";
-    pid_t pid = fork();
-    if (pid == 0) {
-        execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
-        _exit(127);
-    }
-    REQUIRE(pid > 0);
-    return pid;
-}
-
-// waits until `log` holds `text` (true) or `seconds` pass (false)
-bool wait_for(const std::string& log, const std::string& text, double seconds = 120) {
-    for (double waited = 0; waited < seconds; waited += 0.01) {
-        if (file_exists(log) && read_file(log).find(text) != std::string::npos) return true;
-        usleep(10000);
-    }
-    return false;
-}
-
-// the exit status of a started process, as the shell reports it (128 + the signal when one ended it)
-int finish(pid_t pid) {
-    int status = 0;
-    REQUIRE(waitpid(pid, &status, 0) == pid);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return start_command("env " + std::string(RUN_ENV) + " ./train_gpt " + args, log);
 }
 
 std::string hostname() {
@@ -285,7 +262,28 @@ TEST_CASE("a checkpoint that fails verification is named, kept and skipped: -y 1
              text.erase(text.find("\nmodel_source "), text.find("\nchecksum ") - text.find("\nmodel_source "));
              rerecord_own_checksum(text);
          },
-         "manifest.txt: malformed manifest (no model_source line)"}};
+         "manifest.txt: malformed manifest (no model_source line)"},
+        // re-signed without the checksum of a file its layout implies, which a resume would read unverified
+        {"unlisted", [](std::string& text) {
+             size_t line = text.find("\nchecksum optimizer_rank0.bin ");
+             text.erase(line, text.find('\n', line + 1) - line);
+             rerecord_own_checksum(text);
+         },
+         "manifest.txt: no checksum of optimizer_rank0.bin, which its layout implies"},
+        // re-signed claiming 4 ranks under ZeRO-1, whose optimizer files 1 to 3 do not exist
+        {"world", [](std::string& text) {
+             text.replace(text.find("layout world=1 "), 15, "layout world=4 ");
+             text.replace(text.find(" zero=0 "), 8, " zero=1 ");
+             rerecord_own_checksum(text);
+         },
+         "manifest.txt: no checksum of optimizer_rank1.bin, which its layout implies"},
+        // re-signed with a checksum of a file its layout does not imply
+        {"extra", [](std::string& text) {
+             size_t own = text.rfind("manifest fnv1a64=");
+             text.insert(own, "checksum optimizer_rank1.bin fnv1a64=0123456789abcdef\n");
+             rerecord_own_checksum(text);
+         },
+         "manifest.txt: a checksum of optimizer_rank1.bin where its layout implies no more files"}};
     for (const ManifestDamage& k : manifest_cases) {
         INFO("manifest damaged: " << k.name);
         const std::string dir = copy_of(std::string("manifest_") + k.name), manifest = dir + "/ckpt_00000004/manifest.txt";
@@ -686,7 +684,8 @@ TEST_CASE("SIGTERM during a step: the step finishes, a checkpoint is written, ex
     }
 }
 
-TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint; a second signal ends it at once",
+TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint; repeats are ignored, a SIGINT "
+          "after it ends the run at once",
           "[failures]") {
     Data data;
     TempDir out;
@@ -708,15 +707,32 @@ TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint
                                  stopped_after, dir.c_str(), checkpoint_name(stopped_after).c_str())) != std::string::npos);
         CHECK(list_checkpoints(dir) == std::vector<int>{stopped_after});
     }
-    SECTION("SIGTERM and SIGINT at once") {
+    // steps of about a second, so that every signal below lands within one
+    const std::string slow = data.flags(2, 1024, 1000000, "d4c256h4t64v301");
+    SECTION("the request repeated: SIGTERM, SIGUSR1, SIGTERM again, SIGUSR2") {
+        const std::string dir = out / "repeated", log = out / "repeated.log";
+        pid_t pid = start(slow + " -o '" + dir + "'", log);
+        REQUIRE(wait_for(log, "step     1/"));
+        usleep(100000);  // step 2 has begun
+        for (int sig : {SIGTERM, SIGUSR1, SIGTERM, SIGUSR2}) kill(pid, sig), usleep(50000);
+        CHECK(finish(pid) == 5);
+        std::string output = read_file(log);
+        INFO(output);
+        int stopped_after = -1;
+        for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &stopped_after);
+        CHECK(output.find(strfmt("train_gpt: stopped after step %d on SIGTERM; checkpoint", stopped_after)) !=
+              std::string::npos);
+        CHECK(list_checkpoints(dir) == std::vector<int>{stopped_after});
+    }
+    SECTION("SIGTERM, then SIGINT") {
         const std::string dir = out / "two", log = out / "two.log";
-        pid_t pid = start(args + " -o '" + dir + "'", log);
-        REQUIRE(wait_for(log, "step     2/"));
-        kill(pid, SIGTERM);
-        kill(pid, SIGINT);
+        pid_t pid = start(slow + " -o '" + dir + "'", log);
+        REQUIRE(wait_for(log, "step     1/"));
+        usleep(100000);
+        for (int sig : {SIGTERM, SIGINT}) kill(pid, sig), usleep(50000);
         int status = finish(pid);
         INFO(read_file(log));
-        CHECK((status == 128 + SIGINT || status == 128 + SIGTERM));
+        CHECK(status == 128 + SIGINT);
         CHECK(list_checkpoints(dir).empty());
     }
 }

@@ -75,6 +75,18 @@ TEST_CASE("--convert --format hf refuses an existing --to and a source that is n
     check_one_line_error(single("--format hf"), {"--format hf: only with --convert"});
 }
 
+TEST_CASE("--convert onto a full disk says so in one line and leaves neither --to nor its temporary file", "[hf]") {
+    TempDir out;
+    const std::string to = out / "model.bin";
+    // the temporary file the conversion writes, on a full disk: every write to /dev/full fails with ENOSPC
+    REQUIRE(symlink("/dev/full", (to + ".tmp").c_str()) == 0);
+    check_one_line_error(single("--convert build/reference/model.bin --to '" + to + "'"),
+                         {to + ".tmp: write failed (No space left on device)"});
+    CHECK(access(to.c_str(), F_OK) != 0);
+    struct stat st;  // the link itself is gone
+    CHECK(lstat((to + ".tmp").c_str(), &st) != 0);
+}
+
 TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -> Hugging Face, byte for byte",
           "[hf]") {
     TempDir out;

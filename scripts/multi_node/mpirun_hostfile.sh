@@ -7,9 +7,6 @@
 # plain `make`, whose -march=native binary can die with an illegal instruction on another CPU.
 # Same recipe as scripts/run_gpt2_124M.sh (llm.c's GPT-2 124M run).
 #
-# Status: train_gpt's CUDA backend is not built yet, so with DEVICE=cuda (the default) train_gpt refuses
-# `--device cuda`; it needs `--device cuda` to land. Until then only DEVICE=cpu runs (the CPU path, MPI comm).
-#
 # Hostfile, one line per node:   node001 slots=8
 #                                node002 slots=8
 # Before a long job, check the network with the collective benchmark (dev/comm/README.md), e.g.
@@ -28,7 +25,15 @@
 #                 filesystem: rank 0 writes main.log, every rank its checkpoint shards.
 #   MPIRUN        the MPI launcher                                                          [mpirun]
 #   MPI_ARGS      more mpirun flags, split on spaces (e.g. "--mca btl_tcp_if_include eth0") []
+#   KILL_DELAY    seconds mpirun gives the ranks between the SIGTERM and the SIGKILL of a job it aborts (its
+#                 odls_base_sigkill_timeout; it waits as long again before that SIGTERM): at least one step
+#                 plus one checkpoint, so that a SIGTERM to mpirun itself still leaves a checkpoint      [30]
 #   NCCL_*        any that are set (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_DEBUG, ...) are exported to all ranks
+#
+# Stopping: SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 to this script reaches the ranks as SIGUSR1 (forward_stop.sh):
+# they finish their step, write a checkpoint and exit 5, and so does this script; RESUME=1 goes on from there.
+# Under Slurm (salloc, or an sbatch script that runs this one), ask for the advance notice, e.g.
+# `sbatch --signal=B:USR1@300`, and have the batch script pass it on (as multi_node/sbatch_*.sbatch do).
 set -euo pipefail
 
 : "${HOSTFILE:=hostfile}"
@@ -37,12 +42,14 @@ set -euo pipefail
 : "${MPIRUN:=mpirun}"
 : "${MPI_ARGS:=}"
 : "${MICRO_BATCH:=32}"
+: "${KILL_DELAY:=30}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 [ -f "$HOSTFILE" ] || { echo "mpirun_hostfile.sh: HOSTFILE=$HOSTFILE does not exist (one line per node: NAME slots=$GPUS_PER_NODE)" >&2; exit 1; }
 [ -x ./train_gpt ] || { echo "mpirun_hostfile.sh: ./train_gpt is missing; build it with make HOST_ARCH=x86-64-v3 (or the -march of the nodes' oldest CPU)" >&2; exit 1; }
 NP=$((NUM_NODES * GPUS_PER_NODE))
 source scripts/gpt2_124M_flags.sh
+source scripts/forward_stop.sh
 read -r -a mpi_args <<< "$MPI_ARGS"
 
 # export PATH, LD_LIBRARY_PATH and every NCCL_* that is set to the remote ranks
@@ -54,7 +61,8 @@ done
 
 mkdir -p "$OUT_DIR"
 set -x
-"$MPIRUN" -np "$NP" \
+launch_forwarding_stop "$MPIRUN" -np "$NP" \
+    --mca odls_base_sigkill_timeout "$KILL_DELAY" \
     --hostfile "$HOSTFILE" \
     --map-by "ppr:$GPUS_PER_NODE:node" \
     --bind-to none \
