@@ -342,6 +342,13 @@ inline bool wait_for(const std::string& log, const std::string& text, double sec
     return false;
 }
 
+// the step after which a stopped run stopped: the last step line of its output (-1 when it has none)
+inline int last_step(const std::string& output) {
+    int step = -1;
+    for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &step);
+    return step;
+}
+
 // the exit status of a started process, as the shell reports it (128 + the signal when one ended it)
 inline int finish(pid_t pid) {
     int status = 0;

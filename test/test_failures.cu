@@ -700,8 +700,7 @@ TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint
         std::string output = read_file(log);
         INFO(output);
         // the step it stopped after is the last one printed, and its checkpoint is there
-        int stopped_after = -1;
-        for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &stopped_after);
+        int stopped_after = last_step(output);
         REQUIRE(stopped_after >= 2);
         CHECK(output.find(strfmt("train_gpt: stopped after step %d on SIGTERM; checkpoint %s/%s written; resume with -y 1",
                                  stopped_after, dir.c_str(), checkpoint_name(stopped_after).c_str())) != std::string::npos);
@@ -718,8 +717,7 @@ TEST_CASE("a SIGTERM from outside stops the run after its step with a checkpoint
         CHECK(finish(pid) == 5);
         std::string output = read_file(log);
         INFO(output);
-        int stopped_after = -1;
-        for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &stopped_after);
+        int stopped_after = last_step(output);
         CHECK(output.find(strfmt("train_gpt: stopped after step %d on SIGTERM; checkpoint", stopped_after)) !=
               std::string::npos);
         CHECK(list_checkpoints(dir) == std::vector<int>{stopped_after});

@@ -35,7 +35,7 @@ std::vector<pid_t> children_of(pid_t parent) {
     return children;
 }
 
-// the checkpoint directories under a run's -o, by name
+// every checkpoint directory under a run's -o, by name, complete or not (a ckpt_STEP.tmp left behind shows)
 std::vector<std::string> checkpoints_in(const std::string& dir) {
     std::vector<std::string> names;
     DIR* d = opendir(dir.c_str());
@@ -45,13 +45,6 @@ std::vector<std::string> checkpoints_in(const std::string& dir) {
     closedir(d);
     std::sort(names.begin(), names.end());
     return names;
-}
-
-// the step after which a stopped run stopped: the last step line of its output
-int last_step(const std::string& output) {
-    int step = -1;
-    for (const std::string& line : lines_of(output)) sscanf(line.c_str(), "step %d/", &step);
-    return step;
 }
 
 // Token data and the flags of the GPT-2 124M launch script's recipe (its TRAIN_GPT_ARGS) for a run of 2 ranks
