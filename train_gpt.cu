@@ -1,9 +1,10 @@
 // train_gpt: trains a GPT-2 on token shards, on one rank or many (launched with mpirun). The story of a run,
 // top to bottom: read the flags, pick the device, join the other ranks and lay them out on the process grid,
 // build the model (fresh, from an llm.c file, or from the newest checkpoint) with its data-parallel runtime,
-// open this rank's slice of the data, then loop: checkpoint, validate, sample, and take one optimizer step
-// over a global batch of micro-batches (skipped when its loss or gradient norm is not finite), until the last
-// step, too many bad steps in a row, or a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) to any rank.
+// open this rank's slice of the data, then loop: checkpoint, validate (and score the eval), sample, and take one
+// optimizer step over a global batch of micro-batches (skipped when its loss or gradient norm is not finite, or
+// spikes), until the last step, too many skipped steps in a row, or a stop signal (SIGTERM, SIGINT, SIGUSR1,
+// SIGUSR2) to any rank.
 #include <cuda_runtime.h>
 #include <omp.h>
 #include <time.h>
@@ -15,6 +16,7 @@
 #include "llmc/checkpoint.h"
 #include "llmc/comm.cuh"
 #include "llmc/dataloader.h"
+#include "llmc/evals.h"
 #include "llmc/gpt.cuh"
 #include "llmc/grid.cuh"
 #include "llmc/hf.h"
@@ -89,6 +91,24 @@ static float validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline
         total += pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, val.B, val.T, 0.0f);
     }
     return (float)(from_last_stage(grid, total) / batches);
+}
+
+// The multiple-choice eval: this dp rank's share of its rows, B at a time through the stages as validation
+// batches go, each row's summed completion losses read on the last stage (from its cp group), summed over dp
+// and given to the other stages; every rank scores the same sums.
+template <typename floatX>
+static EvalResult evaluate(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+                           const EvalSet& set, int B, int T) {
+    std::vector<std::vector<int>> inputs(1), targets(1);
+    auto forward = [&](const std::vector<int>& in, const std::vector<int>& out, const std::vector<int>& mask) {
+        inputs[0] = in, targets[0] = out;
+        pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, B, T, 0.0f);
+        return model.part.last ? gpt_row_losses(model, mask) : std::vector<double>(B, 0.0);
+    };
+    std::vector<double> losses = eval_row_losses(set, B, T, grid.at.dp, grid.dp, forward), summed(losses.size());
+    grid.dp_comm.wait(grid.dp_comm.all_reduce(losses.data(), summed.data(), losses.size(), DType::F64));
+    grid.pp_comm.wait(grid.pp_comm.broadcast(summed.data(), summed.size(), DType::F64, grid.pp - 1));
+    return eval_score(set, summed);
 }
 
 // the logits at position t of the model run on one sequence of T tokens, on every rank: computed through the
@@ -371,6 +391,20 @@ static void check_resume_from(const RunInputs& inputs, const RunLayout& layout, 
     check_resumable(layout, read_manifest_layout(dir + "/manifest.txt"), dir);
 }
 
+// -sl and -sg for the lines that say what a spike is and why a step skipped its update
+static std::string spike_subject(const Options& o) {
+    return o.spike_loss > 0.0f && o.spike_norm > 0.0f ? "loss or gradient norm" : o.spike_loss > 0.0f ? "loss" : "gradient norm";
+}
+static std::string spike_limits(const Options& o) {
+    if (o.spike_loss > 0.0f && o.spike_norm > 0.0f) return strfmt("%g (-sl) or %g (-sg)", o.spike_loss, o.spike_norm);
+    return strfmt("%g", o.spike_loss > 0.0f ? o.spike_loss : o.spike_norm);
+}
+static std::string skip_reason(const Spike& spike, const Options& o) {
+    if (!spike.found()) return "not finite";
+    return strfmt("%s %.2f standard deviations above its mean over the last %d steps (%s %g)", spike.what, spike.z,
+                  o.spike_window, strcmp(spike.what, "loss") == 0 ? "-sl" : "-sg", spike.limit);
+}
+
 // what run() decided from the flags, for the training run
 struct RunSetup {
     GPTConfig config;
@@ -505,6 +539,8 @@ static int train(const Options& o, const RunSetup& run) {
         val.reset(new DataLoader(o.val_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
         val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch) * accumulation;
     }
+    std::unique_ptr<EvalSet> evals;
+    if (!o.eval_file.empty()) evals.reset(new EvalSet(read_eval_file(o.eval_file, config.vocab_size, o.T)));
     // Samples are decoded with the tokenizer, which must have the model's vocab. A --tokenizer that does not is a
     // mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
     // says why it does not sample, once, and trains.
@@ -525,7 +561,9 @@ static int train(const Options& o, const RunSetup& run) {
     LRSchedule schedule = o.schedule;
     schedule.total_steps = steps;
     Logger log;
-    int bad_steps = 0;      // steps skipped in a row for a non-finite loss or gradient norm
+    int bad_steps = 0;      // steps in a row whose update was skipped (a non-finite loss or gradient norm, a spike)
+    SpikeGuard spikes{o.spike_loss, o.spike_norm, o.spike_window};
+    spikes.restore(state.loss_window, state.norm_window);
     bool stopping = stop_requested(grid.world_comm);  // some rank was signalled to stop: checkpoint, then end
     if (lead) {
         printf("%s\n", device.c_str());
@@ -553,6 +591,13 @@ static int train(const Options& o, const RunSetup& run) {
                    config.num_layers - 1, on_gpu ? "bf16" : "fp32");
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
+        if (evals)
+            printf("eval: %zu examples (%zu completions) in %s, scored at every validation\n", evals->examples.size(),
+                   evals->rows, o.eval_file.c_str());
+        if (o.spike_loss > 0.0f || o.spike_norm > 0.0f)
+            printf("spikes: a step whose %s lies more than %s standard deviations above its mean over the newest %d "
+                   "steps that updated skips its update\n", spike_subject(o).c_str(), spike_limits(o).c_str(),
+                   o.spike_window);
         if (!o.out_dir.empty()) {
             make_dirs(o.out_dir);
             log.open(o.out_dir, resume_dir.empty() ? -1 : state.step);
@@ -566,7 +611,8 @@ static int train(const Options& o, const RunSetup& run) {
     auto checkpoint = [&](int step) {
         double started = now_seconds();
         // under -a every step reads the first batch again, which a resumed run reads first too
-        TrainState now{step, o.overfit ? DataPosition{} : train.position(), sampler_rng.state};
+        TrainState now{step, o.overfit ? DataPosition{} : train.position(), sampler_rng.state, spikes.loss.values,
+                       spikes.norm.values};
         std::vector<float> storage;
         float* whole = whole_model(model, dpr, grid, pp, o.zero, storage);
         if (on_gpu) {
@@ -634,6 +680,20 @@ static int train(const Options& o, const RunSetup& run) {
                    "step; step %.1f ms\n", r, o.cp_split.c_str(), all[3 * r], all[3 * r + 1] / 1e9, all[3 * r + 2]);
     };
 
+    // the eval's accuracy at a validation step: to the console and main.log, and under --debug-eval-scores every
+    // example's scores to that file (a collective)
+    auto report_eval = [&](int step) {
+        EvalResult r = evaluate(model, pipeline, pp, grid, *evals, o.B, o.T);
+        if (!lead) return;
+        printf("eval: %d/%zu = %.4f (%s)\n", r.correct, r.answers.size(), r.accuracy(), o.eval_file.c_str());
+        log.eval(step, r.accuracy());
+        if (o.debug_eval_scores.empty()) return;
+        std::string text = eval_score_lines(*evals, r);
+        File f(o.debug_eval_scores, "w");
+        f.write(text.data(), text.size());
+        f.close();
+    };
+
     for (int step = state.step; step <= steps; step++) {
         bool last_step = step == steps;
         bool scheduled = o.checkpoint_every > 0 && (step % o.checkpoint_every == 0 || last_step);
@@ -663,6 +723,7 @@ static int train(const Options& o, const RunSetup& run) {
             float loss = (float)dpr.mean(validation_loss(model, pipeline, pp, grid, *val, val_batches));
             if (lead) printf("val loss %.6f\n", loss);
             if (lead) log.val(step, loss);
+            if (evals) report_eval(step);
         }
         // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
         if (tokenizer && ((step > 0 && step % o.sample_every == 0) || last_step)) {
@@ -692,15 +753,19 @@ static int train(const Options& o, const RunSetup& run) {
         double loss = pipeline.run(model, &dpr, actions, inputs, targets, o.B, o.T, dloss) / accumulation;
         loss = from_last_stage(grid, loss);
         float lr = schedule.at(step);
-        // a NaN or Inf in the loss or the gradient norm skips the update, leaving the parameters and the optimizer
-        // state as they were; both values are reduced already, so every rank takes the same decision
+        // a NaN or Inf in the loss or the gradient norm, or a spike in either, skips the update, leaving the
+        // parameters and the optimizer state as they were; both values are reduced already, so every rank takes
+        // the same decision
         double norm = dpr.grad_norm();
         loss = dpr.mean(loss);
-        bool skipped = !std::isfinite(loss) || !std::isfinite(norm);
+        bool finite = std::isfinite(loss) && std::isfinite(norm);
+        Spike spike = finite ? spikes.check(loss, norm) : Spike{};
+        bool skipped = !finite || spike.found();
         bad_steps = skipped ? bad_steps + 1 : 0;
         if (!skipped) {
             NvtxRange update("optimizer step");
             dpr.update(lr, o.weight_decay, norm);
+            spikes.record(loss, norm);
         }
         double ms = (now_seconds() - t0) * 1000.0, sent = dp_bytes() - sent0;
         auto [aux, load] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
@@ -710,10 +775,10 @@ static int train(const Options& o, const RunSetup& run) {
         if (lead) {
             printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", lr, norm, ms, total_batch / (ms / 1000.0),
-                   skipped ? strfmt(" | update skipped: not finite (%d in a row)", bad_steps).c_str() : "");
+                   skipped ? strfmt(" | update skipped: %s (%d in a row)", skip_reason(spike, o).c_str(), bad_steps).c_str() : "");
             if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent, ep_sent);
             fflush(stdout);
-            log.train(step, (float)loss, lr, (float)norm, skipped, (float)aux);
+            log.train(step, (float)loss, lr, (float)norm, skipped, (float)aux, spike);
             if (config.moe() && o.val_every > 0 && step % o.val_every == 0) {
                 printf("experts: min/max share of the assignments per layer: %s\n", load.c_str());
                 log.expert_load(step, load);
@@ -723,8 +788,10 @@ static int train(const Options& o, const RunSetup& run) {
         if (pipeline.tracing) report_pipeline();
         if (bad_steps == o.max_bad_steps) {
             if (lead)
-                fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row with a non-finite loss or gradient "
-                        "norm (--max-bad-steps %d)\n", step + 1, bad_steps, o.max_bad_steps);
+                fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row skipped their update, the last "
+                        "for %s (--max-bad-steps %d)\n", step + 1, bad_steps,
+                        spike.found() ? ("a " + std::string(spike.what) + " spike").c_str()
+                                      : "a non-finite loss or gradient norm", o.max_bad_steps);
             comm_finalize(world_comm);
             return EXIT_NON_FINITE;
         }

@@ -12,7 +12,8 @@
 //                        every rank writes), in parallel: a header, the first moments, the second moments, then
 //                        the index, one entry per slice: (tensor, layer, expert, first element, count) of the
 //                        model's tensors. A resuming rank reads every index and takes exactly its elements.
-//   state_rank0.bin      the step, the data position in global batches (DataPosition) and the sampler's RNG.
+//   state_rank0.bin      the step, the data position in global batches (DataPosition), the sampler's RNG and
+//                        the spike statistics (llmc/spikes.h).
 //   manifest.txt         the layout that wrote it, the run's inputs and every file's checksum.
 //
 // The manifest records each file's checksum, taken as it is written, and the steps; -y 1 resumes only from a
@@ -35,6 +36,7 @@
 #include "llmc/comm.cuh"
 #include "llmc/dataloader.h"
 #include "llmc/gpt.cuh"
+#include "llmc/spikes.h"
 #include "llmc/utils.h"
 
 constexpr int OPTIMIZER_MAGIC = 20261122;
@@ -53,6 +55,8 @@ struct TrainState {
     int step = 0;  // steps completed
     DataPosition data;
     uint64_t rng_state = 0;  // the sampler's generator
+    // the spike statistics (llmc/spikes.h): the losses and gradient norms of the newest steps that updated
+    std::vector<double> loss_window, norm_window;
 };
 
 // the layout that writes or resumes a checkpoint: what may change between the two, except T and the global batch
@@ -537,7 +541,10 @@ inline bool save_checkpoint(const std::string& out_dir, const ModelState& m, con
         int h[256] = {TRAIN_STATE_MAGIC, CHECKPOINT_VERSION, s.step};
         uint64_t fields[4] = {s.data.epoch, s.data.shard_pos, s.data.batch_pos, s.rng_state};
         memcpy(&h[4], fields, sizeof(fields));
+        h[12] = (int)s.loss_window.size(), h[13] = (int)s.norm_window.size();
         f.write(h, sizeof(h));
+        f.write(s.loss_window.data(), s.loss_window.size() * sizeof(double));
+        f.write(s.norm_window.data(), s.norm_window.size() * sizeof(double));
         f.close();
         state_sum = f.written.value;
     }
@@ -717,5 +724,12 @@ inline RunLayout load_checkpoint(const std::string& dir, const ModelState& m, Tr
     s.step = h[2];
     s.data = DataPosition{fields[0], fields[1], fields[2]};
     s.rng_state = fields[3];
+    // words 12 and 13 count the spike windows' values, which follow the header (0 in files that predate them)
+    if (h[12] < 0 || h[13] < 0 || h[12] > MAX_SPIKE_WINDOW || h[13] > MAX_SPIKE_WINDOW)
+        fail("%s: spike windows of %d and %d values, not a training state", path.c_str(), h[12], h[13]);
+    s.loss_window.resize(h[12]);
+    s.norm_window.resize(h[13]);
+    f.read(s.loss_window.data(), s.loss_window.size() * sizeof(double));
+    f.read(s.norm_window.data(), s.norm_window.size() * sizeof(double));
     return was;
 }

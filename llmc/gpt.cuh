@@ -1118,6 +1118,26 @@ inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t, int 
     return whole;
 }
 
+// Each of the B rows of the last forward through the head (in `slot`; it had targets): the sum of its tokens'
+// losses where `mask` (B×T, the whole sequences) is 1, on every rank of the cp group (a collective of it), each
+// having added the positions it holds. For scoring the completions of a multiple-choice eval (llmc/evals.h).
+template <typename floatX>
+inline std::vector<double> gpt_row_losses(GPTModel<floatX>& m, const std::vector<int>& mask, int slot = 0) {
+    const MicroBatchSlot<floatX>& mb = m.slots[slot];
+    if (mb.loss < 0) fail("row losses: the last forward had no targets");
+    long local = m.cp.local_tokens(mb.T);
+    std::vector<int> mine((size_t)mb.B * local);
+    m.cp.select_tokens(mine.data(), mask.data(), mb.B, mb.T);
+    std::vector<float> losses(mine.size());
+    device_download<floatX>(losses.data(), mb.acts.losses, losses.size());
+    std::vector<double> rows(mb.B, 0.0), summed(mb.B);
+    for (size_t i = 0; i < mine.size(); i++)
+        if (mine[i]) rows[i / local] += losses[i];
+    if (!m.cp.on()) return rows;
+    m.cp.comm->wait(m.cp.comm->all_reduce(rows.data(), summed.data(), mb.B, DType::F64));
+    return summed;
+}
+
 // What forward did not keep under -r, computed again exactly as forward did (and gathered again under sp) where
 // a layer's backward or its weight-gradient step reads it: the MLP's activation (-r 1: GELU's output, or
 // SwiGLU's product), the norms' outputs (-r 2)

@@ -1,7 +1,9 @@
 // DIR/main.log in llm.c's line format, which scripts and tests parse: "s:STEP trl:LOSS lr:LR norm:NORM" per
 // training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals. With experts, a step's line adds
 // "aux:LOSS" and, every -v steps, a line "s:STEP load:MIN/MAX,..." (per layer). A step whose update was skipped
-// (a non-finite loss or gradient norm) adds "skipped:1". A line that cannot be written stops the run.
+// (a non-finite loss or gradient norm, or a spike) adds "skipped:1", and for a spike its z-score, "zloss:Z" or
+// "znorm:Z". A multiple-choice eval writes "s:STEP eval:ACC", the accuracy with 4 decimals (llm.c's line). A
+// line that cannot be written stops the run.
 #pragma once
 
 #include <stdarg.h>
@@ -9,6 +11,7 @@
 
 #include <string>
 
+#include "llmc/spikes.h"
 #include "llmc/utils.h"
 
 struct Logger {
@@ -27,13 +30,16 @@ struct Logger {
         if (f) fclose(f);
     }
     // aux: a mixture of experts' load-balancing loss (negative: a dense model, not written)
-    void train(int step, float loss, float lr, float norm, bool skipped, float aux = -1.0f) {
+    void train(int step, float loss, float lr, float norm, bool skipped, float aux = -1.0f, Spike spike = {}) {
         std::string extra = aux >= 0.0f ? strfmt(" aux:%.6f", aux) : "";
-        line("s:%d trl:%.6f lr:%.6e norm:%.6f%s%s\n", step, loss, lr, norm, extra.c_str(), skipped ? " skipped:1" : "");
+        if (skipped) extra += " skipped:1";
+        if (spike.found()) extra += strfmt(" z%s:%.4f", spike.what, spike.z);
+        line("s:%d trl:%.6f lr:%.6e norm:%.6f%s\n", step, loss, lr, norm, extra.c_str());
     }
     // each layer's expert load: the smallest and the largest share of the step's assignments
     void expert_load(int step, const std::string& shares) { line("s:%d load:%s\n", step, shares.c_str()); }
     void val(int step, float loss) { line("s:%d tel:%.6f\n", step, loss); }
+    void eval(int step, double accuracy) { line("s:%d eval:%.4f\n", step, accuracy); }
 
    private:
     // a line that cannot be written (a full disk) stops the run: a run whose log is lost cannot be followed

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "llmc/schedule.h"
+#include "llmc/spikes.h"
 #include "llmc/utils.h"
 
 // the tokenizer that decodes samples unless --tokenizer names another: GPT-2's, which make train prepares
@@ -33,6 +34,7 @@ struct Options {
     float weight_decay = 0.0f;                          // -c
     int val_every = 20;                                 // -v
     int val_batches = 20;                               // -m
+    std::string eval_file;                              // --eval: a multiple-choice eval in llm.c's format
     int sample_every = 20;                              // -s
     int gen_tokens = 64;                                // -g
     int checkpoint_every = 0;                           // -n
@@ -40,6 +42,8 @@ struct Options {
     bool resume = false;                                // -y
     bool overwrite = false;                             // --overwrite
     int max_bad_steps = 3;                              // --max-bad-steps
+    float spike_loss = 0.0f, spike_norm = 0.0f;         // -sl -sg: z-score limits; 0 is off
+    int spike_window = 128;                             // --spike-window
     bool overfit = false;                               // -a
     uint64_t seed = 1337;                               // --seed
     bool shuffle = true;                                // --shuffle
@@ -75,6 +79,7 @@ struct Options {
     bool debug_check_replicas = false;                  // --debug-check-replicas (tests only)
     int debug_nan_step = -1;                            // --debug-nan-step (tests only)
     int debug_sigterm_step = -1;                        // --debug-sigterm-step (tests only)
+    std::string debug_eval_scores;                      // --debug-eval-scores (tests only)
 
     bool planning() const { return plan || search; }    // predicting only: no data, no ranks, no GPU needed
     size_t bucket_floats() const { return (size_t)(bucket_mb * 1048576.0 / 4.0); }  // --bucket-mb as fp32 elements
@@ -115,6 +120,9 @@ inline const char* USAGE =
     "                    holds another run's                                       [none]\n"
     "  -v N              validate every N steps; 0 = never                         [20]\n"
     "  -m N              validation batches, each of -d tokens                     [20]\n"
+    "  --eval FILE       a multiple-choice eval in llm.c's format (HellaSwag, MMLU; dev/data/prepare.js\n"
+    "                    --eval makes one), scored at every validation: the accuracy to the console\n"
+    "                    and main.log (needs -v)                                   [none]\n"
     "  -s N              sample every N steps; 0 = never                           [20]\n"
     "  -g N              tokens to generate when sampling (at most -t)             [64]\n"
     "  --tokenizer PATH  tokenizer for decoding samples                            [data/gpt2_tokenizer.bin]\n"
@@ -132,8 +140,13 @@ inline const char* USAGE =
     "  --dtype fp32|bf16  with --convert: llm.c's version 3 (fp32) or 5 (bf16); HF's float32 or bfloat16 [fp32]\n"
     "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
     "is given, exit code 5; a second one ends it at once):\n"
-    "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update; N such steps\n"
-    "                    in a row stop the run (exit code 4)                       [3]\n"
+    "  --max-bad-steps N  a step with a non-finite loss or gradient norm skips its update (as -sl and -sg\n"
+    "                    skip spikes); N skipped updates in a row stop the run (exit code 4) [3]\n"
+    "  -sl Z             skip the update of a step whose loss lies more than Z standard deviations\n"
+    "                    above its mean over the window; 0 = off                   [0]\n"
+    "  -sg Z             the same for the gradient norm; 0 = off                   [0]\n"
+    "  --spike-window N  what -sl and -sg measure against: the newest N steps that updated; no step is\n"
+    "                    skipped for a spike before N have                         [128]\n"
     "parallelism (dp = ranks / (tp*cp*pp)):\n"
     "  -z 0|1|2|3        ZeRO stage: shard optimizer state (1), and gradients (2), and parameters (3) [0]\n"
     "  --bucket-mb F     gradient reduction bucket size in MiB                     [25]\n"
@@ -168,6 +181,7 @@ inline const char* USAGE =
     "  --debug-check-replicas 0|1  (testing) at the end, compare the replicated tensors across tp [0]\n"
     "  --debug-nan-step S  (testing) rank 0's gradients of step S (main.log's s:S) are NaN [-1]\n"
     "  --debug-sigterm-step S  (testing) the last rank sends itself SIGTERM during step S [-1]\n"
+    "  --debug-eval-scores FILE  (testing) with --eval, each example's completion losses to FILE [none]\n"
     "  -h, --help        this text\n"
     "README.md, \"Using train_gpt\" and the sections after it, tells the rest: the log lines, ZeRO, tp and sp,\n"
     "the launch scripts, checkpoints and the data order.\n";
@@ -238,6 +252,11 @@ inline Options parse_options(int argc, char** argv) {
         {"-c", real(&o.weight_decay, 0.0f, 10.0f)},
         {"-v", integer(&o.val_every, 0, INT_MAX)},
         {"-m", integer(&o.val_batches, 1, INT_MAX)},
+        {"--eval", text(&o.eval_file)},
+        {"-sl", real(&o.spike_loss, 0.0f, 1e6f)},
+        {"-sg", real(&o.spike_norm, 0.0f, 1e6f)},
+        {"--spike-window", integer(&o.spike_window, 2, MAX_SPIKE_WINDOW)},
+        {"--debug-eval-scores", text(&o.debug_eval_scores)},
         {"-s", integer(&o.sample_every, 0, INT_MAX)},
         {"-g", integer(&o.gen_tokens, 1, 1 << 20)},
         {"-n", integer(&o.checkpoint_every, 0, INT_MAX)},
@@ -321,6 +340,9 @@ inline Options parse_options(int argc, char** argv) {
     if (o.gpus_per_node > 0 && !o.plan && !o.search) fail("--gpus-per-node %d: only with --plan or --search", o.gpus_per_node);
     if (!o.calibrate.empty() && (o.plan || o.search)) fail("--calibrate %s: measures and exits; drop --plan and --search", o.calibrate.c_str());
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
+    if (!o.eval_file.empty() && o.val_every == 0)
+        fail("--eval %s: is scored at every validation; -v 0 turns validation off", o.eval_file.c_str());
+    if (!o.debug_eval_scores.empty() && o.eval_file.empty()) fail("--debug-eval-scores: only with --eval FILE");
     if (!o.planning() && o.sample_every > 0 && o.gen_tokens > o.T) fail("-g %d: cannot generate more than -t %d tokens", o.gen_tokens, o.T);
     return o;
 }

@@ -165,9 +165,16 @@ TEST_CASE("plot_log.py draws one or more main.log files into a PNG, and names a 
         std::ofstream log(dir / run + "/main.log");
         float loss = 10.8f;
         for (int step = 0; step < 60; step++) {
-            if (step % 20 == 0) log << strfmt("s:%d tel:%.6f\n", step, loss + 0.1f);
+            if (step % 20 == 0) {
+                log << strfmt("s:%d tel:%.6f\n", step, loss + 0.1f);
+                log << strfmt("s:%d eval:%.4f\n", step, 0.25 + 0.002 * step + 0.01 * rng.uniform());
+            }
             loss -= 0.05f + 0.02f * rng.uniform();
-            log << strfmt("s:%d trl:%.6f lr:%.6e norm:%.6f\n", step, loss, 1e-3, 1.0 + rng.uniform());
+            // a loss spike whose update was skipped, and an expert load line, which is not drawn
+            const char* skipped = step == 33 ? " skipped:1 zloss:6.1" : "";
+            log << strfmt("s:%d trl:%.6f lr:%.6e norm:%.6f%s\n", step, step == 33 ? loss + 1.5f : loss, 1e-3,
+                          1.0 + rng.uniform(), skipped);
+            if (step == 40) log << strfmt("s:%d load:0.21/0.30,0.18/0.33\n", step);
         }
     }
     const std::string png = dir / "both.png";

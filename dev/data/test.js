@@ -77,6 +77,48 @@ function decodeBytes(table, ids) {
   return Buffer.concat(ids.map((id) => table[id]));
 }
 
+/**
+ * Parses an eval file by llm.c's format, independently of prepare.js: { header: [int32 x 256],
+ * examples: [{ start, bytes, length (actual bytes), index, label, ctx: [ids], endings: [[ids]] }] }.
+ * Throws on a stream that runs past the end or trailing bytes.
+ */
+function readEvalFile(file) {
+  const buf = fs.readFileSync(file);
+  const header = [];
+  for (let i = 0; i < 256; i++) header.push(buf.readInt32LE(4 * i));
+  const examples = [];
+  let pos = 1024;
+  const next = () => {
+    if (pos + 2 > buf.length) throw new Error(`eval file ends inside example ${examples.length}`);
+    const v = buf.readUInt16LE(pos);
+    pos += 2;
+    return v;
+  };
+  const list = () => {
+    const n = next();
+    return Array.from({ length: n }, next);
+  };
+  while (pos < buf.length) {
+    const begin = pos;
+    const ex = { start: next(), bytes: next(), index: next(), label: next() };
+    const ncomp = next();
+    ex.ctx = list();
+    ex.endings = Array.from({ length: ncomp }, list);
+    ex.length = pos - begin;
+    examples.push(ex);
+  }
+  return { header, examples };
+}
+
+/** Checks that a failed run printed one error line matching `re` and left `dir` empty. */
+function checkFailed(res, re, dir) {
+  if (res.status === 0) throw new Error('exit 0');
+  const lines = res.stderr.trim().split('\n');
+  if (lines.length !== 1 || !re.test(lines[0])) throw new Error(`stderr: ${JSON.stringify(res.stderr)}`);
+  const left = fs.existsSync(dir) ? fs.readdirSync(dir) : [];
+  if (left.length) throw new Error(`left in the output directory: ${left}`);
+}
+
 function checkShardHeader(shard) {
   expectEqual(shard.header.slice(0, 2), [20240520, 1], 'magic, version');
   if (shard.size !== 1024 + 2 * shard.header[2]) {
@@ -236,6 +278,117 @@ function main() {
       expectEqual(split.val[0].name, docs[19].name, 'first val document');
     });
 
+    // HellaSwag-style jsonl: a blank line and a CRLF line are allowed, the second example has 2 endings
+    const evalRecords = [
+      { ctx: 'Hello world', endings: ['world', 'there, friend.', 'everyone', '!'], label: 0 },
+      { ctx: 'Un café à Tōkyō — 東京 ', endings: ['naïve 🙂 résumé', 'über'], label: 1, split: 'val' },
+      { ctx: 'A man is sitting on a roof. He', endings: ['starts pulling up roofing.', 'is ripping level tiles off.',
+        'is holding a rubik\'s cube.', 'is using wrap to wrap a pair of skis.'], label: 3 },
+    ];
+    const evalFile = path.join(tmp, 'hs_small.jsonl');
+    fs.writeFileSync(evalFile, `${JSON.stringify(evalRecords[0])}\n\n${JSON.stringify(evalRecords[1])}\r\n${JSON.stringify(evalRecords[2])}\n`);
+    const evalOut = path.join(tmp, 'eval');
+    const evalBin = path.join(evalOut, 'hs_small.bin');
+    let evalRes = null;
+
+    check('--eval on a jsonl exits 0, writes DIR/NAME.bin only, prints a summary', () => {
+      evalRes = runPrepare(['-q', '--eval', evalFile, '--out', evalOut]);
+      if (evalRes.status !== 0) return `exit ${evalRes.status}: ${evalRes.stderr.trim()}`;
+      expectEqual(fs.readdirSync(evalOut), ['hs_small.bin'], 'files in the output directory');
+      if (!/^eval: 3 examples, 2-4 completions each, longest example \d+ bytes -> .*hs_small\.bin\n$/.test(evalRes.stdout)) {
+        return `stdout: ${JSON.stringify(evalRes.stdout)}`;
+      }
+    });
+
+    let evalParsed = null;
+    check('eval file: header [20240522, 1, 3, longest example bytes, 0...], no trailing bytes', () => {
+      evalParsed = readEvalFile(evalBin);
+      const h = evalParsed.header;
+      expectEqual(h.slice(0, 3), [20240522, 1, 3], 'magic, version, count');
+      expectEqual(evalParsed.examples.length, 3, 'examples in the stream');
+      expectEqual(h[3], Math.max(...evalParsed.examples.map((e) => e.length)), 'longest example (bytes)');
+      if (h.slice(4).some((x) => x !== 0)) return 'header words 4..255 not zero';
+      if (evalRes && !evalRes.stdout.includes(`longest example ${h[3]} bytes`)) return 'summary shows another length';
+    });
+
+    check('eval file: each example is 65535, its length in bytes, index, label, completions', () => {
+      if (!evalParsed) return 'no eval file';
+      evalParsed.examples.forEach((ex, i) => {
+        expectEqual([ex.start, ex.bytes, ex.index, ex.label, ex.endings.length],
+          [65535, ex.length, i, evalRecords[i].label, evalRecords[i].endings.length], `example ${i} fields`);
+      });
+    });
+
+    check('eval file: context = encode(ctx), completions = encode(" " + ending)', () => {
+      if (!evalParsed) return 'no eval file';
+      evalParsed.examples.forEach((ex, i) => {
+        expectEqual(ex.ctx, prep.encode(evalRecords[i].ctx), `example ${i} context`);
+        expectEqual(ex.endings, evalRecords[i].endings.map((e) => prep.encode(` ${e}`)), `example ${i} completions`);
+      });
+    });
+
+    check('eval file: "Hello world" context is [15496, 995], ending "world" is [995] (" world")', () => {
+      if (!evalParsed) return 'no eval file';
+      expectEqual(evalParsed.examples[0].ctx, [15496, 995], 'context');
+      expectEqual(evalParsed.examples[0].endings[0], [995], 'ending 0');
+    });
+
+    check('eval file equals the in-memory build', () => {
+      const examples = evalRecords.map((r) => prep.renderHellaSwag(r));
+      if (!fs.readFileSync(evalBin).equals(prep.evalFileBuffer(examples))) return 'differs';
+    });
+
+    check('evalFileBuffer refuses token 65535, examples of 65536 bytes, and 65536 examples', () => {
+      const ex = (ctxLen, tok = 11) => ({ label: 0, ctxTokens: new Array(ctxLen).fill(tok), endingTokens: [[12]] });
+      const refuses = (examples, re, what) => {
+        try {
+          prep.evalFileBuffer(examples);
+        } catch (err) {
+          if (!re.test(err.message)) throw new Error(`${what}: message ${JSON.stringify(err.message)}`);
+          return;
+        }
+        throw new Error(`${what}: accepted`);
+      };
+      refuses([ex(1, 65535)], /token id 65535/, 'token 65535');
+      // an example is 8 uint16 plus its context tokens here: 32759 tokens make 65534 bytes
+      expectEqual(prep.evalFileBuffer([ex(32759)]).readInt32LE(12), 65534, 'longest of a 65534-byte example');
+      refuses([ex(32760)], /65536 bytes/, '65536-byte example');
+      expectEqual(prep.evalFileBuffer(new Array(65535).fill(ex(1))).readInt32LE(8), 65535, 'count of 65535 examples');
+      refuses(new Array(65536).fill(ex(1)), /more than 65535 examples/, '65536 examples');
+    });
+
+    const badEval = (name, lines) => {
+      const f = path.join(tmp, `${name}.jsonl`);
+      fs.writeFileSync(f, `${lines.join('\n')}\n`);
+      const out = path.join(tmp, `out-${name}`);
+      fs.mkdirSync(out); // exists beforehand, so a left-over .tmp file would show
+      return { res: runPrepare(['-q', '--eval', f, '--out', out]), out };
+    };
+    const good = JSON.stringify(evalRecords[0]);
+
+    check('--eval, a line that is not JSON: one-line error naming file:line, nothing written', () => {
+      const { res, out } = badEval('notjson', [good, '', '{"ctx": "a", endings: ["b"]']);
+      checkFailed(res, /notjson\.jsonl:3: not valid JSON/, out);
+    });
+
+    check('--eval, a label out of range: one-line error naming file:line, nothing written', () => {
+      const { res, out } = badEval('badlabel', [good, JSON.stringify({ ctx: 'a', endings: ['b', 'c'], label: 2 })]);
+      checkFailed(res, /badlabel\.jsonl:2: label 2 is not an integer in \[0, 2\)/, out);
+    });
+
+    check('--eval, a missing label (HellaSwag test split): one-line error, nothing written', () => {
+      const { res, out } = badEval('nolabel', [JSON.stringify({ ctx: 'a', endings: ['b', 'c'] }), good]);
+      checkFailed(res, /nolabel\.jsonl:1: .*no label/, out);
+    });
+
+    check('--eval without --out, or with text files: usage errors', () => {
+      let res = runPrepare(['--eval', evalFile]);
+      if (res.status !== 2 || !/--eval needs an output directory/.test(res.stderr)) return `no --out: exit ${res.status}, ${res.stderr.trim()}`;
+      res = runPrepare(['--eval', evalFile, '--out', path.join(tmp, 'x'), singleFile]);
+      if (res.status !== 2 || !/--eval takes no text files/.test(res.stderr)) return `with files: exit ${res.status}, ${res.stderr.trim()}`;
+      if (fs.existsSync(path.join(tmp, 'x'))) return 'output directory created anyway';
+    });
+
     check('missing input file: one-line error, non-zero exit', () => {
       const res = runPrepare(['--tokenizer', tokPath, '--out', path.join(tmp, 'x'), path.join(tmp, 'nope.txt')]);
       if (res.status === 0) return 'exit 0';
@@ -254,7 +407,7 @@ function main() {
     check('--help prints usage and exits 0', () => {
       const res = runPrepare(['--help']);
       if (res.status !== 0) return `exit ${res.status}`;
-      if (!/^usage: /.test(res.stdout) || !/--out DIR/.test(res.stdout)) return 'no usage text';
+      if (!/^usage: /.test(res.stdout) || !/--out DIR/.test(res.stdout) || !/--eval FILE\.jsonl/.test(res.stdout)) return 'no usage text';
     });
   } finally {
     fs.rmSync(tmp, { recursive: true, force: true });
