@@ -95,10 +95,12 @@ static float validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline
 
 // The multiple-choice eval: this dp rank's share of its rows, B at a time through the stages as validation
 // batches go, each row's summed completion losses read on the last stage (from its cp group), summed over dp
-// and given to the other stages; every rank scores the same sums.
+// and given to the other stages; every rank scores the same sums. The rows are as long as the set needs, in
+// the layout's unit (cp's 2·cp chunks, each split over tp under sp) and in whole 64-token tiles, at most -t.
 template <typename floatX>
 static EvalResult evaluate(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
-                           const EvalSet& set, int B, int T) {
+                           const EvalSet& set, int B, int max_T) {
+    int T = set.row_tokens(max_T, std::lcm(64, 2 * grid.cp * grid.tp));
     std::vector<std::vector<int>> inputs(1), targets(1);
     auto forward = [&](const std::vector<int>& in, const std::vector<int>& out, const std::vector<int>& mask) {
         inputs[0] = in, targets[0] = out;

@@ -9,10 +9,13 @@
 // each completion's token count and tokens. (data_common.py's comment calls the longest example's length
 // uint16s; the value it writes, which this reader checks, is bytes.)
 //
-// Every completion becomes one row of T tokens: the context, then the completion, then padding. The row's
-// targets at the positions that predict the completion's tokens carry them and are counted (the mask); the
-// rest are ignored. The rows go through the model B at a time as validation batches do, so every layout scores
-// them with the same forward; this file knows nothing of the model, only of rows and their losses.
+// Every completion becomes one row: the context, then the completion, then padding. The row's targets at the
+// positions that predict the completion's tokens carry them and are counted (the mask); the rest are ignored.
+// The rows go through the model B at a time as validation batches do, so every layout scores them with the
+// same forward; this file knows nothing of the model, only of rows and their losses. A row is as long as the
+// longest example needs, rounded up to what the layout divides, not -t: multiple-choice examples are a few
+// sentences, far shorter than GPT-2's 1024 positions, and causal attention makes the padding after a
+// completion irrelevant to it.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +43,10 @@ struct EvalSet {
     std::vector<EvalExample> examples;
     std::vector<size_t> first_row;  // each example's first row, in the rows of the whole set
     size_t rows = 0;                // completions, all examples together
+    int longest_row = 0;            // the most positions a completion takes
+
+    // the row length to score with: longest_row rounded up to a multiple of `unit`, at most T
+    int row_tokens(int T, int unit) const { return std::min(T, (longest_row + unit - 1) / unit * unit); }
 };
 
 // Reads and checks a whole eval file (HellaSwag's validation set is 3.6 MB): any damage, a token outside the
@@ -62,7 +69,7 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
     std::vector<uint16_t> words((size - sizeof(header)) / 2);
     f.read(words.data(), words.size() * 2);
 
-    EvalSet set{path, {}, {}, 0};
+    EvalSet set{path, {}, {}, 0, 0};
     size_t at = 0;
     int longest_seen = 0;
     for (int i = 0; i < count; i++) {
@@ -95,6 +102,7 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
         e.context = tokens("context");
         for (int c = 0; c < completions; c++) {
             e.completions.push_back(tokens("completion"));
+            set.longest_row = std::max(set.longest_row, e.row_length(c));
             if (e.row_length(c) > T)
                 fail("%s: completion %d needs a row of %d tokens, more than -t %d", where().c_str(), c,
                      e.row_length(c), T);

@@ -103,23 +103,42 @@ void check_same_scores(const Scores& got, const Scores& want, double tol) {
     }
 }
 
+// A model file of `descriptor`'s shape, and its Hugging Face export for eval_reference.py: the model after one
+// step of training on the CPU (from a checkpoint, which is where a descriptor's model is first written)
+std::pair<std::string, std::string> trained_model(const Data& data, const TempDir& dir, const std::string& descriptor) {
+    std::string start = dir / "start", model = dir / "model.bin", hf = dir / "model_hf";
+    REQUIRE(single_ok("--device cpu " + data.flags(4, 64, 1, descriptor) + " -n 1", start));
+    REQUIRE(single(strfmt("--convert '%s/ckpt_00000001' --to '%s'", start.c_str(), model.c_str())).status == 0);
+    REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), hf.c_str())).status == 0);
+    return {model, hf};
+}
+
 TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with the same accuracy on one rank and "
           "under dp 2 (ZeRO-3), tp 2, cp 2 and pp 2",
           "[evals]") {
     Data data;
     TempDir dir;
-    for (const char* reference : {"reference", "reference_llama_gqa"}) {
-        INFO(reference);
-        bool gpt2 = std::string(reference) == "reference";
-        std::string model = strfmt("build/%s/model.bin", reference), hf = dir / (std::string(reference) + "_hf");
-        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), hf.c_str())).status == 0);
+    // the PyTorch reference GPT-2 and Llama (maxT 29: rows of -t 16), and a GPT-2 of maxT 128 scored with -t 128,
+    // whose rows are cut to 64 tokens: that one runs on every layout
+    auto [made, made_hf] = trained_model(data, dir, "d3c48h4t128v301");
+    struct Model {
+        std::string name, file, hf;
+        int T;
+    };
+    std::vector<Model> models{{"reference", "build/reference/model.bin", dir / "reference_hf", 16},
+                              {"reference_llama_gqa", "build/reference_llama_gqa/model.bin", dir / "llama_hf", 16},
+                              {"trained", made, made_hf, 128}};
+    for (const Model& m : models) {
+        INFO(m.name);
+        if (m.hf != made_hf)
+            REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", m.file.c_str(), m.hf.c_str())).status == 0);
         // 13 examples: dp ranks get 7 and 6, with other numbers of rows
-        Rng rng(gpt2 ? 31 : 32);
+        Rng rng(31 + m.T + m.name.size());
         std::vector<Example> examples = random_examples(13, 301, rng);
-        std::string eval = dir / (std::string(reference) + ".bin");
+        std::string eval = dir / (m.name + ".bin");
         write_eval_file(eval, examples);
         // the label where the reference's loss is lowest for two examples in three, the next completion else
-        Scores first = reference_scores(hf, eval);
+        Scores first = reference_scores(m.hf, eval);
         REQUIRE(first.answers.size() == examples.size());
         int planted = 0;
         for (size_t i = 0; i < examples.size(); i++) {
@@ -131,20 +150,20 @@ TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with
             planted += i % 3 != 0;
         }
         write_eval_file(eval, examples);
-        Scores want = reference_scores(hf, eval);
+        Scores want = reference_scores(m.hf, eval);
         REQUIRE(want.accuracy == strfmt("%d/13", planted));
 
         auto flags = [&](const std::string& scores) {
-            return data.flags(4, 128, 0, "'" + model + "'") +
-                   strfmt(" -v 1 --eval '%s' --debug-eval-scores '%s'", eval.c_str(), scores.c_str());
+            return data.flags(4, 4 * m.T * 2, 0, "'" + m.file + "'") +
+                   strfmt(" -t %d -v 1 --eval '%s' --debug-eval-scores '%s'", m.T, eval.c_str(), scores.c_str());
         };
-        std::string out = dir / (std::string(reference) + "_1"), scores = out + ".txt", output;
+        std::string out = dir / (m.name + "_1"), scores = out + ".txt", output;
         REQUIRE(single_ok(flags(scores), out, &output));
         CHECK(output.find(strfmt("eval: %d/13 = %.4f (%s)", planted, planted / 13.0, eval.c_str())) != std::string::npos);
         CHECK(read_file(out + "/main.log").find(strfmt("s:0 eval:%.4f\n", planted / 13.0)) != std::string::npos);
         Scores one = parse_scores(read_file(scores));
         check_same_scores(one, want, 1e-5);
-        if (!gpt2) continue;  // the layouts once, on GPT-2
+        if (m.file != made) continue;  // the layouts once
 
         struct Layout {
             const char* name;
@@ -163,22 +182,19 @@ TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with
 
 // The GPU runs the eval through the same forward, in bf16: the scores agree with PyTorch's within bf16's
 // rounding, and so do the answers wherever the reference's two lowest losses are further apart than that. The
-// model has the GPU kernels' head size of 64: a step of training on the CPU makes its file.
+// model has the GPU kernels' head size of 64; its rows are cut from -t 128 to 64 tokens.
 TEST_CASE("on the GPU, an eval file is scored as PyTorch scores it, within bf16's precision", "[evals][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
     Data data;
     TempDir dir;
-    std::string start = dir / "start", model = dir / "model.bin", hf = dir / "hf";
-    REQUIRE(single_ok("--device cpu " + data.flags(4, 64, 1, "d2c128h2t64v1000") + " -n 1", start));
-    REQUIRE(single(strfmt("--convert '%s/ckpt_00000001' --to '%s'", start.c_str(), model.c_str())).status == 0);
-    REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", model.c_str(), hf.c_str())).status == 0);
+    auto [model, hf] = trained_model(data, dir, "d2c128h2t128v1000");
     Rng rng(33);
     std::vector<Example> examples = random_examples(24, 1000, rng);
     std::string eval = dir / "eval.bin", scores = dir / "scores.txt";
     write_eval_file(eval, examples);
     Scores want = reference_scores(hf, eval);
-    REQUIRE(single_ok("--device cuda " + data.flags(4, 256, 0, "'" + model + "'") +
-                          strfmt(" -t 64 -v 1 --eval '%s' --debug-eval-scores '%s'", eval.c_str(), scores.c_str()),
+    REQUIRE(single_ok("--device cuda " + data.flags(4, 512, 0, "'" + model + "'") +
+                          strfmt(" -t 128 -v 1 --eval '%s' --debug-eval-scores '%s'", eval.c_str(), scores.c_str()),
                       dir / "gpu"));
     Scores got = parse_scores(read_file(scores));
     REQUIRE(got.answers.size() == want.answers.size());
@@ -207,6 +223,14 @@ TEST_CASE("a damaged eval file, or one that does not fit the model, is refused i
     CHECK(set.examples.size() == 4);
     CHECK(set.examples[2].context == examples[2].context);
     CHECK(set.examples[3].completions == examples[3].completions);
+    // the rows are as long as the longest completion needs, in the layout's unit, at most -t
+    int longest = 0;
+    for (const Example& e : examples)
+        for (const std::vector<int>& c : e.completions) longest = std::max(longest, (int)(e.context.size() + c.size()) - 1);
+    CHECK(set.longest_row == longest);
+    CHECK(set.row_tokens(128, 64) == 64);
+    CHECK(set.row_tokens(16, 64) == 16);
+    CHECK(set.row_tokens(1024, 4) == (longest + 3) / 4 * 4);
 
     // a copy of the good file with `edit` applied to its bytes, read with the vocab and T given
     auto refused = [&](const std::string& name, std::function<void(std::string&)> edit, const std::string& words,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_reference import ARCHITECTURES, BadInput, Config, Weights, read_bytes, read_weights  # noqa: E402
+from hf_reference import ARCHITECTURES, BadInput, Config, Weights, read_headed, read_weights  # noqa: E402
 
 EVAL_MAGIC, EVAL_VERSION, EXAMPLE_START = 20240522, 1, 65535
 # config.json's key for the longest row each architecture can take
@@ -35,12 +35,7 @@ POSITIONS = {"GPT2LMHeadModel": "n_positions", "LlamaForCausalLM": "max_position
 
 def read_eval(path):
     """[(index, label, context, [completion, ...])] of an eval file, token lists as Python ints, checked whole."""
-    data = read_bytes(path)
-    if len(data) < 1024:
-        raise BadInput(f"{path}: {len(data)} bytes, shorter than the 256-int32 header")
-    h = np.frombuffer(data, dtype="<i4", count=256)
-    if h[0] != EVAL_MAGIC or h[1] != EVAL_VERSION:
-        raise BadInput(f"{path}: magic {h[0]} version {h[1]}, not an eval file ({EVAL_MAGIC}, {EVAL_VERSION})")
+    data, h = read_headed(path, EVAL_MAGIC, EVAL_VERSION, "an eval file")
     n, longest = int(h[2]), int(h[3])
     if n <= 0:
         raise BadInput(f"{path}: the header says {n} examples")

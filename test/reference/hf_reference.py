@@ -103,14 +103,20 @@ def read_weights(d):
     return weights
 
 
-def read_state(path):
-    """The first micro-batch of a reference state file: inputs and targets (B, T), logits (B, T, V), loss."""
+def read_headed(path, magic, version, kind):
+    """The bytes of a file that starts with llm.c's header of 256 int32, magic and version first, and the header."""
     data = read_bytes(path)
     if len(data) < 1024:
         raise BadInput(f"{path}: {len(data)} bytes, shorter than the 256-int32 header")
     h = np.frombuffer(data, dtype="<i4", count=256)
-    if h[0] != STATE_MAGIC or h[1] != STATE_VERSION:
-        raise BadInput(f"{path}: magic {h[0]} version {h[1]}, not a state file ({STATE_MAGIC}, {STATE_VERSION})")
+    if h[0] != magic or h[1] != version:
+        raise BadInput(f"{path}: magic {h[0]} version {h[1]}, not {kind} ({magic}, {version})")
+    return data, h
+
+
+def read_state(path):
+    """The first micro-batch of a reference state file: inputs and targets (B, T), logits (B, T, V), loss."""
+    data, h = read_headed(path, STATE_MAGIC, STATE_VERSION, "a state file")
     B, T, V, micro = int(h[2]), int(h[3]), int(h[4]), int(h[12]) or 1  # GPT-2's writer leaves h[12] at 0
     n = micro * B * T  # inputs and targets of every micro-batch are stored, logits and loss of the first only
     if min(B, T, V, micro) <= 0 or len(data) < 1024 + 4 * (2 * n + B * T * V + 1):
