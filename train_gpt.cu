@@ -685,9 +685,11 @@ static int train(const Options& o, const RunSetup& run) {
     // the eval's accuracy at a validation step: to the console and main.log, and under --debug-eval-scores every
     // example's scores to that file (a collective)
     auto report_eval = [&](int step) {
+        double started = now_seconds();
         EvalResult r = evaluate(model, pipeline, pp, grid, *evals, o.B, o.T);
         if (!lead) return;
-        printf("eval: %d/%zu = %.4f (%s)\n", r.correct, r.answers.size(), r.accuracy(), o.eval_file.c_str());
+        printf("eval: %d/%zu = %.4f (%s, %.1f s)\n", r.correct, r.answers.size(), r.accuracy(), o.eval_file.c_str(),
+               now_seconds() - started);
         log.eval(step, r.accuracy());
         if (o.debug_eval_scores.empty()) return;
         std::string text = eval_score_lines(*evals, r);

@@ -159,7 +159,7 @@ TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with
         };
         std::string out = dir / (m.name + "_1"), scores = out + ".txt", output;
         REQUIRE(single_ok(flags(scores), out, &output));
-        CHECK(output.find(strfmt("eval: %d/13 = %.4f (%s)", planted, planted / 13.0, eval.c_str())) != std::string::npos);
+        CHECK(output.find(strfmt("eval: %d/13 = %.4f (%s, ", planted, planted / 13.0, eval.c_str())) != std::string::npos);
         CHECK(read_file(out + "/main.log").find(strfmt("s:0 eval:%.4f\n", planted / 13.0)) != std::string::npos);
         Scores one = parse_scores(read_file(scores));
         check_same_scores(one, want, 1e-5);
