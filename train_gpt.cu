@@ -395,7 +395,8 @@ static void check_resume_from(const RunInputs& inputs, const RunLayout& layout, 
 
 // -sl and -sg for the lines that say what a spike is and why a step skipped its update
 static std::string spike_subject(const Options& o) {
-    return o.spike_loss > 0.0f && o.spike_norm > 0.0f ? "loss or gradient norm" : o.spike_loss > 0.0f ? "loss" : "gradient norm";
+    if (o.spike_loss > 0.0f && o.spike_norm > 0.0f) return "loss or gradient norm";
+    return o.spike_loss > 0.0f ? "loss" : "gradient norm";
 }
 static std::string spike_limits(const Options& o) {
     if (o.spike_loss > 0.0f && o.spike_norm > 0.0f) return strfmt("%g (-sl) or %g (-sg)", o.spike_loss, o.spike_norm);
@@ -779,7 +780,8 @@ static int train(const Options& o, const RunSetup& run) {
         if (lead) {
             printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", lr, norm, ms, total_batch / (ms / 1000.0),
-                   skipped ? strfmt(" | update skipped: %s (%d in a row)", skip_reason(spike, o).c_str(), bad_steps).c_str() : "");
+                   skipped ? strfmt(" | update skipped: %s (%d in a row)", skip_reason(spike, o).c_str(), bad_steps).c_str()
+                           : "");
             if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent, ep_sent);
             fflush(stdout);
             log.train(step, (float)loss, lr, (float)norm, skipped, (float)aux, spike);

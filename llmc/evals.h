@@ -104,8 +104,8 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
             e.completions.push_back(tokens("completion"));
             set.longest_row = std::max(set.longest_row, e.row_length(c));
             if (e.row_length(c) > T)
-                fail("%s: completion %d needs a row of %d tokens, more than -t %d", where().c_str(), c,
-                     e.row_length(c), T);
+                fail("%s: completion %d needs a row of %d tokens, more than -t %d", where().c_str(), c, e.row_length(c),
+                     T);
         }
         if (next != end)
             fail("%s: %zu bytes in all, %zu more than its context and completions", where().c_str(), length * 2,
@@ -117,8 +117,8 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
         at = end;
     }
     if (at != words.size())
-        fail("%s: %zu bytes after the last of the %d examples its header counts", path.c_str(),
-             (words.size() - at) * 2, count);
+        fail("%s: %zu bytes after the last of the %d examples its header counts", path.c_str(), (words.size() - at) * 2,
+             count);
     if (longest != longest_seen)
         fail("%s: the header says the longest example has %d bytes, the longest has %d", path.c_str(), longest,
              longest_seen);

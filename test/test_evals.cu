@@ -159,7 +159,8 @@ TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with
         };
         std::string out = dir / (m.name + "_1"), scores = out + ".txt", output;
         REQUIRE(single_ok(flags(scores), out, &output));
-        CHECK(output.find(strfmt("eval: %d/13 = %.4f (%s, ", planted, planted / 13.0, eval.c_str())) != std::string::npos);
+        std::string line = strfmt("eval: %d/13 = %.4f (%s, ", planted, planted / 13.0, eval.c_str());
+        CHECK(output.find(line) != std::string::npos);
         CHECK(read_file(out + "/main.log").find(strfmt("s:0 eval:%.4f\n", planted / 13.0)) != std::string::npos);
         Scores one = parse_scores(read_file(scores));
         check_same_scores(one, want, 1e-5);
@@ -226,7 +227,8 @@ TEST_CASE("a damaged eval file, or one that does not fit the model, is refused i
     // the rows are as long as the longest completion needs, in the layout's unit, at most -t
     int longest = 0;
     for (const Example& e : examples)
-        for (const std::vector<int>& c : e.completions) longest = std::max(longest, (int)(e.context.size() + c.size()) - 1);
+        for (const std::vector<int>& c : e.completions)
+            longest = std::max(longest, (int)(e.context.size() + c.size()) - 1);
     CHECK(set.longest_row == longest);
     CHECK(set.row_tokens(128, 64) == 64);
     CHECK(set.row_tokens(16, 64) == 16);
