@@ -393,21 +393,6 @@ static void check_resume_from(const RunInputs& inputs, const RunLayout& layout, 
     check_resumable(layout, read_manifest_layout(dir + "/manifest.txt"), dir);
 }
 
-// -sl and -sg for the lines that say what a spike is and why a step skipped its update
-static std::string spike_subject(const Options& o) {
-    if (o.spike_loss > 0.0f && o.spike_norm > 0.0f) return "loss or gradient norm";
-    return o.spike_loss > 0.0f ? "loss" : "gradient norm";
-}
-static std::string spike_limits(const Options& o) {
-    if (o.spike_loss > 0.0f && o.spike_norm > 0.0f) return strfmt("%g (-sl) or %g (-sg)", o.spike_loss, o.spike_norm);
-    return strfmt("%g", o.spike_loss > 0.0f ? o.spike_loss : o.spike_norm);
-}
-static std::string skip_reason(const Spike& spike, const Options& o) {
-    if (!spike.found()) return "not finite";
-    return strfmt("%s %.2f standard deviations above its mean over the last %d steps (%s %g)", spike.what, spike.z,
-                  o.spike_window, strcmp(spike.what, "loss") == 0 ? "-sl" : "-sg", spike.limit);
-}
-
 // what run() decided from the flags, for the training run
 struct RunSetup {
     GPTConfig config;
@@ -597,10 +582,7 @@ static int train(const Options& o, const RunSetup& run) {
         if (evals)
             printf("eval: %zu examples (%zu completions) in %s, scored at every validation\n", evals->examples.size(),
                    evals->rows, o.eval_file.c_str());
-        if (o.spike_loss > 0.0f || o.spike_norm > 0.0f)
-            printf("spikes: a step whose %s lies more than %s standard deviations above its mean over the newest %d "
-                   "steps that updated skips its update\n", spike_subject(o).c_str(), spike_limits(o).c_str(),
-                   o.spike_window);
+        if (spikes.on()) printf("spikes: %s\n", spikes.rule().c_str());
         if (!o.out_dir.empty()) {
             make_dirs(o.out_dir);
             log.open(o.out_dir, resume_dir.empty() ? -1 : state.step);
@@ -780,7 +762,8 @@ static int train(const Options& o, const RunSetup& run) {
         if (lead) {
             printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
                    aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", lr, norm, ms, total_batch / (ms / 1000.0),
-                   skipped ? strfmt(" | update skipped: %s (%d in a row)", skip_reason(spike, o).c_str(), bad_steps).c_str()
+                   skipped ? strfmt(" | update skipped: %s (%d in a row)",
+                                    spike.found() ? spikes.reason(spike).c_str() : "not finite", bad_steps).c_str()
                            : "");
             if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent, ep_sent);
             fflush(stdout);

@@ -90,7 +90,8 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
         size_t next = at + 5;
         // a count and that many tokens, within the example; every token in the vocab
         auto tokens = [&](const char* what) {
-            if (next >= end || words[next] < 1 || next + 1 + words[next] > end)
+            if (next < end && words[next] == 0) fail("%s: an empty %s", where().c_str(), what);
+            if (next >= end || next + 1 + words[next] > end)
                 fail("%s: the %s's token count runs past the example's %zu bytes", where().c_str(), what, length * 2);
             std::vector<int> out(words.begin() + next + 1, words.begin() + next + 1 + words[next]);
             next += 1 + words[next];

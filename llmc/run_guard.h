@@ -1,8 +1,7 @@
 // What guards a run against the world around it: a lock that keeps a second run out of its output directory,
 // and the handling of the signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) that turns the first of them into a
-// checkpoint and a clean stop. Both
-// are state of the whole process (a file descriptor held open, a signal handler), so they live here rather than
-// in the training story of train_gpt.cu.
+// checkpoint and a clean stop. Both are state of the whole process (a file descriptor held open, a signal
+// handler), so they live here rather than in the training story of train_gpt.cu.
 #pragma once
 
 #include <errno.h>

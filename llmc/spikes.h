@@ -39,9 +39,11 @@ struct ZWindow {
     }
 };
 
-// what a step's loss and norm make of it: skip it (`what` names the value, z its score) or update
+// what a step's loss and norm make of it: skip it (`what` names the value, `flag` its limit's flag, z its score)
+// or update
 struct Spike {
     const char* what = nullptr;  // "loss" or "norm", or null: no spike
+    const char* flag = nullptr;  // "-sl" or "-sg"
     double z = 0.0, limit = 0.0;
     bool found() const { return what != nullptr; }
 };
@@ -51,10 +53,11 @@ struct SpikeGuard {
     int window = 128;                            // --spike-window
     ZWindow loss, norm;
 
+    bool on() const { return loss_limit > 0.0f || norm_limit > 0.0f; }
     Spike check(double loss_value, double norm_value) const {
         double zl = loss.zscore(loss_value, window), zn = norm.zscore(norm_value, window);
-        if (loss_limit > 0.0f && zl > loss_limit) return Spike{"loss", zl, loss_limit};
-        if (norm_limit > 0.0f && zn > norm_limit) return Spike{"norm", zn, norm_limit};
+        if (loss_limit > 0.0f && zl > loss_limit) return Spike{"loss", "-sl", zl, loss_limit};
+        if (norm_limit > 0.0f && zn > norm_limit) return Spike{"norm", "-sg", zn, norm_limit};
         return Spike{};
     }
     // the windows a checkpoint held, their newest values when this run keeps fewer
@@ -67,5 +70,22 @@ struct SpikeGuard {
     void record(double loss_value, double norm_value) {
         loss.push(loss_value, window);
         norm.push(norm_value, window);
+    }
+
+    // the run's first lines: what a spike is, with the limits set
+    std::string rule() const {
+        std::string values = loss_limit > 0.0f && norm_limit > 0.0f ? "loss or gradient norm"
+                             : loss_limit > 0.0f                   ? "loss"
+                                                                   : "gradient norm";
+        std::string limits = loss_limit > 0.0f && norm_limit > 0.0f
+                                 ? strfmt("%g (-sl) or %g (-sg)", loss_limit, norm_limit)
+                                 : strfmt("%g", loss_limit > 0.0f ? loss_limit : norm_limit);
+        return strfmt("a step whose %s lies more than %s standard deviations above its mean over the newest %d steps "
+                      "that updated skips its update", values.c_str(), limits.c_str(), window);
+    }
+    // why a step skipped its update, for its line
+    std::string reason(const Spike& spike) const {
+        return strfmt("%s %.2f standard deviations above its mean over the last %d steps (%s %g)", spike.what, spike.z,
+                      window, spike.flag, spike.limit);
     }
 };

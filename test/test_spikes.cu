@@ -10,9 +10,9 @@ constexpr int WINDOW = 24, STEPS = 70;
 const std::vector<int> PLANTED{40, 55};  // the steps (main.log's s:STEP) that read the outlier batches
 
 // Shards of vocab 301 with global batches of 64 tokens; the train shard's batches 40 and 55 (and the one token
-// after each, the last target) are token 5 repeated, where the rest follows Data's learnable rule. The runs read
-// the shard in order (--shuffle 0), so step s reads batch s: the one setting here that is not the default, so
-// that the planted batches land on known steps.
+// after each, the last target) are token 5 repeated, where the rest follows Data's learnable rule. Most runs read
+// the shard in order (--shuffle 0), so step s reads batch s and the planted batches land on known steps; two
+// read it shuffled, as runs do by default, on one rank and under dp 2, and must skip the same steps.
 struct PlantedData {
     TempDir dir;
     PlantedData() {
@@ -22,10 +22,12 @@ struct PlantedData {
         write_shard(dir / "train.bin", train);
         write_shard(dir / "val.bin", Data::learnable_tokens(1200, rng));
     }
-    std::string flags(int b, const std::string& spikes) const {
+    // b sequences per rank per micro-step: 2 micro-steps of a global batch of 64 tokens on one rank with -b 2,
+    // and under dp 2 with -b 1
+    std::string flags(int b, const std::string& spikes, int shuffle = 0, int steps = STEPS) const {
         return strfmt("-e d3c33h3t32v301 -i '%s' -j '%s' -t 16 -b %d -d 64 -x %d -v 0 -s 0 -l 3e-3 -u 3 -q 0.1 -c 0.1 "
-                      "--seed 7 --shuffle 0 --bucket-mb 0.06 --spike-window %d %s",
-                      (dir / "train.bin").c_str(), (dir / "val.bin").c_str(), b, STEPS, WINDOW, spikes.c_str());
+                      "--seed 7 --shuffle %d --bucket-mb 0.06 --spike-window %d %s",
+                      (dir / "train.bin").c_str(), (dir / "val.bin").c_str(), b, steps, shuffle, WINDOW, spikes.c_str());
     }
 };
 
@@ -48,32 +50,39 @@ TEST_CASE("-sl and -sg skip exactly the steps that read planted outlier batches,
     TempDir out;
     std::string output;
     SECTION("without -sl and -sg nothing is skipped") {
-        REQUIRE(single_ok(data.flags(4, ""), out / "off"));
+        REQUIRE(single_ok(data.flags(2, ""), out / "off"));
         CHECK(skipped_steps(out / "off", "z").empty());
     }
     SECTION("by the loss, and by the gradient norm, on one rank") {
-        REQUIRE(single_ok(data.flags(4, "-sl 6 -sg 8"), out / "both", &output));
+        REQUIRE(single_ok(data.flags(2, "-sl 6 -sg 8"), out / "both", &output));
         CHECK(skipped_steps(out / "both", "zloss:") == PLANTED);
         CHECK(output.find("spikes: a step whose loss or gradient norm lies more than 6 (-sl) or 8 (-sg) standard "
                           "deviations above its mean over the newest 24 steps that updated") != std::string::npos);
         CHECK(output.find("update skipped: loss ") != std::string::npos);
-        REQUIRE(single_ok(data.flags(4, "-sg 8"), out / "norm", &output));
+        REQUIRE(single_ok(data.flags(2, "-sg 8"), out / "norm", &output));
         CHECK(skipped_steps(out / "norm", "znorm:") == PLANTED);
         CHECK(output.find("above its mean over the last 24 steps (-sg 8) (1 in a row)") != std::string::npos);
         // a step is measured only against a full window: none of the first 24 is skipped, however low the limit
-        REQUIRE(single_ok(data.flags(4, "-sg 0.01 --max-bad-steps 100"), out / "low", &output));
+        REQUIRE(single_ok(data.flags(2, "-sg 0.01 --max-bad-steps 100"), out / "low", &output));
         std::vector<int> low = skipped_steps(out / "low", "znorm:");
         CHECK(low.size() > 10);
         CHECK(*std::min_element(low.begin(), low.end()) >= WINDOW);
     }
+    SECTION("with the default --shuffle 1, over one epoch, one rank and dp 2 skip the same steps") {
+        REQUIRE(single_ok(data.flags(2, "-sl 6 -sg 8", 1, 93), out / "shuffled1"));
+        REQUIRE(train_ok(2, data.flags(1, "-sl 6 -sg 8", 1, 93), out / "shuffled2"));
+        std::vector<int> one = skipped_steps(out / "shuffled1", "z");
+        CHECK(!one.empty());
+        CHECK(skipped_steps(out / "shuffled2", "z") == one);
+    }
     SECTION("under dp 2, and resumed from a checkpoint between the planted steps") {
         std::string whole = out / "whole", resumed = out / "resumed";
-        REQUIRE(train_ok(2, data.flags(2, "-sl 6 -sg 8 -n 10"), whole));
+        REQUIRE(train_ok(2, data.flags(1, "-sl 6 -sg 8 -n 10"), whole));
         CHECK(skipped_steps(whole, "zloss:") == PLANTED);
         // the run as if it had stopped after its checkpoint of step 50: the later checkpoints gone
         REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000060' '%s/ckpt_00000070'", whole.c_str(),
                                    resumed.c_str(), resumed.c_str(), resumed.c_str())).status == 0);
-        REQUIRE(train_ok(2, data.flags(2, "-sl 6 -sg 8 -n 10 -y 1"), resumed));
+        REQUIRE(train_ok(2, data.flags(1, "-sl 6 -sg 8 -n 10 -y 1"), resumed));
         CHECK(read_file(resumed + "/main.log") == read_file(whole + "/main.log"));
         for (const char* file : {"model.bin", "state_rank0.bin", "optimizer_rank0.bin", "manifest.txt"}) {
             INFO(file);
