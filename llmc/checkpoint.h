@@ -608,10 +608,9 @@ struct ListedFile {
 
 // Fails with one line naming the file and the reason unless the manifest of out_dir/ckpt_STEP matches its own
 // checksum and records the run's inputs, it lists exactly the files its layout implies, every one exists, and
-// the directory name, the manifest, the
-// state and the optimizer files agree on the step (the optimizer files on AdamW's, which trails the step by the
-// updates skipped as non-finite). Reads the manifest and the files' headers only; returns the files it lists,
-// whose contents verify_files checks.
+// the directory name, the manifest, the state and the optimizer files agree on the step (the optimizer files on
+// AdamW's, which trails the step by the skipped updates). Reads the manifest and the files' headers only; returns
+// the files it lists, whose contents verify_files checks.
 inline std::vector<ListedFile> verify_manifest(const std::string& out_dir, int step) {
     std::string dir = out_dir + "/" + checkpoint_name(step);
     std::string manifest = dir + "/manifest.txt";

@@ -1,5 +1,6 @@
 # Sourced (not run) by the training scripts: launch_forwarding_stop runs a launcher (mpirun, srun) and passes a
-# stop request that reaches this script on to it as SIGUSR1.
+# stop request that reaches this script on to it as SIGUSR1; requeue_after_notice puts a Slurm job that the
+# advance notice stopped back in the queue.
 #
 # Why SIGUSR1: train_gpt stops after its current step with a checkpoint on the first SIGTERM, SIGINT, SIGUSR1 or
 # SIGUSR2 (exit 5), however long the step and the checkpoint take. OpenMPI's mpirun passes SIGUSR1 on to every
@@ -44,4 +45,15 @@ launch_forwarding_stop() {
     done
     trap - TERM INT USR1 USR2
     return "$status"
+}
+
+# requeue_after_notice STATUS: after launch_forwarding_stop under Slurm, requeues the job when the advance SIGUSR1
+# stopped it (STATUS, the launcher's, is 5, or the status srun gives when --kill-on-bad-exit ends the tasks still
+# finalizing after the first one left): the checkpoint is written, and the requeued job resumes from it. A
+# SIGTERM (scancel, or the time limit itself) is not requeued.
+requeue_after_notice() {
+    if [ "$STOP_SIGNAL" = SIGUSR1 ] && [ "$1" != 0 ]; then
+        echo "job $SLURM_JOB_ID: stopped by the advance SIGUSR1 (exit $1); requeued to go on from its checkpoint"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
 }

@@ -319,7 +319,6 @@ inline double loss_at(const std::map<std::string, double>& v, const std::string&
 }
 inline bool rel_close(double a, double b, double tol) { return fabs(a - b) <= tol * fabs(b); }
 
-// the contract for a refused layout: exit status 1 and one line, "train_gpt: ...", mentioning every word
 // starts a shell command line in the background, its output going to `log`; the pid is the command's own (the
 // shell execs it), so that signals reach it
 inline pid_t start_command(const std::string& command, const std::string& log) {
@@ -356,6 +355,7 @@ inline int finish(pid_t pid) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// the contract for a refused layout: exit status 1 and one line, "train_gpt: ...", mentioning every word
 inline void check_one_line_error(const CommandResult& r, const std::vector<std::string>& words) {
     INFO("exit status " << r.status << ", output:\n" << r.output);
     CHECK(r.status == 1);
