@@ -76,7 +76,7 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         if (fp8_gpu_problem().empty()) {
             uint8_t* a8 = led.alloc<floatX, uint8_t>(MEM_SCRATCH, rows * largest);
             uint8_t* w8 = led.alloc<floatX, uint8_t>(MEM_SCRATCH, largest * largest);
-            float* ones = led.alloc<floatX, float>(MEM_SCRATCH, 2);  // a scale and its inverse, both 1
+            float* ones = led.alloc<floatX, float>(MEM_SCRATCH, 2);  // a scale and its inverse, both 1: the GEMM reads the first, 256-byte aligned
             const float one_one[2] = {1.0f, 1.0f};
             device_upload<floatX>(ones, one_one, 2);
             fp8_quantize(a8, nullptr, a, rows, largest, 0, ones, Fp8Format::E4M3);
@@ -84,8 +84,8 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
             for (auto [size, rate] : h.matmul_tflops) {
                 long n = (long)size;
                 double s = seconds_per_call<floatX>([&] {
-                    cublaslt_matmul(out, w8, a8, nullptr, nullptr, true, false, n, rows, n, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
-                                    main_stream(), GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, ones + 1, ones + 1});
+                    fp8_gemm(out, w8, Fp8Format::E4M3, ones, a8, Fp8Format::E4M3, ones, n, rows, n, 0.0f,
+                             CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Forward);
                 });
                 h.fp8_matmul_tflops.push_back({size, 2.0 * rows * n * n / s / 1e12});
             }

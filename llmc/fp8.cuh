@@ -199,16 +199,22 @@ inline long fp8_padded(long rows) { return (rows + 15) / 16 * 16; }
 
 enum Fp8Operand { FP8_INPUT = 0, FP8_WEIGHT = 1, FP8_GRAD = 2 };
 
+// Each operand's scale and inverse sit 8 floats apart, the inverse on a 16-byte boundary: the inverses are what
+// cuBLASLt's A and B scale pointers read, its documentation states no alignment for them, and so they get the
+// 16 bytes FP8 GEMMs ask of every other pointer (TransformerEngine's and PyTorch's are allocations of their own)
+constexpr int FP8_SCALE_STRIDE = 8, FP8_SCALE_FLOATS = 3 * FP8_SCALE_STRIDE;
+
 template <typename floatX>
 struct Fp8Scaling {
     // a cast operand: on the GPU the code, on the CPU the value the GPU's GEMM makes of it (llmc/fp8.cuh's top)
     using Code = std::conditional_t<device_of<floatX> == Device::CUDA, uint8_t, float>;
     Code *input = nullptr, *weight = nullptr, *grad = nullptr, *grad_t = nullptr;  // grad_t: the GPU's only
-    float* scales = nullptr;  // per operand (Fp8Operand) its scale and inverse, on the device of floatX
-    float* amaxes = nullptr;  // the group's amaxes of the operand in hand
+    float* scales = nullptr;  // per operand (Fp8Operand) its scale and inverse (FP8_SCALE_FLOATS), on the device of floatX
+    float* amaxes = nullptr;  // the group's amaxes of the operand in hand, after the scales
     Comm* group = nullptr;    // the ranks holding pieces of the same tensors (null: this rank alone)
 
-    const float* inverse(Fp8Operand o) const { return scales + 2 * o + 1; }
+    float* pair(Fp8Operand o) const { return scales + FP8_SCALE_STRIDE * o + 3; }
+    const float* inverse(Fp8Operand o) const { return pair(o) + 1; }
 
     // x (rows×cols) cast as operand o in format f with a scale shared over the group: into out, and on the GPU
     // its transpose into out_t (cols×ld_t); either may be null
@@ -216,8 +222,8 @@ struct Fp8Scaling {
         int pieces = group ? group->size : 1, mine = group ? group->rank : 0;
         fp8_amax(amaxes + mine, x, rows * cols);
         if (pieces > 1) group->wait(group->all_gather(amaxes + mine, amaxes, 1, DType::F32));
-        fp8_make_scale(scales + 2 * o, amaxes, pieces, f, x);
-        fp8_quantize(out, out_t, x, rows, cols, ld_t, scales + 2 * o, f);
+        fp8_make_scale(pair(o), amaxes, pieces, f, x);
+        fp8_quantize(out, out_t, x, rows, cols, ld_t, pair(o), f);
     }
 };
 
@@ -231,7 +237,7 @@ inline Fp8Sizes fp8_sizes(long rows, long input_cols, long output_cols, size_t w
     bool gpu = dev == Device::CUDA;
     size_t padded = gpu ? fp8_padded(rows) : rows;
     return {padded * input_cols, weight_elements, (size_t)rows * output_cols, gpu ? (size_t)output_cols * padded : 0,
-            (size_t)6 + group};
+            (size_t)FP8_SCALE_FLOATS + group};
 }
 inline size_t fp8_bytes(const Fp8Sizes& s, Device dev) {
     size_t code = dev == Device::CUDA ? 1 : sizeof(float);
@@ -261,8 +267,96 @@ inline void fp8_check_gpu() {
 }
 
 // ----------------------------------------------------------------------------------------------------------
+// How cuBLASLt runs an FP8 GEMM. One function, fp8_gemm_plan, decides the layout, the types, the epilogue and the
+// kernels that run beside it for every FP8 GEMM (a layer's three, the experts', the calibration's), from what the
+// bf16 GEMM in its place would ask. Its rules are cuBLASLt's documented requirements for FP8 (cublasLtMatmul) and
+// what production FP8 code runs (TransformerEngine's cublaslt_gemm.cu, PyTorch's scaled_gemm):
+//   types     A and B E4M3 or E5M2 but not both E5M2 (the table of FP8 type combinations has no E5M2 × E5M2);
+//             C = D = bf16, C being D itself (in place: same type, same layout); the bias bf16 (the table's
+//             bias type for a bf16 D); fp32 compute and scale types; one fp32 scale per tensor, through the A
+//             and B scale pointers (no D scale or amax: D is not FP8)
+//   layout    TN only: A transposed and B not, both operands K-major with leading dimension k ("A must be
+//             transposed and B non-transposed" on Ada and Hopper); k and m multiples of 16 and every pointer
+//             16-byte aligned (16-byte leading dimensions and pointers, which FP8 kernels require where bf16
+//             ones only prefer them)
+//   epilogue  DEFAULT or BIAS, the two that TransformerEngine's default FP8 path and PyTorch's scaled_mm run.
+//             The rest run as separate kernels, from today's bf16 path: the forward's GELU (the GEMM writes the
+//             pre-activation, the GELU kernel the activation), the bias gradient that BGRADB would fold in (it
+//             would overwrite rather than accumulate, and sum the quantized gradient; the recipe sums dout
+//             itself, as TransformerEngine does beside its cast), and the GELU backward of DGELU and DGELU_BGRAD
+//   accumulation  fast in the forward, promoted to fp32 periodically in the two gradient GEMMs: the split
+//             TransformerEngine's recipes default to (fprop fast, dgrad and wgrad with a split accumulator)
+// The CPU Catch2 case "fp8 GEMM plan" holds the function to this table.
+
+enum class GemmPass { Forward, Backward };  // the forward's GEMM, or one of the two gradient GEMMs
+
+struct Fp8GemmRequest {
+    cublasLtEpilogue_t epilogue;  // what the bf16 GEMM in its place would ask cuBLASLt for
+    GemmPass pass;
+    cudaDataType_t a, b;          // cuBLASLt's A and B
+    bool transa, transb;
+    long m, n, k;                 // D is m×n, the sum runs over k
+    int align_a, align_b, align_d;  // bytes (pointer_alignment)
+};
+
+struct Fp8GemmPlan {
+    std::string refused;  // why cuBLASLt cannot run it; empty when it can
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;  // what cuBLASLt is asked for
+    bool fast_accum = false;
+    // the separate kernels that run instead of the epilogue: GELU of the GEMM's output, GELU's backward, the
+    // bias gradient (a column sum of the unquantized output gradient)
+    bool gelu = false, gelu_backward = false, bias_grad = false;
+};
+
+inline Fp8GemmPlan fp8_gemm_plan(const Fp8GemmRequest& r) {
+    Fp8GemmPlan p;
+    auto refuse = [&](std::string why) {
+        p.refused = why;
+        return p;
+    };
+    if (!is_fp8_type(r.a) || !is_fp8_type(r.b))
+        return refuse("A and B must both be FP8 (E4M3 or E5M2)");
+    if (r.a == CUDA_R_8F_E5M2 && r.b == CUDA_R_8F_E5M2) return refuse("E5M2 x E5M2 is no FP8 type combination of cuBLASLt");
+    if (!r.transa || r.transb) return refuse("FP8 GEMMs are TN only: A transposed, B not");
+    if (r.m % 16 || r.k % 16) return refuse(strfmt("m %ld and k %ld must be multiples of 16", r.m, r.k));
+    if (r.align_a < 16 || r.align_b < 16 || r.align_d < 16)
+        return refuse(strfmt("A, B and D must be 16-byte aligned (they are %d, %d and %d)", r.align_a, r.align_b, r.align_d));
+    p.fast_accum = r.pass == GemmPass::Forward;
+    switch (r.epilogue) {
+        case CUBLASLT_EPILOGUE_DEFAULT: break;
+        case CUBLASLT_EPILOGUE_BIAS: p.epilogue = CUBLASLT_EPILOGUE_BIAS; break;
+        case CUBLASLT_EPILOGUE_GELU_AUX: p.gelu = true; break;
+        case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: p.epilogue = CUBLASLT_EPILOGUE_BIAS, p.gelu = true; break;
+        case CUBLASLT_EPILOGUE_BGRADB: p.bias_grad = true; break;
+        case CUBLASLT_EPILOGUE_DGELU: p.gelu_backward = true; break;
+        case CUBLASLT_EPILOGUE_DGELU_BGRAD: p.gelu_backward = true, p.bias_grad = true; break;
+        default: return refuse(strfmt("epilogue %d is none a linear layer asks for", (int)r.epilogue));
+    }
+    return p;
+}
+
+inline cudaDataType_t fp8_cuda_type(Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+// D[m×n] (bf16, ld m) = a_inverse·b_inverse·Aᵀ·B + beta·D for codes A (k×m, ld k) and B (k×n, ld k), as
+// fp8_gemm_plan runs the GEMM that `wish` describes: the GEMM itself, with the bias when the plan keeps it in the
+// epilogue. Returns the plan; the caller, which holds their operands, runs the separate kernels it lists.
+inline Fp8GemmPlan fp8_gemm(bf16* d, const uint8_t* a, Fp8Format fa, const float* a_inverse, const uint8_t* b,
+                            Fp8Format fb, const float* b_inverse, long m, long n, long k, float beta,
+                            cublasLtEpilogue_t wish, GemmPass pass, const bf16* bias = nullptr) {
+    Fp8GemmRequest r{wish, pass, fp8_cuda_type(fa), fp8_cuda_type(fb), true, false, m, n, k,
+                     pointer_alignment(a), pointer_alignment(b), pointer_alignment(d)};
+    Fp8GemmPlan plan = fp8_gemm_plan(r);
+    if (!plan.refused.empty())
+        fail("--fp8 1: the GEMM m=%ld n=%ld k=%ld (%s x %s) cannot run in FP8: %s", m, n, k, fp8_name(fa), fp8_name(fb),
+             plan.refused.c_str());
+    cublaslt_matmul(d, a, b, plan.epilogue == CUBLASLT_EPILOGUE_BIAS ? bias : nullptr, nullptr, true, false, m, n, k, beta,
+                    plan.epilogue, main_stream(), GemmOperands{r.a, r.b, a_inverse, b_inverse, plan.fast_accum});
+    return plan;
+}
+
+// ----------------------------------------------------------------------------------------------------------
 // the three GEMMs of a linear layer, as matmul.cuh's entry points take them. The CPU's run through those entry
-// points on the cast values; the GPU's through cuBLASLt's FP8 kernels.
+// points on the cast values; the GPU's through fp8_gemm.
 
 // out[N×OC] = inp · Wᵀ + bias; with pre_gelu, pre_gelu takes that and out its GELU
 inline void fp8_matmul_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias, long N,
@@ -276,8 +370,12 @@ inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const
                                long C, long OC, float*, const Fp8Scaling<bf16>& q) {
     q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
     q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
-    matmul_forward_cuda(out, q.input, q.weight, bias, N, C, OC, pre_gelu, main_stream(),
-                        GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, q.inverse(FP8_WEIGHT), q.inverse(FP8_INPUT)});
+    cublasLtEpilogue_t wish = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
+                                       : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+    // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N); with GELU the GEMM writes pre_gelu, and the GELU kernel out
+    Fp8GemmPlan plan = fp8_gemm(pre_gelu ? pre_gelu : out, q.weight, Fp8Format::E4M3, q.inverse(FP8_WEIGHT), q.input,
+                                Fp8Format::E4M3, q.inverse(FP8_INPUT), OC, N, C, 0.0f, wish, GemmPass::Forward, bias);
+    if (plan.gelu) gelu_forward(out, pre_gelu, N * OC);
 }
 
 // dinp[N×C] = dout · W (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout, from
@@ -296,15 +394,15 @@ inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf
     q.cast(q.grad, dweight ? q.grad_t : nullptr, dout, N, OC, padded, FP8_GRAD, Fp8Format::E5M2);
     if (dinp) {  // dinpᵀ[C×N] = (Wᵀ as OC×C)ᵀ · (dout as OC×N)
         q.cast(nullptr, q.weight, weight, OC, C, OC, FP8_WEIGHT, Fp8Format::E4M3);
-        cublaslt_matmul(dinp, q.weight, q.grad, nullptr, nullptr, true, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
-                        main_stream(), GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, q.inverse(FP8_WEIGHT), q.inverse(FP8_GRAD)});
+        fp8_gemm(dinp, q.weight, Fp8Format::E4M3, q.inverse(FP8_WEIGHT), q.grad, Fp8Format::E5M2, q.inverse(FP8_GRAD), C,
+                 N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Backward);
     }
     if (dweight) {  // dWᵀ[C×OC] += (inpᵀ as N×C)ᵀ · (doutᵀ as N×OC), over the padded rows
         q.cast(nullptr, q.input, inp, N, C, padded, FP8_INPUT, Fp8Format::E4M3);
-        cublaslt_matmul(dweight, q.input, q.grad_t, nullptr, nullptr, true, false, C, OC, padded, 1.0f,
-                        CUBLASLT_EPILOGUE_DEFAULT, main_stream(),
-                        GemmOperands{CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, q.inverse(FP8_INPUT), q.inverse(FP8_GRAD)});
+        fp8_gemm(dweight, q.input, Fp8Format::E4M3, q.inverse(FP8_INPUT), q.grad_t, Fp8Format::E5M2, q.inverse(FP8_GRAD),
+                 C, OC, padded, 1.0f, dbias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Backward);
     }
+    // the bias gradient, which fp8_gemm_plan never folds into an FP8 GEMM (bias_grad): the column sums of dout
     if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 

@@ -609,7 +609,7 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m) {
     Fp8Scaling<floatX>& q = m.fp8;
     q.input = codes(z.input), q.weight = codes(z.weight), q.grad = codes(z.grad), q.grad_t = codes(z.grad_t);
     q.scales = m.ledger.template alloc<floatX, float>(MEM_SCRATCH, z.floats);
-    q.amaxes = q.scales + 6;
+    q.amaxes = q.scales + FP8_SCALE_FLOATS;
     m.fp8_experts = q;
     m.fp8_on = true;
 }

@@ -193,21 +193,26 @@ inline int pointer_alignment(const void* p) {
 }
 
 // What A and B hold: bf16, or FP8 codes with the device pointers to the factors that turn them back into values
-// (llmc/fp8.cuh); D = alpha·a_scale·b_scale·op(A)·op(B). cuBLASLt's FP8 kernels take only A transposed and B not.
+// (llmc/fp8.cuh, whose fp8_gemm_plan decides every field of an FP8 GEMM); D = alpha·a_scale·b_scale·op(A)·op(B).
+// fast_accum: FP8 only, accumulate in the tensor cores' own precision without periodic promotion to fp32.
 struct GemmOperands {
     cudaDataType_t a = CUDA_R_16BF, b = CUDA_R_16BF;
     const float *a_scale = nullptr, *b_scale = nullptr;
+    bool fast_accum = false;
 };
 
+inline bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
+
 // D[m×n] (column-major, ld m) = op(A)·op(B) + beta·D, op(X) = Xᵀ when trans; leading dimensions follow from
-// the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks.
+// the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks. C is D
+// itself (same type, same layout: cuBLASLt allows it in place), always bf16.
 inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* bias, bf16* aux, bool transa,
                             bool transb, long m, long n, long k, float beta, cublasLtEpilogue_t epilogue,
                             cudaStream_t stream, GemmOperands in = {}) {
-    // the key holds everything the heuristic sees: the shapes, the types, the epilogue, and the alignment of
-    // every pointer set before it runs (a, b, d, and the epilogue's bias and aux), so no plan is reused on a
-    // less-aligned pointer
-    static std::map<std::array<long, 14>, MatmulPlan> plans;
+    // the key holds everything the descriptor and the heuristic see: the shapes, the types, the epilogue, fast
+    // accumulation, and the alignment of every pointer set before it runs (a, b, d, and the epilogue's bias and
+    // aux), so no plan is reused on a less-aligned pointer
+    static std::map<std::array<long, 15>, MatmulPlan> plans;
     CublasLtContext& ctx = cublaslt();
     // the pointers the epilogue and the FP8 scales read, set on the plan's descriptor before every call (and
     // before the heuristic, which may look at them)
@@ -224,7 +229,7 @@ inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
             cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in.b_scale,
                                                         sizeof(in.b_scale)));
     };
-    std::array<long, 14> key{transa,
+    std::array<long, 15> key{transa,
                              transb,
                              m,
                              n,
@@ -237,7 +242,14 @@ inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
                              aux ? pointer_alignment(aux) : 0,
                              bias ? pointer_alignment(bias) : 0,
                              (long)in.a,
-                             (long)in.b};
+                             (long)in.b,
+                             in.fast_accum};
+    auto describe = [&]() {
+        return strfmt("m=%ld n=%ld k=%ld transa=%d transb=%d epilogue=%d types A=%d B=%d C=D=bf16 fast_accum=%d "
+                      "alignment A=%ld B=%ld D=%ld aux=%ld bias=%ld",
+                      m, n, k, (int)transa, (int)transb, (int)epilogue, (int)in.a, (int)in.b, (int)in.fast_accum, key[7],
+                      key[8], key[9], key[10], key[11]);
+    };
     auto it = plans.find(key);
     if (it == plans.end()) {
         MatmulPlan p;
@@ -248,13 +260,28 @@ inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
         cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
                                                     sizeof(epilogue)));
         cudaDataType_t bf16_type = CUDA_R_16BF;
-        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type,
-                                                    sizeof(bf16_type)));
+        // the bias's and the aux matrix's types only when the epilogue has them, as TransformerEngine and
+        // PyTorch set them (a type attribute set for a vector the epilogue lacks is one more field the FP8
+        // kernels' checks see)
+        if (bias)
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type,
+                                                        sizeof(bf16_type)));
         if (aux) {
             int64_t ld = m;
             cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
             cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
                                                         &bf16_type, sizeof(bf16_type)));
+        }
+        if (is_fp8_type(in.a) || is_fp8_type(in.b)) {
+            // FP8: both fields explicit, as TransformerEngine sets them: fast accumulation on or off, and one
+            // fp32 scale per tensor (the scale mode cuBLAS 12.8 added, whose default this is)
+            int8_t fast = in.fast_accum;
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+#if CUBLAS_VERSION >= 120800
+            cublasLtMatmulMatrixScale_t scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &scalar, sizeof(scalar)));
+            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &scalar, sizeof(scalar)));
+#endif
         }
         cublas_check(cublasLtMatrixLayoutCreate(&p.a, in.a, transa ? k : m, transa ? m : k, transa ? k : m));
         cublas_check(cublasLtMatrixLayoutCreate(&p.b, in.b, transb ? n : k, transb ? k : n, transb ? n : k));
@@ -274,32 +301,46 @@ inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
         cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
                                                           sizeof(align_d)));
         set_pointers(p);
-        cublasLtMatmulHeuristicResult_t result;
-        int found = 0;
-        cublas_check(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found));
+        // A result is usable only when its state says so (the other fields are undefined otherwise), its workspace
+        // fits, and cublasLtMatmulAlgoCheck accepts it for these exact descriptors: the first of the heuristic's
+        // candidates that passes all three, rather than its first one unchecked
+        constexpr int CANDIDATES = 8;
+        cublasLtMatmulHeuristicResult_t results[CANDIDATES];
+        int found = 0, usable = -1;
+        cublas_check(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.desc, p.a, p.b, p.d, p.d, pref, CANDIDATES, results,
+                                                    &found));
         cublas_check(cublasLtMatmulPreferenceDestroy(pref));
-        if (found == 0)
-            fail("cuBLASLt has no algorithm for m=%ld n=%ld k=%ld transa=%d transb=%d epilogue=%d types A=%d B=%d", m, n,
-                 k, (int)transa, (int)transb, (int)epilogue, (int)in.a, (int)in.b);
-        p.algo = result.algo;
+        for (int i = 0; i < found && usable < 0; i++) {
+            cublasLtMatmulHeuristicResult_t checked;
+            if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ctx.workspace_bytes &&
+                cublasLtMatmulAlgoCheck(ctx.handle, p.desc, p.a, p.b, p.d, p.d, &results[i].algo, &checked) ==
+                    CUBLAS_STATUS_SUCCESS &&
+                checked.workspaceSize <= ctx.workspace_bytes)
+                usable = i;
+        }
+        if (usable < 0) fail("cuBLASLt has no usable algorithm (%d candidates) for %s", found, describe().c_str());
+        p.algo = results[usable].algo;
         it = plans.emplace(key, p).first;
     }
     MatmulPlan& p = it->second;
     set_pointers(p);
     float alpha = 1.0f;
-    cublas_check(cublasLtMatmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
-                                ctx.workspace, ctx.workspace_bytes, stream));
+    cublasStatus_t status = cublasLtMatmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
+                                           ctx.workspace, ctx.workspace_bytes, stream);
+    if (status != CUBLAS_STATUS_SUCCESS)
+        fail("cublasLtMatmul: cuBLAS error %d for %s (CUBLASLT_LOG_LEVEL=4 has cuBLASLt say more)", (int)status,
+             describe().c_str());
 }
 
 // out[N×OC] = inp[N×C] · weight[OC×C]ᵀ + bias[OC] (bias may be null). When pre_gelu is not null the GELU is
-// fused: pre_gelu receives inp·Wᵀ + bias and out its GELU (cuBLASLt's tanh approximation, as GPT-2's). inp and
-// weight are bf16, or FP8 codes as `in` says (the weight is cuBLASLt's A, the input its B).
-inline void matmul_forward_cuda(bf16* out, const void* inp, const void* weight, const bf16* bias, long N, long C,
-                                long OC, bf16* pre_gelu, cudaStream_t stream, GemmOperands in = {}) {
+// fused: pre_gelu receives inp·Wᵀ + bias and out its GELU (cuBLASLt's tanh approximation, as GPT-2's). bf16
+// (FP8 GEMMs go through llmc/fp8.cuh's fp8_gemm).
+inline void matmul_forward_cuda(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C,
+                                long OC, bf16* pre_gelu, cudaStream_t stream) {
     cublasLtEpilogue_t epilogue = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
                                            : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
     // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N)
-    cublaslt_matmul(out, weight, inp, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue, stream, in);
+    cublaslt_matmul(out, weight, inp, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue, stream);
 }
 
 // The bias gradient is a column sum of dout: memory-bound (N·OC bf16 read once), and it must accumulate (+=)

@@ -2,7 +2,9 @@
 // host conversion (cuda_fp8.h, written independently of it): every code of E4M3 and E5M2 decodes as CUDA decodes
 // it and round-trips, ties go to even, values past the maximum saturate, NaN stays NaN, and a scaled tensor's
 // cast errs by at most half a step of its grid. The CPU's FP8 GEMMs against a direct sum over the cast operands.
-// On a GPU, the cast kernels bit for bit against the software cast, and each FP8 GEMM against the CPU emulation.
+// fp8_gemm_plan, which decides how cuBLASLt runs every FP8 GEMM, against cuBLASLt's documented FP8 table.
+// On a GPU, the cast kernels bit for bit against the software cast, and each FP8 GEMM (with the separate GELU and
+// bias-gradient kernels the plan puts beside it) against the CPU emulation.
 // Then the recipe in training: a 4-layer GPT-2 and a small Llama, 200 steps on the State of the Union with and
 // without --fp8 1 (validation losses within 2%, no step skipped); layouts with --fp8 1 against the single-rank
 // --fp8 1 run (a tensor split over tp or cp is cast with the whole tensor's scale); the ledger against --plan.
@@ -140,9 +142,9 @@ TEST_CASE("fp8 cast: a random tensor scaled by format max / amax errs by at most
 struct CpuFp8 {
     std::vector<float> input, weight, grad, scales;
     Fp8Scaling<float> q;
-    CpuFp8(long rows, long cols) : input(rows * cols), weight(cols * cols), grad(rows * cols), scales(8) {
+    CpuFp8(long rows, long cols) : input(rows * cols), weight(cols * cols), grad(rows * cols), scales(FP8_SCALE_FLOATS + 1) {
         q.input = input.data(), q.weight = weight.data(), q.grad = grad.data();
-        q.scales = scales.data(), q.amaxes = scales.data() + 6;
+        q.scales = scales.data(), q.amaxes = scales.data() + FP8_SCALE_FLOATS;
     }
 };
 
@@ -217,6 +219,78 @@ TEST_CASE("fp8 GEMMs on the CPU equal a direct sum over the cast operands: forwa
     CHECK(diff > 1e-3);
 }
 
+// cuBLASLt's FP8 table as its documentation states it (cublasLtMatmul's FP8 requirements and type table), written
+// here apart from fp8_gemm_plan: which A/B types pair, TN only, 16-byte leading dimensions and pointers, and the
+// epilogues FP8 GEMMs run (DEFAULT, BIAS) with what each wish of the bf16 path becomes
+struct DocumentedEpilogue {
+    cublasLtEpilogue_t wish, asked;
+    bool gelu, gelu_backward, bias_grad;
+};
+const DocumentedEpilogue FP8_EPILOGUES[] = {
+    {CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_DEFAULT, false, false, false},
+    {CUBLASLT_EPILOGUE_BIAS, CUBLASLT_EPILOGUE_BIAS, false, false, false},
+    {CUBLASLT_EPILOGUE_GELU_AUX, CUBLASLT_EPILOGUE_DEFAULT, true, false, false},
+    {CUBLASLT_EPILOGUE_GELU_AUX_BIAS, CUBLASLT_EPILOGUE_BIAS, true, false, false},
+    {CUBLASLT_EPILOGUE_BGRADB, CUBLASLT_EPILOGUE_DEFAULT, false, false, true},
+    {CUBLASLT_EPILOGUE_DGELU, CUBLASLT_EPILOGUE_DEFAULT, false, true, false},
+    {CUBLASLT_EPILOGUE_DGELU_BGRAD, CUBLASLT_EPILOGUE_DEFAULT, false, true, true},
+};
+bool documented_pair(cudaDataType_t a, cudaDataType_t b) {
+    bool fp8_a = a == CUDA_R_8F_E4M3 || a == CUDA_R_8F_E5M2, fp8_b = b == CUDA_R_8F_E4M3 || b == CUDA_R_8F_E5M2;
+    return fp8_a && fp8_b && !(a == CUDA_R_8F_E5M2 && b == CUDA_R_8F_E5M2);
+}
+
+TEST_CASE("fp8 GEMM plan: the types, the TN layout, the alignment and the epilogues of cuBLASLt's documented FP8 table; "
+          "E5M2 x E5M2 refused; GELU, its backward and the bias gradient mapped to separate kernels", "[fp8]") {
+    const cudaDataType_t types[] = {CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, CUDA_R_16BF, CUDA_R_32F};
+    const cublasLtEpilogue_t others[] = {CUBLASLT_EPILOGUE_RELU, CUBLASLT_EPILOGUE_GELU, CUBLASLT_EPILOGUE_GELU_BIAS,
+                                         CUBLASLT_EPILOGUE_BGRADA, CUBLASLT_EPILOGUE_RELU_BIAS};
+    int accepted = 0, refused = 0;
+    for (cudaDataType_t a : types)
+        for (cudaDataType_t b : types)
+            for (int layout = 0; layout < 4; layout++)
+                for (GemmPass pass : {GemmPass::Forward, GemmPass::Backward}) {
+                    bool transa = layout & 1, transb = layout & 2;
+                    bool runs = documented_pair(a, b) && transa && !transb;
+                    for (const DocumentedEpilogue& e : FP8_EPILOGUES) {
+                        // n = 40: only m and k, the leading dimensions, need multiples of 16
+                        Fp8GemmPlan p = fp8_gemm_plan({e.wish, pass, a, b, transa, transb, 48, 40, 64, 256, 16, 256});
+                        INFO("A " << a << " B " << b << " transa " << transa << " transb " << transb << " epilogue "
+                                  << e.wish << ": " << p.refused);
+                        REQUIRE(p.refused.empty() == runs);
+                        if (!runs) {
+                            refused++;
+                            continue;
+                        }
+                        accepted++;
+                        CHECK(p.epilogue == e.asked);
+                        CHECK(p.gelu == e.gelu);
+                        CHECK(p.gelu_backward == e.gelu_backward);
+                        CHECK(p.bias_grad == e.bias_grad);
+                        CHECK(p.fast_accum == (pass == GemmPass::Forward));  // TransformerEngine's split
+                    }
+                    for (cublasLtEpilogue_t other : others)  // epilogues outside the table: never asked for in FP8
+                        CHECK(!fp8_gemm_plan({other, pass, a, b, transa, transb, 48, 40, 64, 256, 256, 256}).refused.empty());
+                }
+    CHECK(accepted == 3 * 2 * 7);  // E4M3×E4M3, E4M3×E5M2, E5M2×E4M3, TN, each pass and wish
+    CHECK(refused == (16 * 4 - 3) * 2 * 7);
+    // E5M2 × E5M2 says why
+    Fp8GemmPlan e5 = fp8_gemm_plan({CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Backward, CUDA_R_8F_E5M2, CUDA_R_8F_E5M2, true,
+                                    false, 48, 40, 64, 256, 256, 256});
+    CHECK(e5.refused.find("E5M2 x E5M2") != std::string::npos);
+    // 16-byte leading dimensions (m and k for the 8-bit A and B, m for D) and pointers
+    auto plan = [](long m, long k, int align_a, int align_b, int align_d) {
+        return fp8_gemm_plan({CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Forward, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, true, false,
+                              m, 40, k, align_a, align_b, align_d});
+    };
+    CHECK(plan(48, 64, 16, 16, 16).refused.empty());
+    CHECK(!plan(40, 64, 256, 256, 256).refused.empty());
+    CHECK(!plan(48, 72, 256, 256, 256).refused.empty());
+    CHECK(!plan(48, 64, 8, 256, 256).refused.empty());
+    CHECK(!plan(48, 64, 256, 8, 256).refused.empty());
+    CHECK(!plan(48, 64, 256, 256, 8).refused.empty());
+}
+
 // ----------------------------------------------------------------------------------------------------------
 // on a GPU
 
@@ -256,55 +330,71 @@ TEST_CASE("CUDA fp8 cast kernels equal the software cast bit for bit, with the t
     }
 }
 
-TEST_CASE("CUDA fp8 GEMMs (cuBLASLt, E4M3 x E4M3 and E5M2) match the CPU emulation: forward with bias and GELU, input, "
-          "weight and bias gradients, rows that are no multiple of 16", "[cuda][fp8]") {
+TEST_CASE("CUDA fp8 GEMMs (cuBLASLt, E4M3 x E4M3 and E5M2) match the CPU emulation: forward with bias (epilogue) and GELU "
+          "(its separate kernel), input and weight gradients, the bias gradient (its separate kernel); rows that are no "
+          "multiple of 16, and a layer of the model's widths", "[cuda][fp8]") {
     SKIP_WITHOUT_GPU_CASE();
-    std::string why;
     cudaDeviceProp prop;
     cuda_check(cudaGetDeviceProperties(&prop, 0));
     if (prop.major * 10 + prop.minor < 89) {
         WARN("skipped: no FP8 tensor cores on " << prop.name);
         return;
     }
-    const long N = 40, C = 64, OC = 48;
-    Rng rng(10);
-    std::vector<float> x = random_bf16_values(N * C, rng), w = random_bf16_values(OC * C, rng, 0.2f),
-                       bias = random_bf16_values(OC, rng), dout = random_bf16_values(N * OC, rng, 1e-3f),
-                       dw0 = random_bf16_values(OC * C, rng), db0 = random_bf16_values(OC, rng);
-    // the CPU emulation on the same (bf16) values
-    CpuFp8 cpu(N, C);
-    std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
-    std::vector<float> out(N * OC), pre(N * OC), act(N * OC), dinp(N * C), dweight = dw0, dbias = db0;
-    matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
-    matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
-    matmul_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &cpu.q);
-    // the GPU
-    Fp8Sizes z = fp8_sizes(N, C, std::max(C, OC), (size_t)OC * C, 1, Device::CUDA);
-    DeviceArray<uint8_t> input(z.input), weight(z.weight), grad(z.grad), grad_t(z.grad_t);
-    DeviceArray<float> floats(z.floats), scratch(matmul_backward_scratch_floats(N, OC));
-    gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
-    Fp8Scaling<bf16> q;
-    q.input = input.ptr, q.weight = weight.ptr, q.grad = grad.ptr, q.grad_t = grad_t.ptr;
-    q.scales = floats.ptr, q.amaxes = floats.ptr + 6;
-    DeviceArray<bf16> d_x(N * C), d_w(OC * C), d_bias(OC), d_dout(N * OC), d_out(N * OC), d_pre(N * OC), d_dinp(N * C),
-        d_dw(OC * C), d_db(OC);
-    upload(d_x, x), upload(d_w, w), upload(d_bias, bias), upload(d_dout, dout), upload(d_dw, dw0), upload(d_db, db0);
-    auto check = [](const char* what, const std::vector<float>& gpu, const std::vector<float>& emulated) {
-        Comparison c = compare_rms(gpu, emulated, 2e-2);
-        INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance");
-        CHECK(c.pass());
+    // the plans these calls get: GELU and the bias gradient run as separate kernels, which this case then checks
+    Fp8GemmPlan gelu = fp8_gemm_plan({CUBLASLT_EPILOGUE_GELU_AUX_BIAS, GemmPass::Forward, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3,
+                                      true, false, 48, 40, 64, 256, 256, 256});
+    Fp8GemmPlan dbias = fp8_gemm_plan({CUBLASLT_EPILOGUE_BGRADB, GemmPass::Backward, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2, true,
+                                       false, 64, 48, 48, 256, 256, 256});
+    REQUIRE((gelu.gelu && gelu.epilogue == CUBLASLT_EPILOGUE_BIAS && dbias.bias_grad));
+    struct Shape {
+        long N, C, OC;
     };
-    matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
-    check("forward", download(d_out), out);
-    d_out.poison();
-    matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
-    check("forward before GELU", download(d_pre), pre);
-    check("GELU", download(d_out), act);
-    matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, nullptr, &q);
-    check("input gradient", download(d_dinp), dinp);
-    check("weight gradient (accumulated)", download(d_dw), dweight);
-    check("bias gradient (accumulated)", download(d_db), dbias);
-    gpu_scratch_registry() = GpuScratch{};
+    for (Shape shape : {Shape{40, 64, 48}, Shape{256, 384, 128}}) {
+        const long N = shape.N, C = shape.C, OC = shape.OC;
+        INFO("N " << N << " C " << C << " OC " << OC);
+        Rng rng(10);
+        std::vector<float> x = random_bf16_values(N * C, rng), w = random_bf16_values(OC * C, rng, 0.2f),
+                           bias = random_bf16_values(OC, rng), dout = random_bf16_values(N * OC, rng, 1e-3f),
+                           dw0 = random_bf16_values(OC * C, rng), db0 = random_bf16_values(OC, rng);
+        // the CPU emulation on the same (bf16) values
+        CpuFp8 cpu(N, C);
+        std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+        std::vector<float> out(N * OC), pre(N * OC), act(N * OC), dinp(N * C), dweight = dw0, dbias_ref = db0;
+        matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
+        matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
+        matmul_backward(dinp.data(), dweight.data(), dbias_ref.data(), dout.data(), x.data(), w.data(), N, C, OC, ws.data(),
+                        &cpu.q);
+        // the GPU
+        Fp8Sizes z = fp8_sizes(N, C, std::max(C, OC), (size_t)OC * C, 1, Device::CUDA);
+        DeviceArray<uint8_t> input(z.input), weight(z.weight), grad(z.grad), grad_t(z.grad_t);
+        DeviceArray<float> floats(z.floats), scratch(matmul_backward_scratch_floats(N, OC));
+        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
+        Fp8Scaling<bf16> q;
+        q.input = input.ptr, q.weight = weight.ptr, q.grad = grad.ptr, q.grad_t = grad_t.ptr;
+        q.scales = floats.ptr, q.amaxes = floats.ptr + FP8_SCALE_FLOATS;
+        REQUIRE(pointer_alignment(q.inverse(FP8_WEIGHT)) >= 16);
+        DeviceArray<bf16> d_x(N * C), d_w(OC * C), d_bias(OC), d_dout(N * OC), d_out(N * OC), d_pre(N * OC), d_dinp(N * C),
+            d_dw(OC * C), d_db(OC);
+        upload(d_x, x), upload(d_w, w), upload(d_bias, bias), upload(d_dout, dout), upload(d_dw, dw0), upload(d_db, db0);
+        auto check = [](const char* what, const std::vector<float>& gpu, const std::vector<float>& emulated) {
+            Comparison c = compare_rms(gpu, emulated, 2e-2);
+            INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance");
+            CHECK(c.pass());
+        };
+        d_out.poison();
+        matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        check("forward", download(d_out), out);
+        d_out.poison(), d_pre.poison();
+        matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        check("forward before GELU", download(d_pre), pre);
+        check("GELU", download(d_out), act);
+        d_dinp.poison();
+        matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, nullptr, &q);
+        check("input gradient", download(d_dinp), dinp);
+        check("weight gradient (accumulated)", download(d_dw), dweight);
+        check("bias gradient (accumulated)", download(d_db), dbias_ref);
+        gpu_scratch_registry() = GpuScratch{};
+    }
 }
 
 // ----------------------------------------------------------------------------------------------------------
