@@ -3,8 +3,10 @@
 # baseline binary (built from the commit before the change) and with ./train_gpt, and compares what they print
 # (timings removed), their main.log lines and every checkpoint file, byte for byte. A refactor that claims "the
 # same bits" proves it here; the commands cover one rank, -r 2, accumulation with weight decay, experts, and
-# under mpirun tp+sp, ZeRO-3, a zero-bubble pipeline, ep with ZeRO-1, cp and tp x pp; --plan on both devices,
-# --search and --convert.
+# under mpirun tp+sp, ZeRO-3, a zero-bubble pipeline, ep with ZeRO-1, cp and tp x pp; a Llama of GPT-2's 50257
+# tokens (a vocab that is no multiple of 128, padded in memory), untied and tied, on one rank, under tp 2, ZeRO-2
+# and pp 2, resumed under tp 2 and converted to llm.c's and Hugging Face's files; --plan on both devices, --search
+# and --convert.
 #
 #   git worktree add /tmp/before HEAD~1 && make -C /tmp/before train_gpt
 #   bash dev/same_results.sh /tmp/before/train_gpt
@@ -66,14 +68,22 @@ run_case pp2_zb "mpirun 2" -e d4c64h4t64 -b 1 -t 32 -x 4 -v 2 -m 2 -s 0 -l 1e-3 
 run_case ep2_zero1 "mpirun 2" -e d2c48h4t64e4k2 $small --ep 2 -z 1 -n 6
 run_case cp2 "mpirun 2" -e d2c64h4t64 $small --cp 2 -n 6
 run_case tp2_pp2 "mpirun 4" -e d4c64h4t64 -b 1 -t 32 -x 4 -v 2 -m 2 -s 0 -l 1e-3 -c 0.1 -d 128 --tp 2 --pp 2 -z 1 -n 4
+run_case llama "" -e l2c64h4g2t64 $small -n 3
+run_case llama_tied "" -e l2c64h4g2t64w $small -n 6
+run_case llama_tp2 "mpirun 2" -e l2c64h4g2t64 $small --tp 2 -n 6
+run_case llama_zero2 "mpirun 2" -e l2c64h4g2t64 $small -z 2 -n 6
+run_case llama_pp2 "mpirun 2" -e l4c64h4g2t64w -b 1 -t 32 -x 4 -v 2 -m 2 -s 0 -l 1e-3 -c 0.1 -d 128 --pp 2 -n 4
 # resumes: the one-rank run's step-3 checkpoint under tp 2, and the tp x pp run's under one rank
 for side in base new; do
     bin=$BASE; [ $side = new ] && bin=$NEW
-    cp -r "$WORK/$side/one" "$WORK/$side/one_resumed" && rm -f "$WORK/$side/one_resumed/ckpt_00000006/"* &&
-        rmdir "$WORK/$side/one_resumed/ckpt_00000006"
+    for run in one llama; do
+        cp -r "$WORK/$side/$run" "$WORK/$side/${run}_resumed" && rm -f "$WORK/$side/${run}_resumed/ckpt_00000006/"* &&
+            rmdir "$WORK/$side/${run}_resumed/ckpt_00000006"
+    done
 done
 OUTFLAG=
 run_case resume_tp2 "mpirun 2" -e d2c64h4t64 $small --tp 2 -y 1 -o '$WORK/$side/one_resumed'
+run_case llama_resume_tp2 "mpirun 2" -e l2c64h4g2t64 $small --tp 2 -y 1 -o '$WORK/$side/llama_resumed'
 run_case convert "" --convert '$WORK/$side/one/ckpt_00000006' --to '$WORK/$side/converted.bin'
 cmp -s "$WORK/base/converted.bin" "$WORK/new/converted.bin" && echo "same    converted.bin" ||
     { differ=$((differ + 1)); echo "DIFFERS converted.bin"; }
@@ -81,6 +91,15 @@ run_case convert_bf16 "" --convert '$WORK/$side/one/ckpt_00000006' --to '$WORK/$
 cmp -s "$WORK/base/converted16.bin" "$WORK/new/converted16.bin" && echo "same    converted16.bin" ||
     { differ=$((differ + 1)); echo "DIFFERS converted16.bin"; }
 run_case init_from_file "" -e '$WORK/$side/converted.bin' $small -x 2 -s 0
+run_case llama_convert "" --convert '$WORK/$side/llama_tied/ckpt_00000006' --to '$WORK/$side/llama.bin'
+cmp -s "$WORK/base/llama.bin" "$WORK/new/llama.bin" && echo "same    llama.bin" ||
+    { differ=$((differ + 1)); echo "DIFFERS llama.bin"; }
+run_case llama_hf "" --convert '$WORK/$side/llama.bin' --to '$WORK/$side/llama_hf' --format hf
+for f in config.json model.safetensors; do
+    cmp -s "$WORK/base/llama_hf/$f" "$WORK/new/llama_hf/$f" && echo "same    llama_hf/$f" ||
+        { differ=$((differ + 1)); echo "DIFFERS llama_hf/$f"; }
+done
+run_case llama_from_hf "" -e '$WORK/$side/llama_hf' $small -x 2 -s 0
 run_case plan_cpu "" -e d12 -b 4 -t 1024 --plan --world 8 --tp 2 --pp 2 -z 1 -r 1
 run_case plan_gpu "" -e d48 -b 8 -t 1024 --device cuda --plan --world 64 --tp 4 --pp 4 --pp-schedule interleaved --vpp 2 -z 1 --cp 2
 run_case plan_gpu_moe "" -e d12e8k2 -b 4 -t 1024 --device cuda --plan --world 16 --ep 4 -z 2 --pp 2 --pp-schedule zb

@@ -12,6 +12,8 @@
 //                        every rank writes), in parallel: a header, the first moments, the second moments, then
 //                        the index, one entry per slice: (tensor, layer, expert, first element, count) of the
 //                        model's tensors. A resuming rank reads every index and takes exactly its elements.
+//                        Neither file holds the padding rows a Llama's vocab has in memory only (zero, with
+//                        zero moments), so a Llama's checkpoints read the same with and without them.
 //   state_rank0.bin      the step, the data position in global batches (DataPosition), the sampler's RNG and
 //                        the spike statistics (llmc/spikes.h).
 //   manifest.txt         the layout that wrote it, the run's inputs and every file's checksum.
@@ -396,9 +398,10 @@ inline RunLayout read_manifest_layout(const std::string& path) {
 }
 
 // The moments of the elements this rank keeps, in the order of its runs, then the index of the slices they form;
-// returns the checksum of the bytes written.
+// returns the checksum of the bytes written. Like model.bin, the file holds no padding rows that the model file
+// lacks (a Llama's vocab rows past V, whose moments are zero), so its index is the same with or without them.
 inline uint64_t write_optimizer(const std::string& path, const ModelState& m) {
-    const std::vector<ShareRun>& runs = m.optimizer_runs;
+    const std::vector<ShareRun> runs = stored_runs(m.config, m.optimizer_runs);
     std::vector<OptimizerSlice> index;
     uint64_t elements = 0;
     for (const ShareRun& r : runs) {
@@ -420,7 +423,8 @@ inline uint64_t write_optimizer(const std::string& path, const ModelState& m) {
 
 // Restores this rank's moments (m.optimizer_runs) from every optimizer file of a checkpoint (`files` of them),
 // whatever layout wrote them: each file's index says which elements of the model it holds. An element no file
-// holds, a malformed index, and a NaN or Inf (named by its tensor) are refused. One file is open at a time.
+// holds, a malformed index, and a NaN or Inf (named by its tensor) are refused. One file is open at a time. The
+// padding rows no file holds (write_optimizer) get zero moments, as they have in a run that never stopped.
 inline void read_optimizer(const std::string& dir, int files, const ModelState& m) {
     struct Piece {
         size_t whole, count;  // in the whole model
@@ -479,6 +483,10 @@ inline void read_optimizer(const std::string& dir, int files, const ModelState& 
     };
     std::vector<Read> reads;
     for (const ShareRun& r : m.optimizer_runs) {
+        std::fill(m.adam_m + r.local, m.adam_m + r.local + r.count, 0.0f);
+        std::fill(m.adam_v + r.local, m.adam_v + r.local + r.count, 0.0f);
+    }
+    for (const ShareRun& r : stored_runs(m.config, m.optimizer_runs)) {
         for (size_t g = r.whole; g < r.whole + r.count;) {
             auto it = std::upper_bound(cover.begin(), cover.end(), g, [](size_t at, const Piece& p) { return at < p.whole; });
             if (it == cover.begin() || g >= std::prev(it)->whole + std::prev(it)->count)

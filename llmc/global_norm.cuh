@@ -2,23 +2,40 @@
 // order, so the result does not depend on the thread count; doubles keep a 1.5B-element sum accurate.
 #pragma once
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
-inline double sum_of_squares(const float* x, long n) {
+// (offset, count) ranges of one buffer, in order
+using BufferRanges = std::vector<std::pair<long, long>>;
+
+// Σ x² over ranges of x taken as one sequence: the blocks are the sequence's, so a gap between ranges (the padding
+// rows of a Llama's vocab, which its files lack) leaves the bits those elements give back to back in one buffer
+inline double sum_of_squares(const float* x, const BufferRanges& ranges) {
     constexpr long BLOCK = 1 << 16;
+    std::vector<long> starts;  // where each range starts in the sequence
+    long n = 0;
+    for (const auto& r : ranges) starts.push_back(n), n += r.second;
     long blocks = (n + BLOCK - 1) / BLOCK;
     std::vector<double> partial(blocks);
 #pragma omp parallel for
     for (long b = 0; b < blocks; b++) {
-        long end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+        long i = b * BLOCK, end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+        size_t k = std::upper_bound(starts.begin(), starts.end(), i) - starts.begin() - 1;  // the range holding i
         double s = 0.0;
-        for (long i = b * BLOCK; i < end; i++) s += (double)x[i] * x[i];
+        for (; i < end; k++) {
+            long stop = std::min(end, starts[k] + ranges[k].second);
+            const float* p = x + ranges[k].first + (i - starts[k]);  // element i of the sequence
+            for (long j = 0; j < stop - i; j++) s += (double)p[j] * p[j];
+            i = stop;
+        }
         partial[b] = s;
     }
     double total = 0.0;
     for (double p : partial) total += p;
     return total;
 }
+inline double sum_of_squares(const float* x, long n) { return sum_of_squares(x, BufferRanges{{0, n}}); }
 
 // the factor that brings the gradient norm down to max_norm when it is above (1 otherwise)
 inline float clip_scale(double norm, float max_norm) { return norm > max_norm ? (float)(max_norm / norm) : 1.0f; }
@@ -68,17 +85,6 @@ inline void sum_of_squares_cuda(float* out, const bf16* x, long n, float* partia
     cuda_check(cudaGetLastError());
 }
 
-// the model's entry point on the GPU: Σ x² of bf16 values, read back (the step's read of the gradient norm)
-#include "llmc/device.cuh"
-
-inline double sum_of_squares(const bf16* x, long n) {
-    float* scratch = gpu_scratch(GLOBAL_NORM_BLOCKS + 1, "sum_of_squares");
-    sum_of_squares_cuda(scratch + GLOBAL_NORM_BLOCKS, x, n, scratch, main_stream());
-    float host;
-    device_download<bf16>(&host, scratch + GLOBAL_NORM_BLOCKS, 1);
-    return host;
-}
-
 // Σ x² of bf16 values that may start at any element (a ZeRO shard's segment does), into *out on the device, in
 // stream order: the 16-byte aligned body through the kernels above, then the up to 7 elements before it added
 // by one thread, so the result is as reproducible as the aligned sum. partial holds GLOBAL_NORM_BLOCKS floats.
@@ -99,3 +105,20 @@ inline void sum_of_squares_cuda_any_offset(float* out, const bf16* x, long n, fl
     sum_of_squares_add_head_kernel<<<1, 1, 0, stream>>>(out, x, (int)head);
     cuda_check(cudaGetLastError());
 }
+
+// the model's entry points on the GPU: Σ x² of bf16 values, read back (the step's read of the gradient norm);
+// over ranges, each range's sum read back and added in order
+#include "llmc/device.cuh"
+
+inline double sum_of_squares(const bf16* x, const BufferRanges& ranges) {
+    float* scratch = gpu_scratch(GLOBAL_NORM_BLOCKS + 1, "sum_of_squares");
+    double total = 0.0;
+    for (const auto& [at, n] : ranges) {
+        sum_of_squares_cuda_any_offset(scratch + GLOBAL_NORM_BLOCKS, x + at, n, scratch, main_stream());
+        float host;
+        device_download<bf16>(&host, scratch + GLOBAL_NORM_BLOCKS, 1);
+        total += host;
+    }
+    return total;
+}
+inline double sum_of_squares(const bf16* x, long n) { return sum_of_squares(x, BufferRanges{{0, n}}); }

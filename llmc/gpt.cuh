@@ -69,7 +69,6 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
         fail("%s: norm eps %g and RoPE theta %g: need 0 < eps < 1 and theta > 1", where.c_str(), c.norm_eps, c.rope_theta);
     if (!(c.rope_scaling == 0 || (c.rope_scaling >= 1 && c.rope_scaling <= 1024)))
         fail("%s: RoPE scaling factor %g: need 0 (none) or 1 to 1024", where.c_str(), c.rope_scaling);
-    if (c.padded_vocab_size != c.vocab_size) fail("%s: a Llama's vocab is not padded", where.c_str());
 }
 
 // "d12", "d24", "d36", "d48" are GPT-2 124M, 350M, 774M and 1.5B. Other shapes: d<L>c<C>h<NH>[t<maxT>][v<V>],
@@ -104,7 +103,7 @@ inline GPTConfig llama3_named(const std::string& s) {
         c.arch = Arch::Llama3;
         c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8;
         c.multiple_of = m.multiple_of, c.ffn_dim_multiplier = m.multiplier;
-        c.vocab_size = c.padded_vocab_size = 128256, c.max_seq_len = 8192;
+        c.vocab_size = 128256, c.padded_vocab_size = pad_vocab(c.vocab_size), c.max_seq_len = 8192;
         c.version_minor = m.minor;
         c.tied_embeddings = m.minor == 2;
         c.rope_theta = 500000.0f, c.rope_scaling = m.minor == 2 ? 32.0f : 8.0f;
@@ -150,9 +149,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
         if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
+    c.padded_vocab_size = pad_vocab(c.vocab_size);
     if (llama) {
         if (!have_c || !have_h) fail("-e %s: a Llama shape needs c<channels> and h<heads>", s.c_str());
-        c.padded_vocab_size = c.vocab_size;
         // H hidden units exactly: Meta's rule with multiple_of H and a multiplier that brings 2/3 of 4C to H + 1/2,
         // which truncates to H whatever the multiplier's rounding
         if (hidden > 0)
@@ -174,7 +173,6 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     }
     if (c.top_k > c.num_experts)
         fail("-e %s: top-%d routing needs at least %d experts, not %d", s.c_str(), c.top_k, c.top_k, c.num_experts);
-    c.padded_vocab_size = pad_vocab(c.vocab_size);
     validate_config(c, "-e " + s);
     return c;
 }
@@ -671,15 +669,21 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
 // file, and [14]: 1 if the classifier is tied to wte) and 256
 // float32 (ffn_dim_multiplier, norm_eps, rope_theta; then llm5d's [3]: RoPE's scaling factor where it is not
 // llm.c's 8), then the tensors in GPT-2's slots: lm_head in wpe's (a tied model's wte again, so that llm.c
-// reads it), and every bias slot present and zero (the table's file_rows).
+// reads it), and every bias slot present and zero (the table's file_rows). Each file keeps its format's vocab
+// rows: GPT-2's the padded Vp its header gives, Llama 3's the V of the vocab (its header has no Vp), so reading
+// a Llama file fills the padding rows memory adds with zeros, and writing one drops them.
 
 constexpr int LLAMA_MODEL_MAGIC = 20240803;
+
+// the rows a model file holds of each vocab-split tensor (wte, lm_head), a prefix of the padded rows in memory
+inline size_t file_vocab_rows(const GPTConfig& c) { return c.llama() ? c.vocab_size : c.padded_vocab_size; }
 
 // Where each tensor lies in a model file and in the flat buffer, in elements
 struct FileLayout {
     long header = 0;                      // bytes
     size_t file_start[NUM_PARAM_TENSORS];  // elements of the file before the tensor
-    size_t file_size[NUM_PARAM_TENSORS];   // the tensor's elements in the file (zeros or a copy where it is absent)
+    size_t file_size[NUM_PARAM_TENSORS];   // the tensor's elements in the file (zeros or a copy where it is absent;
+                                           // of a vocab-split tensor its first file_vocab_rows rows)
     size_t flat_start[NUM_PARAM_TENSORS];  // elements of the flat buffer before it
     size_t elements = 0;                   // in the file
 };
@@ -693,11 +697,29 @@ inline FileLayout file_layout(const GPTConfig& c) {
         size_t blocks = (table[t].holder == Holder::Layer ? c.num_layers : 1) * (table[t].expert ? c.num_experts : 1);
         f.flat_start[t] = flat, flat += sizes[t];
         f.file_start[t] = f.elements;
-        f.file_size[t] = table[t].block() > 0 ? sizes[t] : table[t].file_copy >= 0 ? sizes[table[t].file_copy]
-                                                                                   : blocks * table[t].file_rows;
+        size_t held = table[t].split == TPSplit::Vocab ? file_vocab_rows(c) * table[t].cols : sizes[t];
+        f.file_size[t] = table[t].block() > 0 ? held : table[t].file_copy >= 0 ? f.file_size[table[t].file_copy]
+                                                                               : blocks * table[t].file_rows;
         f.elements += f.file_size[t];
     }
     return f;
+}
+
+// How many of a run's elements (a run of the whole model's flat buffer, inside one tensor) the model file holds:
+// all but those in padding rows the file lacks, which end the tensor
+inline size_t stored_count(const GPTConfig& c, const FileLayout& layout, const ShareRun& r) {
+    int t = param_coord(c, r.whole).tensor;
+    size_t at = r.whole - layout.flat_start[t];
+    return at < layout.file_size[t] ? std::min(r.count, layout.file_size[t] - at) : 0;
+}
+
+// the parts of runs that the model file holds, in the same order (what a checkpoint stores of them)
+inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<ShareRun>& runs) {
+    FileLayout layout = file_layout(c);
+    std::vector<ShareRun> stored;
+    for (const ShareRun& r : runs)
+        if (size_t n = stored_count(c, layout, r)) stored.push_back({r.whole, r.local, n});
+    return stored;
 }
 
 // what a Llama adds to the shape GPT-2's L, C, NH, V and maxT say, in the lines that print a model ("" for GPT-2)
@@ -738,7 +760,7 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.arch = Arch::Llama3;
         c.num_kv_heads = h[6];
         c.channels = h[7];
-        c.padded_vocab_size = c.vocab_size;
+        c.padded_vocab_size = pad_vocab(c.vocab_size);  // the file's rows are the vocab's: the padding is memory's
         c.multiple_of = h[8];
         c.version_major = h[10], c.version_minor = h[11];
         // header[12] and [13]: llm5d's experts and their top-K (0 and 0 in a dense file)
@@ -781,9 +803,10 @@ inline void read_file_values(File& f, const FileLayout& layout, int version, siz
 }
 
 // Reads the runs of the parameters that a rank holds (`runs`: where each run of `params` lies in the whole model)
-// from a model file whose header matches mc, fp32 or bf16. A NaN or Inf is refused, naming the tensor, since
-// training from it could only produce NaN; so is a nonzero value in a slot the model does not have (a Llama's
-// biases), which this model could not represent.
+// from a model file whose header matches mc, fp32 or bf16, and zeros their padding rows the file lacks (a Llama
+// file's vocab rows past V). A NaN or Inf is refused, naming the tensor, since training from it could only
+// produce NaN; so is a nonzero value in a slot the model does not have (a Llama's biases), which this model
+// could not represent.
 inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vector<ShareRun>& runs, const std::string& path) {
     int version;
     GPTConfig c = read_model_header(path, &version);
@@ -794,9 +817,11 @@ inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vecto
     for (const ShareRun& r : runs) {
         int t = param_coord(c, r.whole).tensor;
         float* dst = params + r.local;
-        read_file_values(f, layout, version, layout.file_start[t] + (r.whole - layout.flat_start[t]), r.count, dst);
-        size_t bad = first_non_finite(dst, r.count);
-        if (bad < r.count)
+        size_t n = stored_count(c, layout, r);
+        read_file_values(f, layout, version, layout.file_start[t] + (r.whole - layout.flat_start[t]), n, dst);
+        std::fill(dst + n, dst + r.count, 0.0f);
+        size_t bad = first_non_finite(dst, n);
+        if (bad < n)
             fail("%s: %g in %s (a model must be finite)", path.c_str(), dst[bad], describe_param(c, r.whole + bad).c_str());
     }
     // the slots this model lacks, a million values at a time: zeros, or the copy of the tensor they repeat
@@ -1370,9 +1395,18 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
 template <typename floatX>
 inline void gpt_backward(GPTModel<floatX>& m, float dloss) { gpt_backward_chunk(m, 0, 0, dloss); }
 
+// The gradient norm of a model that holds all of its parameters (one rank; llmc/zero.cuh sums it under any
+// parallelism), over the elements its file holds: a Llama's vocab padding rows (zero) are left out of the sum's
+// blocks too, so the norm has the bits of the same model laid out without them
 template <typename floatX>
 inline double gpt_grad_norm(const GPTModel<floatX>& m) {
-    return sqrt(sum_of_squares(m.grads, (long)m.num_parameters));
+    if (m.num_parameters != num_parameters(m.config)) fail("gradient norm: the model holds a share of its parameters");
+    BufferRanges ranges;
+    for (const ShareRun& r : stored_runs(m.config, whole_runs(m.config))) {
+        if (!ranges.empty() && ranges.back().first + ranges.back().second == (long)r.local) ranges.back().second += r.count;
+        else ranges.push_back({(long)r.local, (long)r.count});
+    }
+    return sqrt(sum_of_squares(m.grads, ranges));
 }
 
 // one AdamW step over every tensor; grad_scale is the clipping factor

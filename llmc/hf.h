@@ -10,7 +10,8 @@
 //           transformer.ln_f. HF's Conv1D stores a weight [in, out], the transpose of ours [out, in].
 //   Llama   model.embed_tokens, model.layers.{l}.input_layernorm, self_attn.{q,k,v,o}_proj,
 //           post_attention_layernorm, mlp.{gate,up,down}_proj, model.norm, lm_head (none when tied to
-//           embed_tokens, tie_word_embeddings, as Llama 3.2 1B and 3B are). Our fcw holds c_fc (HF's
+//           embed_tokens, tie_word_embeddings, as Llama 3.2 1B and 3B are); embed_tokens and lm_head of
+//           vocab_size rows, the padded vocab rows dropped as GPT-2's are. Our fcw holds c_fc (HF's
 //           up_proj) then c_fc2 (gate_proj, the one SwiGLU passes through silu). HF's Llama turns RoPE's pairs
 //           (i, i + hd/2) (rotate_half), ours and Meta's (2i, 2i + 1): q_proj's and k_proj's rows are reordered
 //           within each head so that HF's pair i is our pair i, which leaves every attention score unchanged.
@@ -291,7 +292,7 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         c.arch = Arch::Llama3;
         c.channels = integer("hidden_size"), c.num_heads = integer("num_attention_heads");
         c.num_layers = integer("num_hidden_layers"), c.max_seq_len = integer("max_position_embeddings");
-        c.vocab_size = c.padded_vocab_size = integer("vocab_size");
+        c.vocab_size = integer("vocab_size"), c.padded_vocab_size = pad_vocab(c.vocab_size);
         c.num_kv_heads = j.find("num_key_value_heads") ? integer("num_key_value_heads") : c.num_heads;
         c.norm_eps = (float)j.at("rms_norm_eps").as_double();
         c.rope_theta = (float)j.at("rope_theta").as_double();

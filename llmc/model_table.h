@@ -35,7 +35,12 @@ struct GPTConfig {
     Arch arch = Arch::GPT2;
     int max_seq_len = 1024;
     int vocab_size = 50257;
-    int padded_vocab_size = 50304;  // vocab rounded up to a multiple of 128 (Llama: not padded)
+    // the vocab rounded up to a multiple of 128, as llm.c pads GPT-2's (50257 -> 50304), for every architecture:
+    // the rows wte and a classifier of its own hold in memory, so that the GPU's cross-entropy reads whole 16-byte
+    // vectors and a vocab split gives every tp rank the same rows. The padding rows are zero and stay zero (no
+    // token looks them up, their logits get zero gradient). Files keep their format's own rows: llm.c's GPT-2 file
+    // this padded count (its header's Vp), llm.c's Llama 3 file and Hugging Face's the vocab's (llmc/gpt.cuh)
+    int padded_vocab_size = 50304;
     int num_layers = 12;
     int num_heads = 12;
     int num_kv_heads = 0;  // key/value heads under grouped-query attention; 0: one per query head (GPT-2)
@@ -215,21 +220,22 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
 // Llama 3: no position table, RMSNorm without biases, no biases anywhere, grouped-query attention (NH query
 // heads and KV key/value heads of hd channels, so qkvw has NH·hd + 2·KV·hd rows), SwiGLU's two input matrices
 // c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and a classifier, lm_head, in the slot
-// of GPT-2's wpe as llm.c's Llama 3 files keep it. The bias slots are empty here; the files hold them, as zeros
-// (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is wte, which its files repeat
+// of GPT-2's wpe as llm.c's Llama 3 files keep it; wte and lm_head have the padded vocab's rows, as GPT-2's wte
+// does, of which the files hold the vocab's (llmc/gpt.cuh's file_vocab_rows). The bias slots are empty here; the
+// files hold them, as zeros (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is wte, which its files repeat
 // in lm_head's slot (file_copy), so that llm.c reads them as they are. With experts (Mixtral's shape) every
 // layer has a router (E×C, after ln2's slots) and E SwiGLU experts, each MLP tensor stacking them as GPT-2's do.
 inline ModelTable llama_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
-    size_t C = c.channels, V = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
+    size_t C = c.channels, Vp = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
     size_t H = c.hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true, partial = true, tied = c.tied_embeddings;
     ModelTable table = {{
         // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file, copy of
-        {"wte",      emb,        !expert, {V},        C,   vocab,  decay,  !partial, normal},
-        {"lm_head",  head,       !expert, {tied ? 0 : V}, C, vocab, decay, !partial, normal,  0,   tied ? WTE : -1},
+        {"wte",      emb,        !expert, {Vp},       C,   vocab,  decay,  !partial, normal},
+        {"lm_head",  head,       !expert, {tied ? 0 : Vp}, C, vocab, decay, !partial, normal, 0,  tied ? WTE : -1},
         {"ln1w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
         {"ln1b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
         {"qkvw",     layer,      !expert, {Q, KV, KV}, C,  column, decay,  !partial, normal},

@@ -26,8 +26,10 @@ double relative_l2(const float* a, const float* b, size_t n) {
 const char* DENSE_MODEL = "d2c128h2t64v1000";  // head size 64, as the GPU kernels need
 const char* MOE_MODEL = "d2c128h2t64v1000e4k2";  // ... with 4 experts in each MLP, top-2
 // a Llama of the same size: two query heads sharing one key/value head, 344 hidden units (a multiple of 8, as
-// SwiGLU's kernels need), the vocab unpadded
+// SwiGLU's kernels need); and the same Llama with GPT-2's 50257 tokens, the descriptors' default, which memory
+// pads to 50304 (a Llama's vocab was once unpadded, and its first GPU step refused 50257 columns)
 const char* LLAMA_MODEL = "l2c128h2g1f344t64v1000";
+const char* LLAMA_GPT2_VOCAB = "l2c128h2g1f344t64";
 
 struct Pair {
     GPTConfig config;
@@ -73,14 +75,19 @@ void check_step_zero(const char* model, double grad_tol) {
     gpt_backward(p.gpu, dloss);
     std::vector<float> gpu_grads(p.cpu.num_parameters);
     download_as_float(gpu_grads.data(), p.gpu.grads, p.cpu.num_parameters);
-    size_t offset = 0;
+    size_t offset = 0, padding_nonzero = 0;
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
         size_t n = p.cpu.param_sizes[t];
         double err = relative_l2(gpu_grads.data() + offset, p.cpu.grads + offset, n);
         INFO("tensor " << t << ": relative L2 error " << err);
         CHECK(err < grad_tol);
+        // the vocab's padding rows (past V) get exactly zero gradient: the cross-entropy zeroes their logits' columns
+        if (p.cpu.table[t].split == TPSplit::Vocab)
+            for (size_t i = (size_t)p.config.vocab_size * p.config.channels; i < n; i++)
+                padding_nonzero += gpu_grads[offset + i] != 0.0f;
         offset += n;
     }
+    CHECK(padding_nonzero == 0);
     CHECK(std::fabs(sqrt(sum_of_squares(gpu_grads.data(), (long)gpu_grads.size())) - gpt_grad_norm(p.gpu)) <
           1e-3 * gpt_grad_norm(p.gpu));
 }
@@ -140,6 +147,15 @@ TEST_CASE("GPU Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): loss, log
     SKIP_WITHOUT_GPU_CASE();
     check_step_zero(LLAMA_MODEL, 5e-2);
     check_training(LLAMA_MODEL);
+}
+
+TEST_CASE("GPU Llama with GPT-2's 50257 tokens (padded to 50304 in memory): loss, logits and every gradient against "
+          "the CPU model at step 0, the padding rows' gradients zero, and 20 AdamW steps of 2 micro-steps",
+          "[cuda][model][llama]") {
+    SKIP_WITHOUT_GPU_CASE();
+    REQUIRE(parse_model_descriptor(LLAMA_GPT2_VOCAB).padded_vocab_size == 50304);
+    check_step_zero(LLAMA_GPT2_VOCAB, 5e-2);
+    check_training(LLAMA_GPT2_VOCAB);
 }
 
 TEST_CASE("GPU Llama on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",

@@ -1,10 +1,13 @@
 // Tests of the Llama 3 architecture around its layers (whose own tests are test_rmsnorm, test_rope, test_swiglu
 // and the grouped-query cases of test_layers; the model against PyTorch is in test_model_reference): its
 // names and descriptors, llm.c's Llama 3 files read and written byte for byte and refused when they hold what
-// the model cannot be, the plan against the ledger, and training, checkpoints and an exact resume.
+// the model cannot be, the plan against the ledger, and training, checkpoints and an exact resume. Also the
+// vocab padding memory adds (to a multiple of 128) and the files lack, against the same model without it.
 #include <omp.h>
 
+#include "llmc/checkpoint.h"
 #include "llmc/gpt.cuh"
+#include "llmc/hf.h"
 #include "llmc/plan.h"
 #include "mpi_helpers.h"
 
@@ -26,7 +29,7 @@ TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; ba
     CHECK(c.kv_heads() == 8);
     CHECK(c.hidden() == 14336);  // 2/3 of 4C = 10922, times 1.3, rounded up to a multiple of 1024
     CHECK(c.vocab_size == 128256);
-    CHECK(c.padded_vocab_size == 128256);
+    CHECK(c.padded_vocab_size == 128256);  // a multiple of 128 already
     CHECK(c.rope_theta == 500000.0f);
     CHECK(c.rope_scaling == 8.0f);
     CHECK(!c.tied_embeddings);
@@ -59,7 +62,7 @@ TEST_CASE("Llama names and descriptors give Meta's shapes and the asked ones; ba
     CHECK(small.hidden() == 80);
     CHECK(small.max_seq_len == 32);
     CHECK(small.vocab_size == 301);
-    CHECK(small.padded_vocab_size == 301);
+    CHECK(small.padded_vocab_size == 384);  // rounded up to a multiple of 128, as llm.c pads GPT-2's
     // every hidden size comes out exactly, through Meta's rule as the file stores it
     for (int H : {1, 7, 80, 85, 96, 1000, 4095})
         CHECK(parse_model_descriptor(strfmt("l1c64h4f%d", H)).hidden() == H);
@@ -97,7 +100,7 @@ TEST_CASE("an llm.c Llama 3 file is read and written back byte for byte, fp32 an
     CHECK(tied.rope_scaling == 32.0f);
     GPTConfig untied = tied;
     untied.tied_embeddings = false;
-    CHECK(num_parameters(tied) == num_parameters(untied) - (size_t)tied.vocab_size * tied.channels);
+    CHECK(num_parameters(tied) == num_parameters(untied) - (size_t)tied.padded_vocab_size * tied.channels);
     CHECK(file_layout(tied).file_size[WPE] == file_layout(tied).file_size[WTE]);
     std::vector<float> tied_params(num_parameters(tied));
     gpt_load_params(tied, tied_params.data(), TIED);
@@ -217,6 +220,164 @@ TEST_CASE("a small Llama trains on the CPU: its loss falls, -r 1 and 2 give the 
     // another model in the same directory is refused
     CommandResult other = single(data.flags(2, 64, 14, "l2c32h4g4f80t32v301") + " -y 1 -o '" + (out / "whole") + "'");
     CHECK(other.status != 0);
+}
+
+// The same model with its vocab unpadded, as every Llama was laid out before memory padded it: wte and lm_head of
+// V rows. The CPU model runs it as it runs any Vp >= V; it is the reference the padding must not change.
+GPTConfig unpadded(GPTConfig c) {
+    c.padded_vocab_size = c.vocab_size;
+    return c;
+}
+
+// a padded model's flat buffer with the padding rows dropped by hand (each tensor's first elements, as many as
+// the unpadded model's tensor has): the unpadded model's buffer
+std::vector<float> drop_padding(const GPTConfig& c, const float* x) {
+    size_t padded[NUM_PARAM_TENSORS], real[NUM_PARAM_TENSORS];
+    param_tensor_sizes(c, padded);
+    param_tensor_sizes(unpadded(c), real);
+    std::vector<float> out;
+    for (int t = 0; t < NUM_PARAM_TENSORS; x += padded[t++]) out.insert(out.end(), x, x + real[t]);
+    return out;
+}
+
+// how many elements of the padding rows (each tensor's elements past the unpadded model's) are not zero
+size_t nonzero_padding(const GPTConfig& c, const float* x) {
+    size_t padded[NUM_PARAM_TENSORS], real[NUM_PARAM_TENSORS], n = 0;
+    param_tensor_sizes(c, padded);
+    param_tensor_sizes(unpadded(c), real);
+    for (int t = 0; t < NUM_PARAM_TENSORS; x += padded[t++])
+        for (size_t i = real[t]; i < padded[t]; i++) n += x[i] != 0.0f;
+    return n;
+}
+
+// how many of the n values of a and b differ (a count, so that a failure prints a number, not the buffers)
+size_t differing(const float* a, const float* b, size_t n) {
+    size_t d = 0;
+    for (size_t i = 0; i < n; i++) d += a[i] != b[i];
+    return d;
+}
+size_t differing(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() ? differing(a.data(), b.data(), a.size()) : SIZE_MAX;
+}
+
+TEST_CASE("a Llama of an odd vocab pads wte and lm_head to a multiple of 128 in memory only: initialization, llm.c's "
+          "and Hugging Face's files, 3 AdamW steps (losses, gradient norms, weights) and checkpoints, old ones "
+          "included, are the unpadded model's bits",
+          "[llama]") {
+    // every way a Llama's shape arrives pads as llm.c pads GPT-2's (each file's own header is checked below)
+    for (const char* d : {MODEL, "l2c32h4", "l2c32h4w", "l1c64h4t16v50", "llama3-1b"}) {
+        GPTConfig c = parse_model_descriptor(d);
+        INFO(d << ": V " << c.vocab_size << ", Vp " << c.padded_vocab_size);
+        CHECK(c.padded_vocab_size % 128 == 0);
+        CHECK(c.padded_vocab_size >= c.vocab_size);
+        CHECK(c.padded_vocab_size - c.vocab_size < 128);
+    }
+    CHECK(parse_model_descriptor("l2c32h4").padded_vocab_size == 50304);  // GPT-2's 50257, as llm.c pads it
+    GPTConfig c = parse_model_descriptor(MODEL), u = unpadded(c);  // 301 rows, padded to 384
+    REQUIRE(c.padded_vocab_size == 384);
+    REQUIRE(!c.tied());  // wte and lm_head both padded
+
+    // initialization draws the unpadded model's numbers for the real rows; the padding rows are zero
+    std::vector<float> params(num_parameters(c)), reference(num_parameters(u));
+    gpt_init_random(c, params.data(), 5);
+    gpt_init_random(u, reference.data(), 5);
+    CHECK(nonzero_padding(c, params.data()) == 0);
+    CHECK(differing(drop_padding(c, params.data()), reference) == 0);
+
+    // llm.c's Llama 3 file holds V rows: the padded model writes the unpadded one's bytes, reads them back with
+    // the padding rows zeroed (whatever they held), and writes the same bytes again; its header pads on reading
+    TempDir dir;
+    gpt_save_params(c, params.data(), dir / "padded.bin");
+    gpt_save_params(u, reference.data(), dir / "unpadded.bin");
+    CHECK(read_file(dir / "padded.bin") == read_file(dir / "unpadded.bin"));
+    CHECK(file_layout(c).file_size[WTE] == 301 * 32);
+    CHECK(file_layout(c).file_size[WPE] == 301 * 32);
+    int version;
+    GPTConfig from_file = read_model_header(dir / "padded.bin", &version);
+    CHECK(from_file.padded_vocab_size == 384);
+    std::vector<float> loaded(params.size(), 7.0f);
+    gpt_load_params(c, loaded.data(), dir / "padded.bin");
+    CHECK(nonzero_padding(c, loaded.data()) == 0);
+    CHECK(differing(loaded, params) == 0);
+    gpt_save_params(c, loaded.data(), dir / "again.bin");
+    CHECK(read_file(dir / "again.bin") == read_file(dir / "padded.bin"));
+
+    // Hugging Face's: embed_tokens and lm_head of V rows, vocab_size V; read back padded, the padding zero
+    hf_save(c, params.data(), dir / "hf", "fp32");
+    HfFiles hf = hf_open(dir / "hf");
+    CHECK(hf.tensors.at("model.embed_tokens.weight").second->shape == std::vector<int64_t>{301, 32});
+    CHECK(hf.tensors.at("lm_head.weight").second->shape == std::vector<int64_t>{301, 32});
+    GPTConfig from_hf = hf_read_config(dir / "hf");
+    CHECK(from_hf.vocab_size == 301);
+    CHECK(from_hf.padded_vocab_size == 384);
+    std::vector<float> hf_params(params.size(), 7.0f);
+    hf_load(from_hf, hf_params.data(), dir / "hf");
+    CHECK(differing(hf_params, params) == 0);
+
+    // 3 AdamW steps of 2 micro-batches with weight decay and clipping: the same losses, gradient norms, real rows'
+    // gradients and weights, bit for bit; the padding rows' gradients, weights and moments stay zero
+    const int B = 2, T = 16, BT = B * T, micro = 2;
+    GPT P, U;
+    gpt_allocate(P, c, B, T);
+    gpt_allocate(U, u, B, T);
+    std::copy(params.begin(), params.end(), P.params);
+    std::copy(reference.begin(), reference.end(), U.params);
+    Rng rng(11);
+    std::vector<int> inputs(micro * BT), targets(micro * BT);
+    for (int& t : inputs) t = (int)rng.below(c.vocab_size);
+    for (int& t : targets) t = (int)rng.below(c.vocab_size);
+    for (int step = 0; step < 3; step++) {
+        float loss[2] = {};
+        double norm[2];
+        GPT* models[2] = {&P, &U};
+        for (int k = 0; k < 2; k++) {
+            GPT& m = *models[k];
+            gpt_zero_grad(m);
+            for (int i = 0; i < micro; i++) {
+                loss[k] += gpt_forward(m, &inputs[i * BT], &targets[i * BT], B, T) / micro;
+                gpt_backward(m, 1.0f / (micro * BT));
+            }
+            norm[k] = gpt_grad_norm(m);
+        }
+        INFO("step " << step << ": padded loss " << loss[0] << " norm " << norm[0] << ", unpadded " << loss[1] << " "
+                     << norm[1]);
+        CHECK(loss[0] == loss[1]);
+        CHECK(norm[0] == norm[1]);
+        CHECK(nonzero_padding(c, P.grads) == 0);
+        CHECK(differing(drop_padding(c, P.grads), std::vector<float>(U.grads, U.grads + U.num_parameters)) == 0);
+        CHECK(clip_scale(norm[0], 0.5f) < 1.0f);  // the clipping is exercised
+        gpt_update(P, 1e-2f, 0.1f, clip_scale(norm[0], 0.5f));
+        gpt_update(U, 1e-2f, 0.1f, clip_scale(norm[1], 0.5f));
+    }
+    CHECK(differing(drop_padding(c, P.params), std::vector<float>(U.params, U.params + U.num_parameters)) == 0);
+    for (const float* x : {P.params, P.adam_m, P.adam_v}) CHECK(nonzero_padding(c, x) == 0);
+
+    // checkpoints: the padded model writes the unpadded one's model.bin, optimizer file and state byte for byte
+    // (the manifest names the padded shape), and reads a checkpoint that the unpadded model wrote, as every
+    // Llama's was written before the padding, into its own state, padding zero whatever it held
+    Comm solo;
+    RunLayout layout{B, T, 1, (long)micro * BT};
+    RunInputs inputs_used{MODEL, 0, 7, true, "train", {}};
+    TrainState state;
+    state.step = 3;
+    save_checkpoint(dir / "P", model_state(P), state, layout, inputs_used, 0, solo);
+    save_checkpoint(dir / "U", model_state(U), state, layout, inputs_used, 0, solo);
+    std::string padded_ckpt = dir / "P/" + checkpoint_name(3), unpadded_ckpt = dir / "U/" + checkpoint_name(3);
+    for (const char* file : {"/model.bin", "/optimizer_rank0.bin", "/state_rank0.bin"}) {
+        INFO(file);
+        CHECK(read_file(padded_ckpt + file) == read_file(unpadded_ckpt + file));
+    }
+    GPT R;
+    gpt_allocate(R, checkpoint_config(unpadded_ckpt), B, T);
+    REQUIRE(R.num_parameters == P.num_parameters);
+    for (float* x : {R.params, R.adam_m, R.adam_v}) std::fill(x, x + R.num_parameters, 7.0f);
+    TrainState resumed;
+    load_checkpoint(unpadded_ckpt, model_state(R), resumed);
+    CHECK(resumed.step == 3);
+    CHECK(R.adam_step == P.adam_step);
+    CHECK(differing(R.params, P.params, P.num_parameters) == 0);
+    CHECK(differing(R.adam_m, P.adam_m, P.num_parameters) == 0);
+    CHECK(differing(R.adam_v, P.adam_v, P.num_parameters) == 0);
 }
 
 }  // namespace test_llama

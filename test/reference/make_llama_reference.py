@@ -17,7 +17,8 @@ tied, with wte repeated in lm_head's slot, float [3] the scaling factor when it 
 E and K with experts, whose router follows ln2's slots and whose tensors stack the experts per layer) and
 DIR/state.bin in the GPT-2 reference's state format (with experts ALPHA and the first micro-batch's aux loss in
 header [10] and [11]): the first micro-batch's inputs,
-targets, logits, loss and every gradient (in llm5d's flat order, which has no bias slots), then the losses of
+targets, logits, loss and every gradient (in llm5d's flat order, which has no bias slots and pads the vocab rows
+of wte and lm_head with zeros to VP, as memory holds them; the model file holds V rows), then the losses of
 10 AdamW steps with weight decay, each accumulating MICRO micro-batches (header[12]).
 """
 
@@ -39,6 +40,7 @@ HD = C // NH
 MULTIPLE_OF = 20
 FFN_DIM_MULTIPLIER = 1.3
 V = 397
+VP = 512       # the vocab rounded up to a multiple of 128, as llm5d pads every model's in memory
 MAXT = 29
 B = 2          # sequences per micro-batch
 MICRO = 2      # micro-batches per step
@@ -180,13 +182,14 @@ class Llama:
         return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1)), aux
 
     def flat(self, grads=False):
-        """llm5d's flat order: wte, lm_head (untied), ln1w, qkvw, attprojw, ln2w, routerw (with experts), fcw (c_fc
-        then c_fc2, per expert), fcprojw, lnfw."""
+        """llm5d's flat order: wte, lm_head (untied), each padded to VP rows with zeros, ln1w, qkvw, attprojw,
+        ln2w, routerw (with experts), fcw (c_fc then c_fc2, per expert), fcprojw, lnfw."""
         get = (lambda t: t.grad) if grads else (lambda t: t.detach())
         per_layer = lambda name: [get(self.p[f"{name}.{l}"]) for l in range(L)]
-        parts = [get(self.p["wte"])] + ([] if self.tied else [get(self.p["lm_head"])]) + per_layer("ln1") + \
-            per_layer("qkv") + per_layer("attproj") + per_layer("ln2") + (per_layer("router") if self.E else []) + \
-            self.fcw(get) + per_layer("fcproj") + [get(self.p["lnf"])]
+        padded = lambda t: torch.cat([t, torch.zeros(VP - V, C, dtype=t.dtype)])
+        parts = [padded(get(self.p["wte"]))] + ([] if self.tied else [padded(get(self.p["lm_head"]))]) + \
+            per_layer("ln1") + per_layer("qkv") + per_layer("attproj") + per_layer("ln2") + \
+            (per_layer("router") if self.E else []) + self.fcw(get) + per_layer("fcproj") + [get(self.p["lnf"])]
         return np.concatenate([t.numpy().astype("<f4").ravel() for t in parts])
 
     def fcw(self, get):
@@ -286,7 +289,7 @@ def main():
         f.write(file_values.tobytes())
     with open(os.path.join(args.out, "state.bin"), "wb") as f:
         moe = [f32_bits(ALPHA), f32_bits(init_aux)] if args.experts else [0, 0]
-        f.write(header_ints([STATE_MAGIC, STATE_VERSION, B, T, V, V, NSTEPS, f32_bits(LR), f32_bits(WD),
+        f.write(header_ints([STATE_MAGIC, STATE_VERSION, B, T, V, VP, NSTEPS, f32_bits(LR), f32_bits(WD),
                              f32_bits(CLIP), *moe, MICRO]))
         f.write(x.numpy().astype("<i4").tobytes())
         f.write(y.numpy().astype("<i4").tobytes())
