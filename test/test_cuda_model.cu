@@ -1,8 +1,9 @@
 // The GPU model against the CPU model (the verification ladder's rung 5): the same weights and batch through
 // GPTCuda (bf16 storage, fp32 master weights) and GPT (fp32): the loss and logits at step 0, every parameter
 // tensor's gradient, and 20 AdamW steps' losses, each within a bf16 tolerance stated beside it, on the default
-// (mma.sync) attention and, on Hopper, the wgmma one. Without a GPU these print "skipped: no GPU". Also the
-// GPU's memory plan against a count made by hand, which needs no GPU.
+// (mma.sync) attention and, on Hopper, the wgmma one. GPT-2's backward runs its bias gradients and GELU's
+// backward in cuBLASLt's epilogues here (a test without a GPU checks that its shapes take them). Without a GPU
+// these print "skipped: no GPU". Also the GPU's memory plan against a count made by hand, which needs no GPU.
 #include <catch.hpp>
 
 #include <cmath>
@@ -132,6 +133,26 @@ TEST_CASE("GPU model on the wgmma attention (Hopper): step 0 and 20 AdamW steps 
     WgmmaAttention on;
     check_step_zero(DENSE_MODEL, 5e-2);
     check_training(DENSE_MODEL);
+}
+
+// The tests above prove cuBLASLt's backward epilogues only if the model's matmuls take them: every matmul's C and
+// OC (the MLP's projection with GELU's input, N×4C, and its bias gradient), and every parameter tensor's start in
+// the flat buffers, whole 16-byte vectors (llmc/matmul.cuh's matmul_epilogues_fit)
+TEST_CASE("GPU model: the dense test model's matmul backwards all take cuBLASLt's epilogues", "[cuda][model]") {
+    GPTConfig c = parse_model_descriptor(DENSE_MODEL);
+    long BT = 4 * 64, C = c.channels;
+    for (auto [in, out] : {std::pair{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}}) {
+        INFO("C " << in << " OC " << out);
+        CHECK(matmul_epilogues_fit(BT, in, out, {}));
+    }
+    GPT cpu;
+    gpt_allocate(cpu, c, 4, 64);
+    size_t offset = 0;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        INFO("tensor " << t << " at " << offset);
+        CHECK(offset % 8 == 0);
+        offset += cpu.param_sizes[t];
+    }
 }
 
 TEST_CASE("GPU Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): loss, logits and every gradient against the "
