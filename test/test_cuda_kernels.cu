@@ -3,7 +3,8 @@
 // up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
 // case says "skipped: no GPU" and passes (the wgmma attention's, on a GPU other than Hopper, "skipped: not
 // Hopper"), except the host-side precondition checks, the emulations of the attention's mma and wgmma fragment
-// and shared-memory layouts on the CPU, and the choice of the matmul backward's epilogues, which run anywhere.
+// and shared-memory layouts on the CPU, and the choices of the matmul backward's epilogues and of the attention
+// kernels, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
 // are dev/cuda/*_case.h's.
 #include <array>
@@ -532,6 +533,22 @@ TEST_CASE("matmul backward plan: each bias gradient and GELU's backward exactly 
     CHECK_FALSE(matmul_epilogues_fit(8192, 36, 768, {aligned}));
     CHECK_FALSE(matmul_epilogues_fit(0, 768, 768, {aligned}));
     CHECK_FALSE(matmul_epilogues_fit(8192, 768, 768, {aligned, misaligned}));
+}
+
+// --attention's resolution (llmc/attention.cuh), without a GPU: the default is wgmma where its kernels can run and
+// mma elsewhere, quietly; wgmma asked for where it cannot run is refused in one line that says why
+TEST_CASE("attention kernels: wgmma by default where they can run, else mma; an explicit wgmma refused elsewhere",
+          "[cuda]") {
+    CHECK(resolve_attention_kernels("", true, "") == AttentionKernels::WGMMA);
+    CHECK(resolve_attention_kernels("", false, "the GPU has compute capability 8.0") == AttentionKernels::MMA);
+    CHECK(resolve_attention_kernels("mma", true, "") == AttentionKernels::MMA);
+    CHECK(resolve_attention_kernels("mma", false, "no sm_90a") == AttentionKernels::MMA);
+    CHECK(resolve_attention_kernels("wgmma", true, "") == AttentionKernels::WGMMA);
+    REQUIRE_THROWS_WITH(resolve_attention_kernels("wgmma", false, "this binary has no sm_90a machine code"),
+                        "--attention wgmma: this binary has no sm_90a machine code");
+    REQUIRE_THROWS_WITH(resolve_attention_kernels("flash", true, ""), Catch::Contains("expected mma or wgmma"));
+    CHECK(std::string(attention_kernels_name(AttentionKernels::WGMMA)) == "wgmma");
+    CHECK(std::string(attention_kernels_name(AttentionKernels::MMA)) == "mma");
 }
 
 // Grouped-query shapes: 8 query heads over 2 key/value heads (groups of 4) and over 1 (multi-query), so that a
