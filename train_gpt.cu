@@ -56,11 +56,13 @@ static CommSettings comm_settings(const Options& o, Device dev) {
     return CommSettings{backend, o.comm_init, o.comm_address, o.comm_dir, o.comm_timeout};
 }
 
-// the first line of a run: which device, and on the GPU which one (picked by the launcher's local rank)
+// the first line of a run: which device, and on the GPU which one (picked by the launcher's local rank) and which
+// attention kernels its layers run
 static std::string device_line(Device dev, bool plan) {
     if (dev == Device::CPU) return strfmt("device: cpu, %d threads", omp_get_max_threads());
     if (plan) return "device: cuda (planned)";
-    return "device: " + gpu_description(select_gpu());
+    std::string gpu = gpu_description(select_gpu());
+    return "device: " + gpu + "; attention: " + attention_kernels_name(attention_kernels());
 }
 
 static GPTConfig model_config(const Options& o, const std::string& checkpoint_dir) {
@@ -870,15 +872,15 @@ static int calibrate(const Options& o, Device dev) {
 static int run(const Options& o) {
     if (!o.convert.empty()) return convert_model(o);
     Device dev = pick_device(o);
+    if (o.attention == "wgmma" && dev == Device::CPU)
+        fail("--attention wgmma: a GPU kernel; the cpu device has its own attention (use --device cuda)");
+    if (dev == Device::CUDA && !o.planning()) {
+        select_gpu();
+        attention_select(o.attention);  // the device's default without the flag: wgmma on a Hopper, else mma
+    }
     if (!o.calibrate.empty()) return calibrate(o, dev);
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
-    if (o.attention == "wgmma" && dev == Device::CPU)
-        fail("--attention wgmma: a GPU kernel; the cpu device has its own attention (use --device cuda)");
-    if (o.attention == "wgmma" && !o.planning()) {
-        select_gpu();
-        attention_select_wgmma();
-    }
 
     // one run per output directory: rank 0 holds the lock for the whole run, from before it reads the directory
     RunLock lock;

@@ -426,3 +426,17 @@ inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const 
     if (fp8) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
     else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
 }
+// ... and the MLP projection's backward through GELU (gelu_matmul_backward). An FP8 layer's GEMMs are
+// fp8_matmul_backward's, which take no epilogue: GELU's backward and the bias gradient of its input stay kernels.
+template <typename floatX>
+inline void gelu_matmul_backward(floatX* dpre, floatX* dweight, floatX* dbias, floatX* dpre_bias, const floatX* dout,
+                                 const floatX* inp, const floatX* pre_gelu, const floatX* weight, long N, long C,
+                                 long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+    if (!fp8) {
+        gelu_matmul_backward(dpre, dweight, dbias, dpre_bias, dout, inp, pre_gelu, weight, N, C, OC, workspace);
+        return;
+    }
+    fp8_matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
+    gelu_backward(dpre, pre_gelu, dpre, N * C);
+    if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
+}

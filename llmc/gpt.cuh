@@ -1198,6 +1198,7 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     long BT = d.BT, R = d.R, C = d.C;
     float* ws = s.gemm;
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;  // a norm output's gradient, reduced to this rank's rows
+    floatX* none = nullptr;
     bool split = m.split_backward;
     auto now = [&](floatX* grad) { return split ? nullptr : grad; };
     floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
@@ -1209,10 +1210,13 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
         layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-        matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
-        gelu_backward(dfch, la.fch, dfch, BT * d.Hl);
+        // the projection's backward goes on through GELU and also sums fc's bias gradient (on the GPU all in the
+        // input-gradient GEMM's epilogue), so fc's own backward has no bias left to do; a split backward leaves
+        // that bias gradient with fc's weight gradient to the W step
+        gelu_matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), now(dw[FCB]), dout, la.fch_act, la.fch,
+                             w[FCPROJW], BT, d.Hl, C, ws, fp8);
         recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), now(dw[FCB]), dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+        matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);

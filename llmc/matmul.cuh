@@ -168,15 +168,18 @@ inline void matmul_backward(float* dinp, float* dweight, float* dbias, const flo
 // CUDA: bf16 GEMMs through cuBLASLt with fp32 accumulation.
 // The matmuls are nearly all of a step's FLOPs and are compute-bound (2·N·C·OC FLOPs against
 // 2·(N·C + C·OC + N·OC) bytes), so they go to cuBLASLt, whose Hopper kernels use the tensor cores far better
-// than anything hand-written here would; its epilogues add the bias and apply GELU while the tile is still in
-// registers, so the output is written once. Creating descriptors and running the heuristic costs tens of
+// than anything hand-written here would; its epilogues add the bias and apply GELU (forward), or take GELU's
+// backward and the bias gradients (backward), while the tile is still in registers, so the output is written
+// once and nothing is read again for them. Creating descriptors and running the heuristic costs tens of
 // microseconds per call, so both are cached per shape. Row-major X[r×c] is column-major Xᵀ[c×r], so every
 // product below is written as the column-major product of the transposes.
 
 #include <array>
+#include <initializer_list>
 #include <map>
 
 #include "llmc/cuda_common.cuh"
+#include "llmc/gelu.cuh"
 
 struct MatmulPlan {
     cublasLtMatmulDesc_t desc;
@@ -204,7 +207,8 @@ struct GemmOperands {
 inline bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
 
 // D[m×n] (column-major, ld m) = op(A)·op(B) + beta·D, op(X) = Xᵀ when trans; leading dimensions follow from
-// the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks. C is D
+// the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks; the
+// bias-gradient epilogues write through bias instead (bf16, D's type: DGELU_BGRAD m values, BGRADB n). C is D
 // itself (same type, same layout: cuBLASLt allows it in place), always bf16.
 inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* bias, bf16* aux, bool transa,
                             bool transb, long m, long n, long k, float beta, cublasLtEpilogue_t epilogue,
@@ -343,13 +347,30 @@ inline void matmul_forward_cuda(bf16* out, const bf16* inp, const bf16* weight, 
     cublaslt_matmul(out, weight, inp, bias, pre_gelu, true, false, OC, N, C, 0.0f, epilogue, stream);
 }
 
-// The bias gradient is a column sum of dout: memory-bound (N·OC bf16 read once), and it must accumulate (+=)
-// into dbias, which cuBLASLt's BGRADB epilogue cannot (it overwrites). Rows are cut into fixed chunks whose
-// fp32 partial sums a second pass adds in chunk order, so the sum does not depend on scheduling.
+// ----------------------------------------------------------------------------------------------------------
+// The backward. Its two GEMMs take the element-wise work around them into cuBLASLt's epilogues, which act on
+// each tile while it is still in registers, so neither the output gradient nor GELU's input is read again:
+//   the weight gradient  dWᵀ[C×OC] += (inp as C×N)·(dout as OC×N)ᵀ, with BGRADB: cuBLASLt also sums op(B) =
+//                        doutᵀ over the GEMM's k = N rows, the bias gradient (OC values, D's type);
+//   the input gradient   dinpᵀ[C×N] = (W as C×OC)·(dout as OC×N), with DGELU where the matmul's input is GELU's
+//                        output (the MLP's projection): dinp = (dout·W) ∘ GELU'(pre_gelu), the aux pre_gelu
+//                        (N×C, so C×N with leading dimension C, as D); DGELU_BGRAD also sums each of D's C rows
+//                        over its N columns, the bias gradient of the matmul whose output GELU took.
+// An epilogue overwrites its bias vector while the model's gradients accumulate over micro-steps, so it writes
+// to scratch and a small kernel adds that to the gradient (OC values, against the N·OC the column sums read).
+// cuBLASLt refuses BGRADB unless op(B) is transposed (ours is) and wants the aux's leading dimension a multiple
+// of 8; the epilogue kernels read and write whole 16-byte vectors. Whatever falls outside (other shapes, and a
+// bias gradient without its weight GEMM: FP8 layers compute the bias gradient here alone) runs on the kernels
+// of its own below: the column sums, and GELU's backward from llmc/gelu.cuh.
+
+// The column sums: memory-bound (N·OC bf16 read once). Rows are cut into fixed chunks whose fp32 partial sums a
+// second pass adds in chunk order, so the sum does not depend on scheduling.
 constexpr int MATMUL_DBIAS_ROWS = 256;
 
+// the fp32 scratch of a backward with an OC-wide bias gradient: the column sums' partials, or an epilogue's
+// OC bf16 values
 inline long matmul_backward_scratch_floats(long N, long OC) {
-    return (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS * OC;
+    return std::max((N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS * OC, (OC + 1) / 2);
 }
 
 // a thread owns two adjacent columns of one chunk: a warp reads 128 contiguous bytes of each row
@@ -375,41 +396,124 @@ static __global__ void matmul_dbias_finish_kernel(bf16* dbias, const float* part
     dbias[col] = __float2bfloat16(__bfloat162float(dbias[col]) + s);
 }
 
-// dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout
-// (any of the three may be null). scratch holds matmul_backward_scratch_floats(N, OC) floats. OC must be even.
-inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
-                                 const bf16* weight, long N, long C, long OC, float* scratch, cudaStream_t stream) {
-    // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N)
-    if (dinp)
-        cublaslt_matmul(dinp, weight, dout, nullptr, nullptr, false, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
-                        stream);
-    // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ
-    if (dweight)
-        cublaslt_matmul(dweight, inp, dout, nullptr, nullptr, false, true, C, OC, N, 1.0f, CUBLASLT_EPILOGUE_DEFAULT,
-                        stream);
-    if (dbias) {
-        long chunks = (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS;
-        dim3 grid(cuda_blocks(OC / 2, 128), (unsigned int)chunks);
-        matmul_dbias_partial_kernel<<<grid, 128, 0, stream>>>(scratch, dout, N, OC);
-        cuda_check(cudaGetLastError());
-        matmul_dbias_finish_kernel<<<cuda_blocks(OC, 256), 256, 0, stream>>>(dbias, scratch, chunks, OC);
-        cuda_check(cudaGetLastError());
+// dbias += the bias gradient an epilogue wrote (bf16 already there: one rounding more than the column sums')
+static __global__ void matmul_dbias_add_kernel(bf16* dbias, const bf16* grad, long OC) {
+    long col = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col < OC) dbias[col] = __float2bfloat16(__bfloat162float(dbias[col]) + __bfloat162float(grad[col]));
+}
+
+// dbias[OC] += column sums of dout[N×OC] on the kernels; OC even, scratch matmul_backward_scratch_floats(N, OC)
+inline void matmul_dbias_cuda(bf16* dbias, const bf16* dout, long N, long OC, float* scratch, cudaStream_t stream) {
+    if (N == 0) return;
+    long chunks = (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS;
+    dim3 grid(cuda_blocks(OC / 2, 128), (unsigned int)chunks);
+    matmul_dbias_partial_kernel<<<grid, 128, 0, stream>>>(scratch, dout, N, OC);
+    cuda_check(cudaGetLastError());
+    matmul_dbias_finish_kernel<<<cuda_blocks(OC, 256), 256, 0, stream>>>(dbias, scratch, chunks, OC);
+    cuda_check(cudaGetLastError());
+}
+
+// What one bf16 backward runs: each GEMM's epilogue, and what stays a kernel of its own. A function of the call
+// alone, so that a test without a GPU holds it to its one rule: every bias gradient and GELU's backward happen
+// exactly once, in an epilogue where cuBLASLt takes the shape, else in a kernel.
+struct MatmulBackwardPlan {
+    cublasLtEpilogue_t input = CUBLASLT_EPILOGUE_DEFAULT;   // the input-gradient GEMM's: DGELU(_BGRAD) or none
+    cublasLtEpilogue_t weight = CUBLASLT_EPILOGUE_DEFAULT;  // the weight-gradient GEMM's: BGRADB or none
+    bool bias_kernels = false;       // dbias from the column sums
+    bool gelu_kernel = false;        // GELU's backward after the input-gradient GEMM
+    bool gelu_bias_kernels = false;  // then the bias gradient of GELU's input from the column sums
+};
+
+// whether the epilogues take a backward of this shape: rows to reduce, the leading dimensions C and OC whole
+// 16-byte vectors of bf16, every pointer given 16-byte aligned
+inline bool matmul_epilogues_fit(long N, long C, long OC, std::initializer_list<const void*> pointers) {
+    if (N < 1 || C % 8 != 0 || OC % 8 != 0) return false;
+    for (const void* p : pointers)
+        if ((uintptr_t)p % 16 != 0) return false;
+    return true;
+}
+
+// the plan of a backward with these outputs (dinp, dweight, dbias), GELU's backward (gelu) and the bias gradient
+// of GELU's input (gelu_bias) or not, on a shape the epilogues take (fits) or not
+inline MatmulBackwardPlan plan_matmul_backward(bool dinp, bool dweight, bool dbias, bool gelu, bool gelu_bias,
+                                               bool fits) {
+    if (gelu && !dinp) fail("matmul backward: GELU's backward goes with the input gradient, and there is none");
+    if (gelu_bias && !gelu) fail("matmul backward: the bias gradient of GELU's input without GELU's backward");
+    MatmulBackwardPlan p;
+    if (dweight && dbias && fits) p.weight = CUBLASLT_EPILOGUE_BGRADB;
+    else p.bias_kernels = dbias;
+    if (gelu && fits) {
+        p.input = gelu_bias ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+    } else {
+        p.gelu_kernel = gelu;
+        p.gelu_bias_kernels = gelu_bias;
     }
+    return p;
+}
+
+// dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout (any
+// of the three may be null). With pre_gelu (N×C: GELU's input, whose output is inp) the input gradient goes on
+// through GELU, dinp = (dout · weight) ∘ GELU'(pre_gelu), and dpre_bias[C] (may be null) += the column sums of
+// that, the bias gradient of the matmul whose output GELU took. scratch holds matmul_backward_scratch_floats(N,
+// OC) floats, (N, max(OC, C)) with dpre_bias; the column sums want OC (C) even.
+inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
+                                 const bf16* weight, long N, long C, long OC, float* scratch, cudaStream_t stream,
+                                 const bf16* pre_gelu = nullptr, bf16* dpre_bias = nullptr) {
+    bool fits = matmul_epilogues_fit(N, C, OC, {dinp, dweight, dout, inp, weight, pre_gelu});
+    MatmulBackwardPlan plan = plan_matmul_backward(dinp, dweight, dbias, pre_gelu, dpre_bias, fits);
+    bf16* epilogue_dbias = reinterpret_cast<bf16*>(scratch);  // an epilogue's bias gradient, until it is added
+    if (dinp) {
+        // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N). cuBLASLt reads the GELU's input through the pointer its
+        // forward writes it through, hence the const_cast: DGELU only reads it.
+        bool dgelu = plan.input != CUBLASLT_EPILOGUE_DEFAULT, bgrad = plan.input == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+        cublaslt_matmul(dinp, weight, dout, bgrad ? epilogue_dbias : nullptr,
+                        dgelu ? const_cast<bf16*>(pre_gelu) : nullptr, false, false, C, N, OC, 0.0f, plan.input,
+                        stream);
+        if (bgrad) {
+            matmul_dbias_add_kernel<<<cuda_blocks(C, 256), 256, 0, stream>>>(dpre_bias, epilogue_dbias, C);
+            cuda_check(cudaGetLastError());
+        }
+        if (plan.gelu_kernel) gelu_backward_cuda(dinp, pre_gelu, dinp, N * C, stream);
+        if (plan.gelu_bias_kernels) matmul_dbias_cuda(dpre_bias, dinp, N, C, scratch, stream);
+    }
+    if (dweight) {
+        // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ
+        bool bgrad = plan.weight == CUBLASLT_EPILOGUE_BGRADB;
+        cublaslt_matmul(dweight, inp, dout, bgrad ? epilogue_dbias : nullptr, nullptr, false, true, C, OC, N, 1.0f,
+                        plan.weight, stream);
+        if (bgrad) {
+            matmul_dbias_add_kernel<<<cuda_blocks(OC, 256), 256, 0, stream>>>(dbias, epilogue_dbias, OC);
+            cuda_check(cudaGetLastError());
+        }
+    }
+    if (plan.bias_kernels) matmul_dbias_cuda(dbias, dout, N, OC, scratch, stream);
 }
 
 // ----------------------------------------------------------------------------------------------------------
 // the model's entry points: the CPU functions above and, for bf16, cuBLASLt (which keeps its own workspace, so
-// `workspace` is the CPU's packing panels only). The MLP's first matmul and its GELU are one call on both
-// devices: a cuBLASLt epilogue on the GPU.
+// `workspace` is the CPU's packing panels only). The MLP's matmuls and its GELU are one call on both devices
+// each way: forward the first matmul and GELU, backward the second matmul and GELU (cuBLASLt epilogues on the
+// GPU).
 
 #include "llmc/device.cuh"
-#include "llmc/gelu.cuh"
 
 // pre_gelu = inp · Wᵀ + bias, out = GELU(pre_gelu)
 inline void matmul_gelu_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias,
                                 long N, long C, long OC, float* workspace) {
     matmul_forward(pre_gelu, inp, weight, bias, N, C, OC, workspace);
     gelu_forward(out, pre_gelu, N * OC);
+}
+
+// The backward of out[N×OC] = GELU(pre_gelu) · weightᵀ + bias, with inp[N×C] = GELU(pre_gelu) as forward kept
+// it: matmul_backward's gradients (dweight, dbias may be null), the input's carried on through GELU into
+// dpre[N×C] = dL/dpre_gelu (overwritten), and dpre_bias[C] += its column sums, the bias gradient of the matmul
+// that made pre_gelu (may be null: a split backward leaves it to that matmul's weight-gradient step).
+inline void gelu_matmul_backward(float* dpre, float* dweight, float* dbias, float* dpre_bias, const float* dout,
+                                 const float* inp, const float* pre_gelu, const float* weight, long N, long C, long OC,
+                                 float* workspace) {
+    matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
+    gelu_backward(dpre, pre_gelu, dpre, N * C);
+    if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
 }
 
 inline void matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C, long OC,
@@ -422,7 +526,17 @@ inline void matmul_gelu_forward(bf16* out, bf16* pre_gelu, const bf16* inp, cons
 }
 inline void matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                             const bf16* weight, long N, long C, long OC, float*) {
-    // the scratch holds the bias gradient's partial sums: none without a bias (the classifier's 50304 columns)
+    // the scratch holds the bias gradient: none without a bias (the classifier's 50304 columns)
     float* scratch = dbias ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward") : nullptr;
     matmul_backward_cuda(dinp, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream());
+}
+inline void gelu_matmul_backward(bf16* dpre, bf16* dweight, bf16* dbias, bf16* dpre_bias, const bf16* dout,
+                                 const bf16* inp, const bf16* pre_gelu, const bf16* weight, long N, long C, long OC,
+                                 float*) {
+    long widest = dpre_bias ? std::max(OC, C) : OC;
+    float* scratch = dbias || dpre_bias
+                         ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, widest), "gelu_matmul_backward")
+                         : nullptr;
+    matmul_backward_cuda(dpre, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream(), pre_gelu,
+                         dpre_bias);
 }

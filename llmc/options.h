@@ -25,7 +25,7 @@ struct Options {
     std::string out_dir;                                // -o
     std::string tokenizer;                              // --tokenizer: empty is GPT-2's, DEFAULT_TOKENIZER
     std::string device;                                 // --device: "" picks the best available
-    std::string attention = "mma";                      // --attention: the GPU's attention kernels
+    std::string attention;                              // --attention: "" is the GPU's default (llmc/attention.cuh)
     int B = 4;                                          // -b
     int T = 1024;                                       // -t
     long total_batch = -1;                              // -d: tokens per optimizer step; -1 = B*T*ranks
@@ -103,7 +103,7 @@ inline const char* USAGE =
     "                    or d<L>c<C>h<NH>[t<maxT>][v<V>], e.g. d4c128h4             [d12]\n"
     "  --device cpu|cuda  compute device                                [cuda if a GPU is visible, else cpu]\n"
     "  --attention mma|wgmma  the GPU's flash attention: mma.sync (any GPU), or wgmma (Hopper, a build with\n"
-    "                    sm_90a)                                                   [mma]\n"
+    "                    sm_90a)                  [wgmma where it can run, else mma]\n"
     "  -r 0|1|2          activation recomputation: none, GELU, GELU and layernorm  [0]\n"
     "  --fp8 0|1         FP8 matmuls in the transformer layers but the first and the last: E4M3\n"
     "                    activations and weights, E5M2 gradients, a scale per tensor (a GPU of compute\n"

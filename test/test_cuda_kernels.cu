@@ -2,8 +2,9 @@
 // poisoned (NaN bytes) beforehand, on small and odd shapes, so that rows, tiles and vector widths do not line
 // up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
 // case says "skipped: no GPU" and passes (the wgmma attention's, on a GPU other than Hopper, "skipped: not
-// Hopper"), except the host-side precondition checks and the emulations of the attention's mma and wgmma
-// fragment and shared-memory layouts on the CPU, which run anywhere.
+// Hopper"), except the host-side precondition checks, the emulations of the attention's mma and wgmma fragment
+// and shared-memory layouts on the CPU, and the choices of the matmul backward's epilogues and of the attention
+// kernels, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
 // are dev/cuda/*_case.h's.
 #include <array>
@@ -80,6 +81,28 @@ void check_matmul(long N, long C, long OC) {
     require_close("matmul dinp", download(k.d_dinp), k.dinp, 2e-2);
     require_close("matmul dweight", download(k.d_dw), k.dweight, 2e-2);
     require_close("matmul dbias", download(k.d_db), k.dbias, 2e-2);
+}
+
+// gelu_matmul_backward's two micro-steps on cuBLASLt's epilogues (BGRADB, DGELU_BGRAD) or, where the shape does
+// not take them, on the kernels: the case's shape must take the path the caller names, or the check proves the
+// other one
+void check_gelu_matmul(long N, long C, long OC, bool epilogues) {
+    INFO("gelu_matmul_backward N=" << N << " C=" << C << " OC=" << OC);
+    GeluMatmulCase k(N, C, OC, 17, 0.1f);
+    REQUIRE(k.takes_epilogues() == epilogues);
+    k.gpu_backward();
+    std::vector<float> dpre = download(k.d_dpre), dw = download(k.d_dw), db = download(k.d_db),
+                       dpb = download(k.d_dpb);
+    require_close("dpre through GELU", dpre, k.dpre, 3e-2);
+    require_close("dweight (+= twice)", dw, k.dweight, 2e-2);
+    require_close("dbias (+= twice)", db, k.dbias, 2e-2);
+    require_close("the bias gradient of GELU's input (+= twice)", dpb, k.dpre_bias, 3e-2);
+    k.reset_grads();
+    k.gpu_backward();
+    REQUIRE(download(k.d_dpre) == dpre);  // bit-reproducible
+    REQUIRE(download(k.d_dw) == dw);
+    REQUIRE(download(k.d_db) == db);
+    REQUIRE(download(k.d_dpb) == dpb);
 }
 
 // the mma.sync kernels, or the wgmma ones (hopper); NH query heads over KV key/value heads
@@ -450,8 +473,82 @@ TEST_CASE("CUDA fused residual + layernorm and layernorm backward match the CPU"
 
 TEST_CASE("CUDA cuBLASLt matmul forward (bias, GELU) and backward match the CPU", "[cuda]") {
     SKIP_WITHOUT_GPU_CASE();
-    check_matmul(64, 64, 96);
+    check_matmul(64, 64, 96);  // the backward's bias gradient in the weight GEMM's epilogue (BGRADB)
     check_matmul(100, 72, 40);
+}
+
+TEST_CASE("CUDA matmul backward through GELU: GELU's backward and both bias gradients in cuBLASLt's epilogues "
+          "(DGELU_BGRAD, BGRADB), accumulated over two micro-steps, match the CPU, and so do the kernels that "
+          "replace them on the shapes they do not take",
+          "[cuda]") {
+    SKIP_WITHOUT_GPU_CASE();
+    check_gelu_matmul(256, 512, 128, true);  // the GPU model test's MLP projection
+    check_gelu_matmul(100, 72, 40, true);    // N a multiple of no tile
+    check_gelu_matmul(37, 200, 24, true);
+    check_gelu_matmul(50, 36, 42, false);    // C and OC not whole 16-byte vectors
+    check_gelu_matmul(64, 64, 90, false);    // OC alone
+}
+
+// Which epilogue each GEMM of a backward takes, and which kernels stay, is a function of the call alone
+// (plan_matmul_backward): checked here without a GPU over every combination of outputs, GELU, the bias gradient of
+// GELU's input and a shape that fits or not.
+TEST_CASE("matmul backward plan: each bias gradient and GELU's backward exactly once, in cuBLASLt's epilogue "
+          "wherever the shape takes it, else in a kernel",
+          "[cuda]") {
+    int plans = 0;
+    for (int bits = 0; bits < 64; bits++) {
+        bool dinp = bits & 1, dweight = bits & 2, dbias = bits & 4, gelu = bits & 8, gelu_bias = bits & 16,
+             fits = bits & 32;
+        INFO("dinp " << dinp << " dweight " << dweight << " dbias " << dbias << " gelu " << gelu << " gelu_bias "
+                     << gelu_bias << " fits " << fits);
+        if ((gelu && !dinp) || (gelu_bias && !gelu)) {
+            REQUIRE_THROWS_WITH(plan_matmul_backward(dinp, dweight, dbias, gelu, gelu_bias, fits),
+                                Catch::Contains("matmul backward"));
+            continue;
+        }
+        MatmulBackwardPlan p = plan_matmul_backward(dinp, dweight, dbias, gelu, gelu_bias, fits);
+        bool bgradb = p.weight == CUBLASLT_EPILOGUE_BGRADB;
+        bool dgelu = p.input == CUBLASLT_EPILOGUE_DGELU || p.input == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+        bool dgelu_bgrad = p.input == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+        CHECK((p.weight == CUBLASLT_EPILOGUE_DEFAULT || bgradb));
+        CHECK((p.input == CUBLASLT_EPILOGUE_DEFAULT || dgelu));
+        // exactly once: the epilogue or the kernel, and neither when there is nothing to compute
+        CHECK((int)bgradb + (int)p.bias_kernels == (int)dbias);
+        CHECK((int)dgelu + (int)p.gelu_kernel == (int)gelu);
+        CHECK((int)dgelu_bgrad + (int)p.gelu_bias_kernels == (int)gelu_bias);
+        // an epilogue only on its GEMM and a shape that fits, and always there
+        CHECK(bgradb == (fits && dweight && dbias));
+        CHECK(dgelu == (fits && gelu));
+        plans++;
+    }
+    CHECK(plans == 32);  // 64 less GELU without the input gradient (16) and its input's bias without GELU (16)
+    // the shapes: GPT-2 124M's matmuls take the epilogues; a dimension short of a 16-byte vector, no rows, or a
+    // misaligned pointer does not
+    const void* aligned = reinterpret_cast<const void*>(uintptr_t{0x1000});
+    const void* misaligned = reinterpret_cast<const void*>(uintptr_t{0x1008});
+    for (auto [C, OC] : {std::pair{768L, 2304L}, {768L, 768L}, {768L, 3072L}, {3072L, 768L}})
+        CHECK(matmul_epilogues_fit(8192, C, OC, {aligned, aligned, nullptr}));
+    CHECK(matmul_epilogues_fit(37, 200, 24, {aligned}));
+    CHECK_FALSE(matmul_epilogues_fit(8192, 768, 42, {aligned}));
+    CHECK_FALSE(matmul_epilogues_fit(8192, 36, 768, {aligned}));
+    CHECK_FALSE(matmul_epilogues_fit(0, 768, 768, {aligned}));
+    CHECK_FALSE(matmul_epilogues_fit(8192, 768, 768, {aligned, misaligned}));
+}
+
+// --attention's resolution (llmc/attention.cuh), without a GPU: the default is wgmma where its kernels can run and
+// mma elsewhere, quietly; wgmma asked for where it cannot run is refused in one line that says why
+TEST_CASE("attention kernels: wgmma by default where they can run, else mma; an explicit wgmma refused elsewhere",
+          "[cuda]") {
+    CHECK(resolve_attention_kernels("", true, "") == AttentionKernels::WGMMA);
+    CHECK(resolve_attention_kernels("", false, "the GPU has compute capability 8.0") == AttentionKernels::MMA);
+    CHECK(resolve_attention_kernels("mma", true, "") == AttentionKernels::MMA);
+    CHECK(resolve_attention_kernels("mma", false, "no sm_90a") == AttentionKernels::MMA);
+    CHECK(resolve_attention_kernels("wgmma", true, "") == AttentionKernels::WGMMA);
+    REQUIRE_THROWS_WITH(resolve_attention_kernels("wgmma", false, "this binary has no sm_90a machine code"),
+                        "--attention wgmma: this binary has no sm_90a machine code");
+    REQUIRE_THROWS_WITH(resolve_attention_kernels("flash", true, ""), Catch::Contains("expected mma or wgmma"));
+    CHECK(std::string(attention_kernels_name(AttentionKernels::WGMMA)) == "wgmma");
+    CHECK(std::string(attention_kernels_name(AttentionKernels::MMA)) == "mma");
 }
 
 // Grouped-query shapes: 8 query heads over 2 key/value heads (groups of 4) and over 1 (multi-query), so that a

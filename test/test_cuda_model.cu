@@ -1,8 +1,10 @@
 // The GPU model against the CPU model (the verification ladder's rung 5): the same weights and batch through
 // GPTCuda (bf16 storage, fp32 master weights) and GPT (fp32): the loss and logits at step 0, every parameter
-// tensor's gradient, and 20 AdamW steps' losses, each within a bf16 tolerance stated beside it, on the default
-// (mma.sync) attention and, on Hopper, the wgmma one. Without a GPU these print "skipped: no GPU". Also the
-// GPU's memory plan against a count made by hand, which needs no GPU.
+// tensor's gradient, and 20 AdamW steps' losses, each within a bf16 tolerance stated beside it, on the mma.sync
+// attention and, on Hopper, the wgmma one (the default there; the tests that name neither run the default). GPT-2's
+// backward runs its bias gradients and GELU's backward in cuBLASLt's epilogues here (a test without a GPU checks
+// that its shapes take them). Without a GPU these print "skipped: no GPU". Also the GPU's memory plan against a
+// count made by hand, which needs no GPU.
 #include <catch.hpp>
 
 #include <cmath>
@@ -117,34 +119,60 @@ void check_training(const char* model) {
     }
 }
 
-TEST_CASE("GPU model: loss, logits and every gradient against the CPU model at step 0", "[cuda][model]") {
+// the model's layers on the attention kernels --attention names, for one test, then back on what they ran before
+struct UseAttention {
+    AttentionKernels before = attention_kernels();
+    explicit UseAttention(const char* flag) { attention_select(flag); }
+    ~UseAttention() { attention_kernels() = before; }
+};
+
+TEST_CASE("GPU model on the mma attention: loss, logits and every gradient against the CPU model at step 0",
+          "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
+    UseAttention mma("mma");
     check_step_zero(DENSE_MODEL, 5e-2);  // bf16 gradients summed over 256 tokens: a few percent at most
 }
 
-TEST_CASE("GPU model: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2", "[cuda][model]") {
+TEST_CASE("GPU model on the mma attention: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2",
+          "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
+    UseAttention mma("mma");
     check_training(DENSE_MODEL);
 }
-
-// the model's layers on the wgmma attention (--attention wgmma) for one test, then back on the default
-struct WgmmaAttention {
-    WgmmaAttention() { attention_select_wgmma(); }
-    ~WgmmaAttention() { attention_kernels() = AttentionKernels::MMA; }
-};
 
 TEST_CASE("GPU model on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",
           "[cuda][model][wgmma]") {
     SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
-    WgmmaAttention on;
+    UseAttention wgmma("wgmma");
     check_step_zero(DENSE_MODEL, 5e-2);
     check_training(DENSE_MODEL);
 }
 
-TEST_CASE("GPU Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): loss, logits and every gradient against the "
-          "CPU model at step 0, and 20 AdamW steps of 2 micro-steps",
+// The tests above prove cuBLASLt's backward epilogues only if the model's matmuls take them: every matmul's C and
+// OC (the MLP's projection with GELU's input, N×4C, and its bias gradient), and every parameter tensor's start in
+// the flat buffers, whole 16-byte vectors (llmc/matmul.cuh's matmul_epilogues_fit)
+TEST_CASE("GPU model: the dense test model's matmul backwards all take cuBLASLt's epilogues", "[cuda][model]") {
+    GPTConfig c = parse_model_descriptor(DENSE_MODEL);
+    long BT = 4 * 64, C = c.channels;
+    for (auto [in, out] : {std::pair{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}}) {
+        INFO("C " << in << " OC " << out);
+        CHECK(matmul_epilogues_fit(BT, in, out, {}));
+    }
+    GPT cpu;
+    gpt_allocate(cpu, c, 4, 64);
+    size_t offset = 0;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        INFO("tensor " << t << " at " << offset);
+        CHECK(offset % 8 == 0);
+        offset += cpu.param_sizes[t];
+    }
+}
+
+TEST_CASE("GPU Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): on the mma attention, loss, logits and every "
+          "gradient against the CPU model at step 0, and 20 AdamW steps of 2 micro-steps",
           "[cuda][model][llama]") {
     SKIP_WITHOUT_GPU_CASE();
+    UseAttention mma("mma");
     check_step_zero(LLAMA_MODEL, 5e-2);
     check_training(LLAMA_MODEL);
 }
@@ -161,7 +189,7 @@ TEST_CASE("GPU Llama with GPT-2's 50257 tokens (padded to 50304 in memory): loss
 TEST_CASE("GPU Llama on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",
           "[cuda][model][llama][wgmma]") {
     SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
-    WgmmaAttention on;
+    UseAttention wgmma("wgmma");
     check_step_zero(LLAMA_MODEL, 5e-2);
     check_training(LLAMA_MODEL);
 }
