@@ -185,6 +185,7 @@ struct MatmulPlan {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, d;
     cublasLtMatmulAlgo_t algo;
+    bool usable = true;  // false: cuBLASLt refused this GEMM, and a caller that may fall back is told so
 };
 
 // the largest power of two (up to 256) dividing the address: the heuristic must only offer kernels whose
@@ -210,9 +211,12 @@ inline bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == C
 // the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks; the
 // bias-gradient epilogues write through bias instead (bf16, D's type: DGELU_BGRAD m values, BGRADB n). C is D
 // itself (same type, same layout: cuBLASLt allows it in place), always bf16.
-inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* bias, bf16* aux, bool transa,
+// A GEMM that cuBLASLt refuses (no usable algorithm, or the call itself refused) stops the run, unless the
+// caller has a fallback (may_refuse: an epilogue that kernels of its own can replace): then it returns false
+// having written nothing, says so once per shape on stderr, and the shape is not tried again.
+inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* bias, bf16* aux, bool transa,
                             bool transb, long m, long n, long k, float beta, cublasLtEpilogue_t epilogue,
-                            cudaStream_t stream, GemmOperands in = {}) {
+                            cudaStream_t stream, GemmOperands in = {}, bool may_refuse = false) {
     // the key holds everything the descriptor and the heuristic see: the shapes, the types, the epilogue, fast
     // accumulation, and the alignment of every pointer set before it runs (a, b, d, and the epilogue's bias and
     // aux), so no plan is reused on a less-aligned pointer
@@ -322,18 +326,35 @@ inline void cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
                 checked.workspaceSize <= ctx.workspace_bytes)
                 usable = i;
         }
-        if (usable < 0) fail("cuBLASLt has no usable algorithm (%d candidates) for %s", found, describe().c_str());
-        p.algo = results[usable].algo;
+        if (usable < 0 && !may_refuse)
+            fail("cuBLASLt has no usable algorithm (%d candidates) for %s", found, describe().c_str());
+        if (usable < 0) {
+            p.usable = false;
+            fprintf(stderr, "cuBLASLt has no usable algorithm for %s: its fallback kernels run instead\n",
+                    describe().c_str());
+        } else {
+            p.algo = results[usable].algo;
+        }
         it = plans.emplace(key, p).first;
     }
     MatmulPlan& p = it->second;
+    if (!p.usable) {
+        if (!may_refuse) fail("cuBLASLt refused %s before, and this caller has no fallback", describe().c_str());
+        return false;
+    }
     set_pointers(p);
     float alpha = 1.0f;
     cublasStatus_t status = cublasLtMatmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
                                            ctx.workspace, ctx.workspace_bytes, stream);
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED && may_refuse) {
+        p.usable = false;
+        fprintf(stderr, "cublasLtMatmul refused %s: its fallback kernels run instead\n", describe().c_str());
+        return false;
+    }
     if (status != CUBLAS_STATUS_SUCCESS)
         fail("cublasLtMatmul: cuBLAS error %d for %s (CUBLASLT_LOG_LEVEL=4 has cuBLASLt say more)", (int)status,
              describe().c_str());
+    return true;
 }
 
 // out[N×OC] = inp[N×C] · weight[OC×C]ᵀ + bias[OC] (bias may be null). When pre_gelu is not null the GELU is
@@ -462,14 +483,23 @@ inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const b
     bool fits = matmul_epilogues_fit(N, C, OC, {dinp, dweight, dout, inp, weight, pre_gelu});
     MatmulBackwardPlan plan = plan_matmul_backward(dinp, dweight, dbias, pre_gelu, dpre_bias, fits);
     bf16* epilogue_dbias = reinterpret_cast<bf16*>(scratch);  // an epilogue's bias gradient, until it is added
+    // an epilogue that cuBLASLt refuses on this GPU (cublaslt_matmul's may_refuse) falls back to the kernels
     if (dinp) {
         // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N). cuBLASLt reads the GELU's input through the pointer its
         // forward writes it through, hence the const_cast: DGELU only reads it.
-        bool dgelu = plan.input != CUBLASLT_EPILOGUE_DEFAULT, bgrad = plan.input == CUBLASLT_EPILOGUE_DGELU_BGRAD;
-        cublaslt_matmul(dinp, weight, dout, bgrad ? epilogue_dbias : nullptr,
-                        dgelu ? const_cast<bf16*>(pre_gelu) : nullptr, false, false, C, N, OC, 0.0f, plan.input,
-                        stream);
-        if (bgrad) {
+        auto input_gemm = [&](cublasLtEpilogue_t e) {
+            bool dgelu = e != CUBLASLT_EPILOGUE_DEFAULT, bgrad = e == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+            return cublaslt_matmul(dinp, weight, dout, bgrad ? epilogue_dbias : nullptr,
+                                   dgelu ? const_cast<bf16*>(pre_gelu) : nullptr, false, false, C, N, OC, 0.0f, e,
+                                   stream, {}, dgelu);
+        };
+        if (!input_gemm(plan.input)) {
+            plan.input = CUBLASLT_EPILOGUE_DEFAULT;
+            plan.gelu_kernel = true;
+            plan.gelu_bias_kernels = dpre_bias != nullptr;
+            input_gemm(plan.input);
+        }
+        if (plan.input == CUBLASLT_EPILOGUE_DGELU_BGRAD) {
             matmul_dbias_add_kernel<<<cuda_blocks(C, 256), 256, 0, stream>>>(dpre_bias, epilogue_dbias, C);
             cuda_check(cudaGetLastError());
         }
@@ -478,10 +508,17 @@ inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const b
     }
     if (dweight) {
         // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ
-        bool bgrad = plan.weight == CUBLASLT_EPILOGUE_BGRADB;
-        cublaslt_matmul(dweight, inp, dout, bgrad ? epilogue_dbias : nullptr, nullptr, false, true, C, OC, N, 1.0f,
-                        plan.weight, stream);
-        if (bgrad) {
+        auto weight_gemm = [&](cublasLtEpilogue_t e) {
+            bool bgrad = e == CUBLASLT_EPILOGUE_BGRADB;
+            return cublaslt_matmul(dweight, inp, dout, bgrad ? epilogue_dbias : nullptr, nullptr, false, true, C, OC,
+                                   N, 1.0f, e, stream, {}, bgrad);
+        };
+        if (!weight_gemm(plan.weight)) {
+            plan.weight = CUBLASLT_EPILOGUE_DEFAULT;
+            plan.bias_kernels = true;
+            weight_gemm(plan.weight);
+        }
+        if (plan.weight == CUBLASLT_EPILOGUE_BGRADB) {
             matmul_dbias_add_kernel<<<cuda_blocks(OC, 256), 256, 0, stream>>>(dbias, epilogue_dbias, OC);
             cuda_check(cudaGetLastError());
         }
