@@ -129,6 +129,9 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
 // heads of a group stream the same K and V tiles, which L2 serves after the first; nothing is repeated in memory.
 // qkv rows are (NH + 2·KV)·hs wide, out is (B, T, C) with head h in channels [h·hs, (h+1)·hs); lse is (B, NH, T)
 // natural-log log-sum-exps of the scaled scores; the backward's scratch holds D = rowsum(dO∘O), also (B, NH, T).
+// The same kernels serve ring attention's blocks (llmc/cp.cuh): queries and keys in different buffers, each at
+// its own strides, under the causal or the full mask, with the output in fp32 and the gradients added to fp32
+// accumulators (AttentionBlock below); the layer's call is the whole-sequence causal one.
 // qkv, out and dout must be 16-byte aligned (tiles move in 16-byte pieces); B·NH is the grid's second
 // dimension (B·KV for dK/dV), at most 65535.
 // `cuobjdump -sass dev/cuda/attention | grep HMMA` lists the tensor-core instructions of these kernels.
@@ -153,6 +156,42 @@ constexpr int ATT_PAD = 8;        // bf16 of padding per shared-memory row (see 
 // keys (dQ kernel) or queries (dK/dV kernel) per tile in the backward: two accumulators of hs/8 fragments
 // plus two 16×cols score tiles must fit in the registers, so hs 128 takes narrower tiles
 __host__ __device__ constexpr int attention_backward_cols(int hs) { return hs <= 64 ? 64 : 32; }
+
+// ----------------------------------------------------------------------------------------------------------
+// What one call of the kernels works on. The model's layer is one call over whole sequences, causal. Ring
+// attention (llmc/cp.cuh) calls them once per block of its ring: the n query rows of one of its chunks against
+// the n key rows of a chunk whose K and V travelled in from another rank into a buffer of their own; the block
+// of a chunk with itself is causal, a block of an earlier chunk full. Each tensor is addressed through its own
+// strides, so a block's rows are read and written where they lie, without copies.
+
+// element (i, t) at p[i·batch + t·stride]: a sequence's row t (i = b), or the statistic of query t of the
+// (sequence, head) pair i = b·NH + h (stride 1)
+template <typename E>
+struct AttentionRows {
+    E* p;
+    long batch, stride;
+    __host__ __device__ E* at(long i, int t) const { return p + i * batch + (long)t * stride; }
+};
+
+enum class AttentionMask { Causal, Full };
+
+// B sequences of T query rows against T key rows; q points at query head 0 of row 0, kv at key head 0 of row 0,
+// value head 0 lying KV·hs further (so in a qkv row and in ring attention's K-then-V rows alike)
+struct AttentionBlock {
+    int B, T, C, NH, KV;
+    AttentionMask mask;  // Causal: query t sees keys 0..t (both are the same positions); Full: every key
+    AttentionRows<const bf16> q, kv;
+    // the last key query t sees: with the full mask the last of the T, so a ragged last tile is masked too
+    __host__ __device__ int last_key(int query) const { return mask == AttentionMask::Causal ? query : T - 1; }
+    // the first query that sees key t
+    __host__ __device__ int first_query(int key) const { return mask == AttentionMask::Causal ? key : 0; }
+};
+
+// the layer's call: whole sequences of qkv (B, T, (NH + 2·KV)·hs), causal
+inline AttentionBlock attention_whole_sequences(const bf16* qkv, int B, int T, int C, int NH, int KV) {
+    long W = attention_qkv_width(C, NH, KV);
+    return {B, T, C, NH, KV, AttentionMask::Causal, {qkv, T * W, W}, {qkv + C, T * W, W}};
+}
 
 // ----------------------------------------------------------------------------------------------------------
 // Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4·g + t:
@@ -339,32 +378,63 @@ static __device__ __forceinline__ void warp_pm(float (&acc)[SLABS][HS / 8][4], c
     }
 }
 
-// a warp's 16×HS accumulator rows, row r scaled by scale[r / 8], as bf16 pairs at dst + (t0 + r)·row_stride;
-// rows at or past T skipped
-template <int HS>
-static __device__ __forceinline__ void warp_store_rows(bf16* dst, long row_stride, const float (&acc)[HS / 8][4],
-                                                       int t0, int T, const float (&scale)[2]) {
+// two adjacent values stored as a bf16 pair (the layer's tensors) or as fp32 (ring attention's block output)
+static __device__ __forceinline__ void store_pair(bf16* dst, float x, float y) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(x, y);
+}
+static __device__ __forceinline__ void store_pair(float* dst, float x, float y) {
+    *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+}
+// two adjacent values added to fp32: ring attention's gradient accumulators, which sum the blocks of the ring
+// (one warp owns each row of a launch and the launches follow each other, so no atomics and a fixed order)
+static __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
+    float2* d = reinterpret_cast<float2*>(dst);
+    float2 v = *d;
+    *d = make_float2(v.x + x, v.y + y);
+}
+
+// a warp's 16×HS accumulator rows, row r scaled by scale[r / 8], at dst + (t0 + r)·row_stride; rows at or past
+// T skipped. E is bf16 or fp32 (stored), or ADD: added to fp32.
+template <int HS, bool ADD = false, typename E>
+static __device__ __forceinline__ void warp_store_rows(E* dst, long row_stride, const float (&acc)[HS / 8][4], int t0,
+                                                       int T, const float (&scale)[2]) {
     int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         int t = t0 + accumulator_coord(lane, 2 * half).row, col = accumulator_coord(lane, 0).col;
         if (t >= T) continue;
 #pragma unroll
-        for (int j = 0; j < HS / 8; j++)
-            *reinterpret_cast<__nv_bfloat162*>(dst + (long)t * row_stride + 8 * j + col) =
-                __floats2bfloat162_rn(acc[j][2 * half] * scale[half], acc[j][2 * half + 1] * scale[half]);
+        for (int j = 0; j < HS / 8; j++) {
+            E* d = dst + (long)t * row_stride + 8 * j + col;
+            float x = acc[j][2 * half] * scale[half], y = acc[j][2 * half + 1] * scale[half];
+            if constexpr (ADD) add_pair(d, x, y);
+            else store_pair(d, x, y);
+        }
     }
+}
+
+// the backward's gradient rows: into the layer's bf16 dqkv they are stored (overwritten), into fp32 they are
+// ring attention's accumulators (llmc/cp.cuh), and added to
+template <int HS>
+static __device__ __forceinline__ void store_gradient_rows(bf16* dst, long row_stride, const float (&acc)[HS / 8][4],
+                                                           int t0, int T, const float (&scale)[2]) {
+    warp_store_rows<HS>(dst, row_stride, acc, t0, T, scale);
+}
+template <int HS>
+static __device__ __forceinline__ void store_gradient_rows(float* dst, long row_stride, const float (&acc)[HS / 8][4],
+                                                           int t0, int T, const float (&scale)[2]) {
+    warp_store_rows<HS, true>(dst, row_stride, acc, t0, T, scale);
 }
 
 // The online-softmax step of one m16 slab (queries query0..query0+15) against the key tile from k0: the raw
 // scores s become P = exp2(s·scale_log2 - m_new), the running max m and this lane's share of the running sum l
-// move to the new maximum, and o is rescaled to it. diagonal: mask keys after their query (this also hides keys
-// past T, which are after every query). Shared by the mma.sync and the wgmma forward, whose accumulators have
-// the same per-warp layout.
+// move to the new maximum, and o is rescaled to it. masked: hide the keys past each query's last_key (under the
+// causal mask those after it, which also hides keys past T; under the full one those past T). Shared by the
+// mma.sync and the wgmma forward, whose accumulators have the same per-warp layout.
 template <int HS, int COLS>
 static __device__ __forceinline__ void online_softmax_slab(float (&s)[COLS / 8][4], float (&o)[HS / 8][4],
                                                            float (&m)[2], float (&l)[2], int query0, int k0,
-                                                           bool diagonal, float scale_log2) {
+                                                           bool masked, const AttentionBlock& a, float scale_log2) {
     int lane = threadIdx.x % 32;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -375,7 +445,7 @@ static __device__ __forceinline__ void online_softmax_slab(float (&s)[COLS / 8][
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 int key = k0 + 8 * j + accumulator_coord(lane, e).col;
-                float x = diagonal && key > query ? -INFINITY : s[j][2 * half + e] * scale_log2;
+                float x = masked && key > a.last_key(query) ? -INFINITY : s[j][2 * half + e] * scale_log2;
                 s[j][2 * half + e] = x;
                 m_new = fmaxf(m_new, x);
             }
@@ -404,11 +474,12 @@ static __device__ __forceinline__ void online_softmax_slab(float (&s)[COLS / 8][
 }
 
 // The end of the forward for one m16 slab (queries t0..t0+15 of head bh): the quad's shares of the running sum
-// added, the output rows normalized and stored in out_head (row stride C), and each row's log-sum-exp saved
-template <int HS>
-static __device__ __forceinline__ void attention_store_slab(bf16* out_head, float* lse_head,
-                                                            const float (&o)[HS / 8][4], const float (&m)[2],
-                                                            const float (&l)[2], int t0, int T, int C) {
+// added, the output rows normalized and stored in out_head (row stride out_stride), and each row's log-sum-exp
+// saved
+template <int HS, typename O>
+static __device__ __forceinline__ void attention_store_slab(O* out_head, float* lse_head, const float (&o)[HS / 8][4],
+                                                            const float (&m)[2], const float (&l)[2], int t0, int T,
+                                                            long out_stride) {
     int lane = threadIdx.x % 32;
     float inv[2];
 #pragma unroll
@@ -421,16 +492,18 @@ static __device__ __forceinline__ void attention_store_slab(bf16* out_head, floa
         // lse = ln Σ exp(score) = (m + log2 Σ)·ln 2, with m in base 2
         if (lane % 4 == 0 && query < T) lse_head[query] = (m[half] + log2f(sum)) * 0.69314718f;
     }
-    warp_store_rows<HS>(out_head, C, o, t0, T, inv);
+    warp_store_rows<HS>(out_head, out_stride, o, t0, T, inv);
 }
 
 // P and dS of one m16 slab whose rows are the keys key0..key0+15 and whose columns are the queries q0.. of a
 // tile, in place of Sᵀ (in p) and dPᵀ (in ds); lse_t and delta_t hold the tile's base-2 log-sum-exps and D per
-// query (+inf and 0 past T, which make P and dS exactly 0 there). diagonal: mask queries before their key.
+// query (+inf and 0 past T, which make P and dS exactly 0 there). masked: hide each key from the queries whose
+// last_key comes before it.
 template <int COLS>
 static __device__ __forceinline__ void key_slab_probabilities(float (&p)[COLS / 8][4], float (&ds)[COLS / 8][4],
-                                                              int key0, int q0, bool diagonal, const float* lse_t,
-                                                              const float* delta_t, float scale_log2) {
+                                                              int key0, int q0, bool masked, const AttentionBlock& a,
+                                                              const float* lse_t, const float* delta_t,
+                                                              float scale_log2) {
     int lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < COLS / 8; j++)
@@ -439,19 +512,19 @@ static __device__ __forceinline__ void key_slab_probabilities(float (&p)[COLS / 
             FragmentCoord c = accumulator_coord(lane, i);
             int key = key0 + c.row, col = 8 * j + c.col;
             float x = exp2f(p[j][i] * scale_log2 - lse_t[col]);
-            p[j][i] = diagonal && key > q0 + col ? 0.0f : x;
+            p[j][i] = masked && key > a.last_key(q0 + col) ? 0.0f : x;
             ds[j][i] = p[j][i] * (ds[j][i] - delta_t[col]);
         }
 }
 
 // P and dS of one m16 slab whose rows are the queries query0..query0+15 and whose columns are the keys k0.. of
 // a tile, in place of S (in p) and dP (in ds); row_lse and row_delta are this lane's two rows' base-2
-// log-sum-exp and D. diagonal: mask keys after their query.
+// log-sum-exp and D. masked: hide the keys past each query's last_key.
 template <int COLS>
 static __device__ __forceinline__ void query_slab_probabilities(float (&p)[COLS / 8][4], float (&ds)[COLS / 8][4],
-                                                                int query0, int k0, bool diagonal,
-                                                                const float (&row_lse)[2], const float (&row_delta)[2],
-                                                                float scale_log2) {
+                                                                int query0, int k0, bool masked,
+                                                                const AttentionBlock& a, const float (&row_lse)[2],
+                                                                const float (&row_delta)[2], float scale_log2) {
     int lane = threadIdx.x % 32;
 #pragma unroll
     for (int j = 0; j < COLS / 8; j++)
@@ -460,7 +533,7 @@ static __device__ __forceinline__ void query_slab_probabilities(float (&p)[COLS 
             FragmentCoord c = accumulator_coord(lane, i);
             int query = query0 + c.row, key = k0 + 8 * j + c.col;
             float x = exp2f(p[j][i] * scale_log2 - row_lse[i / 2]);
-            p[j][i] = diagonal && key > query ? 0.0f : x;
+            p[j][i] = masked && key > a.last_key(query) ? 0.0f : x;
             ds[j][i] = p[j][i] * (ds[j][i] - row_delta[i / 2]);
         }
 }
@@ -484,38 +557,37 @@ template <int HS, int SLABS>
 static __device__ __forceinline__ void attention_forward_tile(float (&o)[SLABS][HS / 8][4], float (&m)[SLABS][2],
                                                               float (&l)[SLABS][2], const bf16* q_s, int row0,
                                                               const bf16* k_t, const bf16* v_t, int q0, int k0,
-                                                              bool diagonal, float scale_log2) {
+                                                              bool masked, const AttentionBlock& a, float scale_log2) {
     constexpr int COLS = ATT_FWD_COLS;
     float s[SLABS][COLS / 8][4];
     warp_abt<HS, COLS, SLABS>(s, q_s, row0, k_t);
 #pragma unroll
     for (int sl = 0; sl < SLABS; sl++)
-        online_softmax_slab<HS, COLS>(s[sl], o[sl], m[sl], l[sl], q0 + row0 + 16 * sl, k0, diagonal, scale_log2);
+        online_softmax_slab<HS, COLS>(s[sl], o[sl], m[sl], l[sl], q0 + row0 + 16 * sl, k0, masked, a, scale_log2);
     warp_pm<HS, COLS, SLABS>(o, s, v_t);
 }
 
 // grid (query blocks, B·NH); the longest rows (last blocks) start first so the tail of the grid is short.
 // Warp w owns queries [16·SLABS·w, 16·SLABS·(w+1)) of the block, as SLABS m16 slabs. scale_log2 = log2(e)/√hs:
 // scores are kept in base 2 so each exponential is one exp2. The query heads of a group read the same key and
-// value tiles (from L2 after the first).
-template <int HS, int SLABS>
+// value tiles (from L2 after the first). out is bf16 (the layer's) or fp32 (a ring block's, merged in fp32).
+template <int HS, int SLABS, typename O>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
-    attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T, int C, int NH, int KV, float scale_log2) {
+    attention_forward_kernel(AttentionBlock a, AttentionRows<O> out, AttentionRows<float> lse, float scale_log2) {
     constexpr int LD = HS + ATT_PAD, COLS = ATT_FWD_COLS, ROWS = 16 * SLABS * ATT_WARPS;
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* q_s = reinterpret_cast<bf16*>(attention_shared);
     bf16* k_s = q_s + ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV), warp = threadIdx.x / 32;
+    int T = a.T, bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, kh = h / (a.NH / a.KV), warp = threadIdx.x / 32;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, row0 = warp * 16 * SLABS;
-    int stride = C + 2 * KV * HS;
-    const bf16* q_g = qkv + (long)b * T * stride + h * HS;
-    const bf16* k_g = qkv + (long)b * T * stride + C + kh * HS;  // the value head's lies KV·HS further
-    int tiles = (min(q0 + ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
+    const bf16* q_g = a.q.at(b, 0) + h * HS;
+    const bf16* k_g = a.kv.at(b, 0) + kh * HS;  // the value head's lies KV·HS further
+    int tiles = min(a.last_key(q0 + ROWS - 1), T - 1) / COLS + 1;  // key tiles up to the last one a query sees
 
-    attention_async_rows<HS>(q_s, q_g, stride, q0, ROWS, T);
-    attention_async_rows<HS>(k_s, k_g, stride, 0, COLS, T);
-    attention_async_rows<HS>(v_s, k_g + KV * HS, stride, 0, COLS, T);
+    attention_async_rows<HS>(q_s, q_g, a.q.stride, q0, ROWS, T);
+    attention_async_rows<HS>(k_s, k_g, a.kv.stride, 0, COLS, T);
+    attention_async_rows<HS>(v_s, k_g + a.KV * HS, a.kv.stride, 0, COLS, T);
     cp_async_commit();
 
     // per slab, this lane's two rows (accumulator rows g and g+8): the running max and this lane's share of
@@ -525,20 +597,20 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     for (int sl = 0; sl < SLABS; sl++) m[sl][0] = m[sl][1] = -INFINITY;
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
-        attention_next_kv_tile<HS, COLS>(k_s, v_s, k_g, KV * HS, stride, kt, tiles, T);  // landed for every thread
+        attention_next_kv_tile<HS, COLS>(k_s, v_s, k_g, a.KV * HS, a.kv.stride, kt, tiles, T);  // landed for all
         // a diagonal tile can lie wholly after this warp's queries (the block's last tile, for its first
         // warps): then the warp has nothing to add
-        if (k0 <= q0 + row0 + 16 * SLABS - 1) {
+        if (k0 <= a.last_key(q0 + row0 + 16 * SLABS - 1)) {
             attention_forward_tile<HS, SLABS>(o, m, l, q_s, row0, k_s + buf * COLS * LD, v_s + buf * COLS * LD, q0,
-                                              k0, k0 + COLS - 1 > q0, scale_log2);
+                                              k0, k0 + COLS - 1 > a.last_key(q0), a, scale_log2);
         }
         __syncthreads();  // everyone is done with this buffer before the next iteration refills it
     }
 
 #pragma unroll
     for (int sl = 0; sl < SLABS; sl++)
-        attention_store_slab<HS>(out + (long)b * T * C + h * HS, lse + (long)bh * T, o[sl], m[sl], l[sl],
-                                 q0 + row0 + 16 * sl, T, C);
+        attention_store_slab<HS>(out.at(b, 0) + h * HS, lse.at(bh, 0), o[sl], m[sl], l[sl], q0 + row0 + 16 * sl, T,
+                                 out.stride);
 }
 
 // D[b,h,t] = dO·O over the head: Σ_j P·dP for the row, which the softmax backward subtracts. HS/8 lanes
@@ -567,10 +639,13 @@ static __global__ void attention_delta_kernel(float* delta, const bf16* dout, co
 // dK and dV for a block of keys of one key/value head (grid (key blocks, B·KV); block 0 has the most query
 // tiles and starts first): each warp holds 16 keys' dK and dV and walks, for each query head of the group in
 // turn, the query tiles that can see them, in order, so the group's contributions add up in one fixed order.
-template <int HS>
+// dkv points at key head 0 of row 0 (value head 0 KV·hs further); G is bf16 (the layer's dqkv, stored) or fp32
+// (a ring block's share, added); lse and D are the forward's, over the whole sequence.
+template <int HS, typename G>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
-    attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                                   const float* delta, int T, int C, int NH, int KV, float scale, float scale_log2) {
+    attention_backward_dkdv_kernel(AttentionBlock a, AttentionRows<const bf16> dout, AttentionRows<const float> lse,
+                                   AttentionRows<const float> delta, AttentionRows<G> dkv, float scale,
+                                   float scale_log2) {
     constexpr int LD = HS + ATT_PAD, COLS = attention_backward_cols(HS);
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* k_s = reinterpret_cast<bf16*>(attention_shared);
@@ -579,23 +654,21 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     bf16* do_s = q_s + 2 * COLS * LD;
     float* lse_s = reinterpret_cast<float*>(do_s + 2 * COLS * LD);  // base-2, two buffers
     float* delta_s = lse_s + 2 * COLS;
-    int group = NH / KV, bk = blockIdx.y, b = bk / KV, kh = bk % KV, warp = threadIdx.x / 32;
-    int k0 = blockIdx.x * ATT_ROWS, row0 = warp * 16;
-    int stride = C + 2 * KV * HS;
-    const bf16* k_g = qkv + (long)b * T * stride + C + kh * HS;
+    int T = a.T, NH = a.NH, KV = a.KV, group = NH / KV, bk = blockIdx.y, b = bk / KV, kh = bk % KV;
+    int k0 = blockIdx.x * ATT_ROWS, row0 = threadIdx.x / 32 * 16;
+    const bf16* k_g = a.kv.at(b, 0) + kh * HS;
     const bf16* v_g = k_g + KV * HS;
-    // per query head, the query tiles holding a query at or after the first key; step n of the walk is tile
+    // per query head, the query tiles holding a query that sees the first key; step n of the walk is tile
     // first + n % per_head of the group's query head n / per_head
-    int first = k0 / COLS, per_head = (T - 1) / COLS + 1 - first, steps = group * per_head;
+    int first = a.first_query(k0) / COLS, per_head = (T - 1) / COLS + 1 - first, steps = group * per_head;
     auto head_of = [&](int n) { return kh * group + n / per_head; };
     auto tile_start = [&](int n) { return (first + n % per_head) * COLS; };
 
     // step n's query and output-gradient rows into buffer buf, asynchronously
     auto load_queries = [&](int n, int buf) {
         int h = head_of(n);
-        attention_async_rows<HS>(q_s + buf * COLS * LD, qkv + (long)b * T * stride + h * HS, stride, tile_start(n),
-                                 COLS, T);
-        attention_async_rows<HS>(do_s + buf * COLS * LD, dout + (long)b * T * C + h * HS, C, tile_start(n), COLS, T);
+        attention_async_rows<HS>(q_s + buf * COLS * LD, a.q.at(b, 0) + h * HS, a.q.stride, tile_start(n), COLS, T);
+        attention_async_rows<HS>(do_s + buf * COLS * LD, dout.at(b, 0) + h * HS, dout.stride, tile_start(n), COLS, T);
     };
     // the base-2 lse and D of step n's query tile_start(n) + threadIdx.x (threads < COLS), fetched into
     // registers a step ahead so their latency hides behind the current tile's products; queries past T get
@@ -604,9 +677,9 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
     auto fetch_stats = [&](int n) {
         int query = tile_start(n) + threadIdx.x;
         bool inside = threadIdx.x < COLS && query < T;
-        long row = ((long)b * NH + head_of(n)) * T + query;
-        next_lse = inside ? lse[row] * 1.44269504f : INFINITY;
-        next_delta = inside ? delta[row] : 0.0f;
+        long bh = (long)b * NH + head_of(n);
+        next_lse = inside ? *lse.at(bh, query) * 1.44269504f : INFINITY;
+        next_delta = inside ? *delta.at(bh, query) : 0.0f;
     };
     auto store_stats = [&](int buf) {
         if (threadIdx.x < COLS) {
@@ -614,8 +687,8 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
             delta_s[buf * COLS + threadIdx.x] = next_delta;
         }
     };
-    attention_async_rows<HS>(k_s, k_g, stride, k0, ATT_ROWS, T);
-    attention_async_rows<HS>(v_s, v_g, stride, k0, ATT_ROWS, T);
+    attention_async_rows<HS>(k_s, k_g, a.kv.stride, k0, ATT_ROWS, T);
+    attention_async_rows<HS>(v_s, v_g, a.kv.stride, k0, ATT_ROWS, T);
     load_queries(0, 0);
     cp_async_commit();
     fetch_stats(0);
@@ -639,12 +712,12 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
         const float* delta_t = delta_s + buf * COLS;
 
         // a diagonal tile can lie wholly before this warp's keys (hs 128's narrow tiles, for the last warps)
-        if (k0 + row0 <= q0 + COLS - 1) {
+        if (k0 + row0 <= a.last_key(q0 + COLS - 1)) {
             float p[1][COLS / 8][4], ds[1][COLS / 8][4];  // rows: this warp's keys; columns: the tile's queries
             warp_abt<HS, COLS, 1>(p, k_s, row0, q_t);
             warp_abt<HS, COLS, 1>(ds, v_s, row0, do_t);
-            bool diagonal = q0 < k0 + ATT_ROWS - 1;  // some query of the tile comes before some key of the block
-            key_slab_probabilities<COLS>(p[0], ds[0], k0 + row0, q0, diagonal, lse_t, delta_t, scale_log2);
+            bool masked = k0 + ATT_ROWS - 1 > a.last_key(q0);  // some key of the block is hidden from some query
+            key_slab_probabilities<COLS>(p[0], ds[0], k0 + row0, q0, masked, a, lse_t, delta_t, scale_log2);
             warp_pm<HS, COLS, 1>(dv, p, do_t);
             warp_pm<HS, COLS, 1>(dk, ds, q_t);
         }
@@ -652,58 +725,59 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
         __syncthreads();
     }
     float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
-    bf16* dkey = dqkv + (long)b * T * stride + C + kh * HS;
-    warp_store_rows<HS>(dkey, stride, dk[0], k0 + row0, T, dk_scale);
-    warp_store_rows<HS>(dkey + KV * HS, stride, dv[0], k0 + row0, T, one);
+    G* dkey = dkv.at(b, 0) + kh * HS;
+    store_gradient_rows<HS>(dkey, dkv.stride, dk[0], k0 + row0, T, dk_scale);
+    store_gradient_rows<HS>(dkey + KV * HS, dkv.stride, dv[0], k0 + row0, T, one);
 }
 
 // dQ for a block of queries (grid as the forward's): each warp holds 16 queries' dQ and walks the key tiles
-// they can see, in order, recomputing P and dS for them.
-template <int HS>
+// they can see, in order, recomputing P and dS for them. dq points at query head 0 of row 0, G as the dK/dV
+// kernel's.
+template <int HS, typename G>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
-    attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* delta,
-                                 int T, int C, int NH, int KV, float scale, float scale_log2) {
+    attention_backward_dq_kernel(AttentionBlock a, AttentionRows<const bf16> dout, AttentionRows<const float> lse,
+                                 AttentionRows<const float> delta, AttentionRows<G> dq_rows, float scale,
+                                 float scale_log2) {
     constexpr int LD = HS + ATT_PAD, COLS = attention_backward_cols(HS);
     extern __shared__ __align__(16) unsigned char attention_shared[];
     bf16* q_s = reinterpret_cast<bf16*>(attention_shared);
     bf16* do_s = q_s + ATT_ROWS * LD;
     bf16* k_s = do_s + ATT_ROWS * LD;  // two buffers each
     bf16* v_s = k_s + 2 * COLS * LD;
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV), warp = threadIdx.x / 32;
+    int T = a.T, bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, kh = h / (a.NH / a.KV), warp = threadIdx.x / 32;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_ROWS, row0 = warp * 16;
-    int stride = C + 2 * KV * HS;
-    const bf16* q_g = qkv + (long)b * T * stride + h * HS;
-    const bf16* k_g = qkv + (long)b * T * stride + C + kh * HS;  // the value head's lies KV·HS further
-    int tiles = (min(q0 + ATT_ROWS, T) - 1) / COLS + 1;
+    const bf16* q_g = a.q.at(b, 0) + h * HS;
+    const bf16* k_g = a.kv.at(b, 0) + kh * HS;  // the value head's lies KV·HS further
+    int tiles = min(a.last_key(q0 + ATT_ROWS - 1), T - 1) / COLS + 1;
 
-    attention_async_rows<HS>(q_s, q_g, stride, q0, ATT_ROWS, T);
-    attention_async_rows<HS>(do_s, dout + (long)b * T * C + h * HS, C, q0, ATT_ROWS, T);
-    attention_async_rows<HS>(k_s, k_g, stride, 0, COLS, T);
-    attention_async_rows<HS>(v_s, k_g + KV * HS, stride, 0, COLS, T);
+    attention_async_rows<HS>(q_s, q_g, a.q.stride, q0, ATT_ROWS, T);
+    attention_async_rows<HS>(do_s, dout.at(b, 0) + h * HS, dout.stride, q0, ATT_ROWS, T);
+    attention_async_rows<HS>(k_s, k_g, a.kv.stride, 0, COLS, T);
+    attention_async_rows<HS>(v_s, k_g + a.KV * HS, a.kv.stride, 0, COLS, T);
     cp_async_commit();
 
     float row_lse[2], row_delta[2];
-    slab_row_stats(row_lse, row_delta, lse + (long)bh * T, delta + (long)bh * T, q0 + row0, T);
+    slab_row_stats(row_lse, row_delta, lse.at(bh, 0), delta.at(bh, 0), q0 + row0, T);
 
     float dq[1][HS / 8][4] = {};
     for (int kt = 0; kt < tiles; kt++) {
         int buf = kt % 2, k0 = kt * COLS;
-        attention_next_kv_tile<HS, COLS>(k_s, v_s, k_g, KV * HS, stride, kt, tiles, T);
+        attention_next_kv_tile<HS, COLS>(k_s, v_s, k_g, a.KV * HS, a.kv.stride, kt, tiles, T);
         const bf16* k_t = k_s + buf * COLS * LD;
 
         // a diagonal tile can lie wholly after this warp's queries (hs 128's narrow tiles, for the first warps)
-        if (k0 <= q0 + row0 + 15) {
+        if (k0 <= a.last_key(q0 + row0 + 15)) {
             float p[1][COLS / 8][4], ds[1][COLS / 8][4];  // rows: this warp's queries; columns: the tile's keys
             warp_abt<HS, COLS, 1>(p, q_s, row0, k_t);
             warp_abt<HS, COLS, 1>(ds, do_s, row0, v_s + buf * COLS * LD);
-            bool diagonal = k0 + COLS - 1 > q0;
-            query_slab_probabilities<COLS>(p[0], ds[0], q0 + row0, k0, diagonal, row_lse, row_delta, scale_log2);
+            bool masked = k0 + COLS - 1 > a.last_key(q0);
+            query_slab_probabilities<COLS>(p[0], ds[0], q0 + row0, k0, masked, a, row_lse, row_delta, scale_log2);
             warp_pm<HS, COLS, 1>(dq, ds, k_t);
         }
         __syncthreads();
     }
     float dq_scale[2] = {scale, scale};
-    warp_store_rows<HS>(dqkv + (long)b * T * stride + h * HS, stride, dq[0], q0 + row0, T, dq_scale);
+    store_gradient_rows<HS>(dq_rows.at(b, 0) + h * HS, dq_rows.stride, dq[0], q0 + row0, T, dq_scale);
 }
 
 // ==========================================================================================================
@@ -1001,25 +1075,27 @@ static __device__ __forceinline__ void hopper_produce(const HopperBarriers& bar,
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ----------------------------------------------------------------------------------------------------------
-// the sm_90a kernels: grids as the mma.sync ones'; scale_log2 = log2(e)/√hs. qkv_map spans the whole qkv row
-// (NH + 2·KV heads): query head h's columns start at h·HS, its key head's at C + kh·HS and its value head's at
-// C + (KV + kh)·HS, kh = h / (NH/KV), all multiples of the 64-column box. Their bodies exist only in the sm_90a
-// machine code; in every other image they are empty, and attention_hopper_available says which image the device
-// runs.
+// the sm_90a kernels: grids and arguments as the mma.sync ones'; scale_log2 = log2(e)/√hs. The tensor maps
+// span the block's rows: q_map the NH query heads (query head h's columns start at h·HS), kv_map the KV key heads
+// and then the KV value heads (key head kh's at kh·HS, its value head's at (KV + kh)·HS, kh = h / (NH/KV)),
+// dout_map the NH heads of the output gradient; all multiples of the 64-column box, and rows past T read as
+// zeros. Their bodies exist only in the sm_90a machine code; in every other image they are empty, and
+// attention_hopper_available says which image the device runs.
 
-template <int HS>
+template <int HS, typename O>
 static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
-    attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map, bf16* out, float* lse, int T, int C,
-                                    int NH, int KV, float scale_log2) {
+    attention_forward_hopper_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
+                                    AttentionBlock a, AttentionRows<O> out, AttentionRows<float> lse,
+                                    float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = HOPPER_FWD_COLS;
     using Smem = HopperSmem<HS, 1, COLS, false>;
     extern __shared__ __align__(1024) unsigned char hopper_shared[];
     HopperBarriers bar;
     uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV);
+    int T = a.T, KV = a.KV, bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, kh = h / (a.NH / KV);
     int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
-    int tiles = (min(q0 + HOPPER_ROWS, T) - 1) / COLS + 1;  // key tiles up to the block's last query
+    int tiles = min(a.last_key(q0 + HOPPER_ROWS - 1), T - 1) / COLS + 1;  // key tiles up to the last one seen
 
     if (threadIdx.x < 128) {
         setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
@@ -1027,11 +1103,11 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             hopper_produce(
                 bar, tiles, Smem::own_bytes, 2 * Smem::tile_bytes,
                 [&](uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &q_map, h * HS, q0, b, full);
                 },
                 [&](int n, int stage, uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + kh * HS, n * COLS, b, full);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, C + (KV + kh) * HS, n * COLS, b,
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &kv_map, kh * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &kv_map, (KV + kh) * HS, n * COLS, b,
                                       full);
                 },
                 [](int, int, int) {});
@@ -1050,14 +1126,15 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             wgmma_commit();
             wgmma_wait();
             wgmma_pin<COLS>(s);
-            online_softmax_slab<HS, COLS>(s, o, m, l, query0, k0, k0 + COLS - 1 > q0 + row0, scale_log2);
+            online_softmax_slab<HS, COLS>(s, o, m, l, query0, k0, k0 + COLS - 1 > a.last_key(q0 + row0), a,
+                                          scale_log2);
             warpgroup_pm<HS, COLS>(o, s, base + Smem::streamed(stage, 1));
             wgmma_commit();
             wgmma_wait();
             wgmma_pin<HS>(o);
             mbarrier_arrive(bar.empty(stage));
         }
-        attention_store_slab<HS>(out + (long)b * T * C + h * HS, lse + (long)bh * T, o, m, l, query0, T, C);
+        attention_store_slab<HS>(out.at(b, 0) + h * HS, lse.at(bh, 0), o, m, l, query0, T, out.stride);
     }
 #endif
 }
@@ -1065,12 +1142,13 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
 // dK and dV for 128 keys of one key/value head (grid as the mma.sync dK/dV kernel's, (key blocks, B·KV)): each
 // consumer warpgroup holds 64 keys' dK and dV and walks, for each query head of the group in turn, the query
 // tiles that can see them, in order
-template <int HS>
+template <int HS, typename G>
 static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
-    attention_backward_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map,
-                                          const __grid_constant__ CUtensorMap dout_map, bf16* dqkv, const float* lse,
-                                          const float* delta, int T, int C, int NH, int KV, float scale,
-                                          float scale_log2) {
+    attention_backward_dkdv_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
+                                          const __grid_constant__ CUtensorMap kv_map,
+                                          const __grid_constant__ CUtensorMap dout_map, AttentionBlock a,
+                                          AttentionRows<const float> lse, AttentionRows<const float> delta,
+                                          AttentionRows<G> dkv, float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = HOPPER_BWD_COLS;
     using Smem = HopperSmem<HS, 2, COLS, true>;
@@ -1079,11 +1157,11 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
     float* lse_s = reinterpret_cast<float*>(hopper_shared + (base - shared_address(hopper_shared)) + Smem::lse);
     float* delta_s = reinterpret_cast<float*>(hopper_shared + (base - shared_address(hopper_shared)) + Smem::delta);
-    int group = NH / KV, bk = blockIdx.y, b = bk / KV, kh = bk % KV;
+    int T = a.T, NH = a.NH, KV = a.KV, group = NH / KV, bk = blockIdx.y, b = bk / KV, kh = bk % KV;
     int k0 = blockIdx.x * HOPPER_ROWS;
-    // per query head, the query tiles holding a query at or after k0; step n of the walk is tile
+    // per query head, the query tiles holding a query that sees k0; step n of the walk is tile
     // first + n % per_head of the group's query head n / per_head
-    int first = k0 / COLS, per_head = (T - 1) / COLS + 1 - first, steps = group * per_head;
+    int first = a.first_query(k0) / COLS, per_head = (T - 1) / COLS + 1 - first, steps = group * per_head;
     auto head_of = [&](int n) { return kh * group + n / per_head; };
     auto tile_start = [&](int n) { return (first + n % per_head) * COLS; };
 
@@ -1093,18 +1171,18 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             hopper_produce(
                 bar, steps, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
                 [&](uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, C + kh * HS, k0, b, full);
-                    tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &qkv_map, C + (KV + kh) * HS, k0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &kv_map, kh * HS, k0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &kv_map, (KV + kh) * HS, k0, b, full);
                 },
                 [&](int n, int stage, uint32_t full) {
                     int h = head_of(n), q0 = tile_start(n);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, h * HS, q0, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &q_map, h * HS, q0, b, full);
                     tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &dout_map, h * HS, q0, b, full);
                 },
                 // queries past T get lse = +inf, which makes their P, and with it their dS, exactly 0
                 [&](int n, int stage, int lane) {
-                    const float* lse_head = lse + ((long)b * NH + head_of(n)) * T;
-                    const float* delta_head = delta + ((long)b * NH + head_of(n)) * T;
+                    const float* lse_head = lse.at((long)b * NH + head_of(n), 0);
+                    const float* delta_head = delta.at((long)b * NH + head_of(n), 0);
                     for (int i = lane; i < COLS; i += 32) {
                         int query = tile_start(n) + i;
                         bool inside = query < T;
@@ -1121,7 +1199,7 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             int stage = n % HOPPER_STAGES, q0 = tile_start(n);
             mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
             // a diagonal tile can lie wholly before this warpgroup's keys (the second one's, on the first tile)
-            if (k0 + row0 <= q0 + COLS - 1) {
+            if (k0 + row0 <= a.last_key(q0 + COLS - 1)) {
                 uint32_t q_t = base + Smem::streamed(stage, 0), do_t = base + Smem::streamed(stage, 1);
                 float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's keys; columns: the tile's queries
                 warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, q_t, COLS);
@@ -1130,8 +1208,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                 wgmma_wait();
                 wgmma_pin<COLS>(p);
                 wgmma_pin<COLS>(ds);
-                key_slab_probabilities<COLS>(p, ds, key0, q0, q0 < k0 + row0 + HOPPER_BOX - 1, lse_s + stage * COLS,
-                                             delta_s + stage * COLS, scale_log2);
+                key_slab_probabilities<COLS>(p, ds, key0, q0, k0 + row0 + HOPPER_BOX - 1 > a.last_key(q0), a,
+                                             lse_s + stage * COLS, delta_s + stage * COLS, scale_log2);
                 warpgroup_pm<HS, COLS>(dv, p, do_t);
                 warpgroup_pm<HS, COLS>(dk, ds, q_t);
                 wgmma_commit();
@@ -1142,31 +1220,31 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             mbarrier_arrive(bar.empty(stage));  // the lse and D reads too: the arrival releases them
         }
         float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
-        long stride = C + 2L * KV * HS;
-        bf16* dkey = dqkv + (long)b * T * stride + C + kh * HS;
-        warp_store_rows<HS>(dkey, stride, dk, key0, T, dk_scale);
-        warp_store_rows<HS>(dkey + KV * HS, stride, dv, key0, T, one);
+        G* dkey = dkv.at(b, 0) + kh * HS;
+        store_gradient_rows<HS>(dkey, dkv.stride, dk, key0, T, dk_scale);
+        store_gradient_rows<HS>(dkey + KV * HS, dkv.stride, dv, key0, T, one);
     }
 #endif
 }
 
 // dQ for 128 queries (grid as the forward's): each consumer warpgroup holds 64 queries' dQ and walks the key
 // tiles they can see, in order, recomputing P and dS for them
-template <int HS>
+template <int HS, typename G>
 static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
-    attention_backward_dq_hopper_kernel(const __grid_constant__ CUtensorMap qkv_map,
-                                        const __grid_constant__ CUtensorMap dout_map, bf16* dqkv, const float* lse,
-                                        const float* delta, int T, int C, int NH, int KV, float scale,
-                                        float scale_log2) {
+    attention_backward_dq_hopper_kernel(const __grid_constant__ CUtensorMap q_map,
+                                        const __grid_constant__ CUtensorMap kv_map,
+                                        const __grid_constant__ CUtensorMap dout_map, AttentionBlock a,
+                                        AttentionRows<const float> lse, AttentionRows<const float> delta,
+                                        AttentionRows<G> dq_rows, float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = HOPPER_BWD_COLS;
     using Smem = HopperSmem<HS, 2, COLS, false>;
     extern __shared__ __align__(1024) unsigned char hopper_shared[];
     HopperBarriers bar;
     uint32_t base = hopper_setup(hopper_shared, Smem::barriers, bar);
-    int bh = blockIdx.y, b = bh / NH, h = bh % NH, kh = h / (NH / KV);
+    int T = a.T, KV = a.KV, bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, kh = h / (a.NH / KV);
     int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
-    int tiles = (min(q0 + HOPPER_ROWS, T) - 1) / COLS + 1;
+    int tiles = min(a.last_key(q0 + HOPPER_ROWS - 1), T - 1) / COLS + 1;
 
     if (threadIdx.x < 128) {
         setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
@@ -1174,12 +1252,12 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             hopper_produce(
                 bar, tiles, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
                 [&](uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &qkv_map, h * HS, q0, b, full);
+                    tma_load_tile<HS>(base + Smem::own(0), HOPPER_ROWS, &q_map, h * HS, q0, b, full);
                     tma_load_tile<HS>(base + Smem::own(1), HOPPER_ROWS, &dout_map, h * HS, q0, b, full);
                 },
                 [&](int n, int stage, uint32_t full) {
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &qkv_map, C + kh * HS, n * COLS, b, full);
-                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &qkv_map, C + (KV + kh) * HS, n * COLS, b,
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 0), COLS, &kv_map, kh * HS, n * COLS, b, full);
+                    tma_load_tile<HS>(base + Smem::streamed(stage, 1), COLS, &kv_map, (KV + kh) * HS, n * COLS, b,
                                       full);
                 },
                 [](int, int, int) {});
@@ -1187,14 +1265,14 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
         setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
         int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), query0 = q0 + row0 + 16 * (threadIdx.x / 32 % 4);
         float row_lse[2], row_delta[2];
-        slab_row_stats(row_lse, row_delta, lse + (long)bh * T, delta + (long)bh * T, query0, T);
+        slab_row_stats(row_lse, row_delta, lse.at(bh, 0), delta.at(bh, 0), query0, T);
         float dq[HS / 8][4] = {};
         mbarrier_wait(bar.own_full(), 0);
         for (int n = 0; n < tiles; n++) {
             int stage = n % HOPPER_STAGES, k0 = n * COLS;
             mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
             // a diagonal tile can lie wholly after this warpgroup's queries (the first one's, on the last tile)
-            if (k0 <= q0 + row0 + HOPPER_BOX - 1) {
+            if (k0 <= a.last_key(q0 + row0 + HOPPER_BOX - 1)) {
                 uint32_t k_t = base + Smem::streamed(stage, 0);
                 float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's queries; columns: the tile's keys
                 warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, k_t, COLS);
@@ -1204,8 +1282,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                 wgmma_wait();
                 wgmma_pin<COLS>(p);
                 wgmma_pin<COLS>(ds);
-                query_slab_probabilities<COLS>(p, ds, query0, k0, k0 + COLS - 1 > q0 + row0, row_lse, row_delta,
-                                               scale_log2);
+                query_slab_probabilities<COLS>(p, ds, query0, k0, k0 + COLS - 1 > a.last_key(q0 + row0), a, row_lse,
+                                               row_delta, scale_log2);
                 warpgroup_pm<HS, COLS>(dq, ds, k_t);
                 wgmma_commit();
                 wgmma_wait();
@@ -1214,8 +1292,7 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
             mbarrier_arrive(bar.empty(stage));
         }
         float dq_scale[2] = {scale, scale};
-        long stride = C + 2L * KV * HS;
-        warp_store_rows<HS>(dqkv + (long)b * T * stride + h * HS, stride, dq, query0, T, dq_scale);
+        store_gradient_rows<HS>(dq_rows.at(b, 0) + h * HS, dq_rows.stride, dq, query0, T, dq_scale);
     }
 #endif
 }
@@ -1255,15 +1332,32 @@ inline void attention_launch(dim3 grid, int threads, size_t bytes, cudaStream_t 
     cuda_check(cudaGetLastError());
 }
 
-// the forward with SLABS m16 slabs per warp (blocks of 16·SLABS·ATT_WARPS queries)
-template <int HS, int SLABS>
-inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
+// a block's heads, and the 16-byte alignment its tiles need: the row strides are multiples of 8 bf16 whenever hs
+// is 64 or 128, so the base pointers are what a caller can get wrong
+inline void attention_check_block(const AttentionBlock& a) {
+    attention_check_heads(a.C, a.NH, a.KV);
+    require_aligned_16("attention: q", a.q.p);
+    require_aligned_16("attention: kv", a.kv.p);
+}
+
+// the forward of a block with SLABS m16 slabs per warp (blocks of 16·SLABS·ATT_WARPS queries): out (bf16, or fp32
+// for a ring block) and lse, the natural-log log-sum-exp of each query's scaled scores over the block's keys
+template <int HS, int SLABS, typename O>
+inline void attention_forward_launch(const AttentionBlock& a, AttentionRows<O> out, AttentionRows<float> lse,
                                      cudaStream_t stream) {
     constexpr int ROWS = 16 * SLABS * ATT_WARPS;
     size_t bytes = (size_t)(ROWS + 4 * ATT_FWD_COLS) * (HS + ATT_PAD) * sizeof(bf16);
     float scale_log2 = 1.44269504f / sqrtf((float)HS);
-    attention_launch<attention_forward_kernel<HS, SLABS>>(dim3(cuda_blocks(T, ROWS), B * NH), 32 * ATT_WARPS, bytes,
-                                                          stream, out, lse, qkv, T, C, NH, KV, scale_log2);
+    attention_launch<attention_forward_kernel<HS, SLABS, O>>(dim3(cuda_blocks(a.T, ROWS), a.B * a.NH), 32 * ATT_WARPS,
+                                                             bytes, stream, a, out, lse, scale_log2);
+}
+
+// the layer's forward over whole sequences with SLABS slabs per warp
+template <int HS, int SLABS>
+inline void attention_forward_launch(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
+                                     cudaStream_t stream) {
+    attention_forward_launch<HS, SLABS, bf16>(attention_whole_sequences(qkv, B, T, C, NH, KV), {out, (long)T * C, C},
+                                              {lse, T, 1}, stream);
 }
 
 // out (B, T, C) and lse (B, NH, T) from qkv (B, T, (NH + 2·KV)·hs), causal, head size hs = C/NH in {64, 128},
@@ -1289,6 +1383,30 @@ inline void attention_delta_cuda(float* delta, const bf16* dout, const bf16* out
     attention_delta_kernel<HS><<<cuda_blocks(rows * (HS / 8), 256), 256, 0, stream>>>(delta, dout, out, rows, T, C, NH);
     cuda_check(cudaGetLastError());
 }
+inline void attention_delta_cuda(float* delta, const bf16* dout, const bf16* out, int B, int T, int C, int NH,
+                                 cudaStream_t stream) {
+    attention_dispatch(C, NH, NH, [&](auto hs) {
+        attention_delta_cuda<decltype(hs)::value>(delta, dout, out, B, T, C, NH, stream);
+    });
+}
+
+// the backward of a block from D and the forward's lse over everything the queries see: dQ at dq and dK, dV at
+// dkv (key head 0 of row 0, the value heads KV·hs further), stored as bf16 or added to fp32 (G); deterministic
+template <int HS, typename G>
+inline void attention_backward_launch(const AttentionBlock& a, AttentionRows<const bf16> dout,
+                                      AttentionRows<const float> lse, AttentionRows<const float> delta,
+                                      AttentionRows<G> dq, AttentionRows<G> dkv, cudaStream_t stream) {
+    constexpr int COLS = attention_backward_cols(HS);
+    float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
+    int blocks = cuda_blocks(a.T, ATT_ROWS);
+    size_t tiles_bytes = (size_t)(2 * ATT_ROWS + 4 * COLS) * (HS + ATT_PAD) * sizeof(bf16);
+    size_t stats_bytes = 4 * COLS * sizeof(float);
+    attention_launch<attention_backward_dkdv_kernel<HS, G>>(dim3(blocks, a.B * a.KV), 32 * ATT_WARPS,
+                                                            tiles_bytes + stats_bytes, stream, a, dout, lse, delta, dkv,
+                                                            scale, scale_log2);
+    attention_launch<attention_backward_dq_kernel<HS, G>>(dim3(blocks, a.B * a.NH), 32 * ATT_WARPS, tiles_bytes, stream,
+                                                          a, dout, lse, delta, dq, scale, scale_log2);
+}
 
 // dqkv (B, T, (NH + 2·KV)·hs) overwritten; out and lse are the forward's; deterministic (no atomics): dK and dV
 // of a key/value head are summed over its group's query heads by the one block that owns the key block
@@ -1296,18 +1414,11 @@ inline void attention_backward_cuda(bf16* dqkv, const bf16* dout, const bf16* qk
                                     float* scratch, int B, int T, int C, int NH, int KV, cudaStream_t stream) {
     float* delta = scratch;
     attention_dispatch(C, NH, KV, [&](auto hs) {
-        constexpr int HS = decltype(hs)::value, COLS = attention_backward_cols(HS);
+        constexpr int HS = decltype(hs)::value;
         attention_delta_cuda<HS>(delta, dout, out, B, T, C, NH, stream);
-        float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
-        int blocks = cuda_blocks(T, ATT_ROWS);
-        size_t tiles_bytes = (size_t)(2 * ATT_ROWS + 4 * COLS) * (HS + ATT_PAD) * sizeof(bf16);
-        size_t stats_bytes = 4 * COLS * sizeof(float);
-        attention_launch<attention_backward_dkdv_kernel<HS>>(dim3(blocks, B * KV), 32 * ATT_WARPS,
-                                                             tiles_bytes + stats_bytes, stream, dqkv, dout, qkv, lse,
-                                                             delta, T, C, NH, KV, scale, scale_log2);
-        attention_launch<attention_backward_dq_kernel<HS>>(dim3(blocks, B * NH), 32 * ATT_WARPS, tiles_bytes, stream,
-                                                           dqkv, dout, qkv, lse, delta, T, C, NH, KV, scale,
-                                                           scale_log2);
+        long W = attention_qkv_width(C, NH, KV);
+        attention_backward_launch<HS, bf16>(attention_whole_sequences(qkv, B, T, C, NH, KV), {dout, (long)T * C, C},
+                                            {lse, T, 1}, {delta, T, 1}, {dqkv, T * W, W}, {dqkv + C, T * W, W}, stream);
     });
 }
 
@@ -1341,9 +1452,10 @@ inline bool attention_hopper_available(std::string* why = nullptr) {
     return present;
 }
 
-// A 3-D TMA map over a (B, T, width) bf16 tensor, dimensions innermost first: 64×64 boxes, the 128-byte
-// swizzle, zeros for rows past T. The encoder is the driver's, found through the runtime (no -lcuda).
-inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) {
+// A 3-D TMA map over the rows of a tensor (columns, rows, batch, innermost first): `width` columns of T rows of
+// B sequences at rows.p, with its row and batch strides; 64×64 boxes, the 128-byte swizzle, zeros for rows past
+// T. The encoder is the driver's, found through the runtime (no -lcuda).
+inline CUtensorMap hopper_tensor_map(AttentionRows<const bf16> rows, int B, int T, int width) {
     using Encode = PFN_cuTensorMapEncodeTiled_v12000;
     static Encode encode = [] {
         void* fn = nullptr;
@@ -1353,12 +1465,12 @@ inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) 
             fail("attention (wgmma): the driver has no cuTensorMapEncodeTiled");
         return reinterpret_cast<Encode>(fn);
     }();
-    require_aligned_16("attention (wgmma)", base);
+    require_aligned_16("attention (wgmma)", rows.p);
     CUtensorMap map;
     cuuint64_t dims[3] = {(cuuint64_t)width, (cuuint64_t)T, (cuuint64_t)B};
-    cuuint64_t strides[2] = {(cuuint64_t)width * sizeof(bf16), (cuuint64_t)T * width * sizeof(bf16)};
+    cuuint64_t strides[2] = {(cuuint64_t)rows.stride * sizeof(bf16), (cuuint64_t)rows.batch * sizeof(bf16)};
     cuuint32_t box[3] = {HOPPER_BOX, HOPPER_BOX, 1}, steps[3] = {1, 1, 1};
-    CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides, box, steps,
+    CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(rows.p), dims, strides, box, steps,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
@@ -1366,18 +1478,47 @@ inline CUtensorMap hopper_tensor_map(const bf16* base, int B, int T, int width) 
     return map;
 }
 
-// the forward on the wgmma kernels (attention_hopper_available must hold); the arguments as
-// attention_forward_cuda's
+// the maps of a block's queries (NH heads) and keys and values (KV heads each)
+inline CUtensorMap hopper_query_map(const AttentionBlock& a) { return hopper_tensor_map(a.q, a.B, a.T, a.C); }
+inline CUtensorMap hopper_kv_map(const AttentionBlock& a) {
+    return hopper_tensor_map(a.kv, a.B, a.T, 2 * a.KV * (a.C / a.NH));
+}
+
+// the forward of a block on the wgmma kernels (attention_hopper_available must hold); as attention_forward_launch
+template <int HS, typename O>
+inline void attention_forward_hopper_launch(const AttentionBlock& a, AttentionRows<O> out, AttentionRows<float> lse,
+                                            cudaStream_t stream) {
+    float scale_log2 = 1.44269504f / sqrtf((float)HS);
+    attention_launch<attention_forward_hopper_kernel<HS, O>>(dim3(cuda_blocks(a.T, HOPPER_ROWS), a.B * a.NH),
+                                                             HOPPER_THREADS, HopperSmem<HS, 1, HOPPER_FWD_COLS, false>::bytes,
+                                                             stream, hopper_query_map(a), hopper_kv_map(a), a, out, lse,
+                                                             scale_log2);
+}
+
+// the forward on the wgmma kernels; the arguments as attention_forward_cuda's
 inline void attention_forward_hopper(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
                                      cudaStream_t stream) {
     attention_dispatch(C, NH, KV, [&](auto hs) {
-        constexpr int HS = decltype(hs)::value;
-        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, (int)attention_qkv_width(C, NH, KV));
-        float scale_log2 = 1.44269504f / sqrtf((float)HS);
-        attention_launch<attention_forward_hopper_kernel<HS>>(dim3(cuda_blocks(T, HOPPER_ROWS), B * NH), HOPPER_THREADS,
-                                                              HopperSmem<HS, 1, HOPPER_FWD_COLS, false>::bytes, stream,
-                                                              qkv_map, out, lse, T, C, NH, KV, scale_log2);
+        attention_forward_hopper_launch<decltype(hs)::value, bf16>(attention_whole_sequences(qkv, B, T, C, NH, KV),
+                                                                   {out, (long)T * C, C}, {lse, T, 1}, stream);
     });
+}
+
+// the backward of a block on the wgmma kernels; as attention_backward_launch
+template <int HS, typename G>
+inline void attention_backward_hopper_launch(const AttentionBlock& a, AttentionRows<const bf16> dout,
+                                             AttentionRows<const float> lse, AttentionRows<const float> delta,
+                                             AttentionRows<G> dq, AttentionRows<G> dkv, cudaStream_t stream) {
+    CUtensorMap q_map = hopper_query_map(a), kv_map = hopper_kv_map(a),
+                dout_map = hopper_tensor_map(dout, a.B, a.T, a.C);
+    float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
+    int blocks = cuda_blocks(a.T, HOPPER_ROWS);
+    attention_launch<attention_backward_dkdv_hopper_kernel<HS, G>>(
+        dim3(blocks, a.B * a.KV), HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, true>::bytes, stream, q_map, kv_map,
+        dout_map, a, lse, delta, dkv, scale, scale_log2);
+    attention_launch<attention_backward_dq_hopper_kernel<HS, G>>(
+        dim3(blocks, a.B * a.NH), HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, q_map,
+        kv_map, dout_map, a, lse, delta, dq, scale, scale_log2);
 }
 
 // the backward on the wgmma kernels: the arguments, the scratch and the determinism as attention_backward_cuda's
@@ -1387,16 +1528,10 @@ inline void attention_backward_hopper(bf16* dqkv, const bf16* dout, const bf16* 
     attention_dispatch(C, NH, KV, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
         attention_delta_cuda<HS>(delta, dout, out, B, T, C, NH, stream);
-        CUtensorMap qkv_map = hopper_tensor_map(qkv, B, T, (int)attention_qkv_width(C, NH, KV)),
-                    dout_map = hopper_tensor_map(dout, B, T, C);
-        float scale = 1.0f / sqrtf((float)HS), scale_log2 = 1.44269504f * scale;
-        int blocks = cuda_blocks(T, HOPPER_ROWS);
-        attention_launch<attention_backward_dkdv_hopper_kernel<HS>>(
-            dim3(blocks, B * KV), HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, true>::bytes, stream, qkv_map,
-            dout_map, dqkv, lse, delta, T, C, NH, KV, scale, scale_log2);
-        attention_launch<attention_backward_dq_hopper_kernel<HS>>(
-            dim3(blocks, B * NH), HOPPER_THREADS, HopperSmem<HS, 2, HOPPER_BWD_COLS, false>::bytes, stream, qkv_map,
-            dout_map, dqkv, lse, delta, T, C, NH, KV, scale, scale_log2);
+        long W = attention_qkv_width(C, NH, KV);
+        attention_backward_hopper_launch<HS, bf16>(attention_whole_sequences(qkv, B, T, C, NH, KV),
+                                                   {dout, (long)T * C, C}, {lse, T, 1}, {delta, T, 1},
+                                                   {dqkv, T * W, W}, {dqkv + C, T * W, W}, stream);
     });
 }
 
@@ -1461,4 +1596,34 @@ inline void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, co
         attention_backward_hopper(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, KV, main_stream());
     else
         attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, KV, main_stream());
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// ring attention's blocks (llmc/cp.cuh) on the kernels the layers run (--attention): the block's output and
+// log-sum-exp in fp32, which the ring merges with its online softmax, and the block's share of dQ, dK and dV
+// added to the ring's fp32 accumulators. lse and delta are the global ones (over every key the queries see).
+
+inline void attention_block_forward(const AttentionBlock& a, AttentionRows<float> out, AttentionRows<float> lse) {
+    attention_check_block(a);
+    attention_dispatch(a.C, a.NH, a.KV, [&](auto hs) {
+        constexpr int HS = decltype(hs)::value;
+        if (attention_kernels() == AttentionKernels::WGMMA)
+            attention_forward_hopper_launch<HS, float>(a, out, lse, main_stream());
+        else
+            attention_forward_launch<HS, ATT_FWD_SLABS, float>(a, out, lse, main_stream());
+    });
+}
+
+inline void attention_block_backward(const AttentionBlock& a, AttentionRows<const bf16> dout,
+                                     AttentionRows<const float> lse, AttentionRows<const float> delta,
+                                     AttentionRows<float> dq, AttentionRows<float> dkv) {
+    attention_check_block(a);
+    require_aligned_16("attention: dout", dout.p);
+    attention_dispatch(a.C, a.NH, a.KV, [&](auto hs) {
+        constexpr int HS = decltype(hs)::value;
+        if (attention_kernels() == AttentionKernels::WGMMA)
+            attention_backward_hopper_launch<HS, float>(a, dout, lse, delta, dq, dkv, main_stream());
+        else
+            attention_backward_launch<HS, float>(a, dout, lse, delta, dq, dkv, main_stream());
+    });
 }

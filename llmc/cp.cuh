@@ -29,12 +29,11 @@
 // hop brings every accumulator back to the rank that owns the keys. No rank ever holds the whole sequence's K
 // and V or a T×T matrix.
 //
-// Both devices run the same ring code: the per-block kernels, the merge and the small element-wise steps are
-// each a CPU loop (fp32, OpenMP) with a CUDA kernel beside it (bf16 storage, fp32 arithmetic and fp32 running
-// output, log-sum-exp and gradient accumulators), picked by the storage type's pointers as the layer headers
-// pick theirs. The CUDA block kernels are plain (a warp per row, fp32 on CUDA cores) rather than fast, and are
-// compiled here but have not yet run on a GPU; the tensor-core flash kernels of llmc/attention.cuh, given a
-// block offset and a mask mode, are to replace them.
+// Both devices run the same ring code: the per-block attention, the merge and the small element-wise steps are
+// each a CPU loop (fp32, OpenMP) with CUDA beside it (bf16 storage, fp32 arithmetic and fp32 running output,
+// log-sum-exp and gradient accumulators), picked by the storage type's pointers as the layer headers pick
+// theirs. On CUDA a block is a call of the flash kernels of llmc/attention.cuh that the layers run (mma.sync or
+// wgmma, --attention), given the block's rows, its mask and fp32 outputs: one GPU attention per instruction set.
 #pragma once
 
 #include <algorithm>
@@ -219,147 +218,43 @@ inline void cp_block_backward(float* dq, float* dkv, const float* dout, const fl
             }
 }
 
-// CUDA: a warp per row of the block and (batch, head); lane l holds head dimensions l, l+32, ... (hs at most
-// CP_MAX_HS), so every score is a warp sum. Deterministic: every entry is written by one warp, in key order.
-constexpr int CP_MAX_HS = 256, CP_DIMS_PER_LANE = CP_MAX_HS / 32, CP_WARPS = 4;
+// CUDA: the flash kernels of llmc/attention.cuh, the ones the layers run (--attention mma or wgmma), on the
+// block's rows where they lie: the queries at row q0 of qkv, the keys and values at row k0 of the ring's buffer,
+// each sequence Tl rows further; the causal mask for a chunk with itself, the full one for an earlier chunk.
+// The forward writes the block's output and log-sum-exp in fp32; the backward adds the block's share to the fp32
+// accumulators, each row owned by one warp of a launch, so the sums are deterministic as the CPU's.
 
-static __global__ void cp_block_forward_kernel(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv,
-                                               int k0, int n, bool causal, int Tl, RingHeads a, float scale) {
-    int i = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    int bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, hs = a.hs(), C = a.C;
-    if (i >= n) return;
-    const bf16* q_g = qkv + ((long)b * Tl + q0 + i) * a.qkv_row() + h * hs;
-    float q[CP_DIMS_PER_LANE], o[CP_DIMS_PER_LANE];
-#pragma unroll
-    for (int u = 0; u < CP_DIMS_PER_LANE; u++) {
-        int d = lane + 32 * u;
-        q[u] = d < hs ? __bfloat162float(q_g[d]) : 0.0f;
-        o[u] = 0.0f;
-    }
-    float maxv = -INFINITY, sum = 0.0f;
-    for (int j = 0; j < (causal ? i + 1 : n); j++) {
-        const bf16* k = kv + ((long)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
-        float s = 0.0f;
-#pragma unroll
-        for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-            if (lane + 32 * u < hs) s += q[u] * __bfloat162float(k[lane + 32 * u]);
-        s = warp_sum(s) * scale;
-        float m = fmaxf(maxv, s), rescale = expf(maxv - m), p = expf(s - m);
-        sum = sum * rescale + p;
-#pragma unroll
-        for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-            if (lane + 32 * u < hs) o[u] = o[u] * rescale + p * __bfloat162float(k[a.K() + lane + 32 * u]);
-        maxv = m;
-    }
-    float* o_g = out_blk + ((long)b * n + i) * C + h * hs;
-#pragma unroll
-    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-        if (lane + 32 * u < hs) o_g[lane + 32 * u] = o[u] / sum;
-    if (lane == 0) lse_blk[(long)bh * n + i] = maxv + logf(sum);
-}
-
-// P and dS for a query row against a key row: q, dO of the query held by the lane, the key's K (at k) and V (K
-// values on) read here
-static __device__ __forceinline__ void cp_warp_scores(float* p, float* ds, const float (&q)[CP_DIMS_PER_LANE],
-                                                      const float (&d)[CP_DIMS_PER_LANE], const bf16* k, int K, int hs,
-                                                      float scale, float lse, float delta) {
-    int lane = threadIdx.x % 32;
-    float s = 0.0f, dp = 0.0f;
-#pragma unroll
-    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-        if (lane + 32 * u < hs) {
-            s += q[u] * __bfloat162float(k[lane + 32 * u]);
-            dp += d[u] * __bfloat162float(k[K + lane + 32 * u]);
-        }
-    *p = expf(warp_sum(s) * scale - lse);
-    *ds = *p * (warp_sum(dp) - delta);
-}
-
-// the lane's head dimensions of a bf16 row, as fp32
-static __device__ __forceinline__ void cp_load_row(float (&dst)[CP_DIMS_PER_LANE], const bf16* row, int hs) {
-    int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int u = 0; u < CP_DIMS_PER_LANE; u++) dst[u] = lane + 32 * u < hs ? __bfloat162float(row[lane + 32 * u]) : 0.0f;
-}
-
-// dQ: a warp per query row, walking the keys it sees
-static __global__ void cp_block_backward_dq_kernel(float* dq, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
-                                                   int k0, int n, bool causal, const float* lse, const float* delta,
-                                                   int Tl, RingHeads a, float scale) {
-    int i = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    int bh = blockIdx.y, b = bh / a.NH, h = bh % a.NH, hs = a.hs(), C = a.C;
-    if (i >= n) return;
-    float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE], g[CP_DIMS_PER_LANE] = {};
-    cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * a.qkv_row() + h * hs, hs);
-    cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
-    float row_lse = lse[(long)bh * Tl + q0 + i], row_delta = delta[(long)bh * Tl + q0 + i];
-    for (int j = 0; j < (causal ? i + 1 : n); j++) {
-        const bf16* k = kv + ((long)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
-        float p, ds;
-        cp_warp_scores(&p, &ds, q, d, k, a.K(), hs, scale, row_lse, row_delta);
-#pragma unroll
-        for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-            if (lane + 32 * u < hs) g[u] += ds * scale * __bfloat162float(k[lane + 32 * u]);
-    }
-    float* g_g = dq + ((long)b * Tl + q0 + i) * C + h * hs;
-#pragma unroll
-    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-        if (lane + 32 * u < hs) g_g[lane + 32 * u] += g[u];
-}
-
-// dK and dV: a warp per key row of a key/value head, walking the queries of its NH/KV query heads that see it
-static __global__ void cp_block_backward_dkv_kernel(float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
-                                                    int k0, int n, bool causal, const float* lse, const float* delta,
-                                                    int Tl, RingHeads a, float scale) {
-    int j = blockIdx.x * CP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    int bg = blockIdx.y, b = bg / a.KV, g = bg % a.KV, hs = a.hs(), C = a.C, group = a.NH / a.KV;
-    if (j >= n) return;
-    const bf16* k = kv + ((long)b * Tl + k0 + j) * a.kv_row() + g * hs;
-    float dk[CP_DIMS_PER_LANE] = {}, dv[CP_DIMS_PER_LANE] = {};
-    for (int h = g * group; h < (g + 1) * group; h++) {
-        long bh = (long)b * a.NH + h;
-        for (int i = causal ? j : 0; i < n; i++) {
-            float q[CP_DIMS_PER_LANE], d[CP_DIMS_PER_LANE];
-            cp_load_row(q, qkv + ((long)b * Tl + q0 + i) * a.qkv_row() + h * hs, hs);
-            cp_load_row(d, dout + ((long)b * Tl + q0 + i) * C + h * hs, hs);
-            float p, ds;
-            cp_warp_scores(&p, &ds, q, d, k, a.K(), hs, scale, lse[bh * Tl + q0 + i], delta[bh * Tl + q0 + i]);
-#pragma unroll
-            for (int u = 0; u < CP_DIMS_PER_LANE; u++) dk[u] += ds * scale * q[u], dv[u] += p * d[u];
-        }
-    }
-    float* dk_g = dkv + ((long)b * Tl + k0 + j) * a.kv_row() + g * hs;
-#pragma unroll
-    for (int u = 0; u < CP_DIMS_PER_LANE; u++)
-        if (lane + 32 * u < hs) dk_g[lane + 32 * u] += dk[u], dk_g[a.K() + lane + 32 * u] += dv[u];
-}
-
-
-// heads ring attention can run: KV dividing NH, and a head size the CUDA block kernels hold in registers
+// heads ring attention can run: KV dividing NH (the CUDA kernels refuse a head size they were not compiled for)
 inline void cp_check_heads(RingHeads a) {
     if (a.NH < 1 || a.C % a.NH != 0) fail("ring attention: C=%d is not a multiple of NH=%d", a.C, a.NH);
     if (a.KV < 1 || a.NH % a.KV != 0) fail("ring attention: %d key/value heads must divide the %d query heads", a.KV, a.NH);
-    if (a.hs() > CP_MAX_HS) fail("ring attention: head size %d is more than the %d the CUDA block kernels hold", a.hs(), CP_MAX_HS);
+}
+
+inline AttentionBlock cp_attention_block(const bf16* qkv, int q0, const bf16* kv, int k0, int n, bool causal, int B,
+                                         int Tl, RingHeads a) {
+    AttentionMask mask = causal ? AttentionMask::Causal : AttentionMask::Full;
+    return {B,
+            n,
+            a.C,
+            a.NH,
+            a.KV,
+            mask,
+            {qkv + (long)q0 * a.qkv_row(), (long)Tl * a.qkv_row(), a.qkv_row()},
+            {kv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()}};
 }
 
 inline void cp_block_forward(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv, int k0, int n,
                              bool causal, int B, int Tl, RingHeads a) {
-    dim3 grid(cuda_blocks(n, CP_WARPS), B * a.NH);
-    cp_block_forward_kernel<<<grid, 32 * CP_WARPS, 0, main_stream()>>>(out_blk, lse_blk, qkv, q0, kv, k0, n, causal, Tl,
-                                                                        a, 1.0f / sqrtf((float)a.hs()));
-    cuda_check(cudaGetLastError());
+    attention_block_forward(cp_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a), {out_blk, (long)n * a.C, a.C},
+                            {lse_blk, n, 1});
 }
 
 inline void cp_block_backward(float* dq, float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv, int k0,
                               int n, bool causal, const float* lse, const float* delta, int B, int Tl, RingHeads a) {
-    float scale = 1.0f / sqrtf((float)a.hs());
-    dim3 queries(cuda_blocks(n, CP_WARPS), B * a.NH), keys(cuda_blocks(n, CP_WARPS), B * a.KV);
-    cp_block_backward_dq_kernel<<<queries, 32 * CP_WARPS, 0, main_stream()>>>(dq, dout, qkv, q0, kv, k0, n, causal, lse,
-                                                                               delta, Tl, a, scale);
-    cuda_check(cudaGetLastError());
-    cp_block_backward_dkv_kernel<<<keys, 32 * CP_WARPS, 0, main_stream()>>>(dkv, dout, qkv, q0, kv, k0, n, causal, lse,
-                                                                             delta, Tl, a, scale);
-    cuda_check(cudaGetLastError());
+    attention_block_backward(cp_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a),
+                             {dout + (long)q0 * a.C, (long)Tl * a.C, a.C}, {lse + q0, Tl, 1}, {delta + q0, Tl, 1},
+                             {dq + (long)q0 * a.C, (long)Tl * a.C, a.C},
+                             {dkv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()});
 }
 
 // ==========================================================================================================
@@ -414,17 +309,8 @@ inline void cp_delta(float* delta, const float* dout, const float* out, int B, i
                 delta[((size_t)b * NH + h) * Tl + t] = s;
             }
 }
-static __global__ void cp_delta_kernel(float* delta, const bf16* dout, const bf16* out, long rows, int Tl, int C, int NH) {
-    int hs = C / NH;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += (long)gridDim.x * blockDim.x) {
-        long b = i / ((long)NH * Tl), at = (b * Tl + i % Tl) * C + i / Tl % NH * hs;
-        float s = 0.0f;
-        for (int e = 0; e < hs; e++) s += __bfloat162float(dout[at + e]) * __bfloat162float(out[at + e]);
-        delta[i] = s;
-    }
-}
 inline void cp_delta(float* delta, const bf16* dout, const bf16* out, int B, int Tl, int C, int NH) {
-    launch_elementwise(cp_delta_kernel, (long)B * NH * Tl, delta, dout, out, (long)B * NH * Tl, Tl, C, NH);
+    attention_delta_cuda(delta, dout, out, B, Tl, C, NH, main_stream());  // the flash backward's own first step
 }
 
 // One query row's running output (hs wide, normalized over the keys seen so far) and log-sum-exp take in a

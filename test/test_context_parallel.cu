@@ -102,34 +102,159 @@ TEST_CASE("ring attention equals whole-sequence attention on every rank's slice,
     }
 }
 
+// The kernels each GPU case runs: the mma.sync ones, then the wgmma ones where the device and the binary have them
+// (--attention picks them for the layers and the ring alike); the choice in force before is restored after.
+std::vector<AttentionKernels> gpu_attention_kernels() {
+    std::vector<AttentionKernels> kinds = {AttentionKernels::MMA};
+    std::string why;
+    if (attention_hopper_available(&why)) kinds.push_back(AttentionKernels::WGMMA);
+    else WARN("wgmma attention skipped: not Hopper (" << why << ")");
+    return kinds;
+}
+struct AttentionKernelsRestored {
+    AttentionKernels saved = attention_kernels();
+    ~AttentionKernelsRestored() { attention_kernels() = saved; }
+};
+
+void require_close(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
+    Comparison c = compare_rms(gpu, cpu, tol);
+    INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance");
+    CHECK(c.pass());
+}
+
 // One rank's two chunks already make three blocks (two causal, one full, merged into the second chunk's rows),
 // so a group of one runs every CUDA piece of the ring but the transfers. Tolerances are the flash attention's
 // (dev/cuda/attention_case.h): the inputs are bf16 and so are out and dqkv.
-TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference", "[cp][cuda]") {
+TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference, on the mma and the wgmma kernels",
+          "[cp][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
+    AttentionKernelsRestored restored;
     struct Shape {
         int B, T, C, NH, KV;
     };
-    for (Shape s : {Shape{2, 42, 128, 2, 2}, Shape{1, 30, 96, 3, 3}, Shape{1, 30, 256, 4, 2}}) {  // head sizes 64, 32, 64
-        INFO("B=" << s.B << " T=" << s.T << " C=" << s.C << " NH=" << s.NH << " KV=" << s.KV);
-        AttentionCase k(s.B, s.T, s.C, s.NH, s.KV, 15);
-        RingHeads heads{s.C, s.NH, s.KV};
-        Comm self;
-        CPLayout l = cp_layout(s.T, 1, 0, CPSplit::ZigZag);
-        auto close = [](const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
-            Comparison c = compare_rms(gpu, cpu, tol);
-            INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance");
-            CHECK(c.pass());
-        };
-        Ledger ledger;
-        RingBuffers<bf16> ring = ring_buffers<bf16>(ledger, s.B, s.T, heads);
-        ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, heads, l, self, ring);
+    for (AttentionKernels kind : gpu_attention_kernels())
+        for (Shape s : {Shape{2, 42, 128, 2, 2}, Shape{1, 30, 256, 2, 2}, Shape{1, 30, 256, 4, 2}}) {  // hs 64, 128, 64
+            INFO((kind == AttentionKernels::MMA ? "mma" : "wgmma") << " B=" << s.B << " T=" << s.T << " C=" << s.C
+                                                                   << " NH=" << s.NH << " KV=" << s.KV);
+            attention_kernels() = kind;
+            AttentionCase k(s.B, s.T, s.C, s.NH, s.KV, 15);
+            RingHeads heads{s.C, s.NH, s.KV};
+            Comm self;
+            CPLayout l = cp_layout(s.T, 1, 0, CPSplit::ZigZag);
+            Ledger ledger;
+            RingBuffers<bf16> ring = ring_buffers<bf16>(ledger, s.B, s.T, heads);
+            ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, heads, l, self, ring);
+            cuda_check(cudaStreamSynchronize(main_stream()));
+            require_close("out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
+            require_close("lse", download(k.d_lse), k.lse, 1e-3);
+            ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, heads, l,
+                                    self, ring);
+            cuda_check(cudaStreamSynchronize(main_stream()));
+            require_close("dqkv", download(k.d_dqkv), k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
+        }
+}
+
+// One block of the ring on the flash kernels against the CPU block (cp_block_forward and cp_block_backward on
+// floats, from the same bf16 inputs): the n query rows of a rank's second chunk (q0 = n of Tl = 2n) against n key
+// rows of a separate K/V buffer, as a ring step holds another rank's: its second chunk under the causal mask (the
+// diagonal block) or its first under the full one (a block of an earlier chunk). The forward's out and lse are
+// poisoned first. The backward adds to accumulators that start from random values: what it added must match the
+// CPU's share, and the rows outside the block must keep their values bit for bit; a second run from the same
+// start gives the same bits. The backward takes the global lse and D as given: here the block's own lse plus a
+// random amount (as if other blocks had been merged), and a random D.
+void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
+    INFO("ring block B=" << B << " n=" << n << " hs=" << C / NH << " NH=" << NH << " KV=" << KV
+                         << (causal ? " causal" : " full"));
+    RingHeads a{C, NH, KV};
+    int Tl = 2 * n, q0 = n, k0 = causal ? n : 0;
+    Rng rng(31 + n + KV + causal);
+    std::vector<float> qkv = random_bf16_values((size_t)B * Tl * a.qkv_row(), rng),
+                       kv = random_bf16_values((size_t)B * Tl * a.kv_row(), rng),
+                       dout = random_bf16_values((size_t)B * Tl * C, rng);
+    std::vector<float> out((size_t)B * n * C), lse_blk((size_t)B * NH * n);
+    cp_block_forward(out.data(), lse_blk.data(), qkv.data(), q0, kv.data(), k0, n, causal, B, Tl, a);
+    std::vector<float> lse = random_vector((size_t)B * NH * Tl, rng), delta = random_vector((size_t)B * NH * Tl, rng);
+    for (int bh = 0; bh < B * NH; bh++)
+        for (int i = 0; i < n; i++) lse[(size_t)bh * Tl + q0 + i] = lse_blk[(size_t)bh * n + i] + rng.uniform();
+    std::vector<float> dq((size_t)B * Tl * C), dkv((size_t)B * Tl * a.kv_row());
+    cp_block_backward(dq.data(), dkv.data(), dout.data(), qkv.data(), q0, kv.data(), k0, n, causal, lse.data(),
+                      delta.data(), B, Tl, a);
+    std::vector<float> dq_start = random_vector(dq.size(), rng), dkv_start = random_vector(dkv.size(), rng);
+
+    DeviceArray<bf16> d_qkv(qkv.size()), d_kv(kv.size()), d_dout(dout.size());
+    DeviceArray<float> d_out(out.size()), d_lse_blk(lse_blk.size()), d_lse(lse.size()), d_delta(delta.size()),
+        d_dq(dq.size()), d_dkv(dkv.size());
+    upload(d_qkv, qkv);
+    upload(d_kv, kv);
+    upload(d_dout, dout);
+    upload(d_lse, lse);
+    upload(d_delta, delta);
+    for (AttentionKernels kind : gpu_attention_kernels()) {
+        INFO((kind == AttentionKernels::MMA ? "mma" : "wgmma"));
+        attention_kernels() = kind;
+        d_out.poison();
+        d_lse_blk.poison();
+        cp_block_forward(d_out.ptr, d_lse_blk.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, B, Tl, a);
         cuda_check(cudaStreamSynchronize(main_stream()));
-        close("out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
-        close("lse", download(k.d_lse), k.lse, 1e-3);
-        ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, heads, l, self, ring);
-        cuda_check(cudaStreamSynchronize(main_stream()));
-        close("dqkv", download(k.d_dqkv), k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
+        require_close("block out", download(d_out), out, AttentionCase::OUT_TOL);
+        require_close("block lse", download(d_lse_blk), lse_blk, 1e-3);
+
+        std::vector<float> first_dq, first_dkv;
+        for (int run = 0; run < 2; run++) {
+            upload(d_dq, dq_start);
+            upload(d_dkv, dkv_start);
+            cp_block_backward(d_dq.ptr, d_dkv.ptr, d_dout.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, d_lse.ptr,
+                              d_delta.ptr, B, Tl, a);
+            cuda_check(cudaStreamSynchronize(main_stream()));
+            std::vector<float> got_dq = download(d_dq), got_dkv = download(d_dkv);
+            if (run == 1) {
+                CHECK(got_dq == first_dq);  // deterministic: the same start and inputs, the same bits
+                CHECK(got_dkv == first_dkv);
+                break;
+            }
+            first_dq = got_dq;
+            first_dkv = got_dkv;
+            // what the kernels added; the rows of the other chunk (dQ) or the other key rows (dK, dV) untouched
+            auto added = [&](const std::vector<float>& got, const std::vector<float>& start, int width, int r0,
+                             const char* what) {
+                std::vector<float> share(got.size());
+                bool untouched = true;
+                for (size_t i = 0; i < got.size(); i++) {
+                    int row = (int)(i / width % Tl);
+                    share[i] = got[i] - start[i];
+                    if (row < r0 || row >= r0 + n) untouched = untouched && got[i] == start[i];
+                }
+                INFO(what << ": rows outside the block untouched");
+                CHECK(untouched);
+                return share;
+            };
+            std::vector<float> dq_share = added(got_dq, dq_start, C, q0, "dq");
+            std::vector<float> dkv_share = added(got_dkv, dkv_start, a.kv_row(), k0, "dkv");
+            require_close("block dq", dq_share, dq, AttentionCase::DQKV_TOL);
+            // dK and dV apart, each against its own scale
+            std::vector<float> dk_got, dk_want, dv_got, dv_want;
+            for (size_t i = 0; i < dkv.size(); i++) {
+                bool is_k = (int)(i % a.kv_row()) < a.K();
+                (is_k ? dk_got : dv_got).push_back(dkv_share[i]);
+                (is_k ? dk_want : dv_want).push_back(dkv[i]);
+            }
+            require_close("block dk", dk_got, dk_want, AttentionCase::DQKV_TOL);
+            require_close("block dv", dv_got, dv_want, AttentionCase::DQKV_TOL);
+        }
+    }
+}
+
+// n = 77 leaves a ragged last tile in every kernel (the full mask must hide its keys past n as the causal one
+// hides those after each query), n = 200 more than one block of rows; multi-head and grouped-query, hs 64 and 128
+TEST_CASE("on the GPU, a ring block on the flash kernels (mma and wgmma), causal and full, matches the CPU block",
+          "[cp][cuda]") {
+    SKIP_WITHOUT_GPU_CASE();
+    AttentionKernelsRestored restored;
+    for (bool causal : {true, false}) {
+        check_ring_block(2, 77, 128, 2, 2, causal);    // hs 64, multi-head
+        check_ring_block(1, 200, 512, 8, 2, causal);   // hs 64, groups of 4
+        check_ring_block(1, 77, 1024, 8, 8, causal);   // hs 128, multi-head
+        check_ring_block(2, 200, 1024, 8, 1, causal);  // hs 128, multi-query
     }
 }
 
