@@ -138,7 +138,7 @@ inline std::string python_lacks(const std::string& python, const std::vector<std
     return "";
 }
 
-// the first line of a test that runs a reference script: the interpreter must have every module it imports
+// a test whose reference script failed: the interpreter must have every module the script imports
 #define REQUIRE_PYTHON_MODULES(python, ...)                                         \
     do {                                                                            \
         std::string lacking_module = python_lacks(python, {__VA_ARGS__});           \
