@@ -181,7 +181,7 @@ struct Checks {
 
 // Each timing stays within TIMING_BUDGET_MS of calls (after its warm-up): a call slower than expected, a large
 // shape or a slow GPU lowers the repetitions (to 5 at the least) rather than the program's time growing with them.
-constexpr float TIMING_BUDGET_MS = 500.0f;
+constexpr float TIMING_BUDGET_MS = 250.0f;
 
 // median milliseconds per call of f(set), set = 0, 1, ..., sets - 1, 0, 1, ... over reps calls (fewer where
 // reps calls would outlast TIMING_BUDGET_MS, judged from one call timed after one warm-up pass over every set);
