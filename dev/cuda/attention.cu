@@ -319,8 +319,8 @@ static void time_shape(int first, int last, int B, int T, int C, int NH, int KV)
 
 int main(int argc, char** argv) {
     Program program(
-        "attention: flash attention variants against the CPU reference (T = 1024, 77, 1000; hs 64 and 128; grouped-query), "
-        "then timed");
+        "attention: flash attention variants against the CPU reference (T = 1024, 77, 1000; hs 64 and 128; "
+        "grouped-query), then timed");
     int first = 1, last = VARIANTS;
     if (argc > 1) {
         first = last = atoi(argv[1]);

@@ -142,7 +142,8 @@ done
 for n in TIMEOUT JOBS FP8_STEPS CHECK_B CHECK_T CHECK_STEPS PT_B PT_T PT_STEPS; do
     [[ ${!n} =~ ^[0-9]+$ && ${!n} -ge 1 ]] || { echo "verify: $n must be a positive integer (got '${!n}')" >&2; exit 2; }
 done
-[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "verify: BUDGET must be a number of seconds, 0 for none (got '$BUDGET')" >&2; exit 2; }
+[[ $BUDGET =~ ^[0-9]+$ ]] ||
+    { echo "verify: BUDGET must be a number of seconds, 0 for none (got '$BUDGET')" >&2; exit 2; }
 [[ $PT_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || { echo "verify: PT_SHAPE must be L:C:NH (got '$PT_SHAPE')" >&2; exit 2; }
 [[ $LLAMA_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+):([0-9]+):([0-9]+)$ ]] ||
     { echo "verify: LLAMA_SHAPE must be L:C:NH:KV:H (got '$LLAMA_SHAPE')" >&2; exit 2; }
@@ -190,7 +191,8 @@ trap 'exit 130' INT TERM
 
 echo "== verify: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "gpu:      ${GPU_NAME:-none}${GPU_NAME:+, $GPU_MIB MiB, compute capability $GPU_CC}"
-echo "device:   $DEVICE; phases: $PHASES$( ((QUICK)) && echo ' (quick)'); $TIMEOUT s per phase; budget: $( ((BUDGET)) && echo "$BUDGET s" || echo none)"
+echo "device:   $DEVICE; phases: $PHASES$( ((QUICK)) && echo ' (quick)'); $TIMEOUT s per phase"
+echo "budget:   $( ((BUDGET)) && echo "$BUDGET s for the whole run" || echo none)"
 echo "build:    CUDA_ARCH=${CUDA_ARCH:-for the GPU found (nvcc.mk)}; PREBUILT=$PREBUILT; env ${ENV_SCRIPT:-none}"
 echo "llm5d:    $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
 echo "python:   $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no torch'))"
@@ -900,7 +902,7 @@ declare -A EST_QUICK=(
     [cp]=30             # zigzag and contiguous 2 x 9; the Llama's zigzag 9 (its 1 rank: the mpi phase's)
     [pp]=25             # zb, interleaved: 2 x 9; the Llama's 1f1b 9
     [moe]=25            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9
-    [resume]=35         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2 cpu 10 steps and 2 x (5 on one device, 5 on the other)
+    [resume]=35         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device)
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
 declare -A EST_CPU=(
