@@ -531,10 +531,10 @@ GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
 declare -A SINGLE_RUNS=()
 single_rank() {
     local dir=$1; shift
-    local key="$*"
+    local key="flags: $*"  # never empty: bash refuses an empty key
     if [[ -n ${SINGLE_RUNS[$key]:-} && -f ${SINGLE_RUNS[$key]}/main.log ]]; then
         mkdir -p "$dir" && cp "${SINGLE_RUNS[$key]}/main.log" "$dir/main.log"
-        echo "verify: one rank with '${key}' as run before, in ${SINGLE_RUNS[$key]}" >>"$PHASE_LOG"
+        echo "verify: one rank with $key, as run before in ${SINGLE_RUNS[$key]}" >>"$PHASE_LOG"
         return 0
     fi
     train "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -o "$dir" "$@"
