@@ -20,7 +20,8 @@
 #               a BUDGET running out costs the least), or `quick`: the named set below              [all]
 #   BUDGET      seconds for the whole run, 0 for none: a phase starts only when its estimate (the table of
 #               estimates below) fits in the time left, less 15 s for the summary, and runs under that time
-#               at most; a phase that does not fit is "SKIP <phase>: ... (budget: ...)"                  [0]
+#               at most; a phase that does not fit is "SKIP <phase>: ... (budget: ...)", and so is a check
+#               stopped by the budget's end                                                                  [0]
 #   quick       PHASES=quick: build tests model fp8 mpi cp pp moe resume nccl with small runs, which reach every
 #               GPU code path (each kernel family through the [cuda] tests, GPT-2 and Llama, FP8, the mma and
 #               wgmma attention, dp and ZeRO, tp, cp, pp, ep, NCCL on one rank, resume across devices):
@@ -205,6 +206,11 @@ RESULTS=()        # "STATUS<TAB>phase<TAB>check<TAB>figure"
 PASSED=0 FAILED=0 SKIPPED=0
 result() {
     local status=$1 phase=$2 check=$3 figure=${4:-}
+    # a check stopped by the BUDGET's end (its phase's limit the time left, not TIMEOUT) was skipped, not failed
+    if [[ $status == FAIL && $figure == "(timed out:"* ]] && (( PHASE_BUDGETED )); then
+        status=SKIP figure="(budget: stopped when the time left ran out)"
+        [[ " ${BUDGET_SKIPPED[*]} " == *" $phase (cut short) "* ]] || BUDGET_SKIPPED+=("$phase (cut short)")
+    fi
     echo "$status $phase: $check${figure:+ $figure}"
     RESULTS+=("$status"$'\t'"$phase"$'\t'"$check"$'\t'"$figure")
     case $status in PASS) PASSED=$((PASSED + 1)) ;; FAIL) FAILED=$((FAILED + 1)) ;; *) SKIPPED=$((SKIPPED + 1)) ;; esac
@@ -212,7 +218,8 @@ result() {
 
 has_phase() { [[ " $PHASES " == *" $1 "* ]]; }
 
-PHASE="" PHASE_LOG="" PHASE_END=0 PHASE_LIMIT=$TIMEOUT RUN_START=1
+PHASE="" PHASE_LOG="" PHASE_END=0 PHASE_LIMIT=$TIMEOUT PHASE_BUDGETED=0 RUN_START=1
+BUDGET_SKIPPED=()  # phases skipped, or cut short, for the BUDGET
 # start_phase NAME LIMIT: the phase's log begins, and its runs share LIMIT seconds
 start_phase() {
     PHASE=$1 PHASE_LOG=$LOGDIR/$1.log PHASE_LIMIT=$2 PHASE_END=$((SECONDS + $2))
@@ -918,10 +925,9 @@ estimate() {
 }
 
 BUDGET_RESERVE=15  # the figures, the count, and a stopped command's grace (timeout -k 10)
-BUDGET_SKIPPED=()
 for p in $ALL_PHASES; do
     has_phase "$p" || continue
-    limit=$TIMEOUT
+    limit=$TIMEOUT PHASE_BUDGETED=0
     if (( BUDGET )); then
         left=$((BUDGET - SECONDS - BUDGET_RESERVE))
         est=$(estimate "$p")
@@ -932,7 +938,7 @@ for p in $ALL_PHASES; do
             BUDGET_SKIPPED+=("$p")
             continue
         fi
-        (( left < limit )) && limit=$left
+        (( left < limit )) && limit=$left PHASE_BUDGETED=1
     fi
     start_phase "$p" "$limit"
     "phase_$p"
