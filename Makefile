@@ -76,7 +76,7 @@ build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
 build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
-	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) $(DEPFLAGS) -c $< -o $@
+	$(Q)$(NVCC) $(NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -DLLM5D_PYTHON='"$(PYTHON)"' $(DEPFLAGS) -c $< -o $@
 
 build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
 	$(call say,nvcc -> $@)

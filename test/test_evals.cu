@@ -9,8 +9,6 @@
 
 namespace test_evals {
 
-const char* PYTHON = "/usr/bin/python3";  // Debian's, which has torch (test/reference needs it)
-
 struct Example {
     int label;
     std::vector<int> context;
@@ -83,8 +81,10 @@ Scores parse_scores(const std::string& text) {
 }
 
 Scores reference_scores(const std::string& hf_dir, const std::string& eval) {
-    CommandResult r = run_command(strfmt("%s test/reference/eval_reference.py --hf '%s' --eval '%s'", PYTHON,
+    std::string python = reference_python();
+    CommandResult r = run_command(strfmt("%s test/reference/eval_reference.py --hf '%s' --eval '%s'", python.c_str(),
                                          hf_dir.c_str(), eval.c_str()));
+    if (r.status != 0) REQUIRE_PYTHON_MODULES(python, "numpy", "torch");  // asked only on a failure: torch loads slowly
     INFO(r.output);
     REQUIRE(r.status == 0);
     return parse_scores(r.output);

@@ -115,3 +115,32 @@ inline CommandResult run_command(const std::string& cmd) {
     r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
     return r;
 }
+
+// The interpreter the reference scripts (test/reference/*.py) run under: $PYTHON where it is set (a GPU host's
+// own interpreter, as dev/gpu/verify.sh passes it: the binary is often built on another machine), else the
+// build's, the Makefile's PYTHON (LLM5D_PYTHON, /usr/bin/python3 by default).
+#ifndef LLM5D_PYTHON
+#define LLM5D_PYTHON "/usr/bin/python3"
+#endif
+inline std::string reference_python() {
+    const char* env = getenv("PYTHON");
+    return env && *env ? env : LLM5D_PYTHON;
+}
+
+// "" when the interpreter imports every module in `modules`, else one line that names the interpreter and the
+// first module it lacks (a test reports that line, rather than the script's traceback)
+inline std::string python_lacks(const std::string& python, const std::vector<std::string>& modules) {
+    for (const std::string& m : modules) {
+        CommandResult r = run_command("'" + python + "' -c 'import " + m + "'");
+        if (r.status != 0)
+            return python + " cannot import " + m + " (set PYTHON to an interpreter that has " + m + ")";
+    }
+    return "";
+}
+
+// a test whose reference script failed: the interpreter must have every module the script imports
+#define REQUIRE_PYTHON_MODULES(python, ...)                                         \
+    do {                                                                            \
+        std::string lacking_module = python_lacks(python, {__VA_ARGS__});           \
+        if (!lacking_module.empty()) FAIL(lacking_module);                          \
+    } while (0)

@@ -8,12 +8,12 @@
 
 namespace test_hf {
 
-const char* PYTHON = "/usr/bin/python3";  // Debian's, which has torch (test/reference needs it)
+const std::string PYTHON = reference_python();  // test/reference needs torch and numpy
 
 // hf_reference.py on an exported directory against a reference state; returns its output line
 std::string check_export(const std::string& dir, const std::string& reference, const char* tol = "1e-5") {
     CommandResult r = run_command(strfmt("%s test/reference/hf_reference.py --hf '%s' --state build/%s/state.bin --tol %s",
-                                         PYTHON, dir.c_str(), reference.c_str(), tol));
+                                         PYTHON.c_str(), dir.c_str(), reference.c_str(), tol));
     INFO(r.output);
     CHECK(r.status == 0);
     CHECK(r.output.find(": PASS") != std::string::npos);
@@ -113,8 +113,8 @@ TEST_CASE("-e with a Hugging Face directory written by an independent Python con
         INFO(reference);
         std::string model = strfmt("build/%s/model.bin", reference), hf = out / (std::string(reference) + ".hf");
         const char* shards = std::string(reference) == "reference_llama_mha" ? "3" : "1";
-        CommandResult w = run_command(strfmt("%s test/reference/make_hf_reference.py '%s' '%s' --shards %s", PYTHON,
-                                             model.c_str(), hf.c_str(), shards));
+        CommandResult w = run_command(strfmt("%s test/reference/make_hf_reference.py '%s' '%s' --shards %s",
+                                             PYTHON.c_str(), model.c_str(), hf.c_str(), shards));
         INFO(w.output);
         REQUIRE(w.status == 0);
         train(1, data.flags(2, 64, 10, "'" + model + "'"), out / (std::string(reference) + "_file"));

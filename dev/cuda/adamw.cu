@@ -7,10 +7,12 @@
 #include "dev/cuda/adamw_case.h"
 
 int main() {
-    SKIP_WITHOUT_GPU();
+    Program program(
+        "adamw: AdamW on 10M parameters against the CPU (master weights, moments, stochastic rounding, shards); timed");
     Checks checks;
     const long n = 10000003;
     AdamWCase k(n, 8, 5);
+    if (!program.gpu) return program.finish(checks);
 
     k.gpu_run(1234);
     std::vector<float> gpu_master = download(k.d_master), params = download(k.d_params);
@@ -47,5 +49,5 @@ int main() {
         },
         sets);
     report_memory_bound("adamw n=10M", ms, 28.0 * n);
-    return checks.exit_code();
+    return program.finish(checks);
 }

@@ -277,6 +277,7 @@ static bool skipped[VARIANTS];  // by main: variants this device or binary canno
 // the backward runs on this variant's own forward (its out and lse), poisoned outputs each time
 static void check_shape(Checks& checks, int first, int last, int B, int T, int C, int NH, int KV) {
     AttentionCase k(B, T, C, NH, KV, 6 + T + C + KV);
+    if (!have_gpu()) return;  // without a GPU: the inputs and CPU reference alone
     for (int v = first; v <= last; v++) {
         if (skipped[v - 1]) continue;
         const Variant& variant = variants[v - 1];
@@ -304,6 +305,7 @@ static void check_shape(Checks& checks, int first, int last, int B, int T, int C
 // (per query head: grouped-query attention does the same products, only its K and V are shared)
 static void time_shape(int first, int last, int B, int T, int C, int NH, int KV) {
     AttentionCase k(B, T, C, NH, KV, 1, false);
+    if (!have_gpu()) return;  // without a GPU: the inputs and CPU reference alone
     double flops = 4.0 * B * NH * (double)T * T * (C / NH) / 2;
     for (int v = first; v <= last; v++) {
         if (skipped[v - 1]) continue;
@@ -316,7 +318,9 @@ static void time_shape(int first, int last, int B, int T, int C, int NH, int KV)
 }
 
 int main(int argc, char** argv) {
-    SKIP_WITHOUT_GPU();
+    Program program(
+        "attention: flash attention variants against the CPU reference (T = 1024, 77, 1000; hs 64 and 128; "
+        "grouped-query), then timed");
     int first = 1, last = VARIANTS;
     if (argc > 1) {
         first = last = atoi(argv[1]);
@@ -327,7 +331,7 @@ int main(int argc, char** argv) {
     }
     for (int v = first; v <= last; v++) printf("variant %d: %s\n", v, variants[v - 1].name);
     // a variant this device or binary cannot run says so once and is left out of the checks and timings
-    for (int v = first; v <= last; v++) {
+    for (int v = first; v <= last && program.gpu; v++) {
         std::string why;
         if (variants[v - 1].available && !variants[v - 1].available(&why)) {
             printf("variant %d: skipped: not Hopper (%s)\n", v, why.c_str());
@@ -345,5 +349,5 @@ int main(int argc, char** argv) {
     time_shape(first, last, 16, 1024, 1600, 25, 25);  // GPT-2 1.5B (d48)
     time_shape(first, last, 16, 1024, 2048, 16, 16);  // hs 128
     time_shape(first, last, 4, 2048, 4096, 32, 8);    // Llama 3 8B's attention at T = 2048
-    return checks.exit_code();
+    return program.finish(checks);
 }

@@ -4,7 +4,8 @@
 #include "llmc/global_norm.cuh"
 
 int main() {
-    SKIP_WITHOUT_GPU();
+    Program program(
+        "global_norm: the sum of squares of 124M bf16 values against the CPU, bit-reproducible; timed");
     Checks checks;
     const long n = 124475904L + 5;  // GPT-2 124M's parameter count, plus a tail
     Rng rng(5);
@@ -13,6 +14,7 @@ int main() {
     DeviceArray<float> d_out(1), partial(GLOBAL_NORM_BLOCKS);
     upload(d_x, x);
     std::vector<float> ref{(float)sum_of_squares(x.data(), n)};
+    if (!program.gpu) return program.finish(checks);
     sum_of_squares_cuda(d_out.ptr, d_x.ptr, n, partial.ptr, 0);
     std::vector<float> first = download(d_out);
     checks.check("sum_of_squares", first, ref, 1e-4);
@@ -23,5 +25,5 @@ int main() {
     report_memory_bound("sum_of_squares n=124M",
                         median_ms([&](int s) { sum_of_squares_cuda(d_out.ptr, xs[s], n, partial.ptr, 0); }, sets),
                         2.0 * n);
-    return checks.exit_code();
+    return program.finish(checks);
 }

@@ -132,6 +132,7 @@ struct MoECase {
 };
 
 static void check_shape(Checks& checks, MoECase& k) {
+    if (!have_gpu()) return;
     long BT = k.BT, R = k.R;
     int C = k.C, E = k.E, K = k.K;
     std::string v = strfmt("BT=%ld C=%d E=%d K=%d ", BT, C, E, K);
@@ -178,6 +179,7 @@ static void check_shape(Checks& checks, MoECase& k) {
 // int indices included; what a kernel reads again (x by each expert's warps in router_forward, a token's row
 // by its K slots in gather_rows and moe_spread) comes from L2 and is not counted.
 static void time_shape(MoECase& k) {
+    if (!have_gpu()) return;
     long BT = k.BT, R = k.R;
     int C = k.C, E = k.E, K = k.K;
     std::string v = strfmt("BT=%ld C=%d E=%d K=%d", BT, C, E, K);
@@ -225,7 +227,8 @@ static void time_shape(MoECase& k) {
 }
 
 int main() {
-    SKIP_WITHOUT_GPU();
+    Program program(
+        "moe: router, gather, combine, spread and gate gradients of llmc/moe.cuh against the CPU; timed");
     Checks checks;
     MoECase d12(4096, 768, 8, 2, 11);
     check_shape(checks, d12);
@@ -234,5 +237,5 @@ int main() {
         check_shape(checks, odd);
     }
     time_shape(d12);
-    return checks.exit_code();
+    return program.finish(checks);
 }

@@ -30,11 +30,12 @@ struct SwigluCase {
 };
 
 int main() {
-    SKIP_WITHOUT_GPU();
+    Program program(
+        "swiglu: SwiGLU forward and backward against the CPU, Llama 3 8B's H = 14336 and a small shape; timed");
     Checks checks;
-    SwigluCase small(7, 136, 3);
+    SwigluCase small(7, 136, 3), llama(8L * 1024, 14336, 4);
+    if (!program.gpu) return program.finish(checks);
     small.check(checks);
-    SwigluCase llama(8L * 1024, 14336, 4);
     llama.check(checks);
 
     const long N = llama.N;
@@ -47,5 +48,5 @@ int main() {
     report_memory_bound("swiglu_backward N=8192 H=14336",
                         median_ms([&](int s) { swiglu_backward_cuda(dx[s], x[s], d[s], N, H, 0); }, sets),
                         backward_bytes);
-    return checks.exit_code();
+    return program.finish(checks);
 }

@@ -2,10 +2,12 @@
 # The GPU verification: one command on a host with an NVIDIA GPU that builds llm5d for the GPU it finds, checks
 # every rung of the verification ladder on it (kernels, the model against the CPU path and against PyTorch, bit
 # determinism, the parallel layouts, the memory plan) and runs the benchmark. Each phase fits in TIMEOUT
-# seconds, so a host that grants 10-minute calls runs one or a few phases per call (PHASES=...).
+# seconds, so a host that grants 10-minute calls runs one or a few phases per call (PHASES=...), and a BUDGET
+# stops the whole run cleanly before it is spent, the phases in priority order.
 #
 #   bash dev/gpu/verify.sh LOGDIR                          # every phase
 #   PHASES="build model pytorch" bash dev/gpu/verify.sh LOGDIR
+#   BUDGET=480 PHASES=quick PREBUILT=1 bash dev/gpu/verify.sh LOGDIR   # every GPU code path, ~6 min on an H100
 #   PHASES="pytorch determinism mpi" DEVICE=cpu bash dev/gpu/verify.sh LOGDIR   # the plumbing, on the CPU
 #
 # Every check prints one line "PASS|FAIL|SKIP <phase>: <check> <figure>"; the end is a table of the figures
@@ -13,12 +15,23 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      build kernels tests model pytorch determinism mpi cp pp moe llama fp8 resume nccl plan bench, in
-#               this order                                                                             [all]
+#   PHASES      any of build tests model llama fp8 cp pp moe mpi kernels pytorch determinism resume nccl plan
+#               bench; they run in that order (priority: the correctness checks first, the figures last, so that
+#               a BUDGET running out costs the least), or `quick`: the named set below              [all]
+#   BUDGET      seconds for the whole run, 0 for none: a phase starts only when its estimate (the table of
+#               estimates below) fits in the time left, less 15 s for the summary, and runs under that time
+#               at most; a phase that does not fit is "SKIP <phase>: ... (budget: ...)", and so is a check
+#               stopped by the budget's end                                                                  [0]
+#   quick       PHASES=quick: build tests model fp8 mpi cp pp moe resume nccl with small runs, which reach every
+#               GPU code path (each kernel family through the [cuda] tests, GPT-2 and Llama, FP8, the mma and
+#               wgmma attention, dp and ZeRO, tp, cp, pp, ep, NCCL on one rank, resume across devices):
+#               CHECK_MODEL d6c384h6 at B=4 T=256 for 6 steps, ZeRO-1 and 3, the zb and interleaved pp
+#               schedules, ep 2 with ZeRO-1 and under pp, one FP8 run of 20 steps and no FP8 timings; the
+#               [cuda] tests run once (the tests and model phases)
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi; llama: its PyTorch comparison): a test of this script's plumbing on a
 #               machine without a GPU                                                                  [cuda]
-#   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases)                   [600]
+#   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases), BUDGET permitting [600]
 #   ENV_SCRIPT  sourced first (MPI, Catch2, NCCL paths)                    [.devdeps/env.sh when present]
 #   PREBUILT    1: binaries built elsewhere and newer than their sources are used as they are          [0]
 #   CUDA_ARCH   nvcc's -gencode flags           [the Makefile's (nvcc.mk): the GPU's compute capability, sm_XY,
@@ -40,6 +53,7 @@
 #               phase's)                                       [cuda: 4:256:4:2:688; cpu: 2:128:4:2:344]
 #   FP8_RUNS    model:B:T runs of 200 steps with and without --fp8 1, whose losses must agree within FP8_TOL
 #                                                          [d12:16:1024 l16c2048h32g8f8192t1024:4:1024]
+#   FP8_STEPS   steps of each FP8_RUNS run                                                 [200; quick 20]
 #   FP8_TOL     largest relative difference of a --fp8 1 run's loss from the bf16 run's, any step      [0.02]
 #   FP8_SPEED   model:B:T runs timed with and without --fp8 1 (30 steps, the median of steps 11 to 30)
 #               [d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096]
@@ -65,8 +79,14 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build kernels tests model pytorch determinism mpi cp pp moe llama fp8 resume nccl plan bench"
+ALL_PHASES="build tests model llama fp8 cp pp moe mpi kernels pytorch determinism resume nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
+QUICK=0
+if [[ $PHASES == quick ]]; then
+    QUICK=1
+    PHASES="build tests model fp8 mpi cp pp moe resume nccl"
+fi
+BUDGET=${BUDGET:-0}
 DEVICE=${DEVICE:-cuda}
 TIMEOUT=${TIMEOUT:-600}
 PREBUILT=${PREBUILT:-0}
@@ -75,14 +95,28 @@ DATA=${DATA:-data/sotu/train.bin}
 VAL=${VAL:-data/sotu/val.bin}
 PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1}
 PLAN_TOL=${PLAN_TOL:-0.05}
-FP8_RUNS=${FP8_RUNS:-d12:16:1024 l16c2048h32g8f8192t1024:4:1024}
 FP8_TOL=${FP8_TOL:-0.02}
-FP8_SPEED=${FP8_SPEED:-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096}
+if (( QUICK )); then
+    FP8_RUNS=${FP8_RUNS:-d12:4:1024} FP8_STEPS=${FP8_STEPS:-20} FP8_SPEED=${FP8_SPEED-}
+    ZERO_STAGES="1 3" PP_SCHEDULES="zb"
+else
+    FP8_RUNS=${FP8_RUNS:-d12:16:1024 l16c2048h32g8f8192t1024:4:1024} FP8_STEPS=${FP8_STEPS:-200}
+    FP8_SPEED=${FP8_SPEED-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096}
+    ZERO_STAGES="0 1 2 3" PP_SCHEDULES="afab 1f1b zb"
+fi
 STEP_TOL=${STEP_TOL:-0.25}
 NCCL_TOL=${NCCL_TOL:-0}
 BENCH_PHASES=${BENCH_PHASES:-llm5d llmc pytorch profile}
 WORK=${WORK:-$LOGDIR/work}
 KEEP_WORK=${KEEP_WORK:-0}
+if [[ $DEVICE == cuda ]] && (( QUICK )); then
+    # d12's code paths at half its layers and width and a quarter of its length: each step a few ms on one rank,
+    # the two-ranks layouts' host-staged traffic a fourth to a sixteenth of d12's; 6 steps against one rank
+    CHECK_MODEL=${CHECK_MODEL:-d6c384h6} CHECK_B=${CHECK_B:-4} CHECK_T=${CHECK_T:-256} CHECK_STEPS=${CHECK_STEPS:-6}
+fi
+if [[ $DEVICE == cpu ]] && (( QUICK )); then
+    CHECK_STEPS=${CHECK_STEPS:-4}
+fi
 if [[ $DEVICE == cuda ]]; then
     CHECK_MODEL=${CHECK_MODEL:-d12} CHECK_B=${CHECK_B:-4} CHECK_T=${CHECK_T:-1024} CHECK_STEPS=${CHECK_STEPS:-20}
     PT_SHAPE=${PT_SHAPE:-12:768:12} PT_B=${PT_B:-4} PT_T=${PT_T:-1024} PT_TOL=${PT_TOL:-0.05}
@@ -106,9 +140,11 @@ LLAMA_MQA=${LLAMA_MODEL/g2/g1}
 for p in $PHASES; do
     [[ " $ALL_PHASES " == *" $p "* ]] || { echo "verify: PHASES: unknown phase '$p' (known: $ALL_PHASES)" >&2; exit 2; }
 done
-for n in TIMEOUT JOBS CHECK_B CHECK_T CHECK_STEPS PT_B PT_T PT_STEPS; do
+for n in TIMEOUT JOBS FP8_STEPS CHECK_B CHECK_T CHECK_STEPS PT_B PT_T PT_STEPS; do
     [[ ${!n} =~ ^[0-9]+$ && ${!n} -ge 1 ]] || { echo "verify: $n must be a positive integer (got '${!n}')" >&2; exit 2; }
 done
+[[ $BUDGET =~ ^[0-9]+$ ]] ||
+    { echo "verify: BUDGET must be a number of seconds, 0 for none (got '$BUDGET')" >&2; exit 2; }
 [[ $PT_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || { echo "verify: PT_SHAPE must be L:C:NH (got '$PT_SHAPE')" >&2; exit 2; }
 [[ $LLAMA_SHAPE =~ ^([0-9]+):([0-9]+):([0-9]+):([0-9]+):([0-9]+)$ ]] ||
     { echo "verify: LLAMA_SHAPE must be L:C:NH:KV:H (got '$LLAMA_SHAPE')" >&2; exit 2; }
@@ -133,6 +169,8 @@ if [[ -z ${PYTHON:-} ]]; then
         PYTHON=/usr/bin/python3
     fi
 fi
+# the Catch2 tests start their reference scripts with $PYTHON (test/test_helpers.h)
+export PYTHON
 
 # ---------------------------------------------------------------------------------------------------------
 # the GPU
@@ -154,7 +192,8 @@ trap 'exit 130' INT TERM
 
 echo "== verify: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "gpu:      ${GPU_NAME:-none}${GPU_NAME:+, $GPU_MIB MiB, compute capability $GPU_CC}"
-echo "device:   $DEVICE; phases: $PHASES; $TIMEOUT s per phase"
+echo "device:   $DEVICE; phases: $PHASES$( ((QUICK)) && echo ' (quick)'); $TIMEOUT s per phase"
+echo "budget:   $( ((BUDGET)) && echo "$BUDGET s for the whole run" || echo none)"
 echo "build:    CUDA_ARCH=${CUDA_ARCH:-for the GPU found (nvcc.mk)}; PREBUILT=$PREBUILT; env ${ENV_SCRIPT:-none}"
 echo "llm5d:    $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
 echo "python:   $PYTHON ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no torch'))"
@@ -167,6 +206,11 @@ RESULTS=()        # "STATUS<TAB>phase<TAB>check<TAB>figure"
 PASSED=0 FAILED=0 SKIPPED=0
 result() {
     local status=$1 phase=$2 check=$3 figure=${4:-}
+    # a check stopped by the BUDGET's end (its phase's limit the time left, not TIMEOUT) was skipped, not failed
+    if [[ $status == FAIL && $figure == "(timed out:"* ]] && (( PHASE_BUDGETED )); then
+        status=SKIP figure="(budget: stopped when the time left ran out)"
+        [[ " ${BUDGET_SKIPPED[*]} " == *" $phase (cut short) "* ]] || BUDGET_SKIPPED+=("$phase (cut short)")
+    fi
     echo "$status $phase: $check${figure:+ $figure}"
     RESULTS+=("$status"$'\t'"$phase"$'\t'"$check"$'\t'"$figure")
     case $status in PASS) PASSED=$((PASSED + 1)) ;; FAIL) FAILED=$((FAILED + 1)) ;; *) SKIPPED=$((SKIPPED + 1)) ;; esac
@@ -174,12 +218,14 @@ result() {
 
 has_phase() { [[ " $PHASES " == *" $1 "* ]]; }
 
-PHASE="" PHASE_LOG="" PHASE_END=0 RUN_START=1
+PHASE="" PHASE_LOG="" PHASE_END=0 PHASE_LIMIT=$TIMEOUT PHASE_BUDGETED=0 RUN_START=1
+BUDGET_SKIPPED=()  # phases skipped, or cut short, for the BUDGET
+# start_phase NAME LIMIT: the phase's log begins, and its runs share LIMIT seconds
 start_phase() {
-    PHASE=$1 PHASE_LOG=$LOGDIR/$1.log PHASE_END=$((SECONDS + TIMEOUT))
+    PHASE=$1 PHASE_LOG=$LOGDIR/$1.log PHASE_LIMIT=$2 PHASE_END=$((SECONDS + $2))
     : >"$PHASE_LOG"
     echo
-    echo "== $PHASE"
+    echo "== $PHASE ($2 s at most)"
 }
 
 # run CMD...: runs CMD in the phase's remaining time, its output appended to the phase log; returns its status
@@ -191,7 +237,7 @@ run() {
     if (( left <= 0 )); then echo "verify: no time left in the phase" >>"$PHASE_LOG"; return 124; fi
     timeout -k 10 "$left" "$@" >>"$PHASE_LOG" 2>&1
     local rc=$?
-    (( rc == 124 )) && echo "verify: stopped after the phase's $TIMEOUT s" >>"$PHASE_LOG"
+    (( rc == 124 )) && echo "verify: stopped after the phase's $PHASE_LIMIT s" >>"$PHASE_LOG"
     echo "(exit status $rc)" >>"$PHASE_LOG"
     return "$rc"
 }
@@ -202,7 +248,7 @@ run_output() { tail -n +"$RUN_START" "$PHASE_LOG" | grep -v '^(exit status [0-9]
 # why the last run failed, in one line: its time limit, the program's own error line, or the exit status
 why() {
     local rc=$1
-    if [[ $rc == 124 ]]; then echo "(timed out: the phase's $TIMEOUT s)"; return; fi
+    if [[ $rc == 124 ]]; then echo "(timed out: the phase's $PHASE_LIMIT s)"; return; fi
     if [[ $rc == 127 ]]; then echo "(not found: $(run_output | grep -m 1 -i 'no such file\|not found'))"; return; fi
     local line
     line=$(run_output | grep -E '^(train_gpt|pytorch_check|Traceback|[A-Za-z]*Error)' | tail -n 1)
@@ -332,8 +378,7 @@ build_target() {  # build_target NAME MAKE_ARGS... ; BINARY and SOURCES set by t
     else result FAIL build "$name" "$(why "$rc")"; fi
 }
 
-if has_phase build; then
-    start_phase build
+phase_build() {
     if [[ $DEVICE == cuda ]] && (( !HAVE_GPU )); then
         result SKIP build "the GPU build" "(no GPU: nothing to build for)"
     else
@@ -362,13 +407,12 @@ if has_phase build; then
             fi
         fi
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # kernels: every dev/cuda check and timing, and PyTorch's SDPA beside the attention kernel
 
-if has_phase kernels; then
-    start_phase kernels
+phase_kernels() {
     if ! needs_gpu; then
         run dev/cuda/run_all.sh
         rc=$?
@@ -383,23 +427,21 @@ if has_phase kernels; then
             result FAIL kernels "attention_sdpa.py" "(dev/cuda/attention_sdpa.py not found)"
         fi
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # tests and model: the Catch2 CUDA tests (the model's own when the model phase runs them)
 
-if has_phase tests; then
-    start_phase tests
+phase_tests() {
     if ! needs_gpu; then
         filter="[cuda]"
         has_phase model && filter="[cuda]~[model]"
         run build/tests "$filter"
         catch2_result $? "$PHASE_LOG" "build/tests \"$filter\""
     fi
-fi
+}
 
-if has_phase model; then
-    start_phase model
+phase_model() {
     if ! needs_gpu; then
         run build/tests "[cuda][model]~[wgmma]"
         catch2_last $? 'build/tests "[cuda][model]~[wgmma]" (GPU model against the CPU model)'
@@ -407,7 +449,7 @@ if has_phase model; then
         run build/tests "[cuda][model][wgmma]"
         catch2_wgmma $? 'build/tests "[cuda][model][wgmma]" (GPU model on the wgmma attention against the CPU model)'
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # pytorch: the same model file and batches in PyTorch (bf16 autocast on the GPU), 10 AdamW steps
@@ -436,14 +478,13 @@ against_pytorch() {
     else result FAIL "$PHASE" "$name" "${verdict:-$(why "$rc")}"; fi
 }
 
-if has_phase pytorch; then
-    start_phase pytorch
+phase_pytorch() {
     if ! needs_device; then
         IFS=: read -r L C NH <<<"$PT_SHAPE"
         against_pytorch "L=$L C=$C NH=$NH B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch" \
             --layers "$L" --channels "$C" --heads "$NH"
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # determinism: two identical runs give identical logs and identical checkpoints
@@ -453,8 +494,7 @@ fi
 CHECK_FLAGS=(-e "$CHECK_MODEL" -b "$CHECK_B" -t "$CHECK_T" -x "$CHECK_STEPS")
 CHECK_NAME="$CHECK_MODEL B=$CHECK_B T=$CHECK_T, $CHECK_STEPS steps"
 
-if has_phase determinism; then
-    start_phase determinism
+phase_determinism() {
     if ! needs_device; then
         dir=$WORK/determinism
         rm -rf "$dir" && mkdir -p "$dir"
@@ -484,7 +524,7 @@ if has_phase determinism; then
             done
         fi
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # mpi: 2 ranks sharing the device over MPI (dp with ZeRO-0..3 and 2 micro-steps; tp 2) against one rank, all
@@ -493,9 +533,17 @@ fi
 
 GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
 
-# single_rank DIR [FLAGS...]: the one-rank run every layout is compared with; true when it ran on the device
+# single_rank DIR [FLAGS...]: the one-rank run every layout is compared with; true when it ran on the device. A
+# phase after the first with the same FLAGS takes the earlier phase's main.log (the same run, repeated for nothing)
+declare -A SINGLE_RUNS=()
 single_rank() {
     local dir=$1; shift
+    local key="flags: $*"  # never empty: bash refuses an empty key
+    if [[ -n ${SINGLE_RUNS[$key]:-} && -f ${SINGLE_RUNS[$key]}/main.log ]]; then
+        mkdir -p "$dir" && cp "${SINGLE_RUNS[$key]}/main.log" "$dir/main.log"
+        echo "verify: one rank with $key, as run before in ${SINGLE_RUNS[$key]}" >>"$PHASE_LOG"
+        return 0
+    fi
     train "${CHECK_FLAGS[@]}" -d "$GLOBAL_BATCH" -o "$dir" "$@"
     local rc=$? name=$CHECK_NAME args=("$@") i
     # the model the FLAGS name (-e), when they replace CHECK_MODEL's
@@ -503,6 +551,7 @@ single_rank() {
     if (( rc != 0 )); then result FAIL "$PHASE" "one rank, $name" "$(why "$rc")"; return 1; fi
     if ! ran_on_device; then result FAIL "$PHASE" "one rank" "(ran on: $(device_of))"; return 1; fi
     result PASS "$PHASE" "one rank, $name, 4 micro-steps" "final loss $(losses "$dir/main.log" | tail -n 1 | cut -d' ' -f2)"
+    SINGLE_RUNS[$key]=$dir
 }
 
 # against REF DIR NAME TOL RC: a layout's run in DIR against the one-rank run in REF
@@ -538,67 +587,65 @@ two_ranks() {
     against "$dir/single" "$out" "$name" "$MPI_TOL" $?
 }
 
-if has_phase mpi; then
-    start_phase mpi
+phase_mpi() {
     if two_ranks_ready "$WORK/mpi"; then
-        for z in 0 1 2 3; do two_ranks "$WORK/mpi" "dp 2, ZeRO-$z, 2 micro-steps" -z "$z"; done
+        for z in $ZERO_STAGES; do two_ranks "$WORK/mpi" "dp 2, ZeRO-$z, 2 micro-steps" -z "$z"; done
         two_ranks "$WORK/mpi" "tp 2 (sp), 4 micro-steps" --tp 2
     fi
     if two_ranks_ready "$WORK/mpi_llama" -e "$LLAMA_MODEL"; then
-        two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, dp 2, ZeRO-1, 2 micro-steps" -e "$LLAMA_MODEL" -z 1
+        (( QUICK )) || two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, dp 2, ZeRO-1, 2 micro-steps" -e "$LLAMA_MODEL" -z 1
         two_ranks "$WORK/mpi_llama" "$LLAMA_MODEL, tp 2 (sp), 4 micro-steps" -e "$LLAMA_MODEL" --tp 2
     fi
     if two_ranks_ready "$WORK/mpi_mqa" -e "$LLAMA_MQA"; then
         two_ranks "$WORK/mpi_mqa" "$LLAMA_MQA, tp 2 (sp) over its one key/value head, 4 micro-steps" -e "$LLAMA_MQA" \
             --tp 2 --debug-check-replicas 1
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # cp: context parallelism on 2 ranks sharing the device over MPI (ring attention with the zig-zag and the
 # contiguous split, 2 micro-steps), against one rank with the same global batch; then a Llama (RoPE at the
 # rank's positions, the ring carrying the key/value heads only) under the zig-zag split
 
-if has_phase cp; then
-    start_phase cp
+phase_cp() {
     if two_ranks_ready "$WORK/cp"; then
         for split in zigzag contiguous; do two_ranks "$WORK/cp" "cp 2 ($split), 4 micro-steps" --cp 2 --cp-split "$split"; done
     fi
     if two_ranks_ready "$WORK/cp_llama" -e "$LLAMA_MODEL"; then
         two_ranks "$WORK/cp_llama" "$LLAMA_MODEL, cp 2 (zigzag), 4 micro-steps" -e "$LLAMA_MODEL" --cp 2
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # pp: pipeline parallelism on 2 ranks sharing the device over MPI (each schedule over the 4 micro-batches of
 # the global batch; the interleaved one with 2 virtual stages per rank), against one rank; then a Llama (its
 # lm_head on the last stage alone) under 1F1B
 
-if has_phase pp; then
-    start_phase pp
+phase_pp() {
     if two_ranks_ready "$WORK/pp"; then
-        for schedule in afab 1f1b zb; do two_ranks "$WORK/pp" "pp 2 ($schedule), 4 micro-batches" --pp 2 --pp-schedule "$schedule"; done
+        for schedule in $PP_SCHEDULES; do two_ranks "$WORK/pp" "pp 2 ($schedule), 4 micro-batches" --pp 2 --pp-schedule "$schedule"; done
         two_ranks "$WORK/pp" "pp 2 (interleaved, vpp 2), 4 micro-batches" --pp 2 --pp-schedule interleaved --vpp 2 \
             --trace "$WORK/pp/interleaved.json"
     fi
     if two_ranks_ready "$WORK/pp_llama" -e "$LLAMA_MODEL"; then
         two_ranks "$WORK/pp_llama" "$LLAMA_MODEL, pp 2 (1f1b), 4 micro-batches" -e "$LLAMA_MODEL" --pp 2 --pp-schedule 1f1b
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # moe: a mixture of experts (MOE_MODEL) on 2 ranks sharing the device over MPI, its experts split over them
 # (--ep 2, all-to-all dispatch; ZeRO-0 and ZeRO-1), replicated (dp 2), or on 2 pipeline stages under the
 # zero-bubble schedule (the split backward with experts), against one rank
 
-if has_phase moe; then
-    start_phase moe
+phase_moe() {
     if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then
-        for z in 0 1; do two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"; done
-        two_ranks "$WORK/moe" "$MOE_MODEL, dp 2 (experts replicated), 2 micro-steps" -e "$MOE_MODEL"
+        for z in $( ((QUICK)) && echo 1 || echo 0 1); do
+            two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"
+        done
+        (( QUICK )) || two_ranks "$WORK/moe" "$MOE_MODEL, dp 2 (experts replicated), 2 micro-steps" -e "$MOE_MODEL"
         two_ranks "$WORK/moe" "$MOE_MODEL, pp 2 (zb), 4 micro-batches" -e "$MOE_MODEL" --pp 2 --pp-schedule zb
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # llama: the Llama 3 path. On the GPU: the dev/cuda checks of its kernels (RMSNorm, RoPE, SwiGLU, and the
@@ -609,8 +656,7 @@ fi
 # its [cuda] cases have no tag of their own), the grouped-query attention cases by name (mma.sync and wgmma)
 LLAMA_KERNEL_TESTS='[cuda][rmsnorm],[cuda][rope],[cuda][#test_swiglu],CUDA flash attention forward*,CUDA wgmma flash attention*'
 
-if has_phase llama; then
-    start_phase llama
+phase_llama() {
     if ! needs_gpu "dev/cuda's kernel checks and the Catch2 [cuda] tests"; then
         for program in rmsnorm rope swiglu attention; do
             if [[ ! -x dev/cuda/$program ]]; then
@@ -645,7 +691,7 @@ if has_phase llama; then
         against_pytorch "Llama 3 L=$L C=$C NH=$NH KV=$KV H=$H B=$PT_B T=$PT_T, $PT_STEPS steps, against PyTorch" \
             --arch llama3 --layers "$L" --channels "$C" --heads "$NH" --kv-heads "$KV" --hidden "$H" --rope-scaling 8
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # fp8: --fp8 1 on the GPU (llmc/fp8.cuh). Its Catch2 tests: the cast kernels bit for bit against the software
@@ -659,19 +705,21 @@ median_step_ms() {
         awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
 }
 
-if has_phase fp8; then
-    start_phase fp8
+phase_fp8() {
     if ! needs_gpu "the [cuda][fp8] tests and the FP8 runs" && ! needs_device; then
-        run build/tests "[cuda][fp8]"
-        catch2_last $? 'build/tests "[cuda][fp8]" (cast kernels against the software cast, FP8 GEMMs against the CPU emulation)'
+        # quick: the tests phase's [cuda] run holds these
+        if (( !QUICK )) || ! has_phase tests; then
+            run build/tests "[cuda][fp8]"
+            catch2_last $? 'build/tests "[cuda][fp8]" (cast kernels against the software cast, FP8 GEMMs against the CPU emulation)'
+        fi
         for spec in $FP8_RUNS; do
             IFS=: read -r model B T <<<"$spec"
             for fp8 in 0 1; do
-                train -e "$model" -b "$B" -t "$T" -x 200 -l 6e-4 -u 20 --fp8 "$fp8" -o "$WORK/fp8/${model}_$fp8"
+                train -e "$model" -b "$B" -t "$T" -x "$FP8_STEPS" -l 6e-4 -u 20 --fp8 "$fp8" -o "$WORK/fp8/${model}_$fp8"
                 rc=$?
                 (( rc == 0 )) || break
             done
-            against "$WORK/fp8/${model}_0" "$WORK/fp8/${model}_1" "$model B=$B T=$T, 200 steps, --fp8 1 against bf16" \
+            against "$WORK/fp8/${model}_0" "$WORK/fp8/${model}_1" "$model B=$B T=$T, $FP8_STEPS steps, --fp8 1 against bf16" \
                 "$FP8_TOL" $rc
         done
         for spec in $FP8_SPEED; do
@@ -688,15 +736,14 @@ if has_phase fp8; then
             else result PASS fp8 "$name" "bf16 ${ms[0]} ms, fp8 ${ms[1]} ms, speedup $(awk -v a="${ms[0]}" -v b="${ms[1]}" 'BEGIN { printf "%.2f", a / b }')x"; fi
         done
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # resume: a checkpoint written on one layout or device and continued on another, against the run that was never
 # interrupted: 2 ranks sharing the device (dp 2, ZeRO-1) for half the steps, then one rank; and a small model
 # trained on the cpu for 5 steps, then on the GPU, and the other way, against the cpu alone (bf16's tolerance)
 
-if has_phase resume; then
-    start_phase resume
+phase_resume() {
     if two_ranks_ready "$WORK/resume"; then
         half=$((CHECK_STEPS / 2))
         dir=$WORK/resume/dp2_z1_then_1
@@ -719,13 +766,12 @@ if has_phase resume; then
             done
         fi
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # nccl: one rank over NCCL against the same rank without it
 
-if has_phase nccl; then
-    start_phase nccl
+phase_nccl() {
     if ! needs_gpu && ! needs_device; then
         dir=$WORK/nccl
         rm -rf "$dir" && mkdir -p "$dir"
@@ -734,13 +780,12 @@ if has_phase nccl; then
             against "$dir/single" "$dir/nccl" "one rank, --comm nccl" "$NCCL_TOL" $?
         fi
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # plan: --plan --device cuda's total against the memory a run measures after its first step
 
-if has_phase plan; then
-    start_phase plan
+phase_plan() {
     if ! needs_gpu && ! needs_device; then
         for spec in $PLAN_RUNS; do
             if ! [[ $spec =~ ^([A-Za-z0-9]+):([0-9]+):([0-2])$ ]]; then
@@ -803,18 +848,19 @@ if has_phase plan; then
             fi
         fi
     fi
-fi
+}
 
 # ---------------------------------------------------------------------------------------------------------
 # bench: dev/bench/gpu_bench.sh (llm5d, llm.c and PyTorch side by side; a per-kernel breakdown of one step)
 
-if has_phase bench; then
-    start_phase bench
+phase_bench() {
     if ! needs_gpu; then
         # gpu_bench.sh limits each of its own runs (one per phase and shape, and a build); this limit only
         # stops a benchmark that hangs past all of them
-        PHASE_END=$((SECONDS + TIMEOUT * ($(wc -w <<<"$BENCH_PHASES") * ($(wc -w <<<"${SHAPES:-d12:64 d48:16}") + 1) + 1)))
-        run env PHASES="$BENCH_PHASES" TIMEOUT="$TIMEOUT" BENCH_TMP="$LOGDIR/bench" NO_BUILD=1 PYTHON="$PYTHON" \
+        # (under a BUDGET, the phase's limit, the time left, bounds both)
+        local runs=$(($(wc -w <<<"$BENCH_PHASES") * ($(wc -w <<<"${SHAPES:-d12:64 d48:16}") + 1) + 1))
+        (( BUDGET )) || PHASE_END=$((SECONDS + TIMEOUT * runs))
+        run env PHASES="$BENCH_PHASES" TIMEOUT="$(( PHASE_LIMIT < TIMEOUT ? PHASE_LIMIT : TIMEOUT ))" BENCH_TMP="$LOGDIR/bench" NO_BUILD=1 PYTHON="$PYTHON" \
             DATA="$DATA" VAL="$VAL" bash dev/bench/gpu_bench.sh
         rc=$?
         # its summary lines become checks here; its table of figures joins the table at the end
@@ -825,7 +871,78 @@ if has_phase bench; then
         done < <(sed -n '/^== summary/,$p' "$PHASE_LOG")
         grep -q '^== summary' "$PHASE_LOG" || result FAIL bench "dev/bench/gpu_bench.sh" "$(why "$rc")"
     fi
-fi
+}
+
+# ---------------------------------------------------------------------------------------------------------
+# the phases, in priority order, each when it fits in what is left of the BUDGET
+
+# Estimated seconds of each phase on one H100 (full, and PHASES=quick's form), and of its DEVICE=cpu form on a
+# 2-core machine (quick's settings). From the first H100 runs (dev/bench/RESULTS.md, dev/gpu/README.md): one rank
+# of d12 B=4 T=1024 43 ms a step, two ranks sharing the GPU over --comm mpi dp 2 920 ms, tp 2 4.0 s, cp 2 4.7 s,
+# pp 2 390 ms; a train_gpt start (CUDA context, cuBLASLt, the model's init) taken as 4 s, mpirun's 2 ranks 7 s.
+# Quick's runs (d6c384h6, T=256, 6 steps: half of d12's layers and width, a quarter of its length) are taken as
+# their start plus at most 2 s of steps, whatever the layout. dev/gpu/README.md has the table with the reasoning.
+declare -A EST_FULL=(
+    [build]=240         # 2 to 4 minutes on 16 cores (PREBUILT=1 with fresh binaries: 5)
+    [tests]=100         # build/tests "[cuda]~[model]": 13 cases in the first run, more since (not timed yet)
+    [model]=60          # 2 models x 2 attentions against the CPU model, 20 steps each (not timed yet)
+    [llama]=170         # 4 dev/cuda programs (< 20 s each), Catch2 30, llama3-1b 10 steps 30, PyTorch 40
+    [fp8]=450           # 2 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s a step), 12 timed runs
+    [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
+    [pp]=80             # 4 x (20 x 0.39 s + 7), the Llama 20
+    [moe]=80            # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each
+    [mpi]=250           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each
+    [kernels]=150       # 12 dev/cuda programs (20 s each at most, most under 10) and attention_sdpa.py
+    [pytorch]=60        # d12 10 steps, then PyTorch's d12 (bf16 autocast) 10 steps
+    [determinism]=25    # 2 x (20 x 43 ms + 4 s + a 1.5 GB checkpoint)
+    [resume]=60         # dp 2 10 steps, 1 rank 10 steps, 4 small runs across devices
+    [nccl]=15           # 2 one-rank runs of 20 steps
+    [plan]=120          # 4 x (--plan + 6 steps at B=16), --calibrate
+    [bench]=1500        # llm5d, llm.c and PyTorch compiled at d12 and d48, and ncu's profile: 2 to 5 min each
+)
+declare -A EST_QUICK=(
+    [build]=5           # PREBUILT=1 with fresh binaries (the recipe): the checks of freshness alone
+    [tests]=100         # build/tests "[cuda]~[model]": every [cuda] case but the models' (less certain: not timed yet)
+    [model]=60          # [cuda][model]: 3 cases, 41 assertions in the first run (less certain: not timed yet)
+    [fp8]=15            # d12 B=4 T=1024, 20 steps with and without --fp8 1: 2 x (4 s + 20 x ~45 ms)
+    [mpi]=55            # 1 rank 5, ZeRO-1 and 3 and tp 2: 3 x 9; the Llama's 1 rank and tp 2, its one-head tp 2
+    [cp]=30             # zigzag and contiguous 2 x 9; the Llama's zigzag 9 (its 1 rank: the mpi phase's)
+    [pp]=25             # zb, interleaved: 2 x 9; the Llama's 1f1b 9
+    [moe]=25            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9
+    [resume]=35         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device)
+    [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
+)
+declare -A EST_CPU=(
+    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=1 [cp]=40 [pp]=60 [moe]=40 [mpi]=60 [kernels]=1
+    [pytorch]=30 [determinism]=20 [resume]=30 [nccl]=1 [plan]=1 [bench]=1
+)
+estimate() {
+    local p=$1
+    if [[ $DEVICE == cpu ]]; then echo "${EST_CPU[$p]}"
+    elif [[ $p == build && $PREBUILT == 1 ]]; then echo 5
+    elif (( QUICK )) && [[ -n ${EST_QUICK[$p]:-} ]]; then echo "${EST_QUICK[$p]}"
+    else echo "${EST_FULL[$p]}"; fi
+}
+
+BUDGET_RESERVE=15  # the figures, the count, and a stopped command's grace (timeout -k 10)
+for p in $ALL_PHASES; do
+    has_phase "$p" || continue
+    limit=$TIMEOUT PHASE_BUDGETED=0
+    if (( BUDGET )); then
+        left=$((BUDGET - SECONDS - BUDGET_RESERVE))
+        est=$(estimate "$p")
+        if (( est > left )); then
+            (( left < 0 )) && left=0
+            echo
+            result SKIP "$p" "the phase" "(budget: estimated $est s, $left s left of BUDGET=$BUDGET)"
+            BUDGET_SKIPPED+=("$p")
+            continue
+        fi
+        (( left < limit )) && limit=$left PHASE_BUDGETED=1
+    fi
+    start_phase "$p" "$limit"
+    "phase_$p"
+done
 
 # ---------------------------------------------------------------------------------------------------------
 # the table of figures, and the count
@@ -842,5 +959,8 @@ if has_phase bench && [[ -f $LOGDIR/bench.log ]]; then
     sed -n '/^== figures/,/^$/p' "$LOGDIR/bench.log"
 fi
 echo
+if (( BUDGET )); then
+    echo "budget: $SECONDS s of $BUDGET s used; skipped for the budget: ${BUDGET_SKIPPED[*]:-nothing}"
+fi
 echo "$PASSED passed, $FAILED failed, $SKIPPED skipped"
 (( FAILED == 0 ))
