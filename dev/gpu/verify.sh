@@ -28,6 +28,7 @@
 #               CHECK_MODEL d6c384h6 at B=4 T=256 for 6 steps, ZeRO-1 and 3, the zb and interleaved pp
 #               schedules, ep 2 with ZeRO-1 and under pp, one FP8 run of 20 steps and no FP8 timings; the
 #               [cuda] tests run once (the tests and model phases)
+#   QUICK       1: quick's small runs for the phases PHASES names (PHASES=quick sets it)                  [0]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
 #               determinism, mpi; llama: its PyTorch comparison): a test of this script's plumbing on a
 #               machine without a GPU                                                                  [cuda]
@@ -52,6 +53,7 @@
 #               hidden size; RoPE θ 500000 with Llama 3.1's scaling; the other PT_ values as the pytorch
 #               phase's)                                       [cuda: 4:256:4:2:688; cpu: 2:128:4:2:344]
 #   FP8_RUNS    model:B:T runs of 200 steps with and without --fp8 1, whose losses must agree within FP8_TOL
+#               (empty: none)
 #                                                          [d12:16:1024 l16c2048h32g8f8192t1024:4:1024]
 #   FP8_STEPS   steps of each FP8_RUNS run                                                 [200; quick 20]
 #   FP8_TOL     largest relative difference of a --fp8 1 run's loss from the bf16 run's, any step      [0.02]
@@ -81,7 +83,8 @@ cd "$ROOT" || exit 2
 
 ALL_PHASES="build tests model llama fp8 cp pp moe mpi kernels pytorch determinism resume nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
-QUICK=0
+QUICK=${QUICK:-0}
+[[ $QUICK == [01] ]] || { echo "verify: QUICK must be 0 or 1 (got '$QUICK')" >&2; exit 2; }
 if [[ $PHASES == quick ]]; then
     QUICK=1
     PHASES="build tests model fp8 mpi cp pp moe resume nccl"
@@ -97,10 +100,10 @@ PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1}
 PLAN_TOL=${PLAN_TOL:-0.05}
 FP8_TOL=${FP8_TOL:-0.02}
 if (( QUICK )); then
-    FP8_RUNS=${FP8_RUNS:-d12:4:1024} FP8_STEPS=${FP8_STEPS:-20} FP8_SPEED=${FP8_SPEED-}
+    FP8_RUNS=${FP8_RUNS-d12:4:1024} FP8_STEPS=${FP8_STEPS:-20} FP8_SPEED=${FP8_SPEED-}
     ZERO_STAGES="1 3" PP_SCHEDULES="zb"
 else
-    FP8_RUNS=${FP8_RUNS:-d12:16:1024 l16c2048h32g8f8192t1024:4:1024} FP8_STEPS=${FP8_STEPS:-200}
+    FP8_RUNS=${FP8_RUNS-d12:16:1024 l16c2048h32g8f8192t1024:4:1024} FP8_STEPS=${FP8_STEPS:-200}
     FP8_SPEED=${FP8_SPEED-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096}
     ZERO_STAGES="0 1 2 3" PP_SCHEDULES="afab 1f1b zb"
 fi
