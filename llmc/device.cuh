@@ -111,15 +111,22 @@ inline void convert_on_device(bf16* dst, const float* src, long n) {
     cuda_check(cudaGetLastError());
 }
 
+// The fp32 staging of a bf16 conversion goes in pieces of at most STAGING_FLOATS: a whole model's fp32 copy
+// (12.8 GB for a 3B model) beside its training state does not fit the GPU.
+constexpr size_t STAGING_FLOATS = size_t(1) << 25;  // 128 MiB
+
 // host fp32 <- n elements of storage type T on their device, converted exactly to fp32
 inline void download_as_float(float* host, const float* src, size_t n) { device_download<float>(host, src, n); }
 inline void download_as_float(float* host, const bf16* src, size_t n) {
     if (n == 0) return;
     float* staging;
-    cuda_check(cudaMallocAsync(&staging, n * sizeof(float), main_stream()));
-    bf16_to_float_kernel<<<grid_stride_blocks((long)n), 256, 0, main_stream()>>>(staging, src, (long)n);
-    cuda_check(cudaGetLastError());
-    device_download<bf16>(host, staging, n);
+    cuda_check(cudaMallocAsync(&staging, std::min(n, STAGING_FLOATS) * sizeof(float), main_stream()));
+    for (size_t at = 0; at < n; at += STAGING_FLOATS) {
+        size_t piece = std::min(STAGING_FLOATS, n - at);
+        bf16_to_float_kernel<<<grid_stride_blocks((long)piece), 256, 0, main_stream()>>>(staging, src + at, (long)piece);
+        cuda_check(cudaGetLastError());
+        device_download<bf16>(host + at, staging, piece);
+    }
     cuda_check(cudaFreeAsync(staging, main_stream()));
 }
 
@@ -128,9 +135,13 @@ inline void upload_from_float(float* dst, const float* host, size_t n) { device_
 inline void upload_from_float(bf16* dst, const float* host, size_t n) {
     if (n == 0) return;
     float* staging;
-    cuda_check(cudaMallocAsync(&staging, n * sizeof(float), main_stream()));
-    cuda_check(cudaMemcpyAsync(staging, host, n * sizeof(float), cudaMemcpyHostToDevice, main_stream()));
-    convert_on_device(dst, staging, (long)n);
+    cuda_check(cudaMallocAsync(&staging, std::min(n, STAGING_FLOATS) * sizeof(float), main_stream()));
+    for (size_t at = 0; at < n; at += STAGING_FLOATS) {
+        size_t piece = std::min(STAGING_FLOATS, n - at);
+        // the stream orders each piece's copy after the previous piece's conversion
+        cuda_check(cudaMemcpyAsync(staging, host + at, piece * sizeof(float), cudaMemcpyHostToDevice, main_stream()));
+        convert_on_device(dst + at, staging, (long)piece);
+    }
     cuda_check(cudaFreeAsync(staging, main_stream()));
     cuda_check(cudaStreamSynchronize(main_stream()));
 }
