@@ -209,7 +209,7 @@ inline bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == C
 
 // D[m×n] (column-major, ld m) = op(A)·op(B) + beta·D, op(X) = Xᵀ when trans; leading dimensions follow from
 // the shapes. bias (length m) and aux (m×n, ld m, the pre-GELU values) are used as the epilogue asks; the
-// bias-gradient epilogues write through bias instead (bf16, D's type: DGELU_BGRAD m values, BGRADB n). C is D
+// bias-gradient epilogue BGRADB writes its n values through bias instead (bf16, D's type). C is D
 // itself (same type, same layout: cuBLASLt allows it in place), always bf16.
 // A GEMM that cuBLASLt refuses (no usable algorithm, or the call itself refused) stops the run, unless the
 // caller has a fallback (may_refuse: an epilogue that kernels of its own can replace): then it returns false
@@ -369,20 +369,20 @@ inline void matmul_forward_cuda(bf16* out, const bf16* inp, const bf16* weight, 
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// The backward. Its two GEMMs take the element-wise work around them into cuBLASLt's epilogues, which act on
-// each tile while it is still in registers, so neither the output gradient nor GELU's input is read again:
-//   the weight gradient  dWᵀ[C×OC] += (inp as C×N)·(dout as OC×N)ᵀ, with BGRADB: cuBLASLt also sums op(B) =
-//                        doutᵀ over the GEMM's k = N rows, the bias gradient (OC values, D's type);
-//   the input gradient   dinpᵀ[C×N] = (W as C×OC)·(dout as OC×N), with DGELU where the matmul's input is GELU's
-//                        output (the MLP's projection): dinp = (dout·W) ∘ GELU'(pre_gelu), the aux pre_gelu
-//                        (N×C, so C×N with leading dimension C, as D); DGELU_BGRAD also sums each of D's C rows
-//                        over its N columns, the bias gradient of the matmul whose output GELU took.
-// An epilogue overwrites its bias vector while the model's gradients accumulate over micro-steps, so it writes
+// The backward. The weight-gradient GEMM takes the bias gradient into cuBLASLt's epilogue: BGRADB also sums
+// op(B) = doutᵀ over the GEMM's k = N rows (OC values, D's type) while the tile is in registers:
+//   the weight gradient  dWᵀ[C×OC] += (inp as C×N)·(dout as OC×N)ᵀ;
+//   the input gradient   dinpᵀ[C×N] = (W as C×OC)·(dout as OC×N), then, where the matmul's input is GELU's output
+//                        (the MLP's projection), GELU's backward dinp ∘= GELU'(pre_gelu) and the column sums of
+//                        that, the bias gradient of the matmul whose output GELU took, as kernels of their own.
+// GELU's backward stays out of the epilogue by measurement: on an H100 (2026-11-27) cuBLASLt ran DGELU_BGRAD as
+// a separate pass (epilogue::globalKernel) of 1.3 ms a layer at d12 B=64, 15.6 ms of a 134 ms step, where
+// GELU's backward and the column sums read and write the same bytes as kernels in about half that.
+// The epilogue overwrites its bias vector while the model's gradients accumulate over micro-steps, so it writes
 // to scratch and a small kernel adds that to the gradient (OC values, against the N·OC the column sums read).
-// cuBLASLt refuses BGRADB unless op(B) is transposed (ours is) and wants the aux's leading dimension a multiple
-// of 8; the epilogue kernels read and write whole 16-byte vectors. Whatever falls outside (other shapes, and a
-// bias gradient without its weight GEMM: FP8 layers compute the bias gradient here alone) runs on the kernels
-// of its own below: the column sums, and GELU's backward from llmc/gelu.cuh.
+// cuBLASLt refuses BGRADB unless op(B) is transposed (ours is); the epilogue kernels read and write whole
+// 16-byte vectors. Whatever falls outside (other shapes, and a bias gradient without its weight GEMM: FP8
+// layers compute the bias gradient here alone) runs on the column sums below.
 
 // The column sums: memory-bound (N·OC bf16 read once). Rows are cut into fixed chunks whose fp32 partial sums a
 // second pass adds in chunk order, so the sum does not depend on scheduling.
@@ -434,18 +434,15 @@ inline void matmul_dbias_cuda(bf16* dbias, const bf16* dout, long N, long OC, fl
     cuda_check(cudaGetLastError());
 }
 
-// What one bf16 backward runs: each GEMM's epilogue, and what stays a kernel of its own. A function of the call
-// alone, so that a test without a GPU holds it to its one rule: every bias gradient and GELU's backward happen
-// exactly once, in an epilogue where cuBLASLt takes the shape, else in a kernel.
+// What one bf16 backward runs: the weight GEMM's epilogue, or the column sums as kernels. A function of the call
+// alone, so that a test without a GPU holds it to its one rule: the bias gradient happens exactly once, in the
+// epilogue where cuBLASLt takes the shape, else in the kernels.
 struct MatmulBackwardPlan {
-    cublasLtEpilogue_t input = CUBLASLT_EPILOGUE_DEFAULT;   // the input-gradient GEMM's: DGELU(_BGRAD) or none
     cublasLtEpilogue_t weight = CUBLASLT_EPILOGUE_DEFAULT;  // the weight-gradient GEMM's: BGRADB or none
-    bool bias_kernels = false;       // dbias from the column sums
-    bool gelu_kernel = false;        // GELU's backward after the input-gradient GEMM
-    bool gelu_bias_kernels = false;  // then the bias gradient of GELU's input from the column sums
+    bool bias_kernels = false;                              // dbias from the column sums
 };
 
-// whether the epilogues take a backward of this shape: rows to reduce, the leading dimensions C and OC whole
+// whether the epilogue takes a backward of this shape: rows to reduce, the leading dimensions C and OC whole
 // 16-byte vectors of bf16, every pointer given 16-byte aligned
 inline bool matmul_epilogues_fit(long N, long C, long OC, std::initializer_list<const void*> pointers) {
     if (N < 1 || C % 8 != 0 || OC % 8 != 0) return false;
@@ -454,21 +451,12 @@ inline bool matmul_epilogues_fit(long N, long C, long OC, std::initializer_list<
     return true;
 }
 
-// the plan of a backward with these outputs (dinp, dweight, dbias), GELU's backward (gelu) and the bias gradient
-// of GELU's input (gelu_bias) or not, on a shape the epilogues take (fits) or not
-inline MatmulBackwardPlan plan_matmul_backward(bool dinp, bool dweight, bool dbias, bool gelu, bool gelu_bias,
-                                               bool fits) {
-    if (gelu && !dinp) fail("matmul backward: GELU's backward goes with the input gradient, and there is none");
-    if (gelu_bias && !gelu) fail("matmul backward: the bias gradient of GELU's input without GELU's backward");
+// the plan of a backward with a weight gradient (dweight) and a bias gradient (dbias) or not, on a shape the
+// epilogue takes (fits) or not
+inline MatmulBackwardPlan plan_matmul_backward(bool dweight, bool dbias, bool fits) {
     MatmulBackwardPlan p;
     if (dweight && dbias && fits) p.weight = CUBLASLT_EPILOGUE_BGRADB;
     else p.bias_kernels = dbias;
-    if (gelu && fits) {
-        p.input = gelu_bias ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
-    } else {
-        p.gelu_kernel = gelu;
-        p.gelu_bias_kernels = gelu_bias;
-    }
     return p;
 }
 
@@ -480,31 +468,17 @@ inline MatmulBackwardPlan plan_matmul_backward(bool dinp, bool dweight, bool dbi
 inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                                  const bf16* weight, long N, long C, long OC, float* scratch, cudaStream_t stream,
                                  const bf16* pre_gelu = nullptr, bf16* dpre_bias = nullptr) {
-    bool fits = matmul_epilogues_fit(N, C, OC, {dinp, dweight, dout, inp, weight, pre_gelu});
-    MatmulBackwardPlan plan = plan_matmul_backward(dinp, dweight, dbias, pre_gelu, dpre_bias, fits);
-    bf16* epilogue_dbias = reinterpret_cast<bf16*>(scratch);  // an epilogue's bias gradient, until it is added
-    // an epilogue that cuBLASLt refuses on this GPU (cublaslt_matmul's may_refuse) falls back to the kernels
+    if (pre_gelu && !dinp) fail("matmul backward: GELU's backward goes with the input gradient, and there is none");
+    if (dpre_bias && !pre_gelu) fail("matmul backward: the bias gradient of GELU's input without GELU's backward");
+    bool fits = matmul_epilogues_fit(N, C, OC, {dweight, dout, inp});
+    MatmulBackwardPlan plan = plan_matmul_backward(dweight, dbias, fits);
+    bf16* epilogue_dbias = reinterpret_cast<bf16*>(scratch);  // the epilogue's bias gradient, until it is added
     if (dinp) {
-        // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N). cuBLASLt reads the GELU's input through the pointer its
-        // forward writes it through, hence the const_cast: DGELU only reads it.
-        auto input_gemm = [&](cublasLtEpilogue_t e) {
-            bool dgelu = e != CUBLASLT_EPILOGUE_DEFAULT, bgrad = e == CUBLASLT_EPILOGUE_DGELU_BGRAD;
-            return cublaslt_matmul(dinp, weight, dout, bgrad ? epilogue_dbias : nullptr,
-                                   dgelu ? const_cast<bf16*>(pre_gelu) : nullptr, false, false, C, N, OC, 0.0f, e,
-                                   stream, {}, dgelu);
-        };
-        if (!input_gemm(plan.input)) {
-            plan.input = CUBLASLT_EPILOGUE_DEFAULT;
-            plan.gelu_kernel = true;
-            plan.gelu_bias_kernels = dpre_bias != nullptr;
-            input_gemm(plan.input);
-        }
-        if (plan.input == CUBLASLT_EPILOGUE_DGELU_BGRAD) {
-            matmul_dbias_add_kernel<<<cuda_blocks(C, 256), 256, 0, stream>>>(dpre_bias, epilogue_dbias, C);
-            cuda_check(cudaGetLastError());
-        }
-        if (plan.gelu_kernel) gelu_backward_cuda(dinp, pre_gelu, dinp, N * C, stream);
-        if (plan.gelu_bias_kernels) matmul_dbias_cuda(dpre_bias, dinp, N, C, scratch, stream);
+        // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N)
+        cublaslt_matmul(dinp, weight, dout, nullptr, nullptr, false, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                        stream);
+        if (pre_gelu) gelu_backward_cuda(dinp, pre_gelu, dinp, N * C, stream);
+        if (dpre_bias) matmul_dbias_cuda(dpre_bias, dinp, N, C, scratch, stream);
     }
     if (dweight) {
         // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ

@@ -108,9 +108,8 @@ struct GeluMatmulCase {
                                  d_pre.ptr, d_dpb.ptr);
         }
     }
-    // whether this case's shape and buffers take cuBLASLt's epilogues (llmc/matmul.cuh)
+    // whether this case's shape and buffers take cuBLASLt's BGRADB epilogue (llmc/matmul.cuh)
     bool takes_epilogues() const {
-        return matmul_epilogues_fit(N, C, OC, {d_dpre.ptr, d_dw.ptr, d_dout0.ptr, d_dout1.ptr, d_act.ptr, d_w.ptr,
-                                               d_pre.ptr});
+        return matmul_epilogues_fit(N, C, OC, {d_dw.ptr, d_dout0.ptr, d_dout1.ptr, d_act.ptr});
     }
 };
