@@ -295,38 +295,48 @@ TEST_CASE("fp8 GEMM plan: the types, the TN layout, the alignment and the epilog
 // on a GPU
 
 TEST_CASE("CUDA fp8 cast kernels equal the software cast bit for bit, with the transposed copy and its zero padding; "
-          "the amax kernel equals the CPU's", "[cuda][fp8]") {
+          "the amax kernel equals the CPU's, on 16-byte vectors and off them", "[cuda][fp8]") {
     SKIP_WITHOUT_GPU_CASE();
-    const long rows = 37, cols = 45, ld_t = fp8_padded(rows);
-    Rng rng(9);
-    std::vector<float> x = random_bf16_values(rows * cols, rng, 2.0f);
-    x[7] = 0.0f, x[100] = -0.0f, x[200] = 1e-30f;
-    DeviceArray<bf16> d_x(rows * cols);
-    upload(d_x, x);
-    for (Fp8Format f : FORMATS) {
-        INFO(fp8_name(f));
-        DeviceArray<float> d_amax(1), d_pair(2);
-        fp8_amax(d_amax.ptr, d_x.ptr, rows * cols);
-        float amax = 0, pair[2];
-        fp8_amax(&amax, x.data(), rows * cols);
-        device_synchronize<bf16>();
-        REQUIRE(download(d_amax)[0] == amax);
-        fp8_make_scale(d_pair.ptr, d_amax.ptr, 1, f, d_x.ptr);
-        fp8_scale_pair(pair, &amax, 1, f);
-        device_synchronize<bf16>();
-        REQUIRE(download(d_pair) == std::vector<float>{pair[0], pair[1]});
-        DeviceArray<uint8_t> d_out(rows * cols), d_out_t(cols * ld_t);
-        fp8_quantize(d_out.ptr, d_out_t.ptr, d_x.ptr, rows, cols, ld_t, d_pair.ptr, f);
-        device_synchronize<bf16>();
-        std::vector<uint8_t> out = download(d_out), out_t = download(d_out_t);
-        long differ = 0;
-        for (long r = 0; r < ld_t; r++)
-            for (long c = 0; c < cols; c++) {
-                uint8_t want = r < rows ? fp8_encode(x[r * cols + c] * pair[0], f) : 0;
-                if (r < rows) differ += out[r * cols + c] != want;
-                differ += out_t[c * ld_t + r] != want;
-            }
-        CHECK(differ == 0);
+    // rows and columns off the kernels' 64×64 tile; 45 columns take the one-value path, 136 and 256 the vectors
+    for (auto [rows, cols] : {std::pair{37L, 45L}, {100L, 136L}, {130L, 256L}}) {
+        const long ld_t = fp8_padded(rows);
+        INFO(rows << " x " << cols);
+        Rng rng(9 + rows);
+        std::vector<float> x = random_bf16_values(rows * cols, rng, 2.0f);
+        x[7] = 0.0f, x[100] = -0.0f, x[200] = 1e-30f;
+        DeviceArray<bf16> d_x(rows * cols);
+        upload(d_x, x);
+        for (Fp8Format f : FORMATS) {
+            INFO(fp8_name(f));
+            DeviceArray<float> d_amax(1), d_pair(2);
+            fp8_amax(d_amax.ptr, d_x.ptr, rows * cols);
+            float amax = 0, pair[2];
+            fp8_amax(&amax, x.data(), rows * cols);
+            device_synchronize<bf16>();
+            REQUIRE(download(d_amax)[0] == amax);
+            // from the second value on: x no longer 16-byte aligned, the amax kernel reads one value at a time
+            float amax_from_1 = 0;
+            fp8_amax(d_amax.ptr, d_x.ptr + 1, rows * cols - 1);
+            fp8_amax(&amax_from_1, x.data() + 1, rows * cols - 1);
+            device_synchronize<bf16>();
+            REQUIRE(download(d_amax)[0] == amax_from_1);
+            fp8_make_scale(d_pair.ptr, d_amax.ptr, 1, f, d_x.ptr);
+            fp8_scale_pair(pair, &amax_from_1, 1, f);
+            device_synchronize<bf16>();
+            REQUIRE(download(d_pair) == std::vector<float>{pair[0], pair[1]});
+            DeviceArray<uint8_t> d_out(rows * cols), d_out_t(cols * ld_t);
+            fp8_quantize(d_out.ptr, d_out_t.ptr, d_x.ptr, rows, cols, ld_t, d_pair.ptr, f);
+            device_synchronize<bf16>();
+            std::vector<uint8_t> out = download(d_out), out_t = download(d_out_t);
+            long differ = 0;
+            for (long r = 0; r < ld_t; r++)
+                for (long c = 0; c < cols; c++) {
+                    uint8_t want = r < rows ? fp8_encode(x[r * cols + c] * pair[0], f) : 0;
+                    if (r < rows) differ += out[r * cols + c] != want;
+                    differ += out_t[c * ld_t + r] != want;
+                }
+            CHECK(differ == 0);
+        }
     }
 }
 
