@@ -7,7 +7,7 @@
 #
 #   bash dev/gpu/verify.sh LOGDIR                          # every phase
 #   PHASES="build model pytorch" bash dev/gpu/verify.sh LOGDIR
-#   BUDGET=480 PHASES=quick PREBUILT=1 bash dev/gpu/verify.sh LOGDIR   # every GPU code path, ~6 min on an H100
+#   BUDGET=300 PHASES=quick PREBUILT=1 bash dev/gpu/verify.sh LOGDIR   # every GPU code path, ~3 min on an H100
 #   PHASES="pytorch determinism mpi" DEVICE=cpu bash dev/gpu/verify.sh LOGDIR   # the plumbing, on the CPU
 #
 # Every check prints one line "PASS|FAIL|SKIP <phase>: <check> <figure>"; the end is a table of the figures
@@ -887,8 +887,8 @@ phase_bench() {
 # their start plus at most 2 s of steps, whatever the layout. dev/gpu/README.md has the table with the reasoning.
 declare -A EST_FULL=(
     [build]=240         # 2 to 4 minutes on 16 cores (PREBUILT=1 with fresh binaries: 5)
-    [tests]=100         # build/tests "[cuda]~[model]": 13 cases in the first run, more since (not timed yet)
-    [model]=60          # 2 models x 2 attentions against the CPU model, 20 steps each (not timed yet)
+    [tests]=20          # build/tests "[cuda]~[model]": 28 cases in 9 s on an H100 (2026-11-27)
+    [model]=20          # 2 models x 2 attentions against the CPU model: 11 cases in 11 s on an H100
     [llama]=170         # 4 dev/cuda programs (< 20 s each), Catch2 30, llama3-1b 10 steps 30, PyTorch 40
     [fp8]=450           # 2 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s a step), 12 timed runs
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
@@ -905,12 +905,12 @@ declare -A EST_FULL=(
 )
 declare -A EST_QUICK=(
     [build]=5           # PREBUILT=1 with fresh binaries (the recipe): the checks of freshness alone
-    [tests]=100         # build/tests "[cuda]~[model]": every [cuda] case but the models' (less certain: not timed yet)
-    [model]=60          # [cuda][model]: 3 cases, 41 assertions in the first run (less certain: not timed yet)
+    [tests]=20          # build/tests "[cuda]~[model]": every [cuda] case but the models': 9 s on an H100 (2026-11-27)
+    [model]=20          # [cuda][model]: 11 cases, 274 assertions in 11 s on an H100
     [fp8]=15            # d12 B=4 T=1024, 20 steps with and without --fp8 1: 2 x (4 s + 20 x ~45 ms)
-    [mpi]=55            # 1 rank 5, ZeRO-1 and 3 and tp 2: 3 x 9; the Llama's 1 rank and tp 2, its one-head tp 2
-    [cp]=30             # zigzag and contiguous 2 x 9; the Llama's zigzag 9 (its 1 rank: the mpi phase's)
-    [pp]=25             # zb, interleaved: 2 x 9; the Llama's 1f1b 9
+    [mpi]=35            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100
+    [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
+    [pp]=15             # zb, interleaved; the Llama's 1f1b: 7 s on an H100
     [moe]=25            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9
     [resume]=35         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device)
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
