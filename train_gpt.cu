@@ -527,6 +527,7 @@ static int train(const Options& o, const RunSetup& run) {
     if (o.val_every > 0) {
         // -m global batches of -d tokens, each read as the training steps read theirs: the same tokens on any layout
         val.reset(new DataLoader(o.val_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
+        DataLoader::require_same_format(train.shards[0], val->shards[0]);
         val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch) * accumulation;
     }
     std::unique_ptr<EvalSet> evals;

@@ -1,10 +1,12 @@
-// Reads training batches from token shards in llm.c's format (256 x int32 header: magic 20240520, version 1,
-// token count; then uint16 tokens). The unit of the read order is the global batch: -d consecutive tokens
-// (plus one for the last target), cut into rows of T. Shuffling permutes whole global batches (and shards), and
-// each global batch is then sliced the same fixed way among micro-steps and data-parallel ranks, so the tokens an
-// optimizer step sees depend on the data, the seed, T and the global batch size alone, never on B or the number
-// of ranks. The order is a pure function of (seed, epoch, shard, global batch), so the loader's whole position
-// is three integers: a checkpoint saves them and a restored loader continues with exactly the batches an
+// Reads training batches from token shards in llm.c's formats: a 256 x int32 header (magic, version, token
+// count), then the tokens, uint16 in GPT-2's format (magic 20240520, version 1) and uint32 in Llama 3's (magic
+// 20240801, version 7: a vocab of 128,256 does not fit 16 bits). Each shard's header says its format; the shards
+// of one run share one, since two formats mean two tokenizers. The unit of the read order is the global batch: -d
+// consecutive tokens (plus one for the last target), cut into rows of T. Shuffling permutes whole global batches
+// (and shards), and each global batch is then sliced the same fixed way among micro-steps and data-parallel ranks,
+// so the tokens an optimizer step sees depend on the data, the seed, T and the global batch size alone, never on B
+// or the number of ranks. The order is a pure function of (seed, epoch, shard, global batch), so the loader's whole
+// position is three integers: a checkpoint saves them and a restored loader continues with exactly the batches an
 // uninterrupted one would have produced, on every rank.
 #pragma once
 
@@ -14,14 +16,21 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "llmc/utils.h"
 
-constexpr int SHARD_MAGIC = 20240520;
-constexpr int SHARD_VERSION = 1;
+// llm.c's two token-shard formats (its dev/data/data_common.py's HEADERS_INFO)
+struct ShardFormat {
+    int32_t magic, version;
+    int token_bytes;
+    const char* name;
+};
+inline constexpr ShardFormat GPT2_SHARDS{20240520, 1, 2, "GPT-2 (uint16 tokens)"};
+inline constexpr ShardFormat LLAMA3_SHARDS{20240801, 7, 4, "Llama 3 (uint32 tokens)"};
 constexpr int SHARD_HEADER_INTS = 256;
 constexpr long SHARD_HEADER_BYTES = SHARD_HEADER_INTS * sizeof(int32_t);
 
@@ -73,6 +82,7 @@ inline std::vector<std::string> shard_paths(const std::string& pat) {
 struct DataLoader {
     struct Shard {
         std::string path;
+        const ShardFormat* format;
         size_t num_tokens;
         size_t num_samples;  // global batches this shard holds
     };
@@ -113,6 +123,7 @@ struct DataLoader {
         micro_steps = global_batch / micro_batch;
         for (const std::string& path : shard_paths(glob_pattern)) shards.push_back(read_shard_header(path));
         for (const Shard& s : shards) {
+            require_same_format(shards[0], s);
             total_tokens += s.num_tokens;
             batches_per_epoch += s.num_samples;
         }
@@ -122,6 +133,14 @@ struct DataLoader {
     }
 
     size_t num_shards() const { return shards.size(); }
+    // the format of every shard (the constructor refuses a mix)
+    const ShardFormat& format() const { return *shards[0].format; }
+    // two formats in one run are two tokenizers' ids, a mistake: refused with one line naming a file of each
+    static void require_same_format(const Shard& a, const Shard& b) {
+        if (a.format != b.format)
+            fail("%s holds %s but %s holds %s: the shards of one run share one format (one tokenizer)", a.path.c_str(),
+                 a.format->name, b.path.c_str(), b.format->name);
+    }
     // the file the next batch comes from, for log lines
     const std::string& current_file() const { return shards[shard_order[pos.shard_pos]].path; }
 
@@ -161,10 +180,10 @@ struct DataLoader {
         load_tokens(shard_index);
         const size_t sample = sample_order[pos.sample_pos / micro_steps], micro = pos.sample_pos % micro_steps;
         const size_t bt = (size_t)B * T;
-        const uint16_t* window = loaded_tokens.data() + sample * global_batch + (micro * world + rank) * bt;
+        const size_t window = sample * global_batch + (micro * world + rank) * bt;
         for (size_t i = 0; i < bt; i++) {
-            inputs[i] = window[i];
-            targets[i] = window[i + 1];
+            inputs[i] = (int)loaded_token(window + i);
+            targets[i] = (int)loaded_token(window + i + 1);
         }
         advance();
     }
@@ -174,8 +193,20 @@ struct DataLoader {
     DataLoaderState pos;
     std::vector<size_t> shard_order;   // this epoch's permutation of shard indices
     std::vector<size_t> sample_order;  // the current shard's permutation of sample indices
-    std::vector<uint16_t> loaded_tokens;
+    std::vector<unsigned char> loaded_bytes;  // the loaded shard's tokens as its file stores them
     size_t loaded_shard = SIZE_MAX;
+
+    // token i of the loaded shard, in the width of its format (memcpy: the bytes are not an array of that type)
+    uint32_t loaded_token(size_t i) const {
+        if (format().token_bytes == 2) {
+            uint16_t t;
+            memcpy(&t, loaded_bytes.data() + 2 * i, 2);
+            return t;
+        }
+        uint32_t t;
+        memcpy(&t, loaded_bytes.data() + 4 * i, 4);
+        return t;
+    }
 
     Shard read_shard_header(const std::string& path) const {
         struct stat st;
@@ -187,19 +218,24 @@ struct DataLoader {
             fail("%s: too short for a shard header (%ld bytes, need %ld)", path.c_str(), size, SHARD_HEADER_BYTES);
         int32_t header[SHARD_HEADER_INTS];
         f.read(header, sizeof(header));
-        if (header[0] != SHARD_MAGIC)
-            fail("%s: bad magic number %d (expected %d): not a token shard", path.c_str(), header[0], SHARD_MAGIC);
-        if (header[1] != SHARD_VERSION)
-            fail("%s: unsupported version %d (expected %d)", path.c_str(), header[1], SHARD_VERSION);
+        const ShardFormat* format = header[0] == GPT2_SHARDS.magic     ? &GPT2_SHARDS
+                                    : header[0] == LLAMA3_SHARDS.magic ? &LLAMA3_SHARDS
+                                                                       : nullptr;
+        if (!format)
+            fail("%s: bad magic number %d (expected %d, GPT-2's, or %d, Llama 3's): not a token shard", path.c_str(),
+                 header[0], GPT2_SHARDS.magic, LLAMA3_SHARDS.magic);
+        if (header[1] != format->version)
+            fail("%s: unsupported version %d (expected %d for magic %d)", path.c_str(), header[1], format->version,
+                 format->magic);
         const long long count = header[2];
-        const long long expected = SHARD_HEADER_BYTES + 2 * count;
+        const long long expected = SHARD_HEADER_BYTES + format->token_bytes * count;
         if (count < 0 || expected != size)
             fail("%s: file size %ld bytes disagrees with the header's token count %lld (expected %lld bytes)",
                  path.c_str(), size, count, expected);
         if ((size_t)count < global_batch + 1)
             fail("%s: only %lld tokens, fewer than one global batch needs (%zu: -d %zu plus one for the last target)",
                  path.c_str(), count, global_batch + 1, global_batch);
-        return Shard{path, (size_t)count, ((size_t)count - 1) / global_batch};
+        return Shard{path, format, (size_t)count, ((size_t)count - 1) / global_batch};
     }
 
     std::vector<size_t> shard_order_for(uint64_t epoch) const {
@@ -232,14 +268,15 @@ struct DataLoader {
         File f(shard.path, "rb");
         int32_t header[SHARD_HEADER_INTS];
         f.read(header, sizeof(header));
-        if (header[0] != SHARD_MAGIC || header[1] != SHARD_VERSION || header[2] != (int32_t)shard.num_tokens)
+        if (header[0] != shard.format->magic || header[1] != shard.format->version ||
+            header[2] != (int32_t)shard.num_tokens)
             fail("%s: header changed since the dataloader opened it", shard.path.c_str());
-        loaded_tokens.resize(shard.num_tokens);
-        f.read(loaded_tokens.data(), shard.num_tokens * sizeof(uint16_t));
+        loaded_bytes.resize(shard.num_tokens * shard.format->token_bytes);
+        f.read(loaded_bytes.data(), loaded_bytes.size());
         for (size_t i = 0; i < shard.num_tokens; i++)
-            if (loaded_tokens[i] >= vocab_size)
-                fail("%s: token %d at position %zu is out of range for vocab size %d", shard.path.c_str(),
-                     (int)loaded_tokens[i], i, vocab_size);
+            if (loaded_token(i) >= (uint32_t)vocab_size)
+                fail("%s: token %u at position %zu is out of range for vocab size %d", shard.path.c_str(),
+                     loaded_token(i), i, vocab_size);
         loaded_shard = shard_index;
     }
 

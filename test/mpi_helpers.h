@@ -54,6 +54,7 @@ inline CommandResult single(const std::string& args) { return run_command(std::s
 // last two layers, then layer 0, then the embeddings.
 struct Data {
     TempDir dir;
+    int resume_tokens = 192;  // -d of the resume runs (resume_run_flags)
     Data() {
         Rng rng(99);
         write_shard(dir / "train.bin", learnable_tokens(6000, rng));
@@ -280,9 +281,9 @@ inline void check_close(const std::map<std::string, double>& a, const std::map<s
 }
 
 // Resuming under another layout: RESUME_SAVED_AT steps on one layout, the rest of RESUME_STEPS on another from
-// its checkpoint, against the single-rank run that was never interrupted. Every run: -d 192 tokens per step,
-// validation every 4 steps. RESUME_SAVED_AT is the first step after the warmup (-u 3), so that the shorter first
-// run's learning rates are the whole run's.
+// its checkpoint, against the single-rank run that was never interrupted. Every run: -d data.resume_tokens per
+// step (192 unless a test's data asks for fewer), validation every 4 steps. RESUME_SAVED_AT is the first step
+// after the warmup (-u 3), so that the shorter first run's learning rates are the whole run's.
 constexpr int RESUME_STEPS = 8, RESUME_SAVED_AT = 4;
 
 struct ResumeLayout {
@@ -291,7 +292,7 @@ struct ResumeLayout {
 };
 
 inline std::string resume_run_flags(const Data& data, const char* model, int steps, const ResumeLayout& l) {
-    return data.flags(4, 192, steps, model) + " -v 4 " + l.flags;
+    return data.flags(4, data.resume_tokens, steps, model) + " -v 4 " + l.flags;
 }
 
 // the losses of the single-rank run of RESUME_STEPS steps

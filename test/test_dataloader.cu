@@ -1,6 +1,7 @@
 // Tests of the token-shard dataloader: headers and totals, how a global batch is sliced across ranks and
 // micro-steps, an order that does not depend on B or the ranks, deterministic shuffling with exact resume from
-// state(), and a clear error for every kind of bad shard.
+// state(), GPT-2's uint16 shards and Llama 3's uint32 ones read alike, and a clear error for every kind of bad
+// shard.
 #include <climits>
 #include <map>
 #include <set>
@@ -12,17 +13,22 @@
 namespace test_dataloader {
 
 const int GPT2_VOCAB = 50257;
+const int LLAMA3_VOCAB = 128256;
 
-// shards whose tokens are all distinct (a shuffled range), so any window identifies where it was read from
+// shards whose tokens are all distinct (a shuffled range of ids from `first` on), so any window identifies where
+// it was read from; written in Llama 3's format (uint32) when `wide`, else GPT-2's (uint16)
 struct DistinctShards {
-    std::vector<std::vector<uint16_t>> tokens;       // per shard, in file order
+    std::vector<std::vector<uint32_t>> tokens;       // per shard, in file order: what the files hold
     std::map<int, std::pair<size_t, size_t>> where;  // token -> (shard, position)
-    DistinctShards(const TempDir& dir, const std::vector<size_t>& sizes, uint64_t seed) {
+    int vocab;                                       // the format's vocab: every id is below it
+    DistinctShards(const TempDir& dir, const std::vector<size_t>& sizes, uint64_t seed, bool wide = false,
+                   uint32_t first = 0)
+        : vocab(wide ? LLAMA3_VOCAB : GPT2_VOCAB) {
         size_t total = 0;
         for (size_t n : sizes) total += n;
-        REQUIRE(total <= (size_t)GPT2_VOCAB);
-        std::vector<uint16_t> values(total);
-        for (size_t i = 0; i < total; i++) values[i] = (uint16_t)i;
+        REQUIRE(first + total <= (size_t)vocab);
+        std::vector<uint32_t> values(total);
+        for (size_t i = 0; i < total; i++) values[i] = first + (uint32_t)i;
         Rng rng(seed);
         rng.shuffle(values);
         size_t at = 0;
@@ -30,7 +36,9 @@ struct DistinctShards {
             tokens.emplace_back(values.begin() + at, values.begin() + at + sizes[s]);
             for (size_t i = 0; i < sizes[s]; i++) where[tokens[s][i]] = {s, i};
             at += sizes[s];
-            write_shard(dir / strfmt("shard_%03zu.bin", s), tokens[s]);
+            const std::string path = dir / strfmt("shard_%03zu.bin", s);
+            if (wide) write_shard(path, tokens[s]);
+            else write_shard(path, std::vector<uint16_t>(tokens[s].begin(), tokens[s].end()));
         }
     }
 };
@@ -41,11 +49,11 @@ std::pair<size_t, size_t> locate(const DataLoader& dl, const DistinctShards& dat
     REQUIRE(it != data.where.end());
     const size_t shard = it->second.first, start = it->second.second;
     const size_t bt = (size_t)dl.B * dl.T;
-    const std::vector<uint16_t>& raw = data.tokens[shard];
+    const std::vector<uint32_t>& raw = data.tokens[shard];
     REQUIRE(start + bt + 1 <= raw.size());
     for (size_t i = 0; i < bt; i++) {
-        REQUIRE(dl.inputs[i] == raw[start + i]);
-        REQUIRE(dl.targets[i] == raw[start + i + 1]);
+        REQUIRE((uint32_t)dl.inputs[i] == raw[start + i]);
+        REQUIRE((uint32_t)dl.targets[i] == raw[start + i + 1]);
     }
     return {shard, start};
 }
@@ -103,9 +111,12 @@ TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
 
 TEST_CASE("dataloader: one pass reads every window of every global batch exactly once across ranks and micro-steps",
           "[dataloader]") {
+    // GPT-2's format, and Llama 3's with ids on both sides of 65,535 (a 16-bit read would wrap the ones above)
+    const bool wide = GENERATE(false, true);
+    INFO((wide ? "Llama 3's" : "GPT-2's") << " format");
     TempDir dir;
     // sizes leave a ragged tail in each shard that no global batch covers
-    DistinctShards data(dir, {1201, 950, 2048, 613}, 42);
+    DistinctShards data(dir, {1201, 950, 2048, 613}, 42, wide, wide ? 63000 : 0);
     const int B = 2, T = 5;
     const size_t bt = (size_t)B * T;
     for (int world : {1, 2, 3, 4}) {
@@ -115,7 +126,7 @@ TEST_CASE("dataloader: one pass reads every window of every global batch exactly
                 const size_t global = micro_steps * world * bt;
                 std::vector<DataLoader> ranks;
                 for (int r = 0; r < world; r++)
-                    ranks.emplace_back(dir / "shard_*.bin", B, T, (long)global, r, world, shuffle, 99, GPT2_VOCAB);
+                    ranks.emplace_back(dir / "shard_*.bin", B, T, (long)global, r, world, shuffle, 99, data.vocab);
                 std::set<std::pair<size_t, size_t>> seen;
                 for (size_t step = 0; step < ranks[0].batches_per_epoch; step++) {
                     size_t batch_shard = 0, batch_start = 0;
@@ -294,11 +305,61 @@ TEST_CASE("dataloader: order, shuffling and exact resume", "[dataloader]") {
     }
 }
 
+TEST_CASE("dataloader: GPT-2's and Llama 3's shards of the same ids give the same batches on every layout, and "
+          "resume alike",
+          "[dataloader]") {
+    TempDir narrow_dir, wide_dir;
+    // the same ids in both formats: below 65,536 so that GPT-2's holds them, above 32,767 so that a signed read shows
+    DistinctShards narrow(narrow_dir, {700, 455, 981}, 8, false, 40000), wide(wide_dir, {700, 455, 981}, 8, true, 40000);
+    REQUIRE(narrow.tokens == wide.tokens);
+    const int T = 5;
+    struct Layout {
+        int B, world;
+        size_t micro_steps;
+    };
+    for (Layout l : {Layout{2, 1, 1}, Layout{2, 2, 3}, Layout{1, 4, 2}, Layout{3, 3, 1}})
+        for (bool shuffle : {false, true}) {
+            INFO("B " << l.B << ", " << l.world << " ranks, " << l.micro_steps << " micro-steps, shuffle " << shuffle);
+            const long global = (long)l.micro_steps * l.world * l.B * T;
+            std::vector<DataLoader> a, b;
+            for (int r = 0; r < l.world; r++) {
+                a.emplace_back(narrow_dir / "shard_*.bin", l.B, T, global, r, l.world, shuffle, 3, LLAMA3_VOCAB);
+                b.emplace_back(wide_dir / "shard_*.bin", l.B, T, global, r, l.world, shuffle, 3, LLAMA3_VOCAB);
+            }
+            REQUIRE(&a[0].format() == &GPT2_SHARDS);
+            REQUIRE(&b[0].format() == &LLAMA3_SHARDS);
+            REQUIRE(a[0].batches_per_epoch == b[0].batches_per_epoch);
+            // a pass and more, every batch checked against the tokens written to the files
+            for (size_t k = 0; k < (a[0].batches_per_epoch + 3) * l.micro_steps; k++)
+                for (int r = 0; r < l.world; r++) {
+                    a[r].next_batch();
+                    b[r].next_batch();
+                    REQUIRE(locate(a[r], narrow) == locate(b[r], wide));
+                    REQUIRE(a[r].state() == b[r].state());
+                }
+        }
+    // a Llama 3 loader restored from a GPT-2 loader's state continues as the GPT-2 one does
+    DataLoader whole(narrow_dir / "shard_*.bin", 2, T, 20, 0, 1, true, 11, LLAMA3_VOCAB);
+    const size_t total = 2 * whole.batches_per_epoch * 2 + 5;
+    auto expected = read_batches(whole, total);
+    for (size_t k : {size_t(7), whole.batches_per_epoch * 2 + 1}) {
+        INFO("restored after " << k << " micro-batches");
+        DataLoader first(narrow_dir / "shard_*.bin", 2, T, 20, 0, 1, true, 11, LLAMA3_VOCAB);
+        read_batches(first, k);
+        DataLoader resumed(wide_dir / "shard_*.bin", 2, T, 20, 0, 1, true, 11, LLAMA3_VOCAB);
+        resumed.restore(first.state());
+        auto rest = read_batches(resumed, total - k);
+        REQUIRE(std::equal(rest.begin(), rest.end(), expected.begin() + 2 * k));
+    }
+}
+
 TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the reason", "[dataloader]") {
     TempDir dir;
     Rng rng(3);
     const std::string path = dir / "shard.bin";
-    auto load = [&](const std::string& pattern) { return DataLoader(pattern, 2, 4, 8, 0, 1, false, 0, GPT2_VOCAB); };
+    auto load = [&](const std::string& pattern, int vocab = GPT2_VOCAB) {
+        return DataLoader(pattern, 2, 4, 8, 0, 1, false, 0, vocab);
+    };
 
     SECTION("no files match") {
         const std::string pattern = dir / "nothing_*.bin";
@@ -309,16 +370,16 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("bad magic number 20240326"));
     }
     SECTION("wrong version") {
-        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, 2);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), GPT2_SHARDS.magic, 2);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("unsupported version 2"));
     }
     SECTION("file size disagrees with the token count") {
-        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, SHARD_VERSION, 101);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), GPT2_SHARDS.magic, GPT2_SHARDS.version, 101);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("file size 1224 bytes") &&
                                             Catch::Contains("token count 101"));
-        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, SHARD_VERSION, 99);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), GPT2_SHARDS.magic, GPT2_SHARDS.version, 99);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains("disagrees") && Catch::Contains("token count 99"));
-        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), SHARD_MAGIC, SHARD_VERSION, -5);
+        write_shard(path, random_tokens(100, GPT2_VOCAB, rng), GPT2_SHARDS.magic, GPT2_SHARDS.version, -5);
         REQUIRE_THROWS_WITH(load(path), Catch::Contains("disagrees") && Catch::Contains("token count -5"));
     }
     SECTION("too short for a header") {
@@ -350,6 +411,46 @@ TEST_CASE("dataloader: bad inputs give one-line errors naming the file and the r
         // a bigger vocabulary accepts it
         DataLoader wide(path, 2, 4, 8, 0, 1, false, 0, 50304);
         REQUIRE_NOTHROW(wide.next_batch());
+    }
+    SECTION("a Llama 3 shard: its version, its size in 4-byte tokens, its tokens against the vocab") {
+        std::vector<uint32_t> tokens(100);
+        for (auto& t : tokens) t = 65536 + (uint32_t)rng.below(LLAMA3_VOCAB - 65536);
+        write_shard(path, tokens, LLAMA3_SHARDS.magic, 1);
+        REQUIRE_THROWS_WITH(load(path, LLAMA3_VOCAB), Catch::Contains(path) && Catch::Contains("unsupported version 1") &&
+                                                          Catch::Contains("magic 20240801"));
+        write_shard(path, tokens, LLAMA3_SHARDS.magic, LLAMA3_SHARDS.version, 101);
+        REQUIRE_THROWS_WITH(load(path, LLAMA3_VOCAB), Catch::Contains(path) && Catch::Contains("file size 1424 bytes") &&
+                                                          Catch::Contains("token count 101"));
+        // the file as written: its first window is its first tokens, every one above 65,535
+        write_shard(path, tokens);
+        DataLoader dl = load(path, LLAMA3_VOCAB);
+        dl.next_batch();
+        for (size_t i = 0; i < 8; i++) {
+            REQUIRE((uint32_t)dl.inputs[i] == tokens[i]);
+            REQUIRE((uint32_t)dl.targets[i] == tokens[i + 1]);
+        }
+        tokens[37] = LLAMA3_VOCAB;
+        write_shard(path, tokens);
+        REQUIRE_THROWS_WITH(load(path, LLAMA3_VOCAB), Catch::Contains(path) &&
+                                                          Catch::Contains("token 128256 at position 37") &&
+                                                          Catch::Contains("vocab size 128256"));
+        tokens[0] = UINT32_MAX;
+        write_shard(path, tokens);
+        REQUIRE_THROWS_WITH(load(path, LLAMA3_VOCAB), Catch::Contains("token 4294967295 at position 0"));
+        // GPT-2's ids in Llama 3's format, one of them 65541: a 16-bit read would take it for 5
+        std::vector<uint32_t> small(100);
+        for (auto& t : small) t = (uint32_t)rng.below(GPT2_VOCAB);
+        small[12] = 65541;
+        write_shard(path, small);
+        REQUIRE_THROWS_WITH(load(path), Catch::Contains(path) && Catch::Contains("token 65541 at position 12") &&
+                                            Catch::Contains("vocab size 50257"));
+    }
+    SECTION("shards of both formats in one pattern") {
+        write_shard(dir / "a.bin", random_tokens(100, GPT2_VOCAB, rng));
+        write_shard(dir / "b.bin", std::vector<uint32_t>(100, 7));
+        REQUIRE_THROWS_WITH(load(dir / "*.bin"), Catch::Contains(dir / "a.bin") && Catch::Contains("GPT-2 (uint16") &&
+                                                     Catch::Contains(dir / "b.bin") && Catch::Contains("Llama 3 (uint32") &&
+                                                     Catch::Contains("share one format"));
     }
     SECTION("a shard that disappears after the loader opened it") {
         write_shard(dir / "a.bin", random_tokens(9, GPT2_VOCAB, rng));  // one sample

@@ -64,18 +64,28 @@ inline double max_rel_error(const float* a, const float* b, size_t n, double flo
     return worst;
 }
 
-// a token shard (llm.c format); magic, version and the header's count can be set wrong on purpose
+// a token shard in llm.c's formats, the tokens' type choosing which: GPT-2's (uint16) or Llama 3's (uint32);
+// magic, version and the header's count can be set wrong on purpose
 constexpr int64_t TRUE_COUNT = INT64_MIN;
-inline void write_shard(const std::string& path, const std::vector<uint16_t>& tokens, int32_t magic = 20240520,
-                        int32_t version = 1, int64_t count = TRUE_COUNT) {
+template <typename Token>
+inline void write_shard_of(const std::string& path, const std::vector<Token>& tokens, int32_t magic, int32_t version,
+                           int64_t count) {
     int32_t header[256] = {};
     header[0] = magic;
     header[1] = version;
     header[2] = (int32_t)(count == TRUE_COUNT ? (int64_t)tokens.size() : count);
     File f(path, "wb");
     f.write(header, sizeof(header));
-    if (!tokens.empty()) f.write(tokens.data(), tokens.size() * sizeof(uint16_t));
+    if (!tokens.empty()) f.write(tokens.data(), tokens.size() * sizeof(Token));
     f.close();
+}
+inline void write_shard(const std::string& path, const std::vector<uint16_t>& tokens, int32_t magic = 20240520,
+                        int32_t version = 1, int64_t count = TRUE_COUNT) {
+    write_shard_of(path, tokens, magic, version, count);
+}
+inline void write_shard(const std::string& path, const std::vector<uint32_t>& tokens, int32_t magic = 20240801,
+                        int32_t version = 7, int64_t count = TRUE_COUNT) {
+    write_shard_of(path, tokens, magic, version, count);
 }
 
 inline std::vector<uint16_t> random_tokens(size_t n, int vocab, Rng& rng) {

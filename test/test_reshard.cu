@@ -1,6 +1,7 @@
 // Resuming under another layout (llmc/checkpoint.h): a run saved on one layout of ranks continues on another with
 // the losses of the single-rank run that was never interrupted; where the state of each rank lies in the whole
-// model (share_runs); and what a checkpoint that lacks part of the state says.
+// model (share_runs); what a checkpoint that lacks part of the state says; and Llama 3's uint32 token shards
+// through all of it.
 #include "llmc/checkpoint.h"
 #include "mpi_helpers.h"
 
@@ -8,6 +9,22 @@ namespace test_reshard {
 
 const char* DENSE = "d2c32h4t32v301";   // 4 heads and T=16: tp 2 and cp 2 divide it
 const char* MOE = "d2c48h4t32v301e4k2";
+const char* LLAMA_WIDE = "l2c32h4g2f80t32v65801w";  // a vocab above 65,536: its ids need Llama 3's uint32 shards
+const uint32_t WIDE_OFFSET = 65400;                // Data's ids 0..300 moved here straddle 65,535
+
+// Data's learnable tokens in Llama 3's format, each id moved up by WIDE_OFFSET; resumed with steps of 64 tokens,
+// as the classifier of 65,801 rows is most of a step's time on the CPU
+struct WideData : Data {
+    WideData() {
+        resume_tokens = 64;
+        Rng rng(99);
+        for (auto [name, n] : {std::make_pair("train.bin", 6000), std::make_pair("val.bin", 1200)}) {
+            std::vector<uint32_t> wide;
+            for (uint16_t t : learnable_tokens(n, rng)) wide.push_back(WIDE_OFFSET + t);
+            write_shard(dir / name, wide);
+        }
+    }
+};
 
 TEST_CASE("a run resumes under another layout with the losses of the uninterrupted single-rank run", "[reshard]") {
     Data data;
@@ -34,6 +51,35 @@ TEST_CASE("a mixture of experts saved under ep 2 resumes on one rank, and the ot
     std::map<std::string, double> reference = resume_reference_losses(data, MOE, out / "reference");
     check_resume(data, MOE, {2, "-b 2 --ep 2"}, {1, "-b 4"}, reference, out / "ep2_to_1");
     check_resume(data, MOE, {1, "-b 4"}, {4, "-b 1 --ep 2 -z 1"}, reference, out / "1_to_ep2_z1");
+}
+
+TEST_CASE("Llama 3's uint32 shards, ids above 65,535: train, resume and reshard as GPT-2's shards do", "[reshard]") {
+    WideData data;
+    TempDir out;
+    std::map<std::string, double> reference = resume_reference_losses(data, LLAMA_WIDE, out / "reference");
+    // one dp rank reading whole global batches, then two reading half of each: every layout's ranks read their
+    // batches through the one loader that test_dataloader proves alike on both formats
+    check_resume(data, LLAMA_WIDE, {2, "-b 2 --tp 2"}, {2, "-b 2 -z 1"}, reference, out / "tp_to_dp");
+}
+
+TEST_CASE("a token at or above the vocab, or a run's shards in two formats, stop train_gpt with one line",
+          "[reshard]") {
+    WideData data;
+    const std::string bad = data.dir / "bad.bin", narrow = data.dir / "narrow.bin";
+    Rng rng(5);
+    std::vector<uint32_t> tokens(3000);
+    for (auto& t : tokens) t = WIDE_OFFSET + (uint32_t)rng.below(301);
+    tokens[2345] = 65801;  // the model's vocab; its padded one, 65920, would take it
+    write_shard(bad, tokens);
+    write_shard(narrow, random_tokens(3000, 301, rng));
+    auto run = [&](const std::string& train, const std::string& val) {
+        return single(strfmt("-e %s -i '%s' -j '%s' -t 16 -b 4 -d 64 -x 2 -v 10 -m 2 -s 0 -o '%s'", LLAMA_WIDE,
+                             train.c_str(), val.c_str(), (data.dir / "out").c_str()));
+    };
+    check_one_line_error(run(bad, data.dir / "val.bin"),
+                         {bad + ": token 65801 at position 2345 is out of range for vocab size 65801"});
+    check_one_line_error(run(data.dir / "train.bin", narrow),
+                         {data.dir / "train.bin", "Llama 3 (uint32 tokens)", narrow, "GPT-2 (uint16 tokens)"});
 }
 
 TEST_CASE("a checkpoint missing one rank's optimizer file is refused with one line; the one before resumes",
