@@ -719,8 +719,17 @@ function refuseOverwrite(outputs, inputs) {
 }
 
 function parseArgs(argv) {
-  const opts = { outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, evalFile: null, quiet: false, help: false, files: [] };
-  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eval']);
+  const opts = {
+    outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, evalFile: null, quiet: false, help: false, files: [],
+    shardTokens: null, name: null, workers: null, valEveryGiven: false,
+  };
+  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eval', '--shard-tokens', '--name', '--workers']);
+  const positive = (opt, value, min) => {
+    if (!/^\d+$/.test(value) || Number(value) < min || Number(value) > MAX_SHARD_TOKENS) {
+      throw new UsageError(`${opt} needs an integer >= ${min}, got '${value}'`);
+    }
+    return Number(value);
+  };
   let onlyFiles = false;
   let valEveryGiven = false;
   for (let i = 0; i < argv.length; i++) {
@@ -755,9 +764,17 @@ function parseArgs(argv) {
         if (!/^\d+$/.test(value) || Number(value) < 2) throw new UsageError(`--val-every needs an integer >= 2, got '${value}'`);
         opts.valEvery = Number(value);
         valEveryGiven = true;
+        opts.valEveryGiven = true;
         break;
       }
       case '--eval': opts.evalFile = value; break;
+      case '--shard-tokens': opts.shardTokens = positive(arg, value, 1); break;
+      case '--workers': opts.workers = positive(arg, value, 1); break;
+      case '--name': {
+        if (!/^[A-Za-z0-9][A-Za-z0-9._-]*$/.test(value)) throw new UsageError(`--name needs letters, digits, '.', '_' or '-', got '${value}'`);
+        opts.name = value;
+        break;
+      }
       case '-q': case '--quiet': opts.quiet = true; break;
       case '-h': case '--help': opts.help = true; break;
       default: throw new UsageError(`unknown option: ${arg} (see --help)`);
@@ -785,13 +802,59 @@ function shown(p) {
   return rel && !rel.startsWith('..') && !path.isAbsolute(rel) ? rel : p;
 }
 
-function main(argv = process.argv.slice(2)) {
+/**
+ * A corpus run (.jsonl/.parquet inputs or directories of them, corpus.js): numbered shards of
+ * --shard-tokens tokens and the tokenizer file in --out's directory.
+ */
+async function mainCorpus(opts, encoding, log) {
+  const { prepareCorpus, defaultWorkers } = require('./corpus');
+  const name = opts.name || path.basename(opts.outDir);
+  const tokenizerOut = path.join(opts.outDir, OUT_TOKENIZER);
+  const inputs = [...opts.files];
+  if (opts.tokenizerPath !== null) inputs.push(encoding.name);
+  refuseOverwrite([tokenizerOut], inputs);
+  const workers = opts.workers || defaultWorkers();
+  log(`prepare.js: corpus ${opts.files.join(' ')}, tokenizer ${shown(encoding.name)}, ${workers} worker threads`);
+  const res = await prepareCorpus({
+    inputs: opts.files,
+    outDir: opts.outDir,
+    name,
+    shardTokens: opts.shardTokens,
+    encoding,
+    tokenizerPath: opts.tokenizerPath,
+    tokenizerOut,
+    workers,
+    progress: !opts.quiet,
+  });
+  const first = res.shards[0];
+  const last = res.shards[res.shards.length - 1];
+  process.stdout.write([
+    `corpus: ${res.docs} documents, ${res.tokens} tokens in ${res.seconds.toFixed(1)}s (${Math.round(res.tokens / res.seconds)} tokens/s)`,
+    `shards: ${res.shards.length} (${res.written} written, ${res.kept} already complete): ${shown(first)}${res.shards.length > 1 ? ` .. ${path.basename(last)}` : ''}`,
+    `tokenizer: ${encoding.vocabSize} tokens, end-of-text ${encoding.eot} -> ${shown(tokenizerOut)}`,
+  ].join('\n') + '\n');
+  if (res.shards.length < 2) log('prepare.js: note: one shard only, the val shard; a smaller --shard-tokens gives train shards too');
+}
+
+async function main(argv = process.argv.slice(2)) {
   const opts = parseArgs(argv);
   if (opts.help) {
     process.stdout.write(`${USAGE}\n`);
     return;
   }
+  const { isCorpusInput } = require('./documents');
+  const corpus = opts.files.filter(isCorpusInput);
+  if (corpus.length > 0 && corpus.length < opts.files.length) {
+    throw new UsageError('give either text files or .jsonl/.parquet files and directories, not both');
+  }
+  const corpusOnly = opts.shardTokens !== null || opts.name !== null || opts.workers !== null;
+  if (corpus.length === 0 && corpusOnly) throw new UsageError('--shard-tokens, --name and --workers are for .jsonl/.parquet inputs');
+  if (corpus.length > 0 && opts.valEveryGiven) throw new UsageError('.jsonl/.parquet inputs are split as llm.c does (shard 0 is val); drop --val-every');
   const encoding = opts.tokenizerPath === null ? gpt2Encoding() : hfEncoding(opts.tokenizerPath);
+  if (corpus.length > 0) {
+    await mainCorpus(opts, encoding, (s) => { if (!opts.quiet) process.stderr.write(`${s}\n`); });
+    return;
+  }
   if (opts.evalFile !== null) {
     if (!opts.quiet) process.stderr.write(`prepare.js: eval examples from ${opts.evalFile}\n`);
     const res = prepareEval(opts.evalFile, opts.outDir, encoding);
@@ -892,10 +955,9 @@ module.exports = {
 };
 
 if (require.main === module) {
-  try {
-    main();
-  } catch (err) {
+  main().catch((err) => {
+    const { DocumentError } = require('./documents');
     process.stderr.write(`prepare.js: error: ${err.message}\n`);
-    process.exit(err instanceof UsageError ? 2 : 1);
-  }
+    process.exit(err instanceof UsageError || err instanceof DocumentError ? 2 : 1);
+  });
 }

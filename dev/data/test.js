@@ -327,6 +327,148 @@ async function hfChecks(prep, tmp) {
   });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Corpora (.jsonl and .parquet, directories of them): numbered shards, worker threads, progress, resume
+
+/** The corpus documents: varied lengths, Unicode, code, a blank-ish one. */
+function corpusTexts(n, seed) {
+  const words = ['the', 'naïve', 'café', '東京', '🙂', 'x = f(y) + 42;', '\n', '  ', 'résumé', 'Ελληνικά', '1234'];
+  return Array.from({ length: n }, (_, i) => {
+    const k = 5 + ((i * 37 + seed) % 60);
+    return Array.from({ length: k }, (__, j) => words[(i * 7 + j * 3 + seed) % words.length]).join(' ') + (i % 4 === 0 ? '\n' : '');
+  });
+}
+
+/** The shard files of DIR in shard order (by their number): { name: mtimeMs }. */
+function shardTimes(dir) {
+  const out = {};
+  const index = (f) => Number(f.slice(-10, -4));
+  for (const f of fs.readdirSync(dir).filter((f) => f.endsWith('.bin') && f !== 'tokenizer.bin').sort((x, y) => index(x) - index(y))) {
+    out[f] = fs.statSync(path.join(dir, f)).mtimeMs;
+  }
+  return out;
+}
+
+async function corpusChecks(prep, tmp) {
+  const { parquetWriteBuffer } = await import('hyparquet-writer');
+  // a directory with two jsonl files (one in a subdirectory, read after it by path order) and a parquet
+  // file of three row groups
+  const dir = path.join(tmp, 'corpus');
+  fs.mkdirSync(path.join(dir, 'b'), { recursive: true });
+  const a = corpusTexts(40, 1);
+  const b = corpusTexts(25, 2);
+  const pq = corpusTexts(30, 3);
+  fs.writeFileSync(path.join(dir, 'a.jsonl'), `${a.map((text, i) => JSON.stringify({ id: i, text })).join('\n')}\n\n`);
+  fs.writeFileSync(path.join(dir, 'b', 'b.jsonl'), b.map((text) => JSON.stringify({ text })).join('\r\n'));
+  const pqFile = path.join(tmp, 'rows.parquet');
+  fs.writeFileSync(pqFile, Buffer.from(parquetWriteBuffer({
+    columnData: [{ name: 'id', data: pq.map((_, i) => i), type: 'INT32' }, { name: 'text', data: pq, type: 'STRING' }],
+    rowGroupSize: 11,
+  })));
+  const all = [...a, ...b, ...pq];
+  const expected = [];
+  for (const text of all) expected.push(50256, ...prep.encode(text));
+  const N = 700;
+
+  const out = path.join(tmp, 'shards');
+  let first = null;
+  check('corpus (jsonl directory + parquet, GPT-2, 2 workers): llm.c\'s shard names, N tokens each, documents in order', () => {
+    first = runPrepare(['--shard-tokens', String(N), '--workers', '2', '--name', 'mix', '--out', out, dir, pqFile]);
+    if (first.status !== 0) return `exit ${first.status}: ${first.stderr.trim()}`;
+    const count = Math.ceil(expected.length / N);
+    const names = Array.from({ length: count }, (_, i) => `mix_${i === 0 ? 'val' : 'train'}_${String(i).padStart(6, '0')}.bin`);
+    expectEqual(Object.keys(shardTimes(out)), names, 'shard files');
+    const tokens = [];
+    names.forEach((n, i) => {
+      const sh = readAnyShard(path.join(out, n));
+      expectEqual(sh.header.slice(0, 3), [20240520, 1, i < count - 1 ? N : expected.length - N * (count - 1)], `${n} header`);
+      tokens.push(...sh.tokens);
+    });
+    expectEqual(tokens, expected, 'all tokens');
+    expectEqual(readTokenizer(path.join(out, 'tokenizer.bin')).header.slice(0, 4), [20240328, 2, 50257, 50256], 'tokenizer header');
+  });
+
+  await (async () => {
+    // small batches, so several are in flight on both workers and come back out of order
+    const o = path.join(tmp, 'batches');
+    let problem = null;
+    try {
+      const res = await require('./corpus').prepareCorpus({
+        inputs: [dir, pqFile], outDir: o, name: 'b', shardTokens: N, encoding: prep.gpt2Encoding(), tokenizerPath: null,
+        tokenizerOut: path.join(o, 'tokenizer.bin'), workers: 2, progress: false, batchChars: 300,
+      });
+      const tokens = [];
+      for (const f of res.shards) tokens.push(...readAnyShard(f).tokens);
+      expectEqual(tokens, expected, 'all tokens');
+      if (res.docs !== all.length) problem = `${res.docs} documents`;
+    } catch (err) {
+      problem = err.message;
+    }
+    check('corpus in batches of 300 characters on 2 workers: the same tokens in document order', () => problem || undefined);
+  })();
+
+  check('corpus: a progress line with documents, tokens/s and ETA on stderr, a summary on stdout', () => {
+    if (!first) return 'no run';
+    if (!/documents 95, tokens \d+, \d+ tokens\/s, 100\.0% of input, ETA 0:00:00/.test(first.stderr)) return `stderr: ${JSON.stringify(first.stderr)}`;
+    if (!/corpus: 95 documents, \d+ tokens/.test(first.stdout)) return `stdout: ${JSON.stringify(first.stdout)}`;
+  });
+
+  check('corpus resume: a rerun writes nothing; with one shard removed, only it is written again', () => {
+    const before = shardTimes(out);
+    const names = Object.keys(before);
+    const victim = path.join(out, names[2]);
+    const bytes = fs.readFileSync(victim);
+    let res = runPrepare(['-q', '--shard-tokens', String(N), '--name', 'mix', '--out', out, dir, pqFile]);
+    if (res.status !== 0) return `rerun: exit ${res.status}: ${res.stderr.trim()}`;
+    if (!res.stdout.includes(`(0 written, ${names.length} already complete)`)) return `rerun: ${res.stdout}`;
+    expectEqual(shardTimes(out), before, 'modification times after the rerun');
+    fs.unlinkSync(victim);
+    res = runPrepare(['-q', '--shard-tokens', String(N), '--workers', '1', '--name', 'mix', '--out', out, dir, pqFile]);
+    if (res.status !== 0) return `resume: exit ${res.status}: ${res.stderr.trim()}`;
+    if (!res.stdout.includes(`(1 written, ${names.length - 1} already complete)`)) return `resume: ${res.stdout}`;
+    const after = shardTimes(out);
+    const changed = names.filter((n) => after[n] !== before[n]);
+    expectEqual(changed, [names[2]], 'shards written again');
+    if (!fs.readFileSync(victim).equals(bytes)) return 'the rewritten shard differs';
+    if (fs.readdirSync(out).some((f) => f.includes('.tmp'))) return 'temporary files left';
+  });
+
+  let Rust = null;
+  try {
+    Rust = require('tokenizers').Tokenizer;
+  } catch (_) { /* reported by hfChecks */ }
+  if (Rust) {
+    const rs = Rust.fromFile(path.join(lenmlModels('llama3'), 'tokenizer.json'));
+    const want = [];
+    for (const text of pq) want.push(128000, ...Array.from((await rs.encode(text, null, { addSpecialTokens: false })).getIds()));
+    check('corpus with Llama 3 (parquet): uint32 shards hold the Rust library\'s ids, <|begin_of_text|> before each', () => {
+      const o = path.join(tmp, 'llama-shards');
+      const res = runPrepare(['-q', '--tokenizer', lenmlModels('llama3'), '--shard-tokens', '500', '--out', o, pqFile]);
+      if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+      const names = Object.keys(shardTimes(o));
+      if (names[0] !== 'llama-shards_val_000000.bin' || names.length !== Math.ceil(want.length / 500)) return `shards: ${names}`;
+      const tokens = [];
+      for (const n of names) {
+        const sh = readAnyShard(path.join(o, n));
+        expectEqual(sh.header.slice(0, 2), [20240801, 7], `${n} magic, version`);
+        tokens.push(...sh.tokens);
+      }
+      expectEqual(tokens, want, 'all tokens');
+    });
+  }
+
+  check('corpus errors: a jsonl line without "text" names FILE:LINE; text files with a directory are refused', () => {
+    const bad = path.join(tmp, 'bad.jsonl');
+    fs.writeFileSync(bad, `${JSON.stringify({ text: 'ok' })}\n${JSON.stringify({ content: 'no text' })}\n`);
+    let res = runPrepare(['-q', '--out', path.join(tmp, 'bad-out'), bad]);
+    if (res.status !== 2 || !/bad\.jsonl:2: no "text" string/.test(res.stderr) || res.stderr.trim().includes('\n')) return `no text: exit ${res.status}, ${JSON.stringify(res.stderr)}`;
+    res = runPrepare(['-q', '--out', path.join(tmp, 'mixed'), dir, path.join(tmp, 'hfdoc0.txt')]);
+    if (res.status !== 2 || !/not both/.test(res.stderr)) return `mixed: exit ${res.status}, ${res.stderr.trim()}`;
+    res = runPrepare(['-q', '--shard-tokens', '5', '--out', path.join(tmp, 'mixed'), path.join(tmp, 'hfdoc0.txt')]);
+    if (res.status !== 2 || !/are for \.jsonl\/\.parquet inputs/.test(res.stderr)) return `--shard-tokens with text: exit ${res.status}, ${res.stderr.trim()}`;
+  });
+}
+
 async function main() {
   let prep;
   check('prepare.js loads as a module', () => {
@@ -611,6 +753,7 @@ async function main() {
     });
 
     await hfChecks(prep, tmp);
+    await corpusChecks(prep, tmp);
   } finally {
     fs.rmSync(tmp, { recursive: true, force: true });
   }
