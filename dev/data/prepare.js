@@ -9,6 +9,9 @@
 //   node dev/data/prepare.js --tokenizer PATH --out DIR FILE...
 //                                                 the same in the tokens of PATH (a tokenizer.json or a
 //                                                 model directory holding one)
+//   node dev/data/prepare.js [--tokenizer PATH] --out DIR [--shard-tokens N] DIR_OR_FILE.{jsonl,parquet}...
+//                                                 a corpus -> llm.c's numbered shards DIR/NAME_val_000000.bin,
+//                                                 DIR/NAME_train_000001.bin, ... on worker threads (corpus.js)
 //   node dev/data/prepare.js [--tokenizer PATH] --eval F.jsonl --out DIR   HellaSwag jsonl -> DIR/F.bin
 // --tokenizer only reads; no output may be an input (refused in one line). Run with --help for all options.
 //
@@ -83,6 +86,7 @@ const EVAL_MAX_EXAMPLES = 0xffff;    // the index is a uint16 and 65535 examples
 const EVAL_MAX_EXAMPLE_BYTES = 0xffff; // an example's byte length is a uint16
 
 const USAGE = `usage: node dev/data/prepare.js [options] [--out DIR FILE...]
+       node dev/data/prepare.js [options] --out DIR [--shard-tokens N] CORPUS...
        node dev/data/prepare.js [-q] [--tokenizer PATH] --eval FILE.jsonl --out DIR
 
 Tokenizes text with GPT-2 BPE (js-tiktoken) or a Hugging Face tokenizer.json into
@@ -94,6 +98,13 @@ multiple-choice eval file.
                     tokenizer into data/gpt2_tokenizer.bin
   --out DIR FILE... prepare the given text files instead (each file is one document)
                     into DIR/train.bin, DIR/val.bin and DIR/tokenizer.bin
+  --out DIR CORPUS...
+                    prepare .jsonl files (a "text" string a line), .parquet files (a
+                    "text" column, as FineWeb-Edu) and directories of them (searched
+                    recursively, in path order) into llm.c's numbered shards, as its
+                    fineweb.py names them: DIR/NAME_val_000000.bin (shard 0),
+                    DIR/NAME_train_000001.bin, ..., and DIR/tokenizer.bin. Shards that
+                    already hold what this run would write are left as they are.
   --eval FILE.jsonl --out DIR
                     turn HellaSwag's jsonl (one object a line: ctx, endings, label;
                     e.g. hellaswag_val.jsonl) into llm.c's eval file DIR/FILE.bin
@@ -116,6 +127,9 @@ options:
                     say which tokens frame each document and the end-of-text id.
                     Needs --out. Shards are uint32 (llm.c's Llama 3 format) when the
                     vocabulary exceeds 65,536 ids. Default: GPT-2 (js-tiktoken).
+  --shard-tokens N  tokens per corpus shard (default 100000000, as llm.c)
+  --name NAME       corpus shard name prefix (default: the --out directory's name)
+  --workers N       corpus worker threads (default: one per core)
   -q, --quiet       no progress output
   -h, --help        show this help
 
