@@ -51,16 +51,20 @@ class EncoderPool {
   constructor(count, tokenizerPath) {
     this.pending = new Map();
     this.nextId = 0;
+    this.closing = false;
     this.workers = Array.from({ length: count }, () => {
       const w = new Worker(path.join(__dirname, 'encode_worker.js'), { workerData: { tokenizerPath } });
       w.on('message', ({ id, tokens }) => {
         this.pending.get(id).resolve(tokens);
         this.pending.delete(id);
       });
-      w.on('error', (err) => {
+      const fail = (err) => {
         for (const p of this.pending.values()) p.reject(err);
         this.pending.clear();
-      });
+      };
+      w.on('error', fail);
+      // a worker killed from outside (out of memory) ends without an error event
+      w.on('exit', (code) => { if (code !== 0 && !this.closing) fail(new Error(`an encoder worker exited with code ${code}`)); });
       return w;
     });
   }
@@ -72,6 +76,7 @@ class EncoderPool {
     });
   }
   close() {
+    this.closing = true;
     return Promise.all(this.workers.map((w) => w.terminate()));
   }
 }

@@ -745,7 +745,6 @@ function parseArgs(argv) {
     return Number(value);
   };
   let onlyFiles = false;
-  let valEveryGiven = false;
   for (let i = 0; i < argv.length; i++) {
     let arg = argv[i];
     if (onlyFiles || arg === '-' || !arg.startsWith('-')) {
@@ -777,7 +776,6 @@ function parseArgs(argv) {
       case '--val-every': {
         if (!/^\d+$/.test(value) || Number(value) < 2) throw new UsageError(`--val-every needs an integer >= 2, got '${value}'`);
         opts.valEvery = Number(value);
-        valEveryGiven = true;
         opts.valEveryGiven = true;
         break;
       }
@@ -798,7 +796,7 @@ function parseArgs(argv) {
     // an eval file is its own job: silently dropping the other mode's inputs would surprise
     if (opts.files.length > 0) throw new UsageError('--eval takes no text files: --eval FILE.jsonl --out DIR');
     if (opts.outDir === null) throw new UsageError('--eval needs an output directory: --eval FILE.jsonl --out DIR');
-    if (valEveryGiven) throw new UsageError('--eval has no train/val split; drop --val-every');
+    if (opts.valEveryGiven) throw new UsageError('--eval has no train/val split; drop --val-every');
   }
   if (opts.files.length > 0 && opts.outDir === null) {
     throw new UsageError('input files need an output directory: --out DIR FILE...');

@@ -1,5 +1,6 @@
 #!/usr/bin/env node
-// test.js: self-contained checks for prepare.js (no test framework). Writes only to a temporary
+// test.js: self-contained checks for prepare.js (no test framework; the reference tokenizer, npm
+// tokenizers, and the tokenizer.json files come from devDependencies). Writes only to a temporary
 // directory. Prints `ok - ...` / `FAIL - ...` per check and, last, `N passed, M failed`; exits 1 on
 // any failure.
 //   node dev/data/test.js
