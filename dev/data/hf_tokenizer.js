@@ -25,6 +25,13 @@ const path = require('path');
 
 class TokenizerError extends Error {}
 
+// the pre-tokenizer split patterns of Llama 3 and of Qwen2/Qwen3 (digits one by one): a line break
+// before a letter always ends a piece under them (see prepare.js's nextSafeCut)
+const SPLIT_PATTERNS_CHECKED = [
+  String.raw`(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`,
+  String.raw`(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+`,
+];
+
 /** GPT-2's byte-level alphabet inverted: the printable character that stands for each byte -> the byte. */
 function byteLevelDecoderTable() {
   const printable = [];
@@ -149,10 +156,25 @@ class HfTokenizer {
     this.before = frame.before;
     this.after = frame.after;
 
-    // cutting a long document into pieces is safe only when nothing depends on where a text starts
-    const pre = JSON.stringify(json.pre_tokenizer || {});
+    this.chunkable = HfTokenizer.chunkable(json);
+  }
+
+  /**
+   * Whether a long document may be encoded in pieces cut by prepare.js's nextSafeCut: only for the
+   * pre-tokenizers that rule was checked against (GPT-2's byte-level regex, the Llama 3 and Qwen split
+   * patterns), no prefix space added at a piece's start, and a normalizer that works per character.
+   * Any other tokenizer encodes each document whole, which is always exact.
+   */
+  static chunkable(json) {
+    const pre = json.pre_tokenizer || {};
+    const parts = pre.type === 'Sequence' ? pre.pretokenizers || [] : [pre];
     const norm = json.normalizer ? json.normalizer.type : null;
-    this.chunkable = !/"add_prefix_space":\s*true/.test(pre) && [null, 'NFC', 'NFKC', 'NFD', 'NFKD'].includes(norm);
+    if (![null, 'NFC', 'NFKC'].includes(norm)) return false;
+    return parts.length > 0 && parts.every((p) => {
+      if (p.type === 'ByteLevel') return p.add_prefix_space !== true;
+      return p.type === 'Split' && p.behavior === 'Isolated' && p.invert === false
+        && p.pattern && SPLIT_PATTERNS_CHECKED.includes(p.pattern.Regex);
+    }) && parts.some((p) => p.type === 'Split' || p.use_regex !== false);
   }
 
   /**

@@ -259,8 +259,8 @@ async function hfChecks(prep, tmp) {
     });
   }
 
-  check('Llama 3: a long document encoded in pieces gives the ids of the whole', () => {
-    const enc = prep.hfEncoding(lenmlModels('llama3'));
+  for (const [name, dir, before, after] of [['Llama 3', 'llama3', [128000], []], ['Qwen3', 'qwen3', [], [151645]]]) check(`${name}: a long document encoded in pieces gives the ids of the whole`, () => {
+    const enc = prep.hfEncoding(lenmlModels(dir));
     const lines = [];
     for (let i = 0, n = 0; n < 200000; i++) {
       lines.push(`Line ${i}: ${docs[i % 2]}${i % 5 === 0 ? '  \n\n' : '.\n'}`);
@@ -271,7 +271,17 @@ async function hfChecks(prep, tmp) {
     let pieces = 0;
     prep.encodeInto(sink, text, () => pieces++, enc);
     if (pieces < 2) return `text was not split (pieces=${pieces})`;
-    expectEqual(Array.from(sink.tokens()), [128000, ...enc.encode(text)], 'tokens');
+    expectEqual(Array.from(sink.tokens()), [...before, ...enc.encode(text), ...after], 'tokens');
+  });
+
+  check('a pre-tokenizer the cut rule was not checked against: documents are encoded whole', () => {
+    const { HfTokenizer } = require('./hf_tokenizer');
+    const json = tinyTokenizerJson(byteChar);
+    if (!HfTokenizer.chunkable(json)) return 'GPT-2\'s byte-level pre-tokenizer is not chunkable';
+    json.pre_tokenizer = { type: 'Sequence', pretokenizers: [
+      { type: 'Split', pattern: { Regex: '\\s+|\\S+' }, behavior: 'Isolated', invert: false },
+      { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: false }] };
+    if (HfTokenizer.chunkable(json)) return 'an unknown split pattern counts as chunkable';
   });
 
   check('--tokenizer with a model directory\'s tokenizer.json leaves every input unchanged', () => {
