@@ -274,6 +274,24 @@ async function hfChecks(prep, tmp) {
     expectEqual(Array.from(sink.tokens()), [...before, ...enc.encode(text), ...after], 'tokens');
   });
 
+  check('tokenizer.json refused in one line: a token of 256 bytes (llm.c\'s limit is 255), a gap in the ids', () => {
+    const { HfTokenizer } = require('./hf_tokenizer');
+    const long = tinyTokenizerJson(byteChar);
+    long.added_tokens.push({ id: 260, content: 'x'.repeat(256), special: true });
+    const gap = tinyTokenizerJson(byteChar);
+    gap.added_tokens[0].id = 261;
+    for (const [json, re] of [[long, /token 260 has 256 bytes; llm\.c's tokenizer file allows 1\.\.255/], [gap, /no token has id 259/]]) {
+      let msg = null;
+      try {
+        HfTokenizer.tokenByteTable(json, 'tokenizer.json');
+      } catch (err) {
+        msg = err.message;
+      }
+      if (msg === null || !re.test(msg) || msg.includes('\n')) return `message ${JSON.stringify(msg)}`;
+    }
+    expectEqual(HfTokenizer.tokenByteTable(tinyTokenizerJson(byteChar), 'tokenizer.json').length, 260, 'a valid table\'s size');
+  });
+
   check('a pre-tokenizer the cut rule was not checked against: documents are encoded whole', () => {
     const { HfTokenizer } = require('./hf_tokenizer');
     const json = tinyTokenizerJson(byteChar);
