@@ -267,7 +267,6 @@ inline std::string shape_string(const std::vector<int64_t>& shape) {
     return s + "]";
 }
 
-
 // The tensors of an HF directory: model.safetensors, or the shards model.safetensors.index.json names
 struct HfFiles {
     std::vector<SafetensorsFile> files;

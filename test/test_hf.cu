@@ -248,7 +248,7 @@ TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's t
         f.write(generation.data(), generation.size());
         f.close();
     }
-    prepare_hello_world(hf, data, 300);
+    prepare_hello_world(hf, data, 2000);  // enough that a 5% validation split holds a global batch
     // the tokenizer file prepared beside the data is the directory's tokenizer, decoded
     Tokenizer prepared(data + "/tokenizer.bin"), own(hf);
     CHECK(prepared.tokens == own.tokens);
