@@ -271,6 +271,18 @@ static RunLayout run_layout(const Options& o, int world, int dp, long total_batc
                      o.cp_split, o.pp, o.vpp, o.ep, dev == Device::CUDA ? "cuda" : "cpu"};
 }
 
+// the model a checkpoint's run was started from (its manifest's model_source: -e as the run was given it), or
+// "" where the manifest does not say (a checkpoint saved before it was recorded)
+static std::string checkpoint_model_source(const std::string& manifest) {
+    File f(manifest, "rb");
+    std::vector<std::string> source = manifest_values(f.read_all(), "model_source");
+    int n = 0;
+    unsigned long long sum;
+    if (source.size() == 1 && sscanf(source[0].c_str(), "file fnv1a64=%llx %n", &sum, &n) == 1 && n > 0)
+        return source[0].substr(n);
+    return source.size() == 1 && source[0].rfind("descriptor ", 0) == 0 ? source[0].substr(11) : "";
+}
+
 // --convert SRC --to PATH: the model of a checkpoint (verified first), a model file or a Hugging Face directory,
 // as an llm.c file of its own or (--format hf) a Hugging Face directory; written under a temporary name and renamed, never over an
 // existing file or directory
@@ -281,6 +293,7 @@ static int convert_model(const Options& o) {
     if (stat(src.c_str(), &st) != 0) fail("--convert %s: %s", o.convert.c_str(), strerror(errno));
     int step = -1;  // a checkpoint's
     bool hf = is_hf_dir(src);
+    std::string model_source = src;  // where the model came from: src, or the -e of the run that saved src
     if (S_ISDIR(st.st_mode) && !hf) {
         size_t slash = src.rfind('/');
         std::string parent = slash == std::string::npos ? "." : src.substr(0, slash), name = src.substr(slash + 1);
@@ -290,6 +303,7 @@ static int convert_model(const Options& o) {
                  o.convert.c_str());
         verify_checkpoint(parent, step);
         model_path = src + "/model.bin";
+        model_source = checkpoint_model_source(src + "/manifest.txt");
     }
     if (access(o.convert_to.c_str(), F_OK) == 0)
         fail("--to %s: already exists; name a new %s (an existing one is never replaced)", o.convert_to.c_str(),
@@ -307,7 +321,8 @@ static int convert_model(const Options& o) {
     int files = 0;
     try {
         if (o.convert_format == "hf") {
-            files = hf_save(config, params.data(), o.convert_to, o.convert_dtype);
+            files = hf_save(config, params.data(), o.convert_to, o.convert_dtype, HF_SHARD_BYTES,
+                            hf_tokenizer_files(model_source));
         } else {
             version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
             gpt_save_params(config, params.data(), tmp, version);
@@ -532,15 +547,24 @@ static int train(const Options& o, const RunSetup& run) {
     }
     std::unique_ptr<EvalSet> evals;
     if (!o.eval_file.empty()) evals.reset(new EvalSet(read_eval_file(o.eval_file, config.vocab_size, o.T)));
-    // Samples are decoded with the tokenizer, which must have the model's vocab. A --tokenizer that does not is a
-    // mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
+    // Samples are decoded with the tokenizer, which must have the model's vocab: --tokenizer's, else the
+    // tokenizer.json of the Hugging Face directory -e names, else GPT-2's. A named or found one that does not fit is
+    // a mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
     // says why it does not sample, once, and trains.
     std::unique_ptr<Tokenizer> tokenizer;
     if (o.sample_every > 0) {
-        std::string path = o.tokenizer.empty() ? DEFAULT_TOKENIZER : o.tokenizer;
+        std::string path = o.tokenizer;
+        if (path.empty() && is_hf_dir(o.model) && file_exists(o.model + "/tokenizer.json"))
+            path = o.model + "/tokenizer.json";
+        const bool chosen = !path.empty();
+        if (!chosen) path = DEFAULT_TOKENIZER;
         tokenizer.reset(new Tokenizer(path));
-        if (tokenizer->vocab_size != config.vocab_size && !o.tokenizer.empty())
-            fail("%s: vocab size %d differs from the model's %d", path.c_str(), tokenizer->vocab_size, config.vocab_size);
+        if (tokenizer->vocab_size != config.vocab_size && chosen)
+            fail("%s: the tokenizer's vocab of %d tokens is not the model's %d (a tokenizer of another model?)",
+                 tokenizer->path.c_str(), tokenizer->vocab_size, config.vocab_size);
+        if (chosen && grid.rank == 0)
+            printf("samples: decoded with %s, starting from token %d (%s)\n", tokenizer->path.c_str(), tokenizer->eot,
+                   tokenizer->eot_from.c_str());
         if (tokenizer->vocab_size != config.vocab_size) {
             if (grid.rank == 0)
                 printf("sampling off: the model's %d tokens are not GPT-2's %d (--tokenizer names one of its vocab)\n",

@@ -167,13 +167,41 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
         c.tied_embeddings ? "true" : "false", torch_dtype.c_str());
 }
 
+// a directory with a config.json, as every Hugging Face model directory has
+inline bool is_hf_dir(const std::string& path) {
+    struct stat st;
+    return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && file_exists(path + "/config.json");
+}
+
+// The tokenizer files of a Hugging Face directory, which --convert --format hf copies beside the weights so that
+// the directory loads whole (AutoTokenizer and generate read them): the paths of those present in `source` (the
+// model's own directory, or the -e a checkpoint's run was started from). A missing one, or a source that is no
+// Hugging Face directory (a descriptor, an llm.c file), is a note: the weights are written without it.
+constexpr const char* HF_TOKENIZER_FILES[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                              "generation_config.json"};
+inline std::vector<std::string> hf_tokenizer_files(const std::string& source) {
+    std::vector<std::string> present;
+    if (!is_hf_dir(source)) {
+        printf("note: no tokenizer files copied: the model came from %s, not a Hugging Face directory\n",
+               source.empty() ? "a checkpoint whose manifest does not name its source" : source.c_str());
+        return present;
+    }
+    for (const char* name : HF_TOKENIZER_FILES) {
+        std::string path = source + "/" + name;
+        if (file_exists(path)) present.push_back(path);
+        else printf("note: %s is absent, not copied\n", path.c_str());
+    }
+    return present;
+}
+
 // Writes the whole model (params: its flat buffer) as the Hugging Face directory `dir`, which must not exist:
 // config.json and the tensors in float32 or bfloat16 (dtype "fp32" or "bf16"), in model.safetensors or, above
 // shard_bytes, in shards of at most that size (a tensor is never split) with model.safetensors.index.json
 // mapping each tensor to its shard. Everything goes into dir.tmp, renamed to dir when complete. Each file's
-// metadata says "format": "pt", which transformers requires of a safetensors checkpoint. Returns the shards.
+// metadata says "format": "pt", which transformers requires of a safetensors checkpoint. The files `copies`
+// names (a tokenizer's) are copied in byte for byte, under their own names. Returns the shards.
 inline int hf_save(const GPTConfig& c, const float* params, const std::string& dir, const std::string& dtype,
-                   size_t shard_bytes = HF_SHARD_BYTES) {
+                   size_t shard_bytes = HF_SHARD_BYTES, const std::vector<std::string>& copies = {}) {
     std::vector<HfPlacement> placements = hf_placements(c);
     std::vector<std::vector<float>> values(placements.size());
     SafetensorsDtype type = dtype == "bf16" ? SafetensorsDtype::BF16 : SafetensorsDtype::F32;
@@ -197,6 +225,11 @@ inline int hf_save(const GPTConfig& c, const float* params, const std::string& d
         f.close();
     };
     write_text("config.json", hf_config_json(c, dtype));
+    for (const std::string& path : copies) {
+        File from(path, "rb");
+        size_t slash = path.rfind('/');
+        write_text(slash == std::string::npos ? path : path.substr(slash + 1), from.read_all());
+    }
     int n = (int)shards.size();
     std::string weight_map;
     for (int s = 0; s < n; s++) {
@@ -232,11 +265,6 @@ inline std::string shape_string(const std::vector<int64_t>& shape) {
     std::string s = "[";
     for (size_t i = 0; i < shape.size(); i++) s += strfmt(i ? ", %lld" : "%lld", (long long)shape[i]);
     return s + "]";
-}
-
-inline bool is_hf_dir(const std::string& path) {
-    struct stat st;
-    return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && file_exists(path + "/config.json");
 }
 
 // The tensors of an HF directory: model.safetensors, or the shards model.safetensors.index.json names

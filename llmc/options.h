@@ -23,7 +23,7 @@ struct Options {
     std::string val_pattern = "data/sotu/val.bin";      // -j
     std::string model = "d12";                          // -e: a model file or a descriptor
     std::string out_dir;                                // -o
-    std::string tokenizer;                              // --tokenizer: empty is GPT-2's, DEFAULT_TOKENIZER
+    std::string tokenizer;                              // --tokenizer: empty: -e DIR's tokenizer.json, or GPT-2's
     std::string device;                                 // --device: "" picks the best available
     std::string attention;                              // --attention: "" is the GPU's default (llmc/attention.cuh)
     int B = 4;                                          // -b
@@ -125,7 +125,8 @@ inline const char* USAGE =
     "                    and main.log (needs -v)                                   [none]\n"
     "  -s N              sample every N steps; 0 = never                           [20]\n"
     "  -g N              tokens to generate when sampling (at most -t)             [64]\n"
-    "  --tokenizer PATH  tokenizer for decoding samples                            [data/gpt2_tokenizer.bin]\n"
+    "  --tokenizer PATH  decodes samples: llm.c's tokenizer file, or a Hugging Face tokenizer.json (or its\n"
+    "                    directory)       [-e DIR's tokenizer.json, else data/gpt2_tokenizer.bin]\n"
     "checkpoints:\n"
     "  -n N              checkpoint every N steps and at the end; 0 = never (needs -o) [0]\n"
     "  -nk N             keep the newest N checkpoints; 0 = all                    [0]\n"
@@ -136,7 +137,8 @@ inline const char* USAGE =
     "  --to PATH         with --convert: the llm.c file, or with --format hf the directory, to write\n"
     "                    (never an existing one)                                   [none]\n"
     "  --format llmc|hf  with --convert: an llm.c model file, or a Hugging Face directory (config.json,\n"
-    "                    model.safetensors) that transformers' from_pretrained reads  [llmc]\n"
+    "                    model.safetensors, and the tokenizer files of the HF directory the model came\n"
+    "                    from) that transformers' from_pretrained reads            [llmc]\n"
     "  --dtype fp32|bf16  with --convert: llm.c's version 3 (fp32) or 5 (bf16); HF's float32 or bfloat16 [fp32]\n"
     "failures (the first SIGTERM or SIGINT ends the run after the current step, with a checkpoint when -o\n"
     "is given, exit code 5; a second one ends it at once):\n"

