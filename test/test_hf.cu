@@ -175,34 +175,19 @@ TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged 
     run_refused(cut, {"model.safetensors"});
 }
 
-// The data step of the fine-tune path, as the user takes it:
+// The data step of the fine-tune path, as the user takes it: `lines` lines of "Hello world" in a text file,
 //   node dev/data/prepare.js --tokenizer DIR --out D FILE
-// writes D/train.bin and D/val.bin in llm.c's Llama 3 format (256 x int32 header: magic 20240801, version 7,
-// token count; then uint32 tokens) and D/tokenizer.bin. This function writes the same files for `lines` lines of
-// "Hello world" (one document each split: <|begin_of_text|>, then 9906 1917 198 per line, Llama 3's ids of
-// "Hello", " world", "\n"), and tokenizer.bin from the directory's tokenizer.json, so that what follows it does
-// not depend on how the text was tokenized.
+// which writes D/train.bin and D/val.bin in llm.c's Llama 3 format (uint32 tokens) and D/tokenizer.bin
 void prepare_hello_world(const std::string& tokenizer_dir, const std::string& out, int lines) {
-    make_dirs(out);
-    std::vector<uint32_t> tokens = {128000};
-    for (int i = 0; i < lines; i++) tokens.insert(tokens.end(), {9906, 1917, 198});
-    for (const char* split : {"train.bin", "val.bin"}) {
-        int32_t header[256] = {20240801, 7, (int32_t)tokens.size()};
-        File f(out + "/" + split, "wb");
-        f.write(header, sizeof(header));
-        f.write(tokens.data(), tokens.size() * sizeof(uint32_t));
-        f.close();
-    }
-    Tokenizer tok(tokenizer_dir);
-    uint32_t header[TOKENIZER_HEADER_INTS] = {TOKENIZER_MAGIC, TOKENIZER_VERSION, (uint32_t)tok.vocab_size, (uint32_t)tok.eot};
-    File f(out + "/tokenizer.bin", "wb");
-    f.write(header, sizeof(header));
-    for (const std::string& t : tok.tokens) {
-        const uint8_t len = (uint8_t)t.size();
-        f.write(&len, 1);
-        f.write(t.data(), t.size());
-    }
+    std::string text;
+    for (int i = 0; i < lines; i++) text += "Hello world\n";
+    File f(out + ".txt", "wb");
+    f.write(text.data(), text.size());
     f.close();
+    CommandResult r = run_command("node dev/data/prepare.js --tokenizer '" + tokenizer_dir + "' --out '" + out + "' '" +
+                                  out + ".txt'");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
 }
 
 // well-formed UTF-8: no stray continuation byte, no truncated sequence, no overlong form, surrogate or code point
