@@ -7,7 +7,8 @@
 // then every example as uint16s: 65535 (its start), its length in bytes (these fields included), its index
 // (0, 1, ... in file order), the label, the number of completions, the context's token count and tokens, then
 // each completion's token count and tokens. (data_common.py's comment calls the longest example's length
-// uint16s; the value it writes, which this reader checks, is bytes.)
+// uint16s; the value it writes, which this reader checks, is bytes.) Version 2, llm5d's own for vocabularies of
+// more than 65,535 ids (Llama 3), where llm.c has none: the same stream in uint32 words, 0xffffffff its start.
 //
 // Every completion becomes one row: the context, then the completion, then padding. The row's targets at the
 // positions that predict the completion's tokens carry them and are counted (the mask); the rest are ignored.
@@ -26,9 +27,9 @@
 #include "llmc/utils.h"
 
 constexpr int EVAL_MAGIC = 20240522;
-constexpr int EVAL_VERSION = 1;
+constexpr int EVAL_VERSION = 1;       // llm.c's: uint16 words
+constexpr int EVAL_VERSION_WIDE = 2;  // uint32 words
 constexpr int EVAL_HEADER_INTS = 256;
-constexpr uint16_t EVAL_EXAMPLE_START = 65535;
 
 struct EvalExample {
     int label;
@@ -62,12 +63,24 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
     if (header[0] != EVAL_MAGIC)
         fail("%s: magic number %d, not an eval file's %d (a token shard is read with -i or -j)", path.c_str(),
              header[0], EVAL_MAGIC);
-    if (header[1] != EVAL_VERSION) fail("%s: eval file version %d, not %d", path.c_str(), header[1], EVAL_VERSION);
+    if (header[1] != EVAL_VERSION && header[1] != EVAL_VERSION_WIDE)
+        fail("%s: eval file version %d, not %d (uint16) or %d (uint32)", path.c_str(), header[1], EVAL_VERSION,
+             EVAL_VERSION_WIDE);
+    const size_t width = header[1] == EVAL_VERSION ? 2 : 4;  // bytes a word
+    const uint32_t start = header[1] == EVAL_VERSION ? 0xffffu : 0xffffffffu;
     int count = header[2], longest = header[3];
     if (count < 1) fail("%s: the header says %d examples", path.c_str(), count);
-    if ((size - sizeof(header)) % 2) fail("%s: an odd number of bytes after the header", path.c_str());
-    std::vector<uint16_t> words((size - sizeof(header)) / 2);
-    f.read(words.data(), words.size() * 2);
+    if ((size - sizeof(header)) % width)
+        fail("%s: %ld bytes after the header, not whole %zu-byte words", path.c_str(), size - (long)sizeof(header),
+             width);
+    std::vector<uint32_t> words((size - sizeof(header)) / width);
+    if (width == 2) {
+        std::vector<uint16_t> narrow(words.size());
+        f.read(narrow.data(), narrow.size() * 2);
+        std::copy(narrow.begin(), narrow.end(), words.begin());
+    } else {
+        f.read(words.data(), words.size() * 4);
+    }
 
     EvalSet set{path, {}, {}, 0, 0};
     size_t at = 0;
@@ -76,50 +89,51 @@ inline EvalSet read_eval_file(const std::string& path, int vocab_size, int T) {
         auto where = [&] { return strfmt("%s: example %d (word %zu after the header)", path.c_str(), i, at); };
         if (at + 5 > words.size())
             fail("%s: the file ends after %d of the %d examples its header counts", path.c_str(), i, count);
-        if (words[at] != EVAL_EXAMPLE_START)
-            fail("%s: starts with %d, not %d", where().c_str(), words[at], EVAL_EXAMPLE_START);
-        size_t length = words[at + 1] / 2, end = at + length;
-        if (words[at + 1] % 2 || length < 8 || end > words.size())
-            fail("%s: a length of %d bytes, which the file cannot hold", where().c_str(), words[at + 1]);
-        if (words[at + 2] != i) fail("%s: its index is %d", where().c_str(), words[at + 2]);
+        if (words[at] != start) fail("%s: starts with %u, not %u", where().c_str(), words[at], start);
+        size_t length = words[at + 1] / width, end = at + length;
+        if (words[at + 1] % width || length < 8 || end > words.size())
+            fail("%s: a length of %u bytes, which the file cannot hold", where().c_str(), words[at + 1]);
+        if (words[at + 2] != (uint32_t)i) fail("%s: its index is %u", where().c_str(), words[at + 2]);
         EvalExample e;
-        e.label = words[at + 3];
-        int completions = words[at + 4];
-        if (completions < 1 || e.label >= completions)
-            fail("%s: label %d of %d completions", where().c_str(), e.label, completions);
+        uint32_t label = words[at + 3], completions = words[at + 4];
+        if (completions < 1 || label >= completions || completions > (uint32_t)length)
+            fail("%s: label %u of %u completions", where().c_str(), label, completions);
+        e.label = (int)label;
         size_t next = at + 5;
         // a count and that many tokens, within the example; every token in the vocab
         auto tokens = [&](const char* what) {
             if (next < end && words[next] == 0) fail("%s: an empty %s", where().c_str(), what);
             if (next >= end || next + 1 + words[next] > end)
-                fail("%s: the %s's token count runs past the example's %zu bytes", where().c_str(), what, length * 2);
+                fail("%s: the %s's token count runs past the example's %zu bytes", where().c_str(), what,
+                     length * width);
+            for (size_t k = next + 1; k < next + 1 + words[next]; k++)
+                if (words[k] >= (uint32_t)vocab_size)
+                    fail("%s: token %u in a %s, outside the model's vocab of %d", where().c_str(), words[k], what,
+                         vocab_size);
             std::vector<int> out(words.begin() + next + 1, words.begin() + next + 1 + words[next]);
             next += 1 + words[next];
-            for (int t : out)
-                if (t >= vocab_size)
-                    fail("%s: token %d in a %s, outside the model's vocab of %d", where().c_str(), t, what, vocab_size);
             return out;
         };
         e.context = tokens("context");
-        for (int c = 0; c < completions; c++) {
+        for (uint32_t c = 0; c < completions; c++) {
             e.completions.push_back(tokens("completion"));
             set.longest_row = std::max(set.longest_row, e.row_length(c));
             if (e.row_length(c) > T)
-                fail("%s: completion %d needs a row of %d tokens, more than -t %d", where().c_str(), c, e.row_length(c),
+                fail("%s: completion %u needs a row of %d tokens, more than -t %d", where().c_str(), c, e.row_length(c),
                      T);
         }
         if (next != end)
-            fail("%s: %zu bytes in all, %zu more than its context and completions", where().c_str(), length * 2,
-                 (end - next) * 2);
-        longest_seen = std::max(longest_seen, (int)length * 2);
+            fail("%s: %zu bytes in all, %zu more than its context and completions", where().c_str(), length * width,
+                 (end - next) * width);
+        longest_seen = std::max(longest_seen, (int)(length * width));
         set.first_row.push_back(set.rows);
         set.rows += completions;
         set.examples.push_back(std::move(e));
         at = end;
     }
     if (at != words.size())
-        fail("%s: %zu bytes after the last of the %d examples its header counts", path.c_str(), (words.size() - at) * 2,
-             count);
+        fail("%s: %zu bytes after the last of the %d examples its header counts", path.c_str(),
+             (words.size() - at) * width, count);
     if (longest != longest_seen)
         fail("%s: the header says the longest example has %d bytes, the longest has %d", path.c_str(), longest,
              longest_seen);

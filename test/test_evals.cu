@@ -15,27 +15,29 @@ struct Example {
     std::vector<std::vector<int>> completions;
 };
 
-// llm.c's dev/data/data_common.py write_evalfile, written out here on its own
+// llm.c's dev/data/data_common.py write_evalfile, written out here on its own: Word uint16_t, version 1 (llm.c's);
+// Word uint32_t, version 2 (the same stream in uint32 words, for vocabularies above 65,535)
+template <typename Word = uint16_t>
 void write_eval_file(const std::string& path, const std::vector<Example>& examples) {
-    std::vector<uint16_t> stream;
+    const Word start = (Word)~Word(0);
+    std::vector<Word> stream;
     int longest = 0;
     for (size_t i = 0; i < examples.size(); i++) {
         const Example& e = examples[i];
-        std::vector<uint16_t> s{65535, 0, (uint16_t)i, (uint16_t)e.label, (uint16_t)e.completions.size(),
-                                (uint16_t)e.context.size()};
+        std::vector<Word> s{start, 0, (Word)i, (Word)e.label, (Word)e.completions.size(), (Word)e.context.size()};
         s.insert(s.end(), e.context.begin(), e.context.end());
         for (const std::vector<int>& c : e.completions) {
-            s.push_back((uint16_t)c.size());
+            s.push_back((Word)c.size());
             s.insert(s.end(), c.begin(), c.end());
         }
-        s[1] = (uint16_t)(2 * s.size());
+        s[1] = (Word)(sizeof(Word) * s.size());
         longest = std::max(longest, (int)s[1]);
         stream.insert(stream.end(), s.begin(), s.end());
     }
-    int32_t header[256] = {20240522, 1, (int32_t)examples.size(), longest};
+    int32_t header[256] = {20240522, sizeof(Word) == 2 ? 1 : 2, (int32_t)examples.size(), longest};
     File f(path, "wb");
     f.write(header, sizeof(header));
-    f.write(stream.data(), stream.size() * 2);
+    f.write(stream.data(), stream.size() * sizeof(Word));
     f.close();
 }
 
@@ -265,6 +267,46 @@ TEST_CASE("a damaged eval file, or one that does not fit the model, is refused i
     std::string damaged = dir / "magic.bin";
     check_one_line_error(single(data.flags(4, 64, 1) + " -v 1 --eval '" + damaged + "'"), {damaged, "20240522"});
     check_one_line_error(single(data.flags(4, 64, 1) + " -v 0 --eval '" + good + "'"), {"--eval", "-v 0"});
+}
+
+TEST_CASE("version 2 of the eval file (uint32 words, for vocabularies above 65,535) reads as version 1 does, "
+          "and carries token ids above 65,535",
+          "[evals]") {
+    TempDir dir;
+    Rng rng(8);
+    std::vector<Example> examples = random_examples(5, 301, rng);
+    write_eval_file<uint16_t>(dir / "v1.bin", examples);
+    write_eval_file<uint32_t>(dir / "v2.bin", examples);
+    EvalSet v1 = read_eval_file(dir / "v1.bin", 301, 16), v2 = read_eval_file(dir / "v2.bin", 301, 16);
+    REQUIRE(v2.examples.size() == examples.size());
+    for (size_t i = 0; i < examples.size(); i++) {
+        CHECK(v2.examples[i].label == v1.examples[i].label);
+        CHECK(v2.examples[i].context == examples[i].context);
+        CHECK(v2.examples[i].completions == examples[i].completions);
+    }
+    CHECK(v2.rows == v1.rows);
+    CHECK(v2.longest_row == v1.longest_row);
+    CHECK(v2.first_row == v1.first_row);
+
+    // Llama 3's ids: the file holds them whole (a uint16 reading would keep their low bits)
+    std::vector<Example> wide = random_examples(3, 128256, rng);
+    wide[1].context[0] = 128255, wide[2].completions[1][0] = 65536;
+    write_eval_file<uint32_t>(dir / "llama.bin", wide);
+    EvalSet llama = read_eval_file(dir / "llama.bin", 128256, 16);
+    for (size_t i = 0; i < wide.size(); i++) {
+        CHECK(llama.examples[i].context == wide[i].context);
+        CHECK(llama.examples[i].completions == wide[i].completions);
+    }
+    CHECK_THROWS_WITH(read_eval_file(dir / "llama.bin", 128000, 16),
+                      Catch::Contains("llama.bin") && Catch::Contains("outside the model's vocab of 128000"));
+    // a version-1 stream under a version-2 header: its first word is not version 2's delimiter
+    std::string v1_as_v2 = read_file(dir / "v1.bin");
+    v1_as_v2[4] = 2;
+    {
+        File f(dir / "mixed.bin", "wb");
+        f.write(v1_as_v2.data(), v1_as_v2.size());
+    }
+    CHECK_THROWS_WITH(read_eval_file(dir / "mixed.bin", 301, 16), Catch::Contains("mixed.bin"));
 }
 
 }  // namespace test_evals

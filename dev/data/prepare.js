@@ -50,8 +50,9 @@
 // dev/data/hellaswag.py does: context = encode(ctx), each completion = encode(" " + ending); the
 // space is there because GPT-2's tokenizer attaches a word's leading space to the word's token, and
 // the model scores each completion as a continuation of the context. Any number (>= 1) of endings is
-// accepted (llm.c asserts 4). Its tokens are uint16 below 65535 and llm.c has no wider eval format (its
-// llama3 branch writes GPT-2's evals only), so --eval refuses a tokenizer of more than 65,535 ids.
+// accepted (llm.c asserts 4). llm.c's format holds uint16 tokens below 65535, and llm.c has no wider eval
+// format (its llama3 branch writes GPT-2's evals only): for a tokenizer of more than 65,535 ids the file is
+// version 2, llm5d's, the same stream in uint32 words with 0xffffffff as the delimiter.
 // Every file is written to DIR/.NAME.tmp-PID and renamed into place once complete.
 'use strict';
 
@@ -82,6 +83,8 @@ const ENCODE_CHUNK_CHARS = 1 << 16;  // encode long documents in pieces of about
 const EVAL_MAGIC = 20240522;
 const EVAL_VERSION = 1;
 const EVAL_START_EXAMPLE = 0xffff;   // the delimiter, so no token or count may be 65535
+const EVAL_VERSION_WIDE = 2;         // llm5d's: the same stream in uint32 words, for vocabularies above 65,535
+const EVAL_START_EXAMPLE_WIDE = 0xffffffff;
 const EVAL_MAX_EXAMPLES = 0xffff;    // the index is a uint16 and 65535 examples is llm.c's limit
 const EVAL_MAX_EXAMPLE_BYTES = 0xffff; // an example's byte length is a uint16
 
@@ -114,7 +117,8 @@ multiple-choice eval file.
                     each completion's tokens encode(" " + ending), all counted uint16.
                     Any number of endings (>= 1) per example is accepted (HellaSwag
                     and MMLU have 4). Writes no shards and no tokenizer file.
-                    A tokenizer of more than 65,535 ids is refused: the format is uint16.
+                    A tokenizer of more than 65,535 ids gets version 2: the same
+                    stream in uint32 words, 0xffffffff the delimiter.
 
 options:
   --out DIR         output directory (default: data/sotu under the repository root)
@@ -625,7 +629,11 @@ function readEvalJsonl(file, encoding = gpt2Encoding()) {
  * [{ label, ctxTokens, endingTokens, where? }]. Every limit of the format is checked here, so a file
  * that is written is one llm.c can read; `where` (else "example I") prefixes the errors.
  */
-function evalFileBuffer(examples) {
+function evalFileBuffer(examples, wide = false) {
+  // version 1 (llm.c's): uint16 words, 65535 the delimiter; version 2 (llm5d's, for vocabularies of more
+  // than 65,535 ids): the same stream in uint32 words, 0xffffffff the delimiter
+  const word = wide ? 4 : 2;
+  const start = wide ? EVAL_START_EXAMPLE_WIDE : EVAL_START_EXAMPLE;
   if (examples.length === 0) throw new Error('no examples');
   if (examples.length > EVAL_MAX_EXAMPLES) {
     const ex = examples[EVAL_MAX_EXAMPLES];
@@ -642,27 +650,27 @@ function evalFileBuffer(examples) {
     for (const [what, toks] of lists) {
       if (toks.length === 0) throw new Error(`${where}: ${what} has no tokens`);
       for (const t of toks) {
-        if (!(Number.isInteger(t) && t >= 0 && t < EVAL_START_EXAMPLE)) {
-          throw new Error(`${where}: ${what}: token id ${t} out of range (must be below ${EVAL_START_EXAMPLE})`);
+        if (!(Number.isInteger(t) && t >= 0 && t < start)) {
+          throw new Error(`${where}: ${what}: token id ${t} out of range (must be below ${start})`);
         }
       }
       words += 1 + toks.length;
     }
-    if (2 * words > EVAL_MAX_EXAMPLE_BYTES) {
+    if (!wide && 2 * words > EVAL_MAX_EXAMPLE_BYTES) {
       throw new Error(`${where}: example is ${2 * words} bytes; the eval file allows at most ${EVAL_MAX_EXAMPLE_BYTES}`);
     }
-    return 2 * words;
+    return word * words;
   });
   const total = sizes.reduce((a, b) => a + b, 0);
   const buf = Buffer.alloc(HEADER_BYTES + total); // zero-filled, so the unused header words are 0
   buf.writeInt32LE(EVAL_MAGIC, 0);
-  buf.writeInt32LE(EVAL_VERSION, 4);
+  buf.writeInt32LE(wide ? EVAL_VERSION_WIDE : EVAL_VERSION, 4);
   buf.writeInt32LE(examples.length, 8);
   buf.writeInt32LE(sizes.reduce((a, b) => Math.max(a, b), 0), 12); // longest example, in bytes (llm.c's comment says uint16s)
   let pos = HEADER_BYTES;
-  const put = (v) => { buf.writeUInt16LE(v, pos); pos += 2; };
+  const put = wide ? (v) => { buf.writeUInt32LE(v, pos); pos += 4; } : (v) => { buf.writeUInt16LE(v, pos); pos += 2; };
   examples.forEach((ex, idx) => {
-    put(EVAL_START_EXAMPLE);
+    put(start);
     put(sizes[idx]);
     put(idx);
     put(ex.label);
@@ -684,19 +692,16 @@ function evalOutputPath(evalFile, outDir) {
 }
 
 /**
- * Reads a HellaSwag-style jsonl, writes its eval file into `outDir`. The eval format's tokens are
- * uint16 with 65535 as the example delimiter, and llm.c (its llama3 branch included) has no wider
- * eval format, so a vocabulary of more than 65,535 ids is refused.
+ * Reads a HellaSwag-style jsonl, writes its eval file into `outDir`: llm.c's format (version 1, uint16)
+ * when every id of the tokenizer is below 65535, the delimiter; else version 2, the same stream in uint32
+ * words (llm.c has no eval format for wider vocabularies; train_gpt reads both).
  * Returns { file, examples, minCompletions, maxCompletions, longest (bytes), bytes }.
  */
 function prepareEval(evalFile, outDir, encoding = gpt2Encoding()) {
-  if (encoding.vocabSize > EVAL_START_EXAMPLE) {
-    throw new UsageError(`--eval: ${encoding.name} has ${encoding.vocabSize} token ids, but llm.c's eval file holds uint16 ids below ${EVAL_START_EXAMPLE} and has no wider format`);
-  }
   const file = evalOutputPath(evalFile, outDir);
   refuseOverwrite([file], [evalFile]);
   const examples = readEvalJsonl(evalFile, encoding);
-  const buf = evalFileBuffer(examples);
+  const buf = evalFileBuffer(examples, encoding.vocabSize > EVAL_START_EXAMPLE);
   writeFileAtomic(file, buf);
   const counts = examples.map((ex) => ex.endingTokens.length);
   return {
