@@ -321,6 +321,7 @@ static int convert_model(const Options& o) {
     int files = 0;
     try {
         if (o.convert_format == "hf") {
+            hf_placements(config);  // a model Hugging Face has no form for is refused before the tokenizer's notes
             files = hf_save(config, params.data(), o.convert_to, o.convert_dtype, HF_SHARD_BYTES,
                             hf_tokenizer_files(model_source));
         } else {

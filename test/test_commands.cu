@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "llmc/gpt.cuh"
+#include "llmc/hf.h"
 #include "test_helpers.h"
 
 namespace test_commands {
@@ -85,6 +86,14 @@ void write_stand_in_model(const std::string& path) {
     gpt_save_params(c, params.data(), path);
 }
 
+// a small Llama as a Hugging Face directory, standing in for one a command names (Llama 3.2 1B's)
+void write_stand_in_hf_dir(const std::string& path) {
+    GPTConfig c = parse_model_descriptor("l2c64h4g2f128");
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 1);
+    hf_save(c, params.data(), path, "fp32");
+}
+
 TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --plan (--search and --calibrate as they are)",
           "[commands]") {
     REQUIRE(file_exists("./train_gpt"));
@@ -97,9 +106,15 @@ TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --p
         INFO("README: " << c.line);
         TempDir dir;  // the command's relative paths (-o out, data/...) land here, not in the repository
         std::vector<std::string> w = words(c.args);
-        for (size_t i = 0; i + 1 < w.size(); i++)
-            if (w[i] == "-e" && w[i + 1].size() > 4 && w[i + 1].compare(w[i + 1].size() - 4, 4, ".bin") == 0)
+        // a conversion has no dry run: its README line (the fine-tune path's) runs in test_hf.cu's fine-tune case
+        if (std::find(w.begin(), w.end(), "--convert") != w.end()) continue;
+        for (size_t i = 0; i + 1 < w.size(); i++) {
+            if (w[i] != "-e") continue;
+            if (w[i + 1].size() > 4 && w[i + 1].compare(w[i + 1].size() - 4, 4, ".bin") == 0)
                 write_stand_in_model(dir / w[i + 1]);
+            else if (!is_model_descriptor(w[i + 1]))
+                write_stand_in_hf_dir(dir / w[i + 1]);
+        }
         // the hardware profiles where a command run from the repository finds them
         REQUIRE(system(strfmt("mkdir -p '%s/dev' && ln -s '%s' '%s/dev/hardware'", dir.path.c_str(),
                               absolute("dev/hardware").c_str(), dir.path.c_str()).c_str()) == 0);
