@@ -14,6 +14,12 @@ inline float logsumexp_row(const float* row, int V) {
     return maxv + logf(sum);
 }
 
+inline float mean_loss(const float* losses, long N) {
+    double total = 0.0;
+    for (long n = 0; n < N; n++) total += losses[n];
+    return (float)(total / N);
+}
+
 // losses[n] = -log softmax(logits[n])[targets[n]]; returns their mean
 inline float crossentropy_forward(float* losses, const float* logits, const int* targets, long N, int V, int Vp) {
 #pragma omp parallel for
@@ -21,22 +27,29 @@ inline float crossentropy_forward(float* losses, const float* logits, const int*
         const float* row = logits + n * Vp;
         losses[n] = logsumexp_row(row, V) - row[targets[n]];
     }
-    double total = 0.0;
-    for (long n = 0; n < N; n++) total += losses[n];
-    return (float)(total / N);
+    return mean_loss(losses, N);
 }
 
 // logits become dloss/dlogits: (softmax - onehot(target)) * dloss, where dloss is each token's weight in the
-// loss (1 / number of tokens averaged over)
-inline void crossentropy_backward_inplace(float* logits, const int* targets, long N, int V, int Vp, float dloss) {
+// loss (1 / number of tokens averaged over); losses (may be null) receives the forward's losses from the same pass
+inline void crossentropy_backward_inplace(float* logits, float* losses, const int* targets, long N, int V, int Vp,
+                                          float dloss) {
 #pragma omp parallel for
     for (long n = 0; n < N; n++) {
         float* row = logits + n * Vp;
         float lse = logsumexp_row(row, V);
+        if (losses) losses[n] = lse - row[targets[n]];
         for (int v = 0; v < V; v++) row[v] = expf(row[v] - lse) * dloss;
         row[targets[n]] -= dloss;
         for (int v = V; v < Vp; v++) row[v] = 0.0f;
     }
+}
+
+// training's forward and backward in one pass: the losses and their mean as crossentropy_forward's, the logits
+// overwritten with their gradient as crossentropy_backward_inplace's
+inline float crossentropy_fused(float* losses, float* logits, const int* targets, long N, int V, int Vp, float dloss) {
+    crossentropy_backward_inplace(logits, losses, targets, N, V, Vp, dloss);
+    return mean_loss(losses, N);
 }
 
 // ==========================================================================================================
@@ -176,6 +189,13 @@ inline float crossentropy_forward(float* losses, const bf16* logits, const int* 
     crossentropy_forward_cuda(losses, logits, targets, N, V, Vp, main_stream());
     return mean_loss_from_device(losses, N);
 }
-inline void crossentropy_backward_inplace(bf16* logits, const int* targets, long N, int V, int Vp, float dloss) {
-    crossentropy_backward_inplace_cuda(logits, nullptr, targets, N, V, Vp, dloss, main_stream());
+inline void crossentropy_backward_inplace(bf16* logits, float* losses, const int* targets, long N, int V, int Vp,
+                                          float dloss) {
+    crossentropy_backward_inplace_cuda(logits, losses, targets, N, V, Vp, dloss, main_stream());
+}
+// training's forward and backward in one pass (as llm.c's fused classifier): the losses and their mean as the
+// forward's, the logits overwritten with their gradient as the backward's; the row is read once and written once
+inline float crossentropy_fused(float* losses, bf16* logits, const int* targets, long N, int V, int Vp, float dloss) {
+    crossentropy_backward_inplace_cuda(logits, losses, targets, N, V, Vp, dloss, main_stream());
+    return mean_loss_from_device(losses, N);
 }

@@ -384,6 +384,7 @@ struct MicroBatchSlot {
     int *device_inputs = nullptr, *device_targets = nullptr;  // the same, where the kernels read them
     int B = 0, T = 0;
     float loss = -1.0f;  // the chunk's loss: -1 without targets, or when the chunk is not the model's last
+    bool dlogits = false;  // the logits hold their gradient already: a training forward took both in one pass
 };
 
 template <typename floatX>
@@ -1024,14 +1025,17 @@ inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, 
 // the logits and, with targets, the loss, which it returns (the mean over the rank's tokens; on the GPU reading
 // it waits for the forward to finish); any other chunk returns -1 and leaves its output, the residual stream
 // after its last layer, in gpt_chunk_output() for the next stage. inputs and targets are the micro-batch's
-// whole B×T tokens on every chunk.
+// whole B×T tokens on every chunk. Training passes dloss, the weight its backward will give each token's loss:
+// the last chunk then turns the logits into their gradient in the pass that computes the loss (as llm.c's fused
+// classifier), so the logits are read once and written once, and the backward starts from them (0: the logits
+// stay, for sampling, scoring and validation).
 // Under tensor parallelism every rank of the group calls it with the same tokens; tp wraps the layer calls
 // that cross ranks (llmc/tp.cuh), and R = BT/tp rows of the residual stream live on each rank under sp.
 // Under context parallelism every rank of the cp group calls it with the same B×T tokens too, and keeps its
 // T/cp positions of each sequence (llmc/cp.cuh): only attention and the position embedding see where they are.
 template <typename floatX>
 inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const int* inputs, const int* targets, int B,
-                               int T) {
+                               int T, float dloss = 0.0f) {
     if (B > m.B || T > m.T) fail("forward: batch %dx%d exceeds the allocated %dx%d", B, T, m.B, m.T);
     const GPTConfig& c = m.config;
     const ModelPart& part = m.part;
@@ -1054,6 +1058,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     mb.B = B;
     mb.T = T;
     mb.loss = -1.0f;
+    mb.dlogits = false;
     Activations<floatX>& a = mb.acts;
     TensorParallel& tp = m.tp;
     float* ws = m.scratch.gemm;
@@ -1094,16 +1099,23 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     matmul_forward(a.logits, a.lnf, cls[classifier_tensor(c)], (const floatX*)nullptr, BT, C, d.Vl, ws);
     if (m.store) m.store->end_pass();
     if (!targets) return -1.0f;
-    mb.loss = tp.on() ? tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl)
-                      : crossentropy_forward(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size);
+    if (tp.on()) {
+        mb.loss = tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl);
+    } else if (dloss > 0.0f) {  // training: the logits' gradient from the same read of them
+        mb.loss = crossentropy_fused(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
+        mb.dlogits = true;
+    } else {
+        mb.loss = crossentropy_forward(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size);
+    }
     return mb.loss;
 }
 
 // the whole model on one micro-batch (a part that is the whole model: no pipeline)
 template <typename floatX>
-inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targets, int B, int T) {
+inline float gpt_forward(GPTModel<floatX>& m, const int* inputs, const int* targets, int B, int T,
+                         float dloss = 0.0f) {
     if (m.part.chunks() != 1 || !m.part.first || !m.part.last) fail("forward: the model holds a pipeline stage");
-    return gpt_forward_chunk(m, 0, 0, inputs, targets, B, T);
+    return gpt_forward_chunk(m, 0, 0, inputs, targets, B, T, dloss);
 }
 
 // Where a chunk's input arrives from the previous stage, and where its output waits for the next one: the
@@ -1274,7 +1286,8 @@ inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B,
 
 // Accumulates into the gradients the backward of chunk `chunk` for the micro-batch whose forward is in `slot`.
 // The model's last chunk starts from the loss (its forward must have had targets): dloss is the weight of
-// each token's loss in the objective, 1 / (B·T·micro-batches) for a mean over the global batch. Any other
+// each token's loss in the objective, 1 / (B·T·micro-batches) for a mean over the global batch (the forward's,
+// when the forward was given it and took the logits' gradient already). Any other
 // chunk starts from its output's gradient, which the next stage sent into gpt_chunk_output(). Returns where
 // the gradient of the chunk's input is, for the previous stage, until the next backward (null for the model's
 // first chunk).
@@ -1308,7 +1321,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     if (head) {
         // the classifier: logits turn into their gradient in place, then through its weight and the final norm
         if (tp.on()) tp.crossentropy_backward_inplace(a.logits, a.lse, mb.device_targets, BT, V, d.Vl, dloss);
-        else crossentropy_backward_inplace(a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
+        else if (!mb.dlogits) crossentropy_backward_inplace(a.logits, nullptr, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
         int unit = classifier_unit(c, Lp), t = classifier_tensor(c);
         ParamViews<floatX> cls = unit_params(m, unit), dcls = unit_grads(m, unit);
         matmul_backward(s.dln, dcls[t], (floatX*)nullptr, a.logits, a.lnf, cls[t], BT, C, d.Vl, ws);

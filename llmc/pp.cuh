@@ -117,8 +117,9 @@ struct Pipeline {
     static int slots_needed(const std::vector<PPAction>& actions) { return std::max(1, plan_slots(actions).peak); }
 
     // Executes `actions` over micro-batches of B×T tokens (inputs[j], targets[j] for micro-batch j; targets may
-    // be empty for a forward-only list, which leaves the logits). Returns the sum of the micro-batches' losses
-    // on the last stage, 0 elsewhere. Under data parallelism each backward and weight-gradient step tells dpr
+    // be empty for a forward-only list, which leaves the logits). dloss is each token's weight in the loss
+    // (gpt_backward_chunk's), 0 for a forward-only list. Returns the sum of the micro-batches' losses on the
+    // last stage, 0 elsewhere. Under data parallelism each backward and weight-gradient step tells dpr
     // whether it is of the last micro-batch, when ZeRO-0/1 reduce. A weight-gradient step needs the model's
     // backward split (gpt_allocate's split_backward).
     double run(GPTModel<floatX>& m, DataParallel<floatX>* dpr, const std::vector<PPAction>& actions,
@@ -174,7 +175,7 @@ struct Pipeline {
             int s = slot_for(a);
             if (a.op == PPOp::Forward) {
                 const int* labels = targets.empty() ? nullptr : targets[a.micro].data();
-                float l = gpt_forward_chunk(m, s, a.chunk, inputs[a.micro].data(), labels, B, T);
+                float l = gpt_forward_chunk(m, s, a.chunk, inputs[a.micro].data(), labels, B, T, dloss);
                 if (m.part.head(a.chunk) && labels) loss += l;
             } else {
                 // ZeRO-0/1 reduce a bucket when the last micro-batch's gradients of it are complete

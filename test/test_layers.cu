@@ -576,8 +576,11 @@ TEST_CASE("cross-entropy backward matches finite differences of the mean loss an
     CHECK(fwd_err < 1e-5);
     CHECK(fabs(mean_loss - total / BT) < 1e-5 * total / BT);
 
-    std::vector<float> grad = logits;
-    crossentropy_backward_inplace(grad.data(), targets.data(), BT, V, Vp, 1.0f / BT);
+    // training's fused pass: the forward's losses and mean, and the gradient in place of the logits
+    std::vector<float> grad = logits, fused_losses(BT);
+    float fused_mean = crossentropy_fused(fused_losses.data(), grad.data(), targets.data(), BT, V, Vp, 1.0f / BT);
+    CHECK(fused_losses == losses);
+    CHECK(fused_mean == mean_loss);
     double e_logits = gradient_error(logits, grad, 5e-2f, f);
     CHECK(e_logits < 5e-3);
     bool padding_zero = true;

@@ -103,8 +103,9 @@ void check_against_pytorch(const std::string& dir) {
         gpt_zero_grad(m);
         float l = 0.0f;
         for (int k = 0; k < ref.micro; k++) {  // the step's mean loss, over micro-batches of B×T tokens
-            l += gpt_forward(m, &ref.inputs[k * BT], &ref.targets[k * BT], ref.B, ref.T) / ref.micro;
-            gpt_backward(m, 1.0f / (BT * ref.micro));
+            float dloss = 1.0f / (BT * ref.micro);  // training's fused loss and logits' gradient
+            l += gpt_forward(m, &ref.inputs[k * BT], &ref.targets[k * BT], ref.B, ref.T, dloss) / ref.micro;
+            gpt_backward(m, dloss);
         }
         INFO("step " << step << ": ours " << l << ", PyTorch " << ref.losses[step]);
         CHECK(fabs(l - ref.losses[step]) / ref.losses[step] < 1e-5);

@@ -33,7 +33,7 @@ struct ClassifierCase {
         upload(d_targets, targets);
         crossentropy_forward(losses.data(), logits.data(), targets.data(), N, V, Vp);
         grad = logits;
-        crossentropy_backward_inplace(grad.data(), targets.data(), N, V, Vp, dloss);
+        crossentropy_backward_inplace(grad.data(), nullptr, targets.data(), N, V, Vp, dloss);
     }
     void reset_logits() { upload(d_logits, logits); }
     void gpu_forward() { crossentropy_forward_cuda(d_losses.ptr, d_logits.ptr, d_targets.ptr, N, V, Vp, 0); }
