@@ -954,6 +954,7 @@ estimate() {
     local p=$1
     if [[ $DEVICE == cpu ]]; then echo "${EST_CPU[$p]}"
     elif [[ $p == build && $PREBUILT == 1 ]]; then echo 5
+    elif [[ $p == fp8 && -z $FP8_SPEED ]] && (( !QUICK )); then echo 120  # the [cuda][fp8] tests and FP8_RUNS alone
     elif (( QUICK )) && [[ -n ${EST_QUICK[$p]:-} ]]; then echo "${EST_QUICK[$p]}"
     else echo "${EST_FULL[$p]}"; fi
 }
