@@ -290,17 +290,18 @@ compare_losses() {
              printf "%s %d\n", worst == "inf" ? "inf" : sprintf("%.3e", worst), n
          }' <(losses "$1") <(losses "$2")
 }
-# compare_windows REF OTHER W SKIP: the same over the means of W consecutive steps after the first SKIP
-# (SKIP+1..SKIP+W, ...; a last window shorter than W is left out), and the number of windows compared
+# compare_windows REF OTHER W FIRST [END]: the same over the means of W consecutive steps from step FIRST up to
+# END (main.log counts steps from 0: FIRST..FIRST+W-1, ...; a last window shorter than W is left out), and the
+# number of windows compared
 compare_windows() {
-    awk -v w="$3" -v skip="$4" 'NR == FNR { ref[$1] = $2; next }
+    awk -v w="$3" -v first="$4" -v end="${5:-}" 'NR == FNR { ref[$1] = $2; next }
          { got[$1] = $2 }
          END {
              worst = 0; n = 0
              for (s in ref) {
+                 if (s + 0 < first + 0 || (end != "" && s + 0 >= end + 0)) continue
                  if (!(s in got) || got[s] !~ /^-?[0-9]/ || ref[s] !~ /^-?[0-9]/) { worst = "inf"; break }
-                 if (s + 0 <= skip + 0) continue
-                 k = int((s - skip - 1) / w); rsum[k] += ref[s]; gsum[k] += got[s]; count[k]++
+                 k = int((s - first) / w); rsum[k] += ref[s]; gsum[k] += got[s]; count[k]++
              }
              if (worst != "inf")
                  for (k in count) {
@@ -760,12 +761,12 @@ phase_fp8() {
             read -r diff n < <(compare_windows "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log" \
                 "$FP8_WINDOW" "$FP8_SKIP")
             read -r step_diff _ < <(compare_losses "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log")
-            figure="max rel. difference of $FP8_WINDOW-step mean losses after step $FP8_SKIP $diff over $n windows"
-            figure+=" (tolerance $FP8_TOL; single steps $step_diff"
+            figure="max rel. difference of $FP8_WINDOW-step mean losses after the first $FP8_SKIP steps $diff over $n"
+            figure+=" windows (tolerance $FP8_TOL; single steps $step_diff"
             if (( FP8_SKIP > 0 )); then
                 read -r warm _ < <(compare_windows "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log" \
-                    "$FP8_SKIP" 0)
-                figure+=", the mean of steps 1-$FP8_SKIP $warm"
+                    "$FP8_SKIP" 0 "$FP8_SKIP")
+                figure+=", the mean of the first $FP8_SKIP $warm"
             fi
             figure+=")"
             if within "$diff" "$FP8_TOL"; then result PASS fp8 "$name" "$figure"; else result FAIL fp8 "$name" "($figure)"; fi
