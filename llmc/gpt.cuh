@@ -272,8 +272,9 @@ inline ActivationSlot slot(const char* name, E*& p, size_t count, int recomputed
     return {name, reinterpret_cast<void**>(&p), sizeof(E), count, recomputed};
 }
 
-// Every per-layer activation slot, sized: the norm outputs are whole (they enter a column-parallel layer), their
-// statistics and the residual stream are the rank's rows, the rest local. The output gradients of the
+// Every per-layer activation slot, sized: the norm outputs, their statistics and the residual stream are the
+// rank's rows (under sp the norm outputs are gathered again where a matmul reads them: norm_rows), the rest
+// local. The output gradients of the
 // four matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
 // the matmul; the MLP's two not for experts, whose weight gradients backward takes at once); with experts the
 // rows the experts took (expert-major) and gave back (dispatch order), and the hidden layers the experts' rows.
@@ -281,10 +282,10 @@ template <typename floatX>
 inline std::vector<ActivationSlot> layer_slots(Activations<floatX>& a, const LocalDims& d, bool split) {
     size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
     size_t means = d.means ? R : 0;
-    return {slot("ln1", a.ln1, BT * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, means), slot("ln1_rstd", a.ln1_rstd, R),
+    return {slot("ln1", a.ln1, R * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, means), slot("ln1_rstd", a.ln1_rstd, R),
             slot("qkv", a.qkv, BT * d.QKVl), slot("att", a.att, attention_state_floats(d, device_of<floatX>)),
             slot("atty", a.atty, BT * d.Cl), slot("attproj", a.attproj, R * C), slot("residual2", a.residual2, R * C),
-            slot("ln2", a.ln2, BT * C, RECOMPUTE_LAYERNORM), slot("ln2_mean", a.ln2_mean, means), slot("ln2_rstd", a.ln2_rstd, R),
+            slot("ln2", a.ln2, R * C, RECOMPUTE_LAYERNORM), slot("ln2_mean", a.ln2_mean, means), slot("ln2_rstd", a.ln2_rstd, R),
             slot("fch", a.fch, mlp_rows * d.FCl), slot("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_GELU),
             slot("fcproj", a.fcproj, R * C), slot("residual3", a.residual3, R * C), slot("dqkv", a.dqkv, S * BT * d.QKVl),
             slot("dattproj", a.dattproj, S * BT * C), slot("dfch", a.dfch, M * BT * d.FCl), slot("dfcproj", a.dfcproj, M * BT * C),
@@ -349,13 +350,14 @@ inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, cons
 // buffers that live only inside backward (activation gradients), plus the kernels' workspaces (on the CPU the
 // GEMM's packing panels and attention's rows per thread; on the GPU the shared kernel scratch of
 // llmc/device.cuh); under tensor parallelism also the partial sums of row-parallel outputs, and under sequence
-// parallelism the gathered output gradients and the reduced input gradients. dact: the gradient of SwiGLU's
+// parallelism the gathered output gradients, the reduced input gradients and a norm's output gathered (the
+// layers keep their own rows of it: norm_rows). dact: the gradient of SwiGLU's
 // output, which is half as wide as its input's (GPT-2's GELU takes its gradient in place: null)
 template <typename floatX>
 struct Scratch {
     floatX *dresidual, *dln, *dqkv, *datty, *dfch, *dact;
     float *attention, *gemm;
-    floatX *partial, *gather, *whole, *dchunk;
+    floatX *partial, *gather, *whole, *dchunk, *norm_whole;
 };
 
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
@@ -556,6 +558,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.gather = tp.size > 1 ? scr(BT * C / tp.size) : nullptr;
     s.whole = tp.sp ? scr(BT * C) : nullptr;
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
+    s.norm_whole = tp.sp ? scr(BT * C) : nullptr;
     m.tp.gather = s.gather;
     if (!config.learned_positions()) {  // RoPE's (cos, sin) table for every position the model takes
         size_t n = (size_t)config.max_seq_len * d.hd;
@@ -940,13 +943,33 @@ struct LayerInput {
     const floatX* residual() const { return prev ? prev->residual3 : chunk_input; }
 };
 
+// A norm's output for every row, where a matmul reads it (its forward, and its weight gradient in backward).
+// Each rank keeps only the R rows it computed: under sp they are gathered into the scratch again each time, as
+// Megatron-LM's sequence parallelism does, an all-gather more in backward for the 2·(BT - R)·C values a layer
+// would otherwise keep; without sp the rows kept are every row.
+template <typename floatX>
+inline const floatX* norm_rows(GPTModel<floatX>& m, const floatX* mine, long BT, long C) {
+    return m.tp.all_rows(mine, m.scratch.norm_whole, BT, (int)C);
+}
+// ... in backward: first computed again from the norm's input under -r 2 (the rank's rows, from the saved
+// statistics)
+template <typename floatX>
+inline const floatX* norm_rows_again(GPTModel<floatX>& m, const LocalDims& d, floatX* mine, float* mean, float* rstd,
+                                     const floatX* inp, const floatX* weight, const floatX* bias) {
+    if (m.recompute >= RECOMPUTE_LAYERNORM) {
+        if (m.config.llama()) rmsnorm_forward(mine, rstd, inp, weight, d.R, d.C, m.config.norm_eps);
+        else layernorm_forward(mine, mean, rstd, inp, weight, bias, d.R, d.C);
+    }
+    return norm_rows(m, mine, d.BT, d.C);
+}
+
 // A layer's mixture of experts (llmc/moe.cuh) in place of its MLP, for either architecture's layer body:
-// forward from the norm's output ln2, and backward from the MLP output's gradient dout (SwiGLU experts take the
-// hidden units' gradient in a buffer of its own, half as wide as the first matmul's)
+// forward from the norm's output ln2 (every row), and backward from the MLP output's gradient dout (SwiGLU
+// experts take the hidden units' gradient in a buffer of its own, half as wide as the first matmul's)
 template <typename floatX>
 inline void layer_experts_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                                  const ParamViews<floatX>& w, MoERoute& route, int layer) {
-    m.moe.forward(la.fcproj, m.scratch.partial, route, la.moe_in, la.fch, la.fch_act, la.moe_out, la.ln2,
+                                  const floatX* ln2, const ParamViews<floatX>& w, MoERoute& route, int layer) {
+    m.moe.forward(la.fcproj, m.scratch.partial, route, la.moe_in, la.fch, la.fch_act, la.moe_out, ln2,
                   expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, m.cp, layer, m.scratch.gemm, fp8_for(m, layer, true));
 }
 template <typename floatX>
@@ -954,10 +977,10 @@ inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int 
                                    const ParamViews<floatX>& w, const ParamViews<floatX>& dw, const MoERoute& route,
                                    const floatX* dout, float dloss, int layer) {
     Scratch<floatX>& s = m.scratch;
-    recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+    const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
     floatX* dhidden = d.FCl != d.Hl ? s.dact : s.dfch;
     m.moe.backward(s.dln, expert_tensors(m, dw), dout, dhidden, s.dfch, route, la.moe_in, la.fch, la.fch_act, la.moe_out,
-                   la.ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm, fp8_for(m, layer, true));
+                   ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm, fp8_for(m, layer, true));
 }
 
 // GPT-2's layer, forward, in the order of the Playbook's diagrams: layernorm, qkv, attention, the attention
@@ -968,24 +991,23 @@ template <typename floatX>
 inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
     TensorParallel& tp = m.tp;
-    long BT = d.BT, R = d.R, C = d.C, first = tp.first_row(BT) * C;
+    long BT = d.BT, R = d.R, C = d.C;
     float* ws = m.scratch.gemm;
     floatX* partial = m.scratch.partial;
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
-    if (!in.prev) layernorm_forward(la.ln1 + first, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
-    else fused_residual_layernorm_forward(in.prev->residual3, la.ln1 + first, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
+    if (!in.prev) layernorm_forward(la.ln1, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
+    else fused_residual_layernorm_forward(in.prev->residual3, la.ln1, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
                                           in.prev->fcproj, w[LN1W], w[LN1B], R, C);
-    tp.gather_rows(la.ln1, BT, C);
-    matmul_forward(la.qkv, la.ln1, w[QKVW], w[QKVB], BT, C, d.QKVl, ws, fp8);
+    matmul_forward(la.qkv, norm_rows(m, la.ln1, BT, C), w[QKVW], w[QKVB], BT, C, d.QKVl, ws, fp8);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws, fp8);
-    fused_residual_layernorm_forward(la.residual2, la.ln2 + first, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
+    fused_residual_layernorm_forward(la.residual2, la.ln2, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
                                      w[LN2W], w[LN2B], R, C);
-    tp.gather_rows(la.ln2, BT, C);
+    const floatX* ln2 = norm_rows(m, la.ln2, BT, C);
     if (route) {
-        layer_experts_forward(m, d, B, la, w, *route, layer);
+        layer_experts_forward(m, d, B, la, ln2, w, *route, layer);
     } else {
-        matmul_gelu_forward(la.fch_act, la.fch, la.ln2, w[FCW], w[FCB], BT, C, d.Hl, ws, fp8);
+        matmul_gelu_forward(la.fch_act, la.fch, ln2, w[FCW], w[FCB], BT, C, d.Hl, ws, fp8);
         tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws, fp8);
     }
 }
@@ -998,23 +1020,22 @@ template <typename floatX>
 inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                 const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
     TensorParallel& tp = m.tp;
-    long BT = d.BT, R = d.R, C = d.C, first = tp.first_row(BT) * C;
+    long BT = d.BT, R = d.R, C = d.C;
     float* ws = m.scratch.gemm, eps = m.config.norm_eps;
     floatX* partial = m.scratch.partial;
     const floatX* none = nullptr;
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
-    if (!in.prev) rmsnorm_forward(la.ln1 + first, la.ln1_rstd, in.chunk_input, w[LN1W], R, C, eps);
-    else fused_residual_rmsnorm_forward(in.prev->residual3, la.ln1 + first, la.ln1_rstd, in.prev->residual2,
-                                        in.prev->fcproj, w[LN1W], R, C, eps);
-    tp.gather_rows(la.ln1, BT, C);
-    matmul_forward(la.qkv, la.ln1, w[QKVW], none, BT, C, d.QKVl, ws, fp8);
+    if (!in.prev) rmsnorm_forward(la.ln1, la.ln1_rstd, in.chunk_input, w[LN1W], R, C, eps);
+    else fused_residual_rmsnorm_forward(in.prev->residual3, la.ln1, la.ln1_rstd, in.prev->residual2, in.prev->fcproj,
+                                        w[LN1W], R, C, eps);
+    matmul_forward(la.qkv, norm_rows(m, la.ln1, BT, C), w[QKVW], none, BT, C, d.QKVl, ws, fp8);
     rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws, fp8);
-    fused_residual_rmsnorm_forward(la.residual2, la.ln2 + first, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
-    tp.gather_rows(la.ln2, BT, C);
-    if (route) return layer_experts_forward(m, d, B, la, w, *route, layer);
-    matmul_forward(la.fch, la.ln2, w[FCW], none, BT, C, d.FCl, ws, fp8);
+    fused_residual_rmsnorm_forward(la.residual2, la.ln2, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
+    const floatX* ln2 = norm_rows(m, la.ln2, BT, C);
+    if (route) return layer_experts_forward(m, d, B, la, ln2, w, *route, layer);
+    matmul_forward(la.fch, ln2, w[FCW], none, BT, C, d.FCl, ws, fp8);
     swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
     tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws, fp8);
 }
@@ -1175,23 +1196,14 @@ inline std::vector<double> gpt_row_losses(GPTModel<floatX>& m, const std::vector
     return summed;
 }
 
-// What forward did not keep under -r, computed again exactly as forward did (and gathered again under sp) where
-// a layer's backward or its weight-gradient step reads it: the MLP's activation (-r 1: GELU's output, or
-// SwiGLU's product), the norms' outputs (-r 2)
+// What forward did not keep under -r, computed again exactly as forward did where a layer's backward or its
+// weight-gradient step reads it: the MLP's activation (-r 1: GELU's output, or SwiGLU's product), the norms'
+// outputs (-r 2: norm_rows_again)
 template <typename floatX>
 inline void recompute_activation(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
     if (m.recompute < RECOMPUTE_GELU) return;
     if (m.config.llama()) swiglu_forward(la.fch_act, la.fch, rows, d.Hl);
     else gelu_forward(la.fch_act, la.fch, rows * d.Hl);
-}
-template <typename floatX>
-inline void recompute_norm(GPTModel<floatX>& m, const LocalDims& d, floatX* out, float* mean, float* rstd,
-                           const floatX* inp, const floatX* weight, const floatX* bias) {
-    if (m.recompute < RECOMPUTE_LAYERNORM) return;
-    floatX* rows = out + m.tp.first_row(d.BT) * d.C;
-    if (m.config.llama()) rmsnorm_forward(rows, rstd, inp, weight, d.R, d.C, m.config.norm_eps);
-    else layernorm_forward(rows, mean, rstd, inp, weight, bias, d.R, d.C);
-    m.tp.gather_rows(out, d.BT, d.C);
 }
 
 template <typename floatX>
@@ -1217,7 +1229,7 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     recompute_activation(m, la, d, route ? route->rows : BT);
 
-    const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    const floatX* dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (route) {
         layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
@@ -1227,17 +1239,20 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
         // that bias gradient with fc's weight gradient to the W step
         gelu_matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), now(dw[FCB]), dout, la.fch_act, la.fch,
                              w[FCPROJW], BT, d.Hl, C, ws, fp8);
-        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+        // the norm's output is read by the weight gradient alone (a split backward's W step reads it there)
+        const floatX* ln2 =
+            split ? none : norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        matmul_backward(s.dln, now(dw[FCW]), none, dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
-    dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
     matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
-    recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-    matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
+    const floatX* ln1 =
+        split ? none : norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
+    matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
 }
@@ -1261,25 +1276,28 @@ inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B,
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     recompute_activation(m, la, d, route ? route->rows : BT);
 
-    const floatX* dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    const floatX* dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (route) {
         layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
         matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
         swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
-        recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), none, dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+        // the norm's output is read by the weight gradient alone (a split backward's W step reads it there)
+        const floatX* ln2 =
+            split ? none : norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        matmul_backward(s.dln, now(dw[FCW]), none, dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     rmsnorm_backward(s.dresidual, dw[LN2W], dln_rows, la.residual2, w[LN2W], la.ln2_rstd, R, C);
-    dout = tp.row_parallel_dout(s.dresidual, s.whole, BT, C);
+    dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
     matmul_backward(s.datty, now(dw[ATTPROJW]), none, dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
     rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
-    recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-    matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
+    const floatX* ln1 =
+        split ? none : norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
+    matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     rmsnorm_backward(s.dresidual, dw[LN1W], dln_rows, residual, w[LN1W], la.ln1_rstd, R, C);
 }
@@ -1396,12 +1414,12 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         if (!m.config.moe()) {
             recompute_activation(m, la, d, BT);
             matmul_backward(none, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
-            recompute_norm(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            matmul_backward(none, dw[FCW], dw[FCB], la.dfch, la.ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+            const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+            matmul_backward(none, dw[FCW], dw[FCB], la.dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
         }
         matmul_backward(none, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
-        recompute_norm(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-        matmul_backward(none, dw[QKVW], dw[QKVB], la.dqkv, la.ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
+        const floatX* ln1 = norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
+        matmul_backward(none, dw[QKVW], dw[QKVB], la.dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
         done(unit);
     }
     if (chunk == 0) done(embedding_unit(Lp));

@@ -147,9 +147,10 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         p.bytes[MEM_COMM] = X * staging;
     }
     // What forward keeps for backward, from the model's activation slots (llmc/gpt.cuh), which say what each
-    // holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs whole,
-    // their statistics, qkv, the softmax probabilities (on the GPU the logsumexps), attention's output, the MLP's
-    // hidden layer before and after GELU, and the two projections' outputs and residual sums; around the layers
+    // holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs (under sp
+    // the rank's rows, gathered again in backward), their statistics, qkv, the softmax probabilities (on the GPU
+    // the logsumexps), attention's output, the MLP's hidden layer before and after GELU, and the two
+    // projections' outputs and residual sums; around the layers
     // the embedding output and on the last stage the final layernorm, the logits and the losses. With -r 1
     // GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only. The GPU keeps
     // the tokens and targets (2·BT int32); ring attention (cp > 1) GPT-2's position embedding at the T rows of
@@ -171,12 +172,13 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // qkv (BT·QKVl: 3·BT·Cl for GPT-2), attention output (BT·Cl), the MLP's first matmul's output
     // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl); T floats per thread for attention; the GEMM's
     // packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the all-reduce
-    // (BT·C/t); under sp the gathered output gradient (BT·C) and a reduced input gradient (R·C). On the GPU the
+    // (BT·C/t); under sp the gathered output gradient (BT·C), a reduced input gradient (R·C) and a norm's output
+    // gathered (BT·C: the layers keep their R rows of it). On the GPU the
     // kernels' shared scratch replaces the last two. Llama's RoPE table: maxT·hd fp32 (cos and sin per position
     // and frequency).
     size_t scratch = R * C + BT * C + BT * d.QKVl + BT * Cl + mlp_rows * d.FCl + (d.FCl != d.Hl ? mlp_rows * Hl : 0);
     if (t > 1) scratch += BT * C + BT * C / t;
-    if (par.sp) scratch += BT * C + R * C;
+    if (par.sp) scratch += 2 * BT * C + R * C;
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
     if (!c.learned_positions()) kernels += (size_t)c.max_seq_len * d.hd;
     // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Kl, Kl = KV/t·hd the rank's key
@@ -243,8 +245,9 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // wpe: 4LC + 2C + maxT·C; Llama's 2LC + C) are summed over the group (all-gathered), and so are, under any tp,
 // the key/value heads' rows that several ranks hold when tp exceeds KV (2·hd·C a layer, gathered from the whole
 // group, summed over the ranks holding them): once per reduction, that is once per step under ZeRO-0/1, each
-// micro-step under ZeRO-2/3. The norm all-gathers one double. Recomputing the layernorms (-r 2) under sp
-// gathers their outputs again in backward: 2L more units. With experts, each layer's backward sums the gates'
+// micro-step under ZeRO-2/3. The norm all-gathers one double. Under sp each rank keeps its rows of the two norm
+// outputs, and backward gathers them again for the weight gradients (Megatron-LM's sequence parallelism): 2L
+// more units. With experts, each layer's backward sums the gates'
 // gradients over the group (all-gathers BT·K fp32). Activations and gradients move as stored (bf16 on the
 // GPU), the cross-entropy's three and the gates' gradients as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
@@ -254,7 +257,7 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     ModelPart part = planned_part(c, par);
     double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = part.layers(), k = par.accumulation;
     double first = part.first, last = part.last;
-    double units = 8 * L + 2 * (first + last) + (par.sp && par.recompute >= 2 ? 2 * L : 0), value = stored_value_bytes(device);
+    double units = 8 * L + 2 * (first + last) + (par.sp ? 2 * L : 0), value = stored_value_bytes(device);
     double gates = c.moe() ? L * (t - 1) * BT * c.top_k * sizeof(float) : 0.0;
     double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float) + gates;
     ModelTable table = model_table(c);

@@ -150,13 +150,13 @@ struct StepModel {
         }
         // tp: each layer crosses into and out of its two parallel regions, forward and backward (2 units of
         // (t-1)/t·BT·C each, by planned_tp_comm_bytes' count); the embeddings and the head one crossing each way,
-        // and the cross-entropy's three floats per token; -r 2 under sp gathers the layernorms again
+        // and the cross-entropy's three floats per token; under sp backward gathers the two norm outputs again
         if (par.tp > 1) {
             Link l = tp_link();
             double unit = (t - 1) / t * BT * C * X;
             double regions = layers * 4 * unit + (embeddings + head) * unit, calls = layers * 2 + embeddings + head;
             double ce = head ? (t - 1) * BT * 3 * sizeof(float) : 0.0;
-            double regathered = par.sp && par.recompute >= 2 ? layers * 2 * unit : 0.0;
+            double regathered = par.sp ? layers * 2 * unit : 0.0;
             double f = link_seconds(l, regions + ce, calls + head);
             p.tp = f + link_seconds(l, regions + regathered, calls + (regathered > 0 ? 2 * layers : 0));
             p.forward_comm += f;

@@ -354,9 +354,11 @@ struct TensorParallel {
         else if (!spec.sp) device_copy<floatX>(out, partial, BT * OC);  // no bias (Llama): the sum itself
     }
 
-    // the output gradient of a row-parallel layer for every row: gathered (sp) or as it is
+    // every row of a tensor sequence parallelism keeps in row pieces (a norm's output entering a column-parallel
+    // layer, a row-parallel layer's output gradient): this rank's rows gathered from the group into whole (sp),
+    // or mine as it is (mine holds every row already)
     template <typename floatX>
-    const floatX* row_parallel_dout(const floatX* mine, floatX* whole, long BT, int C) {
+    const floatX* all_rows(const floatX* mine, floatX* whole, long BT, int C) {
         if (!on() || !spec.sp) return mine;
         long n = rows(BT) * C;
         comm->wait(comm->all_gather(mine, whole, n, dtype_of<floatX>()));
@@ -385,7 +387,7 @@ struct TensorParallel {
         long BT = (long)B * T;
         // wpe: from this rank's rows (under sp a partial sum, completed before the dp reduction)
         if (dwpe) position_grads(dwpe, dout, rows(BT), first_row(BT), T, C);
-        const floatX* d = row_parallel_dout(dout, whole, BT, C);
+        const floatX* d = all_rows(dout, whole, BT, C);
         masked_embedding_grads(dwte, d, tokens, BT, C, (long)spec.rank * Vl, Vl);
     }
 

@@ -29,9 +29,9 @@ const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
 const char* MOE = "l4c32h4g2f80t32v301e4k2";  // Mixtral's shape: 4 SwiGLU experts in every layer, top 2
 
-TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
           "cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
-          "tied Llama under pp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 and dp 2",
+          "tied Llama under pp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 (-r 0 and 2) and dp 2",
           "[llama][parallel]") {
     Data data;
     TempDir out;
@@ -48,6 +48,7 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 ove
     }
     for (Layout l : {Layout{"dp2_z1", LLAMA, 2, 2, " -z 1"}, Layout{"dp2_z3", LLAMA, 2, 2, " -z 3"},
                      Layout{"tp2_sp", LLAMA, 2, 2, " --tp 2 --sp 1"}, Layout{"tp2", LLAMA, 2, 2, " --tp 2 --sp 0"},
+                     Layout{"tp2_sp_r1", LLAMA, 2, 2, " --tp 2 --sp 1 -r 1"}, Layout{"tp2_sp_r2", LLAMA, 2, 2, " --tp 2 --sp 1 -r 2"},
                      Layout{"tp4_sp", LLAMA, 4, 2, " --tp 4 --sp 1 --debug-check-replicas 1"},
                      Layout{"tp4_z2", LLAMA, 4, 2, " --tp 4 --sp 0 -z 2 --debug-check-replicas 1"},
                      Layout{"pp2_1f1b", LLAMA, 2, 2, " --pp 2 --debug-check-replicas 1"},
@@ -60,6 +61,7 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 ove
                      Layout{"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"},
                      Layout{"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}, Layout{"tied_cp2", TIED, 2, 2, " --cp 2"},
                      Layout{"moe_ep2", MOE, 2, 2, " --ep 2 -z 1"}, Layout{"moe_ep2_tp2", MOE, 4, 2, " --ep 2 --tp 2 -z 1"},
+                     Layout{"moe_ep2_tp2_r2", MOE, 4, 2, " --ep 2 --tp 2 --sp 1 -z 1 -r 2"},
                      Layout{"moe_dp2", MOE, 2, 2, " -z 1"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;

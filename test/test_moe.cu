@@ -126,6 +126,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumu
     for (Layout l : {Layout{"ep2", 2, 2, " --ep 2"}, Layout{"ep4", 4, 1, " --ep 4"},
                      Layout{"ep2_dp4", 4, 1, " --ep 2"}, Layout{"ep2_z1", 2, 2, " --ep 2 -z 1"},
                      Layout{"ep2_z3", 2, 2, " --ep 2 -z 3"}, Layout{"ep2_tp2", 4, 2, " --ep 2 --tp 2"},
+                     Layout{"ep2_tp2_r1", 4, 2, " --ep 2 --tp 2 -r 1"},
                      Layout{"ep2_pp2", 4, 1, " --ep 2 --pp 2"}, Layout{"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
                      Layout{"ep2_cp2", 4, 2, " --ep 2 --cp 2"}, Layout{"ep2_r2", 2, 2, " --ep 2 -r 2"},
                      Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {

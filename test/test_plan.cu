@@ -129,7 +129,9 @@ TEST_CASE("the GPU's dp and tp byte formulas equal the bytes counted on an H100"
     }
     ParallelPlan tp2;
     tp2.tp = 2, tp2.sp = true, tp2.accumulation = 4, tp2.recompute = 1;
-    CHECK(planned_tp_comm_bytes(d12, tp2, 4, 1024, Device::CUDA) == 1260137480.0);
+    // counted there 1,260,137,480; sp now also gathers each layer's two layernorm outputs again in backward (each
+    // rank keeps its rows of them): 4 micro-steps × 2 × 12 layers × (t-1)/t × 4096 rows × 768 bf16 more
+    CHECK(planned_tp_comm_bytes(d12, tp2, 4, 1024, Device::CUDA) == 1260137480.0 + 4 * 2 * 12 * 0.5 * 4096 * 768 * 2);
 }
 
 TEST_CASE("plan_memory for d12 at B=4 T=64 matches a hand count", "[plan]") {

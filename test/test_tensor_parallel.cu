@@ -119,14 +119,17 @@ TEST_CASE("--plan predicts the ledger of every tp and dp rank, with and without 
     }
 }
 
-TEST_CASE("the counted tp and dp bytes equal the formulas and --plan; sp adds only the layernorm and wpe gradients", "[tp]") {
+TEST_CASE("the counted tp and dp bytes equal the formulas and --plan; sp adds the norm outputs' second gathers "
+          "and the layernorm and wpe gradients", "[tp]") {
     Data data;
     TempDir out;
-    // Every rank runs tp 2 on micro-batches of the same shape, so the activations move the same bytes in every
-    // layout below, with sp or without (sp's all-gathers and reduce-scatters are the all-reduce's two halves).
-    // Under sp the layernorm parameters and wpe see a rank's rows only: their gradients are partial and one
-    // all-reduce over tp adds them, in every gradient reduction (once per step under ZeRO-0/1, once per micro-step
-    // under ZeRO-2/3): 2(tp-1)/tp of their fp32 bytes each time.
+    // Every rank runs tp 2 on micro-batches of the same shape, so the activations' crossings of the parallel
+    // regions move the same bytes in every layout below, with sp or without (sp's all-gathers and
+    // reduce-scatters are the all-reduce's two halves). Under sp each rank keeps only its rows of the two
+    // layernorm outputs and backward gathers them again for the weight gradients: 2·L·(tp-1)/tp·BT·C floats a
+    // micro-step. And the layernorm parameters and wpe see a rank's rows only: their gradients are partial and
+    // one all-reduce over tp adds them, in every gradient reduction (once per step under ZeRO-0/1, once per
+    // micro-step under ZeRO-2/3): 2(tp-1)/tp of their fp32 bytes each time.
     GPTConfig c = parse_model_descriptor(TP_MODEL);
     const int L = c.num_layers, C = c.channels, accumulation = 2;
     const double sequence_split_floats = 4.0 * L * C + 2.0 * C + (double)c.max_seq_len * C;
@@ -145,9 +148,11 @@ TEST_CASE("the counted tp and dp bytes equal the formulas and --plan; sp adds on
         CommLine tpl = tp_comm_line(run), dpl = dp_comm_line(run);
         if (tp_bytes < 0) tp_bytes = tpl.sent;
         double reductions = l.zero >= 2 ? accumulation : 1;
+        double gathered_again = l.sp ? accumulation * 2.0 * L * (2 - 1) / 2 * (2 * 16) * C * sizeof(float) : 0.0;
         double sp_extra = l.sp ? reductions * 2.0 * (2 - 1) / 2 * sequence_split_floats * sizeof(float) : 0.0;
-        INFO("without sp " << tp_bytes << " bytes; sp adds " << sp_extra << " for the layernorm and wpe gradients");
-        CHECK(tpl.sent == tp_bytes + sp_extra);
+        INFO("without sp " << tp_bytes << " bytes; sp adds " << gathered_again << " for the norm outputs gathered "
+             "again and " << sp_extra << " for the layernorm and wpe gradients");
+        CHECK(tpl.sent == tp_bytes + gathered_again + sp_extra);
         if (dp > 1) {
             require_counted_equals_formula(run, l.zero);
         } else {
