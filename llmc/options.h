@@ -80,6 +80,9 @@ struct Options {
     int debug_nan_step = -1;                            // --debug-nan-step (tests only)
     int debug_sigterm_step = -1;                        // --debug-sigterm-step (tests only)
     std::string debug_eval_scores;                      // --debug-eval-scores (tests only)
+    // every flag the command line gave, with its value as written ("" for --plan and --search): what a flag's
+    // default would otherwise decide, it decides (--search holds it fixed)
+    std::map<std::string, std::string> given;
 
     bool planning() const { return plan || search; }    // predicting only: no data, no ranks, no GPU needed
     size_t bucket_floats() const { return (size_t)(bucket_mb * 1048576.0 / 4.0); }  // --bucket-mb as fp32 elements
@@ -174,7 +177,9 @@ inline const char* USAGE =
     "                    (dev/hardware/)                 [dev/hardware/h100.txt on cuda, cpu.txt on cpu]\n"
     "  --gpus-per-node G  with --plan or --search: devices per node, which groups fit in [the profile's]\n"
     "  --search          with --gpus N and -d: the best layouts of N devices, predicted, and exit; it\n"
-    "                    tries every -b, --tp, --cp, --pp, --pp-schedule, --vpp, --ep, -z and -r [off]\n"
+    "                    tries every -b, --tp, --sp, --cp, --pp, --pp-schedule, --vpp, --ep, -z, -r and\n"
+    "                    --fp8 (where the profile prices FP8) that the command line does not give, and\n"
+    "                    holds those it gives fixed                                [off]\n"
     "  --gpus N          with --search: the devices to lay the run out on          [none]\n"
     "  --calibrate FILE  measure this machine's profile (matmul, attention, memory, and the collectives\n"
     "                    under mpirun) into FILE, starting from --hardware's figures, and exit [none]\n"
@@ -310,12 +315,14 @@ inline Options parse_options(int argc, char** argv) {
         }
         if (flag == "--plan" || flag == "--search") {
             (flag == "--plan" ? o.plan : o.search) = true;
+            o.given[flag] = "";
             continue;
         }
         auto handler = setters.find(flag);
         if (handler == setters.end()) fail("%s: unknown flag (see --help)", flag.c_str());
         if (i + 1 >= argc) fail("%s: missing value (see --help)", flag.c_str());
         handler->second(flag, argv[++i]);
+        o.given[flag] = argv[i];
     }
     if (o.total_batch == 0 || o.total_batch < -1) fail("-d %ld: must be positive, or -1 for one micro-batch", o.total_batch);
     if ((o.checkpoint_every > 0 || o.resume) && o.out_dir.empty()) fail("-n and -y need an output directory (-o)");
@@ -327,7 +334,6 @@ inline Options parse_options(int argc, char** argv) {
     if (o.vpp > 1 && o.pp_schedule != "interleaved")
         fail("--vpp %d: only the interleaved schedule runs virtual stages (--pp-schedule interleaved)", o.vpp);
     if (!o.trace.empty() && o.pp == 1) fail("--trace %s: traces the pipeline; needs --pp > 1", o.trace.c_str());
-    if (o.sp == 1 && o.tp == 1) fail("--sp 1: sequence parallelism needs tensor parallelism (--tp > 1)");
     if (o.sp == -1) o.sp = o.tp > 1;
     if (!o.convert.empty() && o.convert_to.empty()) fail("--convert %s: needs --to FILE", o.convert.c_str());
     if (o.convert.empty() && !o.convert_to.empty()) fail("--to %s: only with --convert", o.convert_to.c_str());

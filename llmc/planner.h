@@ -2,7 +2,8 @@
 //   --plan    one layout: each stage's memory by ledger category (llmc/plan.h), the bytes each kind of
 //             parallelism sends, and the predicted step (llmc/step_time.h) against a hardware profile;
 //   --search  every layout of N devices the trainer accepts, dropped when it does not fit, the rest ranked by
-//             predicted tokens/s, with the command line that launches each.
+//             predicted tokens/s, with the command line that launches each; the layout flags the command line
+//             gives are held fixed, and only the others are varied.
 // Both refuse exactly what the trainer refuses: check_layout is the trainer's own check of the flags.
 #pragma once
 
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/grid.cuh"
@@ -46,6 +48,7 @@ struct CheckedLayout {
 inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int world) {
     CheckedLayout l;
     l.dp = grid_dp(world, grid_shape(o));
+    if (o.sp == 1 && o.tp == 1) fail("--sp 1: sequence parallelism needs tensor parallelism (--tp > 1)");
     check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
     if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
     if (config.num_experts % o.ep != 0)
@@ -184,18 +187,53 @@ struct SearchCandidate {
     StepTime step;
 };
 
-// the flags that launch a candidate, beside the model, -t and -d the search was given
+// the flags that launch a candidate, beside the model, -t and -d the search was given: -b, and each layout flag
+// whose value is not the trainer's default (sp's default is on with tp; a pipeline names its schedule)
 inline std::string layout_flags(const Options& o) {
+    const Options defaults;
     std::string s = strfmt("-b %d", o.B);
     if (o.tp > 1) s += strfmt(" --tp %d", o.tp);
+    if (o.sp != (o.tp > 1)) s += strfmt(" --sp %d", o.sp);
     if (o.cp > 1) s += strfmt(" --cp %d", o.cp);
-    if (o.pp > 1) s += strfmt(" --pp %d --pp-schedule %s", o.pp, o.pp_schedule.c_str());
+    if (o.cp_split != defaults.cp_split) s += " --cp-split " + o.cp_split;
+    if (o.pp > 1) s += strfmt(" --pp %d", o.pp);
+    if (o.pp > 1 || o.pp_schedule != defaults.pp_schedule) s += " --pp-schedule " + o.pp_schedule;
     if (o.vpp > 1) s += strfmt(" --vpp %d", o.vpp);
     if (o.ep > 1) s += strfmt(" --ep %d", o.ep);
     if (o.zero > 0) s += strfmt(" -z %d", o.zero);
     if (o.recompute > 0) s += strfmt(" -r %d", o.recompute);
     if (o.fp8) s += " --fp8 1";
+    if (o.bucket_mb != defaults.bucket_mb) s += strfmt(" --bucket-mb %g", o.bucket_mb);
     return s;
+}
+
+// the layout flags --search varies, in the order its command lines give them; one the command line gives is held
+inline const std::vector<std::string> SEARCH_FLAGS = {"-b",  "--tp", "--sp", "--cp", "--pp", "--pp-schedule",
+                                                      "--vpp", "--ep", "-z",   "-r",   "--fp8"};
+
+// the flags the search holds, as the command line gave them ("--tp 2, --fp8 0"); empty when it varies every one
+inline std::string fixed_search_flags(const Options& o) {
+    std::string s;
+    for (const std::string& flag : SEARCH_FLAGS) {
+        auto given = o.given.find(flag);
+        if (given != o.given.end()) s += (s.empty() ? "" : ", ") + flag + " " + given->second;
+    }
+    return s;
+}
+
+// the values the search tries for a flag: the one the command line gave, or its own
+template <typename T>
+std::vector<T> search_choices(const Options& base, const std::string& flag, T given, std::vector<T> tried) {
+    return base.given.count(flag) ? std::vector<T>{given} : tried;
+}
+
+// --fp8's choices: FP8 where the profile prices it (a GPU with FP8 rates) and the model has layers between its
+// first and last, unless the command line fixed it
+inline std::vector<int> search_fp8_choices(const Options& base, const GPTConfig& config, Device dev,
+                                           const HardwareProfile& hw) {
+    std::vector<int> tried = {0};
+    if (dev == Device::CUDA && !hw.fp8_matmul_tflops.empty() && config.num_layers > 2) tried.push_back(1);
+    return search_choices(base, "--fp8", base.fp8, tried);
 }
 
 inline std::vector<int> divisors(int n) {
@@ -205,34 +243,47 @@ inline std::vector<int> divisors(int n) {
     return d;
 }
 
+inline std::vector<int> powers_of_two_dividing(int n) {
+    std::vector<int> p;
+    for (int k = 1; n % k == 0 && k <= n; k *= 2) p.push_back(k);
+    return p;
+}
+
 // Every layout of `gpus` devices: tp within a node and dividing the heads, cp splitting the sequence, pp with
 // each schedule (interleaved with 2 and 4 virtual stages), ep dividing dp and the experts, ZeRO 0-3,
-// micro-batches of powers of two, recomputation 0-2, and bf16 or FP8 matmuls; sp with tp. Those the trainer refuses are counted by
-// the flag that refuses them, those that do not fit by how much they lack.
+// micro-batches of powers of two, recomputation 0-2, and bf16 or FP8 matmuls; sp with tp. A layout flag the
+// command line gives (SEARCH_FLAGS) takes its value alone, which may be one the search would never try. Those
+// the trainer refuses are counted by the flag that refuses them, those that do not fit by how much they lack.
 inline std::vector<SearchCandidate> search_layouts(const Options& base, const GPTConfig& config, Device dev,
                                                    const HardwareProfile& hw, int per_node,
                                                    std::map<std::string, int>& refused, int& too_big) {
     std::vector<SearchCandidate> fitting;
     int gpus = base.search_gpus;
-    // FP8 where the profile prices it (a GPU with FP8 rates) and the model has layers between its first and last
-    std::vector<int> fp8_choices = {0};
-    if (dev == Device::CUDA && !hw.fp8_matmul_tflops.empty() && config.num_layers > 2) fp8_choices.push_back(1);
+    bool sp_given = base.given.count("--sp") > 0;
+    std::vector<int> fp8_choices = search_fp8_choices(base, config, dev, hw);
     too_big = 0;
-    for (int tp : divisors(std::min(gpus, per_node)))
-        for (int cp = 1; tp * cp <= gpus; cp *= 2)
-            for (int pp : divisors(gpus / (tp * cp))) {
-                if (gpus % (tp * cp * pp) != 0) continue;
-                std::vector<std::pair<std::string, int>> schedules = {{"1f1b", 1}};
-                if (pp > 1) schedules = {{"afab", 1}, {"1f1b", 1}, {"zb", 1}, {"interleaved", 2}, {"interleaved", 4}};
-                int dp = gpus / (tp * cp * pp);
+    // the grid's sizes the search tries divide the devices; a given one that does not is the trainer's to refuse
+    for (int tp : search_choices(base, "--tp", base.tp, divisors(std::gcd(gpus, per_node))))
+        for (int cp : search_choices(base, "--cp", base.cp, powers_of_two_dividing(std::max(gpus / tp, 1))))
+            for (int pp : search_choices(base, "--pp", base.pp, divisors(std::max(gpus / (tp * cp), 1)))) {
+                int dp = std::max(gpus / (tp * cp * pp), 1);
+                std::vector<std::string> kinds = {"1f1b"};
+                if (pp > 1) kinds = {"afab", "1f1b", "zb", "interleaved"};
+                std::vector<std::pair<std::string, int>> schedules;  // each with its virtual stages
+                for (const std::string& kind : search_choices(base, "--pp-schedule", base.pp_schedule, kinds))
+                    for (int vpp : search_choices(base, "--vpp", base.vpp,
+                                                  pp > 1 && kind == "interleaved" ? std::vector<int>{2, 4} : std::vector<int>{1}))
+                        schedules.push_back({kind, vpp});
+                std::vector<int> batches;
+                for (int B = 1; (long)B * base.T * dp <= base.total_batch; B *= 2) batches.push_back(B);
                 for (auto [schedule, vpp] : schedules)
-                    for (int ep : config.moe() ? divisors(dp) : std::vector<int>{1})
-                        for (int zero = 0; zero <= 3; zero++)
-                            for (int B = 1; (long)B * base.T * dp <= base.total_batch; B *= 2)
-                                for (int recompute = 0; recompute <= 2; recompute++) for (int fp8 : fp8_choices) {
+                    for (int ep : search_choices(base, "--ep", base.ep, config.moe() ? divisors(dp) : std::vector<int>{1}))
+                        for (int zero : search_choices(base, "-z", base.zero, {0, 1, 2, 3}))
+                            for (int B : search_choices(base, "-b", base.B, batches))
+                                for (int recompute : search_choices(base, "-r", base.recompute, {0, 1, 2})) for (int fp8 : fp8_choices) {
                                     Options o = base;
-                                    o.tp = tp, o.sp = tp > 1, o.cp = cp, o.pp = pp, o.pp_schedule = schedule,
-                                    o.vpp = vpp;
+                                    o.tp = tp, o.sp = sp_given ? base.sp : tp > 1, o.cp = cp, o.pp = pp,
+                                    o.pp_schedule = schedule, o.vpp = vpp;
                                     o.ep = ep, o.zero = zero, o.B = B, o.recompute = recompute, o.fp8 = fp8;
                                     CheckedLayout l;
                                     try {
@@ -280,17 +331,21 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
     std::vector<SearchCandidate> found = search_layouts(o, config, dev, hw, per_node, refused, too_big);
     size_t considered = found.size() + too_big;
     for (auto& [flag, n] : refused) considered += n;
+    std::vector<int> fp8 = search_fp8_choices(o, config, dev, hw);
+    const char* with_fp8 = fp8.size() == 2 ? ", with and without FP8 matmuls," : fp8[0] == 1 ? " with FP8 matmuls" : "";
+    std::string precision = dev == Device::CUDA ? strfmt("bf16 mixed precision%s on cuda", with_fp8)
+                                                : strfmt("fp32%s on cpu", fp8[0] == 1 ? " with FP8 matmuls emulated" : "");
     printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s%s, -t %d -d %ld, %s\n", o.search_gpus,
            per_node, hw.name.c_str(), hw_path.c_str(), config.num_layers, config.channels, config.num_heads,
            llama_shape(config).c_str(), config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", o.T, o.total_batch,
-           dev == Device::CUDA ? (hw.fp8_matmul_tflops.empty() ? "bf16 mixed precision on cuda"
-                                                               : "bf16 mixed precision, with and without FP8 matmuls, on cuda")
-                               : "fp32 on cpu");
+           precision.c_str());
+    std::string fixed = fixed_search_flags(o);
+    if (!fixed.empty()) printf("search: fixed by the command line: %s\n", fixed.c_str());
     printf("layouts considered: %zu; fit: %zu; do not fit in %.1f GiB: %d; refused by the trainer: %zu\n", considered,
            found.size(), hw.memory_gib, too_big, considered - found.size() - too_big);
     for (auto& [flag, n] : refused) printf("  refused by %s: %d\n", flag.c_str(), n);
     if (found.empty()) {
-        printf("no layout fits\n");
+        printf("no layout fits%s\n", fixed.empty() ? "" : (" with " + fixed + " fixed by the command line").c_str());
         return;
     }
     printf("%4s %10s %14s %7s  %s\n", "rank", "GiB", "tokens/s", "MFU", "command");

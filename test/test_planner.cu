@@ -1,11 +1,15 @@
 // Tests of the planner's time model and search: predict_step against step times counted by hand from the
 // model's shapes and a profile of round figures (one rank; tp 2 × dp 2); the profile file's parser; --plan's
-// predicted line; and --search, whose every layout --plan must say fits, while some it dropped do not.
+// predicted line; and --search, whose every layout --plan must say fits, while some it dropped do not, and
+// which, given layout flags, finds exactly the full search's layouts that have their values.
+#include <functional>
+#include <iterator>
 #include <regex>
 #include <sstream>
 
 #include "llmc/gpt.cuh"
 #include "llmc/hardware.h"
+#include "llmc/planner.h"
 #include "llmc/step_time.h"
 #include "mpi_helpers.h"
 #include "test_helpers.h"
@@ -313,6 +317,160 @@ TEST_CASE("--search prints only layouts that --plan says fit, after dropping som
     }
     CHECK(rows == 10);
     CHECK(r.output.find("runner-up (") != std::string::npos);
+}
+
+// the Options train_gpt parses from this command line
+Options parsed(const std::string& line) {
+    std::istringstream in("train_gpt " + line);
+    std::vector<std::string> words{std::istream_iterator<std::string>(in), std::istream_iterator<std::string>()};
+    std::vector<char*> argv;
+    for (std::string& w : words) argv.push_back(w.data());
+    return parse_options((int)argv.size(), argv.data());
+}
+
+// --search of 4 devices for a 4-layer model (FP8 reaches its middle layers) and a batch of 32 sequences of 16
+const std::string SEARCH = "-e d4c64h2t16v128 -t 16 -d 512 --search --gpus 4";
+
+struct Searched {
+    std::vector<SearchCandidate> found;  // fastest first
+    std::map<std::string, int> refused;
+    int too_big = 0;
+    std::vector<std::string> layouts() const {
+        std::vector<std::string> l;
+        for (const SearchCandidate& c : found) l.push_back(layout_flags(c.o));
+        return l;
+    }
+};
+
+Searched searched(const std::string& flags, Device dev, const HardwareProfile& hw) {
+    Options o = parsed(SEARCH + " " + flags);
+    Searched s;
+    s.found = search_layouts(o, parse_model_descriptor(o.model), dev, hw, hw.devices_per_node, s.refused, s.too_big);
+    return s;
+}
+
+TEST_CASE("--search holds the layout flags the command line gives: it finds the full search's layouts with those "
+          "values, and only those, in the same order", "[planner]") {
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt");  // 80 GiB: every layout of the small model fits
+    Searched all = searched("", Device::CUDA, h100);
+    struct Held {
+        const char* flags;
+        std::function<bool(const Options&)> has;
+    };
+    std::vector<Held> holds = {
+        {"--fp8 0", [](const Options& o) { return o.fp8 == 0; }},
+        {"--fp8 1", [](const Options& o) { return o.fp8 == 1; }},
+        {"--tp 2", [](const Options& o) { return o.tp == 2 && o.sp == 1; }},
+        {"-z 1", [](const Options& o) { return o.zero == 1; }},
+        {"-b 2", [](const Options& o) { return o.B == 2; }},
+        {"-r 2", [](const Options& o) { return o.recompute == 2; }},
+        {"--pp 2 --pp-schedule zb", [](const Options& o) { return o.pp == 2 && o.pp_schedule == "zb"; }},
+        {"--tp 1 -z 3 -b 4 --fp8 1",
+         [](const Options& o) { return o.tp == 1 && o.zero == 3 && o.B == 4 && o.fp8 == 1; }},
+    };
+    for (const Held& h : holds) {
+        INFO("held: " << h.flags);
+        Searched held = searched(h.flags, Device::CUDA, h100);
+        std::vector<std::string> expected;
+        for (const SearchCandidate& c : all.found)
+            if (h.has(c.o)) expected.push_back(layout_flags(c.o));
+        REQUIRE(!expected.empty());
+        CHECK(expected.size() < all.found.size());  // the full search has layouts with other values
+        CHECK(held.layouts() == expected);
+        for (const SearchCandidate& c : held.found) CHECK(h.has(c.o));
+    }
+}
+
+TEST_CASE("--search holds --sp: --sp 0 keeps sp off under tp, --sp 1 leaves only tp layouts", "[planner]") {
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt");
+    Searched off = searched("--sp 0", Device::CUDA, h100);
+    REQUIRE(!off.found.empty());
+    int tp_layouts = 0;
+    for (const SearchCandidate& c : off.found) {
+        INFO(layout_flags(c.o));
+        CHECK(c.o.sp == 0);
+        if (c.o.tp > 1) {
+            tp_layouts++;
+            CHECK(layout_flags(c.o).find(" --sp 0") != std::string::npos);  // the command runs it without sp
+        }
+    }
+    CHECK(tp_layouts > 0);
+    // parse_options takes --sp 1 without --tp here; the trainer's check refuses each layout with tp 1
+    Searched on = searched("--sp 1", Device::CUDA, h100);
+    REQUIRE(!on.found.empty());
+    for (const SearchCandidate& c : on.found) CHECK((c.o.tp > 1 && c.o.sp == 1));
+    CHECK(on.refused["--sp"] > 0);
+}
+
+TEST_CASE("--search with a held value no layout can have finds none, and says which flags were held", "[planner]") {
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt");
+    // --tp 3 on 4 devices: the trainer refuses every layout, by --tp
+    Searched three = searched("--tp 3", Device::CUDA, h100);
+    CHECK(three.found.empty());
+    CHECK(three.too_big == 0);
+    CHECK(three.refused.size() == 1);
+    CHECK(three.refused["--tp"] > 0);
+    // --tp 8 on 4 devices, more than a node: the same
+    Searched eight = searched("--tp 8", Device::CUDA, h100);
+    CHECK(eight.found.empty());
+    CHECK(eight.refused["--tp"] > 0);
+    // a layout the trainer runs that the device cannot hold: 4 MiB, where the smaller micro-batches fit
+    HardwareProfile small = parse_hardware(round_profile_file(4.0 / 1024), "small.txt");
+    Searched some = searched("", Device::CPU, small);
+    REQUIRE(!some.found.empty());
+    REQUIRE(some.too_big > 0);
+    Searched held = searched("-b 8 -z 0 -r 0 --tp 1 --cp 1 --pp 1", Device::CPU, small);
+    CHECK(held.found.empty());
+    CHECK(held.too_big == 1);
+    CHECK(held.refused.empty());
+    // the train_gpt's lines: the held flags named after the first line, and in the verdict
+    TempDir dir;
+    std::string profile = dir / "small.txt";
+    std::string text = round_profile_file(4.0 / 1024);
+    File(profile, "w").write(text.data(), text.size());
+    CommandResult r = single(SEARCH + " --device cpu --hardware " + profile + " -b 8 -z 0 -r 0 --tp 1 --cp 1 --pp 1");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    std::vector<std::string> lines = lines_of(r.output);
+    REQUIRE(lines.size() >= 2);
+    CHECK(lines[1] == "search: fixed by the command line: -b 8, --tp 1, --cp 1, --pp 1, -z 0, -r 0");
+    CHECK(lines.back() == "no layout fits with -b 8, --tp 1, --cp 1, --pp 1, -z 0, -r 0 fixed by the command line");
+    CommandResult refused = single(SEARCH + " --device cuda --tp 3");
+    INFO(refused.output);
+    REQUIRE(refused.status == 0);
+    CHECK(refused.output.find("  refused by --tp: ") != std::string::npos);
+    CHECK(refused.output.find("\nno layout fits with --tp 3 fixed by the command line\n") != std::string::npos);
+}
+
+TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks bf16 layouts alone", "[planner]") {
+    CHECK(fixed_search_flags(parsed(SEARCH + " --fp8 0 --tp 2 -c 0.1 --seed 3")) == "--tp 2, --fp8 0");
+    CHECK(fixed_search_flags(parsed(SEARCH)) == "");
+    // Llama 3 8B on 8 H100s at sequence 4096: the full search ranks an FP8 layout first, the held one none
+    std::string llama = "-e llama3-8b -t 4096 -d 1048576 --device cuda --search --gpus 8";
+    std::regex row(R"(\n +\d+ +[0-9.]+ +[0-9]+ +[0-9.]+%  mpirun -np 8 \./train_gpt -e llama3-8b -t 4096 -d 1048576 ([^\n]*))");
+    auto rows = [&](const std::string& output) {
+        std::vector<std::string> r;
+        for (auto it = std::sregex_iterator(output.begin(), output.end(), row); it != std::sregex_iterator(); ++it)
+            r.push_back((*it)[1]);
+        return r;
+    };
+    CommandResult unheld = single(llama);
+    INFO(unheld.output);
+    REQUIRE(unheld.status == 0);
+    std::vector<std::string> unheld_rows = rows(unheld.output);
+    REQUIRE(unheld_rows.size() == 10);
+    CHECK(unheld_rows[0].find("--fp8 1") != std::string::npos);
+    CHECK(unheld.output.find("fixed by the command line") == std::string::npos);
+    CommandResult bf16 = single(llama + " --fp8 0");
+    INFO(bf16.output);
+    REQUIRE(bf16.status == 0);
+    std::vector<std::string> lines = lines_of(bf16.output);
+    REQUIRE(lines.size() >= 2);
+    CHECK(lines[0].find(", bf16 mixed precision on cuda") != std::string::npos);
+    CHECK(lines[1] == "search: fixed by the command line: --fp8 0");
+    std::vector<std::string> bf16_rows = rows(bf16.output);
+    CHECK(bf16_rows.size() == 10);
+    for (const std::string& flags : bf16_rows) CHECK(flags.find("--fp8") == std::string::npos);
 }
 
 }  // namespace test_planner
