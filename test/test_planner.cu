@@ -103,10 +103,11 @@ TEST_CASE("predict_step under tp 2 with sp and dp 2 equals a count by hand", "[p
     // the rank's half of each split tensor: half the vocab rows, per layer 12C²/2 weights and 7C/2 biases
     double psi = Vp / 2 * C + maxT * C + L * (12 * C * C / 2 + 7 * C / 2 + 6 * C) + 2 * C;
     double optimizer = (28 + X) * psi / 10e9;
-    // tp at 1 GB/s: per layer four crossings of (t-1)/t·BT·C values forward and four backward, one each way
-    // for the embeddings and for the head, and the cross-entropy's three floats per token to the other rank
+    // tp at 1 GB/s: per layer four crossings of (t-1)/t·BT·C values forward and four backward, and under sp two
+    // more in backward (the norm outputs gathered again), one each way for the embeddings and for the head, and
+    // the cross-entropy's three floats per token to the other rank
     double unit = 0.5 * B * T * C * X;
-    double tp = (2 * (4 * L + 2) * unit + B * T * 3 * 4) / 1e9;
+    double tp = (2 * (4 * L + 2) * unit + 2 * L * unit + B * T * 3 * 4) / 1e9;
     // dp at 1 GB/s, nothing hidden (overlap 0): every element reduce-scattered and all-gathered, half of it sent
     // each time (no padding: every bucket is even), and the norm (one double to the other rank) and the loss
     // (two doubles)
