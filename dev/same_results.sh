@@ -5,8 +5,8 @@
 # same bits" proves it here; the commands cover one rank, -r 2, accumulation with weight decay, experts, and
 # under mpirun tp+sp, ZeRO-3, a zero-bubble pipeline, ep with ZeRO-1, cp and tp x pp; a Llama of GPT-2's 50257
 # tokens (a vocab that is no multiple of 128, padded in memory), untied and tied, on one rank, under tp 2, ZeRO-2
-# and pp 2, resumed under tp 2 and converted to llm.c's and Hugging Face's files; --plan on both devices, --search
-# and --convert.
+# and pp 2, resumed under tp 2 and converted to llm.c's and Hugging Face's files, and with -r 2, experts, a
+# zero-bubble pipeline and cp 2 x tp 2 with sp; --plan on both devices, --search and --convert.
 #
 #   git worktree add /tmp/before HEAD~1 && make -C /tmp/before train_gpt
 #   bash dev/same_results.sh /tmp/before/train_gpt
@@ -73,6 +73,10 @@ run_case llama_tied "" -e l2c64h4g2t64w $small -n 6
 run_case llama_tp2 "mpirun 2" -e l2c64h4g2t64 $small --tp 2 -n 6
 run_case llama_zero2 "mpirun 2" -e l2c64h4g2t64 $small -z 2 -n 6
 run_case llama_pp2 "mpirun 2" -e l4c64h4g2t64w -b 1 -t 32 -x 4 -v 2 -m 2 -s 0 -l 1e-3 -c 0.1 -d 128 --pp 2 -n 4
+run_case llama_recompute2 "" -e l2c64h4g2t64 $small -r 2 -n 6
+run_case llama_experts "" -e l2c48h4g2t64e4k2 $small -n 6
+run_case llama_pp2_zb "mpirun 2" -e l4c64h4g2t64 -b 1 -t 32 -x 4 -v 2 -m 2 -s 0 -l 1e-3 -c 0.1 -d 128 --pp 2 --pp-schedule zb -r 1 -n 4
+run_case llama_cp2_sp "mpirun 4" -e l2c64h4g2t64 $small --cp 2 --tp 2 --sp 1 -n 6
 # resumes: the one-rank run's step-3 checkpoint under tp 2, and the tp x pp run's under one rank
 for side in base new; do
     bin=$BASE; [ $side = new ] && bin=$NEW

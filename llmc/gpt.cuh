@@ -220,7 +220,7 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
     d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
-    d.means = !c.llama();
+    d.means = c.norm() == Norm::LayerNorm;
     return d;
 }
 
@@ -943,6 +943,30 @@ struct LayerInput {
     const floatX* residual() const { return prev ? prev->residual3 : chunk_input; }
 };
 
+// The architecture's norm (llmc/model_table.h): GPT-2's layernorm keeps a mean and has a bias, RMSNorm neither
+template <typename floatX>
+inline void norm_forward(const GPTConfig& c, floatX* out, float* mean, float* rstd, const floatX* inp,
+                         const floatX* weight, const floatX* bias, long rows, long C) {
+    if (c.norm() == Norm::RMSNorm) rmsnorm_forward(out, rstd, inp, weight, rows, (int)C, c.norm_eps);
+    else layernorm_forward(out, mean, rstd, inp, weight, bias, rows, (int)C);
+}
+// ... fused with the residual add before it: residual = inp1 + inp2, out = norm(residual)
+template <typename floatX>
+inline void fused_residual_norm_forward(const GPTConfig& c, floatX* residual, floatX* out, float* mean, float* rstd,
+                                        const floatX* inp1, const floatX* inp2, const floatX* weight,
+                                        const floatX* bias, long rows, long C) {
+    if (c.norm() == Norm::RMSNorm)
+        fused_residual_rmsnorm_forward(residual, out, rstd, inp1, inp2, weight, rows, (int)C, c.norm_eps);
+    else fused_residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, weight, bias, rows, (int)C);
+}
+template <typename floatX>
+inline void norm_backward(const GPTConfig& c, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
+                          const floatX* inp, const floatX* weight, const float* mean, const float* rstd, long rows,
+                          long C) {
+    if (c.norm() == Norm::RMSNorm) rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, rows, (int)C);
+    else layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, (int)C);
+}
+
 // A norm's output for every row, where a matmul reads it (its forward, and its weight gradient in backward).
 // Each rank keeps only the R rows it computed: under sp they are gathered into the scratch again each time, as
 // Megatron-LM's sequence parallelism does, an all-gather more in backward for the 2·(BT - R)·C values a layer
@@ -956,10 +980,7 @@ inline const floatX* norm_rows(GPTModel<floatX>& m, const floatX* mine, long BT,
 template <typename floatX>
 inline const floatX* norm_rows_again(GPTModel<floatX>& m, const LocalDims& d, floatX* mine, float* mean, float* rstd,
                                      const floatX* inp, const floatX* weight, const floatX* bias) {
-    if (m.recompute >= RECOMPUTE_LAYERNORM) {
-        if (m.config.llama()) rmsnorm_forward(mine, rstd, inp, weight, d.R, d.C, m.config.norm_eps);
-        else layernorm_forward(mine, mean, rstd, inp, weight, bias, d.R, d.C);
-    }
+    if (m.recompute >= RECOMPUTE_LAYERNORM) norm_forward(m.config, mine, mean, rstd, inp, weight, bias, d.R, d.C);
     return norm_rows(m, mine, d.BT, d.C);
 }
 
@@ -983,61 +1004,40 @@ inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int 
                    ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm, fp8_for(m, layer, true));
 }
 
-// GPT-2's layer, forward, in the order of the Playbook's diagrams: layernorm, qkv, attention, the attention
-// projection, the residual add fused with the second layernorm, fc with GELU (or the experts), the MLP
-// projection; the residual add that ends it is fused with the next layer's first layernorm. tp wraps the calls
-// that cross ranks (llmc/tp.cuh), cp attention (llmc/cp.cuh).
+// One layer, forward, for every architecture, in the order of the Playbook's diagrams: the norm, qkv (NH query
+// heads, KV key/value heads), RoPE on q and k where positions are rotated, attention, the attention projection,
+// the residual add fused with the second norm, the MLP's first matmul and its activation (GELU in the matmul's
+// epilogue; SwiGLU after the matmul that holds c_fc and c_fc2), or a mixture of experts behind a router, and
+// the MLP projection; the residual add that ends it is fused with the next layer's first norm. A bias is added
+// where the table has one (null views otherwise). tp wraps the calls that cross ranks (llmc/tp.cuh), cp
+// attention (llmc/cp.cuh).
 template <typename floatX>
-inline void gpt2_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                               const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
+inline void layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                          const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
+    const GPTConfig& c = m.config;
     TensorParallel& tp = m.tp;
     long BT = d.BT, R = d.R, C = d.C;
     float* ws = m.scratch.gemm;
     floatX* partial = m.scratch.partial;
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
-    if (!in.prev) layernorm_forward(la.ln1, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
-    else fused_residual_layernorm_forward(in.prev->residual3, la.ln1, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
-                                          in.prev->fcproj, w[LN1W], w[LN1B], R, C);
+    if (!in.prev) norm_forward(c, la.ln1, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
+    else fused_residual_norm_forward(c, in.prev->residual3, la.ln1, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
+                                     in.prev->fcproj, w[LN1W], w[LN1B], R, C);
     matmul_forward(la.qkv, norm_rows(m, la.ln1, BT, C), w[QKVW], w[QKVB], BT, C, d.QKVl, ws, fp8);
+    if (!c.learned_positions()) rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws, fp8);
-    fused_residual_layernorm_forward(la.residual2, la.ln2, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
-                                     w[LN2W], w[LN2B], R, C);
-    const floatX* ln2 = norm_rows(m, la.ln2, BT, C);
-    if (route) {
-        layer_experts_forward(m, d, B, la, ln2, w, *route, layer);
-    } else {
-        matmul_gelu_forward(la.fch_act, la.fch, ln2, w[FCW], w[FCB], BT, C, d.Hl, ws, fp8);
-        tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws, fp8);
-    }
-}
-
-// Llama 3's layer, forward: RMSNorm, qkv (NH query heads, KV key/value heads), RoPE on q and k, grouped-query
-// attention, the attention projection, the residual add fused with the second RMSNorm, c_fc and c_fc2 in one
-// matmul, SwiGLU, the MLP projection (or, with experts, Mixtral's: SwiGLU experts behind a router). No biases
-// anywhere.
-template <typename floatX>
-inline void llama_layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                                const LayerInput<floatX>& in, const ParamViews<floatX>& w, MoERoute* route, int layer) {
-    TensorParallel& tp = m.tp;
-    long BT = d.BT, R = d.R, C = d.C;
-    float* ws = m.scratch.gemm, eps = m.config.norm_eps;
-    floatX* partial = m.scratch.partial;
-    const floatX* none = nullptr;
-    const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
-    if (!in.prev) rmsnorm_forward(la.ln1, la.ln1_rstd, in.chunk_input, w[LN1W], R, C, eps);
-    else fused_residual_rmsnorm_forward(in.prev->residual3, la.ln1, la.ln1_rstd, in.prev->residual2, in.prev->fcproj,
-                                        w[LN1W], R, C, eps);
-    matmul_forward(la.qkv, norm_rows(m, la.ln1, BT, C), w[QKVW], none, BT, C, d.QKVl, ws, fp8);
-    rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
-    m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
-    tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], none, BT, d.Cl, C, ws, fp8);
-    fused_residual_rmsnorm_forward(la.residual2, la.ln2, la.ln2_rstd, in.residual(), la.attproj, w[LN2W], R, C, eps);
+    fused_residual_norm_forward(c, la.residual2, la.ln2, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
+                                w[LN2W], w[LN2B], R, C);
     const floatX* ln2 = norm_rows(m, la.ln2, BT, C);
     if (route) return layer_experts_forward(m, d, B, la, ln2, w, *route, layer);
-    matmul_forward(la.fch, ln2, w[FCW], none, BT, C, d.FCl, ws, fp8);
-    swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
-    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], none, BT, d.Hl, C, ws, fp8);
+    if (c.activation() == Activation::GELU) {
+        matmul_gelu_forward(la.fch_act, la.fch, ln2, w[FCW], w[FCB], BT, C, d.Hl, ws, fp8);
+    } else {
+        matmul_forward(la.fch, ln2, w[FCW], w[FCB], BT, C, d.FCl, ws, fp8);
+        swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
+    }
+    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws, fp8);
 }
 
 // Runs chunk `chunk` of the model's part on a micro-batch of B×T tokens (B and T at most what the model was
@@ -1100,8 +1100,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         Activations<floatX> la = layer_slice(a, i, d, m.recompute, m.split_backward), prev = layer_slice(a, std::max(i - 1, 0), d, m.recompute, m.split_backward);
         LayerInput<floatX> in{i == 0 ? nullptr : &prev, a.encoded};
         MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
-        if (c.llama()) llama_layer_forward(m, d, B, la, in, w, route, part.model_layer(lo + i));
-        else gpt2_layer_forward(m, d, B, la, in, w, route, part.model_layer(lo + i));
+        layer_forward(m, d, B, la, in, w, route, part.model_layer(lo + i));
     }
     Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
     if (!head) {
@@ -1111,10 +1110,8 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     }
     // the head: the last residual add fused with the final norm, and the classifier (wte when tied)
     ParamViews<floatX> fin = unit_params(m, HEAD_UNIT);
-    if (c.llama()) fused_residual_rmsnorm_forward(last.residual3, a.lnf + first, a.lnf_rstd, last.residual2, last.fcproj,
-                                                  fin[LNFW], R, C, c.norm_eps);
-    else fused_residual_layernorm_forward(last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
-                                          fin[LNFW], fin[LNFB], R, C);
+    fused_residual_norm_forward(c, last.residual3, a.lnf + first, a.lnf_mean, a.lnf_rstd, last.residual2, last.fcproj,
+                                fin[LNFW], fin[LNFB], R, C);
     tp.gather_rows(a.lnf, BT, C);
     ParamViews<floatX> cls = unit_params(m, classifier_unit(c, Lp));
     matmul_forward(a.logits, a.lnf, cls[classifier_tensor(c)], (const floatX*)nullptr, BT, C, d.Vl, ws);
@@ -1202,28 +1199,32 @@ inline std::vector<double> gpt_row_losses(GPTModel<floatX>& m, const std::vector
 template <typename floatX>
 inline void recompute_activation(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
     if (m.recompute < RECOMPUTE_GELU) return;
-    if (m.config.llama()) swiglu_forward(la.fch_act, la.fch, rows, d.Hl);
+    if (m.config.activation() == Activation::SwiGLU) swiglu_forward(la.fch_act, la.fch, rows, d.Hl);
     else gelu_forward(la.fch_act, la.fch, rows * d.Hl);
 }
 
 template <typename floatX>
 inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.num_parameters); }
 
-// GPT-2's layer, backward: the forward's calls in reverse. The scratch's dresidual carries the gradient of the
-// residual stream: each branch reads it and adds its input gradient back (the residual add passes gradient to
-// both of its inputs unchanged). `residual`: the layer's input. A split backward (the zero-bubble pipeline)
-// leaves the matmuls' weight gradients to gpt_weight_grads_chunk and keeps their output gradients.
+// One layer, backward, for every architecture: the forward's calls in reverse. The scratch's dresidual carries
+// the gradient of the residual stream: each branch reads it and adds its input gradient back (the residual add
+// passes gradient to both of its inputs unchanged). `residual`: the layer's input. GELU's backward goes on
+// from the MLP projection's input gradient in one call, which also sums fc's bias gradient (on the GPU in the
+// GEMM's epilogue); SwiGLU's output gradient (half as wide as its input's) has a buffer of its own. RoPE's
+// backward turns dq and dk back in place. A split backward (the zero-bubble pipeline) leaves the matmuls'
+// weight gradients to gpt_weight_grads_chunk and keeps their output gradients (qkv's before RoPE).
 template <typename floatX>
-inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                                const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
-                                MoERoute* route, float dloss, int layer) {
+inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
+                           const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
+                           MoERoute* route, float dloss, int layer) {
+    const GPTConfig& c = m.config;
     TensorParallel& tp = m.tp;
     Scratch<floatX>& s = m.scratch;
     long BT = d.BT, R = d.R, C = d.C;
     float* ws = s.gemm;
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;  // a norm output's gradient, reduced to this rank's rows
     floatX* none = nullptr;
-    bool split = m.split_backward;
+    bool split = m.split_backward, gelu = c.activation() == Activation::GELU;
     auto now = [&](floatX* grad) { return split ? nullptr : grad; };
     floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
@@ -1234,72 +1235,31 @@ inline void gpt2_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, 
         layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-        // the projection's backward goes on through GELU and also sums fc's bias gradient (on the GPU all in the
-        // input-gradient GEMM's epilogue), so fc's own backward has no bias left to do; a split backward leaves
-        // that bias gradient with fc's weight gradient to the W step
-        gelu_matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), now(dw[FCB]), dout, la.fch_act, la.fch,
-                             w[FCPROJW], BT, d.Hl, C, ws, fp8);
+        if (gelu) {  // a split backward leaves fc's bias gradient with its weight gradient to the W step
+            gelu_matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), now(dw[FCB]), dout, la.fch_act, la.fch,
+                                 w[FCPROJW], BT, d.Hl, C, ws, fp8);
+        } else {
+            matmul_backward(s.dact, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws,
+                            fp8);
+            swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
+        }
         // the norm's output is read by the weight gradient alone (a split backward's W step reads it there)
         const floatX* ln2 =
             split ? none : norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), none, dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+        matmul_backward(s.dln, now(dw[FCW]), gelu ? none : now(dw[FCB]), dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
-    layernorm_backward(s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
+    norm_backward(c, s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
     dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
     matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
+    if (!c.learned_positions()) rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     const floatX* ln1 =
         split ? none : norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
     matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
-    layernorm_backward(s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
-}
-
-// Llama 3's layer, backward: the forward's calls in reverse, as GPT-2's. SwiGLU's output gradient (half as wide
-// as its input's) has a buffer of its own; RoPE's backward turns dq and dk back in place, so a split backward
-// keeps the gradient of qkv before RoPE for the weight-gradient step.
-template <typename floatX>
-inline void llama_layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
-                                 const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
-                                 MoERoute* route, float dloss, int layer) {
-    TensorParallel& tp = m.tp;
-    Scratch<floatX>& s = m.scratch;
-    long BT = d.BT, R = d.R, C = d.C;
-    float* ws = s.gemm;
-    floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
-    floatX* none = nullptr;
-    bool split = m.split_backward;
-    auto now = [&](floatX* grad) { return split ? nullptr : grad; };
-    floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
-    const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
-    recompute_activation(m, la, d, route ? route->rows : BT);
-
-    const floatX* dout = tp.all_rows(s.dresidual, s.whole, BT, C);
-    if (route) {
-        layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
-    } else {
-        if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
-        matmul_backward(s.dact, now(dw[FCPROJW]), none, dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
-        swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
-        // the norm's output is read by the weight gradient alone (a split backward's W step reads it there)
-        const floatX* ln2 =
-            split ? none : norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), none, dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
-    }
-    tp.reduce_rows(s.dln, dln_rows, BT, C);
-    rmsnorm_backward(s.dresidual, dw[LN2W], dln_rows, la.residual2, w[LN2W], la.ln2_rstd, R, C);
-    dout = tp.all_rows(s.dresidual, s.whole, BT, C);
-    if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
-    matmul_backward(s.datty, now(dw[ATTPROJW]), none, dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
-    m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
-    rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
-    const floatX* ln1 =
-        split ? none : norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
-    matmul_backward(s.dln, now(dw[QKVW]), none, dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
-    tp.reduce_rows(s.dln, dln_rows, BT, C);
-    rmsnorm_backward(s.dresidual, dw[LN1W], dln_rows, residual, w[LN1W], la.ln1_rstd, R, C);
+    norm_backward(c, s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
 }
 
 // Accumulates into the gradients the backward of chunk `chunk` for the micro-batch whose forward is in `slot`.
@@ -1347,9 +1307,8 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         device_zero<floatX>(s.dresidual, R * C);
         const floatX* last_residual = layer_slice(a, n - 1, d, m.recompute, m.split_backward).residual3;
         ParamViews<floatX> fin = unit_params(m, HEAD_UNIT), dfin = unit_grads(m, HEAD_UNIT);
-        if (c.llama()) rmsnorm_backward(s.dresidual, dfin[LNFW], dln_rows, last_residual, fin[LNFW], a.lnf_rstd, R, C);
-        else layernorm_backward(s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
-                                a.lnf_rstd, R, C);
+        norm_backward(c, s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
+                      a.lnf_rstd, R, C);
     } else {
         device_copy<floatX>(s.dresidual, gpt_chunk_output(m, slot, chunk), R * C);
     }
@@ -1366,8 +1325,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
         MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
         int layer_index = part.model_layer(lo + i);
-        if (c.llama()) llama_layer_backward(m, d, B, la, residual, w, dw, route, dloss, layer_index);
-        else gpt2_layer_backward(m, d, B, la, residual, w, dw, route, dloss, layer_index);
+        layer_backward(m, d, B, la, residual, w, dw, route, dloss, layer_index);
         done(unit);
     }
     if (part.starts_model(chunk)) {
@@ -1384,9 +1342,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
 }
 
 // The weight gradients a split backward of chunk `chunk` left for later (the W step of the zero-bubble
-// pipeline): the four matmuls of each of its layers (the same for both architectures; Llama's biases are null), from the output gradients backward kept and the inputs
-// forward kept (computed again where -r does not keep them). The units' gradients are complete after it. With
-// experts it is attention's two: an expert's matmuls see a different number of rows in every micro-batch, and
+// pipeline): the four matmuls of each of its layers (a bias gradient where the table has the bias), from the
+// output gradients backward kept and the inputs forward kept (computed again where -r does not keep them). The
+// units' gradients are complete after it. With experts it is attention's two: an expert's matmuls see a different number of rows in every micro-batch, and
 // backward takes their weight gradients at once rather than keep their output gradients.
 template <typename floatX>
 inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {

@@ -27,9 +27,27 @@
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
-// the architectures (a table and a layer body each): GPT-2, and Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query
-// attention, no biases, no position table, a classifier of its own or tied to the token embedding)
+// The architectures: GPT-2, and Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, no position
+// table, a classifier of its own or tied to the token embedding). Each is its table of tensors (below: which
+// exist, biases among them) and the properties the one layer body of llmc/gpt.cuh reads: which norm, how
+// attention sees positions, and the MLP's activation. Nothing in the compute asks which architecture runs.
 enum class Arch { GPT2, Llama3 };
+enum class Norm { LayerNorm, RMSNorm };   // GPT-2's layernorm (a mean, a bias) or RMSNorm (neither)
+enum class Positions { Learned, RoPE };   // a table added to the embeddings, or q and k rotated
+enum class Activation { GELU, SwiGLU };   // the MLP's (and each expert's): SwiGLU's first matmul is twice as wide
+
+struct ArchProperties {
+    Norm norm;
+    Positions positions;
+    Activation activation;
+};
+inline ArchProperties arch_properties(Arch a) {
+    switch (a) {
+        case Arch::GPT2: return {Norm::LayerNorm, Positions::Learned, Activation::GELU};
+        case Arch::Llama3: return {Norm::RMSNorm, Positions::RoPE, Activation::SwiGLU};
+    }
+    fail("unknown architecture %d", (int)a);
+}
 
 struct GPTConfig {
     Arch arch = Arch::GPT2;
@@ -60,10 +78,13 @@ struct GPTConfig {
     bool tied_embeddings = false;
 
     bool moe() const { return num_experts > 1; }
+    // llm.c's Llama 3 family: its file format, Meta's MLP size, grouped-query attention
     bool llama() const { return arch == Arch::Llama3; }
     bool tied() const { return !llama() || tied_embeddings; }  // GPT-2's classifier always is wte
+    Norm norm() const { return arch_properties(arch).norm; }
+    Activation activation() const { return arch_properties(arch).activation; }
     // how attention sees positions: a learned table added to the embeddings (GPT-2's wpe), or RoPE (Llama)
-    bool learned_positions() const { return !llama(); }
+    bool learned_positions() const { return arch_properties(arch).positions == Positions::Learned; }
     int kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
     // ... and those one of tp ranks holds: KV/tp, or one when tp exceeds KV (each held by tp/KV ranks)
     int kv_heads(int tp) const { return std::max(1, kv_heads() / tp); }
