@@ -32,6 +32,7 @@
 #include "llmc/model_table.h"
 #include "llmc/moe.cuh"
 #include "llmc/nvtx.h"
+#include "llmc/qknorm.cuh"
 #include "llmc/residual.cuh"
 #include "llmc/rmsnorm.cuh"
 #include "llmc/rope.cuh"
@@ -46,8 +47,10 @@ constexpr int MODEL_VERSION_BF16 = 5;
 inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (c.num_layers < 1 || c.num_heads < 1 || c.channels < 1 || c.max_seq_len < 1 || c.vocab_size < 1)
         fail("%s: every model dimension must be positive", where.c_str());
-    if (c.channels % c.num_heads != 0)
+    if (c.head_dim == 0 && c.channels % c.num_heads != 0)
         fail("%s: channels (%d) must be divisible by heads (%d)", where.c_str(), c.channels, c.num_heads);
+    if (c.head_dim < 0 || c.head_dim > 1024 || c.intermediate_size < 0)
+        fail("%s: head size %d, MLP size %d", where.c_str(), c.head_dim, c.intermediate_size);
     // bounds far above any real model that keep every size computation inside 64 bits
     if (c.num_layers > 4096 || c.channels > 65536 || c.max_seq_len > (1 << 20) || c.vocab_size > (1 << 24) ||
         c.padded_vocab_size > (1 << 24))
@@ -83,8 +86,21 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // vocab by default, RoPE theta 500000 unscaled, E SwiGLU experts of H hidden units with top-K routing in every
 // layer (Mixtral's shape), w: the classifier tied to wte, e.g. l4c128h4g2f352 (4 layers, 128 channels, 4 heads
 // sharing 2 key/value heads).
+// Qwen3: "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b" are Qwen's dense shapes; any other shape is
+// q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w], a Llama's fields and hd channels a head (default
+// C/NH), H the MLP's hidden units as given, RoPE theta 1e6 and norm eps 1e-6, e.g. q2c48h4g2d16f88 (4 heads of
+// 16 channels: attention is 64 wide in a model of 48 channels).
 inline bool is_model_descriptor(const std::string& s) {
-    return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l') && isdigit(s[1])) || s.rfind("llama3-", 0) == 0;
+    return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l' || s[0] == 'q') && isdigit(s[1])) ||
+           s.rfind("llama3-", 0) == 0 || s.rfind("qwen3-", 0) == 0;
+}
+
+// what every Qwen3 shares (Hugging Face's Qwen3Config): RMSNorm eps 1e-6, RoPE theta 1e6 without scaling
+inline GPTConfig qwen3_defaults() {
+    GPTConfig c;
+    c.arch = Arch::Qwen3;
+    c.norm_eps = 1e-6f, c.rope_theta = 1000000.0f, c.rope_scaling = 0.0f;
+    return c;
 }
 
 // Meta's published Llama 3 shapes (Llama 3.1 8B, 70B, 405B; Llama 3.2 1B, 3B)
@@ -114,11 +130,36 @@ inline GPTConfig llama3_named(const std::string& s) {
          "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
 }
 
+// Qwen3's published dense shapes (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B's config.json): vocab 151936, 8 key/value
+// heads of 128 channels whatever C/NH is, RMSNorm eps 1e-6, RoPE theta 1e6 unscaled, maxT 40960, the classifier
+// tied to the embedding below 8B
+inline GPTConfig qwen3_named(const std::string& s) {
+    struct Shape {
+        const char* name;
+        int L, C, NH, H;
+        bool tied;
+    };
+    for (Shape m : {Shape{"qwen3-0.6b", 28, 1024, 16, 3072, true}, Shape{"qwen3-1.7b", 28, 2048, 16, 6144, true},
+                    Shape{"qwen3-4b", 36, 2560, 32, 9728, true}, Shape{"qwen3-8b", 36, 4096, 32, 12288, false}}) {
+        if (s != m.name) continue;
+        GPTConfig c = qwen3_defaults();
+        c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8, c.head_dim = 128;
+        c.intermediate_size = m.H, c.tied_embeddings = m.tied;
+        c.vocab_size = 151936, c.padded_vocab_size = pad_vocab(c.vocab_size), c.max_seq_len = 40960;
+        validate_config(c, "-e " + s);
+        return c;
+    }
+    fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b; give other shapes as "
+         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
+}
+
 inline GPTConfig parse_model_descriptor(const std::string& s) {
     if (s.rfind("llama3-", 0) == 0) return llama3_named(s);
-    GPTConfig c;
-    bool llama = s[0] == 'l';
-    c.arch = llama ? Arch::Llama3 : Arch::GPT2;
+    if (s.rfind("qwen3-", 0) == 0) return qwen3_named(s);
+    bool llama = s[0] == 'l', qwen = s[0] == 'q';
+    GPTConfig c = qwen ? qwen3_defaults() : GPTConfig{};
+    if (llama) c.arch = Arch::Llama3;
+    llama = llama || qwen;  // the Llama family's fields
     const char* p = s.c_str() + 1;
     auto number = [&](char key) {
         char* end;
@@ -130,7 +171,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]" : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
+    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]"
+                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]"
+                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -143,6 +186,7 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'k': c.top_k = number(key), have_k = true; break;
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
+            case 'd': known = qwen && (c.head_dim = number(key)); break;
             case 'w': known = c.tied_embeddings = llama && !*p; break;  // a flag, last
             default: known = false;
         }
@@ -150,6 +194,12 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
     c.padded_vocab_size = pad_vocab(c.vocab_size);
+    if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
+        if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
+        c.intermediate_size = hidden;
+        validate_config(c, "-e " + s);
+        return c;
+    }
     if (llama) {
         if (!have_c || !have_h) fail("-e %s: a Llama shape needs c<channels> and h<heads>", s.c_str());
         // H hidden units exactly: Meta's rule with multiple_of H and a multiplier that brings 2/3 of 4C to H + 1/2,
@@ -197,13 +247,14 @@ struct ParamStore {
 // the sizes one rank works with: T its tokens of each sequence (T/cp under context parallelism), BT token rows
 // in the parallel regions, R rows between them (BT/tp under sequence parallelism), and the rank's share of
 // channels, hidden units, query and key/value heads and vocab rows, and the widths of its qkv and of the MLP's
-// first matmul (Llama's holds c_fc and c_fc2: twice the hidden units); ring: attention runs around a cp group;
-// means: the norms keep a mean (GPT-2's layernorm; Llama's RMSNorm keeps only 1/rms)
+// first matmul (Llama's holds c_fc and c_fc2: twice the hidden units); Cl: attention's width, NHl·hd (C/tp but
+// for a head size of the model's own, as Qwen3's); ring: attention runs around a cp group; means: the norms keep
+// a mean (GPT-2's layernorm; Llama's RMSNorm keeps only 1/rms); qk_norm: q and k heads are normed (Qwen3)
 struct LocalDims {
     int B, T, C;
     long BT, R;
     int Cl, Hl, NHl, KVl, hd, QKVl, FCl, Vl;
-    bool ring, means;
+    bool ring, means, qk_norm;
     int K;             // with experts: the slots per token (0: a dense MLP)
     long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
 };
@@ -216,11 +267,12 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.expert_rows = c.moe() ? (long)ep * d.BT * std::min(c.top_k, c.num_experts / ep) : 0;
     d.R = tp.sp ? d.BT / tp.size : d.BT;
     ModelTable table = model_table(c);
-    d.Cl = c.channels / tp.size, d.Hl = (int)(table[FCPROJW].cols / tp.size);
+    d.Cl = (int)(table[ATTPROJW].cols / tp.size), d.Hl = (int)(table[FCPROJW].cols / tp.size);
     d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
     d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
     d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
     d.means = c.norm() == Norm::LayerNorm;
+    d.qk_norm = c.qk_norm();
     return d;
 }
 
@@ -231,6 +283,9 @@ struct Activations {
     float *ln1_mean, *ln1_rstd;
     floatX* qkv;
     float* att;  // attention's saved state: the probabilities on the CPU, the logsumexp on the GPU
+    // under QK-norm: qkv's matmul writes qkv_normed's input here, and the norm keeps each q and k head's rstd
+    floatX* qkv_pre;
+    float* qk_rstd;
     floatX *atty, *attproj, *residual2, *ln2;
     float *ln2_mean, *ln2_rstd;
     floatX *fch, *fch_act, *fcproj, *residual3, *lnf;  // fch_act: the MLP's activation, GELU's or SwiGLU's
@@ -281,7 +336,7 @@ inline ActivationSlot slot(const char* name, E*& p, size_t count, int recomputed
 template <typename floatX>
 inline std::vector<ActivationSlot> layer_slots(Activations<floatX>& a, const LocalDims& d, bool split) {
     size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
-    size_t means = d.means ? R : 0;
+    size_t means = d.means ? R : 0, QK = d.qk_norm;
     return {slot("ln1", a.ln1, R * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, means), slot("ln1_rstd", a.ln1_rstd, R),
             slot("qkv", a.qkv, BT * d.QKVl), slot("att", a.att, attention_state_floats(d, device_of<floatX>)),
             slot("atty", a.atty, BT * d.Cl), slot("attproj", a.attproj, R * C), slot("residual2", a.residual2, R * C),
@@ -289,7 +344,8 @@ inline std::vector<ActivationSlot> layer_slots(Activations<floatX>& a, const Loc
             slot("fch", a.fch, mlp_rows * d.FCl), slot("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_GELU),
             slot("fcproj", a.fcproj, R * C), slot("residual3", a.residual3, R * C), slot("dqkv", a.dqkv, S * BT * d.QKVl),
             slot("dattproj", a.dattproj, S * BT * C), slot("dfch", a.dfch, M * BT * d.FCl), slot("dfcproj", a.dfcproj, M * BT * C),
-            slot("moe_in", a.moe_in, d.expert_rows * C), slot("moe_out", a.moe_out, d.K * BT * C)};
+            slot("moe_in", a.moe_in, d.expert_rows * C), slot("moe_out", a.moe_out, d.K * BT * C),
+            slot("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), slot("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl))};
 }
 
 // ... and the slots of a micro-batch around the layers: the embeddings' output (where a previous stage's
@@ -366,6 +422,7 @@ inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl})  // the matmuls with a bias gradient (an expert's: all its rows)
         need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));
     need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
+    if (d.qk_norm) need = std::max(need, (size_t)qk_norm_backward_scratch_floats(d.BT, d.hd));
     // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions
     // and their sorted copies (4·BT int32 at most), the runs (BT + V), and the sort's own buffers and histograms
     // (2·BT int32 + 64 KiB)
@@ -670,12 +727,14 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
 // version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file), then the parameters in
 // table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
 // multiple_of, use_scaled_rope, major, minor; then llm5d's [12] and [13]: experts E and top-K, 0 in a dense
-// file, and [14]: 1 if the classifier is tied to wte) and 256
-// float32 (ffn_dim_multiplier, norm_eps, rope_theta; then llm5d's [3]: RoPE's scaling factor where it is not
-// llm.c's 8), then the tensors in GPT-2's slots: lm_head in wpe's (a tied model's wte again, so that llm.c
-// reads it), and every bias slot present and zero (the table's file_rows). Each file keeps its format's vocab
-// rows: GPT-2's the padded Vp its header gives, Llama 3's the V of the vocab (its header has no Vp), so reading
-// a Llama file fills the padding rows memory adds with zeros, and writing one drops them.
+// file, and [14]: 1 if the classifier is tied to wte) and 256 float32 (ffn_dim_multiplier, norm_eps, rope_theta;
+// then llm5d's [3]: RoPE's scaling factor where it is not llm.c's 8), then the tensors in GPT-2's slots: lm_head
+// in wpe's (a tied model's wte again, so that llm.c reads it), and every bias slot present and zero (the table's
+// file_rows). Each file keeps its format's vocab rows: GPT-2's the padded Vp its header gives, Llama 3's the V
+// of the vocab (its header has no Vp), so reading a Llama file fills the padding rows memory adds with zeros,
+// and writing one drops them. Qwen3's is llm5d's own, Llama 3's layout with int [15] 1, [16] the head size and
+// [17] the MLP's hidden units, and the QK-norm weights (L×hd for q, then for k) after lnfb's slot; llm.c reads
+// none of it.
 
 constexpr int LLAMA_MODEL_MAGIC = 20240803;
 
@@ -730,14 +789,17 @@ inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<S
 inline std::string llama_shape(const GPTConfig& c) {
     if (!c.llama()) return "";
     std::string scaling = c.rope_scaling > 0 ? strfmt(" scaled x%g", c.rope_scaling) : "";
-    return strfmt(" Llama %d.%d KV=%d H=%d eps=%g theta=%g%s%s", c.version_major, c.version_minor, c.kv_heads(),
-                  c.hidden(), c.norm_eps, c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
+    std::string family = c.arch == Arch::Qwen3 ? strfmt("Qwen3 hd=%d", c.head_size())
+                                               : strfmt("Llama %d.%d", c.version_major, c.version_minor);
+    return strfmt(" %s KV=%d H=%d eps=%g theta=%g%s%s", family.c_str(), c.kv_heads(), c.hidden(), c.norm_eps,
+                  c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
 }
 
 inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
     return a.arch == b.arch && a.num_layers == b.num_layers && a.channels == b.channels && a.num_heads == b.num_heads &&
            a.kv_heads() == b.kv_heads() && a.vocab_size == b.vocab_size && a.padded_vocab_size == b.padded_vocab_size &&
            a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
+           a.head_size() == b.head_size() &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
                            a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings));
 }
@@ -775,6 +837,17 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
         if (h[14] != 0 && h[14] != 1) fail("%s: header slot 14 (tied embeddings) is %d, not 0 or 1", path.c_str(), h[14]);
         c.tied_embeddings = h[14] == 1;
+        // header[15]: 1 for llm5d's Qwen3 (Llama 3's layout, QK-norm's weights after the final norm's slots),
+        // with its head size and MLP size in [16] and [17]
+        if (h[15] == 1) {
+            c.arch = Arch::Qwen3;
+            c.head_dim = h[16], c.intermediate_size = h[17];
+            if (c.head_dim < 2 || c.intermediate_size < 1)
+                fail("%s: a Qwen3 header needs its head size and MLP size (slots 16 and 17: %d, %d)", path.c_str(),
+                     h[16], h[17]);
+        } else if (h[15] != 0) {
+            fail("%s: header slot 15 (the architecture) is %d: 0 is Llama 3, 1 Qwen3", path.c_str(), h[15]);
+        }
     } else {
         c.channels = h[6];
         c.padded_vocab_size = h[7];
@@ -893,6 +966,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         h[10] = c.version_major, h[11] = c.version_minor;
         if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
         h[14] = c.tied_embeddings;
+        if (c.arch == Arch::Qwen3) h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();
         hf[0] = c.ffn_dim_multiplier, hf[1] = c.norm_eps, hf[2] = c.rope_theta;
         hf[3] = c.rope_scaling == 8.0f ? 0.0f : c.rope_scaling;  // llm.c's files stay llm.c's, byte for byte
     } else {
@@ -1005,7 +1079,8 @@ inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int 
 }
 
 // One layer, forward, for every architecture, in the order of the Playbook's diagrams: the norm, qkv (NH query
-// heads, KV key/value heads), RoPE on q and k where positions are rotated, attention, the attention projection,
+// heads, KV key/value heads), QK-norm on q and k where the architecture has it (Qwen3's, into a buffer of its
+// own), RoPE on q and k where positions are rotated, attention, the attention projection,
 // the residual add fused with the second norm, the MLP's first matmul and its activation (GELU in the matmul's
 // epilogue; SwiGLU after the matmul that holds c_fc and c_fc2), or a mixture of experts behind a router, and
 // the MLP projection; the residual add that ends it is fused with the next layer's first norm. A bias is added
@@ -1023,7 +1098,9 @@ inline void layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const 
     if (!in.prev) norm_forward(c, la.ln1, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
     else fused_residual_norm_forward(c, in.prev->residual3, la.ln1, la.ln1_mean, la.ln1_rstd, in.prev->residual2,
                                      in.prev->fcproj, w[LN1W], w[LN1B], R, C);
-    matmul_forward(la.qkv, norm_rows(m, la.ln1, BT, C), w[QKVW], w[QKVB], BT, C, d.QKVl, ws, fp8);
+    matmul_forward(d.qk_norm ? la.qkv_pre : la.qkv, norm_rows(m, la.ln1, BT, C), w[QKVW], w[QKVB], BT, C, d.QKVl, ws,
+                   fp8);
+    if (d.qk_norm) qk_norm_forward(la.qkv, la.qk_rstd, la.qkv_pre, w[QNORMW], w[KNORMW], BT, d.NHl, d.KVl, d.hd, c.norm_eps);
     if (!c.learned_positions()) rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws, fp8);
@@ -1212,7 +1289,8 @@ inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.
 // from the MLP projection's input gradient in one call, which also sums fc's bias gradient (on the GPU in the
 // GEMM's epilogue); SwiGLU's output gradient (half as wide as its input's) has a buffer of its own. RoPE's
 // backward turns dq and dk back in place. A split backward (the zero-bubble pipeline) leaves the matmuls'
-// weight gradients to gpt_weight_grads_chunk and keeps their output gradients (qkv's before RoPE).
+// weight gradients to gpt_weight_grads_chunk and keeps their output gradients (qkv's before RoPE and
+// QK-norm; QK-norm's own weight gradients are taken at once, as the norms').
 template <typename floatX>
 inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                            const floatX* residual, const ParamViews<floatX>& w, const ParamViews<floatX>& dw,
@@ -1255,6 +1333,9 @@ inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const
     matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
     m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
     if (!c.learned_positions()) rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
+    if (d.qk_norm)
+        qk_norm_backward(dqkv, dw[QNORMW], dw[KNORMW], dqkv, la.qkv_pre, w[QNORMW], w[KNORMW], la.qk_rstd, BT, d.NHl,
+                         d.KVl, d.hd);
     const floatX* ln1 =
         split ? none : norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
     matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);

@@ -6,7 +6,7 @@
 // A row says: the tensor's name; which unit holds it (the embeddings, each layer, the head); whether each
 // layer stacks one block of it per expert; its rows and columns (the rows in parts when a column split divides
 // them separately: Q, K and V); how tensor parallelism places it (the table below); whether AdamW decays it;
-// whether its gradient is a partial sum of the rank's rows under sequence parallelism; and how it starts.
+// whether a tp rank's gradient of it is a partial sum (TPGrad); and how it starts.
 //
 //   split       a rank of tp holds                                        GPT-2
 //   replicated  all of it                                                 wpe, norms, row-parallel biases, router
@@ -27,11 +27,13 @@
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
-// The architectures: GPT-2, and Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, no position
-// table, a classifier of its own or tied to the token embedding). Each is its table of tensors (below: which
-// exist, biases among them) and the properties the one layer body of llmc/gpt.cuh reads: which norm, how
-// attention sees positions, and the MLP's activation. Nothing in the compute asks which architecture runs.
-enum class Arch { GPT2, Llama3 };
+// The architectures: GPT-2; Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, no position
+// table, a classifier of its own or tied to the token embedding); Qwen3 (Llama 3's, with an RMSNorm on each
+// query and key head before RoPE, and a head size and MLP size of their own). Each is its table of tensors
+// (below: which exist, biases among them) and the properties the one layer body of llmc/gpt.cuh reads: which
+// norm, how attention sees positions, the MLP's activation, and whether q and k are normed. Nothing in the
+// compute asks which architecture runs.
+enum class Arch { GPT2, Llama3, Qwen3 };
 enum class Norm { LayerNorm, RMSNorm };   // GPT-2's layernorm (a mean, a bias) or RMSNorm (neither)
 enum class Positions { Learned, RoPE };   // a table added to the embeddings, or q and k rotated
 enum class Activation { GELU, SwiGLU };   // the MLP's (and each expert's): SwiGLU's first matmul is twice as wide
@@ -40,11 +42,13 @@ struct ArchProperties {
     Norm norm;
     Positions positions;
     Activation activation;
+    bool qk_norm;  // each query and key head through an RMSNorm of its own weights before RoPE (llmc/qknorm.cuh)
 };
 inline ArchProperties arch_properties(Arch a) {
     switch (a) {
-        case Arch::GPT2: return {Norm::LayerNorm, Positions::Learned, Activation::GELU};
-        case Arch::Llama3: return {Norm::RMSNorm, Positions::RoPE, Activation::SwiGLU};
+        case Arch::GPT2: return {Norm::LayerNorm, Positions::Learned, Activation::GELU, false};
+        case Arch::Llama3: return {Norm::RMSNorm, Positions::RoPE, Activation::SwiGLU, false};
+        case Arch::Qwen3: return {Norm::RMSNorm, Positions::RoPE, Activation::SwiGLU, true};
     }
     fail("unknown architecture %d", (int)a);
 }
@@ -76,23 +80,29 @@ struct GPTConfig {
     float rope_scaling = 0.0f;
     int version_major = 3, version_minor = 1;
     bool tied_embeddings = false;
+    // Qwen3 gives these two as numbers of their own (0: C/NH, and Meta's rule above)
+    int head_dim = 0;
+    int intermediate_size = 0;
 
     bool moe() const { return num_experts > 1; }
-    // llm.c's Llama 3 family: its file format, Meta's MLP size, grouped-query attention
-    bool llama() const { return arch == Arch::Llama3; }
+    // llm.c's Llama 3 family (Llama 3 and Qwen3): its file layout, grouped-query attention, a classifier of its own
+    bool llama() const { return arch != Arch::GPT2; }
     bool tied() const { return !llama() || tied_embeddings; }  // GPT-2's classifier always is wte
     Norm norm() const { return arch_properties(arch).norm; }
     Activation activation() const { return arch_properties(arch).activation; }
+    bool qk_norm() const { return arch_properties(arch).qk_norm; }
     // how attention sees positions: a learned table added to the embeddings (GPT-2's wpe), or RoPE (Llama)
     bool learned_positions() const { return arch_properties(arch).positions == Positions::Learned; }
     int kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
     // ... and those one of tp ranks holds: KV/tp, or one when tp exceeds KV (each held by tp/KV ranks)
     int kv_heads(int tp) const { return std::max(1, kv_heads() / tp); }
-    int head_size() const { return channels / num_heads; }
-    // the MLP's hidden units: 4C for GPT-2; for Llama Meta's: 2/3 of 4C, times ffn_dim_multiplier, rounded up
-    // to a multiple of multiple_of (Llama 3 8B: 4096 channels, 1.3 and 1024 give 14336)
+    int head_size() const { return head_dim > 0 ? head_dim : channels / num_heads; }
+    // the MLP's hidden units: 4C for GPT-2; Qwen3's intermediate_size; for Llama Meta's: 2/3 of 4C, times
+    // ffn_dim_multiplier, rounded up to a multiple of multiple_of (Llama 3 8B: 4096 channels, 1.3 and 1024 give
+    // 14336)
     int hidden() const {
         if (!llama()) return 4 * channels;
+        if (intermediate_size > 0) return intermediate_size;
         long h = (long)(2.0 * (4L * channels) / 3);
         if (ffn_dim_multiplier > 0) h = (long)((double)ffn_dim_multiplier * h);
         return (int)((h + multiple_of - 1) / multiple_of * multiple_of);
@@ -144,8 +154,9 @@ inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_l
 // The tensors in the order of llm.c's files: its 16, and the router's weight before the MLP's (empty in a dense
 // model, whose buffers are then llm.c's). With experts each MLP tensor stacks the experts of a layer (layer
 // first, then expert). Llama keeps its lm_head in wpe's slot, as llm.c's Llama 3 files do.
+// Qwen3's QK-norm weights come last, so that the other architectures' files and checkpoints keep their order.
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
-                   FCPROJB, LNFW, LNFB, NUM_PARAM_TENSORS };
+                   FCPROJB, LNFW, LNFB, QNORMW, KNORMW, NUM_PARAM_TENSORS };
 
 enum class TPSplit { Replicated, Column, Row, Vocab };
 // the unit that holds a tensor: the embeddings, a layer, or the head (the final norm, and a classifier of its own)
@@ -153,6 +164,11 @@ enum class Holder { Embeddings, Layer, Head };
 // how initialization fills a tensor: with zeros, ones, N(0, 0.02), or N(0, 0.02/sqrt(2L)) for the projections
 // that write into the residual stream (GPT-2's scaling, which torchtitan keeps)
 enum class Init { Zeros, Ones, Normal, ResidualNormal };
+// what a tp rank's gradient of a tensor it holds whole or in part is: its own (complete for what it holds), a
+// partial sum under sequence parallelism (a replicated tensor applied to the rank's rows only: the norms, wpe),
+// or always a partial sum (a replicated tensor applied to the rank's heads only: QK-norm's weights); the
+// partial ones are summed over the tp group before data parallelism reduces them (llmc/zero.cuh)
+enum class TPGrad { Own, SequencePartial, HeadsPartial };
 
 struct TensorSpec {
     const char* name;
@@ -161,8 +177,8 @@ struct TensorSpec {
     size_t parts[3];   // its rows, in the parts a column split divides separately (unused parts 0)
     size_t cols;       // elements per row (1 for a vector)
     TPSplit split;
-    bool decayed;           // AdamW's weight decay applies (the 2-D weights)
-    bool sequence_partial;  // under sp, a rank's gradient sums its rows only
+    bool decayed;  // AdamW's weight decay applies (the 2-D weights)
+    TPGrad tp_grad;
     Init init;
     size_t file_rows = 0;  // absent here (no rows) but in the model file as zeros: llm.c's Llama 3 files keep GPT-2's
                            // bias slots
@@ -170,6 +186,10 @@ struct TensorSpec {
     size_t head_rows = 0;  // rows per attention head: a column split never cuts one (0: rows without heads)
 
     size_t rows() const { return parts[0] + parts[1] + parts[2]; }
+    // a tp rank's gradient is a partial sum of the group's (with sequence parallelism on or off)
+    bool partial_over_tp(bool sp) const {
+        return tp_grad == TPGrad::HeadsPartial || (tp_grad == TPGrad::SequencePartial && sp);
+    }
     size_t block() const { return rows() * cols; }  // one layer's (and expert's) elements in the whole model
     // A column split cuts part p into tp pieces, one a rank, or, where the part has fewer heads than tp, into
     // its heads, each then held whole by tp/heads consecutive ranks (as Megatron-LM replicates key/value heads):
@@ -213,26 +233,29 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, H = c.hidden(), router = c.moe() ? c.num_experts : 0;
-    bool expert = true, decay = true, partial = true;
+    bool expert = true, decay = true;
+    const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial;
     ModelTable table = {{
-        // name       holder      experts   rows           cols split   AdamW     sp grad   init
-        {"wte",      emb,        !expert, {Vp},         C,   vocab,  decay,  !partial, normal},
-        {"wpe",      emb,        !expert, {(size_t)c.max_seq_len}, C, rep, decay, partial, normal},
-        {"ln1w",     layer,      !expert, {C},          1,   rep,    !decay, partial,  ones},
-        {"ln1b",     layer,      !expert, {C},          1,   rep,    !decay, partial,  zeros},
-        {"qkvw",     layer,      !expert, {C, C, C},    C,   column, decay,  !partial, normal},
-        {"qkvb",     layer,      !expert, {C, C, C},    1,   column, !decay, !partial, zeros},
-        {"attprojw", layer,      !expert, {C},          C,   row,    decay,  !partial, residual},
-        {"attprojb", layer,      !expert, {C},          1,   rep,    !decay, !partial, zeros},
-        {"ln2w",     layer,      !expert, {C},          1,   rep,    !decay, partial,  ones},
-        {"ln2b",     layer,      !expert, {C},          1,   rep,    !decay, partial,  zeros},
-        {"routerw",  layer,      !expert, {router},     C,   rep,    decay,  !partial, normal},
-        {"fcw",      layer,      expert,  {H},          C,   column, decay,  !partial, normal},
-        {"fcb",      layer,      expert,  {H},          1,   column, !decay, !partial, zeros},
-        {"fcprojw",  layer,      expert,  {C},          H,   row,    decay,  !partial, residual},
-        {"fcprojb",  layer,      expert,  {C},          1,   rep,    !decay, !partial, zeros},
-        {"lnfw",     head,       !expert, {C},          1,   rep,    !decay, partial,  ones},
-        {"lnfb",     head,       !expert, {C},          1,   rep,    !decay, partial,  zeros},
+        // name       holder      experts   rows           cols split   AdamW     tp grad   init
+        {"wte",      emb,        !expert, {Vp},         C,   vocab,  decay,  own,      normal},
+        {"wpe",      emb,        !expert, {(size_t)c.max_seq_len}, C, rep, decay, sp,      normal},
+        {"ln1w",     layer,      !expert, {C},          1,   rep,    !decay, sp,       ones},
+        {"ln1b",     layer,      !expert, {C},          1,   rep,    !decay, sp,       zeros},
+        {"qkvw",     layer,      !expert, {C, C, C},    C,   column, decay,  own,      normal},
+        {"qkvb",     layer,      !expert, {C, C, C},    1,   column, !decay, own,      zeros},
+        {"attprojw", layer,      !expert, {C},          C,   row,    decay,  own,      residual},
+        {"attprojb", layer,      !expert, {C},          1,   rep,    !decay, own,      zeros},
+        {"ln2w",     layer,      !expert, {C},          1,   rep,    !decay, sp,       ones},
+        {"ln2b",     layer,      !expert, {C},          1,   rep,    !decay, sp,       zeros},
+        {"routerw",  layer,      !expert, {router},     C,   rep,    decay,  own,      normal},
+        {"fcw",      layer,      expert,  {H},          C,   column, decay,  own,      normal},
+        {"fcb",      layer,      expert,  {H},          1,   column, !decay, own,      zeros},
+        {"fcprojw",  layer,      expert,  {C},          H,   row,    decay,  own,      residual},
+        {"fcprojb",  layer,      expert,  {C},          1,   rep,    !decay, own,      zeros},
+        {"lnfw",     head,       !expert, {C},          1,   rep,    !decay, sp,       ones},
+        {"lnfb",     head,       !expert, {C},          1,   rep,    !decay, sp,       zeros},
+        {"qnormw",   layer,      !expert, {0},          1,   rep,    !decay, own,      ones},
+        {"knormw",   layer,      !expert, {0},          1,   rep,    !decay, own,      ones},
     }};
     table[QKVW].head_rows = table[QKVB].head_rows = c.head_size();
     return table;
@@ -243,35 +266,41 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
 // c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and a classifier, lm_head, in the slot
 // of GPT-2's wpe as llm.c's Llama 3 files keep it; wte and lm_head have the padded vocab's rows, as GPT-2's wte
 // does, of which the files hold the vocab's (llmc/gpt.cuh's file_vocab_rows). The bias slots are empty here; the
-// files hold them, as zeros (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is wte, which its files repeat
-// in lm_head's slot (file_copy), so that llm.c reads them as they are. With experts (Mixtral's shape) every
+// files hold them, as zeros (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is
+// wte, which its files repeat in lm_head's slot (file_copy), so that llm.c reads them as they are. With experts (Mixtral's shape) every
 // layer has a router (E×C, after ln2's slots) and E SwiGLU experts, each MLP tensor stacking them as GPT-2's do.
+// Qwen3 is this table with its own head size (Q = NH·hd need not be C) and the QK-norm weights: one hd-vector
+// per layer for the query heads and one for the key heads, shared by the heads (at the end of the files; a tp
+// rank's gradient of them comes from its own heads only).
 inline ModelTable llama_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
-    size_t H = c.hidden(), router = c.moe() ? c.num_experts : 0;
-    bool expert = true, decay = true, partial = true, tied = c.tied_embeddings;
+    size_t H = c.hidden(), router = c.moe() ? c.num_experts : 0, qk = c.qk_norm() ? hd : 0;
+    bool expert = true, decay = true, tied = c.tied_embeddings;
+    const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial, heads = TPGrad::HeadsPartial;
     ModelTable table = {{
-        // name       holder      experts   rows        cols split   AdamW     sp grad   init      zeros in the file, copy of
-        {"wte",      emb,        !expert, {Vp},       C,   vocab,  decay,  !partial, normal},
-        {"lm_head",  head,       !expert, {tied ? 0 : Vp}, C, vocab, decay, !partial, normal, 0,  tied ? WTE : -1},
-        {"ln1w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
-        {"ln1b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
-        {"qkvw",     layer,      !expert, {Q, KV, KV}, C,  column, decay,  !partial, normal},
-        {"qkvb",     layer,      !expert, {0},        1,   column, !decay, !partial, zeros,   Q + 2 * KV},
-        {"attprojw", layer,      !expert, {C},        Q,   row,    decay,  !partial, residual},
-        {"attprojb", layer,      !expert, {0},        1,   rep,    !decay, !partial, zeros,   C},
-        {"ln2w",     layer,      !expert, {C},        1,   rep,    !decay, partial,  ones},
-        {"ln2b",     layer,      !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
-        {"routerw",  layer,      !expert, {router},   C,   rep,    decay,  !partial, normal},
-        {"fcw",      layer,      expert,  {H, H},     C,   column, decay,  !partial, normal},
-        {"fcb",      layer,      expert,  {0},        1,   column, !decay, !partial, zeros,   2 * H},
-        {"fcprojw",  layer,      expert,  {C},        H,   row,    decay,  !partial, residual},
-        {"fcprojb",  layer,      expert,  {0},        1,   rep,    !decay, !partial, zeros,   C},
-        {"lnfw",     head,       !expert, {C},        1,   rep,    !decay, partial,  ones},
-        {"lnfb",     head,       !expert, {0},        1,   rep,    !decay, partial,  zeros,   C},
+        // name       holder      experts   rows        cols split   AdamW     tp grad   init      zeros in the file, copy of
+        {"wte",      emb,        !expert, {Vp},       C,   vocab,  decay,  own,      normal},
+        {"lm_head",  head,       !expert, {tied ? 0 : Vp}, C, vocab, decay, own,      normal, 0,  tied ? WTE : -1},
+        {"ln1w",     layer,      !expert, {C},        1,   rep,    !decay, sp,       ones},
+        {"ln1b",     layer,      !expert, {0},        1,   rep,    !decay, sp,       zeros,   C},
+        {"qkvw",     layer,      !expert, {Q, KV, KV}, C,  column, decay,  own,      normal},
+        {"qkvb",     layer,      !expert, {0},        1,   column, !decay, own,      zeros,   Q + 2 * KV},
+        {"attprojw", layer,      !expert, {C},        Q,   row,    decay,  own,      residual},
+        {"attprojb", layer,      !expert, {0},        1,   rep,    !decay, own,      zeros,   C},
+        {"ln2w",     layer,      !expert, {C},        1,   rep,    !decay, sp,       ones},
+        {"ln2b",     layer,      !expert, {0},        1,   rep,    !decay, sp,       zeros,   C},
+        {"routerw",  layer,      !expert, {router},   C,   rep,    decay,  own,      normal},
+        {"fcw",      layer,      expert,  {H, H},     C,   column, decay,  own,      normal},
+        {"fcb",      layer,      expert,  {0},        1,   column, !decay, own,      zeros,   2 * H},
+        {"fcprojw",  layer,      expert,  {C},        H,   row,    decay,  own,      residual},
+        {"fcprojb",  layer,      expert,  {0},        1,   rep,    !decay, own,      zeros,   C},
+        {"lnfw",     head,       !expert, {C},        1,   rep,    !decay, sp,       ones},
+        {"lnfb",     head,       !expert, {0},        1,   rep,    !decay, sp,       zeros,   C},
+        {"qnormw",   layer,      !expert, {qk},       1,   rep,    !decay, heads,    ones},
+        {"knormw",   layer,      !expert, {qk},       1,   rep,    !decay, heads,    ones},
     }};
     table[QKVW].head_rows = hd;  // with fewer key/value heads than tp ranks, each is held by tp/KV ranks
     return table;

@@ -265,7 +265,7 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     param_tensor_sizes(c, sizes, par.tp, part, par.ep);
     double partial = 0.0, shared = 0.0;
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
-        partial += par.sp && table[i].sequence_partial ? sizes[i] : 0;
+        partial += table[i].partial_over_tp(par.sp) ? sizes[i] : 0;
         for (const TensorSpec::SharedRows& rows : table[i].shared_rows(par.tp))
             shared += (double)sizes[i] / table[i].block(par.tp) * rows.rows * table[i].local_cols(par.tp);
     }

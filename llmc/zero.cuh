@@ -590,9 +590,10 @@ struct DataParallel : ParamStore<floatX> {
     }
 
     // Gradients a tp rank holds only partial sums of, completed over the tp ranks before the bucket is reduced
-    // across dp: under sequence parallelism the norms' and wpe's, from the rank's rows only (summed over the
-    // group); and the key/value heads several ranks hold, from each rank's query heads only (summed over the
-    // ranks holding them). grads is the flat buffer or, packed, the bucket's staging.
+    // across dp: those the table marks (TPGrad: under sequence parallelism the norms' and wpe's, from the rank's
+    // rows only; QK-norm's, from the rank's heads only; summed over the group); and the key/value heads several
+    // ranks hold, from each rank's query heads only (summed over the ranks holding them). grads is the flat
+    // buffer or, packed, the bucket's staging.
     void sum_partials(const Bucket& b, floatX* grads, bool packed) {
         if (!m.tp.on()) return;
         std::map<int, std::vector<ShareRange>> partials;  // per group size (0: the whole group), where in grads
@@ -600,7 +601,7 @@ struct DataParallel : ParamStore<floatX> {
         for (const Segment& s : b.segments) {
             const TensorSpec& spec = m.table[s.tensor];
             size_t at = packed ? running : s.offset, block = spec.block(m.tp.size()), cols = spec.local_cols(m.tp.size());
-            if (spec.sequence_partial && m.tp.spec.sp) partials[0].push_back({at, s.size});
+            if (spec.partial_over_tp(m.tp.spec.sp)) partials[0].push_back({at, s.size});
             std::vector<TensorSpec::SharedRows> shared_rows = spec.shared_rows(m.tp.size());
             for (size_t k = 0; !shared_rows.empty() && k < s.size / block; k++)  // each layer's (and expert's) block
                 for (const TensorSpec::SharedRows& shared : shared_rows)
