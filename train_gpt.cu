@@ -336,7 +336,7 @@ static int convert_model(const Options& o) {
     }
     if (o.convert_format == "hf") {
         printf("wrote %s: %s as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(), what.c_str(),
-               config.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel",
+               hf_architecture(config),
                o.convert_dtype == "bf16" ? "bfloat16" : "float32", files, files == 1 ? "" : "s");
         return 0;
     }

@@ -270,7 +270,7 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.Cl = (int)(table[ATTPROJW].cols / tp.size), d.Hl = (int)(table[FCPROJW].cols / tp.size);
     d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
     d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
-    d.Vl = TensorParallel::vocab_rows(c.padded_vocab_size, tp.size);
+    d.Vl = vocab_rows(c.padded_vocab_size, tp.size);
     d.means = c.norm() == Norm::LayerNorm;
     d.qk_norm = c.qk_norm();
     return d;
@@ -1230,7 +1230,7 @@ inline floatX* gpt_chunk_output(GPTModel<floatX>& m, int slot, int chunk) {
 // collective of both groups)
 template <typename floatX>
 inline std::vector<float> gpt_logits_row(GPTModel<floatX>& m, int b, int t, int slot = 0) {
-    int Vl = TensorParallel::vocab_rows(m.config.padded_vocab_size, m.tp.size());
+    int Vl = vocab_rows(m.config.padded_vocab_size, m.tp.size());
     std::vector<float> mine(Vl), whole((size_t)Vl * m.tp.size());
     const ContextParallel<floatX>& cp = m.cp;
     const MicroBatchSlot<floatX>& mb = m.slots[slot];

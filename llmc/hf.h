@@ -4,7 +4,7 @@
 // reads such a directory (F32, BF16 or F16) as the model to train. One table (hf_placements) says where each HF
 // tensor lies in the flat buffer, for both directions.
 //
-// The tensors take HF's names, shapes and layouts (GPT2LMHeadModel, LlamaForCausalLM):
+// The tensors take HF's names, shapes and layouts (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM):
 //   GPT-2   transformer.wte (the padded vocab rows dropped; lm_head is tied to it, so it is not written),
 //           transformer.wpe, transformer.h.{l}.ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj,
 //           transformer.ln_f. HF's Conv1D stores a weight [in, out], the transpose of ours [out, in].
@@ -15,6 +15,8 @@
 //           up_proj) then c_fc2 (gate_proj, the one SwiGLU passes through silu). HF's Llama turns RoPE's pairs
 //           (i, i + hd/2) (rotate_half), ours and Meta's (2i, 2i + 1): q_proj's and k_proj's rows are reordered
 //           within each head so that HF's pair i is our pair i, which leaves every attention score unchanged.
+//   Qwen3   Llama's names, and self_attn.{q,k}_norm: the QK-norm weights, reordered as a rotated head's rows
+//           are (RMSNorm over a head does not see the order, so the model is the same function).
 #pragma once
 
 #include <sys/stat.h>
@@ -48,8 +50,8 @@ struct HfPlacement {
 // the whole model's HF tensors, in HF's order: the one table export and import both read
 inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
     if (c.moe())
-        fail("--format hf: a model with experts (%d, top-%d) has no GPT2LMHeadModel or LlamaForCausalLM form, and "
-             "Mixtral's layout is not built", c.num_experts, c.top_k);
+        fail("--format hf: a model with experts (%d, top-%d) has no GPT2LMHeadModel, LlamaForCausalLM or "
+             "Qwen3ForCausalLM form, and Mixtral's and Qwen3-MoE's layouts are not built", c.num_experts, c.top_k);
     int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.hidden();
     std::vector<HfPlacement> out;
     // rows [first, first + n) of `cols` columns of layer l's block of tensor t, as HF's shape
@@ -82,8 +84,8 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
         add("transformer.ln_f.bias", LNFB, 0, 0, C, 1);
         return out;
     }
-    int NH = c.num_heads, KV = c.kv_heads();
-    size_t Q = (size_t)NH * c.head_size(), K = (size_t)KV * c.head_size();
+    int NH = c.num_heads, KV = c.kv_heads(), hd = c.head_size();
+    size_t Q = (size_t)NH * hd, K = (size_t)KV * hd;
     add("model.embed_tokens.weight", WTE, 0, 0, V, C);
     for (int64_t l = 0; l < L; l++) {
         std::string h = strfmt("model.layers.%ld.", (long)l);
@@ -92,6 +94,10 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
         add(h + "self_attn.k_proj.weight", QKVW, l, Q, K, C, false, KV);
         add(h + "self_attn.v_proj.weight", QKVW, l, Q + K, K, C);
         add(h + "self_attn.o_proj.weight", ATTPROJW, l, 0, C, Q);
+        if (c.qk_norm()) {
+            add(h + "self_attn.q_norm.weight", QNORMW, l, 0, hd, 1, false, 1);
+            add(h + "self_attn.k_norm.weight", KNORMW, l, 0, hd, 1, false, 1);
+        }
         add(h + "post_attention_layernorm.weight", LN2W, l, 0, C, 1);
         add(h + "mlp.gate_proj.weight", FCW, l, H, H, C);
         add(h + "mlp.up_proj.weight", FCW, l, 0, H, C);
@@ -138,6 +144,11 @@ inline std::string hf_float(float v) {
     }
 }
 
+// the transformers class that holds the model
+inline const char* hf_architecture(const GPTConfig& c) {
+    return c.arch == Arch::Qwen3 ? "Qwen3ForCausalLM" : c.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel";
+}
+
 // config.json: what from_pretrained needs to build the model, HF's field names
 inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) {
     std::string torch_dtype = dtype == "bf16" ? "bfloat16" : "float32";
@@ -155,15 +166,18 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
                                                       "    \"original_max_position_embeddings\": 8192\n  }",
                                                       hf_float(c.rope_scaling).c_str())
                                              : "null";
+    bool qwen = c.arch == Arch::Qwen3;
     return strfmt(
-        "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n  \"vocab_size\": %d,\n"
+        "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"vocab_size\": %d,\n"
         "  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
         "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
         "  \"head_dim\": %d,\n  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": %s,\n  \"rope_theta\": %s,\n"
-        "  \"rope_scaling\": %s,\n  \"attention_bias\": false,\n  \"mlp_bias\": false,\n"
+        "  \"rope_scaling\": %s,\n  \"attention_bias\": false,\n%s"
         "  \"tie_word_embeddings\": %s,\n  \"initializer_range\": 0.02,\n  \"torch_dtype\": \"%s\"\n}\n",
-        c.vocab_size, c.max_seq_len, c.channels, c.hidden(), c.num_layers, c.num_heads, c.kv_heads(), c.head_size(),
+        hf_architecture(c), qwen ? "qwen3" : "llama", c.vocab_size, c.max_seq_len,
+        c.channels, c.hidden(), c.num_layers, c.num_heads, c.kv_heads(), c.head_size(),
         hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(),
+        qwen ? "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n" : "  \"mlp_bias\": false,\n",
         c.tied_embeddings ? "true" : "false", torch_dtype.c_str());
 }
 
@@ -289,6 +303,21 @@ inline HfFiles hf_open(const std::string& dir) {
     return h;
 }
 
+// RoPE's scaling factor from config.json's rope_scaling (the Hub's) or rope_parameters (transformers 5's): 0 for
+// none (null, or rope_type "default"), Llama 3's factor, or one line refusing any other scaling
+inline float hf_rope_scaling(const JsonValue* scaling, const JsonValue* rope_parameters, const char* where) {
+    const JsonValue* given = scaling && !scaling->is_null() ? scaling : rope_parameters;
+    if (!given) return 0.0f;
+    const JsonValue& s = given->as_object();
+    const JsonValue* type = s.find("rope_type") ? s.find("rope_type") : s.find("type");
+    if (type && type->as_string() == "default") return 0.0f;
+    if (!type || type->as_string() != "llama3" || s.at("low_freq_factor").as_double() != 1 ||
+        s.at("high_freq_factor").as_double() != 4 || s.at("original_max_position_embeddings").as_int64() != 8192)
+        fail("%s: \"%s\": only Llama 3's (llama3, low 1, high 4, original 8192) is built", where,
+             given == scaling ? "rope_scaling" : "rope_parameters");
+    return (float)s.at("factor").as_double();
+}
+
 // the model config.json describes, or one line naming the field this model cannot represent
 inline GPTConfig hf_read_config(const std::string& dir) {
     JsonDoc doc = JsonDoc::from_file(dir + "/config.json");
@@ -316,17 +345,38 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         require("activation_function", "gelu_new", "GPT-2's MLP here is GELU's tanh form (gelu_new)");
         require("n_inner", 4.0 * c.channels, "GPT-2's MLP here has 4·n_embd hidden units");
         require("tie_word_embeddings", true, "GPT-2's classifier here is wte");
-    } else if (arch == "LlamaForCausalLM") {
-        c.arch = Arch::Llama3;
+    } else if (arch == "LlamaForCausalLM" || arch == "Qwen3ForCausalLM") {
+        bool qwen = arch == "Qwen3ForCausalLM";
+        c.arch = qwen ? Arch::Qwen3 : Arch::Llama3;
         c.channels = integer("hidden_size"), c.num_heads = integer("num_attention_heads");
         c.num_layers = integer("num_hidden_layers"), c.max_seq_len = integer("max_position_embeddings");
         c.vocab_size = integer("vocab_size"), c.padded_vocab_size = pad_vocab(c.vocab_size);
         c.num_kv_heads = j.find("num_key_value_heads") ? integer("num_key_value_heads") : c.num_heads;
         c.norm_eps = (float)j.at("rms_norm_eps").as_double();
-        c.rope_theta = (float)j.at("rope_theta").as_double();
+        // RoPE: the Hub's checkpoints give rope_theta and rope_scaling at the top level, transformers 5 writes
+        // both inside rope_parameters (its rope_type "default" for none)
+        const JsonValue* rope_parameters = j.find("rope_parameters");
+        const JsonValue* rope = rope_parameters && !rope_parameters->is_null() ? rope_parameters : nullptr;
+        const JsonValue* theta = j.find("rope_theta") ? j.find("rope_theta") : rope ? rope->as_object().find("rope_theta") : nullptr;
+        if (!theta) fail("%s: no \"rope_theta\", at the top level or in \"rope_parameters\"", where);
+        c.rope_theta = (float)theta->as_double();
+        int H = integer("intermediate_size");
+        if (qwen) {  // the head size and the MLP's as given
+            const JsonValue* head_dim = j.find("head_dim");
+            c.head_dim = head_dim && !head_dim->is_null() ? (int)head_dim->as_int64() : 0;
+            c.intermediate_size = H;
+            require("hidden_act", "silu", "Qwen3's MLP here is SwiGLU");
+            require("attention_bias", false, "this Qwen3 has no biases");
+            require("use_sliding_window", false, "sliding-window attention is not built");
+            const JsonValue* tie = j.find("tie_word_embeddings");
+            c.tied_embeddings = tie && !tie->is_null() && tie->as_bool();
+            if (hf_rope_scaling(j.find("rope_scaling"), rope, where) > 0)
+                fail("%s: Qwen3 here has unscaled RoPE (rope_scaling null, or rope_type default)", where);
+            validate_config(c, dir);
+            return c;
+        }
         // the MLP's size: llm.c's own multiple_of and ffn_dim_multiplier where our export kept them (so that an
         // llm.c file comes back byte for byte), else H exactly as the descriptors make it
-        int H = integer("intermediate_size");
         c.multiple_of = H, c.ffn_dim_multiplier = (H + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
         HfFiles files = hf_open(dir);
         const std::map<std::string, std::string>& meta = files.files[0].metadata;
@@ -344,17 +394,9 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         const JsonValue* tie = j.find("tie_word_embeddings");
         c.tied_embeddings = tie && !tie->is_null() && tie->as_bool();
         require("head_dim", (double)c.channels / c.num_heads, "the head size must be hidden_size / num_attention_heads");
-        const JsonValue* scaling = j.find("rope_scaling");
-        if (scaling && !scaling->is_null()) {
-            const JsonValue& s = scaling->as_object();
-            const JsonValue* type = s.find("rope_type") ? s.find("rope_type") : s.find("type");
-            if (!type || type->as_string() != "llama3" || s.at("low_freq_factor").as_double() != 1 ||
-                s.at("high_freq_factor").as_double() != 4 || s.at("original_max_position_embeddings").as_int64() != 8192)
-                fail("%s: \"rope_scaling\": only Llama 3's (llama3, low 1, high 4, original 8192) is built", where);
-            c.rope_scaling = (float)s.at("factor").as_double();
-        }
+        c.rope_scaling = hf_rope_scaling(j.find("rope_scaling"), rope, where);
     } else {
-        fail("%s: \"architectures\": %s is neither GPT2LMHeadModel nor LlamaForCausalLM", where,
+        fail("%s: \"architectures\": %s is none of GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM", where,
              arch.empty() ? "none" : arch.c_str());
     }
     validate_config(c, dir);

@@ -24,7 +24,6 @@
 #include <string>
 #include <vector>
 
-#include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
 // The architectures: GPT-2; Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, no position
@@ -110,6 +109,8 @@ struct GPTConfig {
 };
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
+// the padded vocab rows each of tp ranks holds (the last ranks may hold padding only past Vp)
+inline int vocab_rows(int Vp, int tp) { return (Vp + tp - 1) / tp; }
 
 // The part of the model one rank holds: all of it, or under pipeline parallelism (llmc/pp.cuh) one stage's
 // chunks, each a run of consecutive layers (one chunk per virtual stage, in model order), stacked in that
@@ -204,7 +205,7 @@ struct TensorSpec {
     size_t local_rows(int tp) const {
         switch (split) {
             case TPSplit::Column: return piece_rows(0, tp) + piece_rows(1, tp) + piece_rows(2, tp);
-            case TPSplit::Vocab: return (size_t)TensorParallel::vocab_rows((int)rows(), tp);
+            case TPSplit::Vocab: return (size_t)vocab_rows((int)rows(), tp);
             default: return rows();
         }
     }
@@ -222,6 +223,16 @@ struct TensorSpec {
         for (int p = 0; split == TPSplit::Column && p < 3; first += piece_rows(p++, tp))
             if (pieces(p, tp) < (size_t)tp) shared.push_back({first, piece_rows(p, tp), tp / (int)pieces(p, tp)});
         return shared;
+    }
+    // calls f(at, count, ranks) for each range of the tensor's `size` elements in a rank's share (its blocks:
+    // one per layer and expert) that `ranks` consecutive tp ranks hold alike: the pieces of a column split
+    // several ranks hold
+    template <typename F>
+    void for_each_shared(size_t size, int tp, F&& f) const {
+        std::vector<SharedRows> shared = shared_rows(tp);
+        size_t b = block(tp), c = local_cols(tp);
+        for (size_t k = 0; !shared.empty() && k < size / b; k++)
+            for (const SharedRows& r : shared) f(k * b + r.first * c, r.rows * c, r.ranks);
     }
 };
 using ModelTable = std::array<TensorSpec, NUM_PARAM_TENSORS>;
@@ -457,7 +468,7 @@ inline std::vector<ShareRun> share_runs(const GPTConfig& c, const ShareSpec& sh,
         } else if (s.split == TPSplit::Row) {
             for (size_t r = 0, k = cols / tp; r < s.rows(); r++) add(whole + r * cols + rank * k, local + r * k, k, r > 0);
         } else if (s.split == TPSplit::Vocab) {
-            size_t V = s.rows(), Vl = TensorParallel::vocab_rows((int)V, sh.tp), lo = rank * Vl;
+            size_t V = s.rows(), Vl = vocab_rows((int)V, sh.tp), lo = rank * Vl;
             if (lo < V) add(whole + lo * cols, local, (std::min(V, lo + Vl) - lo) * cols, false);
         } else {
             add(whole, local, s.block(), false);
@@ -513,12 +524,9 @@ inline std::vector<ShareRange> common_ranges(const ModelTable& table, const size
             ranges.push_back({offset, sizes[t]});
             continue;
         }
-        size_t block = s.block(tp), cols = s.local_cols(tp);
-        std::vector<TensorSpec::SharedRows> shared_rows = s.shared_rows(tp);
-        for (size_t k = 0; k < sizes[t] / block; k++)  // each layer's (and expert's) block
-            for (const TensorSpec::SharedRows& shared : shared_rows)
-                if (a / shared.ranks == b / shared.ranks)
-                    ranges.push_back({offset + k * block + shared.first * cols, shared.rows * cols});
+        s.for_each_shared(sizes[t], tp, [&](size_t at, size_t count, int ranks) {
+            if (a / ranks == b / ranks) ranges.push_back({offset + at, count});
+        });
     }
     return ranges;
 }

@@ -316,8 +316,6 @@ struct TensorParallel {
     long rows(long BT) const { return spec.sp ? BT / spec.size : BT; }
     // where this rank's rows start inside a whole (BT-row) buffer
     long first_row(long BT) const { return spec.sp ? spec.rank * (BT / spec.size) : 0; }
-    // the padded vocab rows each rank holds (the last ranks may hold padding only past Vp)
-    static int vocab_rows(int Vp, int tp) { return (Vp + tp - 1) / tp; }
 
     // --- entering a column-parallel layer -------------------------------------------------------------------
 

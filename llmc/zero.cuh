@@ -600,12 +600,11 @@ struct DataParallel : ParamStore<floatX> {
         size_t running = 0;
         for (const Segment& s : b.segments) {
             const TensorSpec& spec = m.table[s.tensor];
-            size_t at = packed ? running : s.offset, block = spec.block(m.tp.size()), cols = spec.local_cols(m.tp.size());
+            size_t at = packed ? running : s.offset;
             if (spec.partial_over_tp(m.tp.spec.sp)) partials[0].push_back({at, s.size});
-            std::vector<TensorSpec::SharedRows> shared_rows = spec.shared_rows(m.tp.size());
-            for (size_t k = 0; !shared_rows.empty() && k < s.size / block; k++)  // each layer's (and expert's) block
-                for (const TensorSpec::SharedRows& shared : shared_rows)
-                    partials[shared.ranks].push_back({at + k * block + shared.first * cols, shared.rows * cols});
+            spec.for_each_shared(s.size, m.tp.size(), [&](size_t offset, size_t count, int ranks) {
+                partials[ranks].push_back({at + offset, count});
+            });
             running += s.size;
         }
         for (const auto& [ranks, ranges] : partials) {

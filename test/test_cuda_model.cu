@@ -32,6 +32,9 @@ const char* MOE_MODEL = "d2c128h2t64v1000e4k2";  // ... with 4 experts in each M
 // pads to 50304 (a Llama's vocab was once unpadded, and its first GPU step refused 50257 columns)
 const char* LLAMA_MODEL = "l2c128h2g1f344t64v1000";
 const char* LLAMA_GPT2_VOCAB = "l2c128h2g1f344t64";
+// a Qwen3 whose two query heads of 64 channels (one key/value head) make attention 128 wide in a model of 96
+// channels, with QK-norm
+const char* QWEN3_MODEL = "q2c96h2g1d64f344t64v1000";
 
 struct Pair {
     GPTConfig config;
@@ -193,6 +196,15 @@ TEST_CASE("GPU Llama on the wgmma attention (Hopper): step 0 and 20 AdamW steps 
     UseAttention wgmma("wgmma");
     check_step_zero(LLAMA_MODEL, 5e-2);
     check_training(LLAMA_MODEL);
+}
+
+TEST_CASE("GPU Qwen3 (QK-norm, a head size of its own): on the mma attention, loss, logits and every gradient "
+          "against the CPU model at step 0, and 20 AdamW steps of 2 micro-steps",
+          "[cuda][model][qwen3]") {
+    SKIP_WITHOUT_GPU_CASE();
+    UseAttention mma("mma");
+    check_step_zero(QWEN3_MODEL, 5e-2);
+    check_training(QWEN3_MODEL);
 }
 
 TEST_CASE("GPU model with experts (E=4, K=2): loss, logits and every gradient against the CPU model at step 0",

@@ -684,17 +684,17 @@ phase_moe() {
 }
 
 # ---------------------------------------------------------------------------------------------------------
-# llama: the Llama 3 path. On the GPU: the dev/cuda checks of its kernels (RMSNorm, RoPE, SwiGLU, and the
-# attention, whose shapes include grouped-query ones), their Catch2 [cuda] tests and the GPU Llama against the
-# CPU model; then, like the pytorch phase, a Llama 3 file (LLAMA_SHAPE) trained by train_gpt and by PyTorch
+# llama: the Llama 3 path, and Qwen3's. On the GPU: the dev/cuda checks of its kernels (RMSNorm, RoPE, SwiGLU,
+# Qwen3's QK-norm, and the attention, whose shapes include grouped-query ones), their Catch2 [cuda] tests and the
+# GPU Llama and Qwen3 against the CPU model; then, like the pytorch phase, a Llama 3 file (LLAMA_SHAPE) trained by train_gpt and by PyTorch
 
 # the kernels' Catch2 tests: RMSNorm's and RoPE's by tag, SwiGLU's by file (-# makes each file's name a tag:
 # its [cuda] cases have no tag of their own), the grouped-query attention cases by name (mma.sync and wgmma)
-LLAMA_KERNEL_TESTS='[cuda][rmsnorm],[cuda][rope],[cuda][#test_swiglu],CUDA flash attention forward*,CUDA wgmma flash attention*'
+LLAMA_KERNEL_TESTS='[cuda][rmsnorm],[cuda][rope],[cuda][#test_swiglu],[cuda][qknorm],CUDA flash attention forward*,CUDA wgmma flash attention*'
 
 phase_llama() {
     if ! needs_gpu "dev/cuda's kernel checks and the Catch2 [cuda] tests"; then
-        for program in rmsnorm rope swiglu attention; do
+        for program in rmsnorm rope swiglu qknorm attention; do
             if [[ ! -x dev/cuda/$program ]]; then
                 result FAIL llama "dev/cuda/$program" "(not built: add the build phase)"; continue
             fi
@@ -703,9 +703,11 @@ phase_llama() {
             kernel_result "$rc" "dev/cuda/$program" "$(run_output | grep -E '^[0-9]+ of [0-9]+ checks passed' | tail -n 1)"
         done
         run build/tests -# "$LLAMA_KERNEL_TESTS"
-        catch2_last $? 'build/tests: the [cuda] tests of RMSNorm, RoPE, SwiGLU and grouped-query attention'
+        catch2_last $? 'build/tests: the [cuda] tests of RMSNorm, RoPE, SwiGLU, QK-norm and grouped-query attention'
         run build/tests "[cuda][llama]~[wgmma]"
         catch2_last $? 'build/tests "[cuda][llama]~[wgmma]" (GPU Llama against the CPU model)'
+        run build/tests "[cuda][model][qwen3]"
+        catch2_last $? 'build/tests "[cuda][model][qwen3]" (GPU Qwen3, QK-norm and a head size of its own, against the CPU model)'
         run build/tests "[cuda][llama][wgmma]"
         catch2_wgmma $? 'build/tests "[cuda][llama][wgmma]" (GPU Llama on the wgmma attention against the CPU model)'
         # a named Llama 3 shape trains: Meta's 1B (1.5 billion parameters here, its lm_head untied; 24 GB of model
