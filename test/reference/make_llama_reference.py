@@ -101,6 +101,11 @@ def rope(x, freqs):
     return out
 
 
+def float32_normal(gen, *shape, std):
+    """A float64 tensor of normal values drawn in float32, as the model file stores them."""
+    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).double()
+
+
 def rmsnorm(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w
 
@@ -112,8 +117,7 @@ class Llama:
         self.kv, self.theta, self.tied, self.E, self.K = kv, theta, tied, experts, top_k
         self.freqs = rope_frequencies(theta, scaling)
 
-        def normal(*shape, std):  # drawn in float32, as the model file stores them
-            return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).double()
+        normal = lambda *shape, std: float32_normal(gen, *shape, std=std)
 
         resid = 0.02 / math.sqrt(2 * L)
         p = {"wte": normal(V, C, std=0.02)}

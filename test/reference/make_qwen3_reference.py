@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from make_hf_reference import write_safetensors
-from make_llama_reference import (B, LLAMA_MAGIC, MAXT, MICRO, SEED, T, V, VP, rope, run_reference,
-                                  write_model_file, write_state)
+from make_llama_reference import (B, LLAMA_MAGIC, MAXT, MICRO, SEED, T, V, VP, float32_normal, rope,
+                                  run_reference, write_model_file, write_state)
 
 # odd sizes, so that indexing bugs show up: a head size of its own (NH·HD = 64, not C = 48), an H not 8/3·C
 L = 2
@@ -118,13 +118,9 @@ class Qwen3:
     def __init__(self, kv, tied, gen):
         self.kv, self.tied = kv, tied
 
-        def normal(*shape, std):  # drawn in float32, as the files store them
-            return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).double()
-
-        resid = 0.02 / math.sqrt(2 * L)
-        p = {"wte": normal(V, C, std=0.02)}
-        if not tied:
-            p["lm_head"] = normal(V, C, std=0.02)
+        normal = lambda *shape, std: float32_normal(gen, *shape, std=std)
+        resid = 0.02 / math.sqrt(2 * L)  # the projections into the residual stream, as GPT-2 scales them
+        p = {name: normal(V, C, std=0.02) for name in (["wte"] if tied else ["wte", "lm_head"])}
         for l in range(L):
             # norm gains away from 1 so that a norm that ignored its weight would show; QK-norm's further still,
             # so that a q_norm and k_norm swapped or left unpermuted would show too
