@@ -128,11 +128,21 @@ $(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llam
 	@mkdir -p $(@D)
 	$(PYTHON) test/reference/make_llama_reference.py $(LLAMA_FLAGS) --out $(@D)
 
+# small Qwen3 models in float64 (QK-norm, a head size of its own), each with its HF directories hf/ and hf5/:
+# grouped-query attention with a classifier of its own, and multi-query with the tied classifier
+QWEN3_REFERENCES = build/reference_qwen3/model.bin build/reference_qwen3_tied/model.bin
+build/reference_qwen3/model.bin: QWEN3_FLAGS = --kv 2
+build/reference_qwen3_tied/model.bin: QWEN3_FLAGS = --kv 1 --tied
+$(QWEN3_REFERENCES): test/reference/make_qwen3_reference.py test/reference/make_llama_reference.py \
+    test/reference/make_hf_reference.py
+	@mkdir -p $(@D)
+	$(PYTHON) test/reference/make_qwen3_reference.py $(QWEN3_FLAGS) --out $(@D)
+
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
-	    $(LLAMA_REFERENCES) dev/data/node_modules data/sotu/train.bin
+	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) dev/data/node_modules data/sotu/train.bin
 	bash test/run_tests.sh
 
 train: deps

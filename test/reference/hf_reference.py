@@ -3,11 +3,13 @@
 
     /usr/bin/python3 test/reference/hf_reference.py --hf DIR --state STATE.bin [--tol 1e-5]
 
-An independent float64 forward pass of transformers' GPT2LMHeadModel and LlamaForCausalLM, written from Hugging
-Face's names and conventions (not llm5d's) with nothing beyond torch and numpy. It reads DIR/config.json and the
-weights (DIR/model.safetensors, or the shards DIR/model.safetensors.index.json names), runs the first micro-batch
-of STATE.bin (from make_reference.py or make_llama_reference.py), and compares the logits (max abs error over the
-largest |logit|) and the mean cross-entropy (relative). Exit 0: PASS, 1: FAIL, 2: a bad input (one line).
+An independent float64 forward pass of transformers' GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM,
+written from Hugging Face's names and conventions (not llm5d's) with nothing beyond torch and numpy. It reads
+DIR/config.json (RoPE's settings at the top level as transformers 4 writes them, or in rope_parameters as
+transformers 5 does) and the weights (DIR/model.safetensors, or the shards DIR/model.safetensors.index.json
+names), runs the first micro-batch of STATE.bin (from make_reference.py, make_llama_reference.py or
+make_qwen3_reference.py), and compares the logits (max abs error over the largest |logit|) and the mean
+cross-entropy (relative). Exit 0: PASS, 1: FAIL, 2: a bad input (one line).
 """
 
 import argparse
@@ -183,9 +185,15 @@ def rms_norm(x, weight, eps):
 
 
 def inverse_frequencies(cfg, hd):
-    """1/theta^(2i/hd), i < hd/2, then Llama 3.1's scaling as transformers' _compute_llama3_parameters does it."""
-    inv = 1.0 / cfg.need("rope_theta", float) ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    scaling = cfg.get("rope_scaling") or {}
+    """1/theta^(2i/hd), i < hd/2, then Llama 3.1's scaling as transformers' _compute_llama3_parameters does it.
+
+    RoPE's settings are where transformers 4 writes them (rope_theta at the top level, the scaling in
+    rope_scaling) or where transformers 5 does (both in rope_parameters)."""
+    parameters = cfg.get("rope_parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    within = None if "rope_theta" in cfg else parameters
+    inv = 1.0 / cfg.need("rope_theta", float, within=within) ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    scaling = cfg.get("rope_scaling") or parameters
     kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
     if kind == "default":
         return inv
@@ -237,13 +245,18 @@ def gpt2_logits(cfg, weights, idx):
     return x @ (w("wte.weight", V, C) if tied else weights.tensor("lm_head.weight", V, C)).t()
 
 
-def llama_logits(cfg, weights, idx):
+def decoder_logits(cfg, weights, idx, qk_norm, default_head_dim):
+    """Llama's decoder, and with qk_norm Qwen3's: an RMSNorm over each head's queries and keys before RoPE."""
     C, NH, L, V, H = (cfg.need(k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                                              "vocab_size", "intermediate_size"))
-    KV, hd = cfg.need("num_key_value_heads", default=NH), cfg.need("head_dim", default=C // NH)
+    KV, hd = cfg.need("num_key_value_heads", default=NH), cfg.need("head_dim", default=default_head_dim(C, NH))
     eps = cfg.need("rms_norm_eps", float)
     if KV <= 0 or NH % KV:
         raise BadInput(f"{cfg.path}: num_key_value_heads {KV} does not divide num_attention_heads {NH}")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise BadInput(f"{cfg.path}: attention_bias or mlp_bias is set (only bias-free projections are known here)")
+    if cfg.get("use_sliding_window"):
+        raise BadInput(f"{cfg.path}: use_sliding_window is set (only full causal attention is known here)")
     inv_freq = inverse_frequencies(cfg, hd)
     w = weights.tensor
     x = w("model.embed_tokens.weight", V, C)[idx]
@@ -251,8 +264,12 @@ def llama_logits(cfg, weights, idx):
         p = f"model.layers.{i}."
         h = rms_norm(x, w(p + "input_layernorm.weight", C), eps)
         # nn.Linear stores its weight [out, in]: y = x @ W^T
-        q = apply_rope(split_heads(h @ w(p + "self_attn.q_proj.weight", NH * hd, C).t(), NH), inv_freq)
-        k = apply_rope(split_heads(h @ w(p + "self_attn.k_proj.weight", KV * hd, C).t(), KV), inv_freq)
+        q = split_heads(h @ w(p + "self_attn.q_proj.weight", NH * hd, C).t(), NH)
+        k = split_heads(h @ w(p + "self_attn.k_proj.weight", KV * hd, C).t(), KV)
+        if qk_norm:  # one hd-weight each, shared by the heads
+            q = rms_norm(q, w(p + "self_attn.q_norm.weight", hd), eps)
+            k = rms_norm(k, w(p + "self_attn.k_norm.weight", hd), eps)
+        q, k = apply_rope(q, inv_freq), apply_rope(k, inv_freq)
         v = split_heads(h @ w(p + "self_attn.v_proj.weight", KV * hd, C).t(), KV)
         # grouped-query attention: query head j reads key/value head j // (NH/KV)
         k, v = k.repeat_interleave(NH // KV, dim=1), v.repeat_interleave(NH // KV, dim=1)
@@ -262,11 +279,21 @@ def llama_logits(cfg, weights, idx):
         gate, up = h @ w(p + "mlp.gate_proj.weight", H, C).t(), h @ w(p + "mlp.up_proj.weight", H, C).t()
         x = x + (F.silu(gate) * up) @ w(p + "mlp.down_proj.weight", C, H).t()
     x = rms_norm(x, w("model.norm.weight", C), eps)
-    tied = cfg.get("tie_word_embeddings", False)  # LlamaConfig's default
+    tied = cfg.get("tie_word_embeddings", False)  # LlamaConfig's and Qwen3Config's default
     return x @ w("model.embed_tokens.weight" if tied else "lm_head.weight", V, C).t()
 
 
-ARCHITECTURES = {"GPT2LMHeadModel": ("gpt2", gpt2_logits), "LlamaForCausalLM": ("llama", llama_logits)}
+def llama_logits(cfg, weights, idx):
+    return decoder_logits(cfg, weights, idx, qk_norm=False, default_head_dim=lambda C, NH: C // NH)
+
+
+def qwen3_logits(cfg, weights, idx):
+    # Qwen3Config's head_dim defaults to 128 whatever C/NH is
+    return decoder_logits(cfg, weights, idx, qk_norm=True, default_head_dim=lambda C, NH: 128)
+
+
+ARCHITECTURES = {"GPT2LMHeadModel": ("gpt2", gpt2_logits), "LlamaForCausalLM": ("llama", llama_logits),
+                 "Qwen3ForCausalLM": ("qwen3", qwen3_logits)}
 
 
 def check(hf_dir, state_path):
@@ -295,7 +322,8 @@ def check(hf_dir, state_path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, model.safetensors)")
-    ap.add_argument("--state", required=True, help="a state.bin from make_reference.py or make_llama_reference.py")
+    ap.add_argument("--state", required=True,
+                    help="a state.bin from make_reference.py, make_llama_reference.py or make_qwen3_reference.py")
     ap.add_argument("--tol", type=float, default=1e-5, help="largest relative logit and loss error that passes")
     args = ap.parse_args()
     try:

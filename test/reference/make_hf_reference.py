@@ -108,29 +108,33 @@ def llama(h, hf, flat):
            "mlp_bias": False, "torch_dtype": "float32"}
     return T, cfg
 
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("model"); ap.add_argument("out")
-ap.add_argument("--shards", type=int, default=1)
-ap.add_argument("--dtype", default="F32", choices=["F32", "BF16", "F16"])
-a = ap.parse_args()
-raw = open(a.model, "rb").read()
-h = np.frombuffer(raw, "<i4", 256)
-assert h[1] == 3
-if h[0] == 20240326:
-    T, cfg = gpt2(h, np.frombuffer(raw, "<f4", offset=1024))
-elif h[0] == 20240803:
-    T, cfg = llama(h, np.frombuffer(raw, "<f4", 256, 1024), np.frombuffer(raw, "<f4", offset=2048))
-os.makedirs(a.out, exist_ok=True)
-for f in os.listdir(a.out): os.remove(os.path.join(a.out, f))
-json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=2)
-if a.shards == 1:
-    write_safetensors(os.path.join(a.out, "model.safetensors"), T, a.dtype)
-else:
-    names = list(T); per = -(-len(names) // a.shards); wm = {}
-    for s in range(a.shards):
-        fn = f"model-{s + 1:05d}-of-{a.shards:05d}.safetensors"
-        part = {n: T[n] for n in names[s * per:(s + 1) * per]}
-        write_safetensors(os.path.join(a.out, fn), part, a.dtype); wm.update({n: fn for n in part})
-    json.dump({"metadata": {"total_size": sum(t.size * 4 for t in T.values())}, "weight_map": wm},
-              open(os.path.join(a.out, "model.safetensors.index.json"), "w"), indent=2)
-print(f"{a.model} -> {a.out}: {len(T)} tensors, {sum(t.size for t in T.values())} parameters")
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model"); ap.add_argument("out")
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--dtype", default="F32", choices=["F32", "BF16", "F16"])
+    a = ap.parse_args()
+    raw = open(a.model, "rb").read()
+    h = np.frombuffer(raw, "<i4", 256)
+    assert h[1] == 3
+    if h[0] == 20240326:
+        T, cfg = gpt2(h, np.frombuffer(raw, "<f4", offset=1024))
+    elif h[0] == 20240803:
+        T, cfg = llama(h, np.frombuffer(raw, "<f4", 256, 1024), np.frombuffer(raw, "<f4", offset=2048))
+    os.makedirs(a.out, exist_ok=True)
+    for f in os.listdir(a.out): os.remove(os.path.join(a.out, f))
+    json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=2)
+    if a.shards == 1:
+        write_safetensors(os.path.join(a.out, "model.safetensors"), T, a.dtype)
+    else:
+        names = list(T); per = -(-len(names) // a.shards); wm = {}
+        for s in range(a.shards):
+            fn = f"model-{s + 1:05d}-of-{a.shards:05d}.safetensors"
+            part = {n: T[n] for n in names[s * per:(s + 1) * per]}
+            write_safetensors(os.path.join(a.out, fn), part, a.dtype); wm.update({n: fn for n in part})
+        json.dump({"metadata": {"total_size": sum(t.size * 4 for t in T.values())}, "weight_map": wm},
+                  open(os.path.join(a.out, "model.safetensors.index.json"), "w"), indent=2)
+    print(f"{a.model} -> {a.out}: {len(T)} tensors, {sum(t.size for t in T.values())} parameters")
+
+if __name__ == "__main__":
+    main()

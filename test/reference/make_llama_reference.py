@@ -101,6 +101,11 @@ def rope(x, freqs):
     return out
 
 
+def float32_normal(gen, *shape, std):
+    """A float64 tensor of normal values drawn in float32, as the model file stores them."""
+    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).double()
+
+
 def rmsnorm(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * w
 
@@ -112,8 +117,7 @@ class Llama:
         self.kv, self.theta, self.tied, self.E, self.K = kv, theta, tied, experts, top_k
         self.freqs = rope_frequencies(theta, scaling)
 
-        def normal(*shape, std):  # drawn in float32, as the model file stores them
-            return (torch.randn(*shape, generator=gen, dtype=torch.float32) * std).double()
+        normal = lambda *shape, std: float32_normal(gen, *shape, std=std)
 
         resid = 0.02 / math.sqrt(2 * L)
         p = {"wte": normal(V, C, std=0.02)}
@@ -224,35 +228,17 @@ def f32_bits(value):
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--kv", type=int, required=True, help="key/value heads (divides %d)" % NH)
-    ap.add_argument("--rope-scaling", type=float, default=0.0,
-                    help="Llama 3's RoPE frequency scaling factor (3.1: 8, 3.2: 32; 0: none)")
-    ap.add_argument("--tied", action="store_true", help="the classifier is the token embedding (Llama 3.2 1B, 3B)")
-    ap.add_argument("--experts", type=int, default=0, help="E SwiGLU experts in every MLP (0: dense)")
-    ap.add_argument("--top-k", type=int, default=0, help="experts per token, with --experts")
-    args = ap.parse_args()
-    assert NH % args.kv == 0
-    assert (args.experts > 1) == (args.top_k > 0) and args.top_k <= args.experts
-    theta = 500000.0 if args.rope_scaling else 10000.0
+def run_reference(model, x, y):
+    """The first micro-batch's (logits, loss, aux loss, flat gradients), then the losses of NSTEPS AdamW steps.
 
-    torch.manual_seed(SEED)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(SEED + args.kv)
-    model = Llama(args.kv, theta, args.rope_scaling, args.tied, args.experts, args.top_k, gen)
+    model: .p (a dict of float64 leaf tensors), .forward(idx, targets) -> (logits, loss, aux) and
+    .flat(grads=True) -> the gradients in llm5d's flat order, float32."""
     params = list(model.p.values())
-    x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
-    y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
-    file_values = model.file_tensors()
-
     # the first micro-batch alone: logits, loss and every gradient of its objective (the mean loss, plus with
     # experts the load-balancing loss)
     logits, loss, aux = model.forward(x[:B], y[:B])
     (loss + aux).backward()
-    init_logits, init_loss, init_aux, init_grads = logits.detach().clone(), float(loss), float(aux), model.flat(grads=True)
+    first = (logits.detach().clone(), float(loss), float(aux), model.flat(grads=True))
 
     # 10 steps, each the mean loss of MICRO micro-batches (their gradients summed, each weighted 1/MICRO)
     m_state = [torch.zeros_like(p) for p in params]
@@ -277,26 +263,65 @@ def main():
                 m_hat, v_hat = m / (1 - BETA1 ** step), v / (1 - BETA2 ** step)
                 decay = WD if p.dim() >= 2 else 0.0  # the 2-D weights
                 p.sub_(LR * (m_hat / (v_hat.sqrt() + EPS) + decay * p))
+    return (*first, losses)
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "model.bin"), "wb") as f:
-        scaled = args.rope_scaling > 0
-        f.write(header_ints([LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, MULTIPLE_OF, int(scaled), 3, 2 if args.tied else 1,
-                             args.experts, args.top_k, int(args.tied)]))
+
+def write_model_file(path, ints, floats, values):
+    """llm.c's Llama 3 file: 256 int32 (ints first), 256 float32 (floats first), then the float32 values."""
+    with open(path, "wb") as f:
+        f.write(header_ints(ints))
         hf = np.zeros(256, dtype="<f4")
-        hf[:4] = [FFN_DIM_MULTIPLIER, NORM_EPS, theta, args.rope_scaling if args.rope_scaling != 8 else 0]
+        hf[:len(floats)] = floats
         f.write(hf.tobytes())
-        f.write(file_values.tobytes())
-    with open(os.path.join(args.out, "state.bin"), "wb") as f:
-        moe = [f32_bits(ALPHA), f32_bits(init_aux)] if args.experts else [0, 0]
+        f.write(values.tobytes())
+
+
+def write_state(path, x, y, logits, loss, grads, losses, moe=(0, 0)):
+    """The state file: header (moe: header [10], [11]), every micro-batch's inputs and targets, the first one's
+    logits, loss and gradients, then the steps' losses."""
+    with open(path, "wb") as f:
         f.write(header_ints([STATE_MAGIC, STATE_VERSION, B, T, V, VP, NSTEPS, f32_bits(LR), f32_bits(WD),
                              f32_bits(CLIP), *moe, MICRO]))
         f.write(x.numpy().astype("<i4").tobytes())
         f.write(y.numpy().astype("<i4").tobytes())
-        f.write(init_logits.numpy().astype("<f4").tobytes())
-        f.write(np.array([init_loss], dtype="<f4").tobytes())
-        f.write(init_grads.tobytes())
+        f.write(logits.numpy().astype("<f4").tobytes())
+        f.write(np.array([loss], dtype="<f4").tobytes())
+        f.write(grads.tobytes())
         f.write(np.array(losses, dtype="<f4").tobytes())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kv", type=int, required=True, help="key/value heads (divides %d)" % NH)
+    ap.add_argument("--rope-scaling", type=float, default=0.0,
+                    help="Llama 3's RoPE frequency scaling factor (3.1: 8, 3.2: 32; 0: none)")
+    ap.add_argument("--tied", action="store_true", help="the classifier is the token embedding (Llama 3.2 1B, 3B)")
+    ap.add_argument("--experts", type=int, default=0, help="E SwiGLU experts in every MLP (0: dense)")
+    ap.add_argument("--top-k", type=int, default=0, help="experts per token, with --experts")
+    args = ap.parse_args()
+    assert NH % args.kv == 0
+    assert (args.experts > 1) == (args.top_k > 0) and args.top_k <= args.experts
+    theta = 500000.0 if args.rope_scaling else 10000.0
+
+    torch.manual_seed(SEED)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(SEED + args.kv)
+    model = Llama(args.kv, theta, args.rope_scaling, args.tied, args.experts, args.top_k, gen)
+    x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
+    y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
+    file_values = model.file_tensors()
+    init_logits, init_loss, init_aux, init_grads, losses = run_reference(model, x, y)
+
+    os.makedirs(args.out, exist_ok=True)
+    write_model_file(os.path.join(args.out, "model.bin"),
+                     [LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, MULTIPLE_OF, int(args.rope_scaling > 0), 3,
+                      2 if args.tied else 1, args.experts, args.top_k, int(args.tied)],
+                     [FFN_DIM_MULTIPLIER, NORM_EPS, theta, args.rope_scaling if args.rope_scaling != 8 else 0],
+                     file_values)
+    moe = (f32_bits(ALPHA), f32_bits(init_aux)) if args.experts else (0, 0)
+    write_state(os.path.join(args.out, "state.bin"), x, y, init_logits, init_loss, init_grads, losses, moe)
     print(f"Llama L={L} C={C} NH={NH} KV={args.kv} H={H} V={V} theta={theta:g} scaling={args.rope_scaling:g} "
           f"tied={args.tied} experts={args.experts} top-k={args.top_k}: "
           f"{init_grads.size} parameters, initial loss {init_loss:.6f} (ln V = {math.log(V):.6f}), "
