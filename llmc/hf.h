@@ -22,6 +22,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -136,8 +137,10 @@ inline void hf_move(const GPTConfig& c, float* params, const HfPlacement& p, flo
     }
 }
 
-// the shortest decimal that reads back as the same float (1e-05, not 9.99999975e-06)
+// the shortest decimal that reads back as the same float (1e-05, not 9.99999975e-06); a whole number in full
+// (Qwen3's rope_theta 1000000, not 1e+06, as its config.json has it)
 inline std::string hf_float(float v) {
+    if (v == std::floor(v) && std::fabs(v) < 16777216.0f) return strfmt("%.0f", v);
     for (int digits = 6;; digits++) {
         std::string s = strfmt("%.*g", digits, v);
         if (strtof(s.c_str(), nullptr) == v || digits == 9) return s;
@@ -363,7 +366,7 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         int H = integer("intermediate_size");
         if (qwen) {  // the head size and the MLP's as given
             const JsonValue* head_dim = j.find("head_dim");
-            c.head_dim = head_dim && !head_dim->is_null() ? (int)head_dim->as_int64() : 0;
+            c.head_dim = head_dim && !head_dim->is_null() ? (int)head_dim->as_int64() : 128;  // Qwen3Config's default
             c.intermediate_size = H;
             require("hidden_act", "silu", "Qwen3's MLP here is SwiGLU");
             require("attention_bias", false, "this Qwen3 has no biases");

@@ -57,14 +57,15 @@ inline double link_seconds(const Link& l, double bytes, double calls) {
 }
 
 // FLOPs per token by llm.c's count: 6 per parameter a token uses (with experts, K of the E blocks of each expert
-// tensor) and 6·L·C·T for attention
+// tensor) and 6·L·A·T for attention, A its width (C, but NH·hd where a head size of its own makes it other:
+// Qwen3's)
 inline double model_flops_per_token(const GPTConfig& c, int T) {
     ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes);
-    double dense = 0, experts = 0, C = c.channels, L = c.num_layers;
+    double dense = 0, experts = 0, A = (double)table[ATTPROJW].cols, L = c.num_layers;
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) (table[t].expert ? experts : dense) += (double)sizes[t];
-    return 6 * (dense + experts * c.top_k / c.num_experts) + 6 * L * C * T;
+    return 6 * (dense + experts * c.top_k / c.num_experts) + 6 * L * A * T;
 }
 
 // One micro-batch's work on one rank: a forward pass and a backward pass of a chunk of layers (with the
@@ -101,11 +102,12 @@ struct StepModel {
     // a chunk of `layers` layers, with the embeddings and/or the head
     PassCost pass(int layers, bool embeddings, bool head, bool sends_forward, bool sends_backward) const {
         const double X = value_bytes(), t = par.tp, C = c.channels, BT = (double)B * T / par.cp;
-        const double R = par.sp ? BT / t : BT, Cl = C / t, Vl = std::ceil(c.padded_vocab_size / t);
+        ModelTable table = model_table(c);
+        const double R = par.sp ? BT / t : BT, Cl = (double)table[ATTPROJW].cols / t;
+        const double Vl = std::ceil(c.padded_vocab_size / t);
         PassCost p;
         // the layer's matmuls, forward, from the table: each 2-D weight of a layer as the rank holds it, on every
         // token row, an expert's on the rows balanced routing sends it; backward does each shape twice
-        ModelTable table = model_table(c);
         const double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E, mlp_rows = rows * experts;
         const double Hl = (double)table[FCPROJW].cols / t;
         // Under --fp8 the layers between the model's first and last run them at the FP8 rate, and each GEMM's

@@ -1,7 +1,7 @@
 // Tests of the Hugging Face export and import (llmc/hf.h): the PyTorch reference models of test/reference,
 // exported by `train_gpt --convert FILE --to DIR --format hf`, read back by test/reference/hf_reference.py, an
-// independent implementation of HF's GPT-2 and Llama (its tensor names, Conv1D layout, rotate-half RoPE, llama3
-// rope scaling), whose logits and loss on the reference batch must be the reference's; sharded and bf16
+// independent implementation of HF's GPT-2, Llama and Qwen3 (its tensor names, Conv1D layout, rotate-half RoPE,
+// llama3 rope scaling, QK-norm), whose logits and loss on the reference batch must be the reference's; sharded and bf16
 // exports; round trips byte for byte; an HF directory training as its llm.c file does; the refusals; and the
 // fine-tune path: a Llama 3 directory with its tokenizer, its own tokens, samples, and back to a directory that
 // holds the tokenizer files.
@@ -23,12 +23,14 @@ std::string check_export(const std::string& dir, const std::string& reference, c
     return r.output;
 }
 
-TEST_CASE("GPT-2 and Llama exported to Hugging Face give the PyTorch reference's logits and loss in HF's own "
-          "conventions: GPT-2, Llama with GQA and scaled RoPE, with MQA, with MHA, tied with Llama 3.2's scaling",
+TEST_CASE("GPT-2, Llama and Qwen3 exported to Hugging Face give the PyTorch reference's logits and loss in HF's own "
+          "conventions: GPT-2, Llama with GQA and scaled RoPE, with MQA, with MHA, tied with Llama 3.2's scaling, "
+          "Qwen3 with GQA and tied with MQA",
           "[hf]") {
     TempDir out;
     for (const char* reference :
-         {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha", "reference_llama_tied"}) {
+         {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha", "reference_llama_tied",
+          "reference_qwen3", "reference_qwen3_tied"}) {
         INFO(reference);
         std::string model = strfmt("build/%s/model.bin", reference), dir = out / reference;
         REQUIRE(file_exists(model));
@@ -94,7 +96,8 @@ TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -
           "[hf]") {
     TempDir out;
     for (const char* reference :
-         {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha", "reference_llama_tied"}) {
+         {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha", "reference_llama_tied",
+          "reference_qwen3", "reference_qwen3_tied"}) {
         INFO(reference);
         std::string model = strfmt("build/%s/model.bin", reference), hf = out / (std::string(reference) + ".hf"),
                     back = out / (std::string(reference) + ".bin"), again = out / (std::string(reference) + ".hf2");

@@ -2,8 +2,10 @@
 // one whose MLPs are mixtures of experts (--moe), and records their logits, loss, every gradient and the
 // losses of 10 AdamW steps; test/reference/make_llama_reference.py does the same for small Llama 3 models in
 // float64 (grouped-query, multi-query and multi-head attention; RoPE scaled and not), whose 10 steps each
-// accumulate two micro-batches. `make test` writes them under build/ before running this.
+// accumulate two micro-batches, and make_qwen3_reference.py a small Qwen3, from its file and its Hugging Face
+// directories. `make test` writes them under build/ before running this.
 #include "llmc/gpt.cuh"
+#include "llmc/hf.h"
 #include "test_helpers.h"
 
 namespace test_model_reference {
@@ -49,12 +51,15 @@ ReferenceState read_state(const std::string& path, size_t num_parameters) {
     return s;
 }
 
-void check_against_pytorch(const std::string& dir) {
-    std::string model_path = dir + "/model.bin";
+// the reference in `dir` against the model read from `model` (default: its llm.c file; or a Hugging Face
+// directory), every gradient within grad_tol of PyTorch's at its tensor's scale
+void check_against_pytorch(const std::string& dir, std::string model_path = "", double grad_tol = 1e-4) {
+    if (model_path.empty()) model_path = dir + "/model.bin";
     INFO("run `make test` (or make build/reference/model.bin) to generate " << model_path);
-    REQUIRE(file_exists(model_path));
+    REQUIRE((file_exists(model_path) || is_hf_dir(model_path)));
     int version;
-    GPTConfig config = read_model_header(model_path, &version);
+    bool hf = is_hf_dir(model_path);
+    GPTConfig config = hf ? hf_read_config(model_path) : read_model_header(model_path, &version);
     GPT m;
     ReferenceState ref;
     {
@@ -64,7 +69,8 @@ void check_against_pytorch(const std::string& dir) {
         f.read(h, sizeof(h));
         gpt_allocate(m, config, h[2], h[3]);
     }
-    gpt_load_params(m.config, m.params, model_path);
+    if (hf) hf_load(m.config, m.params, model_path);
+    else gpt_load_params(m.config, m.params, model_path);
     ref = read_state(dir + "/state.bin", m.num_parameters);
     m.moe.alpha = ref.aux_weight;
     REQUIRE(ref.V == config.vocab_size);
@@ -95,7 +101,7 @@ void check_against_pytorch(const std::string& dir) {
         // relative to each tensor's largest gradient, so near-zero entries are judged at that tensor's scale
         float scale = 0.0f;
         for (size_t j = 0; j < m.param_sizes[i]; j++) scale = std::max(scale, fabsf(ref.grads[offset + j]));
-        CHECK(max_rel_error(m.grads + offset, &ref.grads[offset], m.param_sizes[i], scale) < 1e-4);
+        CHECK(max_rel_error(m.grads + offset, &ref.grads[offset], m.param_sizes[i], scale) < grad_tol);
         offset += m.param_sizes[i];
     }
 
@@ -132,6 +138,19 @@ TEST_CASE("CPU Llama 3 from an llm.c Llama 3 file matches a float64 PyTorch Llam
                             "build/reference_llama_tied", "build/reference_llama_moe"}) {
         INFO(dir);
         check_against_pytorch(dir);
+    }
+}
+
+TEST_CASE("CPU Qwen3 matches a float64 PyTorch Qwen3 written from Hugging Face's modeling_qwen3 (QK-norm before "
+          "rotate-half RoPE, heads of 16 in 48 channels): logits, loss, every gradient within 1e-5 and 10 AdamW steps, "
+          "read from llm5d's Qwen3 file and from the Hugging Face directory in transformers 4's and 5's config forms, "
+          "grouped-query (KV=2) and multi-query tied (KV=1)",
+          "[model][reference][qwen3]") {
+    for (const char* dir : {"build/reference_qwen3", "build/reference_qwen3_tied"}) {
+        for (const char* from : {"model.bin", "hf", "hf5"}) {
+            INFO(dir << " from " << from);
+            check_against_pytorch(dir, std::string(dir) + "/" + from, 1e-5);
+        }
     }
 }
 
