@@ -733,8 +733,8 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
 // file_rows). Each file keeps its format's vocab rows: GPT-2's the padded Vp its header gives, Llama 3's the V
 // of the vocab (its header has no Vp), so reading a Llama file fills the padding rows memory adds with zeros,
 // and writing one drops them. Qwen3's is llm5d's own, Llama 3's layout with int [15] 1, [16] the head size and
-// [17] the MLP's hidden units, and the QK-norm weights (L×hd for q, then for k) after lnfb's slot; llm.c reads
-// none of it.
+// [17] the MLP's hidden units ([8], [10] and [11] 0), and the QK-norm weights (L×hd for q, then for k) after
+// lnfb's slot; llm.c reads none of it.
 
 constexpr int LLAMA_MODEL_MAGIC = 20240803;
 
@@ -827,8 +827,10 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.num_kv_heads = h[6];
         c.channels = h[7];
         c.padded_vocab_size = pad_vocab(c.vocab_size);  // the file's rows are the vocab's: the padding is memory's
-        c.multiple_of = h[8];
-        c.version_major = h[10], c.version_minor = h[11];
+        if (h[15] != 1) {  // Llama 3's MLP rule and version (Qwen3's: slots 15 to 17 below)
+            c.multiple_of = h[8];
+            c.version_major = h[10], c.version_minor = h[11];
+        }
         // header[12] and [13]: llm5d's experts and their top-K (0 and 0 in a dense file)
         if (h[12] > 1 || h[13] > 1) c.num_experts = h[12], c.top_k = h[13];
         else if (h[12] != h[13]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[12], h[13]);
@@ -966,7 +968,10 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         h[10] = c.version_major, h[11] = c.version_minor;
         if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
         h[14] = c.tied_embeddings;
-        if (c.arch == Arch::Qwen3) h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();
+        if (c.arch == Arch::Qwen3) {  // its H is given, and it has no Llama version: those slots hold 0
+            h[8] = h[10] = h[11] = 0;
+            h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();
+        }
         hf[0] = c.ffn_dim_multiplier, hf[1] = c.norm_eps, hf[2] = c.rope_theta;
         hf[3] = c.rope_scaling == 8.0f ? 0.0f : c.rope_scaling;  // llm.c's files stay llm.c's, byte for byte
     } else {

@@ -254,7 +254,7 @@ inline int hf_save(const GPTConfig& c, const float* params, const std::string& d
         SafetensorsWriter w;
         w.metadata("format", "pt");
         // what config.json has no field for, so that an llm.c Llama file comes back byte for byte
-        if (c.llama()) {
+        if (c.arch == Arch::Llama3) {
             w.metadata("llmc_multiple_of", std::to_string(c.multiple_of));
             w.metadata("llmc_ffn_dim_multiplier", hf_float(c.ffn_dim_multiplier));
             w.metadata("llmc_version", strfmt("%d.%d", c.version_major, c.version_minor));

@@ -53,7 +53,6 @@ HD = 16
 H = 88
 NORM_EPS = 1e-6
 THETA = 1e6
-MULTIPLE_OF = 256  # llm.c's Llama header slot; Qwen3's H is given, so llm5d ignores it
 
 # llm5d's row r of a q or k head (and of q_norm's and k_norm's weights) is HF's row HF_ROW[r]
 HF_ROW = [r // 2 if r % 2 == 0 else HD // 2 + r // 2 for r in range(HD)]
@@ -253,8 +252,8 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     write_model_file(os.path.join(args.out, "model.bin"),
-                     [LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, MULTIPLE_OF, 0, 3, 0, 0, 0, int(args.tied),
-                      1, HD, H],
+                     # Llama's multiple_of and version slots are 0: Qwen3's H is given, and it has no Llama version
+                     [LLAMA_MAGIC, 3, MAXT, V, L, NH, args.kv, C, 0, 0, 0, 0, 0, 0, int(args.tied), 1, HD, H],
                      [0.0, NORM_EPS, THETA, 0.0], model.file_tensors())
     weights = write_hf(os.path.join(args.out, "hf"), model, False, None)
     write_hf(os.path.join(args.out, "hf5"), model, True, weights)
