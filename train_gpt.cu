@@ -1,10 +1,12 @@
-// train_gpt: trains a GPT-2 on token shards, on one rank or many (launched with mpirun). The story of a run,
-// top to bottom: read the flags, pick the device, join the other ranks and lay them out on the process grid,
-// build the model (fresh, from an llm.c file, or from the newest checkpoint) with its data-parallel runtime,
-// open this rank's slice of the data, then loop: checkpoint, validate (and score the eval), sample, and take one
-// optimizer step over a global batch of micro-batches (skipped when its loss or gradient norm is not finite, or
-// spikes), until the last step, too many skipped steps in a row, or a stop signal (SIGTERM, SIGINT, SIGUSR1,
-// SIGUSR2) to any rank.
+// train_gpt: trains a GPT-2 or a Llama 3 (with or without experts) on token shards, on one rank or many
+// (launched with mpirun). The story of a run, top to bottom (run(), then train()): read the flags, pick the
+// device, join the other ranks and lay them out on the process grid, build the model (fresh, from an llm.c file or
+// a Hugging Face directory, or from the newest checkpoint) with its data-parallel runtime, open this rank's slice
+// of the data, then loop: checkpoint, validate (and score the eval), sample, and take one optimizer step over a
+// global batch of micro-batches (skipped when its loss or gradient norm is not finite, or spikes), until the last
+// step, too many skipped steps in a row, or a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) to any rank.
+// The other commands have their own headers: --convert (llmc/convert.h), --calibrate (llmc/calibrate.cuh),
+// --plan and --search (llmc/planner.h).
 #include <cuda_runtime.h>
 #include <omp.h>
 #include <time.h>
@@ -15,6 +17,7 @@
 #include "llmc/calibrate.cuh"
 #include "llmc/checkpoint.h"
 #include "llmc/comm.cuh"
+#include "llmc/convert.h"
 #include "llmc/dataloader.h"
 #include "llmc/evals.h"
 #include "llmc/gpt.cuh"
@@ -24,7 +27,9 @@
 #include "llmc/options.h"
 #include "llmc/planner.h"
 #include "llmc/pp.cuh"
+#include "llmc/resume.h"
 #include "llmc/run_guard.h"
+#include "llmc/run_hooks.h"
 #include "llmc/sampler.h"
 #include "llmc/tokenizer.h"
 #include "llmc/zero.cuh"
@@ -33,13 +38,6 @@
 // "Failures and recovery" lists them all, for the scripts that restart runs
 constexpr int EXIT_NON_FINITE = 4;  // --max-bad-steps steps in a row were skipped, or the state was not finite
 constexpr int EXIT_STOPPED = 5;     // a stop signal: stopped after a step, with a checkpoint when -o is given
-
-// what the newest checkpoint in out_dir is, for the line that says why a run stopped
-static std::string newest_checkpoint(const std::string& out_dir) {
-    std::vector<int> steps = list_checkpoints(out_dir);
-    if (steps.empty()) return "there is no checkpoint in " + out_dir;
-    return "the newest checkpoint is " + out_dir + "/" + checkpoint_name(steps.back());
-}
 
 // --device, or cuda when a GPU is visible; with --plan or --search a GPU need not exist
 static Device pick_device(const Options& o) {
@@ -271,146 +269,6 @@ static RunLayout run_layout(const Options& o, int world, int dp, long total_batc
                      o.cp_split, o.pp, o.vpp, o.ep, dev == Device::CUDA ? "cuda" : "cpu"};
 }
 
-// the model a checkpoint's run was started from (its manifest's model_source: -e as the run was given it), or
-// "" where the manifest does not say (a checkpoint saved before it was recorded)
-static std::string checkpoint_model_source(const std::string& manifest) {
-    File f(manifest, "rb");
-    std::vector<std::string> source = manifest_values(f.read_all(), "model_source");
-    int n = 0;
-    unsigned long long sum;
-    if (source.size() == 1 && sscanf(source[0].c_str(), "file fnv1a64=%llx %n", &sum, &n) == 1 && n > 0)
-        return source[0].substr(n);
-    return source.size() == 1 && source[0].rfind("descriptor ", 0) == 0 ? source[0].substr(11) : "";
-}
-
-// --convert SRC --to PATH: the model of a checkpoint (verified first), a model file or a Hugging Face directory,
-// as an llm.c file of its own or (--format hf) a Hugging Face directory; written under a temporary name and renamed, never over an
-// existing file or directory
-static int convert_model(const Options& o) {
-    std::string src = o.convert, model_path = src;
-    while (src.size() > 1 && src.back() == '/') src.pop_back();
-    struct stat st;
-    if (stat(src.c_str(), &st) != 0) fail("--convert %s: %s", o.convert.c_str(), strerror(errno));
-    int step = -1;  // a checkpoint's
-    bool hf = is_hf_dir(src);
-    std::string model_source = src;  // where the model came from: src, or the -e of the run that saved src
-    if (S_ISDIR(st.st_mode) && !hf) {
-        size_t slash = src.rfind('/');
-        std::string parent = slash == std::string::npos ? "." : src.substr(0, slash), name = src.substr(slash + 1);
-        if (!is_checkpoint_name(name, &step))
-            fail("--convert %s: neither a model file, a Hugging Face directory nor a checkpoint directory (ckpt_STEP, "
-                 "under a run's -o)",
-                 o.convert.c_str());
-        verify_checkpoint(parent, step);
-        model_path = src + "/model.bin";
-        model_source = checkpoint_model_source(src + "/manifest.txt");
-    }
-    if (access(o.convert_to.c_str(), F_OK) == 0)
-        fail("--to %s: already exists; name a new %s (an existing one is never replaced)", o.convert_to.c_str(),
-             o.convert_format == "hf" ? "directory" : "file");
-    int version;
-    GPTConfig config = hf ? hf_read_config(src) : read_model_header(model_path, &version);
-    std::vector<float> params(num_parameters(config));
-    if (hf) hf_load(config, params.data(), src);
-    else gpt_load_params(config, params.data(), model_path);
-    std::string what = step >= 0 ? strfmt("the model of %s (step %d, %zu parameters)", src.c_str(), step, params.size())
-                                 : strfmt("%s %s (%zu parameters)", hf ? "Hugging Face directory" : "model file",
-                                          src.c_str(), params.size());
-    // both formats are written to TO.tmp and renamed: a write that fails (a full disk) leaves neither behind
-    std::string tmp = o.convert_to + ".tmp";
-    int files = 0;
-    try {
-        if (o.convert_format == "hf") {
-            hf_placements(config);  // a model Hugging Face has no form for is refused before the tokenizer's notes
-            files = hf_save(config, params.data(), o.convert_to, o.convert_dtype, HF_SHARD_BYTES,
-                            hf_tokenizer_files(model_source));
-        } else {
-            version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
-            gpt_save_params(config, params.data(), tmp, version);
-            if (rename(tmp.c_str(), o.convert_to.c_str()) != 0)
-                fail("--to %s: cannot rename %s into place (%s)", o.convert_to.c_str(), tmp.c_str(), strerror(errno));
-        }
-    } catch (const Error&) {
-        remove_tree(tmp);
-        throw;
-    }
-    if (o.convert_format == "hf") {
-        printf("wrote %s: %s as a Hugging Face %s in %s, %d safetensors file%s\n", o.convert_to.c_str(), what.c_str(),
-               hf_architecture(config),
-               o.convert_dtype == "bf16" ? "bfloat16" : "float32", files, files == 1 ? "" : "s");
-        return 0;
-    }
-    printf("wrote %s: %s as an llm.c %s file (version %d)\n", o.convert_to.c_str(), what.c_str(),
-           o.convert_dtype.c_str(), version);
-    return 0;
-}
-
-// A checkpoint -y 1 may resume from: its step, and the files its manifest lists, or why the manifest fails
-struct ResumeCandidate {
-    int step;
-    std::vector<ListedFile> files;
-    std::string why;
-};
-
-// the first rank's error line, or "" when no rank has one (a collective)
-static std::string first_failure(Comm& world, const std::string& mine) {
-    constexpr int BYTES = 1024;
-    std::vector<char> line(BYTES, 0), all((size_t)BYTES * world.size);
-    memcpy(line.data(), mine.data(), std::min(mine.size(), (size_t)BYTES - 1));
-    world.wait(world.all_gather(line.data(), all.data(), BYTES / 4, DType::I32));
-    for (int r = 0; r < world.size; r++)
-        if (all[(size_t)r * BYTES] != 0) return std::string(&all[(size_t)r * BYTES]);
-    return "";
-}
-
-// The checkpoint to resume from: of the candidates (newest first), the newest whose manifest verified and whose
-// files verify, each rank checksumming its share of them over `world` (without one, where no manifest verified,
-// none is chosen). Those before it are named, never loaded, and kept as evidence: moved aside when the run goes
-// on, so that its own checkpoints of those steps cannot replace them and pruning cannot count them as good ones.
-static std::string choose_checkpoint(const Options& o, const std::vector<ResumeCandidate>& candidates, Comm* world) {
-    std::vector<std::pair<int, std::string>> failed;
-    std::string chosen;
-    for (const ResumeCandidate& c : candidates) {
-        std::string dir = o.out_dir + "/" + checkpoint_name(c.step), why = c.why;
-        if (why.empty() && world) {
-            std::string mine;
-            try {
-                verify_files(dir, c.files, world->rank, world->size);
-            } catch (const Error& e) {
-                mine = e.what();
-            }
-            why = first_failure(*world, mine);
-            if (why.empty()) {
-                chosen = dir;
-                break;
-            }
-        }
-        failed.push_back({c.step, why});
-    }
-    bool lead = world ? world->rank == 0 : detect_launch().rank == 0;
-    for (const auto& [step, why] : failed) {
-        std::string dir = o.out_dir + "/" + checkpoint_name(step), kept = "kept";
-        if (lead && !chosen.empty()) {
-            std::string aside = dir + ".unverified";
-            for (int n = 2; access(aside.c_str(), F_OK) == 0; n++) aside = dir + strfmt(".unverified%d", n);
-            if (rename(dir.c_str(), aside.c_str()) != 0) fail("%s: cannot move aside (%s)", dir.c_str(), strerror(errno));
-            kept = "kept as " + aside;
-        }
-        if (lead) printf("checkpoint %s fails verification, skipped and %s: %s\n", dir.c_str(), kept.c_str(), why.c_str());
-    }
-    fflush(stdout);
-    if (!candidates.empty() && chosen.empty())
-        fail("-y 1: none of the %zu checkpoints in %s verifies (each is named above and kept)", candidates.size(),
-             o.out_dir.c_str());
-    return chosen;
-}
-
-// what a run must share with the checkpoint it resumes from: the inputs it started from and on, -t and -d
-static void check_resume_from(const RunInputs& inputs, const RunLayout& layout, const std::string& dir) {
-    check_run_inputs(inputs, read_manifest_inputs(dir + "/manifest.txt"), dir);
-    check_resumable(layout, read_manifest_layout(dir + "/manifest.txt"), dir);
-}
-
 // what run() decided from the flags, for the training run
 struct RunSetup {
     GPTConfig config;
@@ -422,86 +280,141 @@ struct RunSetup {
     size_t bucket_floats;
 };
 
-// The training run on the device whose storage type is floatX (llmc/device.cuh): float on the CPU, bf16 on
-// the GPU.
+// what one step did, for its line and main.log
+struct StepResult {
+    double loss, norm;  // the mean loss over the global batch, and the gradient norm, the same on every rank
+    float lr;
+    double ms;
+    bool skipped;  // the update was: a non-finite loss or norm, or a spike
+    Spike spike;
+};
+
+// One rank's part of a training run on the device whose storage type is floatX (llmc/device.cuh): its ranks and
+// their grid, the pipeline's schedule, its share of the model with the data-parallel runtime and the optimizer
+// state, the data; set up by train() in the order of its methods, then used by the step loop, one method for
+// each thing a step does besides the hooks (llmc/run_hooks.h).
 template <typename floatX>
-static int train(const Options& o, const RunSetup& run) {
-    const GPTConfig& config = run.config;
-    const int accumulation = run.accumulation;
-    const long tokens_per_micro_step = run.tokens_per_micro_step, total_batch = run.total_batch;
-    const size_t bucket_floats = run.bucket_floats;
-    constexpr bool on_gpu = device_of<floatX> == Device::CUDA;
+struct Trainer {
+    static constexpr bool on_gpu = device_of<floatX> == Device::CUDA;
+    const Options& o;
+    const RunSetup& run;
+    const GPTConfig& config;
+    const int accumulation;
     std::string device = device_line(device_of<floatX>, false);
     size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
-
-    // the ranks: one world, laid out on the grid
     CommSettings cs = comm_settings(o, device_of<floatX>);
-    Comm world_comm = comm_world(cs);
-    if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
-    install_stop_handlers();  // from here on a signal stops the run between steps (llmc/run_guard.h)
-    Grid grid = make_grid(world_comm, grid_shape(o));
-    const bool lead = grid.rank == 0;  // rank 0 prints, logs and writes the shared files
-    RunLayout layout = run_layout(o, grid.world, grid.dp, total_batch, bucket_floats, device_of<floatX>);
-    double verify_seconds = now_seconds();
-    std::string resume_dir = choose_checkpoint(o, run.candidates, &world_comm);
-    // an older one than run() checked the settings against, when the newest one's files failed
-    if (!resume_dir.empty() && resume_dir != run.resume_dir) check_resume_from(run.inputs, layout, resume_dir);
-    verify_seconds = now_seconds() - verify_seconds;
-
-    // the step's schedule: the order in which this pipeline stage runs its passes of the micro-batches (with
-    // one stage, forward and backward of each micro-batch in turn)
-    PPSpec pp = pp_spec(o, grid.at.pp);
-    PPSchedule passes = pp_schedule(pp.kind, grid.pp, accumulation, pp.virtual_stages);
-    bool split_backward = pp.kind == PPKind::ZeroBubble;  // B now, W where the schedule has a bubble
-    check_pp_schedule(passes, grid.pp, accumulation, pp.virtual_stages, split_backward);
-    const std::vector<PPAction>& actions = passes[grid.at.pp];
-    Pipeline<floatX> pipeline{&grid.pp_comm};
-
-    // the model (this rank's tensor-parallel share of its stage's layers, with a slot for each micro-batch the
-    // schedule keeps in flight) and its data-parallel runtime
+    Comm world_comm;
+    Grid grid;
+    bool lead = false;  // rank 0 prints, logs and writes the shared files
+    RunLayout layout;
+    std::string resume_dir;  // the checkpoint the run goes on from; "" for a fresh run
+    RunLayout resumed_from;
+    double verify_seconds = 0.0, load_seconds = 0.0;
+    std::pair<double, double> verified, loaded;  // the resume's seconds, on the fastest and the slowest rank
+    PPSpec pp;
+    std::vector<PPAction> actions;  // this stage's passes of a step's micro-batches, in the schedule's order
+    ParallelPlan par;
+    Pipeline<floatX> pipeline;
     GPTModel<floatX> model;
-    gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
-                 TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)},
-                 stage_part(config, pp), Pipeline<floatX>::slots_needed(actions), split_backward, grid.ep);
-    model.tp.comm = &grid.tp_comm;
-    model.cp.comm = &grid.cp_comm;
-    model.moe.ep = &grid.ep_comm;
-    model.moe.ep_rank = grid.at.ep;
-    model.moe.alpha = o.moe_aux;
-    model.seed = o.seed;
-    if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
-        gpt_allocate_fp8(model);
-        model.fp8.group = &grid.tp_cp();
-        model.fp8_experts.group = &grid.tp_comm;
-    }
-    // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp
-    Comm& grad_comm = grid.dp_cp();
-    StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embedding_copy() ? &grid.tied_comm : nullptr};
-    // with experts split over ep, their gradients are reduced over the ranks that hold the same experts
-    ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
-    // what the gradient reductions have sent: over dp·cp, and under ep over the experts' replicas too
-    auto dp_bytes = [&] { return grad_comm.bytes_sent + (grid.ep > 1 ? grid.expert_replicas().bytes_sent : 0.0); };
-    DataParallel<floatX> dpr(model, grad_comm, o.zero, bucket_floats, links, experts);
+    std::unique_ptr<DataParallel<floatX>> dpr;
     TrainState state;
-    Rng sampler_rng(o.seed);
-    int optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
+    Rng sampler_rng;
     // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
     // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
     // saved, and every rank keeps its share of it
-    float* adam_m = o.zero >= 1 ? dpr.shard_m : model.adam_m;
-    float* adam_v = o.zero >= 1 ? dpr.shard_v : model.adam_v;
-    size_t moments = o.zero >= 1 ? dpr.shard_size() : model.num_parameters;
-    std::vector<float> staged_m(on_gpu ? moments : 0), staged_v(on_gpu ? moments : 0);
+    float *adam_m = nullptr, *adam_v = nullptr;
+    size_t moments = 0;
+    std::vector<float> staged_m, staged_v;
     // where this rank's parameters and moments lie in the whole model, which a checkpoint's files are cut by
-    std::vector<ShareRun> share = share_runs(config, share_spec(grid), model.part);
-    std::vector<ShareRun> optimizer_runs = o.zero >= 1 ? dpr.shard_runs(share) : share;
-    auto model_state_with = [&](float* params) {
+    std::vector<ShareRun> share, optimizer_runs;
+    int optimizer_file = -1;
+    std::unique_ptr<DataLoader> train_data, val;
+    int val_batches = 0;
+    std::unique_ptr<EvalSet> evals;
+    std::unique_ptr<Tokenizer> tokenizer;
+    int steps = 0;
+    LRSchedule schedule;
+    Logger log;
+    SpikeGuard spikes;
+    int bad_steps = 0;  // steps in a row whose update was skipped (a non-finite loss or gradient norm, a spike)
+    std::vector<std::vector<int>> inputs, targets;  // a step's micro-batches
+
+    Trainer(const Options& o_, const RunSetup& run_)
+        : o(o_), run(run_), config(run_.config), accumulation(run_.accumulation), sampler_rng(o_.seed),
+          spikes{o_.spike_loss, o_.spike_norm, o_.spike_window}, inputs(run_.accumulation),
+          targets(run_.accumulation) {}
+
+    // the ranks: one world, laid out on the grid; then the checkpoint to resume from, its files checksummed by
+    // every rank (an older one than run() checked the settings against, when the newest one's files fail)
+    void join_ranks() {
+        world_comm = comm_world(cs);
+        if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
+        install_stop_handlers();  // from here on a signal stops the run between steps (llmc/run_guard.h)
+        grid = make_grid(world_comm, grid_shape(o));
+        lead = grid.rank == 0;
+        layout = run_layout(o, grid.world, grid.dp, run.total_batch, run.bucket_floats, device_of<floatX>);
+        verify_seconds = now_seconds();
+        resume_dir = choose_checkpoint(o.out_dir, run.candidates, &world_comm);
+        if (!resume_dir.empty() && resume_dir != run.resume_dir) check_resume_from(run.inputs, layout, resume_dir);
+        verify_seconds = now_seconds() - verify_seconds;
+    }
+
+    // The step's schedule: the order in which this pipeline stage runs its passes of the micro-batches (with one
+    // stage, forward and backward of each micro-batch in turn). The model: this rank's tensor-parallel share of
+    // its stage's layers, with a slot for each micro-batch the schedule keeps in flight, and its data-parallel
+    // runtime.
+    void build_model() {
+        pp = pp_spec(o, grid.at.pp);
+        PPSchedule passes = pp_schedule(pp.kind, grid.pp, accumulation, pp.virtual_stages);
+        bool split_backward = pp.kind == PPKind::ZeroBubble;  // B now, W where the schedule has a bubble
+        check_pp_schedule(passes, grid.pp, accumulation, pp.virtual_stages, split_backward);
+        actions = passes[grid.at.pp];
+        pipeline.comm = &grid.pp_comm;
+        par = parallel_plan(o, grid.dp, accumulation);
+        gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
+                     TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)},
+                     stage_part(config, pp), Pipeline<floatX>::slots_needed(actions), split_backward, grid.ep);
+        model.tp.comm = &grid.tp_comm;
+        model.cp.comm = &grid.cp_comm;
+        model.moe.ep = &grid.ep_comm;
+        model.moe.ep_rank = grid.at.ep;
+        model.moe.alpha = o.moe_aux;
+        model.seed = o.seed;
+        if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
+            gpt_allocate_fp8(model);
+            model.fp8.group = &grid.tp_cp();
+            model.fp8_experts.group = &grid.tp_comm;
+        }
+        // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp; with
+        // experts split over ep, theirs over the ranks that hold the same experts
+        StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embedding_copy() ? &grid.tied_comm : nullptr};
+        ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
+        dpr.reset(new DataParallel<floatX>(model, grid.dp_cp(), o.zero, run.bucket_floats, links, experts));
+        optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
+        adam_m = o.zero >= 1 ? dpr->shard_m : model.adam_m;
+        adam_v = o.zero >= 1 ? dpr->shard_v : model.adam_v;
+        moments = o.zero >= 1 ? dpr->shard_size() : model.num_parameters;
+        staged_m.resize(on_gpu ? moments : 0), staged_v.resize(on_gpu ? moments : 0);
+        share = share_runs(config, share_spec(grid), model.part);
+        optimizer_runs = o.zero >= 1 ? dpr->shard_runs(share) : share;
+    }
+
+    ModelState model_state_with(float* params) {
         return ModelState{config, params, share, on_gpu ? staged_m.data() : adam_m, on_gpu ? staged_v.data() : adam_v,
                           moments, optimizer_runs, &model.adam_step};
-    };
-    RunLayout resumed_from;
-    double load_seconds = now_seconds();
-    {
+    }
+
+    // the fastest and the slowest rank's seconds for something every rank did (a collective)
+    std::pair<double, double> seconds_over_ranks(double mine) {
+        std::vector<double> all(grid.world);
+        world_comm.wait(world_comm.all_gather(&mine, all.data(), 1, DType::F64));
+        return std::make_pair(*std::min_element(all.begin(), all.end()), *std::max_element(all.begin(), all.end()));
+    }
+
+    // the parameters and the optimizer state: the checkpoint's, or a fresh model's (random, an llm.c file, a
+    // Hugging Face directory)
+    void load() {
+        load_seconds = now_seconds();
         std::vector<float> storage;
         float* mine = share_buffer(model, o.zero, storage);
         if (!resume_dir.empty()) {
@@ -522,38 +435,38 @@ static int train(const Options& o, const RunSetup& run) {
             else gpt_load_params(config, whole, o.model);
             if (!in_place) copy_share_params(config, share_spec(grid), model.part, whole, mine, true);
         }
-        install_share(model, dpr, o.zero, mine);
+        install_share(model, *dpr, o.zero, mine);
+        load_seconds = now_seconds() - load_seconds;
+        if (!resume_dir.empty()) verified = seconds_over_ranks(verify_seconds), loaded = seconds_over_ranks(load_seconds);
+        spikes.restore(state.loss_window, state.norm_window);
     }
-    load_seconds = now_seconds() - load_seconds;
-    // the fastest and the slowest rank's seconds for something every rank did (a collective)
-    auto seconds_over_ranks = [&](double mine) {
-        std::vector<double> all(grid.world);
-        world_comm.wait(world_comm.all_gather(&mine, all.data(), 1, DType::F64));
-        return std::make_pair(*std::min_element(all.begin(), all.end()), *std::max_element(all.begin(), all.end()));
-    };
-    std::pair<double, double> verified, read;  // the resume's times, fastest and slowest rank
-    if (!resume_dir.empty()) verified = seconds_over_ranks(verify_seconds), read = seconds_over_ranks(load_seconds);
 
-    // the data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
-    // depends on -t and -d, not on -b or dp
-    DataLoader train(o.train_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, o.shuffle, o.seed, config.vocab_size);
-    if (!resume_dir.empty()) train.seek(state.data);
-    std::unique_ptr<DataLoader> val;
-    int val_batches = 0;
-    if (o.val_every > 0) {
-        // -m global batches of -d tokens, each read as the training steps read theirs: the same tokens on any layout
-        val.reset(new DataLoader(o.val_pattern, o.B, o.T, total_batch, grid.at.dp, grid.dp, false, o.seed, config.vocab_size));
-        DataLoader::require_same_format(train.shards[0], val->shards[0]);
-        val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch) * accumulation;
+    // The data: this dp rank's slice of every micro-step of every global batch; the order of the global batches
+    // depends on -t and -d, not on -b or dp. Validation reads -m global batches of -d tokens, each as the training
+    // steps read theirs: the same tokens on any layout.
+    void open_data() {
+        train_data.reset(new DataLoader(o.train_pattern, o.B, o.T, run.total_batch, grid.at.dp, grid.dp, o.shuffle,
+                                        o.seed, config.vocab_size));
+        if (!resume_dir.empty()) train_data->seek(state.data);
+        if (o.val_every > 0) {
+            val.reset(new DataLoader(o.val_pattern, o.B, o.T, run.total_batch, grid.at.dp, grid.dp, false, o.seed,
+                                     config.vocab_size));
+            DataLoader::require_same_format(train_data->shards[0], val->shards[0]);
+            val_batches = (int)std::min<size_t>(o.val_batches, val->batches_per_epoch) * accumulation;
+        }
+        if (!o.eval_file.empty()) evals.reset(new EvalSet(read_eval_file(o.eval_file, config.vocab_size, o.T)));
+        if (o.sample_every > 0) open_tokenizer();
+        steps = o.max_steps >= 0 ? o.max_steps : (int)(train_data->total_tokens / run.total_batch);
+        schedule = o.schedule;
+        schedule.total_steps = steps;
+        if (o.overfit) train_data->next_batch();  // the one batch every step will see
     }
-    std::unique_ptr<EvalSet> evals;
-    if (!o.eval_file.empty()) evals.reset(new EvalSet(read_eval_file(o.eval_file, config.vocab_size, o.T)));
+
     // Samples are decoded with the tokenizer, which must have the model's vocab: --tokenizer's, else the
     // tokenizer.json of the Hugging Face directory -e names, else GPT-2's. A named or found one that does not fit is
     // a mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
     // says why it does not sample, once, and trains.
-    std::unique_ptr<Tokenizer> tokenizer;
-    if (o.sample_every > 0) {
+    void open_tokenizer() {
         std::string path = o.tokenizer;
         if (path.empty() && is_hf_dir(o.model) && file_exists(o.model + "/tokenizer.json"))
             path = o.model + "/tokenizer.json";
@@ -573,27 +486,22 @@ static int train(const Options& o, const RunSetup& run) {
             tokenizer.reset();
         }
     }
-    int steps = o.max_steps >= 0 ? o.max_steps : (int)(train.total_tokens / total_batch);
-    LRSchedule schedule = o.schedule;
-    schedule.total_steps = steps;
-    Logger log;
-    int bad_steps = 0;      // steps in a row whose update was skipped (a non-finite loss or gradient norm, a spike)
-    SpikeGuard spikes{o.spike_loss, o.spike_norm, o.spike_window};
-    spikes.restore(state.loss_window, state.norm_window);
-    bool stopping = stop_requested(grid.world_comm);  // some rank was signalled to stop: checkpoint, then end
-    if (lead) {
+
+    // what runs where, on rank 0's console; and main.log opened (cut back to the checkpoint's step on a resume)
+    void print_run() {
+        if (!lead) return;
         printf("%s\n", device.c_str());
         if (grid.world > 1)
             printf("%d ranks over %s: dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over %d ranks, "
                    "buckets of %zu floats (%zu buckets)\n", grid.world, cs.backend.c_str(), grid.dp, grid.tp,
                    o.sp ? "on" : "off", grid.cp, o.cp_split.c_str(), grid.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
-                   grad_comm.size, bucket_floats, dpr.num_buckets());
+                   grid.dp_cp().size, run.bucket_floats, dpr->num_buckets());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) {
             printf("resumed from %s at step %d: written on %s, continuing on %s\n", resume_dir.c_str(), state.step,
                    resumed_from.describe().c_str(), layout.describe().c_str());
             printf("checkpoint verified in %.3f to %.3f s and read in %.3f to %.3f s per rank\n", verified.first,
-                   verified.second, read.first, read.second);
+                   verified.second, loaded.first, loaded.second);
         }
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
@@ -606,7 +514,7 @@ static int train(const Options& o, const RunSetup& run) {
                    "tensor; layers 0 and %d, attention, the embeddings and the classifier in %s\n", config.num_layers - 2,
                    config.num_layers - 1, on_gpu ? "bf16" : "fp32");
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
-               train.total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, total_batch, steps);
+               train_data->total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, run.total_batch, steps);
         if (evals)
             printf("eval: %zu examples (%zu completions) in %s, scored at every validation\n", evals->examples.size(),
                    evals->rows, o.eval_file.c_str());
@@ -616,18 +524,15 @@ static int train(const Options& o, const RunSetup& run) {
             log.open(o.out_dir, resume_dir.empty() ? -1 : state.step);
         }
     }
-    if (o.overfit) train.next_batch();  // the one batch every step will see
-    ParallelPlan par = parallel_plan(o, grid.dp, accumulation);
-    std::vector<std::vector<int>> inputs(accumulation), targets(accumulation);  // a step's micro-batches
 
     // writes the checkpoint of the state before `step`; false when the state is not finite (nothing written)
-    auto checkpoint = [&](int step) {
+    bool checkpoint(int step) {
         double started = now_seconds();
         // under -a every step reads the first batch again, which a resumed run reads first too
-        TrainState now{step, o.overfit ? DataPosition{} : train.position(), sampler_rng.state, spikes.loss.values,
-                       spikes.norm.values};
+        TrainState now{step, o.overfit ? DataPosition{} : train_data->position(), sampler_rng.state,
+                       spikes.loss.values, spikes.norm.values};
         std::vector<float> storage;
-        float* whole = whole_model(model, dpr, grid, pp, o.zero, storage);
+        float* whole = whole_model(model, *dpr, grid, pp, o.zero, storage);
         if (on_gpu) {
             device_download<floatX>(staged_m.data(), adam_m, moments);
             device_download<floatX>(staged_v.data(), adam_v, moments);
@@ -640,33 +545,117 @@ static int train(const Options& o, const RunSetup& run) {
             printf("checkpoint %s/%s written in %.3f to %.3f s per rank\n", o.out_dir.c_str(),
                    checkpoint_name(step).c_str(), fastest, slowest);
         return saved;
-    };
+    }
+
+    // the validation loss, and the eval's accuracy: to the console and main.log (collectives)
+    void validate(int step, RunHooks& hooks) {
+        float loss = (float)dpr->mean(validation_loss(model, pipeline, pp, grid, *val, val_batches));
+        if (lead) printf("val loss %.6f\n", loss);
+        if (lead) log.val(step, loss);
+        if (!evals) return;
+        double started = now_seconds();
+        EvalResult r = evaluate(model, pipeline, pp, grid, *evals, o.B, o.T);
+        if (!lead) return;
+        printf("eval: %d/%zu = %.4f (%s, %.1f s)\n", r.correct, r.answers.size(), r.accuracy(), o.eval_file.c_str(),
+               now_seconds() - started);
+        log.eval(step, r.accuracy());
+        hooks.at_eval(*evals, r);
+    }
+
+    // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
+    void sample() {
+        auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, pp, grid, tokens, o.T, t); };
+        std::vector<int> tokens = sample_tokens(at, config.vocab_size, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
+        if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
+    }
+
+    // the gradient of the mean loss over the global batch with respect to one token's loss
+    float loss_gradient() const { return 1.0f / (float)(run.tokens_per_micro_step * accumulation); }
+
+    // One optimizer step: the mean loss over the global batch, accumulated over micro-batches that pass through
+    // the pipeline's stages in the schedule's order; gradient buckets are reduced across dp while backward runs.
+    // A NaN or Inf in the loss or the gradient norm, or a spike in either, skips the update, leaving the parameters
+    // and the optimizer state as they were; both values are reduced already, so every rank takes the same decision.
+    StepResult take_step(int step, float dloss) {
+        for (int micro = 0; micro < accumulation; micro++) {
+            if (!o.overfit) train_data->next_batch();
+            inputs[micro] = train_data->inputs, targets[micro] = train_data->targets;
+        }
+        pipeline.tracing = step == state.step && pp.on();
+        if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
+        double t0 = now_seconds();
+        dpr->zero_grad();
+        model.moe.reset_statistics();
+        StepResult r;
+        r.loss = from_last_stage(grid, pipeline.run(model, dpr.get(), actions, inputs, targets, o.B, o.T, dloss) / accumulation);
+        r.lr = schedule.at(step);
+        r.norm = dpr->grad_norm();
+        r.loss = dpr->mean(r.loss);
+        bool finite = std::isfinite(r.loss) && std::isfinite(r.norm);
+        r.spike = finite ? spikes.check(r.loss, r.norm) : Spike{};
+        r.skipped = !finite || r.spike.found();
+        bad_steps = r.skipped ? bad_steps + 1 : 0;
+        if (!r.skipped) {
+            NvtxRange update("optimizer step");
+            dpr->update(r.lr, o.weight_decay, r.norm);
+            spikes.record(r.loss, r.norm);
+        }
+        r.ms = (now_seconds() - t0) * 1000.0;
+        return r;
+    }
+
+    // the step's line and main.log's; after the first step, what it sent, its memory, its cp balance and its
+    // pipeline's bubble against the formulas (collectives)
+    void report(int step, const StepResult& r, const BytesSent& sent) {
+        auto [aux, shares] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
+                                        : std::pair<double, std::string>{-1.0, ""};
+        bool first = step == state.step;
+        if (lead) {
+            printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, r.loss,
+                   aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", r.lr, r.norm, r.ms,
+                   run.total_batch / (r.ms / 1000.0),
+                   r.skipped ? strfmt(" | update skipped: %s (%d in a row)",
+                                      r.spike.found() ? spikes.reason(r.spike).c_str() : "not finite", bad_steps).c_str()
+                             : "");
+            if (first) report_against_plan(sent);
+            fflush(stdout);
+            log.train(step, (float)r.loss, r.lr, (float)r.norm, r.skipped, (float)aux, r.spike);
+            if (config.moe() && o.val_every > 0 && step % o.val_every == 0) {
+                printf("experts: min/max share of the assignments per layer: %s\n", shares.c_str());
+                log.expert_load(step, shares);
+            }
+        }
+        if (first && grid.cp > 1) report_cp_balance(r.ms);
+        if (pipeline.tracing) report_pipeline();
+    }
+
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
-    auto report_against_plan = [&](double sent, double tp_sent, double cp_sent, double pp_sent, double ep_sent) {
-        if (grad_comm.size > 1)
-            printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent, o.zero,
+    void report_against_plan(const BytesSent& sent) {
+        if (grid.dp_cp().size > 1)
+            printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent.dp, o.zero,
                    planned_comm_bytes(config, par, device_of<floatX>));
         if (on_gpu)
             printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
                    "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
                    CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
         if (grid.tp > 1)
-            printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", tp_sent,
+            printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", sent.tp,
                    grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
         if (grid.cp > 1)
-            printf("comm: rank 0 sent %.0f bytes on cp in this step; the formula for cp=%d says %.0f\n", cp_sent, grid.cp,
+            printf("comm: rank 0 sent %.0f bytes on cp in this step; the formula for cp=%d says %.0f\n", sent.cp, grid.cp,
                    planned_cp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
         if (grid.pp > 1)
-            printf("comm: rank 0 sent %.0f bytes on pp in this step; the formula for pp=%d vpp=%d says %.0f\n", pp_sent,
+            printf("comm: rank 0 sent %.0f bytes on pp in this step; the formula for pp=%d vpp=%d says %.0f\n", sent.pp,
                    grid.pp, o.vpp, planned_pp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
         if (grid.ep > 1)
             printf("comm: rank 0 sent %.0f bytes on ep in this step; the formula for ep=%d (4 all-to-alls per layer of "
-                   "the %ld rows it routed to or took from other ranks, and the counts) says %.0f\n", ep_sent, grid.ep,
+                   "the %ld rows it routed to or took from other ranks, and the counts) says %.0f\n", sent.ep, grid.ep,
                    model.moe.rows_crossing, model.moe.formula_bytes(config.channels));
-    };
+    }
+
     // after the first step: the pipeline's idle time against its schedule's formula, and the trace (collectives
     // of the pp group and of the world)
-    auto report_pipeline = [&]() {
+    void report_pipeline() {
         double mine[2] = {pipeline.trace.empty() ? 0.0 : pipeline.trace.back().end, pipeline.busy};
         std::vector<double> all(2 * grid.pp);
         grid.pp_comm.wait(grid.pp_comm.all_gather(mine, all.data(), 2, DType::F64));
@@ -677,10 +666,11 @@ static int train(const Options& o, const RunSetup& run) {
                    "busy); the %s formula says %.3f\n", (span - busy) / busy, grid.pp, busy * 1e3, span * 1e3,
                    o.pp_schedule.c_str(), pp_bubble_formula(pp.kind, grid.pp, accumulation, o.vpp));
         if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, grid.at.pp, o.pp_schedule);
-    };
+    }
+
     // after the first step, the attention work of each rank of rank 0's cp group and its step time: equal work
     // under zig-zag, and under a contiguous split the imbalance and what it costs (a collective of every cp group)
-    auto report_cp_balance = [&](double ms) {
+    void report_cp_balance(double ms) {
         CPLayout l = cp_layout(o.T, grid.cp, grid.at.cp, cp_split(o));
         long pairs = cp_attention_pairs(l);
         // per pair and channel: 4 FLOPs forward (Q·K and P·V), 8 backward (dQ, dK, dV and dP)
@@ -691,132 +681,73 @@ static int train(const Options& o, const RunSetup& run) {
         for (int r = 0; lead && r < grid.cp; r++)
             printf("cp: rank %d (%s) scores %.0f query-key pairs per sequence and head; attention %.4f GFLOP in this "
                    "step; step %.1f ms\n", r, o.cp_split.c_str(), all[3 * r], all[3 * r + 1] / 1e9, all[3 * r + 2]);
-    };
-
-    // the eval's accuracy at a validation step: to the console and main.log, and under --debug-eval-scores every
-    // example's scores to that file (a collective)
-    auto report_eval = [&](int step) {
-        double started = now_seconds();
-        EvalResult r = evaluate(model, pipeline, pp, grid, *evals, o.B, o.T);
-        if (!lead) return;
-        printf("eval: %d/%zu = %.4f (%s, %.1f s)\n", r.correct, r.answers.size(), r.accuracy(), o.eval_file.c_str(),
-               now_seconds() - started);
-        log.eval(step, r.accuracy());
-        if (o.debug_eval_scores.empty()) return;
-        std::string text = eval_score_lines(*evals, r);
-        File f(o.debug_eval_scores, "w");
-        f.write(text.data(), text.size());
-        f.close();
-    };
-
-    for (int step = state.step; step <= steps; step++) {
-        bool last_step = step == steps;
-        bool scheduled = o.checkpoint_every > 0 && (step % o.checkpoint_every == 0 || last_step);
-        if (step > state.step && (scheduled || (stopping && !o.out_dir.empty()))) {
-            if (!checkpoint(step)) {
-                // a finite update that overflowed: every later step would be skipped, so the run ends here
-                if (lead)
-                    fprintf(stderr, "train_gpt: step %d: the parameters or the optimizer state hold a NaN or Inf; no "
-                            "checkpoint written (%s), stopping\n", step, newest_checkpoint(o.out_dir).c_str());
-                comm_finalize(world_comm);
-                return EXIT_NON_FINITE;
-            }
-        }
-        if (stopping) {
-            if (lead && step == state.step)
-                fprintf(stderr, "train_gpt: stopped before step %d on %s; no step taken, nothing written\n", step + 1,
-                        stop_reason());
-            else if (lead)
-                fprintf(stderr, "train_gpt: stopped after step %d on %s; %s\n", step, stop_reason(),
-                        o.out_dir.empty() ? "no checkpoint (no -o)"
-                                          : ("checkpoint " + o.out_dir + "/" + checkpoint_name(step) +
-                                             " written; resume with -y 1").c_str());
-            comm_finalize(world_comm);
-            return EXIT_STOPPED;
-        }
-        if (val && (step % o.val_every == 0 || last_step)) {
-            float loss = (float)dpr.mean(validation_loss(model, pipeline, pp, grid, *val, val_batches));
-            if (lead) printf("val loss %.6f\n", loss);
-            if (lead) log.val(step, loss);
-            if (evals) report_eval(step);
-        }
-        // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
-        if (tokenizer && ((step > 0 && step % o.sample_every == 0) || last_step)) {
-            auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, pp, grid, tokens, o.T, t); };
-            std::vector<int> tokens = sample_tokens(at, config.vocab_size, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
-            if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
-        }
-        if (last_step) break;
-        if (step == state.step && grid.rank == o.debug_stall_rank) sleep(1000000);
-        if (step == o.debug_sigterm_step && grid.rank == grid.world - 1) raise(SIGTERM);
-
-        // one optimizer step: the mean loss over the global batch, accumulated over micro-batches that pass
-        // through the pipeline's stages in the schedule's order; gradient buckets are reduced across dp while
-        // backward runs
-        for (int micro = 0; micro < accumulation; micro++) {
-            if (!o.overfit) train.next_batch();
-            inputs[micro] = train.inputs, targets[micro] = train.targets;
-        }
-        pipeline.tracing = step == state.step && pp.on();
-        if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
-        double t0 = now_seconds(), sent0 = dp_bytes(), tp_sent0 = grid.tp_comm.bytes_sent;
-        double cp_sent0 = grid.cp_comm.bytes_sent, pp_sent0 = grid.pp_comm.bytes_sent, ep_sent0 = grid.ep_comm.bytes_sent;
-        dpr.zero_grad();
-        model.moe.reset_statistics();
-        float dloss = 1.0f / (float)(tokens_per_micro_step * accumulation);
-        if (step == o.debug_nan_step && grid.rank == 0) dloss = NAN;
-        double loss = pipeline.run(model, &dpr, actions, inputs, targets, o.B, o.T, dloss) / accumulation;
-        loss = from_last_stage(grid, loss);
-        float lr = schedule.at(step);
-        // a NaN or Inf in the loss or the gradient norm, or a spike in either, skips the update, leaving the
-        // parameters and the optimizer state as they were; both values are reduced already, so every rank takes
-        // the same decision
-        double norm = dpr.grad_norm();
-        loss = dpr.mean(loss);
-        bool finite = std::isfinite(loss) && std::isfinite(norm);
-        Spike spike = finite ? spikes.check(loss, norm) : Spike{};
-        bool skipped = !finite || spike.found();
-        bad_steps = skipped ? bad_steps + 1 : 0;
-        if (!skipped) {
-            NvtxRange update("optimizer step");
-            dpr.update(lr, o.weight_decay, norm);
-            spikes.record(loss, norm);
-        }
-        double ms = (now_seconds() - t0) * 1000.0, sent = dp_bytes() - sent0;
-        auto [aux, load] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
-                                        : std::pair<double, std::string>{-1.0, ""};
-        double tp_sent = grid.tp_comm.bytes_sent - tp_sent0, cp_sent = grid.cp_comm.bytes_sent - cp_sent0;
-        double pp_sent = grid.pp_comm.bytes_sent - pp_sent0, ep_sent = grid.ep_comm.bytes_sent - ep_sent0;
-        if (lead) {
-            printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, loss,
-                   aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", lr, norm, ms, total_batch / (ms / 1000.0),
-                   skipped ? strfmt(" | update skipped: %s (%d in a row)",
-                                    spike.found() ? spikes.reason(spike).c_str() : "not finite", bad_steps).c_str()
-                           : "");
-            if (step == state.step) report_against_plan(sent, tp_sent, cp_sent, pp_sent, ep_sent);
-            fflush(stdout);
-            log.train(step, (float)loss, lr, (float)norm, skipped, (float)aux, spike);
-            if (config.moe() && o.val_every > 0 && step % o.val_every == 0) {
-                printf("experts: min/max share of the assignments per layer: %s\n", load.c_str());
-                log.expert_load(step, load);
-            }
-        }
-        if (step == state.step && grid.cp > 1) report_cp_balance(ms);
-        if (pipeline.tracing) report_pipeline();
-        if (bad_steps == o.max_bad_steps) {
-            if (lead)
-                fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row skipped their update, the last "
-                        "for %s (--max-bad-steps %d)\n", step + 1, bad_steps,
-                        spike.found() ? ("a " + std::string(spike.what) + " spike").c_str()
-                                      : "a non-finite loss or gradient norm", o.max_bad_steps);
-            comm_finalize(world_comm);
-            return EXIT_NON_FINITE;
-        }
-        stopping = stop_requested(grid.world_comm);
     }
-    if (o.debug_check_replicas && (grid.tp > 1 || grid.pp > 1)) check_replicas(model, dpr, grid, o.zero);
-    comm_finalize(world_comm);
-    return 0;
+
+    // The ends of a run besides the last step, each with its line on stderr and its exit code: a checkpoint that
+    // found the state not finite (a finite update that overflowed: every later step would be skipped), a stop
+    // signal, or --max-bad-steps skipped updates in a row
+    int end(int code) {
+        comm_finalize(world_comm);
+        return code;
+    }
+    int end_not_finite(int step) {
+        if (lead)
+            fprintf(stderr, "train_gpt: step %d: the parameters or the optimizer state hold a NaN or Inf; no "
+                    "checkpoint written (%s), stopping\n", step, newest_checkpoint(o.out_dir).c_str());
+        return end(EXIT_NON_FINITE);
+    }
+    int end_stopped(int step) {
+        if (lead && step == state.step)
+            fprintf(stderr, "train_gpt: stopped before step %d on %s; no step taken, nothing written\n", step + 1,
+                    stop_reason());
+        else if (lead)
+            fprintf(stderr, "train_gpt: stopped after step %d on %s; %s\n", step, stop_reason(),
+                    o.out_dir.empty() ? "no checkpoint (no -o)"
+                                      : ("checkpoint " + o.out_dir + "/" + checkpoint_name(step) +
+                                         " written; resume with -y 1").c_str());
+        return end(EXIT_STOPPED);
+    }
+    int end_bad_steps(int step, const Spike& spike) {
+        if (lead)
+            fprintf(stderr, "train_gpt: stopped after step %d: %d steps in a row skipped their update, the last "
+                    "for %s (--max-bad-steps %d)\n", step + 1, bad_steps,
+                    spike.found() ? ("a " + std::string(spike.what) + " spike").c_str()
+                                  : "a non-finite loss or gradient norm", o.max_bad_steps);
+        return end(EXIT_NON_FINITE);
+    }
+};
+
+// The training run: set up this rank's part, resume or start, then step until the last step, too many skipped
+// updates in a row, or a stop signal to any rank. Each step first checkpoints, validates and samples when due.
+template <typename floatX>
+static int train(const Options& o, const RunSetup& setup) {
+    Trainer<floatX> t(o, setup);
+    t.join_ranks();
+    t.build_model();
+    t.load();
+    t.open_data();
+    t.print_run();
+    RunHooks hooks{o, t.grid, {}};  // the test aids of the --debug-* flags, and the bytes sent in a step
+    bool stopping = stop_requested(t.grid.world_comm);  // some rank was signalled to stop: checkpoint, then end
+
+    for (int step = t.state.step; step <= t.steps; step++) {
+        bool last_step = step == t.steps;
+        bool scheduled = o.checkpoint_every > 0 && (step % o.checkpoint_every == 0 || last_step);
+        bool save = step > t.state.step && (scheduled || (stopping && !o.out_dir.empty()));
+        if (save && !t.checkpoint(step)) return t.end_not_finite(step);
+        if (stopping) return t.end_stopped(step);
+        if (t.val && (step % o.val_every == 0 || last_step)) t.validate(step, hooks);
+        if (t.tokenizer && ((step > 0 && step % o.sample_every == 0) || last_step)) t.sample();
+        if (last_step) break;
+
+        hooks.before_step(step, step == t.state.step);
+        StepResult r = t.take_step(step, hooks.loss_gradient(step, t.loss_gradient()));
+        t.report(step, r, hooks.after_step());
+        if (t.bad_steps == o.max_bad_steps) return t.end_bad_steps(step, r.spike);
+        stopping = stop_requested(t.grid.world_comm);
+    }
+    hooks.at_end([&] { check_replicas(t.model, *t.dpr, t.grid, o.zero); });
+    return t.end(0);
 }
 
 // Rank 0 makes -o, refuses it in one line when it is not a writable directory, another run holds it, or (for a
@@ -853,45 +784,6 @@ static void open_out_dir(const Options& o, RunLock& lock) {
                removed.c_str());
 }
 
-// --calibrate FILE: this machine's hardware profile, measured (llmc/calibrate.cuh) on top of the --hardware
-// profile's figures; rank 0 writes it under a temporary name and renames it, so a failed run leaves no half file
-static int calibrate(const Options& o, Device dev) {
-    HardwareProfile base;
-    std::string base_path;
-    if (!plan_hardware(o, dev, base, base_path))
-        fail("--calibrate %s: no base profile at %s (give --hardware FILE, e.g. one of dev/hardware/)", o.calibrate.c_str(),
-             base_path.c_str());
-    if (dev == Device::CUDA) select_gpu();
-    Comm world = comm_world(comm_settings(o, dev));
-    if (dev == Device::CUDA) world.compute_stream = main_stream();
-    // the collectives' figures are the node's links when every rank runs on this rank's host
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    Fnv1a64 hash;
-    hash.update(host, strlen(host));
-    double mine;  // the hash's bits, as the one 8-byte type the communicators move
-    memcpy(&mine, &hash.value, sizeof(mine));
-    std::vector<double> hosts(world.size);
-    world.wait(world.all_gather(&mine, hosts.data(), 1, DType::F64));
-    bool one_node = std::all_of(hosts.begin(), hosts.end(), [&](double h) { return memcmp(&h, &mine, 8) == 0; });
-    HardwareProfile h = dev == Device::CUDA ? calibrate_hardware<bf16>(base, world, one_node)
-                                            : calibrate_hardware<float>(base, world, one_node);
-    comm_finalize(world);
-    if (world.rank != 0) return 0;
-    // a profile calibrated before names the host it was measured on: the new measurement replaces that note
-    std::string name = base.name.substr(0, base.name.find(" (calibrated on "));
-    h.name = name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
-    std::string text = "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h);
-    std::string tmp = o.calibrate + ".tmp";
-    File f(tmp, "w");
-    f.write(text.data(), text.size());
-    f.close();
-    if (rename(tmp.c_str(), o.calibrate.c_str()) != 0)
-        fail("--calibrate %s: cannot rename %s into place (%s)", o.calibrate.c_str(), tmp.c_str(), strerror(errno));
-    printf("%s", text.c_str());
-    return 0;
-}
-
 // Everything that can be refused (flags, -o, model, data, tokenizer) is checked before the first line is
 // printed, so a bad input gets exactly one line; only the lines that name what was removed from -o or skipped
 // there (open_out_dir, and the checkpoints that fail verification) may come before it.
@@ -904,7 +796,7 @@ static int run(const Options& o) {
         select_gpu();
         attention_select(o.attention);  // the device's default without the flag: wgmma on a Hopper, else mma
     }
-    if (!o.calibrate.empty()) return calibrate(o, dev);
+    if (!o.calibrate.empty()) return calibrate(o, dev, comm_settings(o, dev));
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
 
@@ -915,21 +807,12 @@ static int run(const Options& o) {
     int resume_step = 0;
     std::vector<ResumeCandidate> candidates;
     if (o.resume) {
-        // every checkpoint's manifest, newest first (cheap: the manifests and the files' headers); the run's
-        // settings are checked against the newest that verifies, and train() checksums its files
-        for (int step : list_checkpoints(o.out_dir)) {
-            ResumeCandidate c{step, {}, ""};
-            try {
-                c.files = verify_manifest(o.out_dir, step);
-                checkpoint_config(o.out_dir + "/" + checkpoint_name(step));
-            } catch (const Error& e) {
-                c.why = e.what();
-            }
-            candidates.insert(candidates.begin(), c);
-        }
+        // the run's settings are checked against the newest checkpoint whose manifest verifies, and train()
+        // checksums its files; where none verifies, choose_checkpoint names each and refuses the run
+        candidates = resume_candidates(o.out_dir);
         for (const ResumeCandidate& c : candidates)
             if (c.why.empty() && resume_dir.empty()) resume_dir = o.out_dir + "/" + checkpoint_name(c.step), resume_step = c.step;
-        if (!candidates.empty() && resume_dir.empty()) choose_checkpoint(o, candidates, nullptr);
+        if (!candidates.empty() && resume_dir.empty()) choose_checkpoint(o.out_dir, candidates, nullptr);
     }
     // the run goes on from the checkpoint only with what it was started from and on, and only forward
     RunInputs inputs;

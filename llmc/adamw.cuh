@@ -1,6 +1,6 @@
 // AdamW as llm.c and PyTorch define it: β1 0.9, β2 0.95, eps 1e-8, bias-corrected moments, and weight decay
 // decoupled from the gradient (applied to the parameter directly). The caller passes weight_decay 0 for the
-// tensors that are not decayed (biases and layernorm parameters). grad_scale folds in gradient clipping.
+// tensors that are not decayed (biases and the norms' weights). grad_scale folds in gradient clipping.
 #pragma once
 
 #include <cmath>

@@ -11,19 +11,29 @@
 //   intra_gbps ...    under mpirun, an all-reduce's bus bandwidth (2(n-1)/n of the bytes per second) and the
 //                     time of a one-element all-reduce; across nodes these are the inter-node figures
 // Every rank measures at once, as the ranks of a run compute at once; rank 0's figures are written. The rest
-// (memory, peak, per-node devices, overlap, the other link) come from the base profile.
+// (memory, peak, per-node devices, overlap, the other link) come from the base profile. calibrate() is the
+// command train_gpt runs for the flag: it measures and writes the profile file, and trains nothing.
 #pragma once
 
 #include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
 
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
+#include "llmc/checksum.h"
 #include "llmc/comm.cuh"
+#include "llmc/device.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/hardware.h"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
+#include "llmc/options.h"
+#include "llmc/planner.h"
 #include "llmc/residual.cuh"
 #include "llmc/tp.cuh"
 
@@ -148,4 +158,43 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         (one_node ? h.intra_latency_us : h.inter_latency_us) = latency;
     }
     return h;
+}
+
+// --calibrate FILE: this machine's hardware profile, measured (calibrate_hardware) on top of the --hardware
+// profile's figures; rank 0 writes it under a temporary name and renames it, so a failed run leaves no half file
+inline int calibrate(const Options& o, Device dev, const CommSettings& comm) {
+    HardwareProfile base;
+    std::string base_path;
+    if (!plan_hardware(o, dev, base, base_path))
+        fail("--calibrate %s: no base profile at %s (give --hardware FILE, e.g. one of dev/hardware/)", o.calibrate.c_str(),
+             base_path.c_str());
+    if (dev == Device::CUDA) select_gpu();
+    Comm world = comm_world(comm);
+    if (dev == Device::CUDA) world.compute_stream = main_stream();
+    // the collectives' figures are the node's links when every rank runs on this rank's host
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    Fnv1a64 hash;
+    hash.update(host, strlen(host));
+    double mine;  // the hash's bits, as the one 8-byte type the communicators move
+    memcpy(&mine, &hash.value, sizeof(mine));
+    std::vector<double> hosts(world.size);
+    world.wait(world.all_gather(&mine, hosts.data(), 1, DType::F64));
+    bool one_node = std::all_of(hosts.begin(), hosts.end(), [&](double h) { return memcmp(&h, &mine, 8) == 0; });
+    HardwareProfile h = dev == Device::CUDA ? calibrate_hardware<bf16>(base, world, one_node)
+                                            : calibrate_hardware<float>(base, world, one_node);
+    comm_finalize(world);
+    if (world.rank != 0) return 0;
+    // a profile calibrated before names the host it was measured on: the new measurement replaces that note
+    std::string name = base.name.substr(0, base.name.find(" (calibrated on "));
+    h.name = name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
+    std::string text = "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h);
+    std::string tmp = o.calibrate + ".tmp";
+    File f(tmp, "w");
+    f.write(text.data(), text.size());
+    f.close();
+    if (rename(tmp.c_str(), o.calibrate.c_str()) != 0)
+        fail("--calibrate %s: cannot rename %s into place (%s)", o.calibrate.c_str(), tmp.c_str(), strerror(errno));
+    printf("%s", text.c_str());
+    return 0;
 }

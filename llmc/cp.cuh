@@ -50,8 +50,6 @@
 
 enum class CPSplit { ZigZag, Contiguous };
 
-inline const char* cp_split_name(CPSplit s) { return s == CPSplit::ZigZag ? "zigzag" : "contiguous"; }
-
 // Where the tokens of a sequence of T positions live on a cp group of `size` ranks.
 struct CPLayout {
     int size = 1, rank = 0;

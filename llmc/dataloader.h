@@ -132,7 +132,6 @@ struct DataLoader {
         reset();
     }
 
-    size_t num_shards() const { return shards.size(); }
     // the format of every shard (the constructor refuses a mix)
     const ShardFormat& format() const { return *shards[0].format; }
     // two formats in one run are two tokenizers' ids, a mistake: refused with one line naming a file of each
@@ -141,8 +140,6 @@ struct DataLoader {
             fail("%s holds %s but %s holds %s: the shards of one run share one format (one tokenizer)", a.path.c_str(),
                  a.format->name, b.path.c_str(), b.format->name);
     }
-    // the file the next batch comes from, for log lines
-    const std::string& current_file() const { return shards[shard_order[pos.shard_pos]].path; }
 
     void reset() { restore(DataLoaderState{}); }
     // the position between steps (after a whole number of global batches), and a restore to one

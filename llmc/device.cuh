@@ -24,8 +24,6 @@ enum class Device { CPU, CUDA };
 template <typename T>
 constexpr Device device_of = std::is_same_v<T, bf16> ? Device::CUDA : Device::CPU;
 
-inline const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
-
 // The one stream every kernel of a step runs on, in order; communication gets streams of its own
 // (llmc/comm.cuh) and is ordered after it by events. Created on first use, never destroyed (as cuBLASLt's
 // handle, for the same reason).

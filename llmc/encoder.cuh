@@ -1,4 +1,5 @@
-// Token + position embedding: out[b,t,:] = wte[token[b,t],:] + wpe[t,:], and its backward.
+// Token + position embedding: out[b,t,:] = wte[token[b,t],:] + wpe[t,:] (GPT-2's learned positions), or the token
+// embedding alone for a model without a position table (Llama: RoPE turns q and k instead), and its backward.
 // The backward scatters into the embedding tables; it is split across threads by channel ranges so that every
 // table entry is summed in token order by one thread, which keeps the result bit-reproducible.
 #pragma once

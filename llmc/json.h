@@ -481,14 +481,3 @@ struct JsonOut {
         out += kind == Object ? '}' : ']';
     }
 };
-
-// a JSON file as HF writes config.json (2-space indent, a final newline), under path.tmp and renamed into place
-// once complete
-inline void write_json_file(const std::string& path, const JsonOut& value) {
-    std::string text = value.dump(2) + "\n";
-    std::string tmp = path + ".tmp";
-    File f(tmp, "wb");
-    f.write(text.data(), text.size());
-    f.close();
-    if (rename(tmp.c_str(), path.c_str()) != 0) fail("%s: cannot rename into place (%s)", tmp.c_str(), strerror(errno));
-}

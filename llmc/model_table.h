@@ -404,12 +404,6 @@ inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, 
     return segs;
 }
 
-inline size_t segments_size(const std::vector<Segment>& segs) {
-    size_t n = 0;
-    for (const Segment& s : segs) n += s.size;
-    return n;
-}
-
 // views of a unit's tensors: inside the flat buffer at base, or packed back to back from base
 template <typename floatX>
 inline ParamViews<floatX> unit_views(const std::vector<Segment>& segs, floatX* base, bool packed) {

@@ -19,6 +19,8 @@
 #include "llmc/cp.cuh"
 
 static int failures = 0, passes = 0;
+
+static const char* cp_split_name(CPSplit s) { return s == CPSplit::ZigZag ? "zigzag" : "contiguous"; }
 constexpr double TOLERANCE = 1e-6;
 
 // largest |got - want| over the arrays, relative to the largest |want|: normwise, so that entries near zero,

@@ -87,7 +87,7 @@ TEST_CASE("dataloader: headers, totals and batches per epoch", "[dataloader]") {
     write_shard(dir / "val_000.bin", random_tokens(300, GPT2_VOCAB, rng));
 
     DataLoader dl(dir / "train_*.bin", 2, 8, 16, 0, 1, false, 0, GPT2_VOCAB);
-    REQUIRE(dl.num_shards() == 3);
+    REQUIRE(dl.shards.size() == 3);
     REQUIRE(dl.shards[0].path == dir / "train_000.bin");
     REQUIRE(dl.shards[1].path == dir / "train_001.bin");
     REQUIRE(dl.shards[2].path == dir / "train_002.bin");

@@ -13,6 +13,23 @@
 
 namespace test_pp_schedules {
 
+// How many (micro, chunk) pairs hold activations at the worst point of a rank's list: from the Forward to the
+// last action that reads them, the Backward, or the WeightGrad when the list has any. AFAB holds m; 1F1B
+// min(N-rank, m); interleaved Megatron's warm-up + 1, at most m*V; ZB-H1 min(N+1, m) on every rank, counted
+// until the W although a pending W needs only the inputs of its matmuls, not the whole chunk's activations
+// (until their B it holds 1F1B's min(N-rank, m)).
+int pp_peak_in_flight(const std::vector<PPAction>& rank_actions) {
+    bool split = std::any_of(rank_actions.begin(), rank_actions.end(),
+                             [](const PPAction& a) { return a.op == PPOp::WeightGrad; });
+    PPOp last = split ? PPOp::WeightGrad : PPOp::Backward;
+    int held = 0, peak = 0;
+    for (const PPAction& a : rank_actions) {
+        if (a.op == PPOp::Forward) peak = std::max(peak, ++held);
+        if (a.op == last) held--;
+    }
+    return peak;
+}
+
 const PPKind all_kinds[] = {PPKind::AFAB, PPKind::OneFOneB, PPKind::Interleaved, PPKind::ZeroBubble};
 
 // the (N, m, V) each schedule accepts within N <= 4, m <= 8, V <= 3
