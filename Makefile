@@ -4,7 +4,8 @@
 #   make            ./train_gpt
 #   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
 #                   plot its losses (build/demo/loss.png)
-#   make test       install what is missing, build, run the unit, reference and CLI tests; last line "N passed, N failed"
+#   make test       install what is missing, build, run the unit, reference and CLI tests in shards side by side
+#                   (test/run_tests.sh); last line "N passed, N failed"
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:
@@ -129,7 +130,8 @@ $(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llam
 	$(PYTHON) test/reference/make_llama_reference.py $(LLAMA_FLAGS) --out $(@D)
 
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
-# installer left them
+# installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's
+# Tests section says how to run one shard or one case).
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
 	    $(LLAMA_REFERENCES) dev/data/node_modules data/sotu/train.bin
