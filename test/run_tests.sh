@@ -3,16 +3,15 @@
 # (build/tests) and the data-preparation checks (dev/data/test.js). Before it, the ten slowest test cases, so
 # that a test that grows past what it proves is seen where it is added. `make test` builds what this needs first.
 #
-# The suite runs in shards side by side, a shard a process: one case after another leaves cores idle (the cases
-# wait on the processes they start, train_gpt, mpirun and Python, most of which run on one core; one after
-# another the suite kept 1.0 of 2 cores busy on average). A case
-# that takes long is a shard of its own; the short ones are packed into shards of about BATCH_SECONDS. Shards
-# start longest first, each when the cores it needs are free out of TEST_JOBS: a core for each process one of
-# its cases runs at once, up to the machine's cores (an mpirun of 4 ranks needs 4 where there are 4 cores, and
-# both of a 2-core machine's); test/slow_cases.txt lists the slow cases' seconds and processes, and names the
-# case that must run with no shard beside it. Each shard has its own scratch directory (TMPDIR, under which the
-# tests' TempDir, OpenMPI's session directory and Python's temporary files go) and its own log,
-# build/test_logs/NN.log; a shard that failed is printed whole, with the command that runs it again alone. The
+# The suite runs in shards side by side, a shard a process: one case after another leaves cores idle (the cases wait
+# on the processes they start, train_gpt, mpirun and Python, most of which run on one core; one after another the
+# suite kept 1.0 of 2 cores busy on average). A case that takes long is a shard of its own; the short ones are packed
+# into shards of about BATCH_SECONDS. Shards start longest first, each when the cores it needs are free out of
+# TEST_JOBS: a core for each process one of its cases runs at once, up to the machine's cores (an mpirun of 4 ranks
+# needs 4 where there are 4 cores, and both of a 2-core machine's); test/slow_cases.txt lists the slow cases' seconds
+# and processes, and names the case that must run with no shard beside it. Each shard has its own scratch directory
+# (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary files go) and its own
+# log, build/test_logs/NN.log; a shard that failed is printed whole, with the command that runs it again alone. The
 # [cuda] cases are one shard, so that they take turns on the GPU.
 #
 #   bash test/run_tests.sh [TEST_SPEC...]   only the cases a Catch2 test spec selects ("[tp]", a case's name)
