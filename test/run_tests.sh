@@ -140,6 +140,7 @@ count_shard() {
     local log summary ok=1 ran=-1 p=0 f=0 what
     log=$(printf '%s/%02d.log' "$LOGS" "$1")
     shard_took[$1]=$(awk -v a="${shard_started[$1]}" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+    rm -rf "$(printf '%s/%02d' "$scratch" "$1")"
     if [ "${shard_kind[$1]}" = node ]; then
         summary=$(tail -1 "$log")
         what="dev/data/test.js"
