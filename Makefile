@@ -4,7 +4,8 @@
 #   make            ./train_gpt
 #   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
 #                   plot its losses (build/demo/loss.png)
-#   make test       install what is missing, build, run the unit, reference and CLI tests; last line "N passed, N failed"
+#   make test       install what is missing, build, run the unit, reference and CLI tests in shards side by side
+#                   (test/run_tests.sh); last line "N passed, N failed"
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:
@@ -139,7 +140,8 @@ $(QWEN3_REFERENCES): test/reference/make_qwen3_reference.py test/reference/make_
 	$(PYTHON) test/reference/make_qwen3_reference.py $(QWEN3_FLAGS) --out $(@D)
 
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
-# installer left them
+# installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's
+# Tests section says how to run one shard or one case).
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
 	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) dev/data/node_modules data/sotu/train.bin
