@@ -242,7 +242,7 @@ struct ParamStore {
 };
 
 // ----------------------------------------------------------------------------------------------------------
-// activations: what forward keeps for backward, sized for B×T; per-layer slots are stacked layer 0 first
+// activations: what forward keeps for backward, sized for B×T; per-layer buffers are stacked layer 0 first
 
 // the sizes one rank works with: T its tokens of each sequence (T/cp under context parallelism), BT token rows
 // in the parallel regions, R rows between them (BT/tp under sequence parallelism), and the rank's share of
@@ -304,7 +304,7 @@ struct Activations {
 // SwiGLU's product) in backward from its input; 2 also recomputes both norms' outputs from their inputs (the
 // saved statistics make it cheap). What is recomputed is not kept per layer: one buffer, shared by all layers,
 // holds it while it is used.
-enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_GELU = 1, RECOMPUTE_LAYERNORM = 2 };
+enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_ACTIVATION = 1, RECOMPUTE_NORMS = 2 };
 
 // attention's saved state per layer: the T×T probabilities of every head on the CPU, T logsumexps on the GPU
 // and around a cp ring
@@ -312,72 +312,72 @@ inline size_t attention_state_floats(const LocalDims& d, Device dev) {
     return (size_t)d.NHl * d.B * d.T * (dev == Device::CUDA || d.ring ? 1 : d.T);
 }
 
-// An activation slot: its name, where its pointer is, the size of its elements, and the elements it holds for
-// one layer (per-layer slots, stacked layer 0 first) or one micro-batch (the others); a per-layer slot that
+// An activation buffer: its name, where its pointer is, the size of its elements, and the elements it holds for
+// one layer (per-layer buffers, stacked layer 0 first) or one micro-batch (the others); a per-layer buffer that
 // -r recomputes from level `recomputed` on holds nothing per layer: one buffer per level, shared by every layer
 // and micro-batch, holds it while it is used.
-struct ActivationSlot {
+struct ActivationBuffer {
     const char* name;
     void** pointer;
     size_t element, count;
     int recomputed = 0;  // the -r level that recomputes it (0: never)
 };
 template <typename E>
-inline ActivationSlot slot(const char* name, E*& p, size_t count, int recomputed = 0) {
+inline ActivationBuffer buffer(const char* name, E*& p, size_t count, int recomputed = 0) {
     return {name, reinterpret_cast<void**>(&p), sizeof(E), count, recomputed};
 }
 
-// Every per-layer activation slot, sized: the norm outputs, their statistics and the residual stream are the
+// Every per-layer activation buffer, sized: the norm outputs, their statistics and the residual stream are the
 // rank's rows (under sp the norm outputs are gathered again where a matmul reads them: norm_rows), the rest
 // local. The output gradients of the
 // four matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
 // the matmul; the MLP's two not for experts, whose weight gradients backward takes at once); with experts the
 // rows the experts took (expert-major) and gave back (dispatch order), and the hidden layers the experts' rows.
 template <typename floatX>
-inline std::vector<ActivationSlot> layer_slots(Activations<floatX>& a, const LocalDims& d, bool split) {
+inline std::vector<ActivationBuffer> layer_buffers(Activations<floatX>& a, const LocalDims& d, bool split) {
     size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
     size_t means = d.means ? R : 0, QK = d.qk_norm;
-    return {slot("ln1", a.ln1, R * C, RECOMPUTE_LAYERNORM), slot("ln1_mean", a.ln1_mean, means), slot("ln1_rstd", a.ln1_rstd, R),
-            slot("qkv", a.qkv, BT * d.QKVl), slot("att", a.att, attention_state_floats(d, device_of<floatX>)),
-            slot("atty", a.atty, BT * d.Cl), slot("attproj", a.attproj, R * C), slot("residual2", a.residual2, R * C),
-            slot("ln2", a.ln2, R * C, RECOMPUTE_LAYERNORM), slot("ln2_mean", a.ln2_mean, means), slot("ln2_rstd", a.ln2_rstd, R),
-            slot("fch", a.fch, mlp_rows * d.FCl), slot("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_GELU),
-            slot("fcproj", a.fcproj, R * C), slot("residual3", a.residual3, R * C), slot("dqkv", a.dqkv, S * BT * d.QKVl),
-            slot("dattproj", a.dattproj, S * BT * C), slot("dfch", a.dfch, M * BT * d.FCl), slot("dfcproj", a.dfcproj, M * BT * C),
-            slot("moe_in", a.moe_in, d.expert_rows * C), slot("moe_out", a.moe_out, d.K * BT * C),
-            slot("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), slot("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl))};
+    return {buffer("ln1", a.ln1, R * C, RECOMPUTE_NORMS), buffer("ln1_mean", a.ln1_mean, means), buffer("ln1_rstd", a.ln1_rstd, R),
+            buffer("qkv", a.qkv, BT * d.QKVl), buffer("att", a.att, attention_state_floats(d, device_of<floatX>)),
+            buffer("atty", a.atty, BT * d.Cl), buffer("attproj", a.attproj, R * C), buffer("residual2", a.residual2, R * C),
+            buffer("ln2", a.ln2, R * C, RECOMPUTE_NORMS), buffer("ln2_mean", a.ln2_mean, means), buffer("ln2_rstd", a.ln2_rstd, R),
+            buffer("fch", a.fch, mlp_rows * d.FCl), buffer("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_ACTIVATION),
+            buffer("fcproj", a.fcproj, R * C), buffer("residual3", a.residual3, R * C), buffer("dqkv", a.dqkv, S * BT * d.QKVl),
+            buffer("dattproj", a.dattproj, S * BT * C), buffer("dfch", a.dfch, M * BT * d.FCl), buffer("dfcproj", a.dfcproj, M * BT * C),
+            buffer("moe_in", a.moe_in, d.expert_rows * C), buffer("moe_out", a.moe_out, d.K * BT * C),
+            buffer("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), buffer("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl))};
 }
 
-// ... and the slots of a micro-batch around the layers: the embeddings' output (where a previous stage's
+// ... and the buffers of a micro-batch around the layers: the embeddings' output (where a previous stage's
 // activations arrive), and on the last stage the head's: the final layernorm (its output whole, its statistics
 // on the rank's rows), the rank's logits, the per-token losses and, under tp, their log-sum-exp
 template <typename floatX>
-inline std::vector<ActivationSlot> edge_slots(Activations<floatX>& a, const LocalDims& d, bool head, int tp) {
+inline std::vector<ActivationBuffer> edge_buffers(Activations<floatX>& a, const LocalDims& d, bool head, int tp) {
     size_t BT = d.BT, R = d.R, C = d.C;
-    std::vector<ActivationSlot> slots = {slot("encoded", a.encoded, R * C)};
-    if (!head) return slots;
-    for (ActivationSlot s : {slot("lnf", a.lnf, BT * C), slot("lnf_mean", a.lnf_mean, d.means ? R : 0), slot("lnf_rstd", a.lnf_rstd, R),
-                             slot("logits", a.logits, BT * d.Vl), slot("losses", a.losses, BT)})
-        slots.push_back(s);
-    if (tp > 1) slots.push_back(slot("lse", a.lse, BT));
-    return slots;
+    std::vector<ActivationBuffer> buffers = {buffer("encoded", a.encoded, R * C)};
+    if (!head) return buffers;
+    for (ActivationBuffer s : {buffer("lnf", a.lnf, BT * C), buffer("lnf_mean", a.lnf_mean, d.means ? R : 0), buffer("lnf_rstd", a.lnf_rstd, R),
+                             buffer("logits", a.logits, BT * d.Vl), buffer("losses", a.losses, BT)})
+        buffers.push_back(s);
+    if (tp > 1) buffers.push_back(buffer("lse", a.lse, BT));
+    return buffers;
 }
 
-// what a slot keeps per layer under recomputation level `recompute`
-inline size_t kept_per_layer(const ActivationSlot& s, int recompute) {
+// what a buffer keeps per layer under recomputation level `recompute`
+inline size_t kept_per_layer(const ActivationBuffer& s, int recompute) {
     return s.recomputed && recompute >= s.recomputed ? 0 : s.count;
 }
 
-// the slot whose size the shared buffer of recomputation level `level` takes: the level's largest (null: none)
-inline const ActivationSlot* recomputed_slot(const std::vector<ActivationSlot>& per_layer, int level) {
-    const ActivationSlot* largest = nullptr;
-    for (const ActivationSlot& s : per_layer)
+// the buffer whose size the shared buffer of recomputation level `level` takes: the level's largest (null: none)
+inline const ActivationBuffer* largest_recomputed(const std::vector<ActivationBuffer>& per_layer, int level) {
+    const ActivationBuffer* largest = nullptr;
+    for (const ActivationBuffer& s : per_layer)
         if (s.recomputed == level && (!largest || s.count > largest->count)) largest = &s;
     return largest;
 }
 
-// The bytes of a micro-batch's activations in the storage type floatX: what each layer keeps, what the slots
-// around the layers hold, and the shared buffers of the slots -r recomputes. The plan's figures (llmc/plan.h).
+// The bytes of a micro-batch's activations in the storage type floatX: what each layer keeps, what the buffers
+// around the layers hold, and the shared buffers of those -r recomputes. The plan's figures (llmc/plan.h).
 struct ActivationBytes {
     size_t per_layer = 0, edges = 0, recomputed = 0;
 };
@@ -385,20 +385,20 @@ template <typename floatX>
 inline ActivationBytes activation_bytes(const LocalDims& d, bool split, int recompute, bool head, int tp) {
     Activations<floatX> a{};
     ActivationBytes b;
-    std::vector<ActivationSlot> per_layer = layer_slots(a, d, split);
-    for (const ActivationSlot& s : per_layer) b.per_layer += kept_per_layer(s, recompute) * s.element;
-    for (const ActivationSlot& s : edge_slots(a, d, head, tp)) b.edges += s.count * s.element;
-    for (int level = RECOMPUTE_GELU; level <= recompute; level++)
-        if (const ActivationSlot* s = recomputed_slot(per_layer, level)) b.recomputed += s->count * s->element;
+    std::vector<ActivationBuffer> per_layer = layer_buffers(a, d, split);
+    for (const ActivationBuffer& s : per_layer) b.per_layer += kept_per_layer(s, recompute) * s.element;
+    for (const ActivationBuffer& s : edge_buffers(a, d, head, tp)) b.edges += s.count * s.element;
+    for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
+        if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) b.recomputed += s->count * s->element;
     return b;
 }
 
-// layer l's slice of every per-layer activation slot (stacked layer 0 first); the other fields unchanged
+// layer l's slice of every per-layer activation buffer (stacked layer 0 first); the other fields unchanged
 template <typename floatX>
 inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute,
                                        bool split) {
     Activations<floatX> v = a;
-    for (const ActivationSlot& s : layer_slots(v, d, split))
+    for (const ActivationBuffer& s : layer_buffers(v, d, split))
         *s.pointer = static_cast<char*>(*s.pointer) + l * kept_per_layer(s, recompute) * s.element;
     return v;
 }
@@ -559,24 +559,24 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     size_t mlp_rows = config.moe() ? d.expert_rows : d.BT;
     size_t C = config.channels, BT = d.BT, R = d.R;
     size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
-    // a slot's buffer in its element type (on the CPU every slot is fp32)
-    auto act = [&](const ActivationSlot& s, size_t n) {
+    // a buffer in its element type (on the CPU every buffer is fp32)
+    auto act = [&](const ActivationBuffer& s, size_t n) {
         *s.pointer = s.element == sizeof(float) ? (void*)led.alloc<floatX, float>(MEM_ACTIVATIONS, n)
                                                 : (void*)led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n);
     };
-    // a recomputed slot is one buffer per level for every layer of every micro-batch (layer_slice steps through
-    // it by 0), as large as the level's largest slot
-    void* recomputed_buffer[RECOMPUTE_LAYERNORM + 1] = {};
+    // a recomputed buffer is one per level for every layer of every micro-batch (layer_slice steps through it
+    // by 0), as large as the level's largest
+    void* recomputed_buffer[RECOMPUTE_NORMS + 1] = {};
     Activations<floatX> sizing{};
-    std::vector<ActivationSlot> per_layer = layer_slots(sizing, d, split_backward);
-    for (int level = RECOMPUTE_GELU; level <= recompute; level++)
-        if (const ActivationSlot* s = recomputed_slot(per_layer, level)) act(*s, s->count), recomputed_buffer[level] = *s->pointer;
+    std::vector<ActivationBuffer> per_layer = layer_buffers(sizing, d, split_backward);
+    for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
+        if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) act(*s, s->count), recomputed_buffer[level] = *s->pointer;
     m.slots.resize(slots);
     for (MicroBatchSlot<floatX>& mb : m.slots) {
         Activations<floatX>& a = mb.acts;
-        std::vector<ActivationSlot> edges = edge_slots(a, d, part.last, tp.size);
+        std::vector<ActivationBuffer> edges = edge_buffers(a, d, part.last, tp.size);
         act(edges[0], edges[0].count);  // the embeddings' output
-        for (const ActivationSlot& s : layer_slots(a, d, split_backward)) {
+        for (const ActivationBuffer& s : layer_buffers(a, d, split_backward)) {
             act(s, chunk_layers * kept_per_layer(s, recompute));
             if (s.recomputed && recompute >= s.recomputed) *s.pointer = recomputed_buffer[s.recomputed];
         }
@@ -1059,7 +1059,7 @@ inline const floatX* norm_rows(GPTModel<floatX>& m, const floatX* mine, long BT,
 template <typename floatX>
 inline const floatX* norm_rows_again(GPTModel<floatX>& m, const LocalDims& d, floatX* mine, float* mean, float* rstd,
                                      const floatX* inp, const floatX* weight, const floatX* bias) {
-    if (m.recompute >= RECOMPUTE_LAYERNORM) norm_forward(m.config, mine, mean, rstd, inp, weight, bias, d.R, d.C);
+    if (m.recompute >= RECOMPUTE_NORMS) norm_forward(m.config, mine, mean, rstd, inp, weight, bias, d.R, d.C);
     return norm_rows(m, mine, d.BT, d.C);
 }
 
@@ -1280,7 +1280,7 @@ inline std::vector<double> gpt_row_losses(GPTModel<floatX>& m, const std::vector
 // outputs (-r 2: norm_rows_again)
 template <typename floatX>
 inline void recompute_activation(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
-    if (m.recompute < RECOMPUTE_GELU) return;
+    if (m.recompute < RECOMPUTE_ACTIVATION) return;
     if (m.config.activation() == Activation::SwiGLU) swiglu_forward(la.fch_act, la.fch, rows, d.Hl);
     else gelu_forward(la.fch_act, la.fch, rows * d.Hl);
 }

@@ -105,7 +105,7 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
         add(h + "mlp.down_proj.weight", FCPROJW, l, 0, C, H);
     }
     add("model.norm.weight", LNFW, 0, 0, C, 1);
-    if (!c.tied_embeddings) add("lm_head.weight", WPE, 0, 0, V, C);
+    if (!c.tied_embeddings) add("lm_head.weight", LM_HEAD, 0, 0, V, C);
     return out;
 }
 

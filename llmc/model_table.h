@@ -158,6 +158,8 @@ inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_l
 // Qwen3's QK-norm weights come last, so that the other architectures' files and checkpoints keep their order.
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
                    FCPROJB, LNFW, LNFB, QNORMW, KNORMW, NUM_PARAM_TENSORS };
+// the Llama family's classifier, where GPT-2 has wpe (which it lacks)
+constexpr ParamTensor LM_HEAD = WPE;
 
 enum class TPSplit { Replicated, Column, Row, Vocab };
 // the unit that holds a tensor: the embeddings, a layer, or the head (the final norm, and a classifier of its own)
@@ -320,7 +322,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
 inline ModelTable model_table(const GPTConfig& c) { return c.llama() ? llama_table(c) : gpt2_table(c); }
 
 // the tensor the classifier multiplies by: the token embedding (GPT-2's, a tied Llama's), or Llama's lm_head
-inline int classifier_tensor(const GPTConfig& c) { return c.tied() ? WTE : WPE; }
+inline int classifier_tensor(const GPTConfig& c) { return c.tied() ? WTE : LM_HEAD; }
 
 inline const char* param_tensor_name(const GPTConfig& c, int tensor) { return model_table(c)[tensor].name; }
 
