@@ -161,10 +161,10 @@ TEST_CASE("a Llama file with a nonzero bias or a truncated tensor is refused in 
     refused(slot, "header slot 14");
 }
 
-TEST_CASE("--plan predicts a Llama's ledger on one rank, with recomputation and a split backward; --plan -e "
-          "llama3-8b runs without allocating it",
+TEST_CASE("--plan predicts a Llama's ledger (and a Qwen3's: QK-norm's buffers, attention wider than C) on one "
+          "rank, with recomputation and a split backward; --plan -e llama3-8b runs without allocating it",
           "[llama][plan]") {
-    for (const char* model : {MODEL, "l3c48h6g1f100t24v97", "l1c64h8t16v50"})
+    for (const char* model : {MODEL, "l3c48h6g1f100t24v97", "l1c64h8t16v50", "q3c48h6g2d12f100t24v97"})
         for (int recompute : {0, 1, 2})
             for (bool split : {false, true}) {
                 INFO(model << " -r " << recompute << (split ? " split backward" : ""));
