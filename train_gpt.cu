@@ -465,21 +465,25 @@ struct Trainer {
     // Samples are decoded with the tokenizer, which must have the model's vocab: --tokenizer's, else the
     // tokenizer.json of the Hugging Face directory -e names, else GPT-2's. A named or found one that does not fit is
     // a mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
-    // says why it does not sample, once, and trains.
+    // says why it does not sample, once, and trains. A Hugging Face directory's own tokenizer may have fewer ids
+    // than the model's rows (Qwen3's 151669 tokens in 151936 rows: the rest pad the embedding, no text holds
+    // them); samples are drawn among its ids.
     void open_tokenizer() {
         std::string path = o.tokenizer;
-        if (path.empty() && is_hf_dir(o.model) && file_exists(o.model + "/tokenizer.json"))
-            path = o.model + "/tokenizer.json";
+        const bool beside_model = path.empty() && is_hf_dir(o.model) && file_exists(o.model + "/tokenizer.json");
+        if (beside_model) path = o.model + "/tokenizer.json";
         const bool chosen = !path.empty();
         if (!chosen) path = DEFAULT_TOKENIZER;
         tokenizer.reset(new Tokenizer(path));
-        if (tokenizer->vocab_size != config.vocab_size && chosen)
+        const bool fits = tokenizer->vocab_size == config.vocab_size ||
+                          (beside_model && tokenizer->vocab_size < config.vocab_size);
+        if (!fits && chosen)
             fail("%s: the tokenizer's vocab of %d tokens is not the model's %d (a tokenizer of another model?)",
                  tokenizer->path.c_str(), tokenizer->vocab_size, config.vocab_size);
         if (chosen && grid.rank == 0)
             printf("samples: decoded with %s, starting from token %d (%s)\n", tokenizer->path.c_str(), tokenizer->eot,
                    tokenizer->eot_from.c_str());
-        if (tokenizer->vocab_size != config.vocab_size) {
+        if (!fits) {
             if (grid.rank == 0)
                 printf("sampling off: the model's %d tokens are not GPT-2's %d (--tokenizer names one of its vocab)\n",
                        config.vocab_size, tokenizer->vocab_size);
@@ -565,7 +569,7 @@ struct Trainer {
     // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
     void sample() {
         auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, pp, grid, tokens, o.T, t); };
-        std::vector<int> tokens = sample_tokens(at, config.vocab_size, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
+        std::vector<int> tokens = sample_tokens(at, tokenizer->vocab_size, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
         if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
     }
 

