@@ -313,6 +313,44 @@ inline void check_resume(const Data& data, const char* model, const ResumeLayout
     CHECK(output.find(resumed) != std::string::npos);
     check_close(losses(dir), reference, 1e-5, RESUME_STEPS + 3);
 }
+// One layout of an equivalence test: `ranks` ranks with `flags`, b sequences per micro-batch of a rank, for the
+// global batch of 8 of its model's single-rank run
+struct EquivalenceLayout {
+    const char* name;
+    const char* model;
+    int ranks, b;
+    const char* flags;
+};
+
+// Each layout's 20 steps against its model's single-rank run (4 micro-batches of 2), every loss within 1e-5, and
+// the bytes it counted against the formulas of the groups its flags use (tp, dp under ZeRO, cp, ep, pp). Returns
+// each layout's output by name, for the caller's own checks.
+inline std::map<std::string, std::string> check_layouts(const Data& data, const TempDir& out,
+                                                        const std::vector<EquivalenceLayout>& layouts) {
+    std::map<std::string, std::map<std::string, double>> reference;
+    std::map<std::string, std::string> outputs;
+    for (const EquivalenceLayout& l : layouts) {
+        if (reference.count(l.model)) continue;
+        REQUIRE(single_ok(data.flags(2, 128, 20, l.model), out / l.model));
+        reference[l.model] = losses(out / l.model);
+    }
+    for (const EquivalenceLayout& l : layouts) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags, dir, &run)) continue;
+        check_close(losses(dir), reference[l.model], 1e-5);
+        std::string flags = l.flags;
+        auto has = [&](const char* flag) { return flags.find(flag) != std::string::npos; };
+        if (has("--tp")) require_tp_counted_equals_formula(run, has("--tp 4") ? 4 : 2, !has("--sp 0"));
+        if (has("-z") && run.find(" dp=1,") == std::string::npos) require_counted_equals_formula(run);
+        if (has("--cp")) require_cp_counted_equals_formula(run, 2);
+        if (has("--ep")) require_ep_counted_equals_formula(run);
+        if (has("--pp")) require_pp_counted_equals_formula(run);
+        outputs[l.name] = run;
+    }
+    return outputs;
+}
+
 // one loss of main.log, NAN when it is missing
 inline double loss_at(const std::map<std::string, double>& v, const std::string& key) {
     auto it = v.find(key);

@@ -5,7 +5,8 @@
 // byte; and the model under every parallelism on the CPU, under `mpirun --oversubscribe`, against the single-rank
 // run over 20 steps of 4 micro-batches (the equivalence principle): dp 2 under ZeRO-1 and ZeRO-3, tp 2 with and
 // without sp, tp 4 (each key/value head on two ranks, the QK-norm weights' gradients summed over the group), cp 2,
-// pp 2 under 1F1B and ZB-H1, ep 2 on a Qwen3 with experts, and a checkpoint resumed under another layout.
+// pp 2 under 1F1B and ZB-H1, ep 2 on a Qwen3 with experts (with the counted bytes against the formulas), and a
+// checkpoint resumed under another layout.
 // (The plan's ledger against the allocated one: test/test_llama.cu, whose shapes include a Qwen3's.)
 //
 // The model: 4 layers, 32 channels, 4 query heads and 2 key/value heads of 12 channels (attention is 48 wide, not
@@ -329,33 +330,12 @@ TEST_CASE("Qwen3 under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 ove
           "[qwen3][parallel]") {
     Data data;
     TempDir out;
-    struct Layout {
-        const char* name;
-        const char* model;
-        int ranks, b;  // b: the sequences per micro-batch of a rank, for the same global batch of 8
-        const char* flags;
-    };
-    std::map<std::string, std::map<std::string, double>> reference;
-    for (const char* model : {QWEN3, TIED, MOE}) {
-        REQUIRE(single_ok(data.flags(2, 128, 20, model), out / model));  // 4 micro-batches of 2
-        reference[model] = losses(out / model);
-    }
-    for (Layout l : {Layout{"dp2_z1", QWEN3, 2, 2, " -z 1"}, Layout{"dp2_z3", QWEN3, 2, 2, " -z 3"},
-                     Layout{"tp2_sp", QWEN3, 2, 2, " --tp 2 --sp 1"}, Layout{"tp2", QWEN3, 2, 2, " --tp 2 --sp 0 -r 2"},
-                     Layout{"tp4_sp", QWEN3, 4, 2, " --tp 4 --sp 1 --debug-check-replicas 1"},
-                     Layout{"cp2", QWEN3, 2, 2, " --cp 2"}, Layout{"pp2_1f1b", QWEN3, 2, 2, " --pp 2"},
-                     Layout{"pp2_zb", QWEN3, 2, 2, " --pp 2 --pp-schedule zb"},
-                     Layout{"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"},
-                     Layout{"moe_ep2", MOE, 2, 2, " --ep 2 -z 1"}}) {
-        INFO(l.name);
-        std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags, dir, &run)) continue;
-        check_close(losses(dir), reference[l.model], 1e-5);
-        std::string flags = l.flags;
-        if (flags.find("--tp") != std::string::npos)
-            require_tp_counted_equals_formula(run, flags.find("--tp 4") != std::string::npos ? 4 : 2,
-                                              flags.find("--sp 0") == std::string::npos);
-    }
+    check_layouts(data, out,
+                  {{"dp2_z1", QWEN3, 2, 2, " -z 1"}, {"dp2_z3", QWEN3, 2, 2, " -z 3"},
+                   {"tp2_sp", QWEN3, 2, 2, " --tp 2 --sp 1"}, {"tp2", QWEN3, 2, 2, " --tp 2 --sp 0 -r 2"},
+                   {"tp4_sp", QWEN3, 4, 2, " --tp 4 --sp 1 --debug-check-replicas 1"}, {"cp2", QWEN3, 2, 2, " --cp 2"},
+                   {"pp2_1f1b", QWEN3, 2, 2, " --pp 2"}, {"pp2_zb", QWEN3, 2, 2, " --pp 2 --pp-schedule zb"},
+                   {"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"}, {"moe_ep2", MOE, 2, 2, " --ep 2 -z 1"}});
     // a checkpoint of tp 2 × dp 2 resumed on one rank follows the uninterrupted single-rank run
     std::map<std::string, double> whole = resume_reference_losses(data, QWEN3, out / "resume_reference");
     check_resume(data, QWEN3, {4, "-b 2 --tp 2 --sp 1 -z 1"}, {1, "-b 4"}, whole, out / "resumed");
