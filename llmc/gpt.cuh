@@ -532,9 +532,9 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
     if (part.chunks() == 0) part = whole_part(config);
     m.cp.spec = cp;
-    int head_size = config.channels / config.num_heads;
+    int head_size = config.head_size();
     if (gpu && head_size != 64 && head_size != 128)
-        fail("model: head size %d (channels / heads): the GPU attention kernels take 64 or 128", head_size);
+        fail("model: head size %d: the GPU attention kernels take 64 or 128", head_size);
     m.config = config;
     m.table = model_table(config);
     m.B = B;
