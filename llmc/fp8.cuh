@@ -477,7 +477,8 @@ inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const 
     else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 // ... and the MLP projection's backward through GELU (gelu_matmul_backward). An FP8 layer's GEMMs are
-// fp8_matmul_backward's, which take no epilogue: GELU's backward and the bias gradient of its input stay kernels.
+// fp8_matmul_backward's, which take no epilogue: GELU's backward and the bias gradient of its input follow them in
+// one pass (gelu_backward_dbias).
 template <typename floatX>
 inline void gelu_matmul_backward(floatX* dpre, floatX* dweight, floatX* dbias, floatX* dpre_bias, const floatX* dout,
                                  const floatX* inp, const floatX* pre_gelu, const floatX* weight, long N, long C,
@@ -487,6 +488,5 @@ inline void gelu_matmul_backward(floatX* dpre, floatX* dweight, floatX* dbias, f
         return;
     }
     fp8_matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
-    gelu_backward(dpre, pre_gelu, dpre, N * C);
-    if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
+    gelu_backward_dbias(dpre, dpre_bias, pre_gelu, N, C, workspace);
 }

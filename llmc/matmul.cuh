@@ -374,10 +374,11 @@ inline void matmul_forward_cuda(bf16* out, const bf16* inp, const bf16* weight, 
 //   the weight gradient  dWᵀ[C×OC] += (inp as C×N)·(dout as OC×N)ᵀ;
 //   the input gradient   dinpᵀ[C×N] = (W as C×OC)·(dout as OC×N), then, where the matmul's input is GELU's output
 //                        (the MLP's projection), GELU's backward dinp ∘= GELU'(pre_gelu) and the column sums of
-//                        that, the bias gradient of the matmul whose output GELU took, as kernels of their own.
+//                        that, the bias gradient of the matmul whose output GELU took, in one kernel's pass.
 // GELU's backward stays out of the epilogue by measurement: on an H100 (2026-11-27) cuBLASLt ran DGELU_BGRAD as
 // a separate pass (epilogue::globalKernel) of 1.3 ms a layer at d12 B=64, 15.6 ms of a 134 ms step, where
-// GELU's backward and the column sums read and write the same bytes as kernels in about half that.
+// GELU's backward and the column sums read and write the same bytes as kernels in about half that; below they
+// are one pass (gelu_backward_dbias_cuda).
 // The epilogue overwrites its bias vector while the model's gradients accumulate over micro-steps, so it writes
 // to scratch and a small kernel adds that to the gradient (OC values, against the N·OC the column sums read).
 // cuBLASLt refuses BGRADB unless op(B) is transposed (ours is); the epilogue kernels read and write whole
@@ -415,6 +416,89 @@ static __global__ void matmul_dbias_finish_kernel(bf16* dbias, const float* part
     float s = 0.0f;
     for (long c = 0; c < chunks; c++) s += partial[c * OC + col];
     dbias[col] = __float2bfloat16(__bfloat162float(dbias[col]) + s);
+}
+
+// GELU's backward and the bias gradient of its input in one pass over the MLP's widest tensor: dpre = d ∘
+// GELU'(pre) in bf16 (d may be dpre: in place), and the fp32 sums of those bf16 values over each chunk of
+// MATMUL_DBIAS_ROWS rows, for matmul_dbias_finish_kernel; the bytes moved are GELU's backward's alone (the column
+// sums re-read dpre: a third more). A block takes a tile of one chunk's rows and 256 columns: each warp every
+// GELU_DBIAS_WARPS-th row of the chunk, each lane 8 adjacent columns (16-byte accesses where C is a multiple of
+// 8, else one value at a time); the warps' sums then add up in shared memory in warp order, so the bias
+// gradient does not depend on scheduling. A lane loads GELU_DBIAS_AHEAD rows before it writes any, so that
+// loads stay in flight although dpre may be d.
+constexpr int GELU_DBIAS_WARPS = 8, GELU_DBIAS_AHEAD = 4, GELU_DBIAS_COLUMNS = 8 * 32;
+
+static __global__ void __launch_bounds__(32 * GELU_DBIAS_WARPS)
+    gelu_backward_dbias_partial_kernel(bf16* dpre, float* partial, const bf16* pre, const bf16* d, long N, long C) {
+    __shared__ float warp_sums[GELU_DBIAS_WARPS][GELU_DBIAS_COLUMNS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    long tile = (long)blockIdx.x * GELU_DBIAS_COLUMNS, col = tile + 8 * lane;
+    long r0 = (long)blockIdx.y * MATMUL_DBIAS_ROWS, r1 = min(r0 + MATMUL_DBIAS_ROWS, N);
+    const long stride = GELU_DBIAS_WARPS;
+    float sum[8] = {};
+    if (C % 8 == 0 && col < C) {
+        for (long r = r0 + warp; r < r1; r += stride * GELU_DBIAS_AHEAD) {
+            bf16x8 x[GELU_DBIAS_AHEAD], g[GELU_DBIAS_AHEAD];
+#pragma unroll
+            for (int u = 0; u < GELU_DBIAS_AHEAD; u++) {
+                if (r + u * stride >= r1) break;
+                x[u] = *reinterpret_cast<const bf16x8*>(pre + (r + u * stride) * C + col);
+                g[u] = *reinterpret_cast<const bf16x8*>(d + (r + u * stride) * C + col);
+            }
+#pragma unroll
+            for (int u = 0; u < GELU_DBIAS_AHEAD; u++) {
+                if (r + u * stride >= r1) break;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float2 xv = __bfloat1622float2(x[u].h[j]), dv = __bfloat1622float2(g[u].h[j]);
+                    g[u].h[j] = __floats2bfloat162_rn(gelu_derivative(xv.x) * dv.x, gelu_derivative(xv.y) * dv.y);
+                    float2 out = __bfloat1622float2(g[u].h[j]);
+                    sum[2 * j] += out.x;
+                    sum[2 * j + 1] += out.y;
+                }
+                *reinterpret_cast<bf16x8*>(dpre + (r + u * stride) * C + col) = g[u];
+            }
+        }
+    } else if (C % 8 != 0) {
+        for (long r = r0 + warp; r < r1; r += stride) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (col + j >= C) break;
+                long i = r * C + col + j;
+                bf16 g = __float2bfloat16(gelu_derivative(__bfloat162float(pre[i])) * __bfloat162float(d[i]));
+                dpre[i] = g;
+                sum[j] += __bfloat162float(g);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) warp_sums[warp][8 * lane + j] = sum[j];
+    __syncthreads();
+    for (int c = threadIdx.x; c < GELU_DBIAS_COLUMNS && tile + c < C; c += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < GELU_DBIAS_WARPS; w++) s += warp_sums[w][c];
+        partial[blockIdx.y * C + tile + c] = s;
+    }
+}
+
+// dpre[N×C] = d ∘ GELU'(pre) (d may be dpre), and dpre_bias[C] += its column sums when dpre_bias is not null;
+// C even, scratch matmul_backward_scratch_floats(N, C)
+inline void gelu_backward_dbias_cuda(bf16* dpre, bf16* dpre_bias, const bf16* pre, const bf16* d, long N, long C,
+                                     float* scratch, cudaStream_t stream) {
+    if (!dpre_bias) {
+        gelu_backward_cuda(dpre, pre, d, N * C, stream);
+        return;
+    }
+    if (N == 0) return;
+    require_aligned_16("gelu_backward_dbias_cuda dpre", dpre);
+    require_aligned_16("gelu_backward_dbias_cuda pre", pre);
+    require_aligned_16("gelu_backward_dbias_cuda d", d);
+    long chunks = (N + MATMUL_DBIAS_ROWS - 1) / MATMUL_DBIAS_ROWS;
+    dim3 grid(cuda_blocks(C, GELU_DBIAS_COLUMNS), (unsigned int)chunks);
+    gelu_backward_dbias_partial_kernel<<<grid, 32 * GELU_DBIAS_WARPS, 0, stream>>>(dpre, scratch, pre, d, N, C);
+    cuda_check(cudaGetLastError());
+    matmul_dbias_finish_kernel<<<cuda_blocks(C, 256), 256, 0, stream>>>(dpre_bias, scratch, chunks, C);
+    cuda_check(cudaGetLastError());
 }
 
 // dbias += the bias gradient an epilogue wrote (bf16 already there: one rounding more than the column sums')
@@ -477,8 +561,7 @@ inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const b
         // dinpᵀ[C×N] = (W as C×OC) · (dout as OC×N)
         cublaslt_matmul(dinp, weight, dout, nullptr, nullptr, false, false, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
                         stream);
-        if (pre_gelu) gelu_backward_cuda(dinp, pre_gelu, dinp, N * C, stream);
-        if (dpre_bias) matmul_dbias_cuda(dpre_bias, dinp, N, C, scratch, stream);
+        if (pre_gelu) gelu_backward_dbias_cuda(dinp, dpre_bias, pre_gelu, dinp, N, C, scratch, stream);
     }
     if (dweight) {
         // dWᵀ[C×OC] += (inp as C×N) · (dout as OC×N)ᵀ
@@ -515,6 +598,13 @@ inline void matmul_gelu_forward(float* out, float* pre_gelu, const float* inp, c
     gelu_forward(out, pre_gelu, N * OC);
 }
 
+// dpre[N×C] ∘= GELU'(pre) (dpre holds the gradient of GELU's output), and dpre_bias[C] += the column sums of that
+// (may be null): GELU's backward with the bias gradient of the matmul whose output GELU took
+inline void gelu_backward_dbias(float* dpre, float* dpre_bias, const float* pre, long N, long C, float* workspace) {
+    gelu_backward(dpre, pre, dpre, N * C);
+    if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
+}
+
 // The backward of out[N×OC] = GELU(pre_gelu) · weightᵀ + bias, with inp[N×C] = GELU(pre_gelu) as forward kept
 // it: matmul_backward's gradients (dweight, dbias may be null), the input's carried on through GELU into
 // dpre[N×C] = dL/dpre_gelu (overwritten), and dpre_bias[C] += its column sums, the bias gradient of the matmul
@@ -523,8 +613,7 @@ inline void gelu_matmul_backward(float* dpre, float* dweight, float* dbias, floa
                                  const float* inp, const float* pre_gelu, const float* weight, long N, long C, long OC,
                                  float* workspace) {
     matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
-    gelu_backward(dpre, pre_gelu, dpre, N * C);
-    if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
+    gelu_backward_dbias(dpre, dpre_bias, pre_gelu, N, C, workspace);
 }
 
 inline void matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C, long OC,
@@ -540,6 +629,10 @@ inline void matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* 
     // the scratch holds the bias gradient: none without a bias (the classifier's 50304 columns)
     float* scratch = dbias ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward") : nullptr;
     matmul_backward_cuda(dinp, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream());
+}
+inline void gelu_backward_dbias(bf16* dpre, bf16* dpre_bias, const bf16* pre, long N, long C, float*) {
+    float* scratch = dpre_bias ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, C), "gelu_backward_dbias") : nullptr;
+    gelu_backward_dbias_cuda(dpre, dpre_bias, pre, dpre, N, C, scratch, main_stream());
 }
 inline void gelu_matmul_backward(bf16* dpre, bf16* dweight, bf16* dbias, bf16* dpre_bias, const bf16* dout,
                                  const bf16* inp, const bf16* pre_gelu, const bf16* weight, long N, long C, long OC,

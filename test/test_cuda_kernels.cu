@@ -84,8 +84,8 @@ void check_matmul(long N, long C, long OC) {
 }
 
 // gelu_matmul_backward's two micro-steps with the bias gradient in cuBLASLt's BGRADB epilogue or, where the shape
-// does not take it, in the column sums; GELU's backward and its input's bias gradient on the kernels: the case's shape must take the path the caller names, or the check proves the
-// other one
+// does not take it, in the column sums; GELU's backward and its input's bias gradient in one kernel's pass. The
+// case's shape must take the path the caller names, or the check proves the other one
 void check_gelu_matmul(long N, long C, long OC, bool epilogues) {
     INFO("gelu_matmul_backward N=" << N << " C=" << C << " OC=" << OC);
     GeluMatmulCase k(N, C, OC, 17, 0.1f);
@@ -487,6 +487,8 @@ TEST_CASE("CUDA matmul backward through GELU: GELU's backward and both bias grad
     check_gelu_matmul(37, 200, 24, true);
     check_gelu_matmul(50, 36, 42, false);    // C and OC not whole 16-byte vectors
     check_gelu_matmul(64, 64, 90, false);    // OC alone
+    check_gelu_matmul(600, 136, 64, true);   // three chunks of the column sums, the last one partial
+    check_gelu_matmul(300, 38, 42, false);   // two chunks, C no whole vector
 }
 
 // Where a backward's bias gradient goes is a function of the call alone (plan_matmul_backward): checked here
