@@ -268,7 +268,7 @@ fitting_batch() {
 SHAPE_ROWS=()
 declare -A SHAPE_NOTE
 for s in $SHAPES; do
-    [[ $s =~ ^([A-Za-z0-9]+):([0-9]+)$ ]] || die "SHAPES: '$s' is not MODEL:BATCH"
+    [[ $s =~ ^([A-Za-z0-9.-]+):([0-9]+)$ ]] || die "SHAPES: '$s' is not MODEL:BATCH"
     model=${BASH_REMATCH[1]} batch=${BASH_REMATCH[2]}
     dims=$(shape_dims "$model") || die "SHAPES: unknown model '$model'"
     read -r L C NH maxT <<<"$dims"
@@ -427,7 +427,7 @@ if has_phase profile; then
     for candidate in /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu; do
         [[ -z $ncu_bin && -x $candidate ]] && ncu_bin=$candidate
     done
-    if [[ ! $PROFILE_SHAPE =~ ^([A-Za-z0-9]+):([0-9]+)$ ]]; then
+    if [[ ! $PROFILE_SHAPE =~ ^([A-Za-z0-9.-]+):([0-9]+)$ ]]; then
         die "PROFILE_SHAPE: '$PROFILE_SHAPE' is not MODEL:BATCH"
     fi
     model=${BASH_REMATCH[1]} batch=${BASH_REMATCH[2]}

@@ -13,7 +13,9 @@ A step ends with the kernels of its "optimizer step" range (without NVTX columns
 kernels), so the last complete step is the kernels after the previous step's optimizer through the last
 optimizer kernel. Nsight Compute runs the kernels one at a time, so the sum is GPU busy time without overlap;
 --step-ms (the step's time measured without the profiler) turns it into the share of the step the GPU is busy,
-and the rest is launch gaps and host work.
+and the rest is launch gaps, host work and the clock: Nsight Compute's kernels run one at a time on a cool GPU,
+while a training run holds an H100 at its power limit, where its SM clock falls from 1980 MHz to 1400-1800
+(dev/bench/RESULTS.md), so the same kernels take longer in the run than in the profile.
 """
 
 import argparse
@@ -115,7 +117,7 @@ def main():
     print(f"kernel time of one step: {total:.3f} ms in {len(step)} launches ({how})")
     if args.step_ms:
         print(f"step time without the profiler: {args.step_ms:.3f} ms: the GPU busy {100 * total / args.step_ms:.1f}% "
-              f"of it (the rest: launch gaps and host work)")
+              f"of it (the rest: launch gaps, host work, and a clock lower than the profile's)")
 
     kernels = defaultdict(lambda: [0, 0.0])
     phases = defaultdict(float)
