@@ -136,17 +136,33 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
-// Allocates the model's part (all of it by default) for micro-batches of up to B×T tokens, with `slots`
-// micro-batches in flight, and what a split backward keeps for its weight gradients when asked to
+// How one rank holds the model: which states it allocates itself, its places in the tensor-, context- and
+// expert-parallel groups, the part it holds (empty: the whole model; or a pipeline stage's chunks), the
+// micro-batches in flight, whether backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk (the
+// zero-bubble pipeline's split backward) and what -r recomputes. The defaults: one rank holding the whole model.
+struct ModelLayout {
+    ModelBuffers own;
+    TPSpec tp;
+    CPSpec cp;
+    int ep = 1;
+    ModelPart part;
+    int slots = 1;
+    bool split_backward = false;
+    int recompute = RECOMPUTE_NONE;
+};
+
+// Allocates the model's part as the layout says, for micro-batches of up to B×T tokens
 template <typename floatX>
-inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
-                         int recompute = RECOMPUTE_NONE, CPSpec cp = {}, ModelPart part = {}, int slots = 1,
-                         bool split_backward = false, int ep = 1) {
+inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
+    const TPSpec& tp = layout.tp;
+    const CPSpec& cp = layout.cp;
+    int ep = layout.ep, recompute = layout.recompute;
+    bool split_backward = layout.split_backward;
     check_split(config, T, tp, cp);
     if (config.num_experts % ep != 0)
         fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
-    if (part.chunks() == 0) part = whole_part(config);
+    ModelPart part = layout.part.chunks() > 0 ? layout.part : whole_part(config);
     m.cp.spec = cp;
     int head_size = config.head_size();
     if (gpu && head_size != 64 && head_size != 128)
@@ -162,9 +178,9 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     param_tensor_sizes(config, m.param_sizes, tp.size, part, ep);
     m.num_parameters = num_parameters(config, tp.size, part, ep);
     Ledger& led = m.ledger;
-    if (own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
-    if (own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
-    if (own.optimizer) {
+    if (layout.own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
+    if (layout.own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
+    if (layout.own.optimizer) {
         if (gpu) m.master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, m.num_parameters);
         m.adam_m = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
         m.adam_v = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
@@ -187,7 +203,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     std::vector<ActivationBuffer> per_layer = layer_buffers(sizing, d, split_backward);
     for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
         if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) act(*s, s->count), recomputed_buffer[level] = *s->pointer;
-    m.slots.resize(slots);
+    m.slots.resize(layout.slots);
     for (MicroBatchSlot<floatX>& mb : m.slots) {
         Activations<floatX>& a = mb.acts;
         std::vector<ActivationBuffer> edges = edge_buffers(a, d, part.last, tp.size);
