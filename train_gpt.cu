@@ -371,9 +371,13 @@ struct Trainer {
         actions = passes[grid.at.pp];
         pipeline.comm = &grid.pp_comm;
         par = parallel_plan(o, grid.dp, accumulation);
-        gpt_allocate(model, config, o.B, o.T, DataParallel<floatX>::model_buffers(o.zero),
-                     TPSpec{grid.tp, grid.at.tp, o.sp == 1}, o.recompute, CPSpec{grid.cp, grid.at.cp, cp_split(o)},
-                     stage_part(config, pp), Pipeline<floatX>::slots_needed(actions), split_backward, grid.ep);
+        ModelLayout rank_layout;  // how this rank holds the model
+        rank_layout.own = DataParallel<floatX>::model_buffers(o.zero);
+        rank_layout.tp = TPSpec{grid.tp, grid.at.tp, o.sp == 1};
+        rank_layout.cp = CPSpec{grid.cp, grid.at.cp, cp_split(o)}, rank_layout.ep = grid.ep;
+        rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions);
+        rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
+        gpt_allocate(model, config, o.B, o.T, rank_layout);
         model.tp.comm = &grid.tp_comm;
         model.cp.comm = &grid.cp_comm;
         model.moe.ep = &grid.ep_comm;

@@ -156,7 +156,7 @@ inline RunInputs run_inputs(const std::string& model, uint64_t seed, bool shuffl
     return in;
 }
 
-// What one rank saves and restores, with where each run of it lies in the whole model (llmc/gpt.cuh's
+// What one rank saves and restores, with where each run of it lies in the whole model (llmc/model_table.h's
 // share_runs, and llmc/zero.cuh's shard_runs under ZeRO): the parameters, which are the whole model when saving
 // (rank 0 writes them) and this rank's share when loading, and its optimizer state, all of it under ZeRO-0 and
 // its shard otherwise.

@@ -1,7 +1,7 @@
 // --convert SRC --to PATH: a model moved between the formats the trainer reads, with nothing trained: a
 // checkpoint's model (verified first), an llm.c model file or a Hugging Face directory in, an llm.c file or a
 // Hugging Face directory out. A command of its own, apart from the run: it opens no ranks and no device, and
-// leaves no half-written file behind. The formats themselves are llmc/gpt.cuh's (llm.c's files) and llmc/hf.h's.
+// leaves no half-written file behind. The formats themselves are llmc/model_file.h's (llm.c's files) and llmc/hf.h's.
 #pragma once
 
 #include <stdio.h>

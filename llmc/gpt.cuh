@@ -1,6 +1,10 @@
-// The GPT-2 model: its configuration, the flat parameter/gradient/optimizer buffers in llm.c's tensor order,
-// the activation arena, llm.c-format model files, and forward()/backward()/update() written as explicit layer
-// calls. Everything the model owns is allocated through its Ledger.
+// The model of every architecture in the table (llmc/model_table.h: GPT-2, Llama 3, Qwen3, each dense or with
+// experts): the flat parameter/gradient/optimizer buffers in the table's tensor order, their allocation with the
+// activations (llmc/activations.cuh) for a rank's layout, initialization, and forward()/backward()/update()
+// written as explicit layer calls: one layer body whose operations the architecture's properties and tensors
+// choose. Everything the model owns is allocated through its Ledger. Its configuration and descriptors are
+// llmc/model_config.h's, llm.c's model files llmc/model_file.h's. The names (GPTModel, gpt_*) are llm.c's, kept for
+// every architecture: each is a GPT, a decoder-only transformer.
 //
 // One model for both devices: GPTModel<floatX> stores its parameters, gradients and activations as floatX (llm.c's
 // name for it): float on the CPU and bf16 on the GPU (llmc/device.cuh), with fp32 master weights, moments and
@@ -13,10 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <string>
 #include <vector>
 
+#include "llmc/activations.cuh"
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
@@ -29,6 +32,8 @@
 #include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
+#include "llmc/model_config.h"
+#include "llmc/model_file.h"
 #include "llmc/model_table.h"
 #include "llmc/moe.cuh"
 #include "llmc/nvtx.h"
@@ -40,192 +45,8 @@
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
-constexpr int MODEL_MAGIC = 20240326;
-constexpr int MODEL_VERSION_FP32 = 3;
-constexpr int MODEL_VERSION_BF16 = 5;
-
-inline void validate_config(const GPTConfig& c, const std::string& where) {
-    if (c.num_layers < 1 || c.num_heads < 1 || c.channels < 1 || c.max_seq_len < 1 || c.vocab_size < 1)
-        fail("%s: every model dimension must be positive", where.c_str());
-    if (c.head_dim == 0 && c.channels % c.num_heads != 0)
-        fail("%s: channels (%d) must be divisible by heads (%d)", where.c_str(), c.channels, c.num_heads);
-    if (c.head_dim < 0 || c.head_dim > 1024 || c.intermediate_size < 0)
-        fail("%s: head size %d, MLP size %d", where.c_str(), c.head_dim, c.intermediate_size);
-    // bounds far above any real model that keep every size computation inside 64 bits
-    if (c.num_layers > 4096 || c.channels > 65536 || c.max_seq_len > (1 << 20) || c.vocab_size > (1 << 24) ||
-        c.padded_vocab_size > (1 << 24))
-        fail("%s: implausible model shape (L=%d C=%d maxT=%d V=%d Vp=%d)", where.c_str(), c.num_layers, c.channels,
-             c.max_seq_len, c.vocab_size, c.padded_vocab_size);
-    if (c.padded_vocab_size < c.vocab_size)
-        fail("%s: padded vocab %d is smaller than vocab %d", where.c_str(), c.padded_vocab_size, c.vocab_size);
-    if (c.num_experts < 1 || c.num_experts > 1024 || c.top_k < 1 || c.top_k > c.num_experts)
-        fail("%s: %d experts with top-%d routing: need 1 <= K <= E <= 1024", where.c_str(), c.num_experts, c.top_k);
-    if (!c.llama()) return;
-    int KV = c.kv_heads();
-    if (KV < 1 || KV > c.num_heads || c.num_heads % KV != 0)
-        fail("%s: %d key/value heads must divide the %d query heads", where.c_str(), KV, c.num_heads);
-    if (c.head_size() % 2 != 0) fail("%s: RoPE rotates pairs: head size %d must be even", where.c_str(), c.head_size());
-    if (c.multiple_of < 1 || c.multiple_of > (1 << 20) || !(c.ffn_dim_multiplier >= 0 && c.ffn_dim_multiplier <= 64))
-        fail("%s: MLP size: multiple_of %d, ffn_dim_multiplier %g", where.c_str(), c.multiple_of, c.ffn_dim_multiplier);
-    if (c.hidden() < 1 || c.hidden() > (1 << 20)) fail("%s: implausible MLP hidden size %d", where.c_str(), c.hidden());
-    if (!(c.norm_eps > 0 && c.norm_eps < 1) || !(c.rope_theta > 1))
-        fail("%s: norm eps %g and RoPE theta %g: need 0 < eps < 1 and theta > 1", where.c_str(), c.norm_eps, c.rope_theta);
-    if (!(c.rope_scaling == 0 || (c.rope_scaling >= 1 && c.rope_scaling <= 1024)))
-        fail("%s: RoPE scaling factor %g: need 0 (none) or 1 to 1024", where.c_str(), c.rope_scaling);
-}
-
-// "d12", "d24", "d36", "d48" are GPT-2 124M, 350M, 774M and 1.5B. Other shapes: d<L>c<C>h<NH>[t<maxT>][v<V>],
-// e.g. d4c128h4 (4 layers, 128 channels, 4 heads, maxT 1024, the GPT-2 vocab) or d2c64h2t128v1000. Either form
-// may end in e<E>k<K>: a mixture of E experts with top-K routing in every layer (d12e8k2, d2c48h4e4k2); e1k1
-// is the dense model.
-// Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
-// 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
-// the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
-// shape is l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]: KV key/value heads (default NH), H hidden
-// units in the MLP (default Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2
-// vocab by default, RoPE theta 500000 unscaled, E SwiGLU experts of H hidden units with top-K routing in every
-// layer (Mixtral's shape), w: the classifier tied to wte, e.g. l4c128h4g2f352 (4 layers, 128 channels, 4 heads
-// sharing 2 key/value heads).
-// Qwen3: "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b" are Qwen's dense shapes; any other shape is
-// q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w], a Llama's fields and hd channels a head (default
-// C/NH), H the MLP's hidden units as given, RoPE theta 1e6 and norm eps 1e-6, e.g. q2c48h4g2d16f88 (4 heads of
-// 16 channels: attention is 64 wide in a model of 48 channels).
-inline bool is_model_descriptor(const std::string& s) {
-    return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l' || s[0] == 'q') && isdigit(s[1])) ||
-           s.rfind("llama3-", 0) == 0 || s.rfind("qwen3-", 0) == 0;
-}
-
-// what every Qwen3 shares (Hugging Face's Qwen3Config): RMSNorm eps 1e-6, RoPE theta 1e6 without scaling
-inline GPTConfig qwen3_defaults() {
-    GPTConfig c;
-    c.arch = Arch::Qwen3;
-    c.norm_eps = 1e-6f, c.rope_theta = 1000000.0f, c.rope_scaling = 0.0f;
-    return c;
-}
-
-// Meta's published Llama 3 shapes (Llama 3.1 8B, 70B, 405B; Llama 3.2 1B, 3B)
-inline GPTConfig llama3_named(const std::string& s) {
-    struct Shape {
-        const char* name;
-        int L, C, NH, multiple_of;
-        float multiplier;
-        int minor;  // Llama 3.2's small models tie the classifier to wte and scale RoPE by 32; Llama 3.1's by 8
-    };
-    for (Shape m : {Shape{"llama3-1b", 16, 2048, 32, 256, 1.5f, 2}, Shape{"llama3-3b", 28, 3072, 24, 256, 1.0f, 2},
-                    Shape{"llama3-8b", 32, 4096, 32, 1024, 1.3f, 1}, Shape{"llama3-70b", 80, 8192, 64, 4096, 1.3f, 1},
-                    Shape{"llama3-405b", 126, 16384, 128, 4096, 1.2f, 1}}) {
-        if (s != m.name) continue;
-        GPTConfig c;
-        c.arch = Arch::Llama3;
-        c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8;
-        c.multiple_of = m.multiple_of, c.ffn_dim_multiplier = m.multiplier;
-        c.vocab_size = 128256, c.padded_vocab_size = pad_vocab(c.vocab_size), c.max_seq_len = 8192;
-        c.version_minor = m.minor;
-        c.tied_embeddings = m.minor == 2;
-        c.rope_theta = 500000.0f, c.rope_scaling = m.minor == 2 ? 32.0f : 8.0f;
-        validate_config(c, "-e " + s);
-        return c;
-    }
-    fail("-e %s: Llama 3 sizes are llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b; give other shapes as "
-         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
-}
-
-// Qwen3's published dense shapes (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B's config.json): vocab 151936, 8 key/value
-// heads of 128 channels whatever C/NH is, RMSNorm eps 1e-6, RoPE theta 1e6 unscaled, maxT 40960, the classifier
-// tied to the embedding below 8B
-inline GPTConfig qwen3_named(const std::string& s) {
-    struct Shape {
-        const char* name;
-        int L, C, NH, H;
-        bool tied;
-    };
-    for (Shape m : {Shape{"qwen3-0.6b", 28, 1024, 16, 3072, true}, Shape{"qwen3-1.7b", 28, 2048, 16, 6144, true},
-                    Shape{"qwen3-4b", 36, 2560, 32, 9728, true}, Shape{"qwen3-8b", 36, 4096, 32, 12288, false}}) {
-        if (s != m.name) continue;
-        GPTConfig c = qwen3_defaults();
-        c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8, c.head_dim = 128;
-        c.intermediate_size = m.H, c.tied_embeddings = m.tied;
-        c.vocab_size = 151936, c.padded_vocab_size = pad_vocab(c.vocab_size), c.max_seq_len = 40960;
-        validate_config(c, "-e " + s);
-        return c;
-    }
-    fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b; give other shapes as "
-         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
-}
-
-inline GPTConfig parse_model_descriptor(const std::string& s) {
-    if (s.rfind("llama3-", 0) == 0) return llama3_named(s);
-    if (s.rfind("qwen3-", 0) == 0) return qwen3_named(s);
-    bool llama = s[0] == 'l', qwen = s[0] == 'q';
-    GPTConfig c = qwen ? qwen3_defaults() : GPTConfig{};
-    if (llama) c.arch = Arch::Llama3;
-    llama = llama || qwen;  // the Llama family's fields
-    const char* p = s.c_str() + 1;
-    auto number = [&](char key) {
-        char* end;
-        long v = strtol(p, &end, 10);
-        if (end == p || v <= 0 || v > (1 << 24)) fail("-e %s: bad number after '%c'", s.c_str(), key);
-        p = end;
-        return (int)v;
-    };
-    c.num_layers = number(s[0]);
-    bool have_c = false, have_h = false, have_e = false, have_k = false;
-    int hidden = 0;
-    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]"
-                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]"
-                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
-    while (*p) {
-        char key = *p++;
-        bool known = true;
-        switch (key) {
-            case 'c': c.channels = number(key), have_c = true; break;
-            case 'h': c.num_heads = number(key), have_h = true; break;
-            case 't': c.max_seq_len = number(key); break;
-            case 'v': c.vocab_size = number(key); break;
-            case 'e': c.num_experts = number(key), have_e = true; break;
-            case 'k': c.top_k = number(key), have_k = true; break;
-            case 'g': known = llama && (c.num_kv_heads = number(key)); break;
-            case 'f': known = llama && (hidden = number(key)); break;
-            case 'd': known = qwen && (c.head_dim = number(key)); break;
-            case 'w': known = c.tied_embeddings = llama && !*p; break;  // a flag, last
-            default: known = false;
-        }
-        if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
-    }
-    if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
-    c.padded_vocab_size = pad_vocab(c.vocab_size);
-    if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
-        if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
-        c.intermediate_size = hidden;
-        validate_config(c, "-e " + s);
-        return c;
-    }
-    if (llama) {
-        if (!have_c || !have_h) fail("-e %s: a Llama shape needs c<channels> and h<heads>", s.c_str());
-        // H hidden units exactly: Meta's rule with multiple_of H and a multiplier that brings 2/3 of 4C to H + 1/2,
-        // which truncates to H whatever the multiplier's rounding
-        if (hidden > 0)
-            c.multiple_of = hidden, c.ffn_dim_multiplier = (hidden + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
-        validate_config(c, "-e " + s);
-        if (hidden > 0 && c.hidden() != hidden) fail("-e %s: no Llama MLP rule gives %d hidden units", s.c_str(), hidden);
-        return c;
-    }
-    if (!have_c && !have_h) {
-        switch (c.num_layers) {
-            case 12: c.channels = 768, c.num_heads = 12; break;
-            case 24: c.channels = 1024, c.num_heads = 16; break;
-            case 36: c.channels = 1280, c.num_heads = 20; break;
-            case 48: c.channels = 1600, c.num_heads = 25; break;
-            default: fail("-e %s: GPT-2 sizes are d12, d24, d36, d48; give other shapes as d<L>c<C>h<NH>", s.c_str());
-        }
-    } else if (!have_c || !have_h) {
-        fail("-e %s: a custom shape needs c<channels> and h<heads>", s.c_str());
-    }
-    if (c.top_k > c.num_experts)
-        fail("-e %s: top-%d routing needs at least %d experts, not %d", s.c_str(), c.top_k, c.top_k, c.num_experts);
-    validate_config(c, "-e " + s);
-    return c;
-}
+// ----------------------------------------------------------------------------------------------------------
+// the model: its buffers, their allocation for a rank's layout, and initialization
 
 // Where the parameters and gradients live when they are not the model's own flat buffers, and what to do when
 // backward has finished a unit's gradients: the hooks a data-parallel runtime (llmc/zero.cuh) plugs into the
@@ -239,211 +60,6 @@ struct ParamStore {
     virtual ParamViews<floatX> grads(int unit) = 0;   // where backward accumulates this unit's gradients
     virtual void grads_done(int unit) = 0;    // this micro-step's gradients of the unit are complete
     virtual void end_pass() = 0;
-};
-
-// ----------------------------------------------------------------------------------------------------------
-// activations: what forward keeps for backward, sized for B×T; per-layer buffers are stacked layer 0 first
-
-// the sizes one rank works with: T its tokens of each sequence (T/cp under context parallelism), BT token rows
-// in the parallel regions, R rows between them (BT/tp under sequence parallelism), and the rank's share of
-// channels, hidden units, query and key/value heads and vocab rows, and the widths of its qkv and of the MLP's
-// first matmul (Llama's holds c_fc and c_fc2: twice the hidden units); Cl: attention's width, NHl·hd (C/tp but
-// for a head size of the model's own, as Qwen3's); ring: attention runs around a cp group; means: the norms keep
-// a mean (GPT-2's layernorm; Llama's RMSNorm keeps only 1/rms); qk_norm: q and k heads are normed (Qwen3)
-struct LocalDims {
-    int B, T, C;
-    long BT, R;
-    int Cl, Hl, NHl, KVl, hd, QKVl, FCl, Vl;
-    bool ring, means, qk_norm;
-    int K;             // with experts: the slots per token (0: a dense MLP)
-    long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
-};
-
-inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1, int ep = 1) {
-    LocalDims d;
-    d.B = B, d.T = T / cp, d.C = c.channels, d.ring = cp > 1;
-    d.BT = (long)B * d.T;
-    d.K = c.moe() ? c.top_k : 0;
-    d.expert_rows = c.moe() ? (long)ep * d.BT * std::min(c.top_k, c.num_experts / ep) : 0;
-    d.R = tp.sp ? d.BT / tp.size : d.BT;
-    ModelTable table = model_table(c);
-    d.Cl = (int)(table[ATTPROJW].cols / tp.size), d.Hl = (int)(table[FCPROJW].cols / tp.size);
-    d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
-    d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
-    d.Vl = vocab_rows(c.padded_vocab_size, tp.size);
-    d.means = c.norm() == Norm::LayerNorm;
-    d.qk_norm = c.qk_norm();
-    return d;
-}
-
-// floatX: the storage type; statistics, losses and attention's saved state are fp32 on both devices
-template <typename floatX>
-struct Activations {
-    floatX *encoded, *ln1;
-    float *ln1_mean, *ln1_rstd;
-    floatX* qkv;
-    float* att;  // attention's saved state: the probabilities on the CPU, the logsumexp on the GPU
-    // under QK-norm: qkv's matmul writes qkv_normed's input here, and the norm keeps each q and k head's rstd
-    floatX* qkv_pre;
-    float* qk_rstd;
-    floatX *atty, *attproj, *residual2, *ln2;
-    float *ln2_mean, *ln2_rstd;
-    floatX *fch, *fch_act, *fcproj, *residual3, *lnf;  // fch_act: the MLP's activation, GELU's or SwiGLU's
-    float *lnf_mean, *lnf_rstd;
-    floatX* logits;
-    float *losses, *lse;
-    // under a split backward (the zero-bubble pipeline), what the deferred weight gradients read besides the
-    // inputs above: the output gradients of the layer's four matmuls
-    floatX *dqkv, *dattproj, *dfch, *dfcproj;
-    // with experts: the rows they took (expert-major) and the rows they gave back (dispatch order); fch and
-    // fch_gelu then hold the experts' rows too
-    floatX *moe_in, *moe_out;
-};
-
-// Activation recomputation (-r): 0 keeps everything; 1 recomputes the MLP's activation (GELU's output, or
-// SwiGLU's product) in backward from its input; 2 also recomputes both norms' outputs from their inputs (the
-// saved statistics make it cheap). What is recomputed is not kept per layer: one buffer, shared by all layers,
-// holds it while it is used.
-enum Recompute { RECOMPUTE_NONE = 0, RECOMPUTE_ACTIVATION = 1, RECOMPUTE_NORMS = 2 };
-
-// attention's saved state per layer: the T×T probabilities of every head on the CPU, T logsumexps on the GPU
-// and around a cp ring
-inline size_t attention_state_floats(const LocalDims& d, Device dev) {
-    return (size_t)d.NHl * d.B * d.T * (dev == Device::CUDA || d.ring ? 1 : d.T);
-}
-
-// An activation buffer: its name, where its pointer is, the size of its elements, and the elements it holds for
-// one layer (per-layer buffers, stacked layer 0 first) or one micro-batch (the others); a per-layer buffer that
-// -r recomputes from level `recomputed` on holds nothing per layer: one buffer per level, shared by every layer
-// and micro-batch, holds it while it is used.
-struct ActivationBuffer {
-    const char* name;
-    void** pointer;
-    size_t element, count;
-    int recomputed = 0;  // the -r level that recomputes it (0: never)
-};
-template <typename E>
-inline ActivationBuffer buffer(const char* name, E*& p, size_t count, int recomputed = 0) {
-    return {name, reinterpret_cast<void**>(&p), sizeof(E), count, recomputed};
-}
-
-// Every per-layer activation buffer, sized: the norm outputs, their statistics and the residual stream are the
-// rank's rows (under sp the norm outputs are gathered again where a matmul reads them: norm_rows), the rest
-// local. The output gradients of the
-// four matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
-// the matmul; the MLP's two not for experts, whose weight gradients backward takes at once); with experts the
-// rows the experts took (expert-major) and gave back (dispatch order), and the hidden layers the experts' rows.
-template <typename floatX>
-inline std::vector<ActivationBuffer> layer_buffers(Activations<floatX>& a, const LocalDims& d, bool split) {
-    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
-    size_t means = d.means ? R : 0, QK = d.qk_norm;
-    return {buffer("ln1", a.ln1, R * C, RECOMPUTE_NORMS), buffer("ln1_mean", a.ln1_mean, means), buffer("ln1_rstd", a.ln1_rstd, R),
-            buffer("qkv", a.qkv, BT * d.QKVl), buffer("att", a.att, attention_state_floats(d, device_of<floatX>)),
-            buffer("atty", a.atty, BT * d.Cl), buffer("attproj", a.attproj, R * C), buffer("residual2", a.residual2, R * C),
-            buffer("ln2", a.ln2, R * C, RECOMPUTE_NORMS), buffer("ln2_mean", a.ln2_mean, means), buffer("ln2_rstd", a.ln2_rstd, R),
-            buffer("fch", a.fch, mlp_rows * d.FCl), buffer("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_ACTIVATION),
-            buffer("fcproj", a.fcproj, R * C), buffer("residual3", a.residual3, R * C), buffer("dqkv", a.dqkv, S * BT * d.QKVl),
-            buffer("dattproj", a.dattproj, S * BT * C), buffer("dfch", a.dfch, M * BT * d.FCl), buffer("dfcproj", a.dfcproj, M * BT * C),
-            buffer("moe_in", a.moe_in, d.expert_rows * C), buffer("moe_out", a.moe_out, d.K * BT * C),
-            buffer("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), buffer("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl))};
-}
-
-// ... and the buffers of a micro-batch around the layers: the embeddings' output (where a previous stage's
-// activations arrive), and on the last stage the head's: the final layernorm (its output whole, its statistics
-// on the rank's rows), the rank's logits, the per-token losses and, under tp, their log-sum-exp
-template <typename floatX>
-inline std::vector<ActivationBuffer> edge_buffers(Activations<floatX>& a, const LocalDims& d, bool head, int tp) {
-    size_t BT = d.BT, R = d.R, C = d.C;
-    std::vector<ActivationBuffer> buffers = {buffer("encoded", a.encoded, R * C)};
-    if (!head) return buffers;
-    for (ActivationBuffer s : {buffer("lnf", a.lnf, BT * C), buffer("lnf_mean", a.lnf_mean, d.means ? R : 0), buffer("lnf_rstd", a.lnf_rstd, R),
-                             buffer("logits", a.logits, BT * d.Vl), buffer("losses", a.losses, BT)})
-        buffers.push_back(s);
-    if (tp > 1) buffers.push_back(buffer("lse", a.lse, BT));
-    return buffers;
-}
-
-// what a buffer keeps per layer under recomputation level `recompute`
-inline size_t kept_per_layer(const ActivationBuffer& s, int recompute) {
-    return s.recomputed && recompute >= s.recomputed ? 0 : s.count;
-}
-
-// the buffer whose size the shared buffer of recomputation level `level` takes: the level's largest (null: none)
-inline const ActivationBuffer* largest_recomputed(const std::vector<ActivationBuffer>& per_layer, int level) {
-    const ActivationBuffer* largest = nullptr;
-    for (const ActivationBuffer& s : per_layer)
-        if (s.recomputed == level && (!largest || s.count > largest->count)) largest = &s;
-    return largest;
-}
-
-// The bytes of a micro-batch's activations in the storage type floatX: what each layer keeps, what the buffers
-// around the layers hold, and the shared buffers of those -r recomputes. The plan's figures (llmc/plan.h).
-struct ActivationBytes {
-    size_t per_layer = 0, edges = 0, recomputed = 0;
-};
-template <typename floatX>
-inline ActivationBytes activation_bytes(const LocalDims& d, bool split, int recompute, bool head, int tp) {
-    Activations<floatX> a{};
-    ActivationBytes b;
-    std::vector<ActivationBuffer> per_layer = layer_buffers(a, d, split);
-    for (const ActivationBuffer& s : per_layer) b.per_layer += kept_per_layer(s, recompute) * s.element;
-    for (const ActivationBuffer& s : edge_buffers(a, d, head, tp)) b.edges += s.count * s.element;
-    for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
-        if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) b.recomputed += s->count * s->element;
-    return b;
-}
-
-// layer l's slice of every per-layer activation buffer (stacked layer 0 first); the other fields unchanged
-template <typename floatX>
-inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute,
-                                       bool split) {
-    Activations<floatX> v = a;
-    for (const ActivationBuffer& s : layer_buffers(v, d, split))
-        *s.pointer = static_cast<char*>(*s.pointer) + l * kept_per_layer(s, recompute) * s.element;
-    return v;
-}
-
-// buffers that live only inside backward (activation gradients), plus the kernels' workspaces (on the CPU the
-// GEMM's packing panels and attention's rows per thread; on the GPU the shared kernel scratch of
-// llmc/device.cuh); under tensor parallelism also the partial sums of row-parallel outputs, and under sequence
-// parallelism the gathered output gradients, the reduced input gradients and a norm's output gathered (the
-// layers keep their own rows of it: norm_rows). dact: the gradient of SwiGLU's
-// output, which is half as wide as its input's (GPT-2's GELU takes its gradient in place: null)
-template <typename floatX>
-struct Scratch {
-    floatX *dresidual, *dln, *dqkv, *datty, *dfch, *dact;
-    float *attention, *gemm;
-    floatX *partial, *gather, *whole, *dchunk, *norm_whole;
-};
-
-// the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
-inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
-    size_t need = (size_t)(d.means ? layernorm_backward_scratch_floats(d.R, d.C) : rmsnorm_backward_scratch_floats(d.R, d.C));
-    for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl})  // the matmuls with a bias gradient (an expert's: all its rows)
-        need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));
-    need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
-    if (d.qk_norm) need = std::max(need, (size_t)qk_norm_backward_scratch_floats(d.BT, d.hd));
-    // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions
-    // and their sorted copies (4·BT int32 at most), the runs (BT + V), and the sort's own buffers and histograms
-    // (2·BT int32 + 64 KiB)
-    size_t sort_bytes = cuda_device_available() ? encoder_backward_scratch_bytes(d.B, d.T, d.Vl)
-                                                : (7 * d.BT + d.Vl) * sizeof(int) + 65536;
-    need = std::max(need, (sort_bytes + 3) / 4);
-    return std::max(need, (size_t)GLOBAL_NORM_BLOCKS + 1);
-}
-
-// What one micro-batch keeps from its forward through a chunk of the model until its backward: the chunk's
-// activations, sized for the part's longest chunk, and the micro-batch's tokens. Under pipeline parallelism a
-// stage holds several in flight (llmc/pp.cuh); otherwise there is one.
-template <typename floatX>
-struct MicroBatchSlot {
-    Activations<floatX> acts;
-    std::vector<int> inputs, targets;  // this rank's tokens of the micro-batch (its positions under cp)
-    std::vector<MoERoute> routes;      // with experts: each layer's routing of the micro-batch, for backward
-    int *device_inputs = nullptr, *device_targets = nullptr;  // the same, where the kernels read them
-    int B = 0, T = 0;
-    float loss = -1.0f;  // the chunk's loss: -1 without targets, or when the chunk is not the model's last
-    bool dlogits = false;  // the logits hold their gradient already: a training forward took both in one pass
 };
 
 template <typename floatX>
@@ -520,17 +136,33 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
-// Allocates the model's part (all of it by default) for micro-batches of up to B×T tokens, with `slots`
-// micro-batches in flight, and what a split backward keeps for its weight gradients when asked to
+// How one rank holds the model: which states it allocates itself, its places in the tensor-, context- and
+// expert-parallel groups, the part it holds (empty: the whole model; or a pipeline stage's chunks), the
+// micro-batches in flight, whether backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk (the
+// zero-bubble pipeline's split backward) and what -r recomputes. The defaults: one rank holding the whole model.
+struct ModelLayout {
+    ModelBuffers own;
+    TPSpec tp;
+    CPSpec cp;
+    int ep = 1;
+    ModelPart part;
+    int slots = 1;
+    bool split_backward = false;
+    int recompute = RECOMPUTE_NONE;
+};
+
+// Allocates the model's part as the layout says, for micro-batches of up to B×T tokens
 template <typename floatX>
-inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, ModelBuffers own = {}, TPSpec tp = {},
-                         int recompute = RECOMPUTE_NONE, CPSpec cp = {}, ModelPart part = {}, int slots = 1,
-                         bool split_backward = false, int ep = 1) {
+inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
+    const TPSpec& tp = layout.tp;
+    const CPSpec& cp = layout.cp;
+    int ep = layout.ep, recompute = layout.recompute;
+    bool split_backward = layout.split_backward;
     check_split(config, T, tp, cp);
     if (config.num_experts % ep != 0)
         fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
-    if (part.chunks() == 0) part = whole_part(config);
+    ModelPart part = layout.part.chunks() > 0 ? layout.part : whole_part(config);
     m.cp.spec = cp;
     int head_size = config.head_size();
     if (gpu && head_size != 64 && head_size != 128)
@@ -546,9 +178,9 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     param_tensor_sizes(config, m.param_sizes, tp.size, part, ep);
     m.num_parameters = num_parameters(config, tp.size, part, ep);
     Ledger& led = m.ledger;
-    if (own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
-    if (own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
-    if (own.optimizer) {
+    if (layout.own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
+    if (layout.own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
+    if (layout.own.optimizer) {
         if (gpu) m.master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, m.num_parameters);
         m.adam_m = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
         m.adam_v = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
@@ -571,7 +203,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     std::vector<ActivationBuffer> per_layer = layer_buffers(sizing, d, split_backward);
     for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
         if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) act(*s, s->count), recomputed_buffer[level] = *s->pointer;
-    m.slots.resize(slots);
+    m.slots.resize(layout.slots);
     for (MicroBatchSlot<floatX>& mb : m.slots) {
         Activations<floatX>& a = mb.acts;
         std::vector<ActivationBuffer> edges = edge_buffers(a, d, part.last, tp.size);
@@ -720,277 +352,6 @@ inline void gpt_init_random(const GPTConfig& c, float* params, uint64_t seed) {
             for (size_t j = k * CHUNK; j < end; j++) t[j] = rng.normal(0.0f, std);
         }
     }
-}
-
-// ----------------------------------------------------------------------------------------------------------
-// llm.c model files, fp32 (version 3) or bf16 (version 5). GPT-2's: a header of 256 int32 (magic 20240326,
-// version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file), then the parameters in
-// table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
-// multiple_of, use_scaled_rope, major, minor; then llm5d's [12] and [13]: experts E and top-K, 0 in a dense
-// file, and [14]: 1 if the classifier is tied to wte) and 256 float32 (ffn_dim_multiplier, norm_eps, rope_theta;
-// then llm5d's [3]: RoPE's scaling factor where it is not llm.c's 8), then the tensors in GPT-2's slots: lm_head
-// in wpe's (a tied model's wte again, so that llm.c reads it), and every bias slot present and zero (the table's
-// file_rows). Each file keeps its format's vocab rows: GPT-2's the padded Vp its header gives, Llama 3's the V
-// of the vocab (its header has no Vp), so reading a Llama file fills the padding rows memory adds with zeros,
-// and writing one drops them. Qwen3's is llm5d's own, Llama 3's layout with int [15] 1, [16] the head size and
-// [17] the MLP's hidden units ([8], [10] and [11] 0), and the QK-norm weights (L×hd for q, then for k) after
-// lnfb's slot; llm.c reads none of it.
-
-constexpr int LLAMA_MODEL_MAGIC = 20240803;
-
-// the rows a model file holds of each vocab-split tensor (wte, lm_head), a prefix of the padded rows in memory
-inline size_t file_vocab_rows(const GPTConfig& c) { return c.llama() ? c.vocab_size : c.padded_vocab_size; }
-
-// Where each tensor lies in a model file and in the flat buffer, in elements
-struct FileLayout {
-    long header = 0;                      // bytes
-    size_t file_start[NUM_PARAM_TENSORS];  // elements of the file before the tensor
-    size_t file_size[NUM_PARAM_TENSORS];   // the tensor's elements in the file (zeros or a copy where it is absent;
-                                           // of a vocab-split tensor its first file_vocab_rows rows)
-    size_t flat_start[NUM_PARAM_TENSORS];  // elements of the flat buffer before it
-    size_t elements = 0;                   // in the file
-};
-inline FileLayout file_layout(const GPTConfig& c) {
-    ModelTable table = model_table(c);
-    size_t sizes[NUM_PARAM_TENSORS], flat = 0;
-    param_tensor_sizes(c, sizes);
-    FileLayout f;
-    f.header = c.llama() ? 2048 : 1024;
-    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
-        size_t blocks = (table[t].holder == Holder::Layer ? c.num_layers : 1) * (table[t].expert ? c.num_experts : 1);
-        f.flat_start[t] = flat, flat += sizes[t];
-        f.file_start[t] = f.elements;
-        size_t held = table[t].split == TPSplit::Vocab ? file_vocab_rows(c) * table[t].cols : sizes[t];
-        f.file_size[t] = table[t].block() > 0 ? held : table[t].file_copy >= 0 ? f.file_size[table[t].file_copy]
-                                                                               : blocks * table[t].file_rows;
-        f.elements += f.file_size[t];
-    }
-    return f;
-}
-
-// How many of a run's elements (a run of the whole model's flat buffer, inside one tensor) the model file holds:
-// all but those in padding rows the file lacks, which end the tensor
-inline size_t stored_count(const GPTConfig& c, const FileLayout& layout, const ShareRun& r) {
-    int t = param_coord(c, r.whole).tensor;
-    size_t at = r.whole - layout.flat_start[t];
-    return at < layout.file_size[t] ? std::min(r.count, layout.file_size[t] - at) : 0;
-}
-
-// the parts of runs that the model file holds, in the same order (what a checkpoint stores of them)
-inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<ShareRun>& runs) {
-    FileLayout layout = file_layout(c);
-    std::vector<ShareRun> stored;
-    for (const ShareRun& r : runs)
-        if (size_t n = stored_count(c, layout, r)) stored.push_back({r.whole, r.local, n});
-    return stored;
-}
-
-// what a Llama adds to the shape GPT-2's L, C, NH, V and maxT say, in the lines that print a model ("" for GPT-2)
-inline std::string llama_shape(const GPTConfig& c) {
-    if (!c.llama()) return "";
-    std::string scaling = c.rope_scaling > 0 ? strfmt(" scaled x%g", c.rope_scaling) : "";
-    std::string family = c.arch == Arch::Qwen3 ? strfmt("Qwen3 hd=%d", c.head_size())
-                                               : strfmt("Llama %d.%d", c.version_major, c.version_minor);
-    return strfmt(" %s KV=%d H=%d eps=%g theta=%g%s%s", family.c_str(), c.kv_heads(), c.hidden(), c.norm_eps,
-                  c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
-}
-
-inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
-    return a.arch == b.arch && a.num_layers == b.num_layers && a.channels == b.channels && a.num_heads == b.num_heads &&
-           a.kv_heads() == b.kv_heads() && a.vocab_size == b.vocab_size && a.padded_vocab_size == b.padded_vocab_size &&
-           a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
-           a.head_size() == b.head_size() &&
-           (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
-                           a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings));
-}
-
-inline GPTConfig read_model_header(const std::string& path, int* version) {
-    File f(path, "rb");
-    int h[256];
-    float hf[256] = {};
-    if (f.size() < (long)sizeof(h)) fail("%s: too short for a model header", path.c_str());
-    f.read(h, sizeof(h));
-    if (h[0] != MODEL_MAGIC && h[0] != LLAMA_MODEL_MAGIC)
-        fail("%s: not an llm.c model file (magic %d, expected %d for GPT-2 or %d for Llama 3)", path.c_str(), h[0],
-             MODEL_MAGIC, LLAMA_MODEL_MAGIC);
-    if (h[1] != MODEL_VERSION_FP32 && h[1] != MODEL_VERSION_BF16)
-        fail("%s: unsupported model version %d (expected 3 for fp32 or 5 for bf16)", path.c_str(), h[1]);
-    GPTConfig c;
-    c.max_seq_len = h[2];
-    c.vocab_size = h[3];
-    c.num_layers = h[4];
-    c.num_heads = h[5];
-    if (h[0] == LLAMA_MODEL_MAGIC) {
-        if (f.size() < (long)(sizeof(h) + sizeof(hf))) fail("%s: too short for a Llama 3 model header", path.c_str());
-        f.read(hf, sizeof(hf));
-        c.arch = Arch::Llama3;
-        c.num_kv_heads = h[6];
-        c.channels = h[7];
-        c.padded_vocab_size = pad_vocab(c.vocab_size);  // the file's rows are the vocab's: the padding is memory's
-        if (h[15] != 1) {  // Llama 3's MLP rule and version (Qwen3's: slots 15 to 17 below)
-            c.multiple_of = h[8];
-            c.version_major = h[10], c.version_minor = h[11];
-        }
-        // header[12] and [13]: llm5d's experts and their top-K (0 and 0 in a dense file)
-        if (h[12] > 1 || h[13] > 1) c.num_experts = h[12], c.top_k = h[13];
-        else if (h[12] != h[13]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[12], h[13]);
-        c.ffn_dim_multiplier = hf[0], c.norm_eps = hf[1], c.rope_theta = hf[2];
-        if (h[9] == 0 && hf[3] != 0) fail("%s: header gives RoPE a scaling factor %g but use_scaled_rope 0", path.c_str(), hf[3]);
-        c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
-        if (h[14] != 0 && h[14] != 1) fail("%s: header slot 14 (tied embeddings) is %d, not 0 or 1", path.c_str(), h[14]);
-        c.tied_embeddings = h[14] == 1;
-        // header[15]: 1 for llm5d's Qwen3 (Llama 3's layout, QK-norm's weights after the final norm's slots),
-        // with its head size and MLP size in [16] and [17]
-        if (h[15] == 1) {
-            c.arch = Arch::Qwen3;
-            c.head_dim = h[16], c.intermediate_size = h[17];
-            if (c.head_dim < 2 || c.intermediate_size < 1)
-                fail("%s: a Qwen3 header needs its head size and MLP size (slots 16 and 17: %d, %d)", path.c_str(),
-                     h[16], h[17]);
-        } else if (h[15] != 0) {
-            fail("%s: header slot 15 (the architecture) is %d: 0 is Llama 3, 1 Qwen3", path.c_str(), h[15]);
-        }
-    } else {
-        c.channels = h[6];
-        c.padded_vocab_size = h[7];
-        // header[8] and [9]: the experts and their top-K (0 and 0 in llm.c's dense files)
-        if (h[8] > 1 || h[9] > 1) c.num_experts = h[8], c.top_k = h[9];
-        else if (h[8] != h[9]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[8], h[9]);
-    }
-    validate_config(c, path);
-    FileLayout layout = file_layout(c);
-    long expected = layout.header + (long)(layout.elements * (h[1] == MODEL_VERSION_FP32 ? 4 : 2));
-    if (f.size() != expected)
-        fail("%s: size %ld bytes, but its header implies %ld", path.c_str(), f.size(), expected);
-    *version = h[1];
-    return c;
-}
-
-// the index of the first NaN or Inf among n floats, or n when every one is finite
-inline size_t first_non_finite(const float* x, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (!std::isfinite(x[i])) return i;
-    return n;
-}
-
-// n values of a model file from element `at` on, as fp32
-inline void read_file_values(File& f, const FileLayout& layout, int version, size_t at, size_t n, float* dst) {
-    if (version == MODEL_VERSION_FP32) return f.read_at(dst, n * 4, layout.header + (long)at * 4);
-    std::vector<uint16_t> halves(n);
-    f.read_at(halves.data(), n * 2, layout.header + (long)at * 2);
-    for (size_t i = 0; i < n; i++) dst[i] = bf16_bits_to_float(halves[i]);
-}
-
-// Reads the runs of the parameters that a rank holds (`runs`: where each run of `params` lies in the whole model)
-// from a model file whose header matches mc, fp32 or bf16, and zeros their padding rows the file lacks (a Llama
-// file's vocab rows past V). A NaN or Inf is refused, naming the tensor, since training from it could only
-// produce NaN; so is a nonzero value in a slot the model does not have (a Llama's biases), which this model
-// could not represent.
-inline void gpt_read_params(const GPTConfig& mc, float* params, const std::vector<ShareRun>& runs, const std::string& path) {
-    int version;
-    GPTConfig c = read_model_header(path, &version);
-    if (!same_model_shape(c, mc)) fail("%s: model shape differs from the run's model", path.c_str());
-    FileLayout layout = file_layout(c);
-    ModelTable table = model_table(c);
-    File f(path, "rb");
-    for (const ShareRun& r : runs) {
-        int t = param_coord(c, r.whole).tensor;
-        float* dst = params + r.local;
-        size_t n = stored_count(c, layout, r);
-        read_file_values(f, layout, version, layout.file_start[t] + (r.whole - layout.flat_start[t]), n, dst);
-        std::fill(dst + n, dst + r.count, 0.0f);
-        size_t bad = first_non_finite(dst, n);
-        if (bad < n)
-            fail("%s: %g in %s (a model must be finite)", path.c_str(), dst[bad], describe_param(c, r.whole + bad).c_str());
-    }
-    // the slots this model lacks, a million values at a time: zeros, or the copy of the tensor they repeat
-    std::vector<float> absent, copied;
-    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
-        if (table[t].block() > 0) continue;
-        int source = table[t].file_copy;
-        for (size_t at = 0, n; at < layout.file_size[t]; at += n) {
-            n = std::min(layout.file_size[t] - at, (size_t)1 << 20);
-            absent.resize(n), copied.assign(n, 0.0f);
-            read_file_values(f, layout, version, layout.file_start[t] + at, n, absent.data());
-            if (source >= 0) read_file_values(f, layout, version, layout.file_start[source] + at, n, copied.data());
-            for (size_t i = 0; i < n; i++) {
-                if (absent[i] == copied[i]) continue;
-                if (source >= 0)
-                    fail("%s: %s differs from %s at element %zu: the header ties the classifier to %s, so the two "
-                         "must be equal", path.c_str(), table[t].name, table[source].name, at + i, table[source].name);
-                fail("%s: %s holds %g at element %zu: this Llama has no biases, so every bias slot must be zero",
-                     path.c_str(), table[t].name, absent[i], at + i);
-            }
-        }
-    }
-}
-
-// reads a whole model file into params (a flat buffer)
-inline void gpt_load_params(const GPTConfig& mc, float* params, const std::string& path) {
-    gpt_read_params(mc, params, whole_runs(mc), path);
-}
-
-// n values to a model file: fp32 as they are, or bf16 rounded to nearest even (null: n zeros)
-inline void write_file_values(File& f, const float* values, size_t n, int version) {
-    std::vector<float> zeros(values ? 0 : std::min(n, (size_t)1 << 20), 0.0f);
-    std::vector<uint16_t> halves(version == MODEL_VERSION_FP32 ? 0 : std::min(n, (size_t)1 << 20));
-    for (size_t done = 0; done < n;) {
-        size_t k = std::min(n - done, values ? n - done : zeros.size());
-        const float* v = values ? values + done : zeros.data();
-        if (version == MODEL_VERSION_FP32) {
-            f.write(v, k * 4);
-        } else {
-            k = std::min(k, halves.size());
-            for (size_t i = 0; i < k; i++) halves[i] = float_to_bf16_bits(v[i]);  // the values are finite
-            f.write(halves.data(), k * 2);
-        }
-        done += k;
-    }
-}
-
-// writes an llm.c model file from a flat parameter buffer: fp32 (version 3), or bf16 (version 5) rounded to
-// nearest even; returns the checksum of the bytes written
-inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const std::string& path,
-                                int version = MODEL_VERSION_FP32) {
-    int h[256] = {};
-    float hf[256] = {};
-    h[1] = version;
-    h[2] = c.max_seq_len;
-    h[3] = c.vocab_size;
-    h[4] = c.num_layers;
-    h[5] = c.num_heads;
-    if (c.llama()) {
-        h[0] = LLAMA_MODEL_MAGIC;
-        h[6] = c.kv_heads();
-        h[7] = c.channels;
-        h[8] = c.multiple_of;
-        h[9] = c.rope_scaling > 0;
-        h[10] = c.version_major, h[11] = c.version_minor;
-        if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
-        h[14] = c.tied_embeddings;
-        if (c.arch == Arch::Qwen3) {  // its H is given, and it has no Llama version: those slots hold 0
-            h[8] = h[10] = h[11] = 0;
-            h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();
-        }
-        hf[0] = c.ffn_dim_multiplier, hf[1] = c.norm_eps, hf[2] = c.rope_theta;
-        hf[3] = c.rope_scaling == 8.0f ? 0.0f : c.rope_scaling;  // llm.c's files stay llm.c's, byte for byte
-    } else {
-        h[0] = MODEL_MAGIC;
-        h[6] = c.channels;
-        h[7] = c.padded_vocab_size;
-        if (c.moe()) h[8] = c.num_experts, h[9] = c.top_k;  // a dense file stays llm.c's, byte for byte
-    }
-    FileLayout layout = file_layout(c);
-    File f(path, "wb");
-    f.write(h, sizeof(h));
-    if (c.llama()) f.write(hf, sizeof(hf));
-    ModelTable table = model_table(c);
-    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
-        int source = table[t].block() > 0 ? t : table[t].file_copy;
-        write_file_values(f, source >= 0 ? params + layout.flat_start[source] : nullptr, layout.file_size[t], version);
-    }
-    f.close();
-    return f.written.value;
 }
 
 // ----------------------------------------------------------------------------------------------------------

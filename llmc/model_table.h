@@ -60,7 +60,7 @@ struct GPTConfig {
     // the rows wte and a classifier of its own hold in memory, so that the GPU's cross-entropy reads whole 16-byte
     // vectors and a vocab split gives every tp rank the same rows. The padding rows are zero and stay zero (no
     // token looks them up, their logits get zero gradient). Files keep their format's own rows: llm.c's GPT-2 file
-    // this padded count (its header's Vp), llm.c's Llama 3 file and Hugging Face's the vocab's (llmc/gpt.cuh)
+    // this padded count (its header's Vp), llm.c's Llama 3 file and Hugging Face's the vocab's (llmc/model_file.h)
     int padded_vocab_size = 50304;
     int num_layers = 12;
     int num_heads = 12;
@@ -278,7 +278,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
 // heads and KV key/value heads of hd channels, so qkvw has NH·hd + 2·KV·hd rows), SwiGLU's two input matrices
 // c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and a classifier, lm_head, in the slot
 // of GPT-2's wpe as llm.c's Llama 3 files keep it; wte and lm_head have the padded vocab's rows, as GPT-2's wte
-// does, of which the files hold the vocab's (llmc/gpt.cuh's file_vocab_rows). The bias slots are empty here; the
+// does, of which the files hold the vocab's (llmc/model_file.h's file_vocab_rows). The bias slots are empty here; the
 // files hold them, as zeros (file_rows). A tied model (Llama 3.2 1B and 3B) has no lm_head: its classifier is
 // wte, which its files repeat in lm_head's slot (file_copy), so that llm.c reads them as they are. With experts (Mixtral's shape) every
 // layer has a router (E×C, after ln2's slots) and E SwiGLU experts, each MLP tensor stacking them as GPT-2's do.

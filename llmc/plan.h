@@ -1,8 +1,9 @@
 // --plan: the memory a run will need, per ledger category, predicted from the flags alone (no allocation). The
 // model's sizes come from where the model defines them, once: its parameters from the table of its tensors
-// (llmc/model_table.h), its activations from its named slots (llmc/gpt.cuh). The rest is the layout's arithmetic,
-// written here apart from the allocation code so that the test comparing the plan with the Ledger checks one
-// against the other: ZeRO's shards and staging, the micro-batches in flight, the scratch, the comm buffers.
+// (llmc/model_table.h), its activations from its named buffers (llmc/activations.cuh). The rest is the layout's
+// arithmetic, written here apart from the allocation code so that the test comparing the plan with the Ledger
+// checks one against the other: ZeRO's shards and staging, the micro-batches in flight, the scratch, the comm
+// buffers.
 //
 // Notation as in the Ultra-Scale Playbook: Ψ parameters, L layers, C channels (h), NH heads (a), B×T tokens
 // (b, s), Vp padded vocab. On the CPU everything is fp32 (4 bytes), the parameters are their own master copy,
@@ -122,7 +123,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
     const int sequence = T;
     T /= par.cp;
-    // the sizes a rank works with (llmc/gpt.cuh): R rows of the residual stream (BT/t under sequence
+    // the sizes a rank works with (llmc/activations.cuh): R rows of the residual stream (BT/t under sequence
     // parallelism); Cl, Hl channels and hidden units of the rank's heads; with experts K slots per token, and
     // the rows the rank's E/ep experts may see at most, for which the MLP's hidden layers are sized
     LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep);
@@ -146,8 +147,8 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         }
         p.bytes[MEM_COMM] = X * staging;
     }
-    // What forward keeps for backward, from the model's activation slots (llmc/gpt.cuh), which say what each
-    // holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs (under sp
+    // What forward keeps for backward, from the model's activation buffers (llmc/activations.cuh), which say what
+    // each holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs (under sp
     // the rank's rows, gathered again in backward), their statistics, qkv, the softmax probabilities (on the GPU
     // the logsumexps), attention's output, the MLP's hidden layer before and after GELU, and the two
     // projections' outputs and residual sums; around the layers

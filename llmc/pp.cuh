@@ -121,7 +121,7 @@ struct Pipeline {
     // (gpt_backward_chunk's), 0 for a forward-only list. Returns the sum of the micro-batches' losses on the
     // last stage, 0 elsewhere. Under data parallelism each backward and weight-gradient step tells dpr
     // whether it is of the last micro-batch, when ZeRO-0/1 reduce. A weight-gradient step needs the model's
-    // backward split (gpt_allocate's split_backward).
+    // backward split (ModelLayout's split_backward).
     double run(GPTModel<floatX>& m, DataParallel<floatX>* dpr, const std::vector<PPAction>& actions,
                const std::vector<std::vector<int>>& inputs, const std::vector<std::vector<int>>& targets, int B, int T,
                float dloss) {

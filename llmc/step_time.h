@@ -20,7 +20,7 @@
 //   pp  each send, on the sending stage, and the bubble the schedule leaves (simulated with each stage's own
 //       costs: llmc/pp_schedules.h);
 //   dp  the reductions that cannot hide behind backward (the embeddings' bucket, reduced last; ZeRO-0's gathers,
-//       done when a staging slot is reused; the parameters' all-gather after the update under ZeRO-1/2), and
+//       done when a reduce staging is reused; the parameters' all-gather after the update under ZeRO-1/2), and
 //       the share of the rest the backend does not overlap (the profile's `overlap`).
 // The step is the pipeline's makespan (m micro-batches back to back without pp), the exposed dp time and the
 // optimizer. MFU counts the model's FLOPs as llm.c does, 6N + 6·L·C·T per token (N: the parameters a token

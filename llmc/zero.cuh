@@ -202,9 +202,9 @@ struct ExpertLinks {
 // (CPU) and device buffers (GPU).
 template <typename floatX>
 struct DataParallel : ParamStore<floatX> {
-    // A staging slot: a packed bucket and its piece, for a reduction in flight (or, in ZeRO-3, a gathered
-    // bucket of parameters). The embeddings have slots of their own; the other buckets share two.
-    struct Slot {
+    // A bucket's staging: its packed copy and this rank's piece of it, for a reduction in flight (or, in ZeRO-3,
+    // its gathered parameters). The embeddings have a staging of their own; the other buckets share two.
+    struct Staging {
         floatX *packed = nullptr, *piece = nullptr;
         int bucket = -1;         // the bucket using it; -1 when free
         bool in_flight = false;  // its reduction has started
@@ -221,9 +221,9 @@ struct DataParallel : ParamStore<floatX> {
         bool experts = false;  // the expert tensors, over the expert replicas
         BucketLayout layout;   // its buckets' shard offsets count from the start of the rank's shards
         std::vector<std::vector<OwnedSegment>> owned;  // per bucket
-        std::vector<Slot> reduce_slots;  // [0] the embeddings', [1], [2] the rest
-        std::vector<Slot> gather_slots;  // ZeRO-3, same arrangement
-        std::vector<int> reduce_slot_of;  // per bucket: the slot holding its staging this micro-step, or -1
+        std::vector<Staging> reduce_staging;  // [0] the embeddings', [1], [2] the rest
+        std::vector<Staging> gather_staging;  // ZeRO-3, same arrangement
+        std::vector<int> reduce_staging_of;  // per bucket: the reduce staging holding it this micro-step, or -1
         std::vector<int> units_done;      // per bucket, this micro-step
         int current_gather = -1;          // ZeRO-3: the non-embedding bucket in use
         int pass_low = 0, pass_high = 0;  // the buckets of the pass under way, besides the embeddings'
@@ -270,14 +270,14 @@ struct DataParallel : ParamStore<floatX> {
             if (g.N == 1 && stage == 0) continue;  // one rank of the group (tp or pp alone): nothing to stage
             const Bucket& e = g.layout.embeddings();
             for (int i = 0; i < 3; i++) {
-                Slot s;
+                Staging s;
                 s.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : g.layout.max_padded);
                 s.piece = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.piece : g.layout.max_piece);
-                g.reduce_slots.push_back(s);
+                g.reduce_staging.push_back(s);
                 if (stage == 3) {
-                    Slot gs;
+                    Staging gs;
                     gs.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : g.layout.max_padded);
-                    g.gather_slots.push_back(gs);
+                    g.gather_staging.push_back(gs);
                 }
             }
         }
@@ -325,8 +325,8 @@ struct DataParallel : ParamStore<floatX> {
             g.pass_low = g.layout.unit_bucket[low_unit];
             g.pass_high = g.layout.unit_bucket[high_unit];
             if (stage == 3) {
-                gather(g, g.emb_bucket(), g.gather_slots[0]);
-                gather(g, backward ? g.pass_low : g.pass_high, g.gather_slots[1]);
+                gather(g, g.emb_bucket(), g.gather_staging[0]);
+                gather(g, backward ? g.pass_low : g.pass_high, g.gather_staging[1]);
                 g.current_gather = -1;
             }
             if (backward) std::fill(g.units_done.begin(), g.units_done.end(), 0);
@@ -335,7 +335,7 @@ struct DataParallel : ParamStore<floatX> {
 
     void end_pass() override {
         for (Group& g : groups) {
-            for (Slot& s : g.gather_slots) {
+            for (Staging& s : g.gather_staging) {
                 if (s.bucket >= 0) g.comm->wait(s.request);
                 s.bucket = -1;
             }
@@ -367,15 +367,15 @@ struct DataParallel : ParamStore<floatX> {
                 if (stage < 2) {
                     sum_partials(bk, m.grads, false);
                     if (g.N == 1) continue;  // one rank in the group (tp alone): the flat gradients are final
-                    pack_bucket(bk, m.grads, g.reduce_slots[acquire_reduce_slot(g, b)].packed);
+                    pack_bucket(bk, m.grads, g.reduce_staging[acquire_reduce_staging(g, b)].packed);
                 } else {
-                    sum_partials(bk, g.reduce_slots[g.reduce_slot_of[b]].packed, true);
+                    sum_partials(bk, g.reduce_staging[g.reduce_staging_of[b]].packed, true);
                 }
-                Slot& s = g.reduce_slots[g.reduce_slot_of[b]];
+                Staging& s = g.reduce_staging[g.reduce_staging_of[b]];
                 s.request = g.comm->reduce_scatter(s.packed, s.piece, bk.piece, dtype_of<floatX>());
                 s.order = ++started;
                 s.in_flight = true;
-                g.reduce_slot_of[b] = -1;  // the next micro-step's gradients of this bucket go to a fresh staging
+                g.reduce_staging_of[b] = -1;  // the next micro-step's gradients of this bucket go to a fresh staging
             }
         }
         progress();
@@ -451,7 +451,7 @@ struct DataParallel : ParamStore<floatX> {
         for (Group& g : groups)
             for (size_t b = 0; b < g.layout.buckets.size(); b++) {
                 const Bucket& bk = g.layout.buckets[b];
-                Slot& s = g.reduce_slots[(int)b == g.emb_bucket() ? 0 : 1];
+                Staging& s = g.reduce_staging[(int)b == g.emb_bucket() ? 0 : 1];
                 const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
                 if (!shard_params)
                     for (const OwnedSegment& o : g.owned[b])
@@ -500,7 +500,7 @@ struct DataParallel : ParamStore<floatX> {
         size_t before = shard_size();
         for (Bucket& b : g.layout.buckets) b.shard_offset += before;
         for (const Bucket& b : g.layout.buckets) g.owned.push_back(owned_segments(b, g.rank));
-        g.reduce_slot_of.assign(g.layout.buckets.size(), -1);
+        g.reduce_staging_of.assign(g.layout.buckets.size(), -1);
         g.units_done.assign(g.layout.buckets.size(), 0);
         groups.push_back(std::move(g));
     }
@@ -522,28 +522,28 @@ struct DataParallel : ParamStore<floatX> {
     // ZeRO-3: the gathered bucket of group g holding the unit, ready to read; the next one of the pass prefetched
     floatX* gathered_params(Group& g, int unit) {
         int b = g.layout.unit_bucket[unit];
-        Slot* slot = &g.gather_slots[0];
+        Staging* st = &g.gather_staging[0];
         if (b != g.emb_bucket()) {
             if (b != g.current_gather) {
-                if (g.current_gather >= 0) slot_for_gather(g, g.current_gather)->bucket = -1;  // done with it
+                if (g.current_gather >= 0) gather_staging_for(g, g.current_gather)->bucket = -1;  // done with it
                 g.current_gather = b;
                 int next = backward ? b + 1 : b - 1;
-                if (next >= g.pass_low && next <= g.pass_high) gather(g, next, *free_gather_slot(g, b));
+                if (next >= g.pass_low && next <= g.pass_high) gather(g, next, *free_gather_staging(g, b));
             }
-            slot = slot_for_gather(g, b);
+            st = gather_staging_for(g, b);
         }
-        g.comm->wait(slot->request);
-        return slot->packed;
+        g.comm->wait(st->request);
+        return st->packed;
     }
 
     // ZeRO-2/3: the staging of group g's bucket holding the unit, zeroed when the micro-step first touches it
     floatX* grad_staging(Group& g, int unit) {
         int b = g.layout.unit_bucket[unit];
-        if (g.reduce_slot_of[b] < 0) {
-            int s = acquire_reduce_slot(g, b);
-            device_zero<floatX>(g.reduce_slots[s].packed, g.layout.buckets[b].padded);
+        if (g.reduce_staging_of[b] < 0) {
+            int s = acquire_reduce_staging(g, b);
+            device_zero<floatX>(g.reduce_staging[s].packed, g.layout.buckets[b].padded);
         }
-        return g.reduce_slots[g.reduce_slot_of[b]].packed;
+        return g.reduce_staging[g.reduce_staging_of[b]].packed;
     }
 
     // where the reduced gradients are: the shard under ZeRO-2/3, the flat buffer otherwise
@@ -622,54 +622,54 @@ struct DataParallel : ParamStore<floatX> {
     // let MPI move the operations in flight while compute goes on
     void progress() {
         for (Group& g : groups)
-            for (Slot& s : g.reduce_slots)
+            for (Staging& s : g.reduce_staging)
                 if (s.in_flight) g.comm->test(s.request);
     }
 
-    void gather(Group& g, int b, Slot& slot) {
+    void gather(Group& g, int b, Staging& st) {
         const Bucket& bk = g.layout.buckets[b];
-        slot.bucket = b;
-        slot.request = g.comm->all_gather(shard_params + bk.shard_offset, slot.packed, bk.piece, dtype_of<floatX>());
+        st.bucket = b;
+        st.request = g.comm->all_gather(shard_params + bk.shard_offset, st.packed, bk.piece, dtype_of<floatX>());
     }
-    Slot* slot_for_gather(Group& g, int b) {
-        for (Slot& s : g.gather_slots)
+    Staging* gather_staging_for(Group& g, int b) {
+        for (Staging& s : g.gather_staging)
             if (s.bucket == b) return &s;
-        gather(g, b, *free_gather_slot(g, -1));  // not prefetched (the first of a pass)
-        return slot_for_gather(g, b);
+        gather(g, b, *free_gather_staging(g, -1));  // not prefetched (the first of a pass)
+        return gather_staging_for(g, b);
     }
-    Slot* free_gather_slot(Group& g, int keep) {
+    Staging* free_gather_staging(Group& g, int keep) {
         for (int i = 1; i <= 2; i++) {
-            Slot& s = g.gather_slots[i];
+            Staging& s = g.gather_staging[i];
             if (s.bucket < 0 || (s.bucket != keep && s.bucket != g.current_gather)) {
                 if (s.bucket >= 0) g.comm->wait(s.request);
                 return &s;
             }
         }
-        fail("zero: no free gather slot");
+        fail("zero: no free gather staging");
     }
 
-    int acquire_reduce_slot(Group& g, int b) {
-        std::vector<Slot>& slots = g.reduce_slots;
+    int acquire_reduce_staging(Group& g, int b) {
+        std::vector<Staging>& staging = g.reduce_staging;
         if (b == g.emb_bucket()) {
-            if (slots[0].in_flight) retire(g, slots[0]);
-            slots[0].bucket = b;
-            return g.reduce_slot_of[b] = 0;
+            if (staging[0].in_flight) retire(g, staging[0]);
+            staging[0].bucket = b;
+            return g.reduce_staging_of[b] = 0;
         }
-        Slot* pick = nullptr;
+        Staging* pick = nullptr;
         for (int i = 1; i <= 2 && !pick; i++)
-            if (slots[i].bucket < 0) pick = &slots[i];
+            if (staging[i].bucket < 0) pick = &staging[i];
         if (!pick) {  // both busy: one may still be staging (ZeRO-2/3), so retire the oldest reduction in flight
             for (int i = 1; i <= 2; i++)
-                if (slots[i].in_flight && (!pick || slots[i].order < pick->order)) pick = &slots[i];
-            if (!pick) fail("zero: both staging slots are staging at once");
+                if (staging[i].in_flight && (!pick || staging[i].order < pick->order)) pick = &staging[i];
+            if (!pick) fail("zero: both shared reduce stagings are still being filled");
             retire(g, *pick);
         }
         pick->bucket = b;
-        return g.reduce_slot_of[b] = (int)(pick - slots.data());
+        return g.reduce_staging_of[b] = (int)(pick - staging.data());
     }
 
-    // finishes a slot's reduction and puts the reduced piece where the stage keeps it
-    void retire(Group& g, Slot& s) {
+    // finishes a staging's reduction and puts the reduced piece where the stage keeps it
+    void retire(Group& g, Staging& s) {
         const Bucket& bk = g.layout.buckets[s.bucket];
         g.comm->wait(s.request);
         if (stage >= 2) {
@@ -687,8 +687,8 @@ struct DataParallel : ParamStore<floatX> {
 
     void finish_reductions(Group& g) {
         while (true) {
-            Slot* oldest = nullptr;
-            for (Slot& s : g.reduce_slots)
+            Staging* oldest = nullptr;
+            for (Staging& s : g.reduce_staging)
                 if (s.in_flight && (!oldest || s.order < oldest->order)) oldest = &s;
             if (!oldest) break;
             retire(g, *oldest);

@@ -324,8 +324,10 @@ TEST_CASE("--plan predicts the ledger of every cp rank, with tp and sp, dp and Z
                         group.size = dp * cp;
                         group.rank = cp_rank;
                         GPT m;
-                        gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, 0, tp > 1},
-                                     RECOMPUTE_NONE, CPSpec{cp, cp_rank, CPSplit::ZigZag});
+                        ModelLayout layout;
+                        layout.own = DataParallel<float>::model_buffers(zero);
+                        layout.tp = TPSpec{tp, 0, tp > 1}, layout.cp = CPSpec{cp, cp_rank, CPSplit::ZigZag};
+                        gpt_allocate(m, c, 2, 16, layout);
                         DataParallel dpr(m, group, zero, 1000);
                         ParallelPlan par{dp, zero, 1000, 1, tp, tp > 1};
                         par.cp = cp;
@@ -395,8 +397,10 @@ TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every cp rank
                     group.size = cp;
                     group.rank = cp_rank;
                     GPTCuda m;
-                    gpt_allocate(m, c, 2, 32, DataParallel<bf16>::model_buffers(zero), TPSpec{tp, 0, tp > 1},
-                                 RECOMPUTE_NONE, CPSpec{cp, cp_rank, CPSplit::ZigZag});
+                    ModelLayout layout;
+                    layout.own = DataParallel<bf16>::model_buffers(zero);
+                    layout.tp = TPSpec{tp, 0, tp > 1}, layout.cp = CPSpec{cp, cp_rank, CPSplit::ZigZag};
+                    gpt_allocate(m, c, 2, 32, layout);
                     DataParallel<bf16> dpr(m, group, zero, 1000);
                     ParallelPlan par{1, zero, 1000, 1, tp, tp > 1};
                     par.cp = cp;

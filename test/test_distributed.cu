@@ -119,7 +119,9 @@ TEST_CASE("--plan predicts the ledger of every rank, for every ZeRO stage, dp si
                     group.size = dp;
                     group.rank = rank;
                     GPT m;
-                    gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero));
+                    ModelLayout layout;
+                    layout.own = DataParallel<float>::model_buffers(zero);
+                    gpt_allocate(m, c, 2, 16, layout);
                     DataParallel dpr(m, group, zero, bucket);
                     MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), ParallelPlan{dp, zero, bucket, 1});
                     for (int i = 0; i < MEM_CATEGORIES; i++) {

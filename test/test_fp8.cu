@@ -560,7 +560,9 @@ TEST_CASE("--fp8 1: --plan counts the FP8 buffers the model allocates; too few l
         for (int cp : {1, 2}) {
             INFO("tp " << tp << ", cp " << cp);
             GPT m;
-            gpt_allocate(m, c, 2, 16, ModelBuffers{}, TPSpec{tp, 0, tp > 1}, RECOMPUTE_NONE, CPSpec{cp, 0, CPSplit::ZigZag});
+            ModelLayout layout;
+            layout.tp = TPSpec{tp, 0, tp > 1}, layout.cp = CPSpec{cp, 0, CPSplit::ZigZag};
+            gpt_allocate(m, c, 2, 16, layout);
             size_t before = m.ledger.bytes[MEM_SCRATCH];
             gpt_allocate_fp8(m);
             ParallelPlan par{1, 0, 1000, 1, tp, tp > 1};

@@ -171,7 +171,9 @@ TEST_CASE("--plan predicts a Llama's ledger (and a Qwen3's: QK-norm's buffers, a
                 GPTConfig c = parse_model_descriptor(model);
                 int threads = omp_get_max_threads(), B = 3, T = 16;
                 GPT m;
-                gpt_allocate(m, c, B, T, ModelBuffers{}, TPSpec{}, recompute, CPSpec{}, ModelPart{}, 1, split);
+                ModelLayout layout;
+                layout.split_backward = split, layout.recompute = recompute;
+                gpt_allocate(m, c, B, T, layout);
                 ParallelPlan par;
                 par.recompute = recompute;
                 if (split) par.pp = PPSpec{1, 0, 1, PPKind::ZeroBubble};

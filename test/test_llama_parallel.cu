@@ -90,10 +90,13 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
                                 group.size = 2 * cp;
                                 group.rank = rank / tp;
                                 GPT m;
-                                gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero),
-                                             TPSpec{tp, rank % tp, tp > 1}, RECOMPUTE_NONE,
-                                             CPSpec{cp, rank / tp, CPSplit::ZigZag}, N > 1 ? stage_part(c, pp) : ModelPart{},
-                                             slots);
+                                ModelLayout layout;
+                                layout.own = DataParallel<float>::model_buffers(zero);
+                                layout.tp = TPSpec{tp, rank % tp, tp > 1};
+                                layout.cp = CPSpec{cp, rank / tp, CPSplit::ZigZag};
+                                if (N > 1) layout.part = stage_part(c, pp);
+                                layout.slots = slots;
+                                gpt_allocate(m, c, 2, 16, layout);
                                 DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
                                 ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
                                 par.cp = cp;
@@ -117,8 +120,10 @@ TEST_CASE("--plan predicts the ledger of every rank of a Llama with SwiGLU exper
                 Comm group, replicas, experts;  // only the sizes matter until a collective runs
                 group.size = 2, replicas.size = 2 / ep, experts.size = ep;
                 GPT m;
-                gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, 0, tp > 1}, RECOMPUTE_NONE,
-                             CPSpec{}, ModelPart{}, 1, false, ep);
+                ModelLayout layout;
+                layout.own = DataParallel<float>::model_buffers(zero);
+                layout.tp = TPSpec{tp, 0, tp > 1}, layout.ep = ep;
+                gpt_allocate(m, c, 2, 16, layout);
                 DataParallel dpr(m, group, zero, 1000, StageLinks{}, ExpertLinks{ep > 1 ? &replicas : nullptr, &experts});
                 ParallelPlan par{2, zero, 1000, 1, tp, tp > 1};
                 par.ep = ep;

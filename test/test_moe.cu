@@ -171,9 +171,13 @@ TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, Ze
                     Comm group, replicas, ep, stages;
                     group.size = l.dp * l.cp, replicas.size = l.dp / l.ep * l.cp, ep.size = l.ep, stages.size = l.pp;
                     GPT m;
-                    gpt_allocate(m, c, B, T, DataParallel<float>::model_buffers(zero), TPSpec{l.tp, 0, l.tp > 1}, recompute,
-                                 CPSpec{l.cp, 0, CPSplit::ZigZag}, l.pp > 1 ? stage_part(c, pp) : ModelPart{}, slots,
-                                 split, l.ep);
+                    ModelLayout layout;
+                    layout.own = DataParallel<float>::model_buffers(zero);
+                    layout.tp = TPSpec{l.tp, 0, l.tp > 1}, layout.cp = CPSpec{l.cp, 0, CPSplit::ZigZag};
+                    layout.ep = l.ep;
+                    if (l.pp > 1) layout.part = stage_part(c, pp);
+                    layout.slots = slots, layout.split_backward = split, layout.recompute = recompute;
+                    gpt_allocate(m, c, B, T, layout);
                     DataParallel dpr(m, group, zero, 1000, StageLinks{l.pp > 1 ? &stages : nullptr, nullptr},
                                      ExpertLinks{l.ep > 1 ? &replicas : nullptr, &ep});
                     ParallelPlan par{l.dp, zero, 1000, l.pp > 1 ? m_micro : 1, l.tp, l.tp > 1, recompute, l.cp};
@@ -217,8 +221,10 @@ TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every rank wi
                     Comm group, replicas, ep_group;  // only the sizes matter until a collective runs
                     group.size = 2, replicas.size = 2 / ep, ep_group.size = ep;
                     GPTCuda m;
-                    gpt_allocate(m, c, 2, 32, DataParallel<bf16>::model_buffers(zero), TPSpec{tp, 0, tp > 1}, recompute,
-                                 CPSpec{}, ModelPart{}, 1, false, ep);
+                    ModelLayout layout;
+                    layout.own = DataParallel<bf16>::model_buffers(zero);
+                    layout.tp = TPSpec{tp, 0, tp > 1}, layout.ep = ep, layout.recompute = recompute;
+                    gpt_allocate(m, c, 2, 32, layout);
                     DataParallel<bf16> dpr(m, group, zero, 1000, StageLinks{}, ExpertLinks{ep > 1 ? &replicas : nullptr, &ep_group});
                     ParallelPlan par{2, zero, 1000, 1, tp, tp > 1, recompute};
                     par.ep = ep;

@@ -141,8 +141,11 @@ TEST_CASE("--plan predicts the ledger of every stage under every schedule, with 
                     Comm group;  // dp 2: only the size and rank matter until a collective runs
                     group.size = 2;
                     GPT m;
-                    gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, 0, tp > 1},
-                                 RECOMPUTE_NONE, CPSpec{}, stage_part(c, pp), slots, l.kind == PPKind::ZeroBubble);
+                    ModelLayout layout;
+                    layout.own = DataParallel<float>::model_buffers(zero), layout.tp = TPSpec{tp, 0, tp > 1};
+                    layout.part = stage_part(c, pp), layout.slots = slots;
+                    layout.split_backward = l.kind == PPKind::ZeroBubble;
+                    gpt_allocate(m, c, 2, 16, layout);
                     DataParallel dpr(m, group, zero, 1000, StageLinks{&group, nullptr});
                     ParallelPlan par{2, zero, 1000, l.m, tp, tp > 1};
                     par.pp = pp;
@@ -224,8 +227,11 @@ TEST_CASE("a split backward and its weight-gradient step give the whole backward
         for (int recompute : {0, 1, 2}) {
             INFO(model << ", -r " << recompute);
             GPT whole, split;
-            gpt_allocate(whole, c, 2, 16, {}, {}, recompute);
-            gpt_allocate(split, c, 2, 16, {}, {}, recompute, {}, {}, 1, true);
+            ModelLayout layout;
+            layout.recompute = recompute;
+            gpt_allocate(whole, c, 2, 16, layout);
+            layout.split_backward = true;
+            gpt_allocate(split, c, 2, 16, layout);
             for (GPT* m : {&whole, &split}) {
                 gpt_set_params(*m, params.data());
                 gpt_zero_grad(*m);

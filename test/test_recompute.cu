@@ -22,7 +22,9 @@ Pass forward_backward(int recompute) {
     GPTConfig c = parse_model_descriptor("d3c33h3t32v301");
     const int B = 3, T = 13;
     GPT m;
-    gpt_allocate(m, c, B, T, {}, {}, recompute);
+    ModelLayout layout;
+    layout.recompute = recompute;
+    gpt_allocate(m, c, B, T, layout);
     gpt_init_random(c, m.params, 5);
     Rng rng(17);
     std::vector<int> in(B * T), out(B * T);

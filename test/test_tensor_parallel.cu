@@ -88,7 +88,10 @@ TEST_CASE("--plan predicts the ledger of every tp and dp rank, with and without 
                                 group.size = dp;
                                 group.rank = dp_rank;
                                 GPT m;
-                                gpt_allocate(m, c, 2, 16, DataParallel<float>::model_buffers(zero), TPSpec{tp, tp_rank, sp == 1});
+                                ModelLayout layout;
+                                layout.own = DataParallel<float>::model_buffers(zero);
+                                layout.tp = TPSpec{tp, tp_rank, sp == 1};
+                                gpt_allocate(m, c, 2, 16, layout);
                                 DataParallel dpr(m, group, zero, bucket);
                                 MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(),
                                                               ParallelPlan{dp, zero, bucket, 1, tp, sp == 1});
