@@ -201,7 +201,7 @@ inline std::string llama_shape(const GPTConfig& c) {
     std::string scaling = c.rope_scaling > 0 ? strfmt(" scaled x%g", c.rope_scaling) : "";
     std::string family = c.arch == Arch::Qwen3 ? strfmt("Qwen3 hd=%d", c.head_size())
                                                : strfmt("Llama %d.%d", c.version_major, c.version_minor);
-    return strfmt(" %s KV=%d H=%d eps=%g theta=%g%s%s", family.c_str(), c.kv_heads(), c.hidden(), c.norm_eps,
+    return strfmt(" %s KV=%d H=%d eps=%g theta=%.10g%s%s", family.c_str(), c.kv_heads(), c.hidden(), c.norm_eps,
                   c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
 }
 
