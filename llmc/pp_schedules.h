@@ -313,8 +313,9 @@ inline PPSchedule pp_dualpipev(int N, int m) {
         auto backward = [&](int chunk, bool defer_w) {
             int micro = take(PPOp::Backward, chunk);
             out.push_back(pp_compute(PPOp::Backward, micro, chunk));
-            (defer_w ? deferred.push_back(pp_compute(PPOp::WeightGrad, micro, chunk))
-                     : out.push_back(pp_compute(PPOp::WeightGrad, micro, chunk)));
+            PPAction w = pp_compute(PPOp::WeightGrad, micro, chunk);
+            if (defer_w) deferred.push_back(w);
+            else out.push_back(w);
         };
         // dualpipev.py's steps: an exchange group, then compute, whose sends wait for the next group
         auto forward_step = [&](int chunk, bool receive, bool send) {
@@ -345,11 +346,11 @@ inline PPSchedule pp_dualpipev(int N, int m) {
         };
         bool last = rank == N - 1;
         for (int i = 0; i < 2 * (N - rank - 1); i++) forward_step(0, true, true);
-        p2p(PPOp::RecvActivation, 0);
+        p2p(PPOp::RecvActivation, 0);  // each phase-2 F0's input a step early, and phase 4's first
         for (int i = 0; i < rank + 1; i++) {
             forward_step(0, false, false);
             p2p(PPOp::RecvActivation, 0);
-            forward_step(1, true, !last || i < rank);
+            forward_step(1, true, !last || i < rank);  // rank N-1 holds its last F1's output
             p2p(PPOp::SendActivation, 0);
         }
         for (int i = 0; i < N - rank - 1; i++) {
