@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "llmc/pp_schedules.h"
 #include "llmc/schedule.h"
 #include "llmc/spikes.h"
 #include "llmc/utils.h"
@@ -292,7 +293,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--fp8", integer(&o.fp8, 0, 1)},
         {"--sp", integer(&o.sp, 0, 1)},
         {"--cp-split", choice(&o.cp_split, {"zigzag", "contiguous"})},
-        {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb"})},
+        {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb", "dualpipev"})},
         {"--vpp", integer(&o.vpp, 1, 1 << 10)},
         {"--trace", text(&o.trace)},
         {"--debug-check-replicas", integer(&o.debug_check_replicas, 0, 1)},
@@ -331,6 +332,7 @@ inline Options parse_options(int argc, char** argv) {
     if (o.comm_init == "tcp" && o.comm_address.empty()) fail("--comm-init tcp needs --comm-address HOST:PORT");
     if (o.comm_init == "file" && o.comm_dir.empty()) fail("--comm-init file needs --comm-dir DIR");
     if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());
+    parse_pp_schedule(o.pp_schedule);  // refuses a schedule the pipeline runtime cannot run yet, saying why
     if (o.vpp > 1 && o.pp_schedule != "interleaved")
         fail("--vpp %d: only the interleaved schedule runs virtual stages (--pp-schedule interleaved)", o.vpp);
     if (!o.trace.empty() && o.pp == 1) fail("--trace %s: traces the pipeline; needs --pp > 1", o.trace.c_str());

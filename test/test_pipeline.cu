@@ -212,6 +212,9 @@ TEST_CASE("layouts the pipeline cannot run are refused with one line", "[pp]") {
                          {"interleaved", "--pp 3"});
     check_one_line_error(single(flags + " --trace x.json"), {"--trace", "--pp"});
     check_one_line_error(single(flags + " --pp 2 --pp-schedule zb -z 2 --plan --world 4"), {"zb", "-z 2"});
+    // DualPipeV's lists exist and are checked (llmc/pp_schedules.h), its runner does not yet
+    check_one_line_error(single(flags + " --pp 2 --pp-schedule dualpipev --plan --world 2"),
+                         {"--pp-schedule dualpipev", "does not run it yet"});
 }
 
 TEST_CASE("a split backward and its weight-gradient step give the whole backward's gradients, bit for bit; with "
