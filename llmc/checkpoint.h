@@ -275,7 +275,7 @@ inline void write_manifest(const std::string& path, const GPTConfig& c, const Tr
         "batch B=%d T=%d total=%ld\nlayout world=%d dp=%d tp=%d sp=%d cp=%d cp_split=%s pp=%d vpp=%d ep=%d "
         "zero=%d bucket_floats=%zu device=%s\nfiles model.bin state_rank0.bin%s\n",
         CHECKPOINT_VERSION, s.step, adam_step, num_parameters(c), c.num_layers, c.channels, c.num_heads, c.vocab_size,
-        c.padded_vocab_size, c.max_seq_len, llama_shape(c).c_str(), r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(),
+        c.padded_vocab_size, c.max_seq_len, family_shape(c).c_str(), r.B, r.T, r.total_batch, r.world, r.dp, r.tp, r.sp, r.cp, r.cp_split.c_str(),
         r.pp, r.vpp, r.ep, r.zero, r.bucket_floats, r.device.c_str(), optimizer_files.c_str());
     if (is_model_descriptor(in.model)) text += "model_source descriptor " + in.model + "\n";
     else text += strfmt("model_source file fnv1a64=%016llx ", (unsigned long long)in.model_checksum) + in.model + "\n";

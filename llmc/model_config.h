@@ -195,8 +195,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     return c;
 }
 
-// what a Llama adds to the shape GPT-2's L, C, NH, V and maxT say, in the lines that print a model ("" for GPT-2)
-inline std::string llama_shape(const GPTConfig& c) {
+// what the Llama family (Llama 3, Qwen3) adds to the shape GPT-2's L, C, NH, V and maxT say, in the lines that
+// print a model ("" for GPT-2)
+inline std::string family_shape(const GPTConfig& c) {
     if (!c.llama()) return "";
     std::string scaling = c.rope_scaling > 0 ? strfmt(" scaled x%g", c.rope_scaling) : "";
     std::string family = c.arch == Arch::Qwen3 ? strfmt("Qwen3 hd=%d", c.head_size())
