@@ -527,21 +527,27 @@ inline std::vector<ShareRange> common_ranges(const ModelTable& table, const size
     return ranges;
 }
 
-// ... and the elements of rank a's share that a lower rank of its group holds too, merged, in offset order: a
-// sum over the group that counts each element once leaves them out
-inline std::vector<ShareRange> repeated_ranges(const ModelTable& table, const size_t sizes[NUM_PARAM_TENSORS], int tp,
-                                               int a) {
-    std::vector<ShareRange> all, merged;
-    for (int b = 0; b < a; b++)
-        for (const ShareRange& r : common_ranges(table, sizes, tp, a, b)) all.push_back(r);
-    std::sort(all.begin(), all.end(), [](const ShareRange& x, const ShareRange& y) { return x.offset < y.offset; });
-    for (const ShareRange& r : all) {
+// ranges sorted by offset, the overlapping and touching ones joined
+inline std::vector<ShareRange> merged_ranges(std::vector<ShareRange> ranges) {
+    std::sort(ranges.begin(), ranges.end(), [](const ShareRange& x, const ShareRange& y) { return x.offset < y.offset; });
+    std::vector<ShareRange> merged;
+    for (const ShareRange& r : ranges) {
         if (!merged.empty() && r.offset <= merged.back().offset + merged.back().count)
             merged.back().count = std::max(merged.back().count, r.offset + r.count - merged.back().offset);
         else
             merged.push_back(r);
     }
     return merged;
+}
+
+// ... and the elements of rank a's share that a lower rank of its group holds too, merged, in offset order: a
+// sum over the group that counts each element once leaves them out
+inline std::vector<ShareRange> repeated_ranges(const ModelTable& table, const size_t sizes[NUM_PARAM_TENSORS], int tp,
+                                               int a) {
+    std::vector<ShareRange> all;
+    for (int b = 0; b < a; b++)
+        for (const ShareRange& r : common_ranges(table, sizes, tp, a, b)) all.push_back(r);
+    return merged_ranges(all);
 }
 
 // ----------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include <cstdio>
 
 #include "llmc/gpt.cuh"
+#include "llmc/grad_plan.h"
 #include "llmc/ledger.h"
 #include "llmc/pp.cuh"
 #include "llmc/zero.cuh"
@@ -245,7 +246,8 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // Under sp, the gradients the table marks sequence-partial (the norms' weights, and GPT-2's biases of them and
 // wpe: 4LC + 2C + maxT·C; Llama's 2LC + C) are summed over the group (all-gathered), and so are, under any tp,
 // the key/value heads' rows that several ranks hold when tp exceeds KV (2·hd·C a layer, gathered from the whole
-// group, summed over the ranks holding them): once per reduction, that is once per step under ZeRO-0/1, each
+// group, summed over the ranks holding them), and QK-norm's weights under any tp: what llmc/grad_plan.h calls
+// partial over tp, once per reduction, that is once per step under ZeRO-0/1, each
 // micro-step under ZeRO-2/3. The norm all-gathers one double. Under sp each rank keeps its rows of the two norm
 // outputs, and backward gathers them again for the weight gradients (Megatron-LM's sequence parallelism): 2L
 // more units. With experts, each layer's backward sums the gates'
@@ -261,16 +263,12 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     double units = 8 * L + 2 * (first + last) + (par.sp ? 2 * L : 0), value = stored_value_bytes(device);
     double gates = c.moe() ? L * (t - 1) * BT * c.top_k * sizeof(float) : 0.0;
     double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float) + gates;
-    ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes, par.tp, part, par.ep);
-    double partial = 0.0, shared = 0.0;
-    for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
-        partial += table[i].partial_over_tp(par.sp) ? sizes[i] : 0;
-        for (const TensorSpec::SharedRows& rows : table[i].shared_rows(par.tp))
-            shared += (double)sizes[i] / table[i].block(par.tp) * rows.rows * table[i].local_cols(par.tp);
-    }
-    double partial_grads = (t - 1) * (partial + shared) * value;
+    double partial = 0.0;  // each is all-gathered over the group and summed (TensorParallel::sum_in_rank_order)
+    for (const GradientPlan::Partial& p : gradient_plan(model_table(c), sizes, par.tp, 0, par.sp, false).tp_partials)
+        partial += p.count;
+    double partial_grads = (t - 1) * partial * value;
     double sums = par.zero <= 1 ? 1.0 : k;
     return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
 }

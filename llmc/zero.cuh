@@ -46,6 +46,7 @@
 #include "llmc/comm.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt.cuh"
+#include "llmc/grad_plan.h"
 
 struct Bucket {
     int first_unit = 0, last_unit = 0;  // units [first, last]
@@ -242,7 +243,7 @@ struct DataParallel : ParamStore<floatX> {
     floatX* shard_params = nullptr;                // ZeRO 3
     bool last_micro_step = true, backward = false;
     uint64_t started = 0;
-    std::vector<ShareRange> repeated;  // what lower tp ranks hold too (repeated_ranges): the norm leaves it out
+    GradientPlan plan;  // which gradients are partial sums over tp, and which the norm counts on another rank
 
     DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats, StageLinks stage_links = {},
                  ExpertLinks experts = {})
@@ -257,7 +258,7 @@ struct DataParallel : ParamStore<floatX> {
         }
         if (!engaged()) return;
         m.store = this;
-        repeated = repeated_ranges(m.table, m.param_sizes, m.tp.size(), m.tp.spec.rank);
+        plan = gradient_plan(m.table, m.param_sizes, m.tp.size(), m.tp.spec.rank, m.tp.spec.sp, links.stages && !m.part.first);
         Ledger& led = m.ledger;
         if (stage >= 1) {
             if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, shard_size());
@@ -396,19 +397,16 @@ struct DataParallel : ParamStore<floatX> {
         if (!engaged()) return gpt_grad_norm(m);
         for (Group& g : groups) finish_reductions(g);
         sum_tied_gradients();
-        // The norm from the owned pieces, summed in bucket order, then over the group's ranks (the experts' also
-        // over the ep group, whose ranks hold different experts), the groups added in order; then over the tp
-        // ranks (an element several tp ranks hold counts on the lowest) and the pipeline stages (the tied
-        // embeddings count on the first): the same sums in every stage, on every rank.
-        bool embedding_copy = links.stages && !m.part.first;
+        // The norm from the owned pieces the plan counts here, summed in bucket order, then over the group's ranks
+        // (the experts' also over the ep group, whose ranks hold different experts), the groups added in order;
+        // then over the tp ranks and the pipeline stages: the same sums in every stage, on every rank.
         double total = 0.0;
         for (Group& g : groups) {
             std::vector<std::pair<const floatX*, long>> spans;
             for (auto& segs : g.owned)
                 for (const OwnedSegment& s : segs) {
-                    if (embedding_copy && m.table[s.tensor].holder == Holder::Embeddings) continue;
                     const floatX* base = reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset);
-                    for (const ShareRange& r : counted_here(s.flat_offset, s.size))
+                    for (const ShareRange& r : plan.counted(s.flat_offset, s.size))
                         spans.push_back({base + (r.offset - s.flat_offset), (long)r.count});
                 }
             double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans));
@@ -572,38 +570,16 @@ struct DataParallel : ParamStore<floatX> {
         return total;
     }
 
-    // the parts of this rank's share range [offset, offset + count) that the gradient norm counts here: those
-    // no lower tp rank holds too (repeated_ranges)
-    std::vector<ShareRange> counted_here(size_t offset, size_t count) const {
-        std::vector<ShareRange> kept;
-        size_t at = offset, end = offset + count;
-        auto it = std::upper_bound(repeated.begin(), repeated.end(), at,
-                                   [](size_t x, const ShareRange& r) { return x < r.offset; });
-        if (it != repeated.begin()) --it;
-        for (; at < end && it != repeated.end() && it->offset < end; ++it) {
-            if (it->offset + it->count <= at) continue;
-            if (it->offset > at) kept.push_back({at, it->offset - at});
-            at = it->offset + it->count;
-        }
-        if (at < end) kept.push_back({at, end - at});
-        return kept;
-    }
-
-    // Gradients a tp rank holds only partial sums of, completed over the tp ranks before the bucket is reduced
-    // across dp: those the table marks (TPGrad: under sequence parallelism the norms' and wpe's, from the rank's
-    // rows only; QK-norm's, from the rank's heads only; summed over the group); and the key/value heads several
-    // ranks hold, from each rank's query heads only (summed over the ranks holding them). grads is the flat
-    // buffer or, packed, the bucket's staging.
+    // Completes the gradients of bucket b that a tp rank holds only partial sums of (the plan's), over the tp
+    // ranks holding them, before the bucket is reduced across dp. grads is the flat buffer or, packed, the
+    // bucket's staging.
     void sum_partials(const Bucket& b, floatX* grads, bool packed) {
-        if (!m.tp.on()) return;
         std::map<int, std::vector<ShareRange>> partials;  // per group size (0: the whole group), where in grads
         size_t running = 0;
         for (const Segment& s : b.segments) {
-            const TensorSpec& spec = m.table[s.tensor];
             size_t at = packed ? running : s.offset;
-            if (spec.partial_over_tp(m.tp.spec.sp)) partials[0].push_back({at, s.size});
-            spec.for_each_shared(s.size, m.tp.size(), [&](size_t offset, size_t count, int ranks) {
-                partials[ranks].push_back({at + offset, count});
+            plan.for_each_partial(s.offset, s.size, [&](size_t offset, size_t count, int ranks) {
+                partials[ranks].push_back({at + (offset - s.offset), count});
             });
             running += s.size;
         }
