@@ -29,7 +29,7 @@ HOST_ARCH ?= native
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=$(HOST_ARCH) -fopenmp -Wall -Wno-unknown-pragmas
 NVCC_FLAGS = -std=c++17 -O3 $(NVCC_THREADS) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
-LDLIBS = -lgomp -lnccl -lcublasLt -lcublas
+LDLIBS = -lgomp -lnccl  # cuBLASLt is opened when first used (llmc/cuda_common.cuh)
 FLAGS_STAMP = build/flags.stamp
 # test and train install MPI before they build, in a make of their own: this one says nothing about MPI
 ifneq ($(MAKECMDGOALS),)

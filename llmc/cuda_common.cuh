@@ -1,6 +1,6 @@
 // What every CUDA kernel header shares: failures turned into the project's Error (so tests and main() report
-// them like any other), bf16 storage with fp32 arithmetic, warp reductions, and the one cuBLASLt handle with
-// its workspace. Kernels and device helpers are `static` because every header is included by several
+// them like any other), bf16 storage with fp32 arithmetic, warp reductions, and cuBLASLt (opened on first use) with
+// its one handle and workspace. Kernels and device helpers are `static` because every header is included by several
 // translation units that are linked together.
 #pragma once
 
@@ -8,7 +8,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <dlfcn.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "llmc/utils.h"
 
@@ -97,8 +100,51 @@ static __device__ __forceinline__ bf16x8 pack_bf16x8(const float f[8]) {
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// cuBLASLt: one handle and one workspace per process, created on first use and never freed (freeing at exit
-// would race the CUDA runtime's own teardown). Matmuls sharing the workspace must be on one stream at a time.
+// cuBLASLt is opened when the first GPU matmul needs it, not linked: its library's start-up touches about 90 MB
+// (0.1 s of CPU, 0.2 s before main() on two busy cores) in every process linked to it, which a CPU run would pay
+// for nothing, as would each of the hundreds of train_gpt processes the test suite starts. The functions used,
+// looked up by their names in the library of the cuBLAS the code was compiled against.
+struct CublasLtApi {
+    decltype(&cublasLtCreate) create;
+    decltype(&cublasLtMatmul) matmul;
+    decltype(&cublasLtMatmulDescCreate) matmul_desc_create;
+    decltype(&cublasLtMatmulDescSetAttribute) matmul_desc_set_attribute;
+    decltype(&cublasLtMatrixLayoutCreate) matrix_layout_create;
+    decltype(&cublasLtMatmulPreferenceCreate) preference_create;
+    decltype(&cublasLtMatmulPreferenceSetAttribute) preference_set_attribute;
+    decltype(&cublasLtMatmulPreferenceDestroy) preference_destroy;
+    decltype(&cublasLtMatmulAlgoGetHeuristic) algo_get_heuristic;
+    decltype(&cublasLtMatmulAlgoCheck) algo_check;
+};
+
+inline CublasLtApi open_cublaslt() {
+#define LLM5D_STRING(x) #x
+#define LLM5D_SONAME(major) "libcublasLt.so." LLM5D_STRING(major)
+    const char* soname = LLM5D_SONAME(CUBLAS_VER_MAJOR);
+#undef LLM5D_SONAME
+#undef LLM5D_STRING
+    void* lib = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) fail("cuBLASLt: cannot open %s: %s", soname, dlerror());
+    CublasLtApi api;
+    auto find = [&](auto& function, const char* name) {
+        function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(dlsym(lib, name));
+        if (!function) fail("cuBLASLt: %s has no %s", soname, name);
+    };
+    find(api.create, "cublasLtCreate");
+    find(api.matmul, "cublasLtMatmul");
+    find(api.matmul_desc_create, "cublasLtMatmulDescCreate");
+    find(api.matmul_desc_set_attribute, "cublasLtMatmulDescSetAttribute");
+    find(api.matrix_layout_create, "cublasLtMatrixLayoutCreate");
+    find(api.preference_create, "cublasLtMatmulPreferenceCreate");
+    find(api.preference_set_attribute, "cublasLtMatmulPreferenceSetAttribute");
+    find(api.preference_destroy, "cublasLtMatmulPreferenceDestroy");
+    find(api.algo_get_heuristic, "cublasLtMatmulAlgoGetHeuristic");
+    find(api.algo_check, "cublasLtMatmulAlgoCheck");
+    return api;
+}
+
+// One handle and one workspace per process, created on first use and never freed (freeing at exit would race
+// the CUDA runtime's own teardown). Matmuls sharing the workspace must be on one stream at a time.
 
 constexpr size_t CUBLASLT_WORKSPACE_BYTES = (size_t)32 << 20;  // what Hopper's split-K and stream-K kernels ask for
 // what the CUDA context itself holds on an H100 with CUDA 12-13 (driver, module images, cuBLAS's kernels),
@@ -106,11 +152,12 @@ constexpr size_t CUBLASLT_WORKSPACE_BYTES = (size_t)32 << 20;  // what Hopper's 
 constexpr double CUDA_CONTEXT_MIB = 500.0;
 
 struct CublasLtContext {
+    CublasLtApi api = open_cublaslt();
     cublasLtHandle_t handle = nullptr;
     void* workspace = nullptr;
     size_t workspace_bytes = CUBLASLT_WORKSPACE_BYTES;
     CublasLtContext() {
-        cublas_check(cublasLtCreate(&handle));
+        cublas_check(api.create(&handle));
         cuda_check(cudaMalloc(&workspace, workspace_bytes));
     }
 };

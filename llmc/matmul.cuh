@@ -222,20 +222,21 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
     // aux), so no plan is reused on a less-aligned pointer
     static std::map<std::array<long, 15>, MatmulPlan> plans;
     CublasLtContext& ctx = cublaslt();
+    const CublasLtApi& lt = ctx.api;
     // the pointers the epilogue and the FP8 scales read, set on the plan's descriptor before every call (and
     // before the heuristic, which may look at them)
     auto set_pointers = [&](MatmulPlan& p) {
         if (bias)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
         if (aux)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
-                                                        sizeof(aux)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                      sizeof(aux)));
         if (in.a_scale)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &in.a_scale,
-                                                        sizeof(in.a_scale)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &in.a_scale,
+                                                      sizeof(in.a_scale)));
         if (in.b_scale)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in.b_scale,
-                                                        sizeof(in.b_scale)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in.b_scale,
+                                                      sizeof(in.b_scale)));
     };
     std::array<long, 15> key{transa,
                              transb,
@@ -261,53 +262,53 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
     auto it = plans.find(key);
     if (it == plans.end()) {
         MatmulPlan p;
-        cublas_check(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+        cublas_check(lt.matmul_desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
         cublasOperation_t opa = transa ? CUBLAS_OP_T : CUBLAS_OP_N, opb = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
-        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
-        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-        cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                                    sizeof(epilogue)));
+        cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+        cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+        cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                  sizeof(epilogue)));
         cudaDataType_t bf16_type = CUDA_R_16BF;
         // the bias's and the aux matrix's types only when the epilogue has them, as TransformerEngine and
         // PyTorch set them (a type attribute set for a vector the epilogue lacks is one more field the FP8
         // kernels' checks see)
         if (bias)
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type,
-                                                        sizeof(bf16_type)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type,
+                                                      sizeof(bf16_type)));
         if (aux) {
             int64_t ld = m;
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-                                                        &bf16_type, sizeof(bf16_type)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                                      &bf16_type, sizeof(bf16_type)));
         }
         if (is_fp8_type(in.a) || is_fp8_type(in.b)) {
             // FP8: both fields explicit, as TransformerEngine sets them: fast accumulation on or off, and one
             // fp32 scale per tensor (the scale mode cuBLAS 12.8 added, whose default this is)
             int8_t fast = in.fast_accum;
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
 #if CUBLAS_VERSION >= 120800
             cublasLtMatmulMatrixScale_t scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &scalar, sizeof(scalar)));
-            cublas_check(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &scalar, sizeof(scalar)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &scalar, sizeof(scalar)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &scalar, sizeof(scalar)));
 #endif
         }
-        cublas_check(cublasLtMatrixLayoutCreate(&p.a, in.a, transa ? k : m, transa ? m : k, transa ? k : m));
-        cublas_check(cublasLtMatrixLayoutCreate(&p.b, in.b, transb ? n : k, transb ? k : n, transb ? n : k));
-        cublas_check(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_16BF, m, n, m));
+        cublas_check(lt.matrix_layout_create(&p.a, in.a, transa ? k : m, transa ? m : k, transa ? k : m));
+        cublas_check(lt.matrix_layout_create(&p.b, in.b, transb ? n : k, transb ? k : n, transb ? n : k));
+        cublas_check(lt.matrix_layout_create(&p.d, CUDA_R_16BF, m, n, m));
 
         cublasLtMatmulPreference_t pref;
-        cublas_check(cublasLtMatmulPreferenceCreate(&pref));
+        cublas_check(lt.preference_create(&pref));
         uint64_t ws = ctx.workspace_bytes;
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+        cublas_check(lt.preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
         uint32_t align_a = (uint32_t)key[7], align_b = (uint32_t)key[8], align_d = (uint32_t)key[9];
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
-                                                          sizeof(align_a)));
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
-                                                          sizeof(align_b)));
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                                          sizeof(align_d)));
-        cublas_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                                          sizeof(align_d)));
+        cublas_check(lt.preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                 sizeof(align_a)));
+        cublas_check(lt.preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                 sizeof(align_b)));
+        cublas_check(lt.preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                                 sizeof(align_d)));
+        cublas_check(lt.preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                                 sizeof(align_d)));
         set_pointers(p);
         // A result is usable only when its state says so (the other fields are undefined otherwise), its workspace
         // fits, and cublasLtMatmulAlgoCheck accepts it for these exact descriptors: the first of the heuristic's
@@ -315,13 +316,13 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
         constexpr int CANDIDATES = 8;
         cublasLtMatmulHeuristicResult_t results[CANDIDATES];
         int found = 0, usable = -1;
-        cublas_check(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.desc, p.a, p.b, p.d, p.d, pref, CANDIDATES, results,
-                                                    &found));
-        cublas_check(cublasLtMatmulPreferenceDestroy(pref));
+        cublas_check(lt.algo_get_heuristic(ctx.handle, p.desc, p.a, p.b, p.d, p.d, pref, CANDIDATES, results,
+                                           &found));
+        cublas_check(lt.preference_destroy(pref));
         for (int i = 0; i < found && usable < 0; i++) {
             cublasLtMatmulHeuristicResult_t checked;
             if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ctx.workspace_bytes &&
-                cublasLtMatmulAlgoCheck(ctx.handle, p.desc, p.a, p.b, p.d, p.d, &results[i].algo, &checked) ==
+                lt.algo_check(ctx.handle, p.desc, p.a, p.b, p.d, p.d, &results[i].algo, &checked) ==
                     CUBLAS_STATUS_SUCCESS &&
                 checked.workspaceSize <= ctx.workspace_bytes)
                 usable = i;
@@ -344,8 +345,8 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
     }
     set_pointers(p);
     float alpha = 1.0f;
-    cublasStatus_t status = cublasLtMatmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
-                                           ctx.workspace, ctx.workspace_bytes, stream);
+    cublasStatus_t status = lt.matmul(ctx.handle, p.desc, &alpha, a, p.a, b, p.b, &beta, d, p.d, d, p.d, &p.algo,
+                                      ctx.workspace, ctx.workspace_bytes, stream);
     if (status == CUBLAS_STATUS_NOT_SUPPORTED && may_refuse) {
         p.usable = false;
         fprintf(stderr, "cublasLtMatmul refused %s: its fallback kernels run instead\n", describe().c_str());
