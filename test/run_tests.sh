@@ -25,6 +25,10 @@ BATCH_SECONDS=8  # a shard of short cases: long enough that its process's start 
 DEFAULT_SECONDS=0.5  # a case in neither table below
 LOGS=build/test_logs
 LAST_DURATIONS=build/test_durations.txt  # every case's seconds in the last run, which orders the next one
+# OpenMP's threads sleep when they wait rather than spin: the shards share the cores, and a thread spinning at a
+# barrier while its partner waits for a core burns what another shard needs ([layers] alone beside the rest of the
+# suite: 9 to 44 s spinning, 0.8 s sleeping). The train_gpt runs the tests start inherit it.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 start_time=$SECONDS
 
 # The cases: Catch2's names, one a line. The CPU cases run with the GPUs hidden, so that the train_gpt runs they
