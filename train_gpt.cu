@@ -485,8 +485,8 @@ struct Trainer {
             fail("%s: the tokenizer's vocab of %d tokens is not the model's %d (a tokenizer of another model?)",
                  tokenizer->path.c_str(), tokenizer->vocab_size, config.vocab_size);
         if (chosen && grid.rank == 0)
-            printf("samples: decoded with %s, starting from token %d (%s)\n", tokenizer->path.c_str(), tokenizer->eot,
-                   tokenizer->eot_from.c_str());
+            printf("samples: decoded with %s, starting from token %d (%s)\n", tokenizer->path.c_str(), tokenizer->start,
+                   tokenizer->start_from.c_str());
         if (!fits) {
             if (grid.rank == 0)
                 printf("sampling off: the model's %d tokens are not GPT-2's %d (--tokenizer names one of its vocab)\n",
@@ -573,7 +573,7 @@ struct Trainer {
     // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
     void sample() {
         auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, pp, grid, tokens, o.T, t); };
-        std::vector<int> tokens = sample_tokens(at, tokenizer->vocab_size, tokenizer->eot, o.gen_tokens, o.T, sampler_rng);
+        std::vector<int> tokens = sample_tokens(at, tokenizer->vocab_size, tokenizer->start, o.gen_tokens, o.T, sampler_rng);
         if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
     }
 

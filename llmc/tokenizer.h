@@ -68,6 +68,9 @@ struct Tokenizer {
     int eot = 0;
     std::string path;
     std::string eot_from;  // where the EOT id was read: the file's header, or the HF file and field
+    // the token a document follows in the training data, which a sample starts from (document_start)
+    int start = 0;
+    std::string start_from;
     std::vector<std::string> tokens;
 
     // path: llm.c's tokenizer file, a tokenizer.json, or a directory holding tokenizer.json
@@ -120,6 +123,7 @@ private:
             fail("%s: EOT id %u is out of range for vocab size %d", path.c_str(), header[3], vocab_size);
         eot = (int)header[3];
         eot_from = path + "'s header";
+        start = eot, start_from = eot_from;  // llm.c's data puts the end-of-text token before each document
 
         const unsigned char* body = (const unsigned char*)bytes.data() + header_bytes;
         const size_t body_size = (size_t)(size - header_bytes);
@@ -184,6 +188,59 @@ private:
             if (!seen[id]) fail("%s: no token has id %zu, below the largest id %zu", path.c_str(), id, tokens.size() - 1);
         vocab_size = (int)tokens.size();
         eot = hf_eos_id(directory_of(path));
+        document_start(doc.root, directory_of(path));
+    }
+
+    // The token before a document, as dev/data/hf_tokenizer.js frames documents in the shards: the last special
+    // token the post-processor's template puts before the text (Llama 3's <|begin_of_text|>); with a template
+    // that puts none, the last one it puts after (the one that ends the document before); without a template,
+    // tokenizer_config.json's bos_token unless add_bos_token is false; else the end-of-text token, which then
+    // follows every document (Qwen3's).
+    void document_start(const JsonValue& root, const std::string& dir) {
+        const JsonValue* pp = root.find("post_processor");
+        if (pp && !pp->is_null() && pp->at("type").as_string() == "Sequence") {
+            const JsonValue* found = nullptr;
+            for (const JsonValue& p : pp->at("processors").as_array())
+                if (!found && p.at("type").as_string() == "TemplateProcessing") found = &p;
+            pp = found;
+        }
+        if (pp && !pp->is_null() && pp->at("type").as_string() == "TemplateProcessing") {
+            int before = -1, after = -1;
+            bool text_seen = false;
+            for (const JsonValue& piece : pp->at("single").as_array()) {
+                if (piece.find("Sequence")) text_seen = true;
+                const JsonValue* special = piece.find("SpecialToken");
+                if (!special) continue;
+                const std::string& name = special->at("id").as_string();
+                const std::vector<JsonValue>& ids = pp->at("special_tokens").at(name).at("ids").as_array();
+                if (ids.empty()) fail("%s: the post-processor's %s has no ids", path.c_str(), name.c_str());
+                int64_t id = ids.back().as_int64();
+                if (id < 0 || id >= vocab_size)
+                    fail("%s: the post-processor's %s, id %lld, is out of range for %d tokens", path.c_str(), name.c_str(),
+                         (long long)id, vocab_size);
+                (text_seen ? after : before) = (int)id;
+            }
+            if (before >= 0 || after >= 0) {
+                start = before >= 0 ? before : after;
+                start_from = path + "'s post-processor template";
+                return;
+            }
+        }
+        std::string file = dir + "/tokenizer_config.json";
+        if (file_exists(file)) {
+            JsonDoc config = JsonDoc::from_file(file);
+            const JsonValue* bos = config.root.find("bos_token");
+            const JsonValue* add = config.root.find("add_bos_token");
+            bool added = !add || add->is_null() || add->as_bool();
+            if (bos && !bos->is_null() && added) {
+                const std::string& text = bos->kind == JsonKind::Object ? bos->at("content").as_string() : bos->as_string();
+                start = id_of(text);
+                if (start < 0) fail("%s: bos_token \"%s\" is no token of %s", bos->path().c_str(), text.c_str(), path.c_str());
+                start_from = file + "'s bos_token";
+                return;
+            }
+        }
+        start = eot, start_from = eot_from;
     }
 
     // Hugging Face's end-of-sequence id, in the precedence of its generation: generation_config.json's

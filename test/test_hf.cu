@@ -248,8 +248,9 @@ TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's t
     CommandResult r = single(run);
     INFO(r.output);
     REQUIRE(r.status == 0);
-    CHECK(r.output.find("samples: decoded with " + hf + "/tokenizer.json, starting from token 128001 (" + hf +
-                        "/generation_config.json's eos_token_id)") != std::string::npos);
+    // from <|begin_of_text|>, as every document of the shards starts
+    CHECK(r.output.find("samples: decoded with " + hf + "/tokenizer.json, starting from token 128000 (" + hf +
+                        "/tokenizer_config.json's bos_token)") != std::string::npos);
     size_t open = r.output.find("---\n"), close = r.output.find("\n---", open + 4);
     REQUIRE(open != std::string::npos);
     REQUIRE(close != std::string::npos);

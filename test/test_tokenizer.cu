@@ -225,6 +225,42 @@ TEST_CASE("tokenizer.json: byte-level tokens come back as raw bytes, added token
     REQUIRE_THROWS_WITH(Tokenizer(dir.path), Catch::Contains("eos_token_id 8 is out of range"));
 }
 
+TEST_CASE("tokenizer.json: samples start from the token a document follows in the shards, as "
+          "dev/data/hf_tokenizer.js frames documents",
+          "[tokenizer]") {
+    TempDir dir;
+    write_bytes(dir / "tokenizer.json", SMALL_JSON);
+    write_bytes(dir / "generation_config.json", R"({"eos_token_id": 7})");
+    // no template, no bos_token: the end-of-text token follows every document (Qwen3's framing)
+    write_bytes(dir / "tokenizer_config.json", R"({"bos_token": null})");
+    CHECK(Tokenizer(dir.path).start == 7);
+    // tokenizer_config.json's bos_token before every document (Llama 3's), unless add_bos_token is false
+    write_bytes(dir / "tokenizer_config.json", R"({"bos_token": {"content": "<|eos|>"}})");
+    Tokenizer bos(dir.path);
+    CHECK(bos.start == 6);
+    CHECK(bos.start_from == dir / "tokenizer_config.json's bos_token");
+    write_bytes(dir / "tokenizer_config.json", R"({"bos_token": "<|eos|>", "add_bos_token": false})");
+    CHECK(Tokenizer(dir.path).start == 7);
+    write_bytes(dir / "tokenizer_config.json", R"({"bos_token": "<|nope|>"})");
+    REQUIRE_THROWS_WITH(Tokenizer(dir.path), Catch::Contains("bos_token \"<|nope|>\" is no token"));
+    // the post-processor's template comes first: its last special token before the text, inside a Sequence too
+    const std::string json = SMALL_JSON, tail = "}";
+    auto with_post_processor = [&](const std::string& pp) {
+        write_bytes(dir / "tokenizer.json", json.substr(0, json.size() - tail.size()) + ", \"post_processor\": " + pp + "}");
+    };
+    const std::string specials = R"("special_tokens": {"<|eos|>": {"id": "<|eos|>", "ids": [6]}, "<|eot|>": {"id": "<|eot|>", "ids": [7]}})";
+    with_post_processor(R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|eot|>"}}, {"Sequence": {"id": "A"}}], )" + specials + "}");
+    Tokenizer templated(dir.path);
+    CHECK(templated.start == 7);
+    CHECK(templated.start_from == dir / "tokenizer.json's post-processor template");
+    // ... else its last after the text, which ends the document before
+    with_post_processor(R"({"type": "Sequence", "processors": [{"type": "ByteLevel"}, {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A"}}, {"SpecialToken": {"id": "<|eos|>"}}], )" + specials + "}]}");
+    CHECK(Tokenizer(dir.path).start == 6);
+    // llm.c's tokenizer file: its end-of-text token, which its data puts before every document
+    write_tokenizer(dir / "tok.bin", {"a", "b", "<|endoftext|>"}, 2);
+    CHECK(Tokenizer(dir / "tok.bin").start == 2);
+}
+
 TEST_CASE("tokenizer.json: what is not a byte-level BPE, or has a hole in its ids, is refused in one line",
           "[tokenizer]") {
     TempDir dir;
@@ -278,6 +314,7 @@ TEST_CASE("tokenizer.json: Llama 3's and Qwen3's decode their well-known ids to 
     REQUIRE(llama.vocab_size == 128256);
     // the package has no generation_config.json or config.json: tokenizer_config.json's <|end_of_text|>
     CHECK(llama.eot == 128001);
+    CHECK(llama.start == 128000);  // tokenizer_config.json's bos_token, <|begin_of_text|>, begins each document
     CHECK(llama.decode(128000) == "<|begin_of_text|>");
     CHECK(llama.decode(128001) == "<|end_of_text|>");
     CHECK(llama.decode(128255) == "<|reserved_special_token_250|>");
@@ -295,6 +332,7 @@ TEST_CASE("tokenizer.json: Llama 3's and Qwen3's decode their well-known ids to 
     Tokenizer qwen(QWEN3_TOKENIZER + "/tokenizer.json");
     REQUIRE(qwen.vocab_size == 151669);
     CHECK(qwen.eot == 151645);  // its tokenizer_config.json's eos_token
+    CHECK(qwen.start == qwen.eot);  // no bos_token: the eos token follows each document
     CHECK(qwen.decode(151645) == "<|im_end|>");
     CHECK(qwen.decode(std::vector<int>{9707, 1879}) == "Hello world");
     CHECK(qwen.decode(101059) == "日本");
