@@ -71,6 +71,60 @@ TEST_CASE("the replicated tensors stay identical across the tp group, bit for bi
     }
 }
 
+// The gradient plan (llmc/grad_plan.h) against the share layout itself: which ranks of the tp group hold each
+// element of the whole model, element by element from share_runs. An element a lower rank holds too is counted
+// by the norm there, not here, and so is a later stage's copy of the tied embeddings; an element of a column
+// split that k > 1 ranks hold (the key/value heads tp spreads over several ranks, each rank's gradient from its
+// own query heads) is a partial sum over those k, and a tensor the table marks partial (under sp the norms and
+// wpe, QK-norm always) over the whole group.
+TEST_CASE("the gradient plan: what is a partial sum over tp and what the norm counts elsewhere, element by element "
+          "from the share layout", "[tp]") {
+    for (const char* model : {"d2c64h4t64v301", "l2c64h4g2t64v301", "l2c64h8g2t64v301w", "q2c64h4g1d16f128t64v301w"})
+        for (int tp : {2, 4})
+            for (bool sp : {false, true})
+                for (int stage : {-1, 0, 1}) {  // -1: no pp; else this stage of pp 2
+                    INFO(model << " tp " << tp << " sp " << sp << " stage " << stage);
+                    GPTConfig c = parse_model_descriptor(model);
+                    ModelPart part = stage < 0 ? whole_part(c) : stage_part(c, PPSpec{2, stage});
+                    ModelTable table = model_table(c);
+                    std::vector<uint8_t> holders(num_parameters(c), 0);  // per whole element: a bit per tp rank
+                    for (int r = 0; r < tp; r++)
+                        for (const ShareRun& run : share_runs(c, ShareSpec{tp, r}, part))
+                            for (size_t i = 0; i < run.count; i++) holders[run.whole + i] |= 1 << r;
+                    for (int a = 0; a < tp; a++) {
+                        INFO("tp rank " << a);
+                        size_t sizes[NUM_PARAM_TENSORS], total = 0;
+                        param_tensor_sizes(c, sizes, tp, part);
+                        std::vector<int> tensor_of;
+                        for (int t = 0; t < NUM_PARAM_TENSORS; t++) tensor_of.insert(tensor_of.end(), sizes[t], t), total += sizes[t];
+                        bool copy = stage > 0 && part.embedding_copy();
+                        GradientPlan plan = gradient_plan(table, sizes, tp, a, sp, copy);
+                        std::vector<int> partial(total, -1);  // the ranks summing it (0: the whole group), -1: none
+                        for (const GradientPlan::Partial& p : plan.tp_partials)
+                            for (size_t i = 0; i < p.count; i++) partial[p.offset + i] = p.ranks;
+                        std::vector<bool> counted(total, false);
+                        for (const ShareRange& r : plan.counted(0, total))
+                            for (size_t i = 0; i < r.count; i++) counted[r.offset + i] = true;
+                        size_t wrong_partial = 0, wrong_counted = 0, shared = 0;
+                        for (const ShareRun& run : share_runs(c, ShareSpec{tp, a}, part))
+                            for (size_t i = 0; i < run.count; i++) {
+                                size_t at = run.local + i;
+                                const TensorSpec& spec = table[tensor_of[at]];
+                                int mask = holders[run.whole + i], ranks = __builtin_popcount(mask);
+                                bool column_shared = spec.split == TPSplit::Column && ranks > 1;
+                                int expected = spec.partial_over_tp(sp) ? 0 : column_shared ? ranks : -1;
+                                bool elsewhere = (mask & ((1 << a) - 1)) != 0 || (copy && spec.holder == Holder::Embeddings);
+                                wrong_partial += partial[at] != expected;
+                                wrong_counted += counted[at] == elsewhere;
+                                shared += column_shared;
+                            }
+                        CHECK(wrong_partial == 0);
+                        CHECK(wrong_counted == 0);
+                        if (std::string(model).find("g") != std::string::npos && tp == 4) CHECK(shared > 0);
+                    }
+                }
+}
+
 TEST_CASE("--plan predicts the ledger of every tp and dp rank, with and without sp, for ZeRO-0, 1 and 3", "[tp]") {
     GPTConfig c = parse_model_descriptor(TP_MODEL);
     size_t whole_params = 0;  // the params bytes of one rank without tp, dp 1
