@@ -268,7 +268,7 @@ inline std::vector<SearchCandidate> search_layouts(const Options& base, const GP
             for (int pp : search_choices(base, "--pp", base.pp, divisors(std::max(gpus / (tp * cp), 1)))) {
                 int dp = std::max(gpus / (tp * cp * pp), 1);
                 std::vector<std::string> kinds = {"1f1b"};
-                if (pp > 1) kinds = {"afab", "1f1b", "zb", "interleaved"};
+                if (pp > 1) kinds = {"afab", "1f1b", "zb", "interleaved", "dualpipev"};
                 std::vector<std::pair<std::string, int>> schedules;  // each with its virtual stages
                 for (const std::string& kind : search_choices(base, "--pp-schedule", base.pp_schedule, kinds))
                     for (int vpp : search_choices(base, "--vpp", base.vpp,

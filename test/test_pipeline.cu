@@ -257,10 +257,12 @@ TEST_CASE("a pp 2 × dp 2 run resumed from its checkpoint continues bit-exactly;
     Data data;
     TempDir out;
     GPTConfig c = parse_model_descriptor(PP_MODEL);
-    for (int z : {0, 2}) {
-        INFO("pp 2 × dp 2, ZeRO-" << z);
-        check_resumes_bit_exactly(4, data.flags(1, 128, 6, PP_MODEL) + strfmt(" --pp 2 -z %d", z), out / strfmt("whole%d", z),
-                                  out / strfmt("resumed%d", z), num_parameters(c));
+    // 1F1B under ZeRO-0 and ZeRO-2, and DualPipeV (both ends of the model on rank 0) under ZeRO-1
+    const std::vector<std::string> layouts = {" -z 0", " -z 2", " -z 1 --pp-schedule dualpipev"};
+    for (size_t i = 0; i < layouts.size(); i++) {
+        INFO("pp 2 × dp 2," << layouts[i]);
+        check_resumes_bit_exactly(4, data.flags(1, 128, 6, PP_MODEL) + " --pp 2" + layouts[i], out / strfmt("whole%zu", i),
+                                  out / strfmt("resumed%zu", i), num_parameters(c));
     }
 }
 
