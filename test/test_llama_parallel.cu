@@ -157,7 +157,7 @@ TEST_CASE("Llama layouts tp cannot split are refused in one line naming the flag
 }
 
 TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "
-          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3, tp 4 (key/value heads on two "
+          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 (1F1B and DualPipeV) to one rank, one rank to dp 2 under ZeRO-3, tp 4 (key/value heads on two "
           "ranks each) to tp 2; tied too; --convert of the checkpoints",
           "[llama][parallel]") {
     Data data;
@@ -167,6 +167,9 @@ TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupte
         std::map<std::string, double> reference = resume_reference_losses(data, model, out / (std::string(model) + "_one"));
         check_resume(data, model, {4, "-b 2 --tp 2 -z 1"}, {4, "-b 2 --pp 2 -z 1"}, reference, out / (std::string(model) + "_tp"));
         check_resume(data, model, {2, "-b 4 --pp 2"}, {1, "-b 4"}, reference, out / (std::string(model) + "_pp"));
+        // DualPipeV's rank 0 holds both ends (a tied wte once), its other ranks two chunks of layers apart
+        check_resume(data, model, {2, "-b 2 --pp 2 --pp-schedule dualpipev"}, {1, "-b 4"}, reference,
+                     out / (std::string(model) + "_dualpipev"));
         check_resume(data, model, {1, "-b 4"}, {2, "-b 2 -z 3"}, reference, out / (std::string(model) + "_z3"));
         // tp 4 holds each of the 2 key/value heads on two ranks, whose optimizer files both hold its state
         check_resume(data, model, {4, "-b 4 --tp 4"}, {2, "-b 4 --tp 2"}, reference, out / (std::string(model) + "_tp4"));
