@@ -678,7 +678,7 @@ struct Trainer {
             printf("pp: bubble %.3f measured (idle over compute time, mean of the %d stages: %.1f ms of %.1f ms "
                    "busy); the %s formula says %.3f\n", (span - busy) / busy, grid.pp, busy * 1e3, span * 1e3,
                    o.pp_schedule.c_str(), pp_bubble_formula(pp.kind, grid.pp, accumulation, o.vpp));
-        if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, grid.at.pp, o.pp_schedule);
+        if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, pp, o.pp_schedule);
     }
 
     // after the first step, the attention work of each rank of rank 0's cp group and its step time: equal work

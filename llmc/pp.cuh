@@ -270,12 +270,22 @@ inline void print_stage_layers(const GPTConfig& c, const PPSpec& pp) {
 }
 
 // Writes every rank's trace of one step as a Chrome trace (JSON, which chrome://tracing and ui.perfetto.dev
-// open and scripts/plot_pipeline.py draws): a row per rank, an event per compute action (name "F3" for the
-// forward of micro-batch 3; args micro, chunk, stage) and per exchange with its wait (name "p2p", args the
-// first op and how many there were). Times in microseconds from the step's start. Rank 0 writes it; a
-// collective over world.
-inline void write_pp_trace(const std::string& path, Comm& world, const std::vector<PPTraceEvent>& trace, int stage,
-                           const std::string& schedule) {
+// open and scripts/plot_pipeline.py draws): a row per rank, named with the virtual stages it runs ("rank 0
+// (stages 0 and 7)" in DualPipeV's V of 4 ranks), an event per compute action (name "F3" for the forward of
+// micro-batch 3; args micro, chunk, and stage, the chunk's virtual stage) and per exchange with its wait (name
+// "p2p", args the first op and how many there were). Times in microseconds from the step's start. Rank 0
+// writes it; a collective over world.
+inline void write_pp_trace(const std::string& path, Comm& world, const std::vector<PPTraceEvent>& trace,
+                           const PPSpec& pp, const std::string& schedule) {
+    PPPlacement at = pp.placement();
+    auto stages_of = [&](int rank) {
+        if (at.chunks == 1) return strfmt("stage %d", at.stage(rank, 0));
+        std::string s = "stages ";
+        for (int k = 0; k < at.chunks; k++)
+            s += strfmt("%s%d", k == 0 ? "" : k == at.chunks - 1 ? " and " : ", ", at.stage(rank, k));
+        return s;
+    };
+    int stage = pp.rank;
     constexpr int FIELDS = 7;
     std::vector<double> mine;
     for (const PPTraceEvent& e : trace)
@@ -294,7 +304,7 @@ inline void write_pp_trace(const std::string& path, Comm& world, const std::vect
     for (int r = 0; r < world.size; r++) {
         int s = (int)all_counts[2 * r + 1];
         json += strfmt("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": {\"name\": "
-                       "\"rank %d (stage %d)\"}},\n", r, r, s);
+                       "\"rank %d (%s)\"}},\n", r, r, stages_of(s).c_str());
         const double* e = &all[r * mine.size()];
         for (size_t i = 0; i < (size_t)all_counts[2 * r]; i++, e += FIELDS) {
             PPOp op = (PPOp)(int)e[0];
@@ -303,7 +313,7 @@ inline void write_pp_trace(const std::string& path, Comm& world, const std::vect
             std::string name = p2p ? "p2p" : strfmt("%s%d", pp_op_name(op), (int)e[1]);
             json += strfmt("{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
                            "\"dur\": %.3f, \"args\": {\"micro\": %d, \"chunk\": %d, \"stage\": %d", name.c_str(), category,
-                           r, e[5] * 1e6, (e[6] - e[5]) * 1e6, (int)e[1], (int)e[2], s);
+                           r, e[5] * 1e6, (e[6] - e[5]) * 1e6, (int)e[1], (int)e[2], at.stage(s, (int)e[2]));
             if (p2p) json += strfmt(", \"first_op\": \"%s\", \"peer\": %d, \"ops\": %d", pp_op_name(op), (int)e[3], (int)e[4]);
             json += "}},\n";
         }

@@ -143,6 +143,9 @@ TEST_CASE("every schedule on 2 stages, 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 
         CHECK(count_of(json, strfmt("\"cat\": \"%s\"", category)) == 16);
     }
     CHECK(count_of(json, "\"chunk\": 1,") > 0);
+    CHECK(count_of(json, "\"name\": \"rank 0 (stages 0 and 3)\"") == 1);
+    CHECK(count_of(json, "\"name\": \"rank 1 (stages 1 and 2)\"") == 1);
+    CHECK(count_of(json, "\"chunk\": 1, \"stage\": 3") > 0);
 }
 
 TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 2 × tp 2 (sp; 1F1B, ZB-H1 with -r 2, DualPipeV) "
