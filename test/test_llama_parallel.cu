@@ -75,7 +75,8 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with
 }
 
 TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp (tp 4 replicating the "
-          "key/value heads), cp and pp; an untied lm_head lives on the last stage only, a tied wte on both ends",
+          "key/value heads), cp and pp (1F1B, DualPipeV); an untied lm_head lives on the last stage only, a tied wte on both "
+          "ends, and under DualPipeV both on rank 0, wte once",
           "[llama][parallel]") {
     for (const char* model : {LLAMA, TIED}) {
         GPTConfig c = parse_model_descriptor(model);
@@ -83,15 +84,19 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
         PPSpec two{2, 0, 1, PPKind::OneFOneB};
         size_t stages = num_parameters(c, 1, stage_part(c, two)) + num_parameters(c, 1, stage_part(c, PPSpec{2, 1, 1, PPKind::OneFOneB}));
         CHECK(stages == num_parameters(c) + (c.tied() ? (size_t)c.padded_vocab_size * c.channels : 0));
+        // DualPipeV's V: rank 0 holds both ends, so its stages hold the whole model, each tensor once
+        size_t v_stages = num_parameters(c, 1, stage_part(c, PPSpec{2, 0, 1, PPKind::DualPipeV})) +
+                          num_parameters(c, 1, stage_part(c, PPSpec{2, 1, 1, PPKind::DualPipeV}));
+        CHECK(v_stages == num_parameters(c));
         for (int zero : {1, 3})
             for (int tp : {1, 2, 4})  // tp 4: each key/value head on two ranks
                 for (int cp : {1, 2})
-                    for (int N : {1, 2})
+                    for (auto [N, kind] : {std::pair{1, PPKind::OneFOneB}, {2, PPKind::OneFOneB}, {2, PPKind::DualPipeV}})
                         for (int stage = 0; stage < N; stage++)
                             for (int rank = 0; rank < tp * cp; rank++) {  // tp fastest, then cp
                                 INFO(model << " ZeRO-" << zero << " dp 2, tp " << tp << ", cp " << cp << ", rank " << rank
-                                           << ", pp " << N << " stage " << stage);
-                                PPSpec pp{N, stage, 1, PPKind::OneFOneB};
+                                           << ", pp " << N << " (" << pp_schedule_name(kind) << ") stage " << stage);
+                                PPSpec pp{N, stage, 1, kind};
                                 int micro = 4, slots = N > 1 ? planned_in_flight(pp, micro) : 1;
                                 Comm group;  // dp 2 × cp: only the size and rank matter until a collective runs
                                 group.size = 2 * cp;
@@ -102,7 +107,7 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
                                 layout.tp = TPSpec{tp, rank % tp, tp > 1};
                                 layout.cp = CPSpec{cp, rank / tp, CPSplit::ZigZag};
                                 if (N > 1) layout.part = stage_part(c, pp);
-                                layout.slots = slots;
+                                layout.slots = slots, layout.split_backward = N > 1 && pp_kind_splits_backward(kind);
                                 gpt_allocate(m, c, 2, 16, layout);
                                 DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
                                 ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
