@@ -71,9 +71,9 @@ static GPTConfig model_config(const Options& o, const std::string& checkpoint_di
     return read_model_header(o.model, &version);
 }
 
-// a value the last pipeline stage holds (a loss), given to every stage (a collective of the pp group)
-static double from_last_stage(Grid& grid, double value) {
-    grid.pp_comm.wait(grid.pp_comm.broadcast(&value, 1, DType::F64, grid.pp - 1));
+// a value the stage with the classifier holds (a loss), given to every stage (a collective of the pp group)
+static double from_head_stage(Grid& grid, const PPSpec& pp, double value) {
+    grid.pp_comm.wait(grid.pp_comm.broadcast(&value, 1, DType::F64, pp.head_rank()));
     return value;
 }
 
@@ -90,11 +90,11 @@ static float validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline
         inputs[0] = val.inputs, targets[0] = val.targets;
         total += pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, val.B, val.T, 0.0f);
     }
-    return (float)(from_last_stage(grid, total) / batches);
+    return (float)(from_head_stage(grid, pp, total) / batches);
 }
 
 // The multiple-choice eval: this dp rank's share of its rows, B at a time through the stages as validation
-// batches go, each row's summed completion losses read on the last stage (from its cp group), summed over dp
+// batches go, each row's summed completion losses read on the classifier's stage (from its cp group), summed over dp
 // and given to the other stages; every rank scores the same sums. The rows are as long as the set needs, in
 // the layout's unit (cp's 2·cp chunks, each split over tp under sp) and in whole 64-token tiles, at most -t.
 template <typename floatX>
@@ -105,24 +105,24 @@ static EvalResult evaluate(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, 
     auto forward = [&](const std::vector<int>& in, const std::vector<int>& out, const std::vector<int>& mask) {
         inputs[0] = in, targets[0] = out;
         pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, B, T, 0.0f);
-        return model.part.last ? gpt_row_losses(model, mask) : std::vector<double>(B, 0.0);
+        return model.part.last ? gpt_row_losses(model, mask, pipeline.head_slot) : std::vector<double>(B, 0.0);
     };
     std::vector<double> losses = eval_row_losses(set, B, T, grid.at.dp, grid.dp, forward), summed(losses.size());
     grid.dp_comm.wait(grid.dp_comm.all_reduce(losses.data(), summed.data(), losses.size(), DType::F64));
-    grid.pp_comm.wait(grid.pp_comm.broadcast(summed.data(), summed.size(), DType::F64, grid.pp - 1));
+    grid.pp_comm.wait(grid.pp_comm.broadcast(summed.data(), summed.size(), DType::F64, pp.head_rank()));
     return eval_score(set, summed);
 }
 
 // the logits at position t of the model run on one sequence of T tokens, on every rank: computed through the
-// stages, read on the last one (from its cp and tp groups), and given to the others
+// stages, read on the classifier's (from its cp and tp groups), and given to the others
 template <typename floatX>
 static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
                                     const int* tokens, int T, int t) {
     std::vector<std::vector<int>> inputs{std::vector<int>(tokens, tokens + T)};
     pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, {}, 1, T, 0.0f);
     std::vector<float> row(model.config.vocab_size);
-    if (model.part.last) row = gpt_logits_row(model, 0, t);  // the head ran in slot 0: one micro-batch in flight
-    grid.pp_comm.wait(grid.pp_comm.broadcast(row.data(), row.size(), DType::F32, grid.pp - 1));
+    if (model.part.last) row = gpt_logits_row(model, 0, t, pipeline.head_slot);
+    grid.pp_comm.wait(grid.pp_comm.broadcast(row.data(), row.size(), DType::F32, pp.head_rank()));
     return row;
 }
 
@@ -253,7 +253,7 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
     }
     if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");
     // the tied embeddings (wte and wpe, at the front of the share) of the first and the last stage
-    if (grid.pp > 1 && m.part.embedding_copy()) {
+    if (grid.pp > 1 && tied_across_stages(m.part)) {
         size_t n = m.param_sizes[WTE] + m.param_sizes[WPE];
         std::vector<float> pair(2 * n);
         grid.tied_comm.wait(grid.tied_comm.all_gather(mine, pair.data(), n, DType::F32));
@@ -262,6 +262,10 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
         if (grid.rank == 0) printf("replicas: the embeddings are identical on the first and the last stage\n");
     }
 }
+
+// whether this rank holds one of two copies of the tied embeddings on two stages, which llmc/zero.cuh keeps
+// equal over grid.tied_comm: not when one rank runs both ends (DualPipeV's rank 0)
+static bool tied_across_stages(const ModelPart& part) { return part.embedding_copy() && part.first != part.last; }
 
 // the layout a checkpoint records, and a resumed run compares with its own
 static RunLayout run_layout(const Options& o, int world, int dp, long total_batch, size_t bucket_floats, Device dev) {
@@ -366,16 +370,17 @@ struct Trainer {
     void build_model() {
         pp = pp_spec(o, grid.at.pp);
         PPSchedule passes = pp_schedule(pp.kind, grid.pp, accumulation, pp.virtual_stages);
-        bool split_backward = pp.kind == PPKind::ZeroBubble;  // B now, W where the schedule has a bubble
-        check_pp_schedule(passes, grid.pp, accumulation, pp.virtual_stages, split_backward);
+        bool split_backward = pp_kind_splits_backward(pp.kind);  // B now, W where the schedule has a bubble
+        check_pp_schedule(passes, pp.placement(), accumulation, split_backward);
         actions = passes[grid.at.pp];
         pipeline.comm = &grid.pp_comm;
+        pipeline.spec = pp;
         par = parallel_plan(o, grid.dp, accumulation);
         ModelLayout rank_layout;  // how this rank holds the model
         rank_layout.own = DataParallel<floatX>::model_buffers(o.zero);
         rank_layout.tp = TPSpec{grid.tp, grid.at.tp, o.sp == 1};
         rank_layout.cp = CPSpec{grid.cp, grid.at.cp, cp_split(o)}, rank_layout.ep = grid.ep;
-        rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions);
+        rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions, pp);
         rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
         gpt_allocate(model, config, o.B, o.T, rank_layout);
         model.tp.comm = &grid.tp_comm;
@@ -391,7 +396,7 @@ struct Trainer {
         }
         // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp; with
         // experts split over ep, theirs over the ranks that hold the same experts
-        StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && model.part.embedding_copy() ? &grid.tied_comm : nullptr};
+        StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && tied_across_stages(model.part) ? &grid.tied_comm : nullptr};
         ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
         dpr.reset(new DataParallel<floatX>(model, grid.dp_cp(), o.zero, run.bucket_floats, links, experts));
         optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
@@ -595,7 +600,7 @@ struct Trainer {
         dpr->zero_grad();
         model.moe.reset_statistics();
         StepResult r;
-        r.loss = from_last_stage(grid, pipeline.run(model, dpr.get(), actions, inputs, targets, o.B, o.T, dloss) / accumulation);
+        r.loss = from_head_stage(grid, pp, pipeline.run(model, dpr.get(), actions, inputs, targets, o.B, o.T, dloss) / accumulation);
         r.lr = schedule.at(step);
         r.norm = dpr->grad_norm();
         r.loss = dpr->mean(r.loss);
@@ -673,7 +678,7 @@ struct Trainer {
             printf("pp: bubble %.3f measured (idle over compute time, mean of the %d stages: %.1f ms of %.1f ms "
                    "busy); the %s formula says %.3f\n", (span - busy) / busy, grid.pp, busy * 1e3, span * 1e3,
                    o.pp_schedule.c_str(), pp_bubble_formula(pp.kind, grid.pp, accumulation, o.vpp));
-        if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, grid.at.pp, o.pp_schedule);
+        if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, pp, o.pp_schedule);
     }
 
     // after the first step, the attention work of each rank of rank 0's cp group and its step time: equal work

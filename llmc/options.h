@@ -161,7 +161,7 @@ inline const char* USAGE =
     "  --cp N            context-parallel size: splits every sequence, 2N chunks of -t/(2N) tokens [1]\n"
     "  --cp-split zigzag|contiguous  rank r holds chunks r and 2N-1-r, or 2r and 2r+1 [zigzag]\n"
     "  --pp N            pipeline-parallel size: stages of consecutive layers      [1]\n"
-    "  --pp-schedule afab|1f1b|interleaved|zb  the order of the micro-batches' passes [1f1b]\n"
+    "  --pp-schedule afab|1f1b|interleaved|zb|dualpipev  the order of the micro-batches' passes [1f1b]\n"
     "  --vpp V           with interleaved: virtual stages (chunks of layers) per rank [1]\n"
     "  --trace FILE      with --pp: write the first step's timeline of every rank (Chrome trace JSON) [none]\n"
     "  --ep N            expert-parallel size: the experts split over N ranks of dp  [1]\n"
@@ -332,7 +332,6 @@ inline Options parse_options(int argc, char** argv) {
     if (o.comm_init == "tcp" && o.comm_address.empty()) fail("--comm-init tcp needs --comm-address HOST:PORT");
     if (o.comm_init == "file" && o.comm_dir.empty()) fail("--comm-init file needs --comm-dir DIR");
     if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());
-    parse_pp_schedule(o.pp_schedule);  // refuses a schedule the pipeline runtime cannot run yet, saying why
     if (o.vpp > 1 && o.pp_schedule != "interleaved")
         fail("--vpp %d: only the interleaved schedule runs virtual stages (--pp-schedule interleaved)", o.vpp);
     if (!o.trace.empty() && o.pp == 1) fail("--trace %s: traces the pipeline; needs --pp > 1", o.trace.c_str());

@@ -75,13 +75,18 @@ inline size_t planned_shard_size(const GPTConfig& c, const ParallelPlan& par) {
 // (every forward before any backward); 1F1B the N - r forwards of its warm-up and steady state (stage r of N),
 // at most m; interleaved, Megatron-LM's warm-up of (N - r - 1)·2 + (V - 1)·N chunk forwards plus the one in
 // its steady state, at most m·V; ZB-H1 keeps a micro-batch until its weight-gradient step, which waits for a
-// bubble: N + 1 on every stage, at most m (llmc/pp_schedules.h).
+// bubble: N + 1 on every stage, at most m (llmc/pp_schedules.h). DualPipeV counts chunks of micro-batches, each
+// half a rank's layers: between a chunk's forward and its weight-gradient step its lists (m >= 2N) hold 2N + 1
+// on every rank, the DeepSeek-V3 report's PP + 1 for its PP = 2N stages; a slot is taken at the receive of the
+// input, though, and the ranks between the ends receive one F0's input a step early (the lists' deadlock-free
+// grouping), which holds 2N + 2 there at once. These are what the runner's slot plan finds in the lists.
 inline int planned_in_flight(const PPSpec& pp, int m) {
     int N = pp.size, r = pp.rank, V = pp.virtual_stages;
     switch (pp.kind) {
         case PPKind::AFAB: return m * V;
         case PPKind::Interleaved: return std::min((N - r - 1) * 2 + (V - 1) * N + 1, m * V);
         case PPKind::ZeroBubble: return std::min(N + 1, m);
+        case PPKind::DualPipeV: return r == 0 || r == N - 1 ? 2 * N + 1 : 2 * N + 2;
         default: return std::min(N - r, m);
     }
 }
@@ -163,7 +168,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // layer's output the next stage's gradient: the exchanges need no buffers of their own.
     const bool ring = par.cp > 1;
     const size_t table = ring && c.learned_positions() ? T * C : 0;  // wpe's rows at the rank's positions (RoPE: none)
-    bool split = par.pp.kind == PPKind::ZeroBubble;  // the zero-bubble schedule splits backward
+    bool split = pp_kind_splits_backward(par.pp.kind);  // the zero-bubble schedules split backward
     ActivationBytes kept = gpu ? activation_bytes<bf16>(d, split, par.recompute, part.last, par.tp)
                                : activation_bytes<float>(d, split, par.recompute, part.last, par.tp);
     size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
@@ -286,18 +291,20 @@ inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
 }
 
 // Bytes one rank sends to its pp group per optimizer step: for each micro-batch, each of its chunks sends its
-// output on (unless it is the model's last) and its input's gradient back (unless it is the model's first):
-// the rank's R×C rows of the residual stream, as stored. The last stage broadcasts the loss (one double) and
-// the gradient norm all-gathers one double per stage.
+// output on (unless it is the model's last, or the next stage is this rank's: the V's bottom) and its input's
+// gradient back (unless it is the model's first, or the V's bottom again): the rank's R×C rows of the residual
+// stream, as stored. The classifier's stage broadcasts the loss (one double) and the gradient norm all-gathers
+// one double per stage.
 inline double planned_pp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (!par.pp.on()) return 0.0;
-    int N = par.pp.size, V = par.pp.virtual_stages;
+    int N = par.pp.size;
+    PPPlacement at = par.pp.placement();
     double BT = (double)B * T / par.cp, rows = par.sp ? BT / par.tp : BT, sends = 0;
-    for (int k = 0; k < V; k++) {
-        int g = k * N + par.pp.rank;
-        sends += (g < N * V - 1) + (g > 0);
+    for (int k = 0; k < at.chunks; k++) {
+        int g = at.stage(par.pp.rank, k);
+        sends += at.p2p_after(g) + at.p2p_before(g);
     }
-    double loss = par.pp.rank == N - 1 ? sizeof(double) : 0.0;
+    double loss = par.pp.rank == par.pp.head_rank() ? sizeof(double) : 0.0;
     return par.accumulation * sends * rows * c.channels * stored_value_bytes(device) + loss + (N - 1) * sizeof(double);
 }
 

@@ -67,8 +67,8 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     check_pp_micro_batches(pp_spec(o, 0).kind, o.pp, l.accumulation, o.vpp);
     // ZeRO-2/3 stage each bucket's gradients for one reduction at a time; a split backward writes some of a
     // micro-batch's (the layernorms') long before the rest, while other micro-batches' arrive
-    if (o.pp_schedule == "zb" && o.zero >= 2)
-        fail("--pp-schedule zb: its deferred weight gradients work with -z 0 or 1, not -z %d", o.zero);
+    if (pp_kind_splits_backward(parse_pp_schedule(o.pp_schedule)) && o.zero >= 2)
+        fail("--pp-schedule %s: its deferred weight gradients work with -z 0 or 1, not -z %d", o.pp_schedule.c_str(), o.zero);
     return l;
 }
 
@@ -268,7 +268,7 @@ inline std::vector<SearchCandidate> search_layouts(const Options& base, const GP
             for (int pp : search_choices(base, "--pp", base.pp, divisors(std::max(gpus / (tp * cp), 1)))) {
                 int dp = std::max(gpus / (tp * cp * pp), 1);
                 std::vector<std::string> kinds = {"1f1b"};
-                if (pp > 1) kinds = {"afab", "1f1b", "zb", "interleaved"};
+                if (pp > 1) kinds = {"afab", "1f1b", "zb", "interleaved", "dualpipev"};
                 std::vector<std::pair<std::string, int>> schedules;  // each with its virtual stages
                 for (const std::string& kind : search_choices(base, "--pp-schedule", base.pp_schedule, kinds))
                     for (int vpp : search_choices(base, "--vpp", base.vpp,

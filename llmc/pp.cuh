@@ -4,17 +4,21 @@
 // weight-gradient steps of chunks on micro-batches, and the exchanges with the neighbouring stages), and the
 // trace of what each rank did when.
 //
-// The split. The L layers form N·V virtual stages (V = --vpp, virtual stages per rank, for the interleaved
-// schedule), as even as can be: the first L mod (N·V) get one layer more (the last stage also runs the final
-// layernorm and the classifier, so the extra layers go first). Virtual stage g runs on rank g mod N as its
-// chunk g / N. The first stage holds the embeddings; the last the final norm and the classifier: a tied one is
-// wte, so that stage holds a copy of the embeddings (llmc/zero.cuh keeps the copies equal), while an untied
-// Llama's lm_head is its own and lives on the last stage alone.
+// The split. The L layers form the schedule's virtual stages (N·V looped, V = --vpp virtual stages per rank for
+// the interleaved schedule; 2N for DualPipeV's V), as even as can be: the first L mod stages get one layer more
+// (the last stage also runs the final layernorm and the classifier, so the extra layers go first). The
+// schedule's placement (PPPlacement, llmc/pp_schedules.h) says which rank runs virtual stage g as which of its
+// chunks: looped, rank g mod N as its chunk g / N; in the V, rank r runs stages r and 2N-1-r as its chunks 0
+// and 1, both in model order. The first stage holds the embeddings; the last the final norm and the classifier:
+// a tied one is wte, so when that stage is on another rank it holds a copy of the embeddings (llmc/zero.cuh
+// keeps the copies equal), while an untied Llama's lm_head is its own and lives on the last stage alone. In the
+// V both ends are rank 0's: it embeds the micro-batches and takes their loss, with one copy of a tied wte.
 //
 // What crosses stages: the residual stream after a chunk's last layer, forward, and its gradient, backward;
 // B×T/cp rows of C on each rank, or under sequence parallelism the rank's share of them (each tp rank
-// exchanges with the tp rank of the same index on the next stage). Every stage is given the whole micro-batch
-// of tokens: the first embeds the inputs, the last scores the targets.
+// exchanges with the tp rank of the same index on the next stage). Where two consecutive stages are one rank's
+// (the V's bottom, stages N-1 and N on rank N-1) the runner hands them over in memory instead. Every stage is
+// given the whole micro-batch of tokens: the first embeds the inputs, the last scores the targets.
 #pragma once
 
 #include <map>
@@ -31,6 +35,12 @@ struct PPSpec {
     int virtual_stages = 1;  // V, chunks per rank
     PPKind kind = PPKind::OneFOneB;
     bool on() const { return size > 1; }
+    PPPlacement placement() const { return pp_placement(kind, size, virtual_stages); }
+    // the rank that runs the last virtual stage: the classifier and the loss (N-1 looped, 0 in the V)
+    int head_rank() const {
+        PPPlacement at = placement();
+        return at.rank_of(at.stages() - 1);
+    }
 };
 
 // the layers of virtual stage g of `stages`: [first, first + count)
@@ -41,18 +51,22 @@ inline std::pair<int, int> virtual_stage_layers(int L, int stages, int g) {
 
 // the part of the model a stage holds; one line naming the flags when the layers cannot fill the stages
 inline ModelPart stage_part(const GPTConfig& c, const PPSpec& pp) {
-    int N = pp.size, V = pp.virtual_stages;
-    if (c.num_layers < N * V)
-        fail("--pp %d --vpp %d: the model's %d layers cannot fill %d virtual stages (one layer at least each)", N, V,
-             c.num_layers, N * V);
+    PPPlacement at = pp.placement();
+    int stages = at.stages();
+    if (c.num_layers < stages) {
+        std::string flags = pp.kind == PPKind::DualPipeV ? strfmt("--pp %d --pp-schedule dualpipev", pp.size)
+                                                         : strfmt("--pp %d --vpp %d", pp.size, pp.virtual_stages);
+        fail("%s: the model's %d layers cannot fill %d virtual stages (one layer at least each)", flags.c_str(),
+             c.num_layers, stages);
+    }
     ModelPart part;
-    for (int k = 0; k < V; k++) {
-        auto [first, count] = virtual_stage_layers(c.num_layers, N * V, k * N + pp.rank);
+    for (int k = 0; k < at.chunks; k++) {
+        auto [first, count] = virtual_stage_layers(c.num_layers, stages, at.stage(pp.rank, k));
         part.chunk_first.push_back(first);
         part.chunk_layers.push_back(count);
     }
-    part.first = pp.rank == 0;
-    part.last = pp.rank == N - 1;
+    part.first = at.rank_of(0) == pp.rank;
+    part.last = pp.head_rank() == pp.rank;
     part.tied = c.tied();
     return part;
 }
@@ -68,36 +82,55 @@ struct PPTraceEvent {
 // Runs a stage's share of a step: its actions in order, on the model's micro-batch slots. A (micro-batch,
 // chunk) takes a slot at its first action (the receive of its input, or its forward) and gives it back after
 // its backward (its weight-gradient step under a split backward). The gradient of its input leaves from the
-// model's backward scratch, so its send must come before the next compute action.
+// model's backward scratch, which a weight-gradient step leaves alone, so its send must come before the next
+// forward or backward (DualPipeV runs a whole backward as B, its W, then the send). Where the stage before a
+// chunk's is this rank's own other chunk (the V's bottom), its forward copies that chunk's output of the same
+// micro-batch into its input, and its backward copies its input's gradient into that chunk's output gradient:
+// both slots are held then, the one chunk's from its forward to its backward, the other's from its forward on.
 template <typename floatX>
 struct Pipeline {
     Comm* comm = nullptr;  // the pp group
+    PPSpec spec;           // this rank's place in the pipeline, and the schedule's placement of the chunks
+    int head_slot = 0;     // the slot of the classifier's last forward, which row losses and logits read
     std::vector<PPTraceEvent> trace;
     bool tracing = false;  // record the trace, and time each action to its end on the device
     double busy = 0.0;     // seconds of compute (forward, backward, weight gradients) in the last run, when tracing
 
-    // per action: whether the (micro-batch, chunk) gives its slot back after it; and the most slots held at once
+    // the chunk of the rank that runs the virtual stage before `chunk`'s, when no p2p comes between them (the
+    // V's bottom); else -1
+    static int chunk_before(const PPSpec& pp, int chunk) {
+        PPPlacement at = pp.placement();
+        int g = at.stage(pp.rank, chunk);
+        return g > 0 && !at.p2p_before(g) ? at.chunk_of(g - 1) : -1;
+    }
+
+    // per action, the (micro-batch, chunk) pairs that give their slots back after it; and the most slots held
+    // at once, for the actions of rank pp.rank
     struct SlotPlan {
-        std::vector<bool> release;
+        std::vector<std::vector<std::pair<int, int>>> release;
         int peak = 0;
     };
-    static SlotPlan plan_slots(const std::vector<PPAction>& actions) {
+    static SlotPlan plan_slots(const std::vector<PPAction>& actions, const PPSpec& pp) {
         SlotPlan plan;
-        plan.release.assign(actions.size(), false);
+        plan.release.assign(actions.size(), {});
         std::map<std::pair<int, int>, size_t> last;
         for (size_t i = 0; i < actions.size(); i++) {
             const PPAction& a = actions[i];
+            // a forward at the V's bottom reads the output of the chunk below (forward-only lists have no later use)
+            int below = a.op == PPOp::Forward ? chunk_before(pp, a.chunk) : -1;
+            if (below >= 0) last[{a.micro, below}] = i;
             if (a.op == PPOp::SendGradient) {
                 size_t k = i;
-                while (k > 0 && pp_is_p2p(actions[k - 1].op)) k--;
-                if (k == 0 || actions[k - 1].op != PPOp::Backward || actions[k - 1].micro != a.micro ||
-                    actions[k - 1].chunk != a.chunk)
-                    fail("pipeline: %s must come in the exchange right after its backward", pp_describe(a).c_str());
+                auto same = [&](const PPAction& b) { return b.micro == a.micro && b.chunk == a.chunk; };
+                while (k > 0 && (pp_is_p2p(actions[k - 1].op) || (actions[k - 1].op == PPOp::WeightGrad && same(actions[k - 1]))))
+                    k--;
+                if (k == 0 || actions[k - 1].op != PPOp::Backward || !same(actions[k - 1]))
+                    fail("pipeline: %s must come in the exchange right after its backward (or its W)", pp_describe(a).c_str());
                 continue;
             }
             last[{a.micro, a.chunk}] = i;
         }
-        for (const auto& [pair, i] : last) plan.release[i] = true;
+        for (const auto& [pair, i] : last) plan.release[i].push_back(pair);
         // held from the first action to the exchange or action that releases it
         int held = 0;
         std::map<std::pair<int, int>, bool> holding;
@@ -108,13 +141,15 @@ struct Pipeline {
             bool group_ends = !pp_is_p2p(a.op) || i + 1 == actions.size() || !pp_is_p2p(actions[i + 1].op);
             if (!group_ends) continue;
             for (size_t k = i + 1; k-- > 0;) {  // this action, or every op of the exchange it ends
-                if (plan.release[k]) held--;
+                held -= (int)plan.release[k].size();
                 if (k == 0 || !pp_is_p2p(actions[k].op) || !pp_is_p2p(actions[k - 1].op)) break;
             }
         }
         return plan;
     }
-    static int slots_needed(const std::vector<PPAction>& actions) { return std::max(1, plan_slots(actions).peak); }
+    static int slots_needed(const std::vector<PPAction>& actions, const PPSpec& pp) {
+        return std::max(1, plan_slots(actions, pp).peak);
+    }
 
     // Executes `actions` over micro-batches of B×T tokens (inputs[j], targets[j] for micro-batch j; targets may
     // be empty for a forward-only list, which leaves the logits). dloss is each token's weight in the loss
@@ -126,7 +161,7 @@ struct Pipeline {
                const std::vector<std::vector<int>>& inputs, const std::vector<std::vector<int>>& targets, int B, int T,
                float dloss) {
         int micro_batches = (int)inputs.size();
-        SlotPlan plan = plan_slots(actions);
+        SlotPlan plan = plan_slots(actions, spec);
         if (plan.peak > (int)m.slots.size())
             fail("pipeline: the schedule keeps %d micro-batches in flight; the model has %zu slots", plan.peak, m.slots.size());
         std::map<std::pair<int, int>, int> slot_of;
@@ -140,9 +175,10 @@ struct Pipeline {
             return slot_of[{a.micro, a.chunk}] = s;
         };
         auto release = [&](size_t i) {
-            if (!plan.release[i]) return;
-            free_slots.push_back(slot_of.at({actions[i].micro, actions[i].chunk}));
-            slot_of.erase({actions[i].micro, actions[i].chunk});
+            for (const std::pair<int, int>& pair : plan.release[i]) {
+                free_slots.push_back(slot_of.at(pair));
+                slot_of.erase(pair);
+            }
         };
         LocalDims d = model_dims(m, B, T);
         size_t rows = (size_t)d.R * d.C;
@@ -173,15 +209,21 @@ struct Pipeline {
                 continue;
             }
             int s = slot_for(a);
+            int below = chunk_before(spec, a.chunk);  // this rank's chunk that runs the stage before, or -1
             if (a.op == PPOp::Forward) {
+                if (below >= 0)
+                    device_copy<floatX>(gpt_chunk_input(m, s), gpt_chunk_output(m, slot_of.at({a.micro, below}), below), rows);
                 const int* labels = targets.empty() ? nullptr : targets[a.micro].data();
                 float l = gpt_forward_chunk(m, s, a.chunk, inputs[a.micro].data(), labels, B, T, dloss);
+                if (m.part.head(a.chunk)) head_slot = s;
                 if (m.part.head(a.chunk) && labels) loss += l;
             } else {
                 // ZeRO-0/1 reduce a bucket when the last micro-batch's gradients of it are complete
                 if (dpr) dpr->begin_micro_step(a.micro == micro_batches - 1);
                 if (a.op == PPOp::Backward) input_grad = gpt_backward_chunk(m, s, a.chunk, dloss);
                 else gpt_weight_grads_chunk(m, s, a.chunk);
+                if (a.op == PPOp::Backward && below >= 0)
+                    device_copy<floatX>(gpt_chunk_output(m, slot_of.at({a.micro, below}), below), input_grad, rows);
             }
             if (tracing) device_synchronize<floatX>();  // time the work, not its launch
             double finish = now_seconds() - t0;
@@ -195,16 +237,17 @@ struct Pipeline {
 };
 
 // The forward-only list of a stage for validation and sampling: micro-batches one after another through the
-// virtual stages, each received, run and sent on.
+// virtual stages in model order, each received, run and sent on (or, at the V's bottom, run on this rank).
 inline std::vector<PPAction> pp_forward_only(const PPSpec& pp, int micro_batches) {
-    int N = pp.size, V = pp.virtual_stages;
+    PPPlacement at = pp.placement();
     std::vector<PPAction> list;
     for (int j = 0; j < micro_batches; j++)
-        for (int k = 0; k < V; k++) {
-            int g = k * N + pp.rank;
-            if (g > 0) list.push_back({PPOp::RecvActivation, j, k, (pp.rank + N - 1) % N});
+        for (int g = 0; g < at.stages(); g++) {
+            if (at.rank_of(g) != pp.rank) continue;
+            int k = at.chunk_of(g);
+            if (at.p2p_before(g)) list.push_back({PPOp::RecvActivation, j, k, at.rank_of(g - 1)});
             list.push_back({PPOp::Forward, j, k, -1});
-            if (g < N * V - 1) list.push_back({PPOp::SendActivation, j, k, (pp.rank + 1) % N});
+            if (at.p2p_after(g)) list.push_back({PPOp::SendActivation, j, k, at.rank_of(g + 1)});
         }
     return list;
 }
@@ -221,17 +264,28 @@ inline void print_stage_layers(const GPTConfig& c, const PPSpec& pp) {
         }
         line += strfmt(" on stage %d", s);
     }
-    std::string embeddings = c.tied() ? strfmt("stages 0 and %d", pp.size - 1) : "stage 0";
-    printf("%s (embeddings on %s, the classifier on stage %d)\n", line.c_str(), embeddings.c_str(), pp.size - 1);
+    int head = pp.head_rank();
+    std::string embeddings = c.tied() && head != 0 ? strfmt("stages 0 and %d", head) : "stage 0";
+    printf("%s (embeddings on %s, the classifier on stage %d)\n", line.c_str(), embeddings.c_str(), head);
 }
 
 // Writes every rank's trace of one step as a Chrome trace (JSON, which chrome://tracing and ui.perfetto.dev
-// open and scripts/plot_pipeline.py draws): a row per rank, an event per compute action (name "F3" for the
-// forward of micro-batch 3; args micro, chunk, stage) and per exchange with its wait (name "p2p", args the
-// first op and how many there were). Times in microseconds from the step's start. Rank 0 writes it; a
-// collective over world.
-inline void write_pp_trace(const std::string& path, Comm& world, const std::vector<PPTraceEvent>& trace, int stage,
-                           const std::string& schedule) {
+// open and scripts/plot_pipeline.py draws): a row per rank, named with the virtual stages it runs ("rank 0
+// (stages 0 and 7)" in DualPipeV's V of 4 ranks), an event per compute action (name "F3" for the forward of
+// micro-batch 3; args micro, chunk, and stage, the chunk's virtual stage) and per exchange with its wait (name
+// "p2p", args the first op and how many there were). Times in microseconds from the step's start. Rank 0
+// writes it; a collective over world.
+inline void write_pp_trace(const std::string& path, Comm& world, const std::vector<PPTraceEvent>& trace,
+                           const PPSpec& pp, const std::string& schedule) {
+    PPPlacement at = pp.placement();
+    auto stages_of = [&](int rank) {
+        if (at.chunks == 1) return strfmt("stage %d", at.stage(rank, 0));
+        std::string s = "stages ";
+        for (int k = 0; k < at.chunks; k++)
+            s += strfmt("%s%d", k == 0 ? "" : k == at.chunks - 1 ? " and " : ", ", at.stage(rank, k));
+        return s;
+    };
+    int stage = pp.rank;
     constexpr int FIELDS = 7;
     std::vector<double> mine;
     for (const PPTraceEvent& e : trace)
@@ -250,7 +304,7 @@ inline void write_pp_trace(const std::string& path, Comm& world, const std::vect
     for (int r = 0; r < world.size; r++) {
         int s = (int)all_counts[2 * r + 1];
         json += strfmt("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": {\"name\": "
-                       "\"rank %d (stage %d)\"}},\n", r, r, s);
+                       "\"rank %d (%s)\"}},\n", r, r, stages_of(s).c_str());
         const double* e = &all[r * mine.size()];
         for (size_t i = 0; i < (size_t)all_counts[2 * r]; i++, e += FIELDS) {
             PPOp op = (PPOp)(int)e[0];
@@ -259,7 +313,7 @@ inline void write_pp_trace(const std::string& path, Comm& world, const std::vect
             std::string name = p2p ? "p2p" : strfmt("%s%d", pp_op_name(op), (int)e[1]);
             json += strfmt("{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
                            "\"dur\": %.3f, \"args\": {\"micro\": %d, \"chunk\": %d, \"stage\": %d", name.c_str(), category,
-                           r, e[5] * 1e6, (e[6] - e[5]) * 1e6, (int)e[1], (int)e[2], s);
+                           r, e[5] * 1e6, (e[6] - e[5]) * 1e6, (int)e[1], (int)e[2], at.stage(s, (int)e[2]));
             if (p2p) json += strfmt(", \"first_op\": \"%s\", \"peer\": %d, \"ops\": %d", pp_op_name(op), (int)e[3], (int)e[4]);
             json += "}},\n";
         }

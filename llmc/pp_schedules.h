@@ -26,17 +26,14 @@
 
 enum class PPKind { AFAB, OneFOneB, Interleaved, ZeroBubble, DualPipeV };
 
-// The trainer's names. DualPipeV's lists are built, checked and priced here (pp_schedule), but the runner in
-// llmc/pp.cuh places chunks the looped way only, so the trainer refuses it by name.
+// The trainer's names
 inline PPKind parse_pp_schedule(const std::string& name) {
     if (name == "afab") return PPKind::AFAB;
     if (name == "1f1b") return PPKind::OneFOneB;
     if (name == "interleaved") return PPKind::Interleaved;
     if (name == "zb") return PPKind::ZeroBubble;
-    if (name == "dualpipev")
-        fail("--pp-schedule dualpipev: its schedule is built and checked (llmc/pp_schedules.h) but the pipeline "
-             "runtime does not run it yet");
-    fail("--pp-schedule %s: expected afab, 1f1b, interleaved or zb", name.c_str());
+    if (name == "dualpipev") return PPKind::DualPipeV;
+    fail("--pp-schedule %s: expected afab, 1f1b, interleaved, zb or dualpipev", name.c_str());
 }
 
 inline const char* pp_schedule_name(PPKind kind) {
@@ -71,6 +68,9 @@ inline PPPlacement pp_looped(int N, int V) { return PPPlacement{N, V, false}; }
 inline PPPlacement pp_placement(PPKind kind, int N, int V) {
     return kind == PPKind::DualPipeV ? PPPlacement{N, 2, true} : pp_looped(N, V);
 }
+
+// whether the schedule splits backward into B (the input gradient) and W (the weight gradients), run apart
+inline bool pp_kind_splits_backward(PPKind kind) { return kind == PPKind::ZeroBubble || kind == PPKind::DualPipeV; }
 
 // Backward is the whole backward, or only the input gradient when the schedule has WeightGrad actions
 enum class PPOp { Forward, Backward, WeightGrad, SendActivation, RecvActivation, SendGradient, RecvGradient };

@@ -223,6 +223,7 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
                              const HardwareProfile& hw, int gpus_per_node) {
     StepModel sm{c, par, hw, dev, B, T, gpus_per_node};
     const int N = par.pp.size, V = par.pp.virtual_stages, m = par.accumulation;
+    const PPPlacement at = par.pp.placement();
     // each stage's cost per chunk, and its optimizer step
     std::vector<std::vector<PassCost>> costs(N);
     std::vector<double> optimizer(N);
@@ -231,8 +232,8 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         spec.rank = r;
         ModelPart part = stage_part(c, spec);
         for (int k = 0; k < part.chunks(); k++) {
-            int g = k * N + r;
-            bool sends_on = g < N * V - 1, sends_back = g > 0;  // not the model's last chunk, not its first
+            int g = at.stage(r, k);
+            bool sends_on = at.p2p_after(g), sends_back = at.p2p_before(g);  // by p2p: not the model's ends, not the V's bottom
             costs[r].push_back(sm.pass(part.chunk_layers[k], part.starts_model(k), part.head(k), sends_on, sends_back));
         }
         ParallelPlan stage = par;

@@ -116,13 +116,13 @@ std::pair<std::string, std::string> trained_model(const Data& data, const TempDi
 }
 
 TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with the same accuracy on one rank and "
-          "under dp 2 (ZeRO-3), tp 2, cp 2 and pp 2",
+          "under dp 2 (ZeRO-3), tp 2, cp 2, pp 2 and DualPipeV's pp 2 (the classifier on rank 0)",
           "[evals]") {
     Data data;
     TempDir dir;
     // the PyTorch reference GPT-2 and Llama (maxT 29: rows of -t 16), and a GPT-2 of maxT 128 scored with -t 128,
     // whose rows are cut to 64 tokens: that one runs on every layout
-    auto [made, made_hf] = trained_model(data, dir, "d3c48h4t128v301");
+    auto [made, made_hf] = trained_model(data, dir, "d4c48h4t128v301");
     struct Model {
         std::string name, file, hf;
         int T;
@@ -173,7 +173,7 @@ TEST_CASE("an eval file is scored as PyTorch scores it, example by example, with
             std::string flags;
         };
         for (const Layout& l : {Layout{"dp2", "-b 2 -z 3"}, Layout{"tp2", "--tp 2"}, Layout{"cp2", "--cp 2"},
-                                Layout{"pp2", "--pp 2"}}) {
+                                Layout{"pp2", "--pp 2"}, Layout{"pp2_dualpipev", "-b 2 --pp 2 --pp-schedule dualpipev"}}) {
             INFO(l.name);
             std::string run = dir / l.name, run_scores = run + ".txt";
             if (!train_ok(2, flags(run_scores) + " " + l.flags, run, &output)) continue;

@@ -2,9 +2,10 @@
 // Llama run with the same global batch over 20 steps of 2 or 4 micro-batches (the equivalence principle):
 // dp 2 under ZeRO-1 and ZeRO-3; tp 2 with and without sp, which splits the 4 query heads and the 2 key/value
 // heads; tp 4 (with sp, and without it under ZeRO-2), which holds each key/value head on two ranks and sums its
-// gradient over them; pp 2 under 1F1B, ZB-H1 and the interleaved schedule, and pp 2 × dp 2; a Llama whose
-// classifier is tied to wte (Llama 3.2's) under pp 2, where the first and the last stage sum the tied gradient,
-// and under tp 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where
+// gradient over them; pp 2 under 1F1B, ZB-H1, the interleaved schedule and DualPipeV, pp 2 × dp 2, and
+// DualPipeV under pp 2 × tp 2; a Llama whose classifier is tied to wte (Llama 3.2's) under pp 2, where the first
+// and the last stage sum the tied gradient, under DualPipeV × dp 2 (ZeRO-1), where rank 0 holds both ends and
+// one wte, and under tp 2; the experts' Llama under DualPipeV × ep 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where
 // an untied lm_head lives (on the last stage alone), and a Llama checkpoint resumed under another layout (tp
 // 4's too, whose replicated key/value heads two optimizer files hold).
 //
@@ -29,9 +30,9 @@ const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
 const char* MOE = "l4c32h4g2f80t32v301e4k2";  // Mixtral's shape: 4 SwiGLU experts in every layer, top 2
 
-TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved), pp 2 × dp 2, "
-          "cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
-          "tied Llama under pp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 (-r 0 and 2) and dp 2",
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved, DualPipeV), pp 2 × dp 2, "
+          "DualPipeV × tp 2, cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
+          "tied Llama under pp 2, DualPipeV × dp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 (-r 0 and 2), dp 2 and DualPipeV × ep 2",
           "[llama][parallel]") {
     Data data;
     TempDir out;
@@ -44,31 +45,38 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with
         {"pp2_1f1b", LLAMA, 2, 2, " --pp 2 --debug-check-replicas 1"}, {"pp2_zb", LLAMA, 2, 2, " --pp 2 --pp-schedule zb"},
         {"pp2_interleaved", LLAMA, 2, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
         {"pp2_dp2", LLAMA, 4, 1, " --pp 2 -z 1 --debug-check-replicas 1"},
+        {"pp2_dualpipev", LLAMA, 2, 2, " --pp 2 --pp-schedule dualpipev"},
+        {"pp2_tp2_dualpipev", LLAMA, 4, 2, " --pp 2 --tp 2 --pp-schedule dualpipev"},
         {"cp2_zigzag", LLAMA, 2, 2, " --cp 2 --cp-split zigzag"},
         {"cp2_contiguous", LLAMA, 2, 2, " --cp 2 --cp-split contiguous"},
         {"cp2_tp2", LLAMA, 4, 2, " --cp 2 --tp 2 --sp 1"},
         {"tied_pp2", TIED, 2, 2, " --pp 2 --debug-check-replicas 1"},
+        {"tied_pp2_dp2_dualpipev", TIED, 4, 1, " --pp 2 --pp-schedule dualpipev -z 1 --debug-check-replicas 1"},
         {"tied_tp2", TIED, 2, 2, " --tp 2 --sp 1"}, {"tied_cp2", TIED, 2, 2, " --cp 2"},
         {"moe_ep2", MOE, 2, 2, " --ep 2 -z 1"}, {"moe_ep2_tp2", MOE, 4, 2, " --ep 2 --tp 2 -z 1"},
-        {"moe_ep2_tp2_r2", MOE, 4, 2, " --ep 2 --tp 2 --sp 1 -z 1 -r 2"}, {"moe_dp2", MOE, 2, 2, " -z 1"}};
+        {"moe_ep2_tp2_r2", MOE, 4, 2, " --ep 2 --tp 2 --sp 1 -z 1 -r 2"}, {"moe_dp2", MOE, 2, 2, " -z 1"},
+        {"moe_ep2_pp2_dualpipev", MOE, 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev -z 1"}};
     std::map<std::string, std::string> outputs = check_layouts(data, out, layouts);
-    // under pp, where the embeddings and the classifier live
+    // under pp, where the embeddings and the classifier live: DualPipeV's V holds both on rank 0
     for (const EquivalenceLayout& l : layouts) {
         if (!outputs.count(l.name)) continue;
         INFO(l.name);
         const std::string& run = outputs[l.name];
         std::string flags = l.flags;
-        bool tied = l.model == TIED;
+        bool tied = l.model == TIED, v_shape = flags.find("dualpipev") != std::string::npos;
         if (flags.find("--pp") != std::string::npos)
-            CHECK(run.find(tied ? "(embeddings on stages 0 and 1, the classifier on stage 1)"
-                                : "(embeddings on stage 0, the classifier on stage 1)") != std::string::npos);
-        if (flags.find("replicas") != std::string::npos)  // only a tied classifier keeps a second copy of wte
-            CHECK((run.find("replicas: the embeddings are identical on the first and the last stage") != std::string::npos) == tied);
+            CHECK(run.find(v_shape ? "(embeddings on stage 0, the classifier on stage 0)"
+                           : tied  ? "(embeddings on stages 0 and 1, the classifier on stage 1)"
+                                   : "(embeddings on stage 0, the classifier on stage 1)") != std::string::npos);
+        if (flags.find("replicas") != std::string::npos)  // only a tied classifier on another stage keeps a second wte
+            CHECK((run.find("replicas: the embeddings are identical on the first and the last stage") != std::string::npos) ==
+                  (tied && !v_shape));
     }
 }
 
 TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 and 3, tp with sp (tp 4 replicating the "
-          "key/value heads), cp and pp; an untied lm_head lives on the last stage only, a tied wte on both ends",
+          "key/value heads), cp and pp (1F1B, DualPipeV); an untied lm_head lives on the last stage only, a tied wte on both "
+          "ends, and under DualPipeV both on rank 0, wte once",
           "[llama][parallel]") {
     for (const char* model : {LLAMA, TIED}) {
         GPTConfig c = parse_model_descriptor(model);
@@ -76,15 +84,19 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
         PPSpec two{2, 0, 1, PPKind::OneFOneB};
         size_t stages = num_parameters(c, 1, stage_part(c, two)) + num_parameters(c, 1, stage_part(c, PPSpec{2, 1, 1, PPKind::OneFOneB}));
         CHECK(stages == num_parameters(c) + (c.tied() ? (size_t)c.padded_vocab_size * c.channels : 0));
+        // DualPipeV's V: rank 0 holds both ends, so its stages hold the whole model, each tensor once
+        size_t v_stages = num_parameters(c, 1, stage_part(c, PPSpec{2, 0, 1, PPKind::DualPipeV})) +
+                          num_parameters(c, 1, stage_part(c, PPSpec{2, 1, 1, PPKind::DualPipeV}));
+        CHECK(v_stages == num_parameters(c));
         for (int zero : {1, 3})
             for (int tp : {1, 2, 4})  // tp 4: each key/value head on two ranks
                 for (int cp : {1, 2})
-                    for (int N : {1, 2})
+                    for (auto [N, kind] : {std::pair{1, PPKind::OneFOneB}, {2, PPKind::OneFOneB}, {2, PPKind::DualPipeV}})
                         for (int stage = 0; stage < N; stage++)
                             for (int rank = 0; rank < tp * cp; rank++) {  // tp fastest, then cp
                                 INFO(model << " ZeRO-" << zero << " dp 2, tp " << tp << ", cp " << cp << ", rank " << rank
-                                           << ", pp " << N << " stage " << stage);
-                                PPSpec pp{N, stage, 1, PPKind::OneFOneB};
+                                           << ", pp " << N << " (" << pp_schedule_name(kind) << ") stage " << stage);
+                                PPSpec pp{N, stage, 1, kind};
                                 int micro = 4, slots = N > 1 ? planned_in_flight(pp, micro) : 1;
                                 Comm group;  // dp 2 × cp: only the size and rank matter until a collective runs
                                 group.size = 2 * cp;
@@ -95,7 +107,7 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
                                 layout.tp = TPSpec{tp, rank % tp, tp > 1};
                                 layout.cp = CPSpec{cp, rank / tp, CPSplit::ZigZag};
                                 if (N > 1) layout.part = stage_part(c, pp);
-                                layout.slots = slots;
+                                layout.slots = slots, layout.split_backward = N > 1 && pp_kind_splits_backward(kind);
                                 gpt_allocate(m, c, 2, 16, layout);
                                 DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
                                 ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
@@ -150,7 +162,7 @@ TEST_CASE("Llama layouts tp cannot split are refused in one line naming the flag
 }
 
 TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupted single-rank run's losses: "
-          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 to one rank, one rank to dp 2 under ZeRO-3, tp 4 (key/value heads on two "
+          "tp 2 × dp 2 to pp 2 × dp 2, pp 2 (1F1B and DualPipeV) to one rank, one rank to dp 2 under ZeRO-3, tp 4 (key/value heads on two "
           "ranks each) to tp 2; tied too; --convert of the checkpoints",
           "[llama][parallel]") {
     Data data;
@@ -160,6 +172,9 @@ TEST_CASE("a Llama checkpoint resumes under another layout with the uninterrupte
         std::map<std::string, double> reference = resume_reference_losses(data, model, out / (std::string(model) + "_one"));
         check_resume(data, model, {4, "-b 2 --tp 2 -z 1"}, {4, "-b 2 --pp 2 -z 1"}, reference, out / (std::string(model) + "_tp"));
         check_resume(data, model, {2, "-b 4 --pp 2"}, {1, "-b 4"}, reference, out / (std::string(model) + "_pp"));
+        // DualPipeV's rank 0 holds both ends (a tied wte once), its other ranks two chunks of layers apart
+        check_resume(data, model, {2, "-b 2 --pp 2 --pp-schedule dualpipev"}, {1, "-b 4"}, reference,
+                     out / (std::string(model) + "_dualpipev"));
         check_resume(data, model, {1, "-b 4"}, {2, "-b 2 -z 3"}, reference, out / (std::string(model) + "_z3"));
         // tp 4 holds each of the 2 key/value heads on two ranks, whose optimizer files both hold its state
         check_resume(data, model, {4, "-b 4 --tp 4"}, {2, "-b 4 --tp 2"}, reference, out / (std::string(model) + "_tp4"));

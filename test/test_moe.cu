@@ -166,7 +166,7 @@ TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, Ze
                     const int m_micro = 4, B = 2, T = 16;
                     PPSpec pp{l.pp, stage, 1, l.kind};
                     bool split = l.pp > 1 && l.kind == PPKind::ZeroBubble;
-                    int slots = l.pp > 1 ? Pipeline<float>::slots_needed(pp_schedule(l.kind, l.pp, m_micro, 1)[stage]) : 1;
+                    int slots = l.pp > 1 ? Pipeline<float>::slots_needed(pp_schedule(l.kind, l.pp, m_micro, 1)[stage], pp) : 1;
                     // only the sizes and ranks of the groups matter until a collective runs
                     Comm group, replicas, ep, stages;
                     group.size = l.dp * l.cp, replicas.size = l.dp / l.ep * l.cp, ep.size = l.ep, stages.size = l.pp;

@@ -192,7 +192,7 @@ TEST_CASE("predict_step prices every layout family: its parts add up to the step
         layouts.push_back({"dp 4", dense, plan(4, zero, 1, 1, {}, 1, 0, 2), true, false, false, false, false});
     layouts.push_back({"tp 2 sp, -r 2", dense, plan(1, 0, 2, 1, {}, 1, 2, 1), false, true, false, false, false});
     layouts.push_back({"cp 2 x dp 2", dense, plan(2, 1, 1, 2, {}, 1, 0, 1), true, false, true, false, false});
-    for (PPKind kind : {PPKind::AFAB, PPKind::OneFOneB, PPKind::ZeroBubble})
+    for (PPKind kind : {PPKind::AFAB, PPKind::OneFOneB, PPKind::ZeroBubble, PPKind::DualPipeV})
         layouts.push_back(
             {"pp 2", dense, plan(1, 0, 1, 1, PPSpec{2, 0, 1, kind}, 1, 0, 4), false, false, false, true, false});
     layouts.push_back({"pp 2 interleaved", dense, plan(2, 1, 2, 1, PPSpec{2, 0, 2, PPKind::Interleaved}, 1, 1, 4), true,

@@ -32,7 +32,7 @@ int pp_peak_in_flight(const std::vector<PPAction>& rank_actions) {
     return peak;
 }
 
-// the schedules the trainer runs; DualPipeV, which it refuses by name, has its own cases below
+// the looped schedules; DualPipeV, whose lists take 2·pp micro-batches or more, has its own cases below
 const PPKind all_kinds[] = {PPKind::AFAB, PPKind::OneFOneB, PPKind::Interleaved, PPKind::ZeroBubble};
 
 // each schedule's closed form of pp_peak_in_flight on a rank
@@ -222,7 +222,7 @@ TEST_CASE("the checker refuses exchanges split so that each rank receives before
 
 TEST_CASE("schedule names and micro-batch counts that do not fit are refused with the flag to change", "[pp]") {
     for (PPKind kind : all_kinds) CHECK(parse_pp_schedule(pp_schedule_name(kind)) == kind);
-    REQUIRE_THROWS_WITH(parse_pp_schedule("gpipe"), "--pp-schedule gpipe: expected afab, 1f1b, interleaved or zb");
+    REQUIRE_THROWS_WITH(parse_pp_schedule("gpipe"), "--pp-schedule gpipe: expected afab, 1f1b, interleaved, zb or dualpipev");
     REQUIRE_THROWS_WITH(check_pp_micro_batches(PPKind::Interleaved, 4, 6, 2),
                         "--pp-schedule interleaved: the 6 micro-batches of a step must be a multiple of --pp 4");
     REQUIRE_THROWS_WITH(check_pp_micro_batches(PPKind::OneFOneB, 4, 8, 2),
@@ -441,11 +441,9 @@ TEST_CASE("the checker refuses DualPipeV lists with a planted error", "[pp]") {
     CHECK_NOTHROW(refused(valid));
 }
 
-TEST_CASE("dualpipev is refused by name until the runtime runs it, and with fewer than 2·pp micro-batches", "[pp]") {
+TEST_CASE("dualpipev is the trainer's name for DualPipeV, refused with fewer than 2·pp micro-batches", "[pp]") {
     CHECK(std::string(pp_schedule_name(PPKind::DualPipeV)) == "dualpipev");
-    REQUIRE_THROWS_WITH(parse_pp_schedule("dualpipev"),
-                        "--pp-schedule dualpipev: its schedule is built and checked (llmc/pp_schedules.h) but the "
-                        "pipeline runtime does not run it yet");
+    CHECK(parse_pp_schedule("dualpipev") == PPKind::DualPipeV);
     REQUIRE_THROWS_WITH(check_pp_micro_batches(PPKind::DualPipeV, 4, 7, 1),
                         "--pp-schedule dualpipev: the 7 micro-batches of a step (the gradient accumulation) must be "
                         "at least twice --pp 4");

@@ -25,7 +25,7 @@
 #   quick       PHASES=quick: build tests model fp8 mpi cp pp moe resume nccl with small runs, which reach every
 #               GPU code path (each kernel family through the [cuda] tests, GPT-2 and Llama, FP8, the mma and
 #               wgmma attention, dp and ZeRO, tp, cp, pp, ep, NCCL on one rank, resume across devices):
-#               CHECK_MODEL d6c384h6 at B=4 T=256 for 6 steps, ZeRO-1 and 3, the zb and interleaved pp
+#               CHECK_MODEL d6c384h6 at B=4 T=256 for 6 steps, ZeRO-1 and 3, the zb, dualpipev and interleaved pp
 #               schedules, ep 2 with ZeRO-1 and under pp, one FP8 run of 20 steps and no FP8 timings; the
 #               [cuda] tests run once (the tests and model phases)
 #   QUICK       1: quick's small runs for the phases PHASES names (PHASES=quick sets it)                  [0]
@@ -109,12 +109,12 @@ FP8_WARMUP=20  # the FP8 runs' learning-rate warm-up (-u)
 if (( QUICK )); then
     FP8_RUNS=${FP8_RUNS-d12:4:1024} FP8_STEPS=${FP8_STEPS:-20} FP8_SPEED=${FP8_SPEED-} FP8_WINDOW=${FP8_WINDOW:-1}
     FP8_SKIP=0  # quick's 20 steps are its warm-up: each compared alone
-    ZERO_STAGES="1 3" PP_SCHEDULES="zb"
+    ZERO_STAGES="1 3" PP_SCHEDULES="zb dualpipev"
 else
     FP8_RUNS=${FP8_RUNS-d12:16:1024 l16c2048h32g8f8192t1024:4:1024} FP8_STEPS=${FP8_STEPS:-200} FP8_WINDOW=${FP8_WINDOW:-20}
     FP8_SKIP=$FP8_WARMUP  # the steps left out of the comparison
     FP8_SPEED=${FP8_SPEED-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:4:1024 llama3-1b:1:4096}
-    ZERO_STAGES="0 1 2 3" PP_SCHEDULES="afab 1f1b zb"
+    ZERO_STAGES="0 1 2 3" PP_SCHEDULES="afab 1f1b zb dualpipev"
 fi
 STEP_TOL=${STEP_TOL:-0.25}
 NCCL_TOL=${NCCL_TOL:-0}
@@ -654,8 +654,9 @@ phase_cp() {
 
 # ---------------------------------------------------------------------------------------------------------
 # pp: pipeline parallelism on 2 ranks sharing the device over MPI (each schedule over the 4 micro-batches of
-# the global batch; the interleaved one with 2 virtual stages per rank), against one rank; then a Llama (its
-# lm_head on the last stage alone) under 1F1B
+# the global batch; the interleaved one with 2 virtual stages per rank; dualpipev's V handing its bottom over in
+# device memory on rank 1 and taking the loss on rank 0), against one rank; then a Llama (its lm_head on the last
+# stage alone) under 1F1B, and under DualPipeV (its lm_head on rank 0, beside the embeddings)
 
 phase_pp() {
     if two_ranks_ready "$WORK/pp"; then
@@ -665,6 +666,8 @@ phase_pp() {
     fi
     if two_ranks_ready "$WORK/pp_llama" -e "$LLAMA_MODEL"; then
         two_ranks "$WORK/pp_llama" "$LLAMA_MODEL, pp 2 (1f1b), 4 micro-batches" -e "$LLAMA_MODEL" --pp 2 --pp-schedule 1f1b
+        two_ranks "$WORK/pp_llama" "$LLAMA_MODEL, pp 2 (dualpipev), 4 micro-batches" -e "$LLAMA_MODEL" --pp 2 \
+            --pp-schedule dualpipev
     fi
 }
 
