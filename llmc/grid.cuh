@@ -32,7 +32,7 @@ struct Grid {
     Comm world_comm, tp_comm, cp_comm, dp_comm, pp_comm, ep_comm;
     Comm dp_cp_comm;  // only with cp > 1: without, dp_cp() is the dp group itself
     Comm tp_cp_comm;  // only with tp > 1 and cp > 1: without, tp_cp() is the tp or the cp group itself
-    Comm tied_comm;   // only with pp > 1, on the first and the last stage: the two that hold the embeddings
+    Comm tied_comm;   // only with pp > 1, on the first and the last pp rank: the two that hold the embeddings, looped
     Comm expert_dp_comm;  // only with ep > 1: the ranks that hold the same experts
 
     // the group that reduces gradients and shards the optimizer: dp × cp
@@ -109,8 +109,9 @@ inline Grid make_grid(Comm& world, const GridShape& s) {
         first.tp = first.cp = 0;
         g.tp_cp_comm = world.split(grid_rank(first, s, g.dp), c.tp + s.tp * c.cp, "tp_cp");
     }
-    // the tied embeddings' pair: the first and the last stage of a pipeline (the middle stages, each alone,
-    // never use theirs)
+    // the tied embeddings' pair: the first and the last pp rank, the first and the last stage of a looped
+    // schedule (the middle stages, each alone, never use theirs; under DualPipeV's V rank 0 runs both ends with
+    // one copy, and no rank uses it)
     if (s.pp > 1) {
         bool holds_embeddings = c.pp == 0 || c.pp == s.pp - 1;
         g.tied_comm = world.split(holds_embeddings ? without(c, &GridCoords::pp) : world.size + world.rank, c.pp, "tied");

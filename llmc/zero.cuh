@@ -182,10 +182,11 @@ inline double sum_of_squares_spans(const std::vector<std::pair<const bf16*, long
 }
 
 // What crosses pipeline stages here (llmc/pp.cuh): the gradient norm, summed over the stages, and the tied
-// embeddings, which the first and the last stage both hold. Their gradients are the embedding's on the first
-// stage and the classifier's on the last; once each stage has reduced its embedding bucket over dp, the two
-// sum them (a group of those two ranks), so both copies take the same update. The bucket has the same layout
-// on both (the last stage holds wpe too, never read), so the reduced pieces line up. Null without pp.
+// embeddings, which the first and the last stage both hold when they are two ranks (not in DualPipeV's V,
+// whose rank 0 runs both ends with one copy). Their gradients are the embedding's on the first stage and the
+// classifier's on the last; once each stage has reduced its embedding bucket over dp, the two sum them (a group
+// of those two ranks), so both copies take the same update. The bucket has the same layout on both (the last
+// stage holds wpe too, never read), so the reduced pieces line up. Null without pp.
 struct StageLinks {
     Comm* stages = nullptr;  // the pp group
     Comm* tied = nullptr;    // the first and the last stage (on those two only)
