@@ -6,8 +6,8 @@
 # The suite runs in shards side by side, a shard a process: one case after another leaves cores idle (the cases wait
 # on the processes they start, train_gpt, mpirun and Python, most of which run on one core; one after another the
 # suite kept 1.0 of 2 cores busy on average). A case that takes long is a shard of its own; the short ones are packed
-# into shards of about BATCH_SECONDS. Shards start longest first, each when the cores it needs are free out of
-# TEST_JOBS: a core for each process one of its cases runs at once, up to the machine's cores (an mpirun of 4 ranks
+# into shards of about BATCH_SECONDS. Shards start longest first (one that must run alone before all), each when
+# the cores it needs are free out of TEST_JOBS: a core for each process one of its cases runs at once, up to the machine's cores (an mpirun of 4 ranks
 # needs 4 where there are 4 cores, and both of a 2-core machine's); test/slow_cases.txt lists the slow cases' seconds
 # and processes, and names the case that must run with no shard beside it. Each shard has its own scratch directory
 # (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary files go) and its own
@@ -107,8 +107,11 @@ if [ $# -eq 0 ]; then  # the whole suite: the data-preparation checks too, as a 
     node_shard=$shards
 fi
 
-# Longest first: the order the shards start in.
-order=$(for ((i = 1; i <= shards; i++)); do printf '%s %d\n' "${shard_seconds[$i]}" "$i"; done | sort -k1,1gr | cut -d' ' -f2)
+# The order the shards start in: a shard that must run alone first, on the empty machine (queued behind another,
+# it would hold back every shard after it for as long as that one runs), then longest first.
+order=$(for ((i = 1; i <= shards; i++)); do
+    printf '%d %s %d\n' "$((shard_cores[i] >= TEST_JOBS))" "${shard_seconds[$i]}" "$i"
+done | sort -k1,1nr -k2,2gr | cut -d' ' -f3)
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/llm5d_tests.XXXXXX")
 declare -A running  # pid -> shard
