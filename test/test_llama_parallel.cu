@@ -2,7 +2,8 @@
 // Llama run with the same global batch over 20 steps of 2 or 4 micro-batches (the equivalence principle):
 // dp 2 under ZeRO-1 and ZeRO-3; tp 2 with and without sp, which splits the 4 query heads and the 2 key/value
 // heads; tp 4 (with sp, and without it under ZeRO-2), which holds each key/value head on two ranks and sums its
-// gradient over them; pp 2 under 1F1B, ZB-H1, the interleaved schedule and DualPipeV, pp 2 × dp 2, and
+// gradient over them; pp 2 under 1F1B, ZB-H1, the interleaved schedule and DualPipeV, DualPipeV on pp 4 (an
+// 8-layer Llama, 8 micro-batches), pp 2 × dp 2, and
 // DualPipeV under pp 2 × tp 2; a Llama whose classifier is tied to wte (Llama 3.2's) under pp 2, where the first
 // and the last stage sum the tied gradient, under DualPipeV × dp 2 (ZeRO-1), where rank 0 holds both ends and
 // one wte, and under tp 2; the experts' Llama under DualPipeV × ep 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where
@@ -29,8 +30,9 @@ namespace test_llama_parallel {
 const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
 const char* MOE = "l4c32h4g2f80t32v301e4k2";  // Mixtral's shape: 4 SwiGLU experts in every layer, top 2
+const char* LLAMA8 = "l8c32h4g2f80t32v301";     // DualPipeV's 8 stages on pp 4, a layer each
 
-TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved, DualPipeV), pp 2 × dp 2, "
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved, DualPipeV), DualPipeV on pp 4, pp 2 × dp 2, "
           "DualPipeV × tp 2, cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
           "tied Llama under pp 2, DualPipeV × dp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 (-r 0 and 2), dp 2 and DualPipeV × ep 2",
           "[llama][parallel]") {
@@ -46,6 +48,7 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with
         {"pp2_interleaved", LLAMA, 2, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
         {"pp2_dp2", LLAMA, 4, 1, " --pp 2 -z 1 --debug-check-replicas 1"},
         {"pp2_dualpipev", LLAMA, 2, 2, " --pp 2 --pp-schedule dualpipev"},
+        {"pp4_dualpipev", LLAMA8, 4, 1, " --pp 4 --pp-schedule dualpipev"},
         {"pp2_tp2_dualpipev", LLAMA, 4, 2, " --pp 2 --tp 2 --pp-schedule dualpipev"},
         {"cp2_zigzag", LLAMA, 2, 2, " --cp 2 --cp-split zigzag"},
         {"cp2_contiguous", LLAMA, 2, 2, " --cp 2 --cp-split contiguous"},
