@@ -253,7 +253,7 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
     }
     if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");
     // the tied embeddings (wte and wpe, at the front of the share) of the first and the last stage
-    if (grid.pp > 1 && tied_across_stages(m.part)) {
+    if (grid.pp > 1 && m.part.tied_across_stages()) {
         size_t n = m.param_sizes[WTE] + m.param_sizes[WPE];
         std::vector<float> pair(2 * n);
         grid.tied_comm.wait(grid.tied_comm.all_gather(mine, pair.data(), n, DType::F32));
@@ -262,10 +262,6 @@ static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid&
         if (grid.rank == 0) printf("replicas: the embeddings are identical on the first and the last stage\n");
     }
 }
-
-// whether this rank holds one of two copies of the tied embeddings on two stages, which llmc/zero.cuh keeps
-// equal over grid.tied_comm: not when one rank runs both ends (DualPipeV's rank 0)
-static bool tied_across_stages(const ModelPart& part) { return part.embedding_copy() && part.first != part.last; }
 
 // the layout a checkpoint records, and a resumed run compares with its own
 static RunLayout run_layout(const Options& o, int world, int dp, long total_batch, size_t bucket_floats, Device dev) {
@@ -396,7 +392,7 @@ struct Trainer {
         }
         // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp; with
         // experts split over ep, theirs over the ranks that hold the same experts
-        StageLinks links{pp.on() ? &grid.pp_comm : nullptr, pp.on() && tied_across_stages(model.part) ? &grid.tied_comm : nullptr};
+        StageLinks links{pp.on() ? &grid.pp_comm : nullptr, model.part.tied_across_stages() ? &grid.tied_comm : nullptr};
         ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
         dpr.reset(new DataParallel<floatX>(model, grid.dp_cp(), o.zero, run.bucket_floats, links, experts));
         optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);

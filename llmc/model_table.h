@@ -138,6 +138,9 @@ struct ModelPart {
     bool embeddings() const { return first || (last && tied); }
     // holds one of the two copies of the tied embeddings (under pp: the first stage or the last)
     bool embedding_copy() const { return tied && (first || last); }
+    // ... and the other copy is on another stage, the two summing their gradients: not where one rank runs both
+    // ends (DualPipeV's rank 0) with one copy
+    bool tied_across_stages() const { return embedding_copy() && first != last; }
     bool head(int chunk) const { return last && chunk == chunks() - 1; }
     bool starts_model(int chunk) const { return first && chunk == 0; }
     // the model's index of the part's layer l

@@ -259,7 +259,8 @@ struct DataParallel : ParamStore<floatX> {
         }
         if (!engaged()) return;
         m.store = this;
-        plan = gradient_plan(m.table, m.param_sizes, m.tp.size(), m.tp.spec.rank, m.tp.spec.sp, links.stages && !m.part.first);
+        plan = gradient_plan(m.table, m.param_sizes, m.tp.size(), m.tp.spec.rank, m.tp.spec.sp,
+                             m.part.tied_across_stages() && !m.part.first);
         Ledger& led = m.ledger;
         if (stage >= 1) {
             if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, shard_size());
