@@ -943,7 +943,7 @@ declare -A EST_FULL=(
     [llama]=170         # 4 dev/cuda programs (< 20 s each), Catch2 30, llama3-1b 10 steps 30, PyTorch 40
     [fp8]=450           # 2 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s a step), 12 timed runs
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
-    [pp]=80             # 4 x (20 x 0.39 s + 7), the Llama 20
+    [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
     [moe]=80            # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each
     [mpi]=250           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each
     [kernels]=150       # 12 dev/cuda programs (93 s on an H100, 2026-11-27: attention 27) and attention_sdpa.py
@@ -961,7 +961,7 @@ declare -A EST_QUICK=(
     [fp8]=15            # d12 B=4 T=1024, 20 steps with and without --fp8 1: 2 x (4 s + 20 x ~45 ms)
     [mpi]=35            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
-    [pp]=15             # zb, interleaved; the Llama's 1f1b: 7 s on an H100
+    [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
     [moe]=25            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9
     [resume]=35         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device)
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
