@@ -314,31 +314,33 @@ inline void check_resume(const Data& data, const char* model, const ResumeLayout
     check_close(losses(dir), reference, 1e-5, RESUME_STEPS + 3);
 }
 // One layout of an equivalence test: `ranks` ranks with `flags`, b sequences per micro-batch of a rank, for the
-// global batch of 8 of its model's single-rank run
+// global batch of `sequences` (of 16 tokens) of its model's single-rank run
 struct EquivalenceLayout {
     const char* name;
     const char* model;
     int ranks, b;
     const char* flags;
+    int sequences = 8;
 };
 
-// Each layout's 20 steps against its model's single-rank run (4 micro-batches of 2), every loss within 1e-5, and
-// the bytes it counted against the formulas of the groups its flags use (tp, dp under ZeRO, cp, ep, pp). Returns
-// each layout's output by name, for the caller's own checks.
+// Each layout's 20 steps against its model's single-rank run with the same global batch (micro-batches of 2),
+// every loss within 1e-5, and the bytes it counted against the formulas of the groups its flags use (tp, dp under
+// ZeRO, cp, ep, pp). Returns each layout's output by name, for the caller's own checks.
 inline std::map<std::string, std::string> check_layouts(const Data& data, const TempDir& out,
                                                         const std::vector<EquivalenceLayout>& layouts) {
-    std::map<std::string, std::map<std::string, double>> reference;
+    std::map<std::string, std::map<std::string, double>> reference;  // by model and global batch
     std::map<std::string, std::string> outputs;
+    auto single_run = [](const EquivalenceLayout& l) { return strfmt("%s_%d", l.model, l.sequences); };
     for (const EquivalenceLayout& l : layouts) {
-        if (reference.count(l.model)) continue;
-        REQUIRE(single_ok(data.flags(2, 128, 20, l.model), out / l.model));
-        reference[l.model] = losses(out / l.model);
+        if (reference.count(single_run(l))) continue;
+        REQUIRE(single_ok(data.flags(2, 16 * l.sequences, 20, l.model), out / single_run(l)));
+        reference[single_run(l)] = losses(out / single_run(l));
     }
     for (const EquivalenceLayout& l : layouts) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags, dir, &run)) continue;
-        check_close(losses(dir), reference[l.model], 1e-5);
+        if (!train_ok(l.ranks, data.flags(l.b, 16 * l.sequences, 20, l.model) + l.flags, dir, &run)) continue;
+        check_close(losses(dir), reference[single_run(l)], 1e-5);
         std::string flags = l.flags;
         auto has = [&](const char* flag) { return flags.find(flag) != std::string::npos; };
         if (has("--tp")) require_tp_counted_equals_formula(run, has("--tp 4") ? 4 : 2, !has("--sp 0"));

@@ -2,13 +2,14 @@
 // Llama run with the same global batch over 20 steps of 2 or 4 micro-batches (the equivalence principle):
 // dp 2 under ZeRO-1 and ZeRO-3; tp 2 with and without sp, which splits the 4 query heads and the 2 key/value
 // heads; tp 4 (with sp, and without it under ZeRO-2), which holds each key/value head on two ranks and sums its
-// gradient over them; pp 2 under 1F1B, ZB-H1, the interleaved schedule and DualPipeV, DualPipeV on pp 4 (an
-// 8-layer Llama, 8 micro-batches), pp 2 × dp 2, and
-// DualPipeV under pp 2 × tp 2; a Llama whose classifier is tied to wte (Llama 3.2's) under pp 2, where the first
-// and the last stage sum the tied gradient, under DualPipeV × dp 2 (ZeRO-1), where rank 0 holds both ends and
-// one wte, and under tp 2; the experts' Llama under DualPipeV × ep 2; the bytes counted against the formulas. Also the ledger of every rank against --plan, where
-// an untied lm_head lives (on the last stage alone), and a Llama checkpoint resumed under another layout (tp
-// 4's too, whose replicated key/value heads two optimizer files hold).
+// gradient over them; pp 2 under 1F1B, ZB-H1, the interleaved schedule and DualPipeV, pp 2 × dp 2, and
+// DualPipeV under pp 2 × tp 2 and pp 2 × cp 2; DualPipeV on pp 4 (an 8-layer Llama, 8 micro-batches a rank)
+// alone, × dp 2 (ZeRO-1), × tp 2 (sp), and with experts × ep 2; a Llama whose classifier is tied to wte (Llama
+// 3.2's) under pp 2, where the first and the last stage sum the tied gradient, under DualPipeV × dp 2 (ZeRO-1),
+// where rank 0 holds both ends and one wte, and under tp 2; the experts' Llama under DualPipeV × ep 2; the bytes
+// counted against the formulas. Also the ledger of every rank against --plan, where an untied lm_head lives (on
+// the last stage alone), and a Llama checkpoint resumed under another layout (tp 4's too, whose replicated
+// key/value heads two optimizer files hold).
 //
 // Under cp 2 (zig-zag and contiguous, and cp 2 × tp 2) RoPE turns each token by its position in the whole
 // sequence, which is not contiguous on a rank, and the ring carries the key/value heads only: the counted cp
@@ -31,8 +32,9 @@ const char* LLAMA = "l4c32h4g2f80t32v301";
 const char* TIED = "l4c32h4g2f80t32v301w";
 const char* MOE = "l4c32h4g2f80t32v301e4k2";  // Mixtral's shape: 4 SwiGLU experts in every layer, top 2
 const char* LLAMA8 = "l8c32h4g2f80t32v301";     // DualPipeV's 8 stages on pp 4, a layer each
+const char* MOE8 = "l8c32h4g2f80t32v301e4k2";   // the same with experts
 
-TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved, DualPipeV), DualPipeV on pp 4, pp 2 × dp 2, "
+TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved, DualPipeV), pp 2 × dp 2, "
           "DualPipeV × tp 2, cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
           "tied Llama under pp 2, DualPipeV × dp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 (-r 0 and 2), dp 2 and DualPipeV × ep 2",
           "[llama][parallel]") {
@@ -48,7 +50,6 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with
         {"pp2_interleaved", LLAMA, 2, 2, " --pp 2 --pp-schedule interleaved --vpp 2"},
         {"pp2_dp2", LLAMA, 4, 1, " --pp 2 -z 1 --debug-check-replicas 1"},
         {"pp2_dualpipev", LLAMA, 2, 2, " --pp 2 --pp-schedule dualpipev"},
-        {"pp4_dualpipev", LLAMA8, 4, 1, " --pp 4 --pp-schedule dualpipev"},
         {"pp2_tp2_dualpipev", LLAMA, 4, 2, " --pp 2 --tp 2 --pp-schedule dualpipev"},
         {"cp2_zigzag", LLAMA, 2, 2, " --cp 2 --cp-split zigzag"},
         {"cp2_contiguous", LLAMA, 2, 2, " --cp 2 --cp-split contiguous"},
@@ -74,6 +75,27 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with
         if (flags.find("replicas") != std::string::npos)  // only a tied classifier on another stage keeps a second wte
             CHECK((run.find("replicas: the embeddings are identical on the first and the last stage") != std::string::npos) ==
                   (tied && !v_shape));
+    }
+}
+
+TEST_CASE("DualPipeV on pp 4 (an 8-layer Llama, 8 micro-batches a rank) alone, with dp 2 (ZeRO-1) and with tp 2 (sp), "
+          "on pp 2 × cp 2, and a Llama with SwiGLU experts on pp 4 × ep 2, gives the single-rank run's losses over 20 "
+          "steps; rank 0 holds the embeddings and the classifier",
+          "[llama][parallel]") {
+    Data data;
+    TempDir out;
+    // a global batch of 16 sequences: 8 micro-batches on each dp rank
+    std::map<std::string, std::string> outputs = check_layouts(
+        data, out,
+        {{"pp4", LLAMA8, 4, 2, " --pp 4 --pp-schedule dualpipev", 16},
+         {"pp4_dp2_z1", LLAMA8, 8, 1, " --pp 4 -z 1 --pp-schedule dualpipev --debug-check-replicas 1", 16},
+         {"pp4_tp2_sp", LLAMA8, 8, 2, " --pp 4 --tp 2 --sp 1 --pp-schedule dualpipev", 16},
+         {"pp2_cp2", LLAMA, 4, 2, " --pp 2 --cp 2 --pp-schedule dualpipev"},
+         {"moe_pp4_ep2", MOE8, 8, 1, " --pp 4 --ep 2 -z 1 --pp-schedule dualpipev", 16}});
+    CHECK(outputs.size() == 5);
+    for (const auto& [name, run] : outputs) {
+        INFO(name);
+        CHECK(run.find("(embeddings on stage 0, the classifier on stage 0)") != std::string::npos);
     }
 }
 

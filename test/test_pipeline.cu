@@ -3,7 +3,8 @@
 // backward of the zero-bubble schedule against the whole backward, dense and with experts; every schedule
 // (AFAB, 1F1B, interleaved with 2 virtual stages, ZB-H1, DualPipeV) on 2 stages, 1F1B and ZB-H1 on 3 stages of
 // an uneven split, DualPipeV on 4 stages of 8 micro-batches, and pp × dp under ZeRO-1 (1F1B, ZB-H1, DualPipeV)
-// and ZeRO-3, pp × tp (sp) and pp × cp, each with 4 micro-batches a step, against the single-rank run with the
+// and ZeRO-3, pp × tp (sp) and pp × cp (1F1B, DualPipeV), each with 4 micro-batches a step, DualPipeV on pp 4 ×
+// dp 2, × tp 2 and, with experts, × ep 2 (8 ranks, 8 micro-batches a rank), against the single-rank run with the
 // same global batch over 20 steps (the equivalence principle), the tied embeddings bit-identical on the first
 // and the last stage at the end (DualPipeV holds both ends on rank 0, one copy); the counted p2p bytes against
 // the formula; the ledger of every stage against --plan; the trace of a step; a pp × dp run resumed
@@ -149,7 +150,7 @@ TEST_CASE("every schedule on 2 stages, 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 
 }
 
 TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 2 × tp 2 (sp; 1F1B, ZB-H1 with -r 2, DualPipeV) "
-          "and pp 2 × cp 2 give the single-rank run's losses over 20 steps of 4 micro-batches", "[pp]") {
+          "and pp 2 × cp 2 (1F1B, DualPipeV) give the single-rank run's losses over 20 steps of 4 micro-batches", "[pp]") {
     Data data;
     TempDir out;
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank, or of 1 on each of 2 dp ranks
@@ -165,7 +166,7 @@ TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 
                      Layout{"pp2_dp2_z3", 1, " --pp 2 -z 3"},
                      Layout{"pp2_tp2", 2, " --pp 2 --tp 2"}, Layout{"pp2_tp2_zb_r2", 2, " --pp 2 --tp 2 --pp-schedule zb -r 2"},
                      Layout{"pp2_tp2_dualpipev", 2, " --pp 2 --tp 2 --pp-schedule dualpipev"},
-                     Layout{"pp2_cp2", 2, " --pp 2 --cp 2"}}) {
+                     Layout{"pp2_cp2", 2, " --pp 2 --cp 2"}, Layout{"pp2_cp2_dualpipev", 2, " --pp 2 --cp 2 --pp-schedule dualpipev"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
         if (!train_ok(4, data.flags(l.b, 128, 20, PP_MODEL) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
@@ -175,6 +176,25 @@ TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 
         if (std::string(l.flags).find("--tp") != std::string::npos) require_tp_counted_equals_formula(run, 2, true);
         check_tied_copies(run, l.flags);
         if (l.b == 1) require_counted_equals_formula(run);
+    }
+}
+
+TEST_CASE("DualPipeV on pp 4 × dp 2 (ZeRO-1) and pp 4 × tp 2 (sp), and a GPT-2 with experts on pp 2 × ep 2 and pp 4 × "
+          "ep 2, give the single-rank run's losses over 20 steps of 8 micro-batches a rank", "[pp]") {
+    Data data;
+    TempDir out;
+    // the V's 8 stages of a layer on 4 ranks; the global batch of 16 sequences gives each dp rank 8 micro-batches
+    const char* with_experts = "d8c36h4t32v301e4k2";
+    std::map<std::string, std::string> outputs = check_layouts(
+        data, out,
+        {{"pp4_dp2_z1", V4_MODEL, 8, 1, " --pp 4 -z 1 --pp-schedule dualpipev --debug-check-replicas 1", 16},
+         {"pp4_tp2_sp", V4_MODEL, 8, 2, " --pp 4 --tp 2 --sp 1 --pp-schedule dualpipev --debug-check-replicas 1", 16},
+         {"moe_pp2_ep2", with_experts, 4, 1, " --pp 2 --ep 2 -z 1 --pp-schedule dualpipev", 16},
+         {"moe_pp4_ep2", with_experts, 8, 1, " --pp 4 --ep 2 -z 1 --pp-schedule dualpipev", 16}});
+    CHECK(outputs.size() == 4);
+    for (const auto& [name, run] : outputs) {
+        INFO(name);
+        check_tied_copies(run, "dualpipev");
     }
 }
 
