@@ -1,5 +1,5 @@
 // Tests of stopping a run of 2 ranks from outside, as a scheduler's time limit does, in the middle of a step of
-// about a second: SIGUSR1 to mpirun (what `sbatch --signal` and the launch scripts send), SIGTERM to mpirun and its
+// under a second: SIGUSR1 to mpirun (what `sbatch --signal` and the launch scripts send), SIGTERM to mpirun and its
 // ranks at the same moment (what Slurm sends a job at its time limit), SIGTERM to mpirun alone with the launch
 // scripts' kill delay, and SIGTERM to the launch script run_gpt2_124M.sh with the real mpirun. Each run finishes
 // its step, writes the checkpoint of it and says so; where the uninterrupted run has that step, the checkpoint is
@@ -48,12 +48,12 @@ std::vector<std::string> checkpoints_in(const std::string& dir) {
 }
 
 // Token data and the flags of the GPT-2 124M launch script's recipe (its TRAIN_GPT_ARGS) for a run of 2 ranks
-// whose steps take about a second on a 2-core machine: a model of 3.3M parameters, 4 micro-steps of 8 x 64
-// tokens per rank and step, ZeRO-1 (so that each rank writes an optimizer file). The signals go out within 10 ms
-// of a step's line (wait_for polls the log), so a step of a few hundred ms is long enough to be hit mid-way.
+// whose steps take about 0.8 s on a 2-core machine: a model of 0.85M parameters, 4 micro-steps of 8 x 64 tokens
+// per rank and step, ZeRO-1 (so that each rank writes an optimizer file). The signals go out within 10 ms of a
+// step's line (wait_for polls the log), so a step of a few hundred ms is long enough to be hit mid-way.
 struct SlowRun {
     TempDir dir;
-    static constexpr const char* MODEL = "d4c256h4t64v301";
+    static constexpr const char* MODEL = "d4c128h4t64v301";
     static constexpr int STEPS = 5;
     SlowRun() {
         Rng rng(5);
@@ -149,10 +149,10 @@ TEST_CASE("a run of 2 ranks stopped from outside mid-step leaves its finished st
     }
     {
         // OpenMPI passes the SIGTERM on after the kill delay, and kills the ranks as long again after that; a
-        // run long enough that the delay ends within it
+        // run long enough that the delay ends within it (40 steps: 30 s here)
         INFO("SIGTERM to mpirun alone, kill delay 6 s: the ranks stop with their checkpoint; exit 1, OpenMPI's");
         const std::string dir = out / "mpirun", log = out / "mpirun.log";
-        pid_t pid = start_command(run.mpirun_command("--mca odls_base_sigkill_timeout 6", dir, 20), log);
+        pid_t pid = start_command(run.mpirun_command("--mca odls_base_sigkill_timeout 6", dir, 40), log);
         REQUIRE(wait_for(log, "step     1/"));
         kill(pid, SIGTERM);
         CHECK(finish(pid) == 1);
