@@ -92,7 +92,7 @@ TEST_CASE("DualPipeV on pp 4 (an 8-layer Llama, 8 micro-batches a rank) alone, w
          {"pp4_tp2_sp", LLAMA8, 8, 2, " --pp 4 --tp 2 --sp 1 --pp-schedule dualpipev", 16},
          {"pp2_cp2", LLAMA, 4, 2, " --pp 2 --cp 2 --pp-schedule dualpipev"},
          {"moe_pp4_ep2", MOE8, 8, 1, " --pp 4 --ep 2 -z 1 --pp-schedule dualpipev", 16}});
-    CHECK(outputs.size() == 5);
+    CHECK(outputs.size() == 5);  // every run finished
     for (const auto& [name, run] : outputs) {
         INFO(name);
         CHECK(run.find("(embeddings on stage 0, the classifier on stage 0)") != std::string::npos);
