@@ -50,7 +50,9 @@ std::vector<std::string> checkpoints_in(const std::string& dir) {
 // Token data and the flags of the GPT-2 124M launch script's recipe (its TRAIN_GPT_ARGS) for a run of 2 ranks
 // whose steps take about 0.8 s on a 2-core machine: a model of 0.85M parameters, 4 micro-steps of 8 x 64 tokens
 // per rank and step, ZeRO-1 (so that each rank writes an optimizer file). The signals go out within 10 ms of a
-// step's line (wait_for polls the log), so a step of a few hundred ms is long enough to be hit mid-way.
+// step's line (wait_for polls the log), so a step of a few hundred ms is long enough to be hit mid-way. The kill
+// delays (3 and 4 s; the launch scripts' default is 30) leave a rank several times what it needs to finish its step
+// and write its checkpoint, and OpenMPI waits them out whatever the ranks do, so they are the test's idle time.
 struct SlowRun {
     TempDir dir;
     static constexpr const char* MODEL = "d4c128h4t64v301";
@@ -135,7 +137,7 @@ TEST_CASE("a run of 2 ranks stopped from outside mid-step leaves its finished st
     {
         INFO("SIGTERM to mpirun and its ranks at once, mpirun given the launch scripts' kill delay: exit 1, OpenMPI's");
         const std::string dir = out / "term", log = out / "term.log";
-        pid_t pid = start_command(run.mpirun_command("--mca odls_base_sigkill_timeout 5", dir), log);
+        pid_t pid = start_command(run.mpirun_command("--mca odls_base_sigkill_timeout 3", dir), log);
         REQUIRE(wait_for(log, "step     2/"));
         std::vector<pid_t> ranks = children_of(pid);
         REQUIRE(ranks.size() == 2);
@@ -150,9 +152,9 @@ TEST_CASE("a run of 2 ranks stopped from outside mid-step leaves its finished st
     {
         // OpenMPI passes the SIGTERM on after the kill delay, and kills the ranks as long again after that; a
         // run long enough that the delay ends within it (40 steps: 30 s here)
-        INFO("SIGTERM to mpirun alone, kill delay 6 s: the ranks stop with their checkpoint; exit 1, OpenMPI's");
+        INFO("SIGTERM to mpirun alone, kill delay 4 s: the ranks stop with their checkpoint; exit 1, OpenMPI's");
         const std::string dir = out / "mpirun", log = out / "mpirun.log";
-        pid_t pid = start_command(run.mpirun_command("--mca odls_base_sigkill_timeout 6", dir, 40), log);
+        pid_t pid = start_command(run.mpirun_command("--mca odls_base_sigkill_timeout 4", dir, 40), log);
         REQUIRE(wait_for(log, "step     1/"));
         kill(pid, SIGTERM);
         CHECK(finish(pid) == 1);
@@ -167,7 +169,7 @@ TEST_CASE("a run of 2 ranks stopped from outside mid-step leaves its finished st
         INFO("SIGTERM to scripts/run_gpt2_124M.sh: the ranks get SIGUSR1 from mpirun, and the script exits 5");
         const std::string dir = out / "script", log = out / "script.log";
         pid_t pid =
-            start_command(strfmt("env %s %s NUM_GPUS=2 BUILD=0 KILL_DELAY=5 MPI_ARGS='--oversubscribe --bind-to "
+            start_command(strfmt("env %s %s NUM_GPUS=2 BUILD=0 KILL_DELAY=3 MPI_ARGS='--oversubscribe --bind-to "
                                  "none' bash scripts/run_gpt2_124M.sh",
                                  RUN_ENV, run.script_env(dir, 0).c_str()),
                           log);
