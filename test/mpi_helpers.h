@@ -91,26 +91,46 @@ inline std::vector<std::string> lines_of(const std::string& s) {
     return lines;
 }
 
-// the losses of main.log, by kind and step ("trl 3", "tel 10")
+// the figures of main.log by kind and step: the training loss ("trl 3"), the gradient norm of the same step
+// ("norm 3") and the validation loss ("tel 10"). The norm is compared with the losses: a reduction that sums
+// where it should average barely moves the losses while clipping at 1.0 is active, but multiplies the norm.
 inline std::map<std::string, double> losses(const std::string& out_dir) {
     std::map<std::string, double> v;
     for (const std::string& line : lines_of(read_file(out_dir + "/main.log"))) {
         int step;
         char kind[4];
-        double loss;
-        if (sscanf(line.c_str(), "s:%d %3[a-z]:%lf", &step, kind, &loss) == 3) v[strfmt("%s %d", kind, step)] = loss;
+        double loss, lr, norm;
+        int fields = sscanf(line.c_str(), "s:%d %3[a-z]:%lf lr:%lf norm:%lf", &step, kind, &loss, &lr, &norm);
+        if (fields < 3) continue;
+        v[strfmt("%s %d", kind, step)] = loss;
+        if (fields == 5) v[strfmt("norm %d", step)] = norm;
     }
     return v;
 }
 
-// the same losses at the same steps, each within tol relative; at least min_entries of them
+// a figure of main.log against the reference's within tol relative; main.log prints 6 decimals, so one unit of
+// the last (1e-6) is allowed beside it: a norm of 0.05 equal to 1e-7 may print 0.050000 in one run and 0.050001
+// in the other. A NaN is never close.
+inline bool log_close(double got, double want, double tol) { return fabs(got - want) <= tol * fabs(want) + 1e-6; }
+
+// how many of the figures are of `kind` ("trl", "norm", "tel")
+inline size_t count_of(const std::map<std::string, double>& figures, const std::string& kind) {
+    size_t n = 0;
+    for (const auto& kv : figures) n += kv.first.compare(0, kind.size() + 1, kind + " ") == 0;
+    return n;
+}
+
+// the same figures at the same steps, each within tol relative; at least min_entries of them, a norm for every
+// training loss
 inline void require_close(const std::map<std::string, double>& a, const std::map<std::string, double>& b, double tol,
                           size_t min_entries = 20) {
     REQUIRE(a.size() == b.size());
     REQUIRE(a.size() >= min_entries);
+    REQUIRE(count_of(a, "norm") == count_of(a, "trl"));
     for (const auto& kv : a) {
+        REQUIRE(b.count(kv.first) == 1);
         INFO(kv.first << ": " << kv.second << " vs " << b.at(kv.first));
-        CHECK(fabs(kv.second - b.at(kv.first)) <= tol * fabs(b.at(kv.first)));
+        CHECK(log_close(kv.second, b.at(kv.first), tol));
     }
 }
 
@@ -184,25 +204,37 @@ inline void require_tp_counted_equals_formula(const std::string& output, int tp,
     CHECK(c.sent == c.formula);
 }
 
-// A run of `flags` (6 steps) with a checkpoint every 3 into `whole`, and the same run resumed from its checkpoint of
-// step 3 into `resumed` (a copy without the later one): the resumed steps' losses equal the uninterrupted
-// run's bit for bit, and the checkpoint's model.bin is llm.c's file of the whole model, 256 int32 of header and
-// then every one of the model's `parameters` in fp32, whatever the layout.
+// A run of `flags` (6 steps) with a checkpoint every 3 into `whole`, and the same run resumed into `resumed`, which
+// holds only the step-3 checkpoint (what a run stopped after writing it leaves): the resumed run says where it
+// resumed, its main.log is the uninterrupted run's from step 3 on (losses and gradient norms, bit for bit), and
+// its step-6 checkpoint is the uninterrupted run's, file for file and byte for byte; its model.bin is llm.c's
+// file of the whole model, 256 int32 of header and then every one of the model's `parameters` in fp32, whatever
+// the layout. A resume that exits 0 without training leaves no main.log lines and no step-6 checkpoint.
 inline void check_resumes_bit_exactly(int ranks, const std::string& flags, const std::string& whole,
                                       const std::string& resumed, size_t parameters) {
     train(ranks, flags + " -n 3", whole);
-    REQUIRE(run_command(strfmt("cp -r '%s' '%s' && rm -r '%s/ckpt_00000006'", whole.c_str(), resumed.c_str(),
-                               resumed.c_str())).status == 0);
-    train(ranks, flags + " -n 3 -y 1", resumed);
+    const std::string step3 = "/ckpt_00000003", step6 = "/ckpt_00000006";
+    REQUIRE(run_command(strfmt("mkdir -p '%s' && cp -r '%s%s' '%s%s'", resumed.c_str(), whole.c_str(), step3.c_str(),
+                               resumed.c_str(), step3.c_str())).status == 0);
+    std::string output = train(ranks, flags + " -n 3 -y 1", resumed);
+    CHECK(output.find("resumed from " + resumed + step3 + " at step 3") != std::string::npos);
     std::map<std::string, double> a = losses(whole), b = losses(resumed);
-    for (int step = 3; step < 6; step++) {
-        std::string key = strfmt("trl %d", step);
-        INFO(key);
-        REQUIRE(a.count(key) == 1);
-        REQUIRE(b.count(key) == 1);
-        CHECK(a[key] == b[key]);
+    for (const char* kind : {"trl", "norm"})
+        for (int step = 3; step < 6; step++) {
+            std::string key = strfmt("%s %d", kind, step);
+            INFO(key);
+            REQUIRE(a.count(key) == 1);
+            REQUIRE(b.count(key) == 1);
+            CHECK(a[key] == b[key]);
+        }
+    std::vector<std::string> files = lines_of(run_command("ls '" + whole + step6 + "'").output);
+    REQUIRE(std::find(files.begin(), files.end(), "model.bin") != files.end());
+    CHECK(lines_of(run_command("ls '" + resumed + step6 + "'").output) == files);
+    for (const std::string& name : files) {
+        INFO(name);
+        CHECK(read_file(resumed + step6 + "/" + name) == read_file(whole + step6 + "/" + name));
     }
-    CHECK(read_file(whole + "/ckpt_00000006/model.bin").size() == 256 * 4 + parameters * 4);
+    CHECK(read_file(resumed + step6 + "/model.bin").size() == 256 * 4 + parameters * 4);
 }
 
 // "comm: rank 0 sent X bytes on cp in this step; the formula for cp=N says Y": X equals Y, and is not 0
@@ -263,12 +295,13 @@ inline bool single_ok(const std::string& flags, const std::string& out_dir, std:
     return r.status == 0;
 }
 
-// the same losses at the same steps within tol relative (at least min_entries); a mismatch is recorded and the
+// the same figures at the same steps within tol relative (at least min_entries); a mismatch is recorded and the
 // test goes on
 inline void check_close(const std::map<std::string, double>& a, const std::map<std::string, double>& b, double tol,
                  size_t min_entries = 20) {
     CHECK(a.size() == b.size());
     CHECK(a.size() >= min_entries);
+    CHECK(count_of(a, "norm") == count_of(a, "trl"));
     for (const auto& kv : a) {
         auto other = b.find(kv.first);
         INFO(kv.first << ": " << kv.second);
@@ -276,7 +309,7 @@ inline void check_close(const std::map<std::string, double>& a, const std::map<s
         if (other == b.end()) continue;
         INFO(kv.first << ": " << kv.second << " vs " << other->second << " (relative difference "
                       << fabs(kv.second - other->second) / fabs(other->second) << ")");
-        CHECK(fabs(kv.second - other->second) <= tol * fabs(other->second));
+        CHECK(log_close(kv.second, other->second, tol));
     }
 }
 
