@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "llmc/gpt.cuh"
@@ -60,8 +61,9 @@ struct Pair {
     }
 };
 
-// The loss, logits and every gradient at step 0; grad_tol bounds each tensor's relative L2 error
-void check_step_zero(const char* model, double grad_tol) {
+// The loss, logits and every gradient at step 0; grad_tol bounds each tensor's relative L2 error, expert_tol
+// (when given) that of the experts' tensors and the router's
+void check_step_zero(const char* model, double grad_tol, double expert_tol = 0) {
     Pair p(42, model);
     float cpu_loss = gpt_forward(p.cpu, p.inputs.data(), p.targets.data(), p.B, p.T);
     float gpu_loss = gpt_forward(p.gpu, p.inputs.data(), p.targets.data(), p.B, p.T);
@@ -84,8 +86,10 @@ void check_step_zero(const char* model, double grad_tol) {
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
         size_t n = p.cpu.param_sizes[t];
         double err = relative_l2(gpu_grads.data() + offset, p.cpu.grads + offset, n);
-        INFO("tensor " << t << ": relative L2 error " << err);
-        CHECK(err < grad_tol);
+        bool routed = p.cpu.table[t].expert || strcmp(p.cpu.table[t].name, "routerw") == 0;
+        double tol = routed && expert_tol > 0 ? expert_tol : grad_tol;
+        INFO("tensor " << t << " (" << p.cpu.table[t].name << "): relative L2 error " << err << ", tolerance " << tol);
+        CHECK(err < tol);
         // the vocab's padding rows (past V) get exactly zero gradient: the cross-entropy zeroes their logits' columns
         if (p.cpu.table[t].split == TPSplit::Vocab)
             for (size_t i = (size_t)p.config.vocab_size * p.config.channels; i < n; i++)
@@ -211,8 +215,9 @@ TEST_CASE("GPU model with experts (E=4, K=2): loss, logits and every gradient ag
           "[cuda][model][moe]") {
     SKIP_WITHOUT_GPU_CASE();
     // the router sees bf16 inputs on the GPU: a token whose K-th and (K+1)-th logits are closer than that rounding
-    // may go to another expert, so the experts' gradients are allowed more than the dense model's
-    check_step_zero(MOE_MODEL, 1e-1);
+    // may go to another expert, so the experts' and the router's gradients are allowed more than the dense model's;
+    // the other tensors see that token's changed output among 256 tokens' and keep the dense bound
+    check_step_zero(MOE_MODEL, 5e-2, 1e-1);
 }
 
 TEST_CASE("GPU model with experts: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2",
