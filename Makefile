@@ -5,7 +5,7 @@
 #   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
 #                   plot its losses (build/demo/loss.png)
 #   make test       install what is missing, build, run the unit, reference and CLI tests in shards side by side
-#                   (test/run_tests.sh); last line "N passed, N failed"
+#                   (test/run_tests.sh); last line "N passed, M failed, K skipped"
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every test suite and prints, as the last line, "N passed, M failed" over all of them: Catch2 test cases
-# (build/tests) and the data-preparation checks (dev/data/test.js). Before it, the ten slowest test cases, so
+# Runs every test suite and prints, as the last line, "N passed, M failed, K skipped" over all of them: Catch2
+# test cases (build/tests) and the data-preparation checks (dev/data/test.js). A skipped case is one that could not
+# run here (no GPU, not a Hopper, an npm package missing): it writes its name to the file TEST_SKIP_LOG names
+# (test/test_helpers.h's skip_case), and counts as skipped, not passed. Before it, the ten slowest test cases, so
 # that a test that grows past what it proves is seen where it is added. `make test` builds what this needs first.
 #
 # The suite runs in shards side by side, a shard a process: one case after another leaves cores idle (the cases wait
@@ -10,8 +12,8 @@
 # the cores it needs are free out of TEST_JOBS: a core for each process one of its cases runs at once, up to the machine's cores (an mpirun of 4 ranks
 # needs 4 where there are 4 cores, and both of a 2-core machine's); test/slow_cases.txt lists the slow cases' seconds
 # and processes, and names the case that must run with no shard beside it. Each shard has its own scratch directory
-# (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary files go) and its own
-# log, build/test_logs/NN.log; a shard that failed is printed whole, with the command that runs it again alone. The
+# (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary files go), its own
+# log, build/test_logs/NN.log, and its own list of skipped cases, build/test_logs/NN.skips; a shard that failed is printed whole, with the command that runs it again alone. The
 # [cuda] cases are one shard, so that they take turns on the GPU.
 #
 #   bash test/run_tests.sh [TEST_SPEC...]   only the cases a Catch2 test spec selects ("[tp]", a case's name)
@@ -37,7 +39,7 @@ start_time=$SECONDS
 all_cases=$(build/tests --list-test-names-only "$@")
 if [ -z "$all_cases" ]; then
     echo "build/tests: no test case matches $*"
-    echo "0 passed, 1 failed"
+    echo "0 passed, 1 failed, 0 skipped"
     exit 1
 fi
 cuda_cases=$(build/tests --list-test-names-only "[cuda]")
@@ -134,17 +136,19 @@ start_shard() {
     log=$(printf '%s/%02d.log' "$LOGS" "$1")
     mkdir -p "$dir"
     shard_started[$1]=$EPOCHREALTIME
-    TMPDIR=$dir bash -c "$(shard_command "$1")" >"$log" 2>&1 &
+    TMPDIR=$dir TEST_SKIP_LOG=$(printf '%s/%02d.skips' "$LOGS" "$1") bash -c "$(shard_command "$1")" >"$log" 2>&1 &
     running[$!]=$1
 }
 
 passed=0
 failed=0
+skipped=0
 # Counts shard $1's results from its log: Catch2's summary line (which must count every case the shard was
-# given), or node's last line, "N passed, M failed". Prints the log whole when something failed, else only
-# what the tests said besides their durations and the summary.
+# given), or node's last line, "N passed, M failed"; of Catch2's passed cases, those that said they skipped (once
+# for each of their sections) are counted as skipped. Prints the log whole when something failed, else only what
+# the tests said besides their durations and the summary.
 count_shard() {
-    local log summary ok=1 ran=-1 p=0 f=0 what
+    local log summary ok=1 ran=-1 p=0 f=0 k=0 what
     log=$(printf '%s/%02d.log' "$LOGS" "$1")
     shard_took[$1]=$(awk -v a="${shard_started[$1]}" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
     rm -rf "$(printf '%s/%02d' "$scratch" "$1")"
@@ -176,9 +180,18 @@ count_shard() {
             summary="$summary; ${shard_count[$1]} cases given, $ran ran"
             f=$((f + 1))
         fi
+        local skips
+        skips=$(printf '%s/%02d.skips' "$LOGS" "$1")
+        if [ -s "$skips" ]; then
+            k=$(sort -u "$skips" | grep -c .)
+            k=$((k < p ? k : p))  # a case that skipped and failed counts as failed
+            p=$((p - k))
+            summary="$summary; $k skipped"
+        fi
     fi
     passed=$((passed + p))
     failed=$((failed + f))
+    skipped=$((skipped + k))
     [ "$f" -eq 0 ] || ok=0
     if [ $ok -eq 1 ]; then
         printf 'shard %02d passed in %s s: %s, %s\n' "$1" "${shard_took[$1]}" "$what" "$summary"
@@ -226,5 +239,5 @@ ran=$durations
 echo "slowest test cases:"
 printf '%s\n' "$durations" | sort -t$'\t' -k1,1gr | head -n 10 | awk -F'\t' '{ printf "  %s s: %s\n", $1, $2 }'
 echo "$shards shards in $((SECONDS - start_time)) s"
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -1,7 +1,7 @@
 // Each CUDA kernel against the CPU reference in the same llmc header, on random bf16 inputs with the outputs
 // poisoned (NaN bytes) beforehand, on small and odd shapes, so that rows, tiles and vector widths do not line
 // up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
-// case says "skipped: no GPU" and passes (the wgmma attention's, on a GPU other than Hopper, "skipped: not
+// case says "skipped: no GPU" and counts as skipped (the wgmma attention's, on a GPU other than Hopper, "skipped: not
 // Hopper"), except the host-side precondition checks, the emulations of the attention's mma and wgmma fragment
 // and shared-memory layouts on the CPU, and the choices of the matmul backward's epilogues and of the attention
 // kernels, which run anywhere.
