@@ -227,9 +227,9 @@ inline void check_resumes_bit_exactly(int ranks, const std::string& flags, const
             REQUIRE(b.count(key) == 1);
             CHECK(a[key] == b[key]);
         }
-    std::vector<std::string> files = lines_of(run_command("ls '" + whole + step6 + "'").output);
+    std::vector<std::string> files = list_dir(whole + step6);
     REQUIRE(std::find(files.begin(), files.end(), "model.bin") != files.end());
-    CHECK(lines_of(run_command("ls '" + resumed + step6 + "'").output) == files);
+    CHECK(list_dir(resumed + step6) == files);
     for (const std::string& name : files) {
         INFO(name);
         CHECK(read_file(resumed + step6 + "/" + name) == read_file(whole + step6 + "/" + name));

@@ -13,8 +13,9 @@
 # needs 4 where there are 4 cores, and both of a 2-core machine's); test/slow_cases.txt lists the slow cases' seconds
 # and processes, and names the case that must run with no shard beside it. Each shard has its own scratch directory
 # (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary files go), its own
-# log, build/test_logs/NN.log, and its own list of skipped cases, build/test_logs/NN.skips; a shard that failed is printed whole, with the command that runs it again alone. The
-# [cuda] cases are one shard, so that they take turns on the GPU.
+# log, build/test_logs/NN.log, and its own list of skipped cases, build/test_logs/NN.skips; a shard that failed is
+# printed whole, with the command that runs it again alone. The [cuda] cases are one shard, so that they take turns
+# on the GPU.
 #
 #   bash test/run_tests.sh [TEST_SPEC...]   only the cases a Catch2 test spec selects ("[tp]", a case's name)
 #   TEST_JOBS=N                             cores' worth of shards at once [twice the cores]

@@ -78,20 +78,6 @@ std::vector<std::string> log_lines_from(const std::string& path, int first) {
     return out;
 }
 
-// the names in a directory, sorted, without . and ..
-std::vector<std::string> list_dir(const std::string& path) {
-    std::vector<std::string> names;
-    DIR* d = opendir(path.c_str());
-    if (!d) return names;
-    while (struct dirent* e = readdir(d)) {
-        std::string n = e->d_name;
-        if (n != "." && n != "..") names.push_back(n);
-    }
-    closedir(d);
-    std::sort(names.begin(), names.end());
-    return names;
-}
-
 std::string join(const std::vector<std::string>& v) {
     std::string s;
     for (const std::string& x : v) s += (s.empty() ? "" : " ") + x;

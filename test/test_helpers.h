@@ -2,6 +2,8 @@
 #pragma once
 
 #include <catch.hpp>
+#include <dirent.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,6 +47,20 @@ inline void skip_case(const std::string& why) {
             return;                                                 \
         }                                                           \
     } while (0)
+
+// the names in a directory, sorted, without . and ..
+inline std::vector<std::string> list_dir(const std::string& path) {
+    std::vector<std::string> names;
+    DIR* d = opendir(path.c_str());
+    if (!d) return names;
+    while (struct dirent* e = readdir(d)) {
+        std::string n = e->d_name;
+        if (n != "." && n != "..") names.push_back(n);
+    }
+    closedir(d);
+    std::sort(names.begin(), names.end());
+    return names;
+}
 
 inline std::vector<float> random_vector(size_t n, Rng& rng, float scale = 1.0f) {
     std::vector<float> v(n);
