@@ -143,12 +143,24 @@ $(QWEN3_REFERENCES): test/reference/make_qwen3_reference.py test/reference/make_
 	@mkdir -p $(@D)
 	$(PYTHON) test/reference/make_qwen3_reference.py $(QWEN3_FLAGS) --out $(@D)
 
+# small Hugging Face mixtures of experts in float64, each its HF directory hf/ and a state (no llm.c file: the
+# tests read the directory): Qwen3-MoE with the top-K gates renormalized and not, and Mixtral
+MOE_REFERENCES = build/reference_qwen3_moe/state.bin build/reference_qwen3_moe_raw/state.bin \
+    build/reference_mixtral/state.bin
+build/reference_qwen3_moe/state.bin: MOE_FLAGS = --arch qwen3_moe
+build/reference_qwen3_moe_raw/state.bin: MOE_FLAGS = --arch qwen3_moe --unnormalized
+build/reference_mixtral/state.bin: MOE_FLAGS = --arch mixtral
+$(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llama_reference.py \
+    test/reference/make_hf_reference.py
+	@mkdir -p $(@D)
+	$(PYTHON) test/reference/make_moe_reference.py $(MOE_FLAGS) --out $(@D)
+
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's
 # Tests section says how to run one shard or one case).
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
-	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) dev/data/node_modules data/sotu/train.bin
+	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) $(MOE_REFERENCES) dev/data/node_modules data/sotu/train.bin
 	bash test/run_tests.sh
 
 train: deps

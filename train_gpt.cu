@@ -515,7 +515,7 @@ struct Trainer {
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,
                config.padded_vocab_size, config.max_seq_len, family_shape(config).c_str(),
-               config.moe() ? strfmt(" E=%d K=%d (aux %g, ep %d)", config.num_experts, config.top_k, o.moe_aux, grid.ep).c_str() : "",
+               config.moe() ? strfmt("%s (aux %g, ep %d)", experts_shape(config).c_str(), o.moe_aux, grid.ep).c_str() : "",
                num_parameters(config), model.num_parameters, model.ledger.total() / 1048576.0);
         if (pp.on()) print_stage_layers(config, pp);
         if (o.fp8)

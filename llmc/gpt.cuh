@@ -260,7 +260,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep;
     // the experts are gated (SwiGLU) when the MLP's first matmul is twice as wide as its hidden units
-    m.moe.allocate(led, config.num_experts, config.top_k, config.num_layers, BT, (int)C, d.FCl != d.Hl);
+    m.moe.allocate(led, config, BT, d.FCl != d.Hl);
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens

@@ -17,6 +17,10 @@
 //           within each head so that HF's pair i is our pair i, which leaves every attention score unchanged.
 //   Qwen3   Llama's names, and self_attn.{q,k}_norm: the QK-norm weights, reordered as a rotated head's rows
 //           are (RMSNorm over a head does not see the order, so the model is the same function).
+//   Qwen3-MoE (Qwen3MoeForCausalLM) Qwen3's names, and in every layer mlp.gate (the router, E×C) and
+//           mlp.experts.{e}.{gate,up,down}_proj, one tensor per expert as the Hub holds them; Mixtral
+//           (MixtralForCausalLM, a Llama with experts) Llama's names, and block_sparse_moe.gate and
+//           block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down). Every layer is sparse.
 #pragma once
 
 #include <sys/stat.h>
@@ -35,14 +39,14 @@
 
 constexpr size_t HF_SHARD_BYTES = 5000000000ull;  // save_pretrained's default max_shard_size, "5GB"
 
-// Where one HF tensor lies in the flat buffer: rows [first, first + rows) of `cols` columns of one layer's block
-// (layer 0 for a tensor without layers) of our tensor, transposed in HF's file (GPT-2's Conv1D) or not, and for
+// Where one HF tensor lies in the flat buffer: rows [first, first + rows) of `cols` columns of one layer's (and
+// expert's) block (layer and expert 0 for a tensor without them) of our tensor, transposed in HF's file (GPT-2's Conv1D) or not, and for
 // q_proj and k_proj the number of heads whose rows are reordered (0: none)
 struct HfPlacement {
     std::string name;
     std::vector<int64_t> shape;
     int tensor;
-    int64_t layer;
+    int64_t layer, expert;
     size_t first, rows, cols;
     bool transpose;
     int rotated_heads;
@@ -50,19 +54,24 @@ struct HfPlacement {
 
 // the whole model's HF tensors, in HF's order: the one table export and import both read
 inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
-    if (c.moe())
-        fail("--format hf: a model with experts (%d, top-%d) has no GPT2LMHeadModel, LlamaForCausalLM or "
-             "Qwen3ForCausalLM form, and Mixtral's and Qwen3-MoE's layouts are not built", c.num_experts, c.top_k);
-    int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.hidden();
+    if (c.moe() && !c.llama())
+        fail("--format hf: GPT-2 with experts (%d, top-%d) has no Hugging Face form (Mixtral and Qwen3-MoE are "
+             "Llama's and Qwen3's)", c.num_experts, c.top_k);
+    if (c.moe() && c.arch == Arch::Llama3 && !c.norm_topk)
+        fail("--format hf: Mixtral renormalizes its top-%d gates; this model's are not (a Qwen3 shape can be "
+             "Qwen3-MoE, whose norm_topk_prob says either)", c.top_k);
+    int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.mlp_hidden();
     std::vector<HfPlacement> out;
-    // rows [first, first + n) of `cols` columns of layer l's block of tensor t, as HF's shape
-    auto add = [&](std::string name, int t, int64_t l, size_t first, size_t n, size_t cols, bool transpose = false,
-                   int rotated = 0) {
+    // rows [first, first + n) of `cols` columns of layer l's (expert x's) block of tensor t, as HF's shape
+    auto add_expert = [&](std::string name, int t, int64_t l, int64_t x, size_t first, size_t n, size_t cols,
+                          bool transpose = false, int rotated = 0) {
         std::vector<int64_t> shape = cols == 1 ? std::vector<int64_t>{(int64_t)n}
                                      : transpose ? std::vector<int64_t>{(int64_t)cols, (int64_t)n}
                                                  : std::vector<int64_t>{(int64_t)n, (int64_t)cols};
-        out.push_back({std::move(name), shape, t, l, first, n, cols, transpose, rotated});
+        out.push_back({std::move(name), shape, t, l, x, first, n, cols, transpose, rotated});
     };
+    auto add = [&](std::string name, int t, int64_t l, size_t first, size_t n, size_t cols, bool transpose = false,
+                   int rotated = 0) { add_expert(std::move(name), t, l, 0, first, n, cols, transpose, rotated); };
     if (!c.llama()) {
         add("transformer.wte.weight", WTE, 0, 0, V, C);
         add("transformer.wpe.weight", WPE, 0, 0, c.max_seq_len, C);
@@ -100,9 +109,22 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
             add(h + "self_attn.k_norm.weight", KNORMW, l, 0, hd, 1, false, 1);
         }
         add(h + "post_attention_layernorm.weight", LN2W, l, 0, C, 1);
-        add(h + "mlp.gate_proj.weight", FCW, l, H, H, C);
-        add(h + "mlp.up_proj.weight", FCW, l, 0, H, C);
-        add(h + "mlp.down_proj.weight", FCPROJW, l, 0, C, H);
+        if (!c.moe()) {
+            add(h + "mlp.gate_proj.weight", FCW, l, H, H, C);
+            add(h + "mlp.up_proj.weight", FCW, l, 0, H, C);
+            add(h + "mlp.down_proj.weight", FCPROJW, l, 0, C, H);
+            continue;
+        }
+        // the experts' SwiGLU: Qwen3-MoE names it as the dense MLP, Mixtral w1 (gate), w3 (up) and w2 (down)
+        bool mixtral = c.arch == Arch::Llama3;
+        std::string block = h + (mixtral ? "block_sparse_moe." : "mlp.");
+        add(block + "gate.weight", ROUTERW, l, 0, c.num_experts, C);
+        for (int64_t x = 0; x < c.num_experts; x++) {
+            std::string e = block + strfmt("experts.%ld.", (long)x);
+            add_expert(e + (mixtral ? "w1.weight" : "gate_proj.weight"), FCW, l, x, H, H, C);
+            add_expert(e + (mixtral ? "w3.weight" : "up_proj.weight"), FCW, l, x, 0, H, C);
+            add_expert(e + (mixtral ? "w2.weight" : "down_proj.weight"), FCPROJW, l, x, 0, C, H);
+        }
     }
     add("model.norm.weight", LNFW, 0, 0, C, 1);
     if (!c.tied_embeddings) add("lm_head.weight", LM_HEAD, 0, 0, V, C);
@@ -117,7 +139,7 @@ inline float* hf_block(const GPTConfig& c, float* params, const HfPlacement& p) 
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes);
     ParamViews<float> v = param_views(params, sizes);
-    return v[p.tensor] + p.layer * (sizes[p.tensor] / (model_table(c)[p.tensor].holder == Holder::Layer ? c.num_layers : 1));
+    return v[p.tensor] + (p.layer * param_experts(c, p.tensor) + p.expert) * param_block_size(c, p.tensor);
 }
 
 // A placement's values in HF's layout, from the flat buffer (export), or into it (import)
@@ -149,7 +171,14 @@ inline std::string hf_float(float v) {
 
 // the transformers class that holds the model
 inline const char* hf_architecture(const GPTConfig& c) {
+    if (c.moe()) return c.arch == Arch::Qwen3 ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
     return c.arch == Arch::Qwen3 ? "Qwen3ForCausalLM" : c.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel";
+}
+
+// HF's model_type of the architecture
+inline const char* hf_model_type(const GPTConfig& c) {
+    if (c.moe()) return c.arch == Arch::Qwen3 ? "qwen3_moe" : "mixtral";
+    return c.arch == Arch::Qwen3 ? "qwen3" : "llama";
 }
 
 // config.json: what from_pretrained needs to build the model, HF's field names
@@ -169,7 +198,16 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
                                                       "    \"original_max_position_embeddings\": 8192\n  }",
                                                       hf_float(c.rope_scaling).c_str())
                                              : "null";
-    bool qwen = c.arch == Arch::Qwen3;
+    bool qwen = c.arch == Arch::Qwen3, mixtral = c.moe() && !qwen;
+    // what each architecture adds: Qwen's attention window (off), Llama's MLP bias (none), the experts
+    std::string own = qwen ? "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n"
+                      : mixtral ? "  \"sliding_window\": null,\n" : "  \"mlp_bias\": false,\n";
+    if (mixtral)
+        own += strfmt("  \"num_local_experts\": %d,\n  \"num_experts_per_tok\": %d,\n", c.num_experts, c.top_k);
+    else if (c.moe())  // every layer sparse
+        own += strfmt("  \"num_experts\": %d,\n  \"num_experts_per_tok\": %d,\n  \"moe_intermediate_size\": %d,\n"
+                      "  \"norm_topk_prob\": %s,\n  \"decoder_sparse_step\": 1,\n  \"mlp_only_layers\": [],\n",
+                      c.num_experts, c.top_k, c.expert_hidden(), c.norm_topk ? "true" : "false");
     return strfmt(
         "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"vocab_size\": %d,\n"
         "  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
@@ -177,10 +215,9 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
         "  \"head_dim\": %d,\n  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": %s,\n  \"rope_theta\": %s,\n"
         "  \"rope_scaling\": %s,\n  \"attention_bias\": false,\n%s"
         "  \"tie_word_embeddings\": %s,\n  \"initializer_range\": 0.02,\n  \"torch_dtype\": \"%s\"\n}\n",
-        hf_architecture(c), qwen ? "qwen3" : "llama", c.vocab_size, c.max_seq_len,
-        c.channels, c.hidden(), c.num_layers, c.num_heads, c.kv_heads(), c.head_size(),
-        hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(),
-        qwen ? "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n" : "  \"mlp_bias\": false,\n",
+        hf_architecture(c), hf_model_type(c), c.vocab_size, c.max_seq_len,
+        c.channels, mixtral ? c.expert_hidden() : c.hidden(), c.num_layers, c.num_heads, c.kv_heads(), c.head_size(),
+        hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(), own.c_str(),
         c.tied_embeddings ? "true" : "false", torch_dtype.c_str());
 }
 
@@ -258,6 +295,7 @@ inline int hf_save(const GPTConfig& c, const float* params, const std::string& d
             w.metadata("llmc_multiple_of", std::to_string(c.multiple_of));
             w.metadata("llmc_ffn_dim_multiplier", hf_float(c.ffn_dim_multiplier));
             w.metadata("llmc_version", strfmt("%d.%d", c.version_major, c.version_minor));
+            if (c.moe()) w.metadata("llmc_expert_size", std::to_string(c.expert_size));
         }
         for (size_t i : shards[s]) {
             w.add(placements[i].name, type, placements[i].shape, values[i].data());
@@ -348,9 +386,11 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         require("activation_function", "gelu_new", "GPT-2's MLP here is GELU's tanh form (gelu_new)");
         require("n_inner", 4.0 * c.channels, "GPT-2's MLP here has 4·n_embd hidden units");
         require("tie_word_embeddings", true, "GPT-2's classifier here is wte");
-    } else if (arch == "LlamaForCausalLM" || arch == "Qwen3ForCausalLM") {
-        bool qwen = arch == "Qwen3ForCausalLM";
+    } else if (arch == "LlamaForCausalLM" || arch == "Qwen3ForCausalLM" || arch == "MixtralForCausalLM" ||
+               arch == "Qwen3MoeForCausalLM") {
+        bool qwen = arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM", mixtral = arch == "MixtralForCausalLM";
         c.arch = qwen ? Arch::Qwen3 : Arch::Llama3;
+        if (mixtral) c.num_experts = integer("num_local_experts"), c.top_k = integer("num_experts_per_tok");
         c.channels = integer("hidden_size"), c.num_heads = integer("num_attention_heads");
         c.num_layers = integer("num_hidden_layers"), c.max_seq_len = integer("max_position_embeddings");
         c.vocab_size = integer("vocab_size"), c.padded_vocab_size = pad_vocab(c.vocab_size);
@@ -368,6 +408,18 @@ inline GPTConfig hf_read_config(const std::string& dir) {
             const JsonValue* head_dim = j.find("head_dim");
             c.head_dim = head_dim && !head_dim->is_null() ? (int)head_dim->as_int64() : 128;  // Qwen3Config's default
             c.intermediate_size = H;
+            if (arch == "Qwen3MoeForCausalLM") {
+                c.num_experts = integer("num_experts"), c.top_k = integer("num_experts_per_tok");
+                int expert = integer("moe_intermediate_size");
+                c.expert_size = expert == H ? 0 : expert;  // 0: the MLP's, as a descriptor without x<H> says
+                const JsonValue* norm = j.find("norm_topk_prob");
+                c.norm_topk = norm && !norm->is_null() && norm->as_bool();  // Qwen3MoeConfig's default: false
+                const JsonValue* dense = j.find("mlp_only_layers");
+                if ((dense && !dense->is_null() && !dense->as_array().empty()))
+                    fail("%s: \"mlp_only_layers\": dense layers among the sparse ones are not built; every layer "
+                         "here has experts", where);
+                require("decoder_sparse_step", 1.0, "every layer here has experts (a step of 1)");
+            }
             require("hidden_act", "silu", "Qwen3's MLP here is SwiGLU");
             require("attention_bias", false, "this Qwen3 has no biases");
             require("use_sliding_window", false, "sliding-window attention is not built");
@@ -380,17 +432,20 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         }
         // the MLP's size: llm.c's own multiple_of and ffn_dim_multiplier where our export kept them (so that an
         // llm.c file comes back byte for byte), else H exactly as the descriptors make it
-        c.multiple_of = H, c.ffn_dim_multiplier = (H + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
+        // (Mixtral's intermediate_size is its experts', the MLP tensors' width: mlp_hidden)
+        set_llama_hidden(c, H);
         HfFiles files = hf_open(dir);
         const std::map<std::string, std::string>& meta = files.files[0].metadata;
         if (meta.count("llmc_multiple_of") && meta.count("llmc_ffn_dim_multiplier") && meta.count("llmc_version")) {
             c.multiple_of = atoi(meta.at("llmc_multiple_of").c_str());
             c.ffn_dim_multiplier = strtof(meta.at("llmc_ffn_dim_multiplier").c_str(), nullptr);
             sscanf(meta.at("llmc_version").c_str(), "%d.%d", &c.version_major, &c.version_minor);
-            if (c.multiple_of < 1 || c.hidden() != H)
-                fail("%s: \"intermediate_size\" %d disagrees with the safetensors metadata's llmc_multiple_of and "
-                     "llmc_ffn_dim_multiplier", where, H);
+            if (meta.count("llmc_expert_size")) c.expert_size = atoi(meta.at("llmc_expert_size").c_str());
+            if (c.multiple_of < 1 || c.mlp_hidden() != H)
+                fail("%s: \"intermediate_size\" %d disagrees with the safetensors metadata's llmc_multiple_of, "
+                     "llmc_ffn_dim_multiplier and llmc_expert_size", where, H);
         }
+        if (mixtral) require("sliding_window", 0.0, "sliding-window attention is not built (null: none)");
         require("hidden_act", "silu", "Llama's MLP here is SwiGLU");
         require("attention_bias", false, "this Llama has no biases");
         require("mlp_bias", false, "this Llama has no biases");
@@ -399,8 +454,8 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         require("head_dim", (double)c.channels / c.num_heads, "the head size must be hidden_size / num_attention_heads");
         c.rope_scaling = hf_rope_scaling(j.find("rope_scaling"), rope, where);
     } else {
-        fail("%s: \"architectures\": %s is none of GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM", where,
-             arch.empty() ? "none" : arch.c_str());
+        fail("%s: \"architectures\": %s is none of GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, "
+             "Qwen3MoeForCausalLM, MixtralForCausalLM", where, arch.empty() ? "none" : arch.c_str());
     }
     validate_config(c, dir);
     return c;

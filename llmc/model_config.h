@@ -28,6 +28,9 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
         fail("%s: padded vocab %d is smaller than vocab %d", where.c_str(), c.padded_vocab_size, c.vocab_size);
     if (c.num_experts < 1 || c.num_experts > 1024 || c.top_k < 1 || c.top_k > c.num_experts)
         fail("%s: %d experts with top-%d routing: need 1 <= K <= E <= 1024", where.c_str(), c.num_experts, c.top_k);
+    if (c.expert_size < 0 || c.expert_size > (1 << 20) || (!c.moe() && (c.expert_size != 0 || !c.norm_topk)))
+        fail("%s: expert size %d%s: only a model with experts has either", where.c_str(), c.expert_size,
+             c.norm_topk ? "" : " with unnormalized gates");
     if (!c.llama()) return;
     int KV = c.kv_heads();
     if (KV < 1 || KV > c.num_heads || c.num_heads % KV != 0)
@@ -45,7 +48,9 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // "d12", "d24", "d36", "d48" are GPT-2 124M, 350M, 774M and 1.5B. Other shapes: d<L>c<C>h<NH>[t<maxT>][v<V>],
 // e.g. d4c128h4 (4 layers, 128 channels, 4 heads, maxT 1024, the GPT-2 vocab) or d2c64h2t128v1000. Either form
 // may end in e<E>k<K>: a mixture of E experts with top-K routing in every layer (d12e8k2, d2c48h4e4k2); e1k1
-// is the dense model.
+// is the dense model. After it, x<H> gives each expert H hidden units of its own (HF's moe_intermediate_size;
+// default the MLP's), and u keeps a token's K gates as the softmax over all E gives them rather than
+// renormalized to sum to one (HF's norm_topk_prob false), e.g. q2c48h4e8k2x24u.
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
 // 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
 // the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
@@ -58,9 +63,19 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w], a Llama's fields and hd channels a head (default
 // C/NH), H the MLP's hidden units as given, RoPE theta 1e6 and norm eps 1e-6, e.g. q2c48h4g2d16f88 (4 heads of
 // 16 channels: attention is 64 wide in a model of 48 channels).
+// Mixtures of experts by name: "qwen3-30b-a3b" (Qwen3-30B-A3B: 48 layers of 128 experts of 768 hidden units, 8
+// per token, gates renormalized) and "mixtral-8x7b" (Mixtral 8x7B: a Llama of 32 layers of 8 experts of 14336,
+// 2 per token, RoPE theta 1e6, vocab 32000).
 inline bool is_model_descriptor(const std::string& s) {
     return (s.size() >= 2 && (s[0] == 'd' || s[0] == 'l' || s[0] == 'q') && isdigit(s[1])) ||
-           s.rfind("llama3-", 0) == 0 || s.rfind("qwen3-", 0) == 0;
+           s.rfind("llama3-", 0) == 0 || s.rfind("qwen3-", 0) == 0 || s.rfind("mixtral-", 0) == 0;
+}
+
+// A Llama's MLP of H hidden units exactly: Meta's rule with multiple_of H and a multiplier that brings 2/3 of 4C
+// to H + 1/2, which truncates to H whatever the multiplier's rounding (what a file without Meta's two numbers
+// gives: a descriptor's f<H>, a Hugging Face config's intermediate_size)
+inline void set_llama_hidden(GPTConfig& c, int H) {
+    c.multiple_of = H, c.ffn_dim_multiplier = (H + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
 }
 
 // what every Qwen3 shares (Hugging Face's Qwen3Config): RMSNorm eps 1e-6, RoPE theta 1e6 without scaling
@@ -108,22 +123,42 @@ inline GPTConfig qwen3_named(const std::string& s) {
         bool tied;
     };
     for (Shape m : {Shape{"qwen3-0.6b", 28, 1024, 16, 3072, true}, Shape{"qwen3-1.7b", 28, 2048, 16, 6144, true},
-                    Shape{"qwen3-4b", 36, 2560, 32, 9728, true}, Shape{"qwen3-8b", 36, 4096, 32, 12288, false}}) {
+                    Shape{"qwen3-4b", 36, 2560, 32, 9728, true}, Shape{"qwen3-8b", 36, 4096, 32, 12288, false},
+                    Shape{"qwen3-30b-a3b", 48, 2048, 32, 6144, false}}) {
         if (s != m.name) continue;
         GPTConfig c = qwen3_defaults();
         c.num_layers = m.L, c.channels = m.C, c.num_heads = m.NH, c.num_kv_heads = 8, c.head_dim = 128;
         c.intermediate_size = m.H, c.tied_embeddings = m.tied;
         c.vocab_size = 151936, c.padded_vocab_size = pad_vocab(c.vocab_size), c.max_seq_len = 40960;
+        if (s == "qwen3-30b-a3b")  // Qwen/Qwen3-30B-A3B's config.json: 4 key/value heads, every layer sparse
+            c.num_kv_heads = 4, c.num_experts = 128, c.top_k = 8, c.expert_size = 768, c.norm_topk = true;
         validate_config(c, "-e " + s);
         return c;
     }
-    fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b; give other shapes as "
-         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
+    fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b; give other shapes as "
+         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u]][w]", s.c_str());
+}
+
+// Mistral's Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): a Llama of 32 layers, 4096 channels, 32
+// query heads and 8 key/value heads, 8 SwiGLU experts of 14336 hidden units in every layer, 2 per token, RoPE
+// theta 1e6 unscaled, vocab 32000, maxT 32768, untied
+inline GPTConfig mixtral_named(const std::string& s) {
+    if (s != "mixtral-8x7b") fail("-e %s: the Mixtral size is mixtral-8x7b; give other shapes as l...e<E>k<K>", s.c_str());
+    GPTConfig c;
+    c.arch = Arch::Llama3;
+    c.num_layers = 32, c.channels = 4096, c.num_heads = 32, c.num_kv_heads = 8;
+    set_llama_hidden(c, 14336);
+    c.num_experts = 8, c.top_k = 2;
+    c.vocab_size = 32000, c.padded_vocab_size = pad_vocab(c.vocab_size), c.max_seq_len = 32768;
+    c.rope_theta = 1000000.0f, c.rope_scaling = 0.0f;
+    validate_config(c, "-e " + s);
+    return c;
 }
 
 inline GPTConfig parse_model_descriptor(const std::string& s) {
     if (s.rfind("llama3-", 0) == 0) return llama3_named(s);
     if (s.rfind("qwen3-", 0) == 0) return qwen3_named(s);
+    if (s.rfind("mixtral-", 0) == 0) return mixtral_named(s);
     bool llama = s[0] == 'l', qwen = s[0] == 'q';
     GPTConfig c = qwen ? qwen3_defaults() : GPTConfig{};
     if (llama) c.arch = Arch::Llama3;
@@ -139,9 +174,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]"
-                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]"
-                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>]";
+    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u]][w]"
+                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u]][w]"
+                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u]]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -152,6 +187,8 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'v': c.vocab_size = number(key); break;
             case 'e': c.num_experts = number(key), have_e = true; break;
             case 'k': c.top_k = number(key), have_k = true; break;
+            case 'x': c.expert_size = number(key); break;
+            case 'u': c.norm_topk = false; break;  // a flag
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
             case 'd': known = qwen && (c.head_dim = number(key)); break;
@@ -161,6 +198,8 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
         if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
+    if ((c.expert_size > 0 || !c.norm_topk) && c.num_experts < 2)
+        fail("-e %s: x<H> and u describe experts: give e<E>k<K> with E > 1", s.c_str());
     c.padded_vocab_size = pad_vocab(c.vocab_size);
     if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
         if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
@@ -170,10 +209,7 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     }
     if (llama) {
         if (!have_c || !have_h) fail("-e %s: a Llama shape needs c<channels> and h<heads>", s.c_str());
-        // H hidden units exactly: Meta's rule with multiple_of H and a multiplier that brings 2/3 of 4C to H + 1/2,
-        // which truncates to H whatever the multiplier's rounding
-        if (hidden > 0)
-            c.multiple_of = hidden, c.ffn_dim_multiplier = (hidden + 0.5f) / (int)(2.0 * (4L * c.channels) / 3);
+        if (hidden > 0) set_llama_hidden(c, hidden);
         validate_config(c, "-e " + s);
         if (hidden > 0 && c.hidden() != hidden) fail("-e %s: no Llama MLP rule gives %d hidden units", s.c_str(), hidden);
         return c;
@@ -206,10 +242,20 @@ inline std::string family_shape(const GPTConfig& c) {
                   c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
 }
 
+// the experts of a model, in the lines that print it ("" when dense): " E=8 K=2", each one's hidden units where
+// they are not the MLP's, and the gates when they are not renormalized
+inline std::string experts_shape(const GPTConfig& c) {
+    if (!c.moe()) return "";
+    return strfmt(" E=%d K=%d%s%s", c.num_experts, c.top_k,
+                  c.expert_size > 0 ? strfmt(" expert H=%d", c.expert_size).c_str() : "",
+                  c.norm_topk ? "" : " gates unnormalized");
+}
+
 inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
     return a.arch == b.arch && a.num_layers == b.num_layers && a.channels == b.channels && a.num_heads == b.num_heads &&
            a.kv_heads() == b.kv_heads() && a.vocab_size == b.vocab_size && a.padded_vocab_size == b.padded_vocab_size &&
            a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
+           a.expert_hidden() == b.expert_hidden() && a.norm_topk == b.norm_topk &&
            a.head_size() == b.head_size() &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
                            a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings));

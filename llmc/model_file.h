@@ -1,9 +1,10 @@
 // llm.c's model files, the format of -e FILE, of a checkpoint's model.bin and of --convert's llm.c files: fp32
 // (version 3) or bf16 (version 5). GPT-2's: a header of 256 int32 (magic 20240326,
-// version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file), then the parameters in
-// table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
+// version, maxT, V, L, NH, C, Vp, and llm5d's experts E and top-K, 0 in a dense file, then [10] each expert's
+// hidden units where they are not the MLP's and [11] 1 when the gates are not renormalized, 0 otherwise), then
+// the parameters in table order. Llama 3's (llm.c's llama3 branch): 256 int32 (magic 20240803, version, maxT, V, L, NH, KV, C,
 // multiple_of, use_scaled_rope, major, minor; then llm5d's [12] and [13]: experts E and top-K, 0 in a dense
-// file, and [14]: 1 if the classifier is tied to wte) and 256 float32 (ffn_dim_multiplier, norm_eps, rope_theta;
+// file, [14]: 1 if the classifier is tied to wte, and [18], [19] as GPT-2's [10], [11]) and 256 float32 (ffn_dim_multiplier, norm_eps, rope_theta;
 // then llm5d's [3]: RoPE's scaling factor where it is not llm.c's 8), then the tensors in GPT-2's slots: lm_head
 // in wpe's (a tied model's wte again, so that llm.c reads it), and every bias slot present and zero (the table's
 // file_rows). Each file keeps its format's vocab rows: GPT-2's the padded Vp its header gives, Llama 3's the V
@@ -81,6 +82,15 @@ inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<S
     return stored;
 }
 
+// the two header slots that describe the experts beyond E and K: their hidden units (0: the MLP's) and 1 when
+// the gates are not renormalized
+inline void read_expert_slots(GPTConfig& c, const int* slot, const std::string& path) {
+    if (slot[1] != 0 && slot[1] != 1)
+        fail("%s: header slot for the experts' gates is %d, not 0 (renormalized) or 1 (not)", path.c_str(), slot[1]);
+    c.expert_size = slot[0], c.norm_topk = slot[1] == 0;
+}
+inline void write_expert_slots(const GPTConfig& c, int* slot) { slot[0] = c.expert_size, slot[1] = !c.norm_topk; }
+
 inline GPTConfig read_model_header(const std::string& path, int* version) {
     File f(path, "rb");
     int h[256];
@@ -111,6 +121,7 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         // header[12] and [13]: llm5d's experts and their top-K (0 and 0 in a dense file)
         if (h[12] > 1 || h[13] > 1) c.num_experts = h[12], c.top_k = h[13];
         else if (h[12] != h[13]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[12], h[13]);
+        read_expert_slots(c, h + 18, path);
         c.ffn_dim_multiplier = hf[0], c.norm_eps = hf[1], c.rope_theta = hf[2];
         if (h[9] == 0 && hf[3] != 0) fail("%s: header gives RoPE a scaling factor %g but use_scaled_rope 0", path.c_str(), hf[3]);
         c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
@@ -133,6 +144,7 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         // header[8] and [9]: the experts and their top-K (0 and 0 in llm.c's dense files)
         if (h[8] > 1 || h[9] > 1) c.num_experts = h[8], c.top_k = h[9];
         else if (h[8] != h[9]) fail("%s: header says %d experts with top-%d routing", path.c_str(), h[8], h[9]);
+        read_expert_slots(c, h + 10, path);
     }
     validate_config(c, path);
     FileLayout layout = file_layout(c);
@@ -245,6 +257,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         h[10] = c.version_major, h[11] = c.version_minor;
         if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
         h[14] = c.tied_embeddings;
+        write_expert_slots(c, h + 18);
         if (c.arch == Arch::Qwen3) {  // its H is given, and it has no Llama version: those slots hold 0
             h[8] = h[10] = h[11] = 0;
             h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();
@@ -256,6 +269,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         h[6] = c.channels;
         h[7] = c.padded_vocab_size;
         if (c.moe()) h[8] = c.num_experts, h[9] = c.top_k;  // a dense file stays llm.c's, byte for byte
+        write_expert_slots(c, h + 10);
     }
     FileLayout layout = file_layout(c);
     File f(path, "wb");

@@ -68,6 +68,11 @@ struct GPTConfig {
     int channels = 768;
     int num_experts = 1;  // E experts in every layer's MLP, top_k of them per token (llmc/moe.cuh); 1 and 1: dense
     int top_k = 1;
+    // ... each expert of expert_size hidden units (HF's moe_intermediate_size; 0: the MLP's, hidden()), and a
+    // token's K gates, the softmax over all E experts taken at its K chosen ones, renormalized to sum to one
+    // (norm_topk_prob: Mixtral's, Qwen3-30B-A3B's) or not (Qwen1.5-MoE's, OLMoE's)
+    int expert_size = 0;
+    bool norm_topk = true;
     // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
     // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and the factor of Llama 3's frequency scaling
     // (0: none; 8 in Llama 3.1, 32 in Llama 3.2), and the version the file names; whether the classifier is the
@@ -106,6 +111,9 @@ struct GPTConfig {
         if (ffn_dim_multiplier > 0) h = (long)((double)ffn_dim_multiplier * h);
         return (int)((h + multiple_of - 1) / multiple_of * multiple_of);
     }
+    int expert_hidden() const { return expert_size > 0 ? expert_size : hidden(); }
+    // the hidden units of the MLP tensors of the table: each expert's in a model with experts
+    int mlp_hidden() const { return moe() ? expert_hidden() : hidden(); }
 };
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
@@ -248,7 +256,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
     const TPSplit rep = TPSplit::Replicated, column = TPSplit::Column, row = TPSplit::Row, vocab = TPSplit::Vocab;
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
-    size_t C = c.channels, Vp = c.padded_vocab_size, H = c.hidden(), router = c.moe() ? c.num_experts : 0;
+    size_t C = c.channels, Vp = c.padded_vocab_size, H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0;
     bool expert = true, decay = true;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial;
     ModelTable table = {{
@@ -293,7 +301,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
-    size_t H = c.hidden(), router = c.moe() ? c.num_experts : 0, qk = c.qk_norm() ? hd : 0;
+    size_t H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0, qk = c.qk_norm() ? hd : 0;
     bool expert = true, decay = true, tied = c.tied_embeddings;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial, heads = TPGrad::HeadsPartial;
     ModelTable table = {{

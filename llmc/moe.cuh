@@ -1,10 +1,11 @@
 // The mixture-of-experts MLP: a router picks K of E experts for every token, each expert is the model's MLP
-// (GPT-2's, or Llama's SwiGLU, as Mixtral's experts are) over the rows routed to it, and the layer's output is
-// the gate-weighted sum of the K expert outputs.
+// (GPT-2's, or Llama's SwiGLU, as Mixtral's and Qwen3-MoE's experts are) of its own hidden units over the rows
+// routed to it, and the layer's output is the gate-weighted sum of the K expert outputs.
 //
-//   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias); the K largest are chosen (ties go to the lower
-//            expert), and their gates are the softmax over those K logits. Dropless: every token reaches all
-//            K of its experts, so the experts see K·BT rows in all.
+//   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias), P = softmax over all E; the K largest are
+//            chosen (ties go to the lower expert), and their gates are P at those K, renormalized to sum to one
+//            (HF's norm_topk_prob: Mixtral's, Qwen3-MoE's; the same as a softmax over the K logits) or as they
+//            are. Dropless: every token reaches all K of its experts, so the experts see K·BT rows in all.
 //   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
@@ -37,6 +38,7 @@
 #include "llmc/ledger.h"
 #include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
+#include "llmc/model_table.h"
 #include "llmc/tp.cuh"
 
 // ----------------------------------------------------------------------------------------------------------
@@ -218,8 +220,9 @@ struct MoERoute {
     long rows = 0;                  // rows on this rank's experts
 };
 
-// The top-K experts and gates of each of BT tokens, the full softmax, and the dispatch order
-inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K) {
+// The top-K experts and gates of each of BT tokens, the full softmax, and the dispatch order; normalize: the
+// gates are renormalized to sum to one
+inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, bool normalize) {
     r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E), r.row_of.resize(BT * K);
     r.token_of_row.resize(BT * K);
     r.send_counts.assign(E, 0);
@@ -236,9 +239,11 @@ inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K
                 if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || l[e] > l[best])) best = e;
             chosen[k] = best;
         }
-        float gate_total = 0.0f, gate_top = l[chosen[0]];
-        for (int k = 0; k < K; k++) gate_total += r.gate[t * K + k] = expf(l[chosen[k]] - gate_top);
-        for (int k = 0; k < K; k++) r.gate[t * K + k] /= gate_total, r.send_counts[chosen[k]]++;
+        float chosen_total = 0.0f;
+        for (int k = 0; k < K; k++) chosen_total += r.gate[t * K + k] = r.probs[t * E + chosen[k]];
+        for (int k = 0; k < K; k++) r.send_counts[chosen[k]]++;
+        if (normalize)
+            for (int k = 0; k < K; k++) r.gate[t * K + k] /= chosen_total;
     }
     // dispatch order: by expert, then token, then slot (a counting sort that keeps the (t, k) order)
     std::vector<int> next(E, 0);
@@ -274,6 +279,7 @@ template <typename floatX>
 struct MixtureOfExperts {
     int E = 1, K = 1, X = 1;  // experts, chosen per token, held by this rank
     bool gated = false;       // SwiGLU experts (Llama's): fc holds c_fc and c_fc2, twice the hidden units
+    bool normalize = true;    // the K gates renormalized to sum to one (GPTConfig's norm_topk)
     float alpha = 0.01f;      // the aux loss's weight
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     int ep_size = 1, ep_rank = 0;
@@ -308,8 +314,9 @@ struct MixtureOfExperts {
     // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
     long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
 
-    void allocate(Ledger& led, int experts, int top_k, int layers, long BT, int C, bool swiglu) {
-        E = experts, K = top_k, X = E / ep_size, gated = swiglu;
+    void allocate(Ledger& led, const GPTConfig& c, long BT, bool swiglu) {
+        E = c.num_experts, K = c.top_k, X = E / ep_size, gated = swiglu, normalize = c.norm_topk;
+        int layers = c.num_layers, C = c.channels;
         load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
         auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
@@ -385,7 +392,7 @@ struct MixtureOfExperts {
         router_forward(logits, ln2, w.router, BT, C, E);
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
-        route_tokens(r, host_logits.data(), BT, E, K);
+        route_tokens(r, host_logits.data(), BT, E, K, normalize);
         sequence_statistics(r, prob_sums, cp, B, Tl, E, K);
         if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
             for (int b = 0; b < B; b++) {
@@ -471,18 +478,22 @@ struct MixtureOfExperts {
         }
         moe_combine(dln, dinputs, rows_of, (const float*)nullptr, BT, K, C);
 
-        // the router: the gates' softmax over the chosen K, and the aux loss through the full softmax
+        // the router: the gradient of the softmax's P, from the gates (through their renormalization, where
+        // g_k = P_k / S: dP_k = (dg_k - Σ_j g_j·dg_j) / S) and from the aux loss, then through the softmax
         host_dlogits.assign((size_t)BT * E, 0.0f);
+        std::vector<float> dp(E);
         for (long t = 0; t < BT; t++) {
             const float *g = &r.gate[t * K], *dg = &host_dgates[t * K], *p = &r.probs[t * E];
             const float* f = &r.freq[(t / Tl) * E];
             float* dl = &host_dlogits[t * E];
-            float gdg = 0.0f, pdp = 0.0f;
-            for (int k = 0; k < K; k++) gdg += g[k] * dg[k];
-            for (int k = 0; k < K; k++) dl[r.expert[t * K + k]] += g[k] * (dg[k] - gdg);
             // d aux / d P_i of the token: α·E·f_i per sequence, each sequence weighing dloss·T in the objective
-            for (int e = 0; e < E; e++) pdp += p[e] * alpha * E * f[e] * dloss;
-            for (int e = 0; e < E; e++) dl[e] += p[e] * (alpha * E * f[e] * dloss - pdp);
+            for (int e = 0; e < E; e++) dp[e] = alpha * E * f[e] * dloss;
+            float gdg = 0.0f, chosen_total = 0.0f;
+            for (int k = 0; k < K; k++) gdg += g[k] * dg[k], chosen_total += p[r.expert[t * K + k]];
+            for (int k = 0; k < K; k++) dp[r.expert[t * K + k]] += normalize ? (dg[k] - gdg) / chosen_total : dg[k];
+            float pdp = 0.0f;
+            for (int e = 0; e < E; e++) pdp += p[e] * dp[e];
+            for (int e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - pdp);
         }
         const float* dl = on_device(dlogits, host_dlogits);
         // every tp rank holds the same router gradient; its part of dln is added once, before the tp reduction

@@ -106,7 +106,7 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
     size_t psi = num_parameters(config);
     printf("model L=%d C=%d NH=%d V=%d Vp=%d maxT=%d%s%s: %zu parameters\n", config.num_layers, config.channels,
            config.num_heads, config.vocab_size, config.padded_vocab_size, config.max_seq_len, family_shape(config).c_str(),
-           config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", psi);
+           experts_shape(config).c_str(), psi);
     printf(
         "layout: %d ranks, dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over dp·cp = %d ranks%s, %d "
         "micro-steps per step, recompute %d\n",
@@ -337,7 +337,7 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
                                                 : strfmt("fp32%s on cpu", fp8[0] == 1 ? " with FP8 matmuls emulated" : "");
     printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s%s, -t %d -d %ld, %s\n", o.search_gpus,
            per_node, hw.name.c_str(), hw_path.c_str(), config.num_layers, config.channels, config.num_heads,
-           family_shape(config).c_str(), config.moe() ? strfmt(" E=%d K=%d", config.num_experts, config.top_k).c_str() : "", o.T, o.total_batch,
+           family_shape(config).c_str(), experts_shape(config).c_str(), o.T, o.total_batch,
            precision.c_str());
     std::string fixed = fixed_search_flags(o);
     if (!fixed.empty()) printf("search: fixed by the command line: %s\n", fixed.c_str());

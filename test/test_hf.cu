@@ -110,6 +110,43 @@ TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -
     }
 }
 
+TEST_CASE("Qwen3-MoE (gates renormalized and not) and Mixtral: Hugging Face -> llm5d file -> Hugging Face gives "
+          "every tensor back bit for bit with the config's fields, and the file comes back byte for byte",
+          "[hf][moe]") {
+    TempDir out;
+    for (const char* reference : {"reference_qwen3_moe", "reference_qwen3_moe_raw", "reference_mixtral"}) {
+        INFO(reference);
+        std::string hf = strfmt("build/%s/hf", reference), file = out / (std::string(reference) + ".bin"),
+                    again = out / (std::string(reference) + ".hf"), back = out / (std::string(reference) + "2.bin");
+        REQUIRE(single(strfmt("--convert '%s' --to '%s'", hf.c_str(), file.c_str())).status == 0);
+        REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf", file.c_str(), again.c_str())).status == 0);
+        SafetensorsFile theirs = read_safetensors(hf + "/model.safetensors");
+        SafetensorsFile ours = read_safetensors(again + "/model.safetensors");
+        CHECK(ours.tensors.size() == theirs.tensors.size());
+        std::string their_bytes = read_file(theirs.path), our_bytes = read_file(ours.path);
+        for (const SafetensorsTensor& t : theirs.tensors) {
+            INFO(t.name);
+            const SafetensorsTensor* o = ours.find(t.name);
+            REQUIRE(o != nullptr);
+            CHECK(o->shape == t.shape);
+            CHECK(our_bytes.substr(ours.data_start + o->begin, o->end - o->begin) ==
+                  their_bytes.substr(theirs.data_start + t.begin, t.end - t.begin));
+        }
+        // the fields that describe the experts, as the Hub's configs have them
+        JsonDoc config = JsonDoc::from_file(again + "/config.json"), given = JsonDoc::from_file(hf + "/config.json");
+        bool mixtral = std::string(reference) == "reference_mixtral";
+        for (const char* key : mixtral ? std::vector<const char*>{"num_local_experts", "num_experts_per_tok", "intermediate_size"}
+                                       : std::vector<const char*>{"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                                  "intermediate_size"})
+            CHECK(config.root.at(key).as_int64() == given.root.at(key).as_int64());
+        CHECK(config.root.at("architectures").as_array()[0].as_string() ==
+              given.root.at("architectures").as_array()[0].as_string());
+        if (!mixtral) CHECK(config.root.at("norm_topk_prob").as_bool() == given.root.at("norm_topk_prob").as_bool());
+        REQUIRE(single(strfmt("--convert '%s' --to '%s'", again.c_str(), back.c_str())).status == 0);
+        CHECK(read_file(back) == read_file(file));
+    }
+}
+
 TEST_CASE("-e with a Hugging Face directory written by an independent Python converter (one file, or 3 shards) "
           "trains to the llm.c file's losses, equal to the last digit",
           "[hf]") {
@@ -160,10 +197,20 @@ TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged 
     refused(edited(llama, "\"attention_bias\": false", "\"attention_bias\": true"), {"attention_bias", "no biases"});
     refused(edited(llama, "\"llama3\"", "\"dynamic\""), {"rope_scaling"});
     refused(edited(llama, "\"high_freq_factor\": 4.0", "\"high_freq_factor\": 2.0"), {"rope_scaling"});
-    // a model with experts has no GPT2LMHeadModel or LlamaForCausalLM form
-    for (const char* moe : {"build/reference_moe/model.bin", "build/reference_llama_moe/model.bin"})
-        check_one_line_error(single(strfmt("--convert %s --to '%s' --format hf", moe, (out / "moe").c_str())),
-                             {"--format hf", "experts"});
+    // GPT-2 with experts has no Hugging Face form; Mixtral's gates are renormalized, always
+    check_one_line_error(single(strfmt("--convert build/reference_moe/model.bin --to '%s' --format hf", (out / "moe").c_str())),
+                         {"--format hf", "experts"});
+    GPTConfig raw = parse_model_descriptor("l2c48h4e4k2u");
+    std::vector<float> raw_params(num_parameters(raw));
+    gpt_init_random(raw, raw_params.data(), 1);
+    gpt_save_params(raw, raw_params.data(), out / "raw.bin");
+    check_one_line_error(single(strfmt("--convert '%s' --to '%s' --format hf", (out / "raw.bin").c_str(),
+                                       (out / "raw").c_str())),
+                         {"--format hf", "Mixtral renormalizes"});
+    // Qwen3-MoE with dense layers among the sparse ones
+    std::string qwen_moe = "build/reference_qwen3_moe/hf";
+    refused(edited(qwen_moe, "\"mlp_only_layers\": []", "\"mlp_only_layers\": [1]"), {"mlp_only_layers"});
+    refused(edited(qwen_moe, "\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 2"), {"decoder_sparse_step"});
     // what only reading the tensors finds: a run, not a plan
     auto run_refused = [&](const std::string& dir, const std::vector<std::string>& words) {
         check_one_line_error(single(data.flags(1, 16, 1, "'" + dir + "'")), words);

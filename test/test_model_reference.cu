@@ -2,8 +2,8 @@
 // one whose MLPs are mixtures of experts (--moe), and records their logits, loss, every gradient and the
 // losses of 10 AdamW steps; test/reference/make_llama_reference.py does the same for small Llama 3 models in
 // float64 (grouped-query, multi-query and multi-head attention; RoPE scaled and not), whose 10 steps each
-// accumulate two micro-batches, and make_qwen3_reference.py a small Qwen3, from its file and its Hugging Face
-// directories. `make test` writes them under build/ before running this.
+// accumulate two micro-batches, make_qwen3_reference.py a small Qwen3, from its file and its Hugging Face
+// directories, and make_moe_reference.py small Qwen3-MoE and Mixtral models from their Hugging Face directories. `make test` writes them under build/ before running this.
 #include "llmc/gpt.cuh"
 #include "llmc/hf.h"
 #include "test_helpers.h"
@@ -151,6 +151,16 @@ TEST_CASE("CPU Qwen3 matches a float64 PyTorch Qwen3 written from Hugging Face's
             INFO(dir << " from " << from);
             check_against_pytorch(dir, std::string(dir) + "/" + from, 1e-5);
         }
+    }
+}
+
+TEST_CASE("CPU Qwen3-MoE and Mixtral read from Hugging Face directories match float64 PyTorch models written from "
+          "HF's modeling_qwen3_moe and modeling_mixtral (the softmax over all experts, its top 2 of 4 renormalized or "
+          "not, experts of their own width): logits, loss, aux loss, every gradient and 10 AdamW steps",
+          "[model][reference][moe][hf]") {
+    for (const char* dir : {"build/reference_qwen3_moe", "build/reference_qwen3_moe_raw", "build/reference_mixtral"}) {
+        INFO(dir);
+        check_against_pytorch(dir, std::string(dir) + "/hf", 1e-5);
     }
 }
 

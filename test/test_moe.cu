@@ -17,8 +17,11 @@
 namespace test_moe {
 
 const char* MOE_MODEL = "d2c48h4t32v301e4k2";
+// ... and for the layouts, experts of 40 hidden units (not 4C) whose gates are not renormalized
+const char* LAYOUT_MODEL = "d2c48h4t32v301e4k2x40u";
 
-TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates over the chosen, and the dispatch order",
+TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts at the "
+          "chosen, renormalized or not, and the dispatch order",
           "[moe]") {
     const int E = 5, K = 3;
     const long BT = 7;
@@ -26,44 +29,51 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates over th
     std::vector<float> logits(BT * E);
     for (float& x : logits) x = rng.normal(0.0f, 1.0f);
     logits[2 * E + 1] = logits[2 * E + 3] = 4.0f;  // a tie at the top of token 2: expert 1 comes first
-    MoERoute r;
-    route_tokens(r, logits.data(), BT, E, K);
-    std::vector<int> rows_seen(BT * K, 0);
-    for (long t = 0; t < BT; t++) {
-        const float* l = &logits[t * E];
-        // the chosen are the K largest, in decreasing order
-        std::vector<int> order(E);
-        for (int e = 0; e < E; e++) order[e] = e;
-        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
-        double gate_sum = 0.0, denominator = 0.0;
-        for (int k = 0; k < K; k++) denominator += exp(l[order[k]] - l[order[0]]);
-        for (int k = 0; k < K; k++) {
-            CHECK(r.expert[t * K + k] == order[k]);
-            CHECK(r.gate[t * K + k] == Approx(exp(l[order[k]] - l[order[0]]) / denominator).epsilon(1e-6));
-            gate_sum += r.gate[t * K + k];
-            // its row in dispatch order carries this token, among the rows of its expert
-            int row = r.row_of[t * K + k];
-            CHECK(r.token_of_row[row] == t);
-            rows_seen[row]++;
-            int first = 0;
-            for (int e = 0; e < order[k]; e++) first += r.send_counts[e];
-            CHECK(row >= first);
-            CHECK(row < first + r.send_counts[order[k]]);
+    for (bool normalize : {true, false}) {
+        INFO("normalized " << normalize);
+        MoERoute r;
+        route_tokens(r, logits.data(), BT, E, K, normalize);
+        std::vector<int> rows_seen(BT * K, 0);
+        for (long t = 0; t < BT; t++) {
+            const float* l = &logits[t * E];
+            // the chosen are the K largest, in decreasing order
+            std::vector<int> order(E);
+            for (int e = 0; e < E; e++) order[e] = e;
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+            double all = 0.0, chosen = 0.0;
+            for (int e = 0; e < E; e++) all += exp(l[e]);
+            for (int k = 0; k < K; k++) chosen += exp(l[order[k]]) / all;
+            double gate_sum = 0.0;
+            for (int k = 0; k < K; k++) {
+                CHECK(r.expert[t * K + k] == order[k]);
+                double p = exp(l[order[k]]) / all;
+                CHECK(r.gate[t * K + k] == Approx(normalize ? p / chosen : p).epsilon(1e-6));
+                gate_sum += r.gate[t * K + k];
+                // its row in dispatch order carries this token, among the rows of its expert
+                int row = r.row_of[t * K + k];
+                CHECK(r.token_of_row[row] == t);
+                rows_seen[row]++;
+                int first = 0;
+                for (int e = 0; e < order[k]; e++) first += r.send_counts[e];
+                CHECK(row >= first);
+                CHECK(row < first + r.send_counts[order[k]]);
+            }
+            CHECK(gate_sum == Approx(normalize ? 1.0 : chosen).epsilon(1e-6));
+            CHECK(chosen < 0.999);  // so that the two cases differ
+            double p_sum = 0.0;
+            for (int e = 0; e < E; e++) p_sum += r.probs[t * E + e];
+            CHECK(p_sum == Approx(1.0).epsilon(1e-6));
         }
-        CHECK(gate_sum == Approx(1.0).epsilon(1e-6));
-        double p_sum = 0.0;
-        for (int e = 0; e < E; e++) p_sum += r.probs[t * E + e];
-        CHECK(p_sum == Approx(1.0).epsilon(1e-6));
-    }
-    CHECK(r.expert[2 * K] == 1);
-    CHECK(r.expert[2 * K + 1] == 3);
-    for (int seen : rows_seen) CHECK(seen == 1);  // every row once: a permutation
-    // within an expert, the rows follow the tokens
-    std::vector<int> expert_of_row(BT * K);
-    for (long tk = 0; tk < BT * K; tk++) expert_of_row[r.row_of[tk]] = r.expert[tk];
-    for (long i = 1; i < BT * K; i++) {
-        CHECK(expert_of_row[i - 1] <= expert_of_row[i]);
-        if (expert_of_row[i - 1] == expert_of_row[i]) CHECK(r.token_of_row[i - 1] < r.token_of_row[i]);
+        CHECK(r.expert[2 * K] == 1);
+        CHECK(r.expert[2 * K + 1] == 3);
+        for (int seen : rows_seen) CHECK(seen == 1);  // every row once: a permutation
+        // within an expert, the rows follow the tokens
+        std::vector<int> expert_of_row(BT * K);
+        for (long tk = 0; tk < BT * K; tk++) expert_of_row[r.row_of[tk]] = r.expert[tk];
+        for (long i = 1; i < BT * K; i++) {
+            CHECK(expert_of_row[i - 1] <= expert_of_row[i]);
+            if (expert_of_row[i - 1] == expert_of_row[i]) CHECK(r.token_of_row[i - 1] < r.token_of_row[i]);
+        }
     }
 }
 
@@ -103,6 +113,7 @@ TEST_CASE("descriptors with experts; e1k1 is the dense model: the same file, byt
     int version;
     GPTConfig read = read_model_header(moe_dir + "/ckpt_00000004/model.bin", &version);
     CHECK((read.num_experts == 4 && read.top_k == 2));
+    CHECK((h[10] == 0 && h[11] == 0 && read.expert_size == 0 && read.norm_topk));
     // the log: the aux loss on every step line (near α·L = 0.02 for a router that starts balanced), and each
     // layer's expert load on the first step
     CHECK(run.find("| aux 0.02") != std::string::npos);
@@ -111,12 +122,53 @@ TEST_CASE("descriptors with experts; e1k1 is the dense model: the same file, byt
     CHECK(log.find(" aux:0.02") != std::string::npos);
 }
 
+TEST_CASE("experts of their own width (x<H>) and gates not renormalized (u): descriptors, parameter counts, the "
+          "header slots of both file formats, and the published Qwen3-30B-A3B and Mixtral 8x7B",
+          "[moe]") {
+    GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2x40u");
+    CHECK((c.expert_size == 40 && !c.norm_topk && c.mlp_hidden() == 40 && c.hidden() == 192));
+    GPTConfig wide = parse_model_descriptor("d2c48h4t32v301e4k2");
+    size_t C = 48;
+    // each expert: fcw H×C, fcb H, fcprojw C×H, fcprojb C
+    auto expert = [&](size_t H) { return 2 * C * H + H + C; };
+    CHECK(num_parameters(wide) - num_parameters(c) == 2 * 4 * (expert(192) - expert(40)));
+    GPTConfig q = parse_model_descriptor("q2c48h4g2d16f88t32v301e4k2x40");
+    CHECK((q.mlp_hidden() == 40 && q.hidden() == 88 && q.norm_topk));
+    TempDir out;
+    for (const GPTConfig& m : {c, q}) {
+        std::vector<float> params(num_parameters(m));
+        gpt_init_random(m, params.data(), 7);
+        std::string path = out / "model.bin";
+        gpt_save_params(m, params.data(), path);
+        int version;
+        GPTConfig read = read_model_header(path, &version);
+        CHECK(same_model_shape(read, m));
+        CHECK((read.expert_size == 40 && read.norm_topk == m.norm_topk));
+        std::vector<float> back(params.size());
+        gpt_load_params(read, back.data(), path);
+        CHECK(back == params);
+    }
+    for (const char* bad : {"d2c48h4x40", "d2c48h4u", "q2c48h4e1k1x40", "l2c48h4e4k2x0"}) {
+        CommandResult r = single(strfmt("-e %s --plan", bad));
+        INFO(bad << ": " << r.output);
+        CHECK(r.status != 0);
+        CHECK(lines_of(r.output).size() == 1);
+    }
+    // the published totals: Qwen3-30B-A3B 30,532,122,624 (its model card's 30.5B), Mixtral 8x7B 46,702,792,704
+    // (46.7B); per layer attention, the router and E experts of three C×H matrices, and the embeddings
+    GPTConfig qwen = parse_model_descriptor("qwen3-30b-a3b"), mixtral = parse_model_descriptor("mixtral-8x7b");
+    CHECK((qwen.num_experts == 128 && qwen.top_k == 8 && qwen.mlp_hidden() == 768 && qwen.kv_heads() == 4));
+    CHECK(num_parameters(qwen) == 30532122624ull);  // both vocabs are multiples of 128: no padding rows
+    CHECK((mixtral.num_experts == 8 && mixtral.top_k == 2 && mixtral.mlp_hidden() == 14336 && mixtral.kv_heads() == 8));
+    CHECK(num_parameters(mixtral) == 46702792704ull);
+}
+
 TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumulation, gives the single-rank run's "
           "losses over 20 steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula", "[moe]") {
     Data data;
     TempDir out;
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank
-    REQUIRE(single_ok(data.flags(2, 128, 20, MOE_MODEL), out / "one"));
+    REQUIRE(single_ok(data.flags(2, 128, 20, LAYOUT_MODEL), out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     struct Layout {
         const char* name;
@@ -132,7 +184,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumu
                      Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, MOE_MODEL) + l.flags, dir, &run)) continue;
+        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, LAYOUT_MODEL) + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         if (std::string(l.flags).find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
         // the step's p2p bytes alone: the experts' statistics, reduced over the stages after the step for its line,
