@@ -48,12 +48,12 @@ function writeIfChanged(file, buf) {
 
 /** Worker threads that encode batches of documents: encode(texts) -> Promise<Uint32Array>. */
 class EncoderPool {
-  constructor(count, tokenizerPath) {
+  constructor(count, tokenizerPath, eotText) {
     this.pending = new Map();
     this.nextId = 0;
     this.closing = false;
     this.workers = Array.from({ length: count }, () => {
-      const w = new Worker(path.join(__dirname, 'encode_worker.js'), { workerData: { tokenizerPath } });
+      const w = new Worker(path.join(__dirname, 'encode_worker.js'), { workerData: { tokenizerPath, eotText } });
       w.on('message', ({ id, tokens }) => {
         this.pending.get(id).resolve(tokens);
         this.pending.delete(id);
@@ -114,11 +114,11 @@ class Meter {
 
 /**
  * Encodes the corpus `inputs` into DIR/NAME_{val,train}_NNNNNN.bin and writes the tokenizer file.
- * options: { inputs, outDir, name, shardTokens, encoding, tokenizerPath (null: GPT-2), tokenizerOut,
+ * options: { inputs, outDir, name, shardTokens, encoding, tokenizerPath (null: GPT-2), eotText (--eot or null), tokenizerOut,
  * workers, progress, batchChars (text per batch sent to a worker) }. Returns { shards: [file], written, kept, tokens, docs, seconds }.
  */
 async function prepareCorpus(options) {
-  const { inputs, outDir, name, encoding, tokenizerPath, tokenizerOut } = options;
+  const { inputs, outDir, name, encoding, tokenizerPath, eotText, tokenizerOut } = options;
   const shardTokens = options.shardTokens || DEFAULT_SHARD_TOKENS;
   const workers = options.workers || defaultWorkers();
   const batchChars = options.batchChars || DEFAULT_BATCH_CHARS;
@@ -146,7 +146,7 @@ async function prepareCorpus(options) {
     result.tokens += tokens.length;
   };
 
-  const pool = new EncoderPool(workers, tokenizerPath);
+  const pool = new EncoderPool(workers, tokenizerPath, eotText || null);
   try {
     const inFlight = []; // in batch order: Promise<{ tokens, docs, done }>
     const send = (texts, done) => {

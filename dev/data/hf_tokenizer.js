@@ -16,8 +16,11 @@
 //      after it when add_eos_token is true (the bundled Llama 3 tokenizer: <|begin_of_text|> before);
 //   3. when neither puts a token before or after, the end-of-text token after each document, so
 //      documents stay delimited (Qwen3 has no BOS: each document is followed by its eos token).
-// The end-of-text id (the tokenizer file's header[3]): generation_config.json's eos_token_id (the
-// first of a list), else tokenizer_config.json's eos_token, else the added token "<|endoftext|>".
+// The end-of-text id (the tokenizer file's header[3]): the token prepare.js's --eot names, else
+// generation_config.json's eos_token_id (the first of a list), else tokenizer_config.json's eos_token,
+// else the token "<|endoftext|>" (GPT-2's, Qwen's), else "<|end_of_text|>" (Llama 3's: Meta's
+// tokenizer.json alone, with no config beside it); a tokenizer with none of these is refused in one
+// line that asks for --eot.
 'use strict';
 
 const fs = require('fs');
@@ -111,8 +114,11 @@ function templateFrame(pp) {
 }
 
 class HfTokenizer {
-  /** Loads PATH (tokenizer.json or a model directory) and the configs beside it. */
-  constructor(p) {
+  /**
+   * Loads PATH (tokenizer.json or a model directory) and the configs beside it; eotText, when given,
+   * is the end-of-text token's text (prepare.js's --eot) and wins over the configs.
+   */
+  constructor(p, eotText = null) {
     const where = locateTokenizer(p);
     this.file = where.json;
     const json = readJson(where.json, false);
@@ -138,10 +144,12 @@ class HfTokenizer {
     };
 
     const genEos = Array.isArray(generation.eos_token_id) ? generation.eos_token_id[0] : generation.eos_token_id;
-    if (Number.isInteger(genEos)) this.eot = genEos;
+    const named = ['<|endoftext|>', '<|end_of_text|>'].find((t) => this.tokenizer.token_to_id(t) !== undefined);
+    if (eotText !== null) this.eot = idOf(eotText, '--eot');
+    else if (Number.isInteger(genEos)) this.eot = genEos;
     else if (tokenText(config.eos_token) !== null) this.eot = idOf(tokenText(config.eos_token), 'tokenizer_config.json eos_token');
-    else if (this.tokenizer.token_to_id('<|endoftext|>') !== undefined) this.eot = this.tokenizer.token_to_id('<|endoftext|>');
-    else throw new TokenizerError(`${where.json}: cannot tell the end-of-text token (no generation_config.json eos_token_id, no tokenizer_config.json eos_token, no <|endoftext|>)`);
+    else if (named !== undefined) this.eot = this.tokenizer.token_to_id(named);
+    else throw new TokenizerError(`${where.json}: cannot tell the end-of-text token (no generation_config.json eos_token_id, no tokenizer_config.json eos_token, no <|endoftext|> or <|end_of_text|>): name it with --eot TOKEN`);
     if (!(this.eot >= 0 && this.eot < this.vocabSize)) throw new TokenizerError(`end-of-text id ${this.eot} is outside the vocabulary`);
 
     let frame = templateFrame(json.post_processor);

@@ -131,6 +131,10 @@ options:
                     say which tokens frame each document and the end-of-text id.
                     Needs --out. Shards are uint32 (llm.c's Llama 3 format) when the
                     vocabulary exceeds 65,536 ids. Default: GPT-2 (js-tiktoken).
+  --eot TOKEN       the end-of-text token of --tokenizer, by its text (e.g.
+                    '<|end_of_text|>'); wins over the configs. Without it and without
+                    a config naming one, <|endoftext|> or else <|end_of_text|> is taken;
+                    a tokenizer with neither is refused, asking for --eot.
   --shard-tokens N  tokens per corpus shard (default 100000000, as llm.c)
   --name NAME       corpus shard name prefix (default: the --out directory's name)
   --workers N       corpus worker threads (default: one per core)
@@ -254,11 +258,11 @@ function gpt2Encoding() {
   };
 }
 
-/** The encoding of a tokenizer.json or a model directory holding one. */
-function hfEncoding(tokenizerPath) {
+/** The encoding of a tokenizer.json or a model directory holding one; eotText: --eot's token, or null. */
+function hfEncoding(tokenizerPath, eotText = null) {
   const { HfTokenizer, TokenizerError } = require('./hf_tokenizer');
   try {
-    return new HfTokenizer(tokenizerPath);
+    return new HfTokenizer(tokenizerPath, eotText);
   } catch (err) {
     if (err instanceof TokenizerError) throw new UsageError(err.message);
     throw err;
@@ -740,9 +744,9 @@ function refuseOverwrite(outputs, inputs) {
 function parseArgs(argv) {
   const opts = {
     outDir: null, tokenizerPath: null, valEvery: DEFAULT_VAL_EVERY, evalFile: null, quiet: false, help: false, files: [],
-    shardTokens: null, name: null, workers: null, valEveryGiven: false,
+    shardTokens: null, name: null, workers: null, valEveryGiven: false, eot: null,
   };
-  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eval', '--shard-tokens', '--name', '--workers']);
+  const takesValue = new Set(['--out', '--val-every', '--tokenizer', '--eot', '--eval', '--shard-tokens', '--name', '--workers']);
   const positive = (opt, value, min) => {
     if (!/^\d+$/.test(value) || Number(value) < min || Number(value) > MAX_SHARD_TOKENS) {
       throw new UsageError(`${opt} needs an integer >= ${min}, got '${value}'`);
@@ -778,6 +782,7 @@ function parseArgs(argv) {
     switch (arg) {
       case '--out': opts.outDir = path.resolve(value); break;
       case '--tokenizer': opts.tokenizerPath = path.resolve(value); break;
+      case '--eot': opts.eot = value; break;
       case '--val-every': {
         if (!/^\d+$/.test(value) || Number(value) < 2) throw new UsageError(`--val-every needs an integer >= 2, got '${value}'`);
         opts.valEvery = Number(value);
@@ -810,6 +815,9 @@ function parseArgs(argv) {
     // data/sotu holds GPT-2's shards, which other runs expect
     throw new UsageError('--tokenizer needs an output directory: --tokenizer PATH --out DIR [FILE...]');
   }
+  if (opts.eot !== null && opts.tokenizerPath === null) {
+    throw new UsageError(`--eot names a token of --tokenizer's; GPT-2's end-of-text is ${EOT_TEXT}, ${EOT}`);
+  }
   return opts;
 }
 
@@ -839,6 +847,7 @@ async function mainCorpus(opts, encoding, log) {
     shardTokens: opts.shardTokens,
     encoding,
     tokenizerPath: opts.tokenizerPath,
+    eotText: opts.eot,
     tokenizerOut,
     workers,
     progress: !opts.quiet,
@@ -867,7 +876,7 @@ async function main(argv = process.argv.slice(2)) {
   const corpusOnly = opts.shardTokens !== null || opts.name !== null || opts.workers !== null;
   if (corpus.length === 0 && corpusOnly) throw new UsageError('--shard-tokens, --name and --workers are for .jsonl/.parquet inputs');
   if (corpus.length > 0 && opts.valEveryGiven) throw new UsageError('.jsonl/.parquet inputs are split as llm.c does (shard 0 is val); drop --val-every');
-  const encoding = opts.tokenizerPath === null ? gpt2Encoding() : hfEncoding(opts.tokenizerPath);
+  const encoding = opts.tokenizerPath === null ? gpt2Encoding() : hfEncoding(opts.tokenizerPath, opts.eot);
   if (corpus.length > 0) {
     await mainCorpus(opts, encoding, (s) => { if (!opts.quiet) process.stderr.write(`${s}\n`); });
     return;

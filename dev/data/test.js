@@ -180,6 +180,22 @@ function tinyTokenizerJson(byteChar) {
   };
 }
 
+/**
+ * Llama 3's tokenizer.json as Meta ships it alone (meta-llama/Meta-Llama-3-8B): the @lenml package's
+ * vocabulary with Meta's post-processor, which puts <|begin_of_text|> before the text.
+ */
+function metaLlama3TokenizerJson() {
+  const json = JSON.parse(fs.readFileSync(path.join(lenmlModels('llama3'), 'tokenizer.json'), 'utf8'));
+  const bos = { SpecialToken: { id: '<|begin_of_text|>', type_id: 0 } };
+  json.post_processor = { type: 'Sequence', processors: [
+    { type: 'ByteLevel', add_prefix_space: true, trim_offsets: false, use_regex: true },
+    { type: 'TemplateProcessing',
+      single: [bos, { Sequence: { id: 'A', type_id: 0 } }],
+      pair: [bos, { Sequence: { id: 'A', type_id: 0 } }, { SpecialToken: { id: '<|begin_of_text|>', type_id: 1 } }, { Sequence: { id: 'B', type_id: 1 } }],
+      special_tokens: { '<|begin_of_text|>': { id: '<|begin_of_text|>', ids: [128000], tokens: ['<|begin_of_text|>'] } } }] };
+  return json;
+}
+
 async function hfChecks(prep, tmp) {
   let Rust;
   check('the Rust library\'s Node binding (npm tokenizers) loads', () => {
@@ -360,6 +376,56 @@ async function hfChecks(prep, tmp) {
     expectEqual([examples[0].start, examples[0].bytes, examples[0].index], [0xffffffff, examples[0].length, 0], 'delimiter, bytes, index');
     expectEqual([examples[0].label, examples[0].ctx, examples[0].endings], [1, llamaCtx, llamaEndings], 'label, context, completions');
     if (!llamaEndings.flat().concat(llamaCtx).some((t) => t > 65535)) return 'the test text has no id above 65,535';
+  });
+
+  // Llama 3's tokenizer.json as Meta ships it (meta-llama/Meta-Llama-3-8B): a post-processor that puts
+  // <|begin_of_text|> before the text, and nothing beside it that names the end-of-text token
+  const bareDir = path.join(tmp, 'bare-llama3');
+  fs.mkdirSync(bareDir);
+  const bareJson = path.join(bareDir, 'tokenizer.json');
+  fs.writeFileSync(bareJson, JSON.stringify(metaLlama3TokenizerJson()));
+  const bareRs = Rust.fromFile(bareJson);
+  const bareIds = await Promise.all(docs.map((d) => rustIds(bareRs, d)));
+  check('a bare Llama 3 tokenizer.json (no config beside it): end-of-text <|end_of_text|> 128001, <|begin_of_text|> before each document, the Rust library\'s ids', () => {
+    const out = path.join(tmp, 'bare-llama3-out');
+    const res = runPrepare(['-q', '--val-every', '3', '--tokenizer', bareJson, '--out', out, ...docFiles]);
+    if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+    const tok = readTokenizer(path.join(out, 'tokenizer.bin'));
+    expectEqual(tok.header.slice(0, 4), [20240328, 2, 128256, 128001], 'tokenizer header');
+    expectEqual(readAnyShard(path.join(out, 'train.bin')).tokens, [128000, ...bareIds[0], 128000, ...bareIds[1]], 'train tokens');
+    expectEqual(readAnyShard(path.join(out, 'val.bin')).tokens, [128000, ...bareIds[2]], 'val tokens');
+  });
+
+  // the tiny tokenizer with its end-of-text token renamed: no name prepare.js knows, no config
+  const noEotDir = path.join(tmp, 'no-eot');
+  fs.mkdirSync(noEotDir);
+  const noEot = tinyTokenizerJson(byteChar);
+  noEot.added_tokens[0].content = '<|eos|>';
+  fs.writeFileSync(path.join(noEotDir, 'tokenizer.json'), JSON.stringify(noEot));
+  check('--eot names the end-of-text token: a tokenizer.json naming none is refused in one line that asks for it, and with it prepares; it wins over tokenizer_config.json', () => {
+    const refused = path.join(tmp, 'no-eot-refused');
+    checkFailed(runPrepare(['-q', '--tokenizer', noEotDir, '--out', refused, docFiles[1], docFiles[2]]),
+      /cannot tell the end-of-text token .*: name it with --eot TOKEN$/, refused);
+    const out = path.join(tmp, 'no-eot-out');
+    const res = runPrepare(['-q', '--tokenizer', noEotDir, '--eot', '<|eos|>', '--out', out, docFiles[1], docFiles[2]]);
+    if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+    expectEqual(readTokenizer(path.join(out, 'tokenizer.bin')).header.slice(0, 4), [20240328, 2, 260, 259], 'tokenizer header');
+    const tr = readAnyShard(path.join(out, 'train.bin')).tokens;
+    if (tr[tr.length - 1] !== 259) return `the document does not end with --eot's 259: ${tr.slice(-3)}`;
+    // over Llama 3's tokenizer_config.json eos_token (<|end_of_text|>, 128001)
+    expectEqual(prep.hfEncoding(lenmlModels('llama3'), '<|eot_id|>').eot, 128009, '--eot <|eot_id|> beside a config');
+    checkFailed(runPrepare(['-q', '--tokenizer', noEotDir, '--eot', '<|nope|>', '--out', refused, docFiles[1]]),
+      /--eot "<\|nope\|>" is not a token of /, refused);
+    checkFailed(runPrepare(['-q', '--eot', '<|eos|>', '--out', refused, docFiles[1]]), /--eot names a token of --tokenizer's/, refused);
+  });
+  check('--eot reaches the corpus workers: shards of a tokenizer.json naming no end-of-text token', () => {
+    const jsonl = path.join(tmp, 'eot-corpus.jsonl');
+    fs.writeFileSync(jsonl, docs.map((text) => JSON.stringify({ text })).join('\n') + '\n');
+    const out = path.join(tmp, 'eot-corpus');
+    const res = runPrepare(['-q', '--tokenizer', noEotDir, '--eot', '<|eos|>', '--workers', '2', '--out', out, jsonl]);
+    if (res.status !== 0) return `exit ${res.status}: ${res.stderr.trim()}`;
+    const tokens = readAnyShard(path.join(out, 'eot-corpus_val_000000.bin')).tokens;
+    if (tokens.filter((t) => t === 259).length !== docs.length) return `${docs.length} documents, ends ${tokens.filter((t) => t === 259).length}`;
   });
 }
 
