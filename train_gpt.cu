@@ -467,32 +467,30 @@ struct Trainer {
         if (o.overfit) train_data->next_batch();  // the one batch every step will see
     }
 
-    // Samples are decoded with the tokenizer, which must have the model's vocab: --tokenizer's, else the
-    // tokenizer.json of the Hugging Face directory -e names, else GPT-2's. A named or found one that does not fit is
-    // a mistake, refused; GPT-2's, the default, does not fit every model (a Llama 3 of 128256 tokens): the run
-    // says why it does not sample, once, and trains. A Hugging Face directory's own tokenizer may have fewer ids
-    // than the model's rows (Qwen3's 151669 tokens in 151936 rows: the rest pad the embedding, no text holds
-    // them); samples are drawn among its ids.
+    // Samples are decoded with the tokenizer: --tokenizer's, else the tokenizer.json of the Hugging Face directory -e
+    // names, else GPT-2's. A named or found one may have fewer ids than the model has rows (Qwen3's 151669 tokens in
+    // 151936 rows; Megatron-LM pads a vocab so): the rest pad the embedding, no text holds them, samples are drawn
+    // among the tokenizer's ids, and the run says so in one line. One with more ids than the model is a mistake (a
+    // tokenizer of another model), refused. GPT-2's, the default, does not fit every model (a Llama 3 of 128256
+    // tokens): the run says why it does not sample, once, and trains.
     void open_tokenizer() {
         std::string path = o.tokenizer;
-        const bool beside_model = path.empty() && is_hf_dir(o.model) && file_exists(o.model + "/tokenizer.json");
-        if (beside_model) path = o.model + "/tokenizer.json";
+        if (path.empty() && is_hf_dir(o.model) && file_exists(o.model + "/tokenizer.json")) path = o.model + "/tokenizer.json";
         const bool chosen = !path.empty();
         if (!chosen) path = DEFAULT_TOKENIZER;
         tokenizer.reset(new Tokenizer(path));
-        const bool fits = tokenizer->vocab_size == config.vocab_size ||
-                          (beside_model && tokenizer->vocab_size < config.vocab_size);
-        if (!fits && chosen)
-            fail("%s: the tokenizer's vocab of %d tokens is not the model's %d (a tokenizer of another model?)",
-                 tokenizer->path.c_str(), tokenizer->vocab_size, config.vocab_size);
-        if (chosen && grid.rank == 0)
-            printf("samples: decoded with %s, starting from token %d (%s)\n", tokenizer->path.c_str(), tokenizer->start,
-                   tokenizer->start_from.c_str());
-        if (!fits) {
+        if (!chosen && tokenizer->vocab_size != config.vocab_size) {
             if (grid.rank == 0)
                 printf("sampling off: the model's %d tokens are not GPT-2's %d (--tokenizer names one of its vocab)\n",
                        config.vocab_size, tokenizer->vocab_size);
             tokenizer.reset();
+            return;
+        }
+        std::string padding = tokenizer_padding(tokenizer->path, tokenizer->vocab_size, config.vocab_size);
+        if (chosen && grid.rank == 0) {
+            printf("samples: decoded with %s, starting from token %d (%s)\n", tokenizer->path.c_str(), tokenizer->start,
+                   tokenizer->start_from.c_str());
+            if (!padding.empty()) printf("%s\n", padding.c_str());
         }
     }
 

@@ -27,6 +27,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -105,7 +106,7 @@ inline void check_resumable(const RunLayout& now, const RunLayout& was, const st
 // train data (-i). A resumed run that names other ones would go on training another run under this one's name, so
 // -y 1 refuses it (check_run_inputs).
 struct RunInputs {
-    std::string model;            // -e: a descriptor, or a model file's path
+    std::string model;            // -e: a descriptor, or a model file's or directory's absolute path
     uint64_t model_checksum = 0;  // the model file's FNV-1a 64; 0 for a descriptor
     uint64_t seed = 0;
     bool shuffle = true;
@@ -146,9 +147,22 @@ inline uint64_t model_source_checksum(const std::string& path) {
     return sum.value;
 }
 
+// -e as the manifest records it: a file's or directory's absolute path (links resolved), so that --convert finds a
+// Hugging Face directory's tokenizer files from wherever it runs; a descriptor, or a path not there, as given. A
+// manifest written before model_source was absolute holds -e as the run was given it, relative to where it started.
+inline std::string absolute_model_path(const std::string& model) {
+    if (is_model_descriptor(model)) return model;
+    char* real = realpath(model.c_str(), nullptr);
+    if (!real) return model;
+    std::string path = real;
+    free(real);
+    return path;
+}
+
 // reads the model file (or directory) and every shard header (the descriptor of a model needs nothing read)
 inline RunInputs run_inputs(const std::string& model, uint64_t seed, bool shuffle, const std::string& train_pattern) {
-    RunInputs in{model, is_model_descriptor(model) ? 0 : model_source_checksum(model), seed, shuffle, train_pattern, {}};
+    RunInputs in{absolute_model_path(model), is_model_descriptor(model) ? 0 : model_source_checksum(model), seed, shuffle,
+                 train_pattern, {}};
     for (const std::string& path : shard_paths(train_pattern)) {
         File f(path, "rb");
         in.shards.push_back({path, f.size(), file_checksum(path, SHARD_HEADER_BYTES)});
@@ -349,7 +363,8 @@ inline RunInputs read_manifest_inputs(const std::string& path) {
 // Fails with one line naming the flag, its value and the checkpoint's, unless `now` names what `was` recorded.
 inline void check_run_inputs(const RunInputs& now, const RunInputs& was, const std::string& dir) {
     const char* d = dir.c_str();
-    if (now.model != was.model)
+    // an older manifest's relative -e names the same model when it resolves, from here, to the same path
+    if (now.model != was.model && now.model != absolute_model_path(was.model))
         fail("-y 1: -e %s differs from the checkpoint's %s (%s)", now.model.c_str(), was.model.c_str(), d);
     if (now.model_checksum != was.model_checksum)
         fail("-y 1: -e %s: its checksum fnv1a64=%016llx differs from the checkpoint's %016llx: the file changed since "

@@ -17,8 +17,9 @@
 #include "llmc/options.h"
 #include "llmc/utils.h"
 
-// the model a checkpoint's run was started from (its manifest's model_source: -e as the run was given it), or
-// "" where the manifest does not say (a checkpoint saved before it was recorded)
+// the model a checkpoint's run was started from (its manifest's model_source: -e's absolute path, or a descriptor;
+// in a manifest written before it was made absolute, -e as the run was given it), or "" where the manifest does not
+// say (a checkpoint saved before it was recorded)
 inline std::string checkpoint_model_source(const std::string& manifest) {
     File f(manifest, "rb");
     std::vector<std::string> source = manifest_values(f.read_all(), "model_source");
@@ -27,6 +28,21 @@ inline std::string checkpoint_model_source(const std::string& manifest) {
     if (source.size() == 1 && sscanf(source[0].c_str(), "file fnv1a64=%llx %n", &sum, &n) == 1 && n > 0)
         return source[0].substr(n);
     return source.size() == 1 && source[0].rfind("descriptor ", 0) == 0 ? source[0].substr(11) : "";
+}
+
+// The tokenizer files of the Hugging Face directory the model came from (hf_tokenizer_files). An older manifest's
+// relative model_source is looked for from here, where the run may not have been started: not found, it is a note.
+inline std::vector<std::string> tokenizer_files_of(const std::string& model_source) {
+    struct stat st;
+    if (!model_source.empty() && model_source[0] != '/' && !is_model_descriptor(model_source) &&
+        stat(model_source.c_str(), &st) != 0) {
+        char here[4096];
+        printf("note: no tokenizer files copied: the model came from %s, relative to where its run was started, "
+               "which is not found from %s\n",
+               model_source.c_str(), getcwd(here, sizeof(here)) ? here : "here");
+        return {};
+    }
+    return hf_tokenizer_files(model_source);
 }
 
 // --convert SRC --to PATH: the model of a checkpoint (verified first), a model file or a Hugging Face directory,
@@ -69,7 +85,7 @@ inline int convert_model(const Options& o) {
         if (o.convert_format == "hf") {
             hf_placements(config);  // a model Hugging Face has no form for is refused before the tokenizer's notes
             files = hf_save(config, params.data(), o.convert_to, o.convert_dtype, HF_SHARD_BYTES,
-                            hf_tokenizer_files(model_source));
+                            tokenizer_files_of(model_source));
         } else {
             version = o.convert_dtype == "bf16" ? MODEL_VERSION_BF16 : MODEL_VERSION_FP32;
             gpt_save_params(config, params.data(), tmp, version);

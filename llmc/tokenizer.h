@@ -6,7 +6,7 @@
 //   point: ' ' is 'Ġ', '\n' is 'Ċ'), mapped back here to the raw bytes; its added tokens (<|begin_of_text|>, ...)
 //   are their text. HF's decode does the same, except that it drops special tokens when asked to.
 // The EOT id (the token samples start from) of a tokenizer.json is its directory's end-of-text id, read with
-// Hugging Face's precedence (hf_eos_id).
+// Hugging Face's precedence (hf_eos_id), else its own <|endoftext|> or <|end_of_text|> (a bare tokenizer.json).
 // Tokens are byte strings, not necessarily valid UTF-8 on their own: a multi-byte character may be split across
 // tokens, so callers concatenate before printing.
 #pragma once
@@ -246,7 +246,8 @@ private:
     // Hugging Face's end-of-sequence id, in the precedence of its generation: generation_config.json's
     // eos_token_id, else config.json's (GenerationConfig.from_model_config), else the tokenizer's own
     // (tokenizer_config.json's eos_token, a token's text). A list (Llama 3 Instruct's [128001, 128008, 128009]:
-    // any of them ends generation) gives its first.
+    // any of them ends generation) gives its first. A tokenizer.json with none of these beside it gives its
+    // <|endoftext|> (GPT-2's, Qwen's) or <|end_of_text|> (Llama 3's), as dev/data/hf_tokenizer.js does.
     int hf_eos_id(const std::string& dir) {
         for (const char* name : {"generation_config.json", "config.json"}) {
             std::string file = dir + "/" + name;
@@ -276,8 +277,28 @@ private:
                 return eos;
             }
         }
+        // a tokenizer.json alone, as Meta ships Llama 3's: its end-of-text token by name, as prepare.js finds it
+        for (const char* text : {"<|endoftext|>", "<|end_of_text|>"}) {
+            int eos = id_of(text);
+            if (eos < 0) continue;
+            eot_from = path + "'s " + text;
+            return eos;
+        }
         fail("%s: no end-of-text id: none of generation_config.json, config.json (eos_token_id) or "
-             "tokenizer_config.json (eos_token) in %s names one",
+             "tokenizer_config.json (eos_token) in %s names one, and it has no <|endoftext|> or <|end_of_text|>",
              path.c_str(), dir.c_str());
     }
 };
+
+// A tokenizer decodes a model's samples when each of its ids is a row of the model. A model may have more rows than
+// the tokenizer has ids (Qwen3's 151936 for its 151669 tokens; Megatron-LM pads a vocab so): the rest are padding no
+// text holds, which the returned line says; "" when the two agree. More ids than the model's rows are refused: a
+// tokenizer of another model.
+inline std::string tokenizer_padding(const std::string& path, int tokenizer_ids, int model_rows) {
+    if (tokenizer_ids > model_rows)
+        fail("%s: the tokenizer's %d ids are more than the model's %d rows (a tokenizer of another model?)", path.c_str(),
+             tokenizer_ids, model_rows);
+    if (tokenizer_ids == model_rows) return "";
+    return strfmt("tokenizer: %d ids for the model's %d rows; ids %d..%d are padding no text holds", tokenizer_ids,
+                  model_rows, tokenizer_ids, model_rows - 1);
+}

