@@ -36,6 +36,8 @@ struct LocalDims {
     bool ring, means, qk_norm;
     int K;             // with experts: the slots per token (0: a dense MLP)
     long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
+    // the dense layers of a model with experts: their MLP's hidden units and first matmul's width (0: none)
+    int dense_Hl, dense_FCl;
 };
 
 inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1, int ep = 1) {
@@ -49,10 +51,20 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.Cl = (int)(table[ATTPROJW].cols / tp.size), d.Hl = (int)(table[FCPROJW].cols / tp.size);
     d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
     d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
+    d.dense_Hl = (int)(table[DENSE_FCPROJW].cols / tp.size), d.dense_FCl = (int)table[DENSE_FCW].local_rows(tp.size);
     d.Vl = vocab_rows(c.padded_vocab_size, tp.size);
     d.means = c.norm() == Norm::LayerNorm;
     d.qk_norm = c.qk_norm();
     return d;
+}
+
+// ... in model layer l, whose MLP is a dense layer's (every row, its own width) or the experts': what the layer
+// body computes with. The buffers stay sized by the dims of the model (layer_buffers), for the wider of the two.
+inline LocalDims layer_dims(const LocalDims& d, const GPTConfig& c, int layer) {
+    if (!c.dense_layer(layer)) return d;
+    LocalDims dense = d;
+    dense.Hl = d.dense_Hl, dense.FCl = d.dense_FCl, dense.K = 0;
+    return dense;
 }
 
 // floatX: the storage type; statistics, losses and attention's saved state are fp32 on both devices
@@ -116,13 +128,17 @@ template <typename floatX>
 inline std::vector<ActivationBuffer> layer_buffers(Activations<floatX>& a, const LocalDims& d, bool split) {
     size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
     size_t means = d.means ? R : 0, QK = d.qk_norm;
+    // the MLP's buffers hold the experts' rows or a dense layer's (layer_dims), whichever is larger; only the dense
+    // kind keeps its output gradients under a split backward
+    size_t fch = std::max(mlp_rows * d.FCl, BT * d.dense_FCl), act = std::max(mlp_rows * d.Hl, BT * d.dense_Hl);
+    size_t dfch = S * std::max(M * BT * d.FCl, BT * d.dense_FCl), dfcproj = S * (M || d.dense_FCl) * BT * C;
     return {buffer("ln1", a.ln1, R * C, RECOMPUTE_NORMS), buffer("ln1_mean", a.ln1_mean, means), buffer("ln1_rstd", a.ln1_rstd, R),
             buffer("qkv", a.qkv, BT * d.QKVl), buffer("att", a.att, attention_state_floats(d, device_of<floatX>)),
             buffer("atty", a.atty, BT * d.Cl), buffer("attproj", a.attproj, R * C), buffer("residual2", a.residual2, R * C),
             buffer("ln2", a.ln2, R * C, RECOMPUTE_NORMS), buffer("ln2_mean", a.ln2_mean, means), buffer("ln2_rstd", a.ln2_rstd, R),
-            buffer("fch", a.fch, mlp_rows * d.FCl), buffer("fch_act", a.fch_act, mlp_rows * d.Hl, RECOMPUTE_ACTIVATION),
+            buffer("fch", a.fch, fch), buffer("fch_act", a.fch_act, act, RECOMPUTE_ACTIVATION),
             buffer("fcproj", a.fcproj, R * C), buffer("residual3", a.residual3, R * C), buffer("dqkv", a.dqkv, S * BT * d.QKVl),
-            buffer("dattproj", a.dattproj, S * BT * C), buffer("dfch", a.dfch, M * BT * d.FCl), buffer("dfcproj", a.dfcproj, M * BT * C),
+            buffer("dattproj", a.dattproj, S * BT * C), buffer("dfch", a.dfch, dfch), buffer("dfcproj", a.dfcproj, dfcproj),
             buffer("moe_in", a.moe_in, d.expert_rows * C), buffer("moe_out", a.moe_out, d.K * BT * C),
             buffer("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), buffer("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl))};
 }
@@ -198,8 +214,8 @@ struct Scratch {
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
 inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     size_t need = (size_t)(d.means ? layernorm_backward_scratch_floats(d.R, d.C) : rmsnorm_backward_scratch_floats(d.R, d.C));
-    for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl})  // the matmuls with a bias gradient (an expert's: all its rows)
-        need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));
+    for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl})  // the matmuls with a bias gradient (an
+        need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));  // expert's: all its rows
     need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
     if (d.qk_norm) need = std::max(need, (size_t)qk_norm_backward_scratch_floats(d.BT, d.hd));
     // CUB sizes the encoder's sort only on a GPU; a plan made without one takes its usual need: keys, positions

@@ -467,9 +467,8 @@ inline void read_optimizer(const std::string& dir, int files, const ModelState& 
         size_t at = 0;
         for (size_t i = 0; i < index.size(); i++) {
             const OptimizerSlice& s = index[i];
-            bool valid = s.tensor >= 0 && s.tensor < NUM_PARAM_TENSORS && s.layer >= 0 && s.expert >= 0 &&
-                         (size_t)s.layer < param_layers(m.config, s.tensor) &&
-                         (size_t)s.expert < param_experts(m.config, s.tensor) &&
+            bool valid = s.tensor >= 0 && s.tensor < NUM_PARAM_TENSORS &&
+                         param_block_exists(m.config, s.tensor, s.layer, s.expert) &&
                          s.count <= param_block_size(m.config, s.tensor) &&
                          s.element <= param_block_size(m.config, s.tensor) - s.count;
             if (!valid) fail("%s: slice %zu of its index lies outside the model", path.c_str(), i);

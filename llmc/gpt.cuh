@@ -232,8 +232,8 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.dln = scr(BT * C);
     s.dqkv = scr(BT * d.QKVl);
     s.datty = scr(BT * d.Cl);
-    s.dfch = scr(mlp_rows * d.FCl);
-    s.dact = d.FCl != d.Hl ? scr(mlp_rows * d.Hl) : nullptr;
+    s.dfch = scr(std::max(mlp_rows * d.FCl, BT * d.dense_FCl));  // the experts' rows, or a dense layer's
+    s.dact = d.FCl != d.Hl ? scr(std::max(mlp_rows * d.Hl, BT * d.dense_Hl)) : nullptr;
     if (gpu) {
         size_t floats = gpu_kernel_scratch_floats(d);
         s.attention = nullptr;
@@ -270,13 +270,15 @@ inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
 }
 
 // The FP8 casts' buffers (llmc/fp8.cuh) for a rank's layer matmuls: inputs up to the widest of ln's C, attention's
-// Cl and the MLP's Hl; outputs up to the widest of qkv's, the projections' C and the MLP's first; the largest
+// Cl and the MLPs' Hl; outputs up to the widest of qkv's, the projections' C and the MLPs' first; the largest
 // weight; on the rows of a micro-batch or, with experts, the most an expert may see; group: the ranks whose
 // amaxes are gathered (tp × cp)
 inline Fp8Sizes fp8_layer_sizes(const LocalDims& d, int group, Device dev) {
     long rows = std::max(d.BT, d.expert_rows);
-    long in = std::max({(long)d.C, (long)d.Cl, (long)d.Hl}), out = std::max({(long)d.QKVl, (long)d.C, (long)d.FCl});
-    size_t weight = std::max({(size_t)d.QKVl * d.C, (size_t)d.C * d.Cl, (size_t)d.FCl * d.C, (size_t)d.C * d.Hl});
+    long in = std::max({(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.dense_Hl});
+    long out = std::max({(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl});
+    size_t weight = std::max({(size_t)d.QKVl * d.C, (size_t)d.C * d.Cl, (size_t)d.FCl * d.C, (size_t)d.C * d.Hl,
+                              (size_t)d.dense_FCl * d.C});
     return fp8_sizes(rows, in, out, weight, group, dev);
 }
 
@@ -290,10 +292,10 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m) {
     if (dev == Device::CUDA) fp8_check_gpu();
     LocalDims d = model_dims(m, m.B, m.T);
     // cuBLASLt's FP8 kernels want every K, and the leading dimensions, a multiple of 16 (the rows are padded)
-    for (long k : {(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.QKVl, (long)d.FCl})
+    for (long k : {(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.QKVl, (long)d.FCl, (long)d.dense_Hl})
         if (dev == Device::CUDA && k % 16 != 0)
-            fail("--fp8 1: the rank's matmul widths (C %d, C/tp %d, hidden %d, qkv %d, MLP in %d) must be multiples of 16",
-                 d.C, d.Cl, d.Hl, d.QKVl, d.FCl);
+            fail("--fp8 1: the rank's matmul widths (C %d, C/tp %d, hidden %d, qkv %d, MLP in %d, dense layers' hidden "
+                 "%d) must be multiples of 16", d.C, d.Cl, d.Hl, d.QKVl, d.FCl, d.dense_Hl);
     Fp8Sizes z = fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev);
     using Code = typename Fp8Scaling<floatX>::Code;
     auto codes = [&](size_t n) { return n ? m.ledger.template alloc<floatX, Code>(MEM_SCRATCH, n) : nullptr; };
@@ -474,13 +476,14 @@ inline void layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const 
                                 w[LN2W], w[LN2B], R, C);
     const floatX* ln2 = norm_rows(m, la.ln2, BT, C);
     if (route) return layer_experts_forward(m, d, B, la, ln2, w, *route, layer);
+    MlpTensors mlp = mlp_tensors(c, layer);
     if (c.activation() == Activation::GELU) {
-        matmul_gelu_forward(la.fch_act, la.fch, ln2, w[FCW], w[FCB], BT, C, d.Hl, ws, fp8);
+        matmul_gelu_forward(la.fch_act, la.fch, ln2, w[mlp.fcw], w[mlp.fcb], BT, C, d.Hl, ws, fp8);
     } else {
-        matmul_forward(la.fch, ln2, w[FCW], w[FCB], BT, C, d.FCl, ws, fp8);
+        matmul_forward(la.fch, ln2, w[mlp.fcw], w[mlp.fcb], BT, C, d.FCl, ws, fp8);
         swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
     }
-    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[FCPROJW], w[FCPROJB], BT, d.Hl, C, ws, fp8);
+    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[mlp.fcprojw], w[mlp.fcprojb], BT, d.Hl, C, ws, fp8);
 }
 
 // Runs chunk `chunk` of the model's part on a micro-batch of B×T tokens (B and T at most what the model was
@@ -542,8 +545,9 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         ParamViews<floatX> w = unit_params(m, layer_unit(Lp, lo + i));
         Activations<floatX> la = layer_slice(a, i, d, m.recompute, m.split_backward), prev = layer_slice(a, std::max(i - 1, 0), d, m.recompute, m.split_backward);
         LayerInput<floatX> in{i == 0 ? nullptr : &prev, a.encoded};
-        MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
-        layer_forward(m, d, B, la, in, w, route, part.model_layer(lo + i));
+        int layer_index = part.model_layer(lo + i);
+        MoERoute* route = c.sparse_layer(layer_index) ? &mb.routes[i] : nullptr;
+        layer_forward(m, layer_dims(d, c, layer_index), B, la, in, w, route, layer_index);
     }
     Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
     if (!head) {
@@ -679,18 +683,20 @@ inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const
         layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
     } else {
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+        MlpTensors mlp = mlp_tensors(c, layer);
         if (gelu) {  // a split backward leaves fc's bias gradient with its weight gradient to the W step
-            gelu_matmul_backward(dfch, now(dw[FCPROJW]), now(dw[FCPROJB]), now(dw[FCB]), dout, la.fch_act, la.fch,
-                                 w[FCPROJW], BT, d.Hl, C, ws, fp8);
+            gelu_matmul_backward(dfch, now(dw[mlp.fcprojw]), now(dw[mlp.fcprojb]), now(dw[mlp.fcb]), dout, la.fch_act,
+                                 la.fch, w[mlp.fcprojw], BT, d.Hl, C, ws, fp8);
         } else {
-            matmul_backward(s.dact, now(dw[FCPROJW]), now(dw[FCPROJB]), dout, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws,
-                            fp8);
+            matmul_backward(s.dact, now(dw[mlp.fcprojw]), now(dw[mlp.fcprojb]), dout, la.fch_act, w[mlp.fcprojw], BT,
+                            d.Hl, C, ws, fp8);
             swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
         }
         // the norm's output is read by the weight gradient alone (a split backward's W step reads it there)
         const floatX* ln2 =
             split ? none : norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[FCW]), gelu ? none : now(dw[FCB]), dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+        matmul_backward(s.dln, now(dw[mlp.fcw]), gelu ? none : now(dw[mlp.fcb]), dfch, ln2, w[mlp.fcw], BT, C, d.FCl,
+                        ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     norm_backward(c, s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
@@ -770,9 +776,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         const floatX* residual = i == 0 ? a.encoded : layer_slice(a, i - 1, d, m.recompute, m.split_backward).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        MoERoute* route = c.moe() ? &mb.routes[i] : nullptr;
         int layer_index = part.model_layer(lo + i);
-        layer_backward(m, d, B, la, residual, w, dw, route, dloss, layer_index);
+        MoERoute* route = c.sparse_layer(layer_index) ? &mb.routes[i] : nullptr;
+        layer_backward(m, layer_dims(d, c, layer_index), B, la, residual, w, dw, route, dloss, layer_index);
         done(unit);
     }
     if (part.starts_model(chunk)) {
@@ -791,8 +797,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
 // The weight gradients a split backward of chunk `chunk` left for later (the W step of the zero-bubble
 // pipeline): the four matmuls of each of its layers (a bias gradient where the table has the bias), from the
 // output gradients backward kept and the inputs forward kept (computed again where -r does not keep them). The
-// units' gradients are complete after it. With experts it is attention's two: an expert's matmuls see a different number of rows in every micro-batch, and
-// backward takes their weight gradients at once rather than keep their output gradients.
+// units' gradients are complete after it. In a sparse layer it is attention's two: an expert's matmuls see a
+// different number of rows in every micro-batch, and backward takes their weight gradients at once rather than keep
+// their output gradients.
 template <typename floatX>
 inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     if (!m.split_backward) fail("weight gradients: the model's backward is not split");
@@ -814,13 +821,17 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         const floatX* residual = i == 0 ? mb.acts.encoded : layer_slice(mb.acts, i - 1, d, m.recompute, true).residual3;
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
-        const Fp8Scaling<floatX>* fp8 = fp8_for(m, part.model_layer(lo + i));
+        int layer = part.model_layer(lo + i);
+        const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
         floatX* none = nullptr;
-        if (!m.config.moe()) {
-            recompute_activation(m, la, d, BT);
-            matmul_backward(none, dw[FCPROJW], dw[FCPROJB], la.dfcproj, la.fch_act, w[FCPROJW], BT, d.Hl, C, ws, fp8);
+        if (!m.config.sparse_layer(layer)) {
+            LocalDims dl = layer_dims(d, m.config, layer);
+            MlpTensors mlp = mlp_tensors(m.config, layer);
+            recompute_activation(m, la, dl, BT);
+            matmul_backward(none, dw[mlp.fcprojw], dw[mlp.fcprojb], la.dfcproj, la.fch_act, w[mlp.fcprojw], BT, dl.Hl, C,
+                            ws, fp8);
             const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            matmul_backward(none, dw[FCW], dw[FCB], la.dfch, ln2, w[FCW], BT, C, d.FCl, ws, fp8);
+            matmul_backward(none, dw[mlp.fcw], dw[mlp.fcb], la.dfch, ln2, w[mlp.fcw], BT, C, dl.FCl, ws, fp8);
         }
         matmul_backward(none, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
         const floatX* ln1 = norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);

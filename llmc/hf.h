@@ -60,6 +60,9 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
     if (c.moe() && c.arch == Arch::Llama3 && !c.norm_topk)
         fail("--format hf: Mixtral renormalizes its top-%d gates; this model's are not (a Qwen3 shape can be "
              "Qwen3-MoE, whose norm_topk_prob says either)", c.top_k);
+    if (c.moe() && c.arch == Arch::Llama3 && c.count_dense_layers() > 0)
+        fail("--format hf: Mixtral has experts in every layer; this model has %d dense layers (a Qwen3 shape can be "
+             "Qwen3-MoE, whose mlp_only_layers and decoder_sparse_step say which)", c.count_dense_layers());
     int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.mlp_hidden();
     std::vector<HfPlacement> out;
     // rows [first, first + n) of `cols` columns of layer l's (expert x's) block of tensor t, as HF's shape
@@ -109,10 +112,12 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
             add(h + "self_attn.k_norm.weight", KNORMW, l, 0, hd, 1, false, 1);
         }
         add(h + "post_attention_layernorm.weight", LN2W, l, 0, C, 1);
-        if (!c.moe()) {
-            add(h + "mlp.gate_proj.weight", FCW, l, H, H, C);
-            add(h + "mlp.up_proj.weight", FCW, l, 0, H, C);
-            add(h + "mlp.down_proj.weight", FCPROJW, l, 0, C, H);
+        if (!c.sparse_layer((int)l)) {  // a dense model's MLP, or a dense layer's (Qwen3-MoE's mlp_only_layers)
+            MlpTensors mlp = mlp_tensors(c, (int)l);
+            int64_t Hl = c.dense_layer((int)l) ? c.hidden() : H;
+            add(h + "mlp.gate_proj.weight", mlp.fcw, l, Hl, Hl, C);
+            add(h + "mlp.up_proj.weight", mlp.fcw, l, 0, Hl, C);
+            add(h + "mlp.down_proj.weight", mlp.fcprojw, l, 0, C, Hl);
             continue;
         }
         // the experts' SwiGLU: Qwen3-MoE names it as the dense MLP, Mixtral w1 (gate), w3 (up) and w2 (down)
@@ -136,10 +141,7 @@ inline int hf_rotated_row(int r, int hd) { return r % 2 == 0 ? r / 2 : hd / 2 + 
 
 // where a placement's block starts in the flat buffer
 inline float* hf_block(const GPTConfig& c, float* params, const HfPlacement& p) {
-    size_t sizes[NUM_PARAM_TENSORS];
-    param_tensor_sizes(c, sizes);
-    ParamViews<float> v = param_views(params, sizes);
-    return v[p.tensor] + (p.layer * param_experts(c, p.tensor) + p.expert) * param_block_size(c, p.tensor);
+    return params + param_offset(c, {p.tensor, (int)p.layer, (int)p.expert, 0});
 }
 
 // A placement's values in HF's layout, from the flat buffer (export), or into it (import)
@@ -204,10 +206,14 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
                       : mixtral ? "  \"sliding_window\": null,\n" : "  \"mlp_bias\": false,\n";
     if (mixtral)
         own += strfmt("  \"num_local_experts\": %d,\n  \"num_experts_per_tok\": %d,\n", c.num_experts, c.top_k);
-    else if (c.moe())  // every layer sparse
+    else if (c.moe()) {  // the dense layers: the first ones, and those off the sparse step
+        std::string dense;
+        for (int l = 0; l < c.dense_layers; l++) dense += strfmt(l ? ", %d" : "%d", l);
         own += strfmt("  \"num_experts\": %d,\n  \"num_experts_per_tok\": %d,\n  \"moe_intermediate_size\": %d,\n"
-                      "  \"norm_topk_prob\": %s,\n  \"decoder_sparse_step\": 1,\n  \"mlp_only_layers\": [],\n",
-                      c.num_experts, c.top_k, c.expert_hidden(), c.norm_topk ? "true" : "false");
+                      "  \"norm_topk_prob\": %s,\n  \"decoder_sparse_step\": %d,\n  \"mlp_only_layers\": [%s],\n",
+                      c.num_experts, c.top_k, c.expert_hidden(), c.norm_topk ? "true" : "false", c.sparse_step,
+                      dense.c_str());
+    }
     return strfmt(
         "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"vocab_size\": %d,\n"
         "  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
@@ -414,11 +420,19 @@ inline GPTConfig hf_read_config(const std::string& dir) {
                 c.expert_size = expert == H ? 0 : expert;  // 0: the MLP's, as a descriptor without x<H> says
                 const JsonValue* norm = j.find("norm_topk_prob");
                 c.norm_topk = norm && !norm->is_null() && norm->as_bool();  // Qwen3MoeConfig's default: false
+                // the dense layers: mlp_only_layers, a prefix here (DeepSeek's first_k_dense_replace), and those
+                // off decoder_sparse_step (Qwen3MoeConfig's defaults: none, and 1)
                 const JsonValue* dense = j.find("mlp_only_layers");
-                if ((dense && !dense->is_null() && !dense->as_array().empty()))
-                    fail("%s: \"mlp_only_layers\": dense layers among the sparse ones are not built; every layer "
-                         "here has experts", where);
-                require("decoder_sparse_step", 1.0, "every layer here has experts (a step of 1)");
+                if (dense && !dense->is_null()) {
+                    const std::vector<JsonValue>& layers = dense->as_array();
+                    for (size_t k = 0; k < layers.size(); k++)
+                        if (layers[k].as_int64() != (int64_t)k)
+                            fail("%s: \"mlp_only_layers\": dense layers are the first ones here (0, 1, ...), not "
+                                 "layer %lld at place %zu", where, (long long)layers[k].as_int64(), k);
+                    c.dense_layers = (int)layers.size();
+                }
+                const JsonValue* step = j.find("decoder_sparse_step");
+                if (step && !step->is_null()) c.sparse_step = integer("decoder_sparse_step");
             }
             require("hidden_act", "silu", "Qwen3's MLP here is SwiGLU");
             require("attention_bias", false, "this Qwen3 has no biases");

@@ -31,6 +31,12 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (c.expert_size < 0 || c.expert_size > (1 << 20) || (!c.moe() && (c.expert_size != 0 || !c.norm_topk)))
         fail("%s: expert size %d%s: only a model with experts has either", where.c_str(), c.expert_size,
              c.norm_topk ? "" : " with unnormalized gates");
+    if (c.dense_layers < 0 || c.sparse_step < 1 || (!c.moe() && (c.dense_layers != 0 || c.sparse_step != 1)))
+        fail("%s: %d dense layers first, a sparse layer every %d: only a model with experts has dense layers",
+             where.c_str(), c.dense_layers, c.sparse_step);
+    if (c.moe() && c.count_dense_layers() == c.num_layers)
+        fail("%s: %d dense layers first and a sparse layer every %d leave none of the %d layers sparse", where.c_str(),
+             c.dense_layers, c.sparse_step, c.num_layers);
     if (!c.llama()) return;
     int KV = c.kv_heads();
     if (KV < 1 || KV > c.num_heads || c.num_heads % KV != 0)
@@ -50,7 +56,10 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // may end in e<E>k<K>: a mixture of E experts with top-K routing in every layer (d12e8k2, d2c48h4e4k2); e1k1
 // is the dense model. After it, x<H> gives each expert H hidden units of its own (HF's moe_intermediate_size;
 // default the MLP's), and u keeps a token's K gates as the softmax over all E gives them rather than
-// renormalized to sum to one (HF's norm_topk_prob false), e.g. q2c48h4e8k2x24u.
+// renormalized to sum to one (HF's norm_topk_prob false), e.g. q2c48h4e8k2x24u; n<N> makes the first N layers
+// dense (DeepSeek's first_k_dense_replace) and s<S> only every S-th layer sparse (HF's decoder_sparse_step: layer
+// l when (l + 1) % S == 0), the dense layers an MLP of the model's own size, e.g. q4c48h4e4k2x24n1s2 (layers 1
+// and 3 sparse).
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
 // 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
 // the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
@@ -136,7 +145,7 @@ inline GPTConfig qwen3_named(const std::string& s) {
         return c;
     }
     fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b; give other shapes as "
-         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u]][w]", s.c_str());
+         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]][w]", s.c_str());
 }
 
 // Mistral's Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): a Llama of 32 layers, 4096 channels, 32
@@ -174,9 +183,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u]][w]"
-                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u]][w]"
-                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u]]";
+    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]][w]"
+                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]][w]"
+                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -189,6 +198,8 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'k': c.top_k = number(key), have_k = true; break;
             case 'x': c.expert_size = number(key); break;
             case 'u': c.norm_topk = false; break;  // a flag
+            case 'n': c.dense_layers = number(key); break;
+            case 's': c.sparse_step = number(key); break;
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
             case 'd': known = qwen && (c.head_dim = number(key)); break;
@@ -198,8 +209,8 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
         if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
-    if ((c.expert_size > 0 || !c.norm_topk) && c.num_experts < 2)
-        fail("-e %s: x<H> and u describe experts: give e<E>k<K> with E > 1", s.c_str());
+    if ((c.expert_size > 0 || !c.norm_topk || c.dense_layers > 0 || c.sparse_step != 1) && c.num_experts < 2)
+        fail("-e %s: x<H>, u, n<N> and s<S> describe experts: give e<E>k<K> with E > 1", s.c_str());
     c.padded_vocab_size = pad_vocab(c.vocab_size);
     if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
         if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
@@ -246,16 +257,20 @@ inline std::string family_shape(const GPTConfig& c) {
 // they are not the MLP's, and the gates when they are not renormalized
 inline std::string experts_shape(const GPTConfig& c) {
     if (!c.moe()) return "";
-    return strfmt(" E=%d K=%d%s%s", c.num_experts, c.top_k,
+    std::string dense = c.count_dense_layers() == 0 ? ""
+                        : strfmt(" dense layers %d (first %d, sparse every %d)", c.count_dense_layers(), c.dense_layers,
+                                 c.sparse_step);
+    return strfmt(" E=%d K=%d%s%s%s", c.num_experts, c.top_k,
                   c.expert_size > 0 ? strfmt(" expert H=%d", c.expert_size).c_str() : "",
-                  c.norm_topk ? "" : " gates unnormalized");
+                  c.norm_topk ? "" : " gates unnormalized", dense.c_str());
 }
 
 inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
     return a.arch == b.arch && a.num_layers == b.num_layers && a.channels == b.channels && a.num_heads == b.num_heads &&
            a.kv_heads() == b.kv_heads() && a.vocab_size == b.vocab_size && a.padded_vocab_size == b.padded_vocab_size &&
            a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
-           a.expert_hidden() == b.expert_hidden() && a.norm_topk == b.norm_topk &&
+           a.expert_hidden() == b.expert_hidden() && a.norm_topk == b.norm_topk && a.dense_layers == b.dense_layers &&
+           a.sparse_step == b.sparse_step && (a.count_dense_layers() == 0 || a.hidden() == b.hidden()) &&
            a.head_size() == b.head_size() &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
                            a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings));

@@ -54,7 +54,8 @@ inline FileLayout file_layout(const GPTConfig& c) {
     FileLayout f;
     f.header = c.llama() ? 2048 : 1024;
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
-        size_t blocks = (table[t].holder == Holder::Layer ? c.num_layers : 1) * (table[t].expert ? c.num_experts : 1);
+        size_t layers = table[t].holder == Holder::Layer ? held_layers(c, table[t].layers, whole_part(c), c.num_layers) : 1;
+        size_t blocks = layers * (table[t].expert ? c.num_experts : 1);
         f.flat_start[t] = flat, flat += sizes[t];
         f.file_start[t] = f.elements;
         size_t held = table[t].split == TPSplit::Vocab ? file_vocab_rows(c) * table[t].cols : sizes[t];
@@ -82,14 +83,18 @@ inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<S
     return stored;
 }
 
-// the two header slots that describe the experts beyond E and K: their hidden units (0: the MLP's) and 1 when
-// the gates are not renormalized
+// the four header slots that describe the experts beyond E and K: their hidden units (0: the MLP's), 1 when the
+// gates are not renormalized, the first dense layers, and the step of the sparse layers (0: 1, every layer)
 inline void read_expert_slots(GPTConfig& c, const int* slot, const std::string& path) {
     if (slot[1] != 0 && slot[1] != 1)
         fail("%s: header slot for the experts' gates is %d, not 0 (renormalized) or 1 (not)", path.c_str(), slot[1]);
     c.expert_size = slot[0], c.norm_topk = slot[1] == 0;
+    c.dense_layers = slot[2], c.sparse_step = slot[3] == 0 ? 1 : slot[3];
 }
-inline void write_expert_slots(const GPTConfig& c, int* slot) { slot[0] = c.expert_size, slot[1] = !c.norm_topk; }
+inline void write_expert_slots(const GPTConfig& c, int* slot) {
+    slot[0] = c.expert_size, slot[1] = !c.norm_topk;
+    slot[2] = c.dense_layers, slot[3] = c.sparse_step == 1 ? 0 : c.sparse_step;
+}
 
 inline GPTConfig read_model_header(const std::string& path, int* version) {
     File f(path, "rb");

@@ -73,6 +73,11 @@ struct GPTConfig {
     // (norm_topk_prob: Mixtral's, Qwen3-30B-A3B's) or not (Qwen1.5-MoE's, OLMoE's)
     int expert_size = 0;
     bool norm_topk = true;
+    // ... in the sparse layers: all but the first dense_layers (DeepSeek's first_k_dense_replace; HF Qwen-MoE's
+    // mlp_only_layers, as a prefix), and of those every sparse_step-th (HF's decoder_sparse_step: layer l when
+    // (l + 1) % sparse_step == 0); the others are dense layers, an MLP of hidden() units of their own
+    int dense_layers = 0;
+    int sparse_step = 1;
     // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
     // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and the factor of Llama 3's frequency scaling
     // (0: none; 8 in Llama 3.1, 32 in Llama 3.2), and the version the file names; whether the classifier is the
@@ -114,6 +119,16 @@ struct GPTConfig {
     int expert_hidden() const { return expert_size > 0 ? expert_size : hidden(); }
     // the hidden units of the MLP tensors of the table: each expert's in a model with experts
     int mlp_hidden() const { return moe() ? expert_hidden() : hidden(); }
+    // layer l routes its tokens to the experts; a layer of a model with experts that does not is a dense layer,
+    // with an MLP of its own (the DENSE_ tensors); a dense model's layers are neither: their MLP is the table's
+    // FCW..FCPROJB, one expert that takes every row
+    bool sparse_layer(int l) const { return moe() && l >= dense_layers && (l + 1) % sparse_step == 0; }
+    bool dense_layer(int l) const { return moe() && !sparse_layer(l); }
+    int count_dense_layers() const {
+        int n = 0;
+        for (int l = 0; l < num_layers; l++) n += dense_layer(l);
+        return n;
+    }
 };
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
@@ -166,9 +181,11 @@ inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_l
 // The tensors in the order of llm.c's files: its 16, and the router's weight before the MLP's (empty in a dense
 // model, whose buffers are then llm.c's). With experts each MLP tensor stacks the experts of a layer (layer
 // first, then expert). Llama keeps its lm_head in wpe's slot, as llm.c's Llama 3 files do.
-// Qwen3's QK-norm weights come last, so that the other architectures' files and checkpoints keep their order.
+// Qwen3's QK-norm weights come after them, so that the other architectures' files and checkpoints keep their
+// order, and last the MLP of the dense layers of a model with experts (empty in every other model).
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
-                   FCPROJB, LNFW, LNFB, QNORMW, KNORMW, NUM_PARAM_TENSORS };
+                   FCPROJB, LNFW, LNFB, QNORMW, KNORMW, DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB,
+                   NUM_PARAM_TENSORS };
 // the Llama family's classifier, where GPT-2 has wpe (which it lacks)
 constexpr ParamTensor LM_HEAD = WPE;
 
@@ -183,6 +200,17 @@ enum class Init { Zeros, Ones, Normal, ResidualNormal };
 // or always a partial sum (a replicated tensor applied to the rank's heads only: QK-norm's weights); the
 // partial ones are summed over the tp group before data parallelism reduces them (llmc/zero.cuh)
 enum class TPGrad { Own, SequencePartial, HeadsPartial };
+// the layers that hold a layer tensor: every one; those whose MLP is the experts' (a model's sparse layers, or every
+// layer of a dense model: its MLP the one expert); the dense layers of a model with experts
+enum class LayerSet { Every, Experts, Dense };
+inline bool layer_holds(const GPTConfig& c, LayerSet set, int layer) {
+    switch (set) {
+        case LayerSet::Every: return true;
+        case LayerSet::Experts: return !c.dense_layer(layer);
+        case LayerSet::Dense: return c.dense_layer(layer);
+    }
+    return false;
+}
 
 struct TensorSpec {
     const char* name;
@@ -198,6 +226,7 @@ struct TensorSpec {
                            // bias slots
     int file_copy = -1;    // absent here but in the model file as a copy of this tensor (a tied Llama's lm_head)
     size_t head_rows = 0;  // rows per attention head: a column split never cuts one (0: rows without heads)
+    LayerSet layers = LayerSet::Every;  // the layers that hold it (a layer tensor)
 
     size_t rows() const { return parts[0] + parts[1] + parts[2]; }
     // a tp rank's gradient is a partial sum of the group's (with sequence parallelism on or off)
@@ -257,6 +286,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0;
+    size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0;
     bool expert = true, decay = true;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial;
     ModelTable table = {{
@@ -280,6 +310,10 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
         {"lnfb",     head,       !expert, {C},          1,   rep,    !decay, sp,       zeros},
         {"qnormw",   layer,      !expert, {0},          1,   rep,    !decay, own,      ones},
         {"knormw",   layer,      !expert, {0},          1,   rep,    !decay, own,      ones},
+        {"dense_fcw", layer,     !expert, {Hd},         C,   column, decay,  own,      normal},
+        {"dense_fcb", layer,     !expert, {Hd},         1,   column, !decay, own,      zeros},
+        {"dense_fcprojw", layer, !expert, {C},          Hd,  row,    decay,  own,      residual},
+        {"dense_fcprojb", layer, !expert, {Hd ? C : 0}, 1,   rep,    !decay, own,      zeros},
     }};
     table[QKVW].head_rows = table[QKVB].head_rows = c.head_size();
     return table;
@@ -302,6 +336,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
     size_t H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0, qk = c.qk_norm() ? hd : 0;
+    size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0;
     bool expert = true, decay = true, tied = c.tied_embeddings;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial, heads = TPGrad::HeadsPartial;
     ModelTable table = {{
@@ -325,12 +360,43 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"lnfb",     head,       !expert, {0},        1,   rep,    !decay, sp,       zeros,   C},
         {"qnormw",   layer,      !expert, {qk},       1,   rep,    !decay, heads,    ones},
         {"knormw",   layer,      !expert, {qk},       1,   rep,    !decay, heads,    ones},
+        {"dense_fcw", layer,     !expert, {Hd, Hd},   C,   column, decay,  own,      normal},
+        {"dense_fcb", layer,     !expert, {0},        1,   column, !decay, own,      zeros},
+        {"dense_fcprojw", layer, !expert, {C},        Hd,  row,    decay,  own,      residual},
+        {"dense_fcprojb", layer, !expert, {0},        1,   rep,    !decay, own,      zeros},
     }};
     table[QKVW].head_rows = hd;  // with fewer key/value heads than tp ranks, each is held by tp/KV ranks
     return table;
 }
 
-inline ModelTable model_table(const GPTConfig& c) { return c.llama() ? llama_table(c) : gpt2_table(c); }
+// A model with experts has them in its sparse layers, their router with them, and in its dense layers (if any) an
+// MLP of the architecture's own (GPT-2's with biases, SwiGLU's without), hidden() units wide
+inline ModelTable model_table(const GPTConfig& c) {
+    ModelTable table = c.llama() ? llama_table(c) : gpt2_table(c);
+    for (int t : {ROUTERW, FCW, FCB, FCPROJW, FCPROJB}) table[t].layers = LayerSet::Experts;
+    for (int t : {DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB}) table[t].layers = LayerSet::Dense;
+    return table;
+}
+
+// the MLP tensors of model layer l: the experts' (a dense model's one), or a dense layer's own
+struct MlpTensors {
+    int fcw, fcb, fcprojw, fcprojb;
+};
+inline MlpTensors mlp_tensors(const GPTConfig& c, int layer) {
+    if (c.dense_layer(layer)) return {DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB};
+    return {FCW, FCB, FCPROJW, FCPROJB};
+}
+
+// how many of a part's first n layers hold a tensor of the layer set (n = part.layers(): all of the part's)
+inline size_t held_layers(const GPTConfig& c, LayerSet set, const ModelPart& part, int n) {
+    size_t k = 0;
+    for (int l = 0; l < n; l++) k += layer_holds(c, set, part.model_layer(l));
+    return k;
+}
+// the sparse layers of a part (none in a dense model)
+inline int sparse_layers(const GPTConfig& c, const ModelPart& part) {
+    return c.moe() ? (int)held_layers(c, LayerSet::Experts, part, part.layers()) : 0;
+}
 
 // the tensor the classifier multiplies by: the token embedding (GPT-2's, a tied Llama's), or Llama's lm_head
 inline int classifier_tensor(const GPTConfig& c) { return c.tied() ? WTE : LM_HEAD; }
@@ -348,7 +414,9 @@ inline void param_tensor_sizes(const GPTConfig& c, size_t sizes[NUM_PARAM_TENSOR
     ModelTable table = model_table(c);
     for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
         const TensorSpec& s = table[t];
-        size_t blocks = s.holder == Holder::Layer ? part.layers() : s.holder == Holder::Embeddings ? part.embeddings() : part.last;
+        size_t blocks = s.holder == Holder::Layer        ? held_layers(c, s.layers, part, part.layers())
+                        : s.holder == Holder::Embeddings ? part.embeddings()
+                                                         : part.last;
         sizes[t] = blocks * (s.expert ? c.num_experts / ep : 1) * s.block(tp);
     }
 }
@@ -402,7 +470,8 @@ struct Segment {
 };
 
 // a unit's slices in tensor order; packed back to back, they are the unit's packed layout. A tensor the
-// architecture lacks (a dense model's router) has none; one the part lacks, an empty one.
+// architecture lacks (a dense model's router) has none, nor has a layer's unit a tensor of another kind of layer
+// (a dense layer's the experts'); one the part lacks, an empty one.
 inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part, int ep = 1) {
     ModelTable table = model_table(c);
     size_t sizes[NUM_PARAM_TENSORS], offset = 0, L = part.layers();
@@ -411,8 +480,14 @@ inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, 
     std::vector<Segment> segs;
     for (int t = 0; t < NUM_PARAM_TENSORS; offset += sizes[t++]) {
         if (table[t].holder != holder || table[t].block() == 0) continue;
-        if (holder != Holder::Layer) segs.push_back({t, offset, sizes[t]});
-        else segs.push_back({t, offset + (L - unit) * (sizes[t] / L), sizes[t] / L});
+        if (holder != Holder::Layer) {
+            segs.push_back({t, offset, sizes[t]});
+            continue;
+        }
+        int layer = (int)L - unit;  // the part's
+        if (!layer_holds(c, table[t].layers, part.model_layer(layer))) continue;
+        size_t block = sizes[t] / held_layers(c, table[t].layers, part, (int)L);
+        segs.push_back({t, offset + held_layers(c, table[t].layers, part, layer) * block, block});
     }
     return segs;
 }
@@ -481,16 +556,22 @@ inline std::vector<ShareRun> share_runs(const GPTConfig& c, const ShareSpec& sh,
             add(whole, local, s.block(), false);
         }
     };
-    size_t L = c.num_layers, Lp = part.layers(), E = c.num_experts, X = E / sh.ep;
+    size_t Lp = part.layers(), E = c.num_experts, X = E / sh.ep;
+    const ModelPart whole = whole_part(c);
     for (size_t t = 0, wo = 0, lo = 0; t < NUM_PARAM_TENSORS; wo += ws[t], lo += ls[t], t++) {
         const TensorSpec& s = table[t];
         if (s.block() == 0) continue;
         if (s.holder == Holder::Layer) {
             size_t experts = s.expert ? X : 1, first = s.expert ? sh.ep_rank * X : 0;
-            for (size_t layer = 0; layer < Lp; layer++)
+            for (size_t layer = 0, held = 0; layer < Lp; layer++) {
+                int model_layer = part.model_layer((int)layer);
+                if (!layer_holds(c, s.layers, model_layer)) continue;
+                size_t before = held_layers(c, s.layers, whole, model_layer);  // the model's layers holding it
                 for (size_t x = 0; x < experts; x++)
-                    place(s, wo + ((size_t)part.model_layer((int)layer) * (s.expert ? E : 1) + first + x) * s.block(),
-                          lo + (layer * experts + x) * s.block(sh.tp));
+                    place(s, wo + (before * (s.expert ? E : 1) + first + x) * s.block(),
+                          lo + (held * experts + x) * s.block(sh.tp));
+                held++;
+            }
         } else if (s.holder == Holder::Embeddings ? part.embeddings() : part.last) {
             place(s, wo, lo);
         }
@@ -571,28 +652,38 @@ struct ParamCoord {
     size_t element;
 };
 
-// the blocks a tensor stacks (per layer, and per expert of a layer)
-inline size_t param_layers(const GPTConfig& c, int t) {
-    return model_table(c)[t].holder == Holder::Layer ? c.num_layers : 1;
-}
+// the blocks a tensor stacks (per layer that holds it, and per expert of a layer)
 inline size_t param_experts(const GPTConfig& c, int t) { return model_table(c)[t].expert ? c.num_experts : 1; }
 inline size_t param_block_size(const GPTConfig& c, int t) { return model_table(c)[t].block(); }
+// the tensor has a block at this layer (0 for a tensor outside the layers) and expert (0 for one without experts)
+inline bool param_block_exists(const GPTConfig& c, int t, int layer, int expert) {
+    const TensorSpec s = model_table(c)[t];
+    bool in_layer = s.holder == Holder::Layer ? layer >= 0 && layer < c.num_layers && layer_holds(c, s.layers, layer)
+                                              : layer == 0;
+    return in_layer && expert >= 0 && (size_t)expert < param_experts(c, t);
+}
 
-// element i of the whole model's flat buffer in the model's coordinates, and back
+// element i of the whole model's flat buffer in the model's coordinates, and back; a layer tensor's blocks are
+// those of the layers that hold it
 inline ParamCoord param_coord(const GPTConfig& c, size_t i) {
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes);
     int t = 0;
     while (t + 1 < NUM_PARAM_TENSORS && i >= sizes[t]) i -= sizes[t++];
-    size_t block = param_block_size(c, t), per_layer = block * param_experts(c, t);
-    return {t, (int)(i / per_layer), (int)(i % per_layer / block), i % block};
+    size_t block = param_block_size(c, t), per_layer = block * param_experts(c, t), k = i / per_layer;
+    int layer = 0;  // the k-th layer that holds the tensor
+    const TensorSpec s = model_table(c)[t];
+    for (size_t held = 0; s.holder == Holder::Layer; layer++)
+        if (layer_holds(c, s.layers, layer) && held++ == k) break;
+    return {t, layer, (int)(i % per_layer / block), i % block};
 }
 inline size_t param_offset(const GPTConfig& c, const ParamCoord& p) {
     size_t sizes[NUM_PARAM_TENSORS], offset = 0;
     param_tensor_sizes(c, sizes);
     for (int t = 0; t < p.tensor; t++) offset += sizes[t];
-    size_t block = param_block_size(c, p.tensor);
-    return offset + ((size_t)p.layer * param_experts(c, p.tensor) + p.expert) * block + p.element;
+    const TensorSpec s = model_table(c)[p.tensor];
+    size_t before = s.holder == Holder::Layer ? held_layers(c, s.layers, whole_part(c), p.layer) : 0;
+    return offset + (before * param_experts(c, p.tensor) + p.expert) * s.block() + p.element;
 }
 
 // where element i of the whole model's flat buffer lies, in words: "ln1w of layer 1, element 5"

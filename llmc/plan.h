@@ -177,13 +177,15 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
                                X * table + F * (ring && gpu ? T : 0);
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a norm input (BT·C),
     // qkv (BT·QKVl: 3·BT·Cl for GPT-2), attention output (BT·Cl), the MLP's first matmul's output
-    // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl); T floats per thread for attention; the GEMM's
+    // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl), or a dense layer's of a model with experts where
+    // they are larger (BT·2H, BT·H); T floats per thread for attention; the GEMM's
     // packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the all-reduce
     // (BT·C/t); under sp the gathered output gradient (BT·C), a reduced input gradient (R·C) and a norm's output
     // gathered (BT·C: the layers keep their R rows of it). On the GPU the
     // kernels' shared scratch replaces the last two. Llama's RoPE table: maxT·hd fp32 (cos and sin per position
     // and frequency).
-    size_t scratch = R * C + BT * C + BT * d.QKVl + BT * Cl + mlp_rows * d.FCl + (d.FCl != d.Hl ? mlp_rows * Hl : 0);
+    size_t mlp = std::max(mlp_rows * d.FCl, BT * d.dense_FCl), act = std::max(mlp_rows * Hl, BT * d.dense_Hl);
+    size_t scratch = R * C + BT * C + BT * d.QKVl + BT * Cl + mlp + (d.FCl != d.Hl ? act : 0);
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += 2 * BT * C + R * C;
     size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
@@ -255,7 +257,7 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // partial over tp, once per reduction, that is once per step under ZeRO-0/1, each
 // micro-step under ZeRO-2/3. The norm all-gathers one double. Under sp each rank keeps its rows of the two norm
 // outputs, and backward gathers them again for the weight gradients (Megatron-LM's sequence parallelism): 2L
-// more units. With experts, each layer's backward sums the gates'
+// more units. With experts, each sparse layer's backward sums the gates'
 // gradients over the group (all-gathers BT·K fp32). Activations and gradients move as stored (bf16 on the
 // GPU), the cross-entropy's three and the gates' gradients as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
@@ -266,7 +268,7 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = part.layers(), k = par.accumulation;
     double first = part.first, last = part.last;
     double units = 8 * L + 2 * (first + last) + (par.sp ? 2 * L : 0), value = stored_value_bytes(device);
-    double gates = c.moe() ? L * (t - 1) * BT * c.top_k * sizeof(float) : 0.0;
+    double gates = sparse_layers(c, part) * (t - 1) * BT * c.top_k * sizeof(float);
     double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float) + gates;
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes, par.tp, part, par.ep);
@@ -310,13 +312,13 @@ inline double planned_pp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
 
 // Bytes one rank sends to its ep group per optimizer step, for routing that spreads every token's K rows evenly
 // over the experts (the run counts what its routing really sent: MixtureOfExperts::formula_bytes). In each
-// layer of each micro-step a rank sends (ep-1)/ep of its K·BT rows to other ranks' experts and receives as many
+// sparse layer of each micro-step a rank sends (ep-1)/ep of its K·BT rows to other ranks' experts and receives as many
 // back from them; each row crosses twice in forward (dispatch, return) and twice in backward, C values as
 // stored. The counts exchange sends E/ep ints to each other rank per layer and micro-step, and the experts'
 // gradient norm one double to each.
 inline double planned_ep_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.ep == 1) return 0.0;
-    double N = par.ep, BT = (double)B * T / par.cp, L = planned_part(c, par).layers(), k = par.accumulation;
+    double N = par.ep, BT = (double)B * T / par.cp, L = sparse_layers(c, planned_part(c, par)), k = par.accumulation;
     double rows_crossing = 2 * (N - 1) / N * c.top_k * BT;  // sent away, and received
     double per_layer = 2 * rows_crossing * c.channels * stored_value_bytes(device) +
                        (N - 1) * (c.num_experts / par.ep) * sizeof(int);

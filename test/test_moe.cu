@@ -18,7 +18,9 @@ namespace test_moe {
 
 const char* MOE_MODEL = "d2c48h4t32v301e4k2";
 // ... and for the layouts, experts of 40 hidden units (not 4C) whose gates are not renormalized
-const char* LAYOUT_MODEL = "d2c48h4t32v301e4k2x40u";
+// layer 0 dense (n1), 1 sparse, 2 dense (off the step of 2), 3 sparse: DualPipeV's four chunks of one layer each
+// put a dense chunk and a sparse one on each of its two stages
+const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2";
 
 TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts at the "
           "chosen, renormalized or not, and the dispatch order",
@@ -122,8 +124,9 @@ TEST_CASE("descriptors with experts; e1k1 is the dense model: the same file, byt
     CHECK(log.find(" aux:0.02") != std::string::npos);
 }
 
-TEST_CASE("experts of their own width (x<H>) and gates not renormalized (u): descriptors, parameter counts, the "
-          "header slots of both file formats, and the published Qwen3-30B-A3B and Mixtral 8x7B",
+TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense layers first (n<N>) and off the "
+          "sparse step (s<S>): descriptors, parameter counts, coordinates, the header slots of both file formats, and "
+          "the published Qwen3-30B-A3B and Mixtral 8x7B",
           "[moe]") {
     GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2x40u");
     CHECK((c.expert_size == 40 && !c.norm_topk && c.mlp_hidden() == 40 && c.hidden() == 192));
@@ -134,8 +137,25 @@ TEST_CASE("experts of their own width (x<H>) and gates not renormalized (u): des
     CHECK(num_parameters(wide) - num_parameters(c) == 2 * 4 * (expert(192) - expert(40)));
     GPTConfig q = parse_model_descriptor("q2c48h4g2d16f88t32v301e4k2x40");
     CHECK((q.mlp_hidden() == 40 && q.hidden() == 88 && q.norm_topk));
+    // dense layers: the first n, and those off the step s; each of its own MLP of the model's width
+    GPTConfig mixed = parse_model_descriptor("d4c48h4t32v301e4k2x40n1s2");
+    CHECK((mixed.dense_layers == 1 && mixed.sparse_step == 2 && mixed.count_dense_layers() == 2));
+    CHECK((!mixed.sparse_layer(0) && mixed.sparse_layer(1) && !mixed.sparse_layer(2) && mixed.sparse_layer(3)));
+    CHECK(num_parameters(mixed) == gpt2_parameter_count(mixed));
+    CHECK(num_parameters(c) == gpt2_parameter_count(c));
+    // a Qwen3 dense layer holds no router (E·C) and no experts (E of 3·C·40), but gate, up and down of 88
+    GPTConfig qmixed = parse_model_descriptor("q4c48h4g2d16f88t32v301e4k2x40n1s2");
+    GPTConfig qsparse = parse_model_descriptor("q4c48h4g2d16f88t32v301e4k2x40");
+    CHECK(num_parameters(qmixed) == num_parameters(qsparse) - 2 * (4 * C + 4 * 3 * C * 40) + 2 * 3 * C * 88);
+    // every element's coordinates name a block that exists, and lead back to it
+    for (const GPTConfig& m : {mixed, qmixed})
+        for (size_t i = 0; i < num_parameters(m); i += 61) {
+            ParamCoord p = param_coord(m, i);
+            CHECK(param_block_exists(m, p.tensor, p.layer, p.expert));
+            CHECK(param_offset(m, p) == i);
+        }
     TempDir out;
-    for (const GPTConfig& m : {c, q}) {
+    for (const GPTConfig& m : {c, q, mixed, qmixed}) {
         std::vector<float> params(num_parameters(m));
         gpt_init_random(m, params.data(), 7);
         std::string path = out / "model.bin";
@@ -143,12 +163,14 @@ TEST_CASE("experts of their own width (x<H>) and gates not renormalized (u): des
         int version;
         GPTConfig read = read_model_header(path, &version);
         CHECK(same_model_shape(read, m));
-        CHECK((read.expert_size == 40 && read.norm_topk == m.norm_topk));
+        CHECK((read.expert_size == 40 && read.norm_topk == m.norm_topk && read.dense_layers == m.dense_layers &&
+               read.sparse_step == m.sparse_step));
         std::vector<float> back(params.size());
         gpt_load_params(read, back.data(), path);
         CHECK(back == params);
     }
-    for (const char* bad : {"d2c48h4x40", "d2c48h4u", "q2c48h4e1k1x40", "l2c48h4e4k2x0"}) {
+    for (const char* bad : {"d2c48h4x40", "d2c48h4u", "q2c48h4e1k1x40", "l2c48h4e4k2x0", "d2c48h4n1", "d2c48h4e4k2n2",
+                            "d2c48h4e4k2s3", "q2c48h4e4k2s0"}) {
         CommandResult r = single(strfmt("-e %s --plan", bad));
         INFO(bad << ": " << r.output);
         CHECK(r.status != 0);
@@ -163,8 +185,10 @@ TEST_CASE("experts of their own width (x<H>) and gates not renormalized (u): des
     CHECK(num_parameters(mixtral) == 46702792704ull);
 }
 
-TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumulation, gives the single-rank run's "
-          "losses over 20 steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula", "[moe]") {
+TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualPipeV) and recomputation, each with "
+          "gradient accumulation, on dense layers among the sparse ones, gives the single-rank run's losses over 20 "
+          "steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula",
+          "[moe]") {
     Data data;
     TempDir out;
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank
@@ -180,6 +204,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumu
                      Layout{"ep2_z3", 2, 2, " --ep 2 -z 3"}, Layout{"ep2_tp2", 4, 2, " --ep 2 --tp 2"},
                      Layout{"ep2_tp2_r1", 4, 2, " --ep 2 --tp 2 -r 1"},
                      Layout{"ep2_pp2", 4, 1, " --ep 2 --pp 2"}, Layout{"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
+                     Layout{"ep2_dualpipev", 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev"},
                      Layout{"ep2_cp2", 4, 2, " --ep 2 --cp 2"}, Layout{"ep2_r2", 2, 2, " --ep 2 -r 2"},
                      Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {
         INFO(l.name);
@@ -196,9 +221,11 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp and pp, each with gradient accumu
     }
 }
 
-TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and "
-          "recomputation", "[moe]") {
-    GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2");
+TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sparse or dense layers among them: "
+          "ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and recomputation", "[moe]") {
+    for (const char* model : {"d2c48h4t32v301e4k2", LAYOUT_MODEL}) {
+    INFO(model);
+    GPTConfig c = parse_model_descriptor(model);
     CHECK(gpt2_parameter_count(c) == num_parameters(c));
     struct Layout {
         int ep, dp, tp, cp, pp;
@@ -242,6 +269,8 @@ TEST_CASE("--plan predicts the ledger of every rank with experts: ep with dp, Ze
                         CHECK(plan.bytes[i] == m.ledger.bytes[i]);
                     }
                 }
+    }
+    GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2");
 
     // the command line prints that plan, the model with its experts and the layout's ep
     Data data;

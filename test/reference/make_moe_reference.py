@@ -4,11 +4,14 @@
 Run with Debian's interpreter, which ships torch and numpy:
 
     /usr/bin/python3 test/reference/make_moe_reference.py --out DIR --arch qwen3_moe|mixtral [--unnormalized]
+        [--layers L --dense-layers N --sparse-step S]
 
 An independent model written here from Hugging Face's modeling_qwen3_moe (Qwen3MoeForCausalLM) and
 modeling_mixtral (MixtralForCausalLM), its parameters kept under HF's own tensor names, computed in float64 from
 float32 weights. Attention is Qwen3's (QK-norm before rotate-half RoPE, heads of HD channels that need not make
-C) or Llama's (Mixtral: no QK-norm, HD = C/NH); every layer's MLP is a sparse block: router logits = x·gateᵀ,
+C) or Llama's (Mixtral: no QK-norm, HD = C/NH); a layer's MLP is a sparse block (Qwen3-MoE: unless the layer is
+in mlp_only_layers, the first N here, or off decoder_sparse_step, (l + 1) % S != 0; those are Qwen3's dense MLP of
+intermediate_size hidden units): router logits = x·gateᵀ,
 routing weights = softmax over all E experts, the top K of them, divided by their sum when norm_topk_prob
 (Mixtral always; Qwen3-MoE as its config says: --unnormalized keeps them as they are), each chosen expert
 down(silu(gate(x))·up(x)) of moe_intermediate_size hidden units (Mixtral: w2(silu(w1(x))·w3(x)) of
@@ -16,7 +19,7 @@ intermediate_size), weighted and summed.
 
 The objective is llm5d's: the mean cross-entropy plus ALPHA times its load-balancing loss, E·Σ_i f_i·P_i per
 sequence and layer (f_i the share of the sequence's K·T assignments that went to expert i, a constant; P_i the
-mean over its tokens of the softmax over all E), averaged over the sequences and summed over the layers. (HF adds
+mean over its tokens of the softmax over all E), averaged over the sequences and summed over the sparse layers. (HF adds
 no auxiliary loss unless output_router_logits is set, and then a different one; the trainer's is --moe-aux.)
 
 Writes:
@@ -26,7 +29,8 @@ Writes:
   [10] and [11]): the inputs and targets of every micro-batch, the first one's logits, loss and every gradient in
   llm5d's flat order (wte and lm_head padded to VP rows; each q and k head's rows, and QK-norm's weights, in
   llm5d's order for RoPE on interleaved pairs; routerw, then fcw stacking each expert's up rows then gate rows,
-  fcprojw; qnormw and knormw last), then the losses of 10 AdamW steps of MICRO micro-batches.
+  fcprojw, of the sparse layers; qnormw and knormw; last the dense layers' dense_fcw, up rows then gate rows, and
+  dense_fcprojw), then the losses of 10 AdamW steps of MICRO micro-batches.
 """
 
 import argparse
@@ -51,7 +55,7 @@ KV = 2
 E = 4
 K = 2
 H_EXPERT = 40  # moe_intermediate_size (Mixtral: intermediate_size)
-H_DENSE = 88   # Qwen3-MoE's intermediate_size, for dense layers (none here)
+H_DENSE = 88   # Qwen3-MoE's intermediate_size, for its dense layers
 ALPHA = 0.05
 ARCHS = {
     # HD, norm eps, RoPE theta, QK-norm, the MLP block's name and the names of its experts' gate, up and down
@@ -65,16 +69,19 @@ ARCHS = {
 class MoEModel:
     """The parameters as {HF name: float64 leaf tensor}, the forward pass in HF's conventions, llm5d's order."""
 
-    def __init__(self, arch, normalize, gen):
+    def __init__(self, arch, normalize, gen, layers=L, dense_layers=0, sparse_step=1):
         self.arch, self.normalize = arch, normalize
+        self.L, self.mlp_only_layers, self.sparse_step = layers, list(range(dense_layers)), sparse_step
+        # HF's Qwen3MoeDecoderLayer: which layers hold a sparse block
+        self.sparse = [l not in self.mlp_only_layers and (l + 1) % sparse_step == 0 for l in range(layers)]
         a = ARCHS[arch]
         self.hd, self.eps, self.theta, self.qk_norm = a["hd"], a["eps"], a["theta"], a["qk_norm"]
         self.block, (self.gate_name, self.up_name, self.down_name) = a["block"], a["names"]
         hd = self.hd
         normal = lambda *shape, std: float32_normal(gen, *shape, std=std)
-        resid = 0.02 / math.sqrt(2 * L)
+        resid = 0.02 / math.sqrt(2 * self.L)
         p = {"model.embed_tokens.weight": normal(V, C, std=0.02)}
-        for l in range(L):
+        for l in range(self.L):
             at, mlp = f"model.layers.{l}.self_attn.", f"model.layers.{l}.{self.block}."
             # norm gains away from 1, so that a norm that ignored its weight would show
             p[f"model.layers.{l}.input_layernorm.weight"] = 1.0 + normal(C, std=0.1)
@@ -86,6 +93,11 @@ class MoEModel:
                 p[at + "q_norm.weight"] = 1.0 + normal(hd, std=0.3)
                 p[at + "k_norm.weight"] = 1.0 + normal(hd, std=0.3)
             p[f"model.layers.{l}.post_attention_layernorm.weight"] = 1.0 + normal(C, std=0.1)
+            if not self.sparse[l]:  # Qwen3MoeMLP of intermediate_size
+                p[mlp + "gate_proj.weight"] = normal(H_DENSE, C, std=0.02)
+                p[mlp + "up_proj.weight"] = normal(H_DENSE, C, std=0.02)
+                p[mlp + "down_proj.weight"] = normal(C, H_DENSE, std=resid)
+                continue
             # a router of larger weights than initialization's, so that the routing is decided, not near-even
             p[mlp + "gate.weight"] = normal(E, C, std=0.3)
             for e in range(E):
@@ -150,12 +162,18 @@ class MoEModel:
         prob = probs.view(nb, nt, E).mean(dim=1)
         return out.view(nb, nt, C), (ALPHA * E * (f * prob).sum(dim=-1)).mean()
 
+    def dense_mlp(self, x, l):
+        """A dense layer's MLP (Qwen3MoeMLP): down(silu(gate(x))·up(x))."""
+        w = lambda name: self.p[f"model.layers.{l}.mlp.{name}.weight"]
+        return (F.silu(x @ w("gate_proj").t()) * (x @ w("up_proj").t())) @ w("down_proj").t()
+
     def forward(self, idx, targets):
         """(logits, cross-entropy, the load-balancing loss summed over the layers), as run_reference takes them."""
         p, x, aux = self.p, self.p["model.embed_tokens.weight"][idx], 0.0
-        for l in range(L):
+        for l in range(self.L):
             x = x + self.attention(self.rmsnorm(x, p[f"model.layers.{l}.input_layernorm.weight"]), l)
-            y, layer_aux = self.sparse_block(self.rmsnorm(x, p[f"model.layers.{l}.post_attention_layernorm.weight"]), l)
+            h = self.rmsnorm(x, p[f"model.layers.{l}.post_attention_layernorm.weight"])
+            y, layer_aux = self.sparse_block(h, l) if self.sparse[l] else (self.dense_mlp(h, l), 0.0)
             x, aux = x + y, aux + layer_aux
         logits = self.rmsnorm(x, p["model.norm.weight"]) @ p["lm_head.weight"].t()
         return logits, F.cross_entropy(logits.view(-1, V), targets.view(-1)), aux
@@ -172,23 +190,27 @@ class MoEModel:
         at = lambda l, name: layer(l, f"self_attn.{name}.weight")
         expert = lambda l, e, name: layer(l, f"{self.block}.experts.{e}.{name}.weight")
         parts = [padded(p["model.embed_tokens.weight"]), padded(p["lm_head.weight"])]
-        parts += [layer(l, "input_layernorm.weight") for l in range(L)]
+        every, sparse = range(self.L), [l for l in range(self.L) if self.sparse[l]]
+        dense = [l for l in range(self.L) if not self.sparse[l]]
+        parts += [layer(l, "input_layernorm.weight") for l in every]
         parts += [torch.cat([llm5d_rows(at(l, "q_proj"), NH), llm5d_rows(at(l, "k_proj"), KV), at(l, "v_proj")])
-                  for l in range(L)]
-        parts += [at(l, "o_proj") for l in range(L)]
-        parts += [layer(l, "post_attention_layernorm.weight") for l in range(L)]
-        parts += [layer(l, f"{self.block}.gate.weight") for l in range(L)]
-        parts += [torch.cat([expert(l, e, self.up_name), expert(l, e, self.gate_name)]) for l in range(L)
+                  for l in every]
+        parts += [at(l, "o_proj") for l in every]
+        parts += [layer(l, "post_attention_layernorm.weight") for l in every]
+        parts += [layer(l, f"{self.block}.gate.weight") for l in sparse]
+        parts += [torch.cat([expert(l, e, self.up_name), expert(l, e, self.gate_name)]) for l in sparse
                   for e in range(E)]
-        parts += [expert(l, e, self.down_name) for l in range(L) for e in range(E)]
+        parts += [expert(l, e, self.down_name) for l in sparse for e in range(E)]
         parts += [p["model.norm.weight"]]
         if self.qk_norm:
-            parts += [llm5d_rows(at(l, "q_norm"), 1) for l in range(L)]
-            parts += [llm5d_rows(at(l, "k_norm"), 1) for l in range(L)]
+            parts += [llm5d_rows(at(l, "q_norm"), 1) for l in every]
+            parts += [llm5d_rows(at(l, "k_norm"), 1) for l in every]
+        parts += [torch.cat([layer(l, "mlp.up_proj.weight"), layer(l, "mlp.gate_proj.weight")]) for l in dense]
+        parts += [layer(l, "mlp.down_proj.weight") for l in dense]
         return np.concatenate([t.numpy().astype("<f4").ravel() for t in parts])
 
     def hf_config(self):
-        common = {"hidden_size": C, "num_hidden_layers": L, "num_attention_heads": NH, "num_key_value_heads": KV,
+        common = {"hidden_size": C, "num_hidden_layers": self.L, "num_attention_heads": NH, "num_key_value_heads": KV,
                   "head_dim": self.hd, "rms_norm_eps": self.eps, "rope_theta": self.theta, "rope_scaling": None,
                   "max_position_embeddings": MAXT, "vocab_size": V, "tie_word_embeddings": False,
                   "hidden_act": "silu", "attention_dropout": 0.0, "num_experts_per_tok": K,
@@ -199,8 +221,8 @@ class MoEModel:
                     "intermediate_size": H_EXPERT, "router_jitter_noise": 0.0, **common}
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": E,
                 "moe_intermediate_size": H_EXPERT, "intermediate_size": H_DENSE, "norm_topk_prob": self.normalize,
-                "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
-                "use_sliding_window": False, "max_window_layers": L, **common}
+                "decoder_sparse_step": self.sparse_step, "mlp_only_layers": self.mlp_only_layers,
+                "attention_bias": False, "use_sliding_window": False, "max_window_layers": self.L, **common}
 
 
 def main():
@@ -208,14 +230,19 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--arch", required=True, choices=sorted(ARCHS))
     ap.add_argument("--unnormalized", action="store_true", help="Qwen3-MoE with norm_topk_prob false")
+    ap.add_argument("--layers", type=int, default=L)
+    ap.add_argument("--dense-layers", type=int, default=0, help="Qwen3-MoE: mlp_only_layers [0, N)")
+    ap.add_argument("--sparse-step", type=int, default=1, help="Qwen3-MoE: decoder_sparse_step")
     args = ap.parse_args()
     assert not (args.unnormalized and args.arch == "mixtral"), "Mixtral always renormalizes its gates"
+    assert args.arch == "qwen3_moe" or (args.dense_layers, args.sparse_step) == (0, 1), "Mixtral's layers are all sparse"
 
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(SEED + 200 + int(args.unnormalized) + 2 * (args.arch == "mixtral"))
-    model = MoEModel(args.arch, not args.unnormalized, gen)
+    gen = torch.Generator().manual_seed(SEED + 200 + int(args.unnormalized) + 2 * (args.arch == "mixtral") +
+                                        4 * args.dense_layers + 8 * args.sparse_step)
+    model = MoEModel(args.arch, not args.unnormalized, gen, args.layers, args.dense_layers, args.sparse_step)
     x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
     y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
 
@@ -228,7 +255,7 @@ def main():
     init_logits, init_loss, init_aux, init_grads, losses = run_reference(model, x, y)
     write_state(os.path.join(args.out, "state.bin"), x, y, init_logits, init_loss, init_grads, losses,
                 (f32_bits(ALPHA), f32_bits(init_aux)))
-    print(f"{args.arch} L={L} C={C} NH={NH} KV={KV} HD={model.hd} E={E} K={K} expert H={H_EXPERT} "
+    print(f"{args.arch} L={model.L} dense={[l for l in range(model.L) if not model.sparse[l]]} C={C} NH={NH} KV={KV} HD={model.hd} E={E} K={K} expert H={H_EXPERT} "
           f"normalized={model.normalize}: {init_grads.size} parameters, initial loss {init_loss:.6f}, aux "
           f"{init_aux:.6f}, losses {losses[0]:.6f} -> {losses[-1]:.6f}")
     return 0
