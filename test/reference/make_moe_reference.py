@@ -255,8 +255,9 @@ def main():
     init_logits, init_loss, init_aux, init_grads, losses = run_reference(model, x, y)
     write_state(os.path.join(args.out, "state.bin"), x, y, init_logits, init_loss, init_grads, losses,
                 (f32_bits(ALPHA), f32_bits(init_aux)))
-    print(f"{args.arch} L={model.L} dense={[l for l in range(model.L) if not model.sparse[l]]} C={C} NH={NH} KV={KV} HD={model.hd} E={E} K={K} expert H={H_EXPERT} "
-          f"normalized={model.normalize}: {init_grads.size} parameters, initial loss {init_loss:.6f}, aux "
+    dense = [l for l in range(model.L) if not model.sparse[l]]
+    print(f"{args.arch} L={model.L} dense layers {dense} C={C} NH={NH} KV={KV} HD={model.hd} E={E} K={K} "
+          f"expert H={H_EXPERT} normalized={model.normalize}: {init_grads.size} parameters, initial loss {init_loss:.6f}, aux "
           f"{init_aux:.6f}, losses {losses[0]:.6f} -> {losses[-1]:.6f}")
     return 0
 
