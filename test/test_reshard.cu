@@ -104,8 +104,11 @@ TEST_CASE("a checkpoint missing one rank's optimizer file is refused with one li
     check_close(losses(dir), reference, 1e-5, RESUME_STEPS + 3);
 }
 
-TEST_CASE("the tp and ep shares of the model cover it: each tensor once per rank that holds it whole", "[reshard]") {
-    for (const char* model : {"d3c48h4t32v301", "d1c48h4t32v301", "d3c48h4t32v301e4k2"}) {
+TEST_CASE("the tp and ep shares of the model cover it: each tensor once per rank that holds it whole (dense and "
+          "sparse layers mixed too)",
+          "[reshard]") {
+    for (const char* model : {"d3c48h4t32v301", "d1c48h4t32v301", "d3c48h4t32v301e4k2", "d3c48h4t32v301e4k2x40n1s2",
+                              "q3c48h4d16f88t32v301e4k2x40n1s2"}) {
         GPTConfig c = parse_model_descriptor(model);
         for (int tp : {1, 2, 4})
             for (int ep : {1, 2, 4}) {
