@@ -86,9 +86,11 @@ void write_stand_in_model(const std::string& path) {
     gpt_save_params(c, params.data(), path);
 }
 
-// a small Llama as a Hugging Face directory, standing in for one a command names (Llama 3.2 1B's)
-void write_stand_in_hf_dir(const std::string& path) {
-    GPTConfig c = parse_model_descriptor("l2c64h4g2f128");
+// a small Llama as a Hugging Face directory, standing in for one a command names (Llama 3.2 1B's), or for a command
+// that splits experts, a small Qwen3-MoE (Qwen3-30B-A3B's: 8 experts here, a dense layer and a sparse one); both
+// take the commands' longest sequences
+void write_stand_in_hf_dir(const std::string& path, bool experts) {
+    GPTConfig c = parse_model_descriptor(experts ? "q2c64h4g2d16f128t8192e8k2x32n1" : "l2c64h4g2f128t8192");
     std::vector<float> params(num_parameters(c));
     gpt_init_random(c, params.data(), 1);
     hf_save(c, params.data(), path, "fp32");
@@ -106,6 +108,7 @@ TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --p
         INFO("README: " << c.line);
         TempDir dir;  // the command's relative paths (-o out, data/...) land here, not in the repository
         std::vector<std::string> w = words(c.args);
+        auto has = [&](const char* flag) { return std::find(w.begin(), w.end(), flag) != w.end(); };
         // a conversion has no dry run: its README line (the fine-tune path's) runs in test_hf.cu's fine-tune case
         if (std::find(w.begin(), w.end(), "--convert") != w.end()) continue;
         for (size_t i = 0; i + 1 < w.size(); i++) {
@@ -113,13 +116,12 @@ TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --p
             if (w[i + 1].size() > 4 && w[i + 1].compare(w[i + 1].size() - 4, 4, ".bin") == 0)
                 write_stand_in_model(dir / w[i + 1]);
             else if (!is_model_descriptor(w[i + 1]))
-                write_stand_in_hf_dir(dir / w[i + 1]);
+                write_stand_in_hf_dir(dir / w[i + 1], has("--ep"));
         }
         // the hardware profiles where a command run from the repository finds them
         REQUIRE(system(strfmt("mkdir -p '%s/dev' && ln -s '%s' '%s/dev/hardware'", dir.path.c_str(),
                               absolute("dev/hardware").c_str(), dir.path.c_str()).c_str()) == 0);
         // --search is a dry run of its own; --calibrate runs as written (on one rank: its collectives need more)
-        auto has = [&](const char* flag) { return std::find(w.begin(), w.end(), flag) != w.end(); };
         std::string expected = has("--search") ? "layouts considered" : has("--calibrate") ? "matmul_tflops" : "predicted memory per rank";
         std::string dry = c.args;
         if (!has("--plan") && !has("--search") && !has("--calibrate")) dry += " --plan";
