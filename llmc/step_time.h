@@ -137,8 +137,9 @@ struct StepModel {
                 k.cast_f += n * memory((2 * X + 1) * (M * in + out * in), 8);
                 k.cast_b += n * memory((2 * X + 2) * M * out + (2 * X + 1) * (out * in + M * in), 12);
             }
-            MlpTensors mlp = mlp_tensors(c, layer);
-            double hidden = (double)table[mlp.fcprojw].cols / t * (mlp.fcw == FCW ? rows * experts : BT);
+            // the hidden layer: a dense layer's on every row, the experts' on the rows they took
+            double width = (double)table[mlp_tensors(c, layer).fcprojw].cols / t;
+            double hidden = width * (c.dense_layer(layer) ? BT : rows * experts);
             double stream = X * 10 * R * C + (sparse ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * hidden;
             k.other_f = attn_f + memory(stream, 6) + transcendental(gelu, 1);
             k.other_b = attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +

