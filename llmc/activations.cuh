@@ -36,8 +36,10 @@ struct LocalDims {
     bool ring, means, qk_norm;
     int K;             // with experts: the slots per token (0: a dense MLP)
     long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
-    // the dense layers of a model with experts: their MLP's hidden units and first matmul's width (0: none)
-    int dense_Hl, dense_FCl;
+    // the dense layers of a model with experts: their MLP's hidden units and first matmul's width (0: none), and
+    // the same of the sparse layers' shared expert (0: none)
+    int dense_Hl, dense_FCl, shared_Hl, shared_FCl;
+    bool shared_gate;  // ... whose output a gate scales
 };
 
 inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1, int ep = 1) {
@@ -52,6 +54,8 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.NHl = c.num_heads / tp.size, d.KVl = c.kv_heads(tp.size), d.hd = c.head_size();
     d.QKVl = (int)table[QKVW].local_rows(tp.size), d.FCl = (int)table[FCW].local_rows(tp.size);
     d.dense_Hl = (int)(table[DENSE_FCPROJW].cols / tp.size), d.dense_FCl = (int)table[DENSE_FCW].local_rows(tp.size);
+    d.shared_Hl = (int)(table[SHARED_FCPROJW].cols / tp.size), d.shared_FCl = (int)table[SHARED_FCW].local_rows(tp.size);
+    d.shared_gate = c.shared_gate;
     d.Vl = vocab_rows(c.padded_vocab_size, tp.size);
     d.means = c.norm() == Norm::LayerNorm;
     d.qk_norm = c.qk_norm();
@@ -84,11 +88,14 @@ struct Activations {
     floatX* logits;
     float *losses, *lse;
     // under a split backward (the zero-bubble pipeline), what the deferred weight gradients read besides the
-    // inputs above: the output gradients of the layer's four matmuls
+    // inputs above: the output gradients of the layer's four matmuls (an expert's: of its rows)
     floatX *dqkv, *dattproj, *dfch, *dfcproj;
     // with experts: the rows they took (expert-major) and the rows they gave back (dispatch order); fch and
-    // fch_gelu then hold the experts' rows too
+    // fch_act then hold the experts' rows too
     floatX *moe_in, *moe_out;
+    // ... and the shared expert's hidden layer before and after its activation, its output (kept where a gate
+    // scales it: the gate's gradient reads it), and under a split backward its two output gradients
+    floatX *shared_fch, *shared_act, *shared_out, *dshared_fch, *dshared_out;
 };
 
 // Activation recomputation (-r): 0 keeps everything; 1 recomputes the MLP's activation (GELU's output, or
@@ -121,17 +128,17 @@ inline ActivationBuffer buffer(const char* name, E*& p, size_t count, int recomp
 // Every per-layer activation buffer, sized: the norm outputs, their statistics and the residual stream are the
 // rank's rows (under sp the norm outputs are gathered again where a matmul reads them: norm_rows), the rest
 // local. The output gradients of the
-// four matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
-// the matmul; the MLP's two not for experts, whose weight gradients backward takes at once); with experts the
-// rows the experts took (expert-major) and gave back (dispatch order), and the hidden layers the experts' rows.
+// matmuls are kept only under a split backward (the projections' whole: under sp they are gathered before
+// the matmul); with experts the rows the experts took (expert-major) and gave back (dispatch order), the hidden
+// layers the experts' rows, and the shared expert's buffers (its activation recomputed under -r 1 as the
+// MLP's: backward uses one and then the other).
 template <typename floatX>
 inline std::vector<ActivationBuffer> layer_buffers(Activations<floatX>& a, const LocalDims& d, bool split) {
-    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT, M = split && !d.K;
-    size_t means = d.means ? R : 0, QK = d.qk_norm;
-    // the MLP's buffers hold the experts' rows or a dense layer's (layer_dims), whichever is larger; only the dense
-    // kind keeps its output gradients under a split backward
+    size_t BT = d.BT, R = d.R, C = d.C, S = split, mlp_rows = d.K ? d.expert_rows : BT;
+    size_t means = d.means ? R : 0, QK = d.qk_norm, shared = d.shared_FCl > 0, gated = d.shared_gate;
+    // the MLP's buffers hold the experts' rows or a dense layer's (layer_dims), whichever is larger
     size_t fch = std::max(mlp_rows * d.FCl, BT * d.dense_FCl), act = std::max(mlp_rows * d.Hl, BT * d.dense_Hl);
-    size_t dfch = S * std::max(M * BT * d.FCl, BT * d.dense_FCl), dfcproj = S * (M || d.dense_FCl) * BT * C;
+    size_t dfch = S * fch, dfcproj = S * std::max(mlp_rows, BT) * C;
     return {buffer("ln1", a.ln1, R * C, RECOMPUTE_NORMS), buffer("ln1_mean", a.ln1_mean, means), buffer("ln1_rstd", a.ln1_rstd, R),
             buffer("qkv", a.qkv, BT * d.QKVl), buffer("att", a.att, attention_state_floats(d, device_of<floatX>)),
             buffer("atty", a.atty, BT * d.Cl), buffer("attproj", a.attproj, R * C), buffer("residual2", a.residual2, R * C),
@@ -140,7 +147,11 @@ inline std::vector<ActivationBuffer> layer_buffers(Activations<floatX>& a, const
             buffer("fcproj", a.fcproj, R * C), buffer("residual3", a.residual3, R * C), buffer("dqkv", a.dqkv, S * BT * d.QKVl),
             buffer("dattproj", a.dattproj, S * BT * C), buffer("dfch", a.dfch, dfch), buffer("dfcproj", a.dfcproj, dfcproj),
             buffer("moe_in", a.moe_in, d.expert_rows * C), buffer("moe_out", a.moe_out, d.K * BT * C),
-            buffer("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), buffer("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl))};
+            buffer("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), buffer("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl)),
+            buffer("shared_fch", a.shared_fch, BT * d.shared_FCl),
+            buffer("shared_act", a.shared_act, BT * d.shared_Hl, RECOMPUTE_ACTIVATION),
+            buffer("shared_out", a.shared_out, gated * BT * C), buffer("dshared_fch", a.dshared_fch, S * BT * d.shared_FCl),
+            buffer("dshared_out", a.dshared_out, S * shared * BT * C)};
 }
 
 // ... and the buffers of a micro-batch around the layers: the embeddings' output (where a previous stage's
@@ -214,7 +225,7 @@ struct Scratch {
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
 inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     size_t need = (size_t)(d.means ? layernorm_backward_scratch_floats(d.R, d.C) : rmsnorm_backward_scratch_floats(d.R, d.C));
-    for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl})  // the matmuls with a bias gradient (an
+    for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl, (long)d.shared_FCl})  // the matmuls with a bias gradient (an
         need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));  // expert's: all its rows
     need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));
     if (d.qk_norm) need = std::max(need, (size_t)qk_norm_backward_scratch_floats(d.BT, d.hd));

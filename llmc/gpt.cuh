@@ -27,11 +27,11 @@
 #include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/fp8.cuh"
-#include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
+#include "llmc/mlp.cuh"
 #include "llmc/model_config.h"
 #include "llmc/model_file.h"
 #include "llmc/model_table.h"
@@ -41,7 +41,6 @@
 #include "llmc/residual.cuh"
 #include "llmc/rmsnorm.cuh"
 #include "llmc/rope.cuh"
-#include "llmc/swiglu.cuh"
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
@@ -232,8 +231,9 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.dln = scr(BT * C);
     s.dqkv = scr(BT * d.QKVl);
     s.datty = scr(BT * d.Cl);
-    s.dfch = scr(std::max(mlp_rows * d.FCl, BT * d.dense_FCl));  // the experts' rows, or a dense layer's
-    s.dact = d.FCl != d.Hl ? scr(std::max(mlp_rows * d.Hl, BT * d.dense_Hl)) : nullptr;
+    // the experts' rows, a dense layer's or the shared expert's (SwiGLU's output gradient: GELU's runs in place)
+    s.dfch = scr(std::max({mlp_rows * d.FCl, BT * d.dense_FCl, BT * d.shared_FCl}));
+    s.dact = d.FCl != d.Hl ? scr(std::max({mlp_rows * d.Hl, BT * d.dense_Hl, BT * d.shared_Hl})) : nullptr;
     if (gpu) {
         size_t floats = gpu_kernel_scratch_floats(d);
         s.attention = nullptr;
@@ -259,8 +259,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     // under cp, a learned position table is gathered at the rank's positions (C wide); RoPE reads the positions
     m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep;
-    // the experts are gated (SwiGLU) when the MLP's first matmul is twice as wide as its hidden units
-    m.moe.allocate(led, config, BT, d.FCl != d.Hl);
+    m.moe.allocate(led, config, BT);
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -275,10 +274,10 @@ inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
 // amaxes are gathered (tp × cp)
 inline Fp8Sizes fp8_layer_sizes(const LocalDims& d, int group, Device dev) {
     long rows = std::max(d.BT, d.expert_rows);
-    long in = std::max({(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.dense_Hl});
-    long out = std::max({(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl});
+    long in = std::max({(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.dense_Hl, (long)d.shared_Hl});
+    long out = std::max({(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl, (long)d.shared_FCl});
     size_t weight = std::max({(size_t)d.QKVl * d.C, (size_t)d.C * d.Cl, (size_t)d.FCl * d.C, (size_t)d.C * d.Hl,
-                              (size_t)d.dense_FCl * d.C});
+                              (size_t)d.dense_FCl * d.C, (size_t)d.shared_FCl * d.C});
     return fp8_sizes(rows, in, out, weight, group, dev);
 }
 
@@ -292,10 +291,11 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m) {
     if (dev == Device::CUDA) fp8_check_gpu();
     LocalDims d = model_dims(m, m.B, m.T);
     // cuBLASLt's FP8 kernels want every K, and the leading dimensions, a multiple of 16 (the rows are padded)
-    for (long k : {(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.QKVl, (long)d.FCl, (long)d.dense_Hl})
+    for (long k : {(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.QKVl, (long)d.FCl, (long)d.dense_Hl, (long)d.shared_Hl})
         if (dev == Device::CUDA && k % 16 != 0)
             fail("--fp8 1: the rank's matmul widths (C %d, C/tp %d, hidden %d, qkv %d, MLP in %d, dense layers' hidden "
-                 "%d) must be multiples of 16", d.C, d.Cl, d.Hl, d.QKVl, d.FCl, d.dense_Hl);
+                 "%d, shared expert's hidden %d) must be multiples of 16", d.C, d.Cl, d.Hl, d.QKVl, d.FCl, d.dense_Hl,
+                 d.shared_Hl);
     Fp8Sizes z = fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev);
     using Code = typename Fp8Scaling<floatX>::Code;
     auto codes = [&](size_t n) { return n ? m.ledger.template alloc<floatX, Code>(MEM_SCRATCH, n) : nullptr; };
@@ -315,11 +315,28 @@ inline const Fp8Scaling<floatX>* fp8_for(const GPTModel<floatX>& m, int layer, b
     return experts ? &m.fp8_experts : &m.fp8;
 }
 
-// a layer's router and experts, out of its unit's tensors (null for the biases a model has none of)
+// an MLP's tensors out of its layer's unit (a view is null where the layer holds no such tensor: a bias the
+// architecture lacks, a shared expert the model has none of)
 template <typename floatX>
-inline ExpertTensors<floatX> expert_tensors(const GPTModel<floatX>& m, const ParamViews<floatX>& v) {
-    auto held = [&](int t) { return m.table[t].block() > 0 ? v[t] : nullptr; };
-    return {v[ROUTERW], v[FCW], held(FCB), v[FCPROJW], held(FCPROJB)};
+inline MlpTensorViews<floatX> mlp_views(const ParamViews<floatX>& v, const MlpTensors& t) {
+    return {v[t.fcw], v[t.fcb], v[t.fcprojw], v[t.fcprojb]};
+}
+// a sparse layer's router, experts, shared expert and its gate; `mlps` false: without the MLPs' (a split
+// backward's gradients, which the weight-gradient step takes)
+template <typename floatX>
+inline ExpertTensors<floatX> expert_tensors(const ParamViews<floatX>& v, bool mlps = true) {
+    MlpTensorViews<floatX> none{};
+    return {v[ROUTERW], mlps ? mlp_views(v, EXPERT_MLP) : none, mlps ? mlp_views(v, SHARED_MLP) : none, v[SHARED_GATEW]};
+}
+// the shape of a layer's MLP of Hl hidden units on this rank (the experts', a dense layer's, the shared expert's)
+inline MlpShape mlp_shape(const GPTConfig& c, const LocalDims& d, int Hl) { return {d.C, Hl, c.activation()}; }
+// what a sparse layer keeps for backward, out of its activations
+template <typename floatX>
+inline ExpertActivations<floatX> expert_activations(const Activations<floatX>& la, bool split) {
+    floatX* none = nullptr;
+    return {la.moe_in, la.fch, la.fch_act, la.moe_out, la.shared_fch, la.shared_act, la.shared_out,
+            split ? la.dfcproj : none, split ? la.dfch : none, split ? la.dshared_out : none,
+            split ? la.dshared_fch : none};
 }
 
 // Initialization as the table says: zeros, ones, N(0, 0.02), or N(0, 0.02/sqrt(2L)) for the projections into
@@ -426,24 +443,27 @@ inline const floatX* norm_rows_again(GPTModel<floatX>& m, const LocalDims& d, fl
     return norm_rows(m, mine, d.BT, d.C);
 }
 
-// A layer's mixture of experts (llmc/moe.cuh) in place of its MLP, for either architecture's layer body:
-// forward from the norm's output ln2 (every row), and backward from the MLP output's gradient dout (SwiGLU
-// experts take the hidden units' gradient in a buffer of its own, half as wide as the first matmul's)
+// A sparse layer's mixture of experts (llmc/moe.cuh) in place of its MLP, for either architecture's layer body:
+// forward from the norm's output ln2 (every row), and backward from the MLP output's gradient dout
 template <typename floatX>
 inline void layer_experts_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                   const floatX* ln2, const ParamViews<floatX>& w, MoERoute& route, int layer) {
-    m.moe.forward(la.fcproj, m.scratch.partial, route, la.moe_in, la.fch, la.fch_act, la.moe_out, ln2,
-                  expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, m.cp, layer, m.scratch.gemm, fp8_for(m, layer, true));
+    const GPTConfig& c = m.config;
+    m.moe.forward(la.fcproj, m.scratch.partial, route, expert_activations(la, m.split_backward), ln2, expert_tensors(w),
+                  B, d.T, mlp_shape(c, d, d.Hl), mlp_shape(c, d, d.shared_Hl), m.tp, m.cp, layer, m.scratch.gemm,
+                  fp8_for(m, layer, true), fp8_for(m, layer));
 }
 template <typename floatX>
 inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const Activations<floatX>& la,
                                    const ParamViews<floatX>& w, const ParamViews<floatX>& dw, const MoERoute& route,
                                    const floatX* dout, float dloss, int layer) {
+    const GPTConfig& c = m.config;
     Scratch<floatX>& s = m.scratch;
     const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-    floatX* dhidden = d.FCl != d.Hl ? s.dact : s.dfch;
-    m.moe.backward(s.dln, expert_tensors(m, dw), dout, dhidden, s.dfch, route, la.moe_in, la.fch, la.fch_act, la.moe_out,
-                   ln2, expert_tensors(m, w), B, d.T, d.C, d.Hl, m.tp, dloss, s.gemm, fp8_for(m, layer, true));
+    m.moe.backward(s.dln, expert_tensors(dw, !m.split_backward), dout, s.dfch, s.dact, route,
+                   expert_activations(la, m.split_backward), ln2, expert_tensors(w), B, d.T, mlp_shape(c, d, d.Hl),
+                   mlp_shape(c, d, d.shared_Hl), m.tp, dloss, m.recompute >= RECOMPUTE_ACTIVATION, s.gemm,
+                   fp8_for(m, layer, true), fp8_for(m, layer));
 }
 
 // One layer, forward, for every architecture, in the order of the Playbook's diagrams: the norm, qkv (NH query
@@ -476,14 +496,12 @@ inline void layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const 
                                 w[LN2W], w[LN2B], R, C);
     const floatX* ln2 = norm_rows(m, la.ln2, BT, C);
     if (route) return layer_experts_forward(m, d, B, la, ln2, w, *route, layer);
-    MlpTensors mlp = mlp_tensors(c, layer);
-    if (c.activation() == Activation::GELU) {
-        matmul_gelu_forward(la.fch_act, la.fch, ln2, w[mlp.fcw], w[mlp.fcb], BT, C, d.Hl, ws, fp8);
-    } else {
-        matmul_forward(la.fch, ln2, w[mlp.fcw], w[mlp.fcb], BT, C, d.FCl, ws, fp8);
-        swiglu_forward(la.fch_act, la.fch, BT, d.Hl);
-    }
-    tp.row_parallel_forward(la.fcproj, partial, la.fch_act, w[mlp.fcprojw], w[mlp.fcprojb], BT, d.Hl, C, ws, fp8);
+    // the MLP's partial sums, reduced over the group: fc_proj's bias on tp rank 0 alone, so that the sum adds it once
+    MlpTensorViews<floatX> mlp = mlp_views(w, mlp_tensors(c, layer));
+    if (tp.spec.rank != 0) mlp.fcprojb = nullptr;
+    floatX* sum = tp.spec.sp ? partial : la.fcproj;
+    mlp_forward(sum, la.fch, la.fch_act, ln2, mlp, BT, mlp_shape(c, d, d.Hl), ws, fp8);
+    tp.reduce_rows(sum, la.fcproj, BT, C);
 }
 
 // Runs chunk `chunk` of the model's part on a micro-batch of B×T tokens (B and T at most what the model was
@@ -640,25 +658,15 @@ inline std::vector<double> gpt_row_losses(GPTModel<floatX>& m, const std::vector
     return summed;
 }
 
-// What forward did not keep under -r, computed again exactly as forward did where a layer's backward or its
-// weight-gradient step reads it: the MLP's activation (-r 1: GELU's output, or SwiGLU's product), the norms'
-// outputs (-r 2: norm_rows_again)
-template <typename floatX>
-inline void recompute_activation(GPTModel<floatX>& m, const Activations<floatX>& la, const LocalDims& d, long rows) {
-    if (m.recompute < RECOMPUTE_ACTIVATION) return;
-    if (m.config.activation() == Activation::SwiGLU) swiglu_forward(la.fch_act, la.fch, rows, d.Hl);
-    else gelu_forward(la.fch_act, la.fch, rows * d.Hl);
-}
-
 template <typename floatX>
 inline void gpt_zero_grad(GPTModel<floatX>& m) { device_zero<floatX>(m.grads, m.num_parameters); }
 
 // One layer, backward, for every architecture: the forward's calls in reverse. The scratch's dresidual carries
 // the gradient of the residual stream: each branch reads it and adds its input gradient back (the residual add
-// passes gradient to both of its inputs unchanged). `residual`: the layer's input. GELU's backward goes on
-// from the MLP projection's input gradient in one call, which also sums fc's bias gradient (on the GPU in the
-// GEMM's epilogue); SwiGLU's output gradient (half as wide as its input's) has a buffer of its own. RoPE's
-// backward turns dq and dk back in place. A split backward (the zero-bubble pipeline) leaves the matmuls'
+// passes gradient to both of its inputs unchanged). `residual`: the layer's input. What forward did not keep
+// under -r is computed again exactly as forward did, where it is read: the MLPs' activations (-r 1: GELU's
+// output, or SwiGLU's product, just before each MLP's backward), the norms' outputs (-r 2: norm_rows_again).
+// RoPE's backward turns dq and dk back in place. A split backward (the zero-bubble pipeline) leaves the matmuls'
 // weight gradients to gpt_weight_grads_chunk and keeps their output gradients (qkv's before RoPE and
 // QK-norm; QK-norm's own weight gradients are taken at once, as the norms').
 template <typename floatX>
@@ -672,31 +680,24 @@ inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const
     float* ws = s.gemm;
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;  // a norm output's gradient, reduced to this rank's rows
     floatX* none = nullptr;
-    bool split = m.split_backward, gelu = c.activation() == Activation::GELU;
+    bool split = m.split_backward;
     auto now = [&](floatX* grad) { return split ? nullptr : grad; };
     floatX *dfch = split ? la.dfch : s.dfch, *dqkv = split ? la.dqkv : s.dqkv;
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
-    recompute_activation(m, la, d, route ? route->rows : BT);
 
     const floatX* dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (route) {
         layer_experts_backward(m, d, B, la, w, dw, *route, dout, dloss, layer);
-    } else {
+    } else {  // a split backward keeps the MLP's output gradients and leaves its weight gradients to the W step
         if (split) device_copy<floatX>(la.dfcproj, dout, BT * C);
+        MlpShape shape = mlp_shape(c, d, d.Hl);
         MlpTensors mlp = mlp_tensors(c, layer);
-        if (gelu) {  // a split backward leaves fc's bias gradient with its weight gradient to the W step
-            gelu_matmul_backward(dfch, now(dw[mlp.fcprojw]), now(dw[mlp.fcprojb]), now(dw[mlp.fcb]), dout, la.fch_act,
-                                 la.fch, w[mlp.fcprojw], BT, d.Hl, C, ws, fp8);
-        } else {
-            matmul_backward(s.dact, now(dw[mlp.fcprojw]), now(dw[mlp.fcprojb]), dout, la.fch_act, w[mlp.fcprojw], BT,
-                            d.Hl, C, ws, fp8);
-            swiglu_backward(dfch, la.fch, s.dact, BT, d.Hl);
-        }
+        if (m.recompute >= RECOMPUTE_ACTIVATION) mlp_activation_again(la.fch_act, la.fch, BT, shape);
         // the norm's output is read by the weight gradient alone (a split backward's W step reads it there)
         const floatX* ln2 =
             split ? none : norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-        matmul_backward(s.dln, now(dw[mlp.fcw]), gelu ? none : now(dw[mlp.fcb]), dfch, ln2, w[mlp.fcw], BT, C, d.FCl,
-                        ws, fp8);
+        mlp_backward(s.dln, split ? MlpTensorViews<floatX>{} : mlp_views(dw, mlp), dout, dfch, s.dact, la.fch,
+                     la.fch_act, ln2, mlp_views(w, mlp), BT, shape, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
     norm_backward(c, s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
@@ -795,11 +796,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
 }
 
 // The weight gradients a split backward of chunk `chunk` left for later (the W step of the zero-bubble
-// pipeline): the four matmuls of each of its layers (a bias gradient where the table has the bias), from the
-// output gradients backward kept and the inputs forward kept (computed again where -r does not keep them). The
-// units' gradients are complete after it. In a sparse layer it is attention's two: an expert's matmuls see a
-// different number of rows in every micro-batch, and backward takes their weight gradients at once rather than keep
-// their output gradients.
+// pipeline): the matmuls of each of its layers (a bias gradient where the table has the bias; in a sparse layer
+// each expert's and the shared expert's), from the output gradients backward kept and the inputs forward kept
+// (computed again where -r does not keep them). The units' gradients are complete after it.
 template <typename floatX>
 inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     if (!m.split_backward) fail("weight gradients: the model's backward is not split");
@@ -822,16 +821,22 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         int unit = layer_unit(Lp, lo + i);
         ParamViews<floatX> w = unit_params(m, unit), dw = unit_grads(m, unit);
         int layer = part.model_layer(lo + i);
+        const GPTConfig& c = m.config;
         const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
+        bool recompute = m.recompute >= RECOMPUTE_ACTIVATION;
         floatX* none = nullptr;
-        if (!m.config.sparse_layer(layer)) {
-            LocalDims dl = layer_dims(d, m.config, layer);
-            MlpTensors mlp = mlp_tensors(m.config, layer);
-            recompute_activation(m, la, dl, BT);
-            matmul_backward(none, dw[mlp.fcprojw], dw[mlp.fcprojb], la.dfcproj, la.fch_act, w[mlp.fcprojw], BT, dl.Hl, C,
-                            ws, fp8);
-            const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
-            matmul_backward(none, dw[mlp.fcw], dw[mlp.fcb], la.dfch, ln2, w[mlp.fcw], BT, C, dl.FCl, ws, fp8);
+        const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
+        if (c.sparse_layer(layer)) {
+            m.moe.weight_grads(expert_tensors(dw), mb.routes[i], expert_activations(la, true), ln2, expert_tensors(w), BT,
+                               mlp_shape(c, d, d.Hl), mlp_shape(c, d, d.shared_Hl), recompute, ws,
+                               fp8_for(m, layer, true), fp8);
+        } else {
+            LocalDims dl = layer_dims(d, c, layer);
+            MlpShape shape = mlp_shape(c, dl, dl.Hl);
+            MlpTensors mlp = mlp_tensors(c, layer);
+            if (recompute) mlp_activation_again(la.fch_act, la.fch, BT, shape);
+            mlp_weight_grads(mlp_views(dw, mlp), la.dfcproj, la.dfch, la.fch_act, ln2, mlp_views(w, mlp), BT, shape, ws,
+                             fp8);
         }
         matmul_backward(none, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
         const floatX* ln1 = norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);

@@ -17,10 +17,13 @@
 //           within each head so that HF's pair i is our pair i, which leaves every attention score unchanged.
 //   Qwen3   Llama's names, and self_attn.{q,k}_norm: the QK-norm weights, reordered as a rotated head's rows
 //           are (RMSNorm over a head does not see the order, so the model is the same function).
-//   Qwen3-MoE (Qwen3MoeForCausalLM) Qwen3's names, and in every layer mlp.gate (the router, E×C) and
-//           mlp.experts.{e}.{gate,up,down}_proj, one tensor per expert as the Hub holds them; Mixtral
-//           (MixtralForCausalLM, a Llama with experts) Llama's names, and block_sparse_moe.gate and
-//           block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down). Every layer is sparse.
+//   Qwen3-MoE (Qwen3MoeForCausalLM) Qwen3's names, and in every sparse layer mlp.gate (the router, E×C) and
+//           mlp.experts.{e}.{gate,up,down}_proj, one tensor per expert as the Hub holds them (a dense layer's
+//           MLP as Qwen3's); Mixtral (MixtralForCausalLM, a Llama with experts) Llama's names, and
+//           block_sparse_moe.gate and block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down), every layer
+//           sparse; Qwen2-MoE (Qwen2MoeForCausalLM: a Llama with q, k and v biases and experts) Qwen3-MoE's
+//           names without QK-norm, self_attn.{q,k,v}_proj.bias, and in each sparse layer the gated shared
+//           expert, mlp.shared_expert.{gate,up,down}_proj and mlp.shared_expert_gate (1×C).
 #pragma once
 
 #include <sys/stat.h>
@@ -52,17 +55,45 @@ struct HfPlacement {
     int rotated_heads;
 };
 
-// the whole model's HF tensors, in HF's order: the one table export and import both read
-inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
-    if (c.moe() && !c.llama())
-        fail("--format hf: GPT-2 with experts (%d, top-%d) has no Hugging Face form (Mixtral and Qwen3-MoE are "
-             "Llama's and Qwen3's)", c.num_experts, c.top_k);
-    if (c.moe() && c.arch == Arch::Llama3 && !c.norm_topk)
+// The Hugging Face class a model is, by its properties: GPT-2's, Llama's, Qwen3's; with experts Qwen3-MoE's (a
+// Qwen3), Qwen2-MoE's (a Llama with q, k and v biases and a gated shared expert) or Mixtral's (a Llama with
+// neither, every layer sparse, the gates renormalized); or one line saying what has no class
+enum class HfClass { GPT2, Llama, Qwen3, Qwen3Moe, Qwen2Moe, Mixtral };
+inline HfClass hf_class(const GPTConfig& c) {
+    if (!c.llama()) {
+        if (c.moe())
+            fail("--format hf: GPT-2 with experts (%d, top-%d) has no Hugging Face form (Mixtral, Qwen2-MoE and "
+                 "Qwen3-MoE are Llama's and Qwen3's)", c.num_experts, c.top_k);
+        return HfClass::GPT2;
+    }
+    if (c.shared_size > 0 && !c.shared_gate)
+        fail("--format hf: a shared expert without a gate (DeepSeek's) has no Hugging Face form here (Qwen2-MoE's is "
+             "gated: z<H>)");
+    if (c.arch == Arch::Qwen3) {
+        if (c.attention_bias) fail("--format hf: Qwen3 here has no q, k and v biases");
+        if (c.shared_size > 0) fail("--format hf: Qwen3-MoE has no shared expert (Qwen2-MoE, a Llama shape, has)");
+        return c.moe() ? HfClass::Qwen3Moe : HfClass::Qwen3;
+    }
+    if (c.shared_size > 0) {
+        if (!c.attention_bias) fail("--format hf: Qwen2-MoE's q, k and v have biases; this model's have none (b)");
+        return HfClass::Qwen2Moe;
+    }
+    if (c.attention_bias)
+        fail("--format hf: a Llama with q, k and v biases is Qwen2's, whose dense form (Qwen2ForCausalLM) is not "
+             "built; with experts it is Qwen2-MoE, which has a gated shared expert (z<H>)");
+    if (!c.moe()) return HfClass::Llama;
+    if (!c.norm_topk)
         fail("--format hf: Mixtral renormalizes its top-%d gates; this model's are not (a Qwen3 shape can be "
              "Qwen3-MoE, whose norm_topk_prob says either)", c.top_k);
-    if (c.moe() && c.arch == Arch::Llama3 && c.count_dense_layers() > 0)
+    if (c.count_dense_layers() > 0)
         fail("--format hf: Mixtral has experts in every layer; this model has %d dense layers (a Qwen3 shape can be "
              "Qwen3-MoE, whose mlp_only_layers and decoder_sparse_step say which)", c.count_dense_layers());
+    return HfClass::Mixtral;
+}
+
+// the whole model's HF tensors, in HF's order: the one table export and import both read
+inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
+    HfClass cls = hf_class(c);
     int64_t L = c.num_layers, C = c.channels, V = c.vocab_size, H = c.mlp_hidden();
     std::vector<HfPlacement> out;
     // rows [first, first + n) of `cols` columns of layer l's (expert x's) block of tensor t, as HF's shape
@@ -106,6 +137,11 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
         add(h + "self_attn.q_proj.weight", QKVW, l, 0, Q, C, false, NH);
         add(h + "self_attn.k_proj.weight", QKVW, l, Q, K, C, false, KV);
         add(h + "self_attn.v_proj.weight", QKVW, l, Q + K, K, C);
+        if (c.attention_bias) {
+            add(h + "self_attn.q_proj.bias", QKVB, l, 0, Q, 1, false, NH);
+            add(h + "self_attn.k_proj.bias", QKVB, l, Q, K, 1, false, KV);
+            add(h + "self_attn.v_proj.bias", QKVB, l, Q + K, K, 1);
+        }
         add(h + "self_attn.o_proj.weight", ATTPROJW, l, 0, C, Q);
         if (c.qk_norm()) {
             add(h + "self_attn.q_norm.weight", QNORMW, l, 0, hd, 1, false, 1);
@@ -120,8 +156,8 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
             add(h + "mlp.down_proj.weight", mlp.fcprojw, l, 0, C, Hl);
             continue;
         }
-        // the experts' SwiGLU: Qwen3-MoE names it as the dense MLP, Mixtral w1 (gate), w3 (up) and w2 (down)
-        bool mixtral = c.arch == Arch::Llama3;
+        // the experts' SwiGLU: Qwen-MoE names it as the dense MLP, Mixtral w1 (gate), w3 (up) and w2 (down)
+        bool mixtral = cls == HfClass::Mixtral;
         std::string block = h + (mixtral ? "block_sparse_moe." : "mlp.");
         add(block + "gate.weight", ROUTERW, l, 0, c.num_experts, C);
         for (int64_t x = 0; x < c.num_experts; x++) {
@@ -129,6 +165,13 @@ inline std::vector<HfPlacement> hf_placements(const GPTConfig& c) {
             add_expert(e + (mixtral ? "w1.weight" : "gate_proj.weight"), FCW, l, x, H, H, C);
             add_expert(e + (mixtral ? "w3.weight" : "up_proj.weight"), FCW, l, x, 0, H, C);
             add_expert(e + (mixtral ? "w2.weight" : "down_proj.weight"), FCPROJW, l, x, 0, C, H);
+        }
+        if (c.shared_size > 0) {  // Qwen2-MoE's shared expert and its gate
+            int64_t Hs = c.shared_size;
+            add(block + "shared_expert.gate_proj.weight", SHARED_FCW, l, Hs, Hs, C);
+            add(block + "shared_expert.up_proj.weight", SHARED_FCW, l, 0, Hs, C);
+            add(block + "shared_expert.down_proj.weight", SHARED_FCPROJW, l, 0, C, Hs);
+            add(block + "shared_expert_gate.weight", SHARED_GATEW, l, 0, 1, C);
         }
     }
     add("model.norm.weight", LNFW, 0, 0, C, 1);
@@ -171,16 +214,28 @@ inline std::string hf_float(float v) {
     }
 }
 
-// the transformers class that holds the model
+// the transformers class that holds the model, and its model_type
 inline const char* hf_architecture(const GPTConfig& c) {
-    if (c.moe()) return c.arch == Arch::Qwen3 ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
-    return c.arch == Arch::Qwen3 ? "Qwen3ForCausalLM" : c.llama() ? "LlamaForCausalLM" : "GPT2LMHeadModel";
+    switch (hf_class(c)) {
+        case HfClass::GPT2: return "GPT2LMHeadModel";
+        case HfClass::Llama: return "LlamaForCausalLM";
+        case HfClass::Qwen3: return "Qwen3ForCausalLM";
+        case HfClass::Qwen3Moe: return "Qwen3MoeForCausalLM";
+        case HfClass::Qwen2Moe: return "Qwen2MoeForCausalLM";
+        case HfClass::Mixtral: return "MixtralForCausalLM";
+    }
+    return "";
 }
-
-// HF's model_type of the architecture
 inline const char* hf_model_type(const GPTConfig& c) {
-    if (c.moe()) return c.arch == Arch::Qwen3 ? "qwen3_moe" : "mixtral";
-    return c.arch == Arch::Qwen3 ? "qwen3" : "llama";
+    switch (hf_class(c)) {
+        case HfClass::GPT2: return "gpt2";
+        case HfClass::Llama: return "llama";
+        case HfClass::Qwen3: return "qwen3";
+        case HfClass::Qwen3Moe: return "qwen3_moe";
+        case HfClass::Qwen2Moe: return "qwen2_moe";
+        case HfClass::Mixtral: return "mixtral";
+    }
+    return "";
 }
 
 // config.json: what from_pretrained needs to build the model, HF's field names
@@ -200,10 +255,12 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
                                                       "    \"original_max_position_embeddings\": 8192\n  }",
                                                       hf_float(c.rope_scaling).c_str())
                                              : "null";
-    bool qwen = c.arch == Arch::Qwen3, mixtral = c.moe() && !qwen;
+    HfClass cls = hf_class(c);
+    bool mixtral = cls == HfClass::Mixtral, qwen2 = cls == HfClass::Qwen2Moe;
     // what each architecture adds: Qwen's attention window (off), Llama's MLP bias (none), the experts
-    std::string own = qwen ? "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n"
-                      : mixtral ? "  \"sliding_window\": null,\n" : "  \"mlp_bias\": false,\n";
+    std::string own = cls == HfClass::Llama ? "  \"mlp_bias\": false,\n"
+                      : mixtral             ? "  \"sliding_window\": null,\n"
+                                            : "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n";
     if (mixtral)
         own += strfmt("  \"num_local_experts\": %d,\n  \"num_experts_per_tok\": %d,\n", c.num_experts, c.top_k);
     else if (c.moe()) {  // the dense layers: the first ones, and those off the sparse step
@@ -213,17 +270,20 @@ inline std::string hf_config_json(const GPTConfig& c, const std::string& dtype) 
                       "  \"norm_topk_prob\": %s,\n  \"decoder_sparse_step\": %d,\n  \"mlp_only_layers\": [%s],\n",
                       c.num_experts, c.top_k, c.expert_hidden(), c.norm_topk ? "true" : "false", c.sparse_step,
                       dense.c_str());
+        if (qwen2)  // its shared expert, and its q, k and v biases (always on in Qwen2MoeAttention)
+            own += strfmt("  \"shared_expert_intermediate_size\": %d,\n  \"qkv_bias\": true,\n", c.shared_size);
     }
     return strfmt(
         "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n  \"vocab_size\": %d,\n"
         "  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
         "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
         "  \"head_dim\": %d,\n  \"hidden_act\": \"silu\",\n  \"rms_norm_eps\": %s,\n  \"rope_theta\": %s,\n"
-        "  \"rope_scaling\": %s,\n  \"attention_bias\": false,\n%s"
+        "  \"rope_scaling\": %s,\n%s%s"
         "  \"tie_word_embeddings\": %s,\n  \"initializer_range\": 0.02,\n  \"torch_dtype\": \"%s\"\n}\n",
         hf_architecture(c), hf_model_type(c), c.vocab_size, c.max_seq_len,
         c.channels, mixtral ? c.expert_hidden() : c.hidden(), c.num_layers, c.num_heads, c.kv_heads(), c.head_size(),
-        hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(), own.c_str(),
+        hf_float(c.norm_eps).c_str(), hf_float(c.rope_theta).c_str(), scaling.c_str(),
+        qwen2 ? "" : "  \"attention_bias\": false,\n", own.c_str(),
         c.tied_embeddings ? "true" : "false", torch_dtype.c_str());
 }
 
@@ -393,8 +453,9 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         require("n_inner", 4.0 * c.channels, "GPT-2's MLP here has 4·n_embd hidden units");
         require("tie_word_embeddings", true, "GPT-2's classifier here is wte");
     } else if (arch == "LlamaForCausalLM" || arch == "Qwen3ForCausalLM" || arch == "MixtralForCausalLM" ||
-               arch == "Qwen3MoeForCausalLM") {
+               arch == "Qwen3MoeForCausalLM" || arch == "Qwen2MoeForCausalLM") {
         bool qwen = arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM", mixtral = arch == "MixtralForCausalLM";
+        bool qwen2 = arch == "Qwen2MoeForCausalLM";
         c.arch = qwen ? Arch::Qwen3 : Arch::Llama3;
         if (mixtral) c.num_experts = integer("num_local_experts"), c.top_k = integer("num_experts_per_tok");
         c.channels = integer("hidden_size"), c.num_heads = integer("num_attention_heads");
@@ -410,30 +471,38 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         if (!theta) fail("%s: no \"rope_theta\", at the top level or in \"rope_parameters\"", where);
         c.rope_theta = (float)theta->as_double();
         int H = integer("intermediate_size");
+        // Qwen-MoE's experts (Qwen3MoeConfig's and Qwen2MoeConfig's fields)
+        if (arch == "Qwen3MoeForCausalLM" || qwen2) {
+            c.num_experts = integer("num_experts"), c.top_k = integer("num_experts_per_tok");
+            int expert = integer("moe_intermediate_size");
+            c.expert_size = expert == H ? 0 : expert;  // 0: the MLP's, as a descriptor without x<H> says
+            const JsonValue* norm = j.find("norm_topk_prob");
+            c.norm_topk = norm && !norm->is_null() && norm->as_bool();  // the configs' default: false
+            // the dense layers: mlp_only_layers, a prefix here (DeepSeek's first_k_dense_replace), and those
+            // off decoder_sparse_step (the configs' defaults: none, and 1)
+            const JsonValue* dense = j.find("mlp_only_layers");
+            if (dense && !dense->is_null()) {
+                const std::vector<JsonValue>& layers = dense->as_array();
+                for (size_t k = 0; k < layers.size(); k++)
+                    if (layers[k].as_int64() != (int64_t)k)
+                        fail("%s: \"mlp_only_layers\": dense layers are the first ones here (0, 1, ...), not "
+                             "layer %lld at place %zu", where, (long long)layers[k].as_int64(), k);
+                c.dense_layers = (int)layers.size();
+            }
+            const JsonValue* step = j.find("decoder_sparse_step");
+            if (step && !step->is_null()) c.sparse_step = integer("decoder_sparse_step");
+        }
+        if (qwen2) {  // the gated shared expert, and q, k and v biases (Qwen2MoeAttention's, always on)
+            c.shared_size = integer("shared_expert_intermediate_size"), c.shared_gate = true;
+            c.attention_bias = true;
+            require("qkv_bias", true, "Qwen2-MoE's q, k and v have biases");
+            require("use_sliding_window", false, "sliding-window attention is not built");
+            if (c.shared_size < 1) fail("%s: \"shared_expert_intermediate_size\": %d, not a shared expert", where, c.shared_size);
+        }
         if (qwen) {  // the head size and the MLP's as given
             const JsonValue* head_dim = j.find("head_dim");
             c.head_dim = head_dim && !head_dim->is_null() ? (int)head_dim->as_int64() : 128;  // Qwen3Config's default
             c.intermediate_size = H;
-            if (arch == "Qwen3MoeForCausalLM") {
-                c.num_experts = integer("num_experts"), c.top_k = integer("num_experts_per_tok");
-                int expert = integer("moe_intermediate_size");
-                c.expert_size = expert == H ? 0 : expert;  // 0: the MLP's, as a descriptor without x<H> says
-                const JsonValue* norm = j.find("norm_topk_prob");
-                c.norm_topk = norm && !norm->is_null() && norm->as_bool();  // Qwen3MoeConfig's default: false
-                // the dense layers: mlp_only_layers, a prefix here (DeepSeek's first_k_dense_replace), and those
-                // off decoder_sparse_step (Qwen3MoeConfig's defaults: none, and 1)
-                const JsonValue* dense = j.find("mlp_only_layers");
-                if (dense && !dense->is_null()) {
-                    const std::vector<JsonValue>& layers = dense->as_array();
-                    for (size_t k = 0; k < layers.size(); k++)
-                        if (layers[k].as_int64() != (int64_t)k)
-                            fail("%s: \"mlp_only_layers\": dense layers are the first ones here (0, 1, ...), not "
-                                 "layer %lld at place %zu", where, (long long)layers[k].as_int64(), k);
-                    c.dense_layers = (int)layers.size();
-                }
-                const JsonValue* step = j.find("decoder_sparse_step");
-                if (step && !step->is_null()) c.sparse_step = integer("decoder_sparse_step");
-            }
             require("hidden_act", "silu", "Qwen3's MLP here is SwiGLU");
             require("attention_bias", false, "this Qwen3 has no biases");
             require("use_sliding_window", false, "sliding-window attention is not built");
@@ -455,13 +524,13 @@ inline GPTConfig hf_read_config(const std::string& dir) {
             c.ffn_dim_multiplier = strtof(meta.at("llmc_ffn_dim_multiplier").c_str(), nullptr);
             sscanf(meta.at("llmc_version").c_str(), "%d.%d", &c.version_major, &c.version_minor);
             if (meta.count("llmc_expert_size")) c.expert_size = atoi(meta.at("llmc_expert_size").c_str());
-            if (c.multiple_of < 1 || c.mlp_hidden() != H)
+            if (c.multiple_of < 1 || (mixtral ? c.mlp_hidden() : c.hidden()) != H)
                 fail("%s: \"intermediate_size\" %d disagrees with the safetensors metadata's llmc_multiple_of, "
                      "llmc_ffn_dim_multiplier and llmc_expert_size", where, H);
         }
         if (mixtral) require("sliding_window", 0.0, "sliding-window attention is not built (null: none)");
         require("hidden_act", "silu", "Llama's MLP here is SwiGLU");
-        require("attention_bias", false, "this Llama has no biases");
+        if (!qwen2) require("attention_bias", false, "this Llama has no biases");
         require("mlp_bias", false, "this Llama has no biases");
         const JsonValue* tie = j.find("tie_word_embeddings");
         c.tied_embeddings = tie && !tie->is_null() && tie->as_bool();
@@ -469,7 +538,7 @@ inline GPTConfig hf_read_config(const std::string& dir) {
         c.rope_scaling = hf_rope_scaling(j.find("rope_scaling"), rope, where);
     } else {
         fail("%s: \"architectures\": %s is none of GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, "
-             "Qwen3MoeForCausalLM, MixtralForCausalLM", where, arch.empty() ? "none" : arch.c_str());
+             "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM", where, arch.empty() ? "none" : arch.c_str());
     }
     validate_config(c, dir);
     return c;

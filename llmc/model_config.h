@@ -34,9 +34,14 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (c.dense_layers < 0 || c.sparse_step < 1 || (!c.moe() && (c.dense_layers != 0 || c.sparse_step != 1)))
         fail("%s: %d dense layers first, a sparse layer every %d: only a model with experts has dense layers",
              where.c_str(), c.dense_layers, c.sparse_step);
+    if (c.shared_size < 0 || c.shared_size > (1 << 20) || (!c.moe() && c.shared_size != 0) ||
+        (c.shared_gate && c.shared_size == 0))
+        fail("%s: a shared expert of %d hidden units%s: only a model with experts has one, and only a shared expert "
+             "a gate", where.c_str(), c.shared_size, c.shared_gate ? ", gated" : "");
     if (c.moe() && c.count_dense_layers() == c.num_layers)
         fail("%s: %d dense layers first and a sparse layer every %d leave none of the %d layers sparse", where.c_str(),
              c.dense_layers, c.sparse_step, c.num_layers);
+    if (!c.llama() && c.attention_bias) fail("%s: attention biases are a Llama-family property (GPT-2 always has them)", where.c_str());
     if (!c.llama()) return;
     int KV = c.kv_heads();
     if (KV < 1 || KV > c.num_heads || c.num_heads % KV != 0)
@@ -59,17 +64,18 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // renormalized to sum to one (HF's norm_topk_prob false), e.g. q2c48h4e8k2x24u; n<N> makes the first N layers
 // dense (DeepSeek's first_k_dense_replace) and s<S> only every S-th layer sparse (HF's decoder_sparse_step: layer
 // l when (l + 1) % S == 0), the dense layers an MLP of the model's own size, e.g. q4c48h4e4k2x24n1s2 (layers 1
-// and 3 sparse).
+// and 3 sparse); y<H> adds to every sparse layer a shared expert of H hidden units that takes every token
+// (DeepSeek's), z<H> one whose output a sigmoid gate of its own scales (Qwen2-MoE's), e.g. l2c48h4e4k2x24y48.
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
 // 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
 // the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
-// shape is l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]: KV key/value heads (default NH), H hidden
+// shape is l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][b][e<E>k<K>][w]: KV key/value heads (default NH), H hidden
 // units in the MLP (default Meta's rule: 2/3 of 4C rounded up to a multiple of 256), maxT 1024 and the GPT-2
 // vocab by default, RoPE theta 500000 unscaled, E SwiGLU experts of H hidden units with top-K routing in every
-// layer (Mixtral's shape), w: the classifier tied to wte, e.g. l4c128h4g2f352 (4 layers, 128 channels, 4 heads
-// sharing 2 key/value heads).
+// layer (Mixtral's shape), b: biases on q, k and v (Qwen2's), w: the classifier tied to wte, e.g. l4c128h4g2f352
+// (4 layers, 128 channels, 4 heads sharing 2 key/value heads).
 // Qwen3: "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b" are Qwen's dense shapes; any other shape is
-// q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>][w], a Llama's fields and hd channels a head (default
+// q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>][w], a Llama's fields and hd channels a head (default
 // C/NH), H the MLP's hidden units as given, RoPE theta 1e6 and norm eps 1e-6, e.g. q2c48h4g2d16f88 (4 heads of
 // 16 channels: attention is 64 wide in a model of 48 channels).
 // Mixtures of experts by name: "qwen3-30b-a3b" (Qwen3-30B-A3B: 48 layers of 128 experts of 768 hidden units, 8
@@ -119,7 +125,7 @@ inline GPTConfig llama3_named(const std::string& s) {
         return c;
     }
     fail("-e %s: Llama 3 sizes are llama3-1b, llama3-3b, llama3-8b, llama3-70b, llama3-405b; give other shapes as "
-         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>][w]", s.c_str());
+         "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][b][e<E>k<K>][w]", s.c_str());
 }
 
 // Qwen3's published dense shapes (Qwen/Qwen3-0.6B, -1.7B, -4B, -8B's config.json): vocab 151936, 8 key/value
@@ -145,7 +151,7 @@ inline GPTConfig qwen3_named(const std::string& s) {
         return c;
     }
     fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b; give other shapes as "
-         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]][w]", s.c_str());
+         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]][w]", s.c_str());
 }
 
 // Mistral's Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): a Llama of 32 layers, 4096 channels, 32
@@ -183,9 +189,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]][w]"
-                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]][w]"
-                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>]]";
+    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]][w]"
+                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]][w]"
+                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -200,17 +206,21 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'u': c.norm_topk = false; break;  // a flag
             case 'n': c.dense_layers = number(key); break;
             case 's': c.sparse_step = number(key); break;
+            case 'y': c.shared_size = number(key), c.shared_gate = false; break;
+            case 'z': c.shared_size = number(key), c.shared_gate = true; break;
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
             case 'd': known = qwen && (c.head_dim = number(key)); break;
+            case 'b': known = c.attention_bias = llama; break;  // a flag
             case 'w': known = c.tied_embeddings = llama && !*p; break;  // a flag, last
             default: known = false;
         }
         if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
-    if ((c.expert_size > 0 || !c.norm_topk || c.dense_layers > 0 || c.sparse_step != 1) && c.num_experts < 2)
-        fail("-e %s: x<H>, u, n<N> and s<S> describe experts: give e<E>k<K> with E > 1", s.c_str());
+    if ((c.expert_size > 0 || !c.norm_topk || c.dense_layers > 0 || c.sparse_step != 1 || c.shared_size > 0) &&
+        c.num_experts < 2)
+        fail("-e %s: x<H>, u, n<N>, s<S>, y<H> and z<H> describe experts: give e<E>k<K> with E > 1", s.c_str());
     c.padded_vocab_size = pad_vocab(c.vocab_size);
     if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
         if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
@@ -249,8 +259,8 @@ inline std::string family_shape(const GPTConfig& c) {
     std::string scaling = c.rope_scaling > 0 ? strfmt(" scaled x%g", c.rope_scaling) : "";
     std::string family = c.arch == Arch::Qwen3 ? strfmt("Qwen3 hd=%d", c.head_size())
                                                : strfmt("Llama %d.%d", c.version_major, c.version_minor);
-    return strfmt(" %s KV=%d H=%d eps=%g theta=%.10g%s%s", family.c_str(), c.kv_heads(), c.hidden(), c.norm_eps,
-                  c.rope_theta, scaling.c_str(), c.tied_embeddings ? " tied" : "");
+    return strfmt(" %s KV=%d H=%d eps=%g theta=%.10g%s%s%s", family.c_str(), c.kv_heads(), c.hidden(), c.norm_eps,
+                  c.rope_theta, scaling.c_str(), c.attention_bias ? " qkv bias" : "", c.tied_embeddings ? " tied" : "");
 }
 
 // the experts of a model, in the lines that print it ("" when dense): " E=8 K=2", each one's hidden units where
@@ -260,9 +270,11 @@ inline std::string experts_shape(const GPTConfig& c) {
     std::string dense = c.count_dense_layers() == 0 ? ""
                         : strfmt(" dense layers %d (first %d, sparse every %d)", c.count_dense_layers(), c.dense_layers,
                                  c.sparse_step);
-    return strfmt(" E=%d K=%d%s%s%s", c.num_experts, c.top_k,
+    std::string shared = c.shared_size == 0 ? ""
+                         : strfmt(" shared expert H=%d%s", c.shared_size, c.shared_gate ? " gated" : "");
+    return strfmt(" E=%d K=%d%s%s%s%s", c.num_experts, c.top_k,
                   c.expert_size > 0 ? strfmt(" expert H=%d", c.expert_size).c_str() : "",
-                  c.norm_topk ? "" : " gates unnormalized", dense.c_str());
+                  c.norm_topk ? "" : " gates unnormalized", dense.c_str(), shared.c_str());
 }
 
 inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
@@ -271,7 +283,9 @@ inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
            a.max_seq_len == b.max_seq_len && a.num_experts == b.num_experts && a.top_k == b.top_k &&
            a.expert_hidden() == b.expert_hidden() && a.norm_topk == b.norm_topk && a.dense_layers == b.dense_layers &&
            a.sparse_step == b.sparse_step && (a.count_dense_layers() == 0 || a.hidden() == b.hidden()) &&
+           a.shared_size == b.shared_size && a.shared_gate == b.shared_gate &&
            a.head_size() == b.head_size() &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
-                           a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings));
+                           a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings &&
+                           a.attention_bias == b.attention_bias));
 }

@@ -83,17 +83,22 @@ inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<S
     return stored;
 }
 
-// the four header slots that describe the experts beyond E and K: their hidden units (0: the MLP's), 1 when the
-// gates are not renormalized, the first dense layers, and the step of the sparse layers (0: 1, every layer)
+// the six header slots that describe the experts beyond E and K: their hidden units (0: the MLP's), 1 when the
+// gates are not renormalized, the first dense layers, the step of the sparse layers (0: 1, every layer), the
+// shared expert's hidden units (0: none) and 1 when a gate scales it
 inline void read_expert_slots(GPTConfig& c, const int* slot, const std::string& path) {
     if (slot[1] != 0 && slot[1] != 1)
         fail("%s: header slot for the experts' gates is %d, not 0 (renormalized) or 1 (not)", path.c_str(), slot[1]);
+    if (slot[5] != 0 && slot[5] != 1)
+        fail("%s: header slot for the shared expert's gate is %d, not 0 (none) or 1", path.c_str(), slot[5]);
     c.expert_size = slot[0], c.norm_topk = slot[1] == 0;
     c.dense_layers = slot[2], c.sparse_step = slot[3] == 0 ? 1 : slot[3];
+    c.shared_size = slot[4], c.shared_gate = slot[5] == 1;
 }
 inline void write_expert_slots(const GPTConfig& c, int* slot) {
     slot[0] = c.expert_size, slot[1] = !c.norm_topk;
     slot[2] = c.dense_layers, slot[3] = c.sparse_step == 1 ? 0 : c.sparse_step;
+    slot[4] = c.shared_size, slot[5] = c.shared_gate;
 }
 
 inline GPTConfig read_model_header(const std::string& path, int* version) {
@@ -132,6 +137,9 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
         if (h[14] != 0 && h[14] != 1) fail("%s: header slot 14 (tied embeddings) is %d, not 0 or 1", path.c_str(), h[14]);
         c.tied_embeddings = h[14] == 1;
+        // header[24]: 1 when q, k and v have biases (Qwen2's), held in the slot llm.c's files keep for them
+        if (h[24] != 0 && h[24] != 1) fail("%s: header slot 24 (attention biases) is %d, not 0 or 1", path.c_str(), h[24]);
+        c.attention_bias = h[24] == 1;
         // header[15]: 1 for llm5d's Qwen3 (Llama 3's layout, QK-norm's weights after the final norm's slots),
         // with its head size and MLP size in [16] and [17]
         if (h[15] == 1) {
@@ -263,6 +271,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
         h[14] = c.tied_embeddings;
         write_expert_slots(c, h + 18);
+        h[24] = c.attention_bias;
         if (c.arch == Arch::Qwen3) {  // its H is given, and it has no Llama version: those slots hold 0
             h[8] = h[10] = h[11] = 0;
             h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();

@@ -78,6 +78,12 @@ struct GPTConfig {
     // (l + 1) % sparse_step == 0); the others are dense layers, an MLP of hidden() units of their own
     int dense_layers = 0;
     int sparse_step = 1;
+    // ... and beside the routed experts, in every sparse layer, a shared expert that takes every token: an MLP of
+    // shared_size hidden units (DeepSeek's n_shared_experts·moe_intermediate_size, always on; Qwen2-MoE's
+    // shared_expert_intermediate_size; 0: none), its output scaled by sigmoid(x·wᵀ) of a gate vector w of its own
+    // when shared_gate (Qwen2-MoE's shared_expert_gate)
+    int shared_size = 0;
+    bool shared_gate = false;
     // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
     // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and the factor of Llama 3's frequency scaling
     // (0: none; 8 in Llama 3.1, 32 in Llama 3.2), and the version the file names; whether the classifier is the
@@ -89,6 +95,8 @@ struct GPTConfig {
     float rope_scaling = 0.0f;
     int version_major = 3, version_minor = 1;
     bool tied_embeddings = false;
+    // the Llama family's q, k and v projections with biases (Qwen2's and Qwen2-MoE's; GPT-2's always have them)
+    bool attention_bias = false;
     // Qwen3 gives these two as numbers of their own (0: C/NH, and Meta's rule above)
     int head_dim = 0;
     int intermediate_size = 0;
@@ -182,10 +190,11 @@ inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_l
 // model, whose buffers are then llm.c's). With experts each MLP tensor stacks the experts of a layer (layer
 // first, then expert). Llama keeps its lm_head in wpe's slot, as llm.c's Llama 3 files do.
 // Qwen3's QK-norm weights come after them, so that the other architectures' files and checkpoints keep their
-// order, and last the MLP of the dense layers of a model with experts (empty in every other model).
+// order, then the MLP of the dense layers of a model with experts, and last the sparse layers' shared expert and
+// its gate (each empty in every other model).
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
                    FCPROJB, LNFW, LNFB, QNORMW, KNORMW, DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB,
-                   NUM_PARAM_TENSORS };
+                   SHARED_FCW, SHARED_FCB, SHARED_FCPROJW, SHARED_FCPROJB, SHARED_GATEW, NUM_PARAM_TENSORS };
 // the Llama family's classifier, where GPT-2 has wpe (which it lacks)
 constexpr ParamTensor LM_HEAD = WPE;
 
@@ -286,7 +295,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
     const Holder emb = Holder::Embeddings, layer = Holder::Layer, head = Holder::Head;
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0;
-    size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0;
+    size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0, Hs = c.shared_size, gate = c.shared_gate;
     bool expert = true, decay = true;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial;
     ModelTable table = {{
@@ -314,12 +323,18 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
         {"dense_fcb", layer,     !expert, {Hd},         1,   column, !decay, own,      zeros},
         {"dense_fcprojw", layer, !expert, {C},          Hd,  row,    decay,  own,      residual},
         {"dense_fcprojb", layer, !expert, {Hd ? C : 0}, 1,   rep,    !decay, own,      zeros},
+        {"shared_fcw", layer,    !expert, {Hs},         C,   column, decay,  own,      normal},
+        {"shared_fcb", layer,    !expert, {Hs},         1,   column, !decay, own,      zeros},
+        {"shared_fcprojw", layer, !expert, {C},         Hs,  row,    decay,  own,      residual},
+        {"shared_fcprojb", layer, !expert, {Hs ? C : 0}, 1,  rep,    !decay, own,      zeros},
+        {"shared_gatew", layer,  !expert, {gate},       C,   rep,    decay,  own,      normal},
     }};
     table[QKVW].head_rows = table[QKVB].head_rows = c.head_size();
     return table;
 }
 
-// Llama 3: no position table, RMSNorm without biases, no biases anywhere, grouped-query attention (NH query
+// Llama 3: no position table, RMSNorm without biases, no biases anywhere (but q, k and v's where the model has
+// them: Qwen2's attention_bias), grouped-query attention (NH query
 // heads and KV key/value heads of hd channels, so qkvw has NH·hd + 2·KV·hd rows), SwiGLU's two input matrices
 // c_fc and c_fc2 stacked in fcw (a column split takes its rows of each), and a classifier, lm_head, in the slot
 // of GPT-2's wpe as llm.c's Llama 3 files keep it; wte and lm_head have the padded vocab's rows, as GPT-2's wte
@@ -336,7 +351,8 @@ inline ModelTable llama_table(const GPTConfig& c) {
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
     size_t H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0, qk = c.qk_norm() ? hd : 0;
-    size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0;
+    size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0, Hs = c.shared_size, gate = c.shared_gate;
+    size_t qb = c.attention_bias;  // q, k and v biases, or none (the files' slot then holds zeros)
     bool expert = true, decay = true, tied = c.tied_embeddings;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial, heads = TPGrad::HeadsPartial;
     ModelTable table = {{
@@ -346,7 +362,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"ln1w",     layer,      !expert, {C},        1,   rep,    !decay, sp,       ones},
         {"ln1b",     layer,      !expert, {0},        1,   rep,    !decay, sp,       zeros,   C},
         {"qkvw",     layer,      !expert, {Q, KV, KV}, C,  column, decay,  own,      normal},
-        {"qkvb",     layer,      !expert, {0},        1,   column, !decay, own,      zeros,   Q + 2 * KV},
+        {"qkvb",     layer,      !expert, {qb * Q, qb * KV, qb * KV}, 1, column, !decay, own, zeros, (1 - qb) * (Q + 2 * KV)},
         {"attprojw", layer,      !expert, {C},        Q,   row,    decay,  own,      residual},
         {"attprojb", layer,      !expert, {0},        1,   rep,    !decay, own,      zeros,   C},
         {"ln2w",     layer,      !expert, {C},        1,   rep,    !decay, sp,       ones},
@@ -364,28 +380,37 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"dense_fcb", layer,     !expert, {0},        1,   column, !decay, own,      zeros},
         {"dense_fcprojw", layer, !expert, {C},        Hd,  row,    decay,  own,      residual},
         {"dense_fcprojb", layer, !expert, {0},        1,   rep,    !decay, own,      zeros},
+        {"shared_fcw", layer,    !expert, {Hs, Hs},   C,   column, decay,  own,      normal},
+        {"shared_fcb", layer,    !expert, {0},        1,   column, !decay, own,      zeros},
+        {"shared_fcprojw", layer, !expert, {C},       Hs,  row,    decay,  own,      residual},
+        {"shared_fcprojb", layer, !expert, {0},       1,   rep,    !decay, own,      zeros},
+        {"shared_gatew", layer,  !expert, {gate},     C,   rep,    decay,  own,      normal},
     }};
-    table[QKVW].head_rows = hd;  // with fewer key/value heads than tp ranks, each is held by tp/KV ranks
+    table[QKVW].head_rows = table[QKVB].head_rows = hd;  // with fewer key/value heads than tp ranks, each is held by tp/KV ranks
     return table;
 }
 
-// A model with experts has them in its sparse layers, their router with them, and in its dense layers (if any) an
-// MLP of the architecture's own (GPT-2's with biases, SwiGLU's without), hidden() units wide
+// A model with experts has them in its sparse layers, their router and any shared expert with them, and in its
+// dense layers (if any) an MLP of the architecture's own (GPT-2's with biases, SwiGLU's without), hidden() units
+// wide
 inline ModelTable model_table(const GPTConfig& c) {
     ModelTable table = c.llama() ? llama_table(c) : gpt2_table(c);
-    for (int t : {ROUTERW, FCW, FCB, FCPROJW, FCPROJB}) table[t].layers = LayerSet::Experts;
+    for (int t : {ROUTERW, FCW, FCB, FCPROJW, FCPROJB, SHARED_FCW, SHARED_FCB, SHARED_FCPROJW, SHARED_FCPROJB,
+                  SHARED_GATEW})
+        table[t].layers = LayerSet::Experts;
     for (int t : {DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB}) table[t].layers = LayerSet::Dense;
     return table;
 }
 
-// the MLP tensors of model layer l: the experts' (a dense model's one), or a dense layer's own
+// The tensors of an MLP: the experts' (a dense model's one expert), a dense layer's of a model with experts, a
+// sparse layer's shared expert's; and those of model layer l's MLP
 struct MlpTensors {
     int fcw, fcb, fcprojw, fcprojb;
 };
-inline MlpTensors mlp_tensors(const GPTConfig& c, int layer) {
-    if (c.dense_layer(layer)) return {DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB};
-    return {FCW, FCB, FCPROJW, FCPROJB};
-}
+constexpr MlpTensors EXPERT_MLP = {FCW, FCB, FCPROJW, FCPROJB};
+constexpr MlpTensors DENSE_MLP = {DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB};
+constexpr MlpTensors SHARED_MLP = {SHARED_FCW, SHARED_FCB, SHARED_FCPROJW, SHARED_FCPROJB};
+inline MlpTensors mlp_tensors(const GPTConfig& c, int layer) { return c.dense_layer(layer) ? DENSE_MLP : EXPERT_MLP; }
 
 // how many of a part's first n layers hold a tensor of the layer set (n = part.layers(): all of the part's)
 inline size_t held_layers(const GPTConfig& c, LayerSet set, const ModelPart& part, int n) {

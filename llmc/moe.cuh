@@ -1,6 +1,7 @@
 // The mixture-of-experts MLP: a router picks K of E experts for every token, each expert is the model's MLP
-// (GPT-2's, or Llama's SwiGLU, as Mixtral's and Qwen3-MoE's experts are) of its own hidden units over the rows
-// routed to it, and the layer's output is the gate-weighted sum of the K expert outputs.
+// (llmc/mlp.cuh: GPT-2's, or Llama's SwiGLU, as Mixtral's and Qwen3-MoE's experts are) of its own hidden units
+// over the rows routed to it, and the layer's output is the gate-weighted sum of the K expert outputs, plus, where
+// the model has one, a shared expert's output over every row.
 //
 //   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias), P = softmax over all E; the K largest are
 //            chosen (ties go to the lower expert), and their gates are P at those K, renormalized to sum to one
@@ -9,21 +10,24 @@
 //   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
-//   experts  one matmul per expert over its contiguous rows: fc (+bias), GELU, fc_proj (+bias); or gated (Llama):
-//            fc holding c_fc and c_fc2 (2·H rows), SwiGLU, fc_proj, no biases.
+//   experts  the MLP of llmc/mlp.cuh on each expert's contiguous rows.
 //   combine  out[t] = Σ_k gate[t,k] · y[t,k], in slot order, so the sum is the same on every layout.
+//   shared   DeepSeek's shared expert, an MLP over every row that every rank of an ep group holds whole, is the
+//            sum's first term: out[t] = s[t] + Σ_k ...; Qwen2-MoE's is scaled by its gate and added last:
+//            out[t] = Σ_k ... + sigmoid(ln2(x)·wgᵀ) · s[t] (wg a C-vector, the gate's logit in fp32 as the router's).
 //   aux loss per sequence and layer, α·E·Σ_i f_i·P_i, f_i the share of the sequence's K·T assignments that went
 //            to expert i (a constant), P_i the mean over its tokens of the full softmax over the E logits.
 //            The trainer's objective adds its mean over the global batch's sequences, summed over layers.
 //
 // The routing decisions are small (K numbers per token) and made on the host, from the logits the router
 // kernel leaves in fp32, by the same code for both devices; the rows themselves move with kernels. Forward
-// keeps the decisions (MoERoute) for backward. Under tensor parallelism each expert is split as the dense
-// MLP is (fc by rows, fc_proj by columns): every tp rank routes the same whole rows the same way, the combined
-// partial outputs are reduced over the group, and fc_proj's bias is added on tp rank 0 alone so that the
-// reduction adds it once. Under --fp8 the experts' matmuls are FP8 too (llmc/fp8.cuh), each scaled over its
-// expert's rows on the rank, whose count differs between the ranks of a cp group: their scales are shared
-// over tp alone, so cp and ep runs with experts agree with one rank to FP8's precision rather than exactly.
+// keeps the decisions (MoERoute) for backward. Under tensor parallelism each expert, and the shared expert, is
+// split as the dense MLP is (fc by rows, fc_proj by columns): every tp rank routes the same whole rows the same
+// way, the combined partial outputs are reduced over the group, and fc_proj's bias is added on tp rank 0 alone
+// so that the reduction adds it once. Under --fp8 the experts' matmuls are FP8 too (llmc/fp8.cuh), each scaled
+// over its expert's rows on the rank, whose count differs between the ranks of a cp group: their scales are
+// shared over tp alone, so cp and ep runs with experts agree with one rank to FP8's precision rather than exactly.
+// The shared expert sees every row, as a dense MLP does, and shares the dense layers' scales.
 #pragma once
 
 #include <algorithm>
@@ -33,11 +37,10 @@
 #include "llmc/comm.cuh"
 #include "llmc/cp.cuh"
 #include "llmc/device.cuh"
-#include "llmc/gelu.cuh"
-#include "llmc/swiglu.cuh"
 #include "llmc/ledger.h"
 #include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
+#include "llmc/mlp.cuh"
 #include "llmc/model_table.h"
 #include "llmc/tp.cuh"
 
@@ -130,53 +133,56 @@ inline void gather_rows(bf16* dst, const bf16* src, const int* index, long n, in
     launch_elementwise(gather_rows_kernel, n * C, dst, src, index, n, C);
 }
 
-// out[t] = Σ_k weight[t, k] · rows[row_of[t, k]] for BT tokens of K slots, in slot order (weight null: 1)
-inline void moe_combine(float* out, const float* rows, const int* row_of, const float* weight, long BT, int K, int C) {
+// out[t] = Σ_k weight[t, k] · rows[row_of[t, k]] for BT tokens of K slots, in slot order (weight null: 1); with
+// accumulate the sum starts from out[t]
+inline void moe_combine(float* out, const float* rows, const int* row_of, const float* weight, long BT, int K, int C,
+                        bool accumulate = false) {
 #pragma omp parallel for
     for (long t = 0; t < BT; t++)
         for (int c = 0; c < C; c++) {
-            float sum = 0.0f;
+            float sum = accumulate ? out[t * C + c] : 0.0f;
             for (int k = 0; k < K; k++) sum += (weight ? weight[t * K + k] : 1.0f) * rows[(long)row_of[t * K + k] * C + c];
             out[t * C + c] = sum;
         }
 }
 static __global__ void moe_combine_kernel(bf16* out, const bf16* rows, const int* row_of, const float* weight, long BT,
-                                          int K, int C) {
+                                          int K, int C, bool accumulate) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x) {
         long t = i / C, c = i % C;
-        float sum = 0.0f;
+        float sum = accumulate ? __bfloat162float(out[i]) : 0.0f;
         for (int k = 0; k < K; k++)
             sum += (weight ? weight[t * K + k] : 1.0f) * __bfloat162float(rows[(long)row_of[t * K + k] * C + c]);
         out[i] = __float2bfloat16(sum);
     }
 }
-inline void moe_combine(bf16* out, const bf16* rows, const int* row_of, const float* weight, long BT, int K, int C) {
-    launch_elementwise(moe_combine_kernel, BT * C, out, rows, row_of, weight, BT, K, C);
+inline void moe_combine(bf16* out, const bf16* rows, const int* row_of, const float* weight, long BT, int K, int C,
+                        bool accumulate = false) {
+    launch_elementwise(moe_combine_kernel, BT * C, out, rows, row_of, weight, BT, K, C, accumulate);
 }
 
-// the combine's backward to the rows: rows[row_of[t, k]] = weight[t, k] · dout[t]
+// the combine's backward to the rows: rows[row_of[t, k]] = weight[t, k] · dout[t] (row_of null: row t·K + k)
 inline void moe_spread(float* rows, const float* dout, const int* row_of, const float* weight, long BT, int K, int C) {
 #pragma omp parallel for
     for (long tk = 0; tk < BT * K; tk++)
-        for (int c = 0; c < C; c++) rows[(long)row_of[tk] * C + c] = weight[tk] * dout[tk / K * C + c];
+        for (int c = 0; c < C; c++) rows[(row_of ? row_of[tk] : tk) * C + c] = weight[tk] * dout[tk / K * C + c];
 }
 static __global__ void moe_spread_kernel(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT,
                                          int K, int C) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * K * C; i += (long)gridDim.x * blockDim.x) {
         long tk = i / C, c = i % C;
-        rows[(long)row_of[tk] * C + c] = __float2bfloat16(weight[tk] * __bfloat162float(dout[tk / K * C + c]));
+        rows[(row_of ? row_of[tk] : tk) * C + c] = __float2bfloat16(weight[tk] * __bfloat162float(dout[tk / K * C + c]));
     }
 }
 inline void moe_spread(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT, int K, int C) {
     launch_elementwise(moe_spread_kernel, BT * K * C, rows, dout, row_of, weight, BT, K, C);
 }
 
-// ... and to the gates: dgate[t, k] = dout[t] · rows[row_of[t, k]]
+// ... and to the gates: dgate[t, k] = dout[t] · rows[row_of[t, k]] (row_of null: row t·K + k)
 inline void moe_gate_grads(float* dgate, const float* dout, const float* rows, const int* row_of, long BT, int K, int C) {
 #pragma omp parallel for
     for (long tk = 0; tk < BT * K; tk++) {
         float sum = 0.0f;
-        for (int c = 0; c < C; c++) sum += dout[tk / K * C + c] * rows[(long)row_of[tk] * C + c];
+        for (int c = 0; c < C; c++) sum += dout[tk / K * C + c] * rows[(row_of ? row_of[tk] : tk) * C + c];
         dgate[tk] = sum;
     }
 }
@@ -186,8 +192,8 @@ static __global__ void moe_gate_grads_kernel(float* dgate, const bf16* dout, con
     int lane = threadIdx.x % 32;
     if (tk >= BT * K) return;
     float sum = 0.0f;
-    for (int c = lane; c < C; c += 32)
-        sum += __bfloat162float(dout[tk / K * C + c]) * __bfloat162float(rows[(long)row_of[tk] * C + c]);
+    long row = row_of ? row_of[tk] : tk;
+    for (int c = lane; c < C; c += 32) sum += __bfloat162float(dout[tk / K * C + c]) * __bfloat162float(rows[row * C + c]);
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
     if (lane == 0) dgate[tk] = sum;
 }
@@ -196,11 +202,44 @@ inline void moe_gate_grads(float* dgate, const bf16* dout, const bf16* rows, con
     cuda_check(cudaGetLastError());
 }
 
-// a layer's router and experts (its parameters, or their gradients): the router's E×C weight, then each
-// tensor of the MLP with the rank's experts stacked
+// out[t] += scale[t] · rows[t] for BT rows of C (the shared expert's output added under its gate)
+inline void add_scaled_rows(float* out, const float* rows, const float* scale, long BT, int C) {
+#pragma omp parallel for
+    for (long i = 0; i < BT * C; i++) out[i] += scale[i / C] * rows[i];
+}
+static __global__ void add_scaled_rows_kernel(bf16* out, const bf16* rows, const float* scale, long BT, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16(__bfloat162float(out[i]) + scale[i / C] * __bfloat162float(rows[i]));
+}
+inline void add_scaled_rows(bf16* out, const bf16* rows, const float* scale, long BT, int C) {
+    launch_elementwise(add_scaled_rows_kernel, BT * C, out, rows, scale, BT, C);
+}
+
+// A sparse layer's tensors (its parameters, or their gradients): the router's E×C weight, each tensor of the MLP
+// with the rank's experts stacked, the shared expert's (fcw null: none) and its gate's C-vector (null: none)
 template <typename floatX>
 struct ExpertTensors {
-    floatX *router, *fcw, *fcb, *fcprojw, *fcprojb;
+    floatX* router;
+    MlpTensorViews<floatX> experts, shared;
+    floatX* shared_gate;
+};
+// expert x's tensors among the stacked ones (null where they are)
+template <typename floatX>
+inline MlpTensorViews<floatX> expert_view(const MlpTensorViews<floatX>& stacked, int x, const MlpShape& s) {
+    auto at = [&](floatX* p, long block) { return p ? p + x * block : nullptr; };
+    return {at(stacked.fcw, (long)s.FC() * s.C), at(stacked.fcb, s.FC()), at(stacked.fcprojw, (long)s.C * s.H),
+            at(stacked.fcprojb, s.C)};
+}
+
+// What a sparse layer keeps for backward: the rows the experts took (expert-major), their hidden layer before and
+// after the activation, the rows they gave back (dispatch order); the shared expert's hidden layer and, where a
+// gate scales it, its output; and under a split backward (the zero-bubble pipeline's) the experts' and the shared
+// expert's output gradients, for the weight-gradient step (null otherwise)
+template <typename floatX>
+struct ExpertActivations {
+    floatX *inputs, *fch, *act, *outputs;
+    floatX *shared_fch, *shared_act, *shared_out;
+    floatX *kept_dout, *kept_dfch, *kept_shared_dout, *kept_shared_dfch;
 };
 
 // ----------------------------------------------------------------------------------------------------------
@@ -218,6 +257,7 @@ struct MoERoute {
     std::vector<int> expert_first;  // X + 1: where each local expert's rows start in expert-major order
     std::vector<int> recv_of_expert_row, expert_row_of_recv;  // the permutation between the two orders (ep > 1)
     long rows = 0;                  // rows on this rank's experts
+    std::vector<float> shared_scale;  // BT: the shared expert's gate, sigmoid of its logit (a gated one)
 };
 
 // The top-K experts and gates of each of BT tokens, the full softmax, and the dispatch order; normalize: the
@@ -278,7 +318,6 @@ inline void sequence_statistics(MoERoute& r, std::vector<float>& prob_sums, Cont
 template <typename floatX>
 struct MixtureOfExperts {
     int E = 1, K = 1, X = 1;  // experts, chosen per token, held by this rank
-    bool gated = false;       // SwiGLU experts (Llama's): fc holds c_fc and c_fc2, twice the hidden units
     bool normalize = true;    // the K gates renormalized to sum to one (GPTConfig's norm_topk)
     float alpha = 0.01f;      // the aux loss's weight
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
@@ -288,7 +327,9 @@ struct MixtureOfExperts {
     floatX *dispatch = nullptr, *received = nullptr, *expert_rows = nullptr;
     float *logits = nullptr, *gates = nullptr, *dgates = nullptr, *dlogits = nullptr;
     int *row_of = nullptr, *token_of_row = nullptr, *permutation = nullptr;
-    std::vector<float> host_logits, host_dgates, host_dlogits, prob_sums;
+    // ... and the shared expert's gate: its logits (backward: their gradients) and its scales, fp32
+    float *shared_logits = nullptr, *shared_scales = nullptr;
+    std::vector<float> host_logits, host_dgates, host_dlogits, prob_sums, host_shared;
     // what the step's forward passes saw, for the log: Σ over sequences and layers of the aux loss, and the
     // assignments per (model layer, expert)
     double aux_sum = 0.0;
@@ -314,8 +355,8 @@ struct MixtureOfExperts {
     // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
     long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
 
-    void allocate(Ledger& led, const GPTConfig& c, long BT, bool swiglu) {
-        E = c.num_experts, K = c.top_k, X = E / ep_size, gated = swiglu, normalize = c.norm_topk;
+    void allocate(Ledger& led, const GPTConfig& c, long BT) {
+        E = c.num_experts, K = c.top_k, X = E / ep_size, normalize = c.norm_topk;
         int layers = c.num_layers, C = c.channels;
         load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
@@ -327,6 +368,7 @@ struct MixtureOfExperts {
         expert_rows = scr((size_t)rows * C);
         logits = scr_f((size_t)BT * E), dlogits = scr_f((size_t)BT * E);
         gates = scr_f((size_t)BT * K), dgates = scr_f((size_t)BT * K);
+        if (c.shared_gate) shared_logits = scr_f((size_t)BT), shared_scales = scr_f((size_t)BT);
         if (device_of<floatX> == Device::CUDA) {
             auto scr_i = [&](size_t n) { return led.alloc<floatX, int>(MEM_SCRATCH, n); };
             row_of = scr_i((size_t)BT * K), token_of_row = scr_i((size_t)BT * K), permutation = scr_i((size_t)rows);
@@ -380,15 +422,18 @@ struct MixtureOfExperts {
                 }
     }
 
-    // Forward of one layer's MLP. ln2: the norm's output, every row (BT×C); out: this rank's rows of the MLP's
-    // output (R×C), with `partial` BT×C scratch under sequence parallelism; w: the layer's parameters (biases
-    // null when the model has none); inputs (rows×C), fch (rows×FCl: Hl, or 2·Hl when gated), fch_act (rows×Hl)
-    // and outputs (K·BT×C, dispatch order) are kept for backward. B sequences of Tl tokens each on this rank;
-    // layer is the layer's index in the model (for the load).
-    void forward(floatX* out, floatX* partial, MoERoute& r, floatX* inputs, floatX* fch, floatX* fch_act, floatX* outputs,
-                 const floatX* ln2, const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp,
-                 ContextParallel<floatX>& cp, int layer, float* ws, const Fp8Scaling<floatX>* fp8) {
+    // Forward of one sparse layer's MLP. ln2: the norm's output, every row (BT×C); out: this rank's rows of the
+    // MLP's output (R×C), with `partial` BT×C scratch under sequence parallelism; w: the layer's parameters; a: what
+    // the layer keeps (inputs: rows×C, fch: rows×FC, act: rows×H; outputs K·BT×C, dispatch order; the shared
+    // expert's on BT rows). B sequences of Tl tokens each on this rank; `experts` and `shared` the MLPs' shapes on
+    // this rank; layer is the layer's index in the model (for the load); fp8 the experts' FP8 state, fp8_shared
+    // the shared expert's.
+    void forward(floatX* out, floatX* partial, MoERoute& r, const ExpertActivations<floatX>& a, const floatX* ln2,
+                 const ExpertTensors<floatX>& w, int B, int Tl, const MlpShape& experts, const MlpShape& shared,
+                 TensorParallel& tp, ContextParallel<floatX>& cp, int layer, float* ws, const Fp8Scaling<floatX>* fp8,
+                 const Fp8Scaling<floatX>* fp8_shared) {
         long BT = (long)B * Tl;
+        int C = experts.C;
         router_forward(logits, ln2, w.router, BT, C, E);
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
@@ -406,46 +451,80 @@ struct MixtureOfExperts {
 
         // the rows to the experts, the experts, the rows back
         const int* token_of = on_device(token_of_row, r.token_of_row);
-        gather_rows(ep_size > 1 ? dispatch : inputs, ln2, token_of, BT * K, C);
+        gather_rows(ep_size > 1 ? dispatch : a.inputs, ln2, token_of, BT * K, C);
         if (ep_size > 1) {
             exchange(dispatch, received, r, true, C);
-            gather_rows(inputs, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
+            gather_rows(a.inputs, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
         }
-        floatX* expert_out = ep_size > 1 ? expert_rows : outputs;
-        long FCl = gated ? 2L * Hl : Hl;
+        floatX* expert_out = ep_size > 1 ? expert_rows : a.outputs;
+        MlpTensorViews<floatX> ew = on_first_tp_rank(w.experts, tp);
+        long FC = experts.FC(), H = experts.H;
         for (int x = 0; x < X; x++) {
             long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
             if (n == 0) continue;
-            matmul_forward(fch + first * FCl, inputs + first * C, w.fcw + x * FCl * C, w.fcb ? w.fcb + x * FCl : nullptr, n,
-                           C, (int)FCl, ws, fp8);
-            if (gated) swiglu_forward(fch_act + first * Hl, fch + first * FCl, n, Hl);
-            else gelu_forward(fch_act + first * Hl, fch + first * Hl, n * Hl);
-            const floatX* bias = tp.spec.rank == 0 && w.fcprojb ? w.fcprojb + (long)x * C : nullptr;
-            matmul_forward(expert_out + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, bias, n, Hl, C, ws, fp8);
+            mlp_forward(expert_out + first * C, a.fch + first * FC, a.act + first * H, a.inputs + first * C,
+                        expert_view(ew, x, experts), n, experts, ws, fp8);
         }
         if (ep_size > 1) {
             gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
-            exchange(received, outputs, r, false, C);
+            exchange(received, a.outputs, r, false, C);
         }
         floatX* whole = tp.spec.sp ? partial : out;
-        moe_combine(whole, outputs, on_device(row_of, r.row_of), on_device(gates, r.gate), BT, K, C);
+        bool has_shared = w.shared.fcw != nullptr, gated = w.shared_gate != nullptr;
+        if (has_shared)  // the sum's first term, or (gated) its own buffer
+            mlp_forward(gated ? a.shared_out : whole, a.shared_fch, a.shared_act, ln2, on_first_tp_rank(w.shared, tp), BT,
+                        shared, ws, fp8_shared);
+        moe_combine(whole, a.outputs, on_device(row_of, r.row_of), on_device(gates, r.gate), BT, K, C,
+                    has_shared && !gated);
+        if (gated) {
+            router_forward(shared_logits, ln2, w.shared_gate, BT, C, 1);
+            r.shared_scale.resize(BT);
+            device_download<floatX>(r.shared_scale.data(), shared_logits, BT);
+            for (float& g : r.shared_scale) g = 1.0f / (1.0f + expf(-g));
+            add_scaled_rows(whole, a.shared_out, on_device(shared_scales, r.shared_scale), BT, C);
+        }
         tp.reduce_rows(whole, out, BT, C);
     }
 
     // Backward of the layer: dln (BT×C) is overwritten with the gradient of ln2's output (this rank's partial
-    // sum under tp), dw accumulates the layer's gradients. dout: the gradient of the MLP's output for every
-    // row; dhidden: rows×Hl scratch, and dfc rows×FCl (dhidden itself unless gated); dloss: each token's weight
-    // in the objective (the aux loss's gradient is that of its per-sequence mean, scaled alike).
-    void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dhidden, floatX* dfc,
-                  const MoERoute& r, const floatX* inputs, const floatX* fch, const floatX* fch_act, const floatX* outputs,
-                  const floatX* ln2,
-                  const ExpertTensors<floatX>& w, int B, int Tl, int C, int Hl, TensorParallel& tp, float dloss, float* ws,
-                  const Fp8Scaling<floatX>* fp8) {
+    // sum under tp), dw accumulates the layer's gradients (the MLPs' entries null under a split backward, which
+    // keeps their output gradients in a.kept_*: weight_grads takes them). dout: the gradient of the MLP's output
+    // for every row; dfch (rows×FC) and dact (rows×H, SwiGLU's) scratch; dloss: each token's weight in the
+    // objective (the aux loss's gradient is that of its per-sequence mean, scaled alike); recompute: the MLPs'
+    // activations are computed again from their inputs (-r 1).
+    void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dfch, floatX* dact,
+                  const MoERoute& r, const ExpertActivations<floatX>& a, const floatX* ln2, const ExpertTensors<floatX>& w,
+                  int B, int Tl, const MlpShape& experts, const MlpShape& shared, TensorParallel& tp, float dloss,
+                  bool recompute, float* ws, const Fp8Scaling<floatX>* fp8, const Fp8Scaling<floatX>* fp8_shared) {
         long BT = (long)B * Tl;
+        int C = experts.C;
+        bool split = a.kept_dout != nullptr, has_shared = w.shared.fcw != nullptr, gated = w.shared_gate != nullptr;
         const int* rows_of = on_device(row_of, r.row_of);
+        // the shared expert first: its input gradient starts dln, to which the experts' combine adds
+        if (has_shared) {
+            const floatX* sdout = dout;
+            if (gated) {
+                // the gate's logit: dl = s·(1 - s) · dout·out, the dot summed over the tp ranks' partial outputs
+                host_shared.resize(BT);
+                moe_gate_grads(shared_logits, dout, a.shared_out, (const int*)nullptr, BT, 1, C);
+                device_download<floatX>(host_shared.data(), shared_logits, BT);
+                tp.sum_in_rank_order(host_shared.data(), BT);
+                for (long t = 0; t < BT; t++) host_shared[t] *= r.shared_scale[t] * (1.0f - r.shared_scale[t]);
+                // the output's gradient, scaled (dispatch's rows are free until the experts' backward)
+                floatX* scaled = split ? a.kept_shared_dout : dispatch;
+                moe_spread(scaled, dout, (const int*)nullptr, on_device(shared_scales, r.shared_scale), BT, 1, C);
+                sdout = scaled;
+            } else if (split) {
+                device_copy<floatX>(a.kept_shared_dout, dout, BT * C);
+            }
+            if (recompute) mlp_activation_again(a.shared_act, a.shared_fch, BT, shared);
+            mlp_backward(dln, dw.shared, sdout, split ? a.kept_shared_dfch : dfch, dact, a.shared_fch, a.shared_act, ln2,
+                         w.shared, BT, shared, ws, fp8_shared);
+        }
+
         // the gates: dgate = dout · y, summed over the tp ranks' partial outputs
         host_dgates.resize((size_t)BT * K);
-        moe_gate_grads(dgates, dout, outputs, rows_of, BT, K, C);
+        moe_gate_grads(dgates, dout, a.outputs, rows_of, BT, K, C);
         device_download<floatX>(host_dgates.data(), dgates, host_dgates.size());
         tp.sum_in_rank_order(host_dgates.data(), BT * K);
 
@@ -458,17 +537,16 @@ struct MixtureOfExperts {
             gather_rows(expert_rows, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
             dexpert = expert_rows;
         }
+        if (split) device_copy<floatX>(a.kept_dout, dexpert, r.rows * C);
+        if (recompute) mlp_activation_again(a.act, a.fch, r.rows, experts);
         // dexpert turns into the experts' input gradients row by row, each expert's rows once it is done with them
-        long FCl = gated ? 2L * Hl : Hl;
+        long FC = experts.FC(), H = experts.H;
         for (int x = 0; x < X; x++) {
             long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
             if (n == 0) continue;
-            matmul_backward(dhidden, dw.fcprojw + (long)x * C * Hl, dw.fcprojb ? dw.fcprojb + (long)x * C : nullptr,
-                            dexpert + first * C, fch_act + first * Hl, w.fcprojw + (long)x * C * Hl, n, Hl, C, ws, fp8);
-            if (gated) swiglu_backward(dfc, fch + first * FCl, dhidden, n, Hl);
-            else gelu_backward(dfc, fch + first * Hl, dhidden, n * Hl);
-            matmul_backward(dexpert + first * C, dw.fcw + x * FCl * C, dw.fcb ? dw.fcb + x * FCl : nullptr, dfc,
-                            inputs + first * C, w.fcw + x * FCl * C, n, C, (int)FCl, ws, fp8);
+            mlp_backward(dexpert + first * C, expert_view(dw.experts, x, experts), dexpert + first * C,
+                         split ? a.kept_dfch + first * FC : dfch, dact, a.fch + first * FC, a.act + first * H,
+                         a.inputs + first * C, expert_view(w.experts, x, experts), n, experts, ws, fp8);
         }
         const floatX* dinputs = dexpert;  // dispatch order, once back
         if (ep_size > 1) {
@@ -476,7 +554,7 @@ struct MixtureOfExperts {
             exchange(received, dispatch, r, false, C);
             dinputs = dispatch;
         }
-        moe_combine(dln, dinputs, rows_of, (const float*)nullptr, BT, K, C);
+        moe_combine(dln, dinputs, rows_of, (const float*)nullptr, BT, K, C, has_shared);
 
         // the router: the gradient of the softmax's P, from the gates (through their renormalization, where
         // g_k = P_k / S: dP_k = (dg_k - Σ_j g_j·dg_j) / S) and from the aux loss, then through the softmax
@@ -498,5 +576,37 @@ struct MixtureOfExperts {
         const float* dl = on_device(dlogits, host_dlogits);
         // every tp rank holds the same router gradient; its part of dln is added once, before the tp reduction
         router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.router, dl, ln2, w.router, BT, C, E);
+        if (gated)  // ... and so the shared expert's gate's
+            router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.shared_gate, on_device(shared_logits, host_shared),
+                            ln2, w.shared_gate, BT, C, 1);
+    }
+
+    // The MLPs' weight gradients a split backward left, from the output gradients it kept
+    void weight_grads(const ExpertTensors<floatX>& dw, const MoERoute& r, const ExpertActivations<floatX>& a,
+                      const floatX* ln2, const ExpertTensors<floatX>& w, long BT, const MlpShape& experts,
+                      const MlpShape& shared, bool recompute, float* ws, const Fp8Scaling<floatX>* fp8,
+                      const Fp8Scaling<floatX>* fp8_shared) {
+        if (w.shared.fcw) {
+            if (recompute) mlp_activation_again(a.shared_act, a.shared_fch, BT, shared);
+            mlp_weight_grads(dw.shared, a.kept_shared_dout, a.kept_shared_dfch, a.shared_act, ln2, w.shared, BT, shared,
+                             ws, fp8_shared);
+        }
+        if (recompute) mlp_activation_again(a.act, a.fch, r.rows, experts);
+        int C = experts.C;
+        long FC = experts.FC(), H = experts.H;
+        for (int x = 0; x < X; x++) {
+            long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
+            if (n == 0) continue;
+            mlp_weight_grads(expert_view(dw.experts, x, experts), a.kept_dout + first * C, a.kept_dfch + first * FC,
+                             a.act + first * H, a.inputs + first * C, expert_view(w.experts, x, experts), n, experts, ws,
+                             fp8);
+        }
+    }
+
+   private:
+    // an MLP's tensors with fc_proj's bias on tp rank 0 alone, so that the reduction over the group adds it once
+    static MlpTensorViews<floatX> on_first_tp_rank(MlpTensorViews<floatX> w, const TensorParallel& tp) {
+        if (tp.spec.rank != 0) w.fcprojb = nullptr;
+        return w;
     }
 };

@@ -177,14 +177,15 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
                                X * table + F * (ring && gpu ? T : 0);
     // Backward's activation gradients, reused by every layer: the residual stream (R·C), a norm input (BT·C),
     // qkv (BT·QKVl: 3·BT·Cl for GPT-2), attention output (BT·Cl), the MLP's first matmul's output
-    // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl), or a dense layer's of a model with experts where
-    // they are larger (BT·2H, BT·H); T floats per thread for attention; the GEMM's
+    // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl), or a dense layer's or the shared expert's of a
+    // model with experts where they are larger (BT·2H, BT·H); T floats per thread for attention; the GEMM's
     // packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the all-reduce
     // (BT·C/t); under sp the gathered output gradient (BT·C), a reduced input gradient (R·C) and a norm's output
     // gathered (BT·C: the layers keep their R rows of it). On the GPU the
     // kernels' shared scratch replaces the last two. Llama's RoPE table: maxT·hd fp32 (cos and sin per position
     // and frequency).
-    size_t mlp = std::max(mlp_rows * d.FCl, BT * d.dense_FCl), act = std::max(mlp_rows * Hl, BT * d.dense_Hl);
+    size_t mlp = std::max({mlp_rows * d.FCl, BT * d.dense_FCl, BT * d.shared_FCl});
+    size_t act = std::max({mlp_rows * Hl, BT * d.dense_Hl, BT * d.shared_Hl});
     size_t scratch = R * C + BT * C + BT * d.QKVl + BT * Cl + mlp + (d.FCl != d.Hl ? act : 0);
     if (t > 1) scratch += BT * C + BT * C / t;
     if (par.sp) scratch += 2 * BT * C + R * C;
@@ -204,10 +205,10 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // (expert_rows·C) and, under ep, as received (expert_rows·C); in fp32 the router's logits and their
     // gradient (BT·E each) and the gates and theirs (BT·K each); on the GPU the routing uploaded for the kernels,
     // as int32: each slot's row and each row's token (BT·K each) and the permutation between the experts' order
-    // and the received one (expert_rows).
+    // and the received one (expert_rows); a gated shared expert's logits and scales (BT each, fp32).
     if (K) {
         scratch += K * BT * C + expert_rows * C + (par.ep > 1 ? expert_rows * C : 0);
-        kernels += 2 * BT * E + 2 * BT * K + (gpu ? 2 * BT * K + expert_rows : 0);
+        kernels += 2 * BT * E + 2 * BT * K + (gpu ? 2 * BT * K + expert_rows : 0) + (c.shared_gate ? 2 * BT : 0);
     }
     p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
     // --fp8: the cast operands (an input, a weight, an output gradient and, on the GPU, its transpose; one byte a
@@ -258,7 +259,7 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
 // micro-step under ZeRO-2/3. The norm all-gathers one double. Under sp each rank keeps its rows of the two norm
 // outputs, and backward gathers them again for the weight gradients (Megatron-LM's sequence parallelism): 2L
 // more units. With experts, each sparse layer's backward sums the gates'
-// gradients over the group (all-gathers BT·K fp32). Activations and gradients move as stored (bf16 on the
+// gradients over the group (all-gathers BT·K fp32), and a gated shared expert's (BT fp32). Activations and gradients move as stored (bf16 on the
 // GPU), the cross-entropy's three and the gates' gradients as fp32.
 // A pipeline stage counts its own L layers, the embedding's crossing on the first stage, the classifier's and
 // the cross-entropy on the last, the final norm on the last and GPT-2's wpe on both.
@@ -268,7 +269,7 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
     double t = par.tp, BT = (double)B * T / par.cp, C = c.channels, L = part.layers(), k = par.accumulation;
     double first = part.first, last = part.last;
     double units = 8 * L + 2 * (first + last) + (par.sp ? 2 * L : 0), value = stored_value_bytes(device);
-    double gates = sparse_layers(c, part) * (t - 1) * BT * c.top_k * sizeof(float);
+    double gates = sparse_layers(c, part) * (t - 1) * BT * (c.top_k + c.shared_gate) * sizeof(float);
     double per_micro_step = units * (t - 1) / t * BT * C * value + last * (t - 1) * BT * 3 * sizeof(float) + gates;
     size_t sizes[NUM_PARAM_TENSORS];
     param_tensor_sizes(c, sizes, par.tp, part, par.ep);

@@ -130,16 +130,18 @@ struct StepModel {
                     continue;
                 double out = w.local_rows(par.tp), in = w.local_cols(par.tp), M = w.expert ? rows : BT;
                 double n = w.expert ? experts : 1;
-                bool router = &w == &table[ROUTERW];  // the router stays in its own precision
+                bool router = &w == &table[ROUTERW] || &w == &table[SHARED_GATEW];  // stay in their own precision
                 k.mm += n * gemm(M, out, in);
                 k.mm8 += n * gemm(M, out, in, !router);
                 if (router) continue;
                 k.cast_f += n * memory((2 * X + 1) * (M * in + out * in), 8);
                 k.cast_b += n * memory((2 * X + 2) * M * out + (2 * X + 1) * (out * in + M * in), 12);
             }
-            // the hidden layer: a dense layer's on every row, the experts' on the rows they took
+            // the hidden layer: a dense layer's on every row, the experts' on the rows they took and the shared
+            // expert's on every row
             double width = (double)table[mlp_tensors(c, layer).fcprojw].cols / t;
-            double hidden = width * (c.dense_layer(layer) ? BT : rows * experts);
+            double hidden = width * (c.dense_layer(layer) ? BT : rows * experts) +
+                            (sparse ? (double)table[SHARED_FCPROJW].cols / t * BT : 0);
             double stream = X * 10 * R * C + (sparse ? X * 4 * c.top_k * BT * C : 0), gelu = X * 2 * hidden;
             k.other_f = attn_f + memory(stream, 6) + transcendental(gelu, 1);
             k.other_b = attn_b + memory(2 * stream + (again_layernorm ? X * 4 * R * C : 0), 10 + 2 * again_layernorm) +

@@ -110,13 +110,13 @@ TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -
     }
 }
 
-TEST_CASE("Qwen3-MoE (gates renormalized and not; dense layers among the sparse) and Mixtral: Hugging Face -> "
-          "llm5d file -> Hugging Face gives every tensor back bit for bit with the config's fields, and the file comes "
-          "back byte for byte",
+TEST_CASE("Qwen3-MoE (gates renormalized and not; dense layers among the sparse), Qwen2-MoE (q, k and v biases, a "
+          "gated shared expert) and Mixtral: Hugging Face -> llm5d file -> Hugging Face gives every tensor back bit "
+          "for bit with the config's fields, and the file comes back byte for byte",
           "[hf][moe]") {
     TempDir out;
-    for (const char* reference :
-         {"reference_qwen3_moe", "reference_qwen3_moe_raw", "reference_mixtral", "reference_qwen3_moe_mixed"}) {
+    for (const char* reference : {"reference_qwen3_moe", "reference_qwen3_moe_raw", "reference_mixtral",
+                                  "reference_qwen3_moe_mixed", "reference_qwen2_moe"}) {
         INFO(reference);
         std::string hf = strfmt("build/%s/hf", reference), file = out / (std::string(reference) + ".bin"),
                     again = out / (std::string(reference) + ".hf"), back = out / (std::string(reference) + "2.bin");
@@ -151,6 +151,9 @@ TEST_CASE("Qwen3-MoE (gates renormalized and not; dense layers among the sparse)
             REQUIRE(dense.size() == given_dense.size());
             for (size_t k = 0; k < dense.size(); k++) CHECK(dense[k].as_int64() == given_dense[k].as_int64());
         }
+        if (std::string(reference) == "reference_qwen2_moe")
+            CHECK(config.root.at("shared_expert_intermediate_size").as_int64() ==
+                  given.root.at("shared_expert_intermediate_size").as_int64());
         REQUIRE(single(strfmt("--convert '%s' --to '%s'", again.c_str(), back.c_str())).status == 0);
         CHECK(read_file(back) == read_file(file));
     }

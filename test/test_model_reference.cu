@@ -154,13 +154,14 @@ TEST_CASE("CPU Qwen3 matches a float64 PyTorch Qwen3 written from Hugging Face's
     }
 }
 
-TEST_CASE("CPU Qwen3-MoE and Mixtral read from Hugging Face directories match float64 PyTorch models written from "
-          "HF's modeling_qwen3_moe and modeling_mixtral (the softmax over all experts, its top 2 of 4 renormalized or "
-          "not, experts of their own width; dense and sparse layers mixed by mlp_only_layers and "
-          "decoder_sparse_step): logits, loss, aux loss, every gradient and 10 AdamW steps",
+TEST_CASE("CPU Qwen3-MoE, Qwen2-MoE and Mixtral read from Hugging Face directories match float64 PyTorch models "
+          "written from HF's modeling_qwen3_moe, modeling_qwen2_moe and modeling_mixtral (the softmax over all "
+          "experts, its top 2 of 4 renormalized or not, experts of their own width; dense and sparse layers mixed by "
+          "mlp_only_layers and decoder_sparse_step; Qwen2-MoE's q, k and v biases and gated shared expert): logits, "
+          "loss, aux loss, every gradient and 10 AdamW steps",
           "[model][reference][moe][hf]") {
     for (const char* dir : {"build/reference_qwen3_moe", "build/reference_qwen3_moe_raw", "build/reference_mixtral",
-                            "build/reference_qwen3_moe_mixed"}) {
+                            "build/reference_qwen3_moe_mixed", "build/reference_qwen2_moe"}) {
         INFO(dir);
         check_against_pytorch(dir, std::string(dir) + "/hf", 1e-5);
     }

@@ -17,10 +17,12 @@
 namespace test_moe {
 
 const char* MOE_MODEL = "d2c48h4t32v301e4k2";
-// ... and for the layouts, experts of 40 hidden units (not 4C) whose gates are not renormalized
-// layer 0 dense (n1), 1 sparse, 2 dense (off the step of 2), 3 sparse: DualPipeV's four chunks of one layer each
-// put a dense chunk and a sparse one on each of its two stages
-const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2";
+// ... and for the layouts, experts of 40 hidden units (not 4C) whose gates are not renormalized, layer 0 dense
+// (n1), 1 sparse, 2 dense (off the step of 2), 3 sparse: DualPipeV's four chunks of one layer each put a dense
+// chunk and a sparse one on each of its two stages. GPT-2's sparse layers add DeepSeek's shared expert (y24, always
+// on, with GPT-2's biases); the Llama's are Qwen2-MoE's: q, k and v biases and a gated shared expert (z56).
+const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2y24";
+const char* LLAMA_LAYOUT_MODEL = "l4c48h4g2f88t32v301be4k2x40un1s2z56";
 
 TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts at the "
           "chosen, renormalized or not, and the dispatch order",
@@ -186,13 +188,16 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
 }
 
 TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualPipeV) and recomputation, each with "
-          "gradient accumulation, on dense layers among the sparse ones, gives the single-rank run's losses over 20 "
-          "steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula",
+          "gradient accumulation, on dense layers among the sparse ones and shared experts (DeepSeek's on GPT-2, "
+          "Qwen2-MoE's gated one on a Llama), gives the single-rank run's losses over 20 steps; the all-to-all bytes "
+          "(and under pp the p2p bytes) equal the formula",
           "[moe]") {
     Data data;
+    for (const char* model : {LAYOUT_MODEL, LLAMA_LAYOUT_MODEL}) {
+    INFO(model);
     TempDir out;
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank
-    REQUIRE(single_ok(data.flags(2, 128, 20, LAYOUT_MODEL), out / "one"));
+    REQUIRE(single_ok(data.flags(2, 128, 20, model), out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     struct Layout {
         const char* name;
@@ -209,7 +214,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
                      Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, LAYOUT_MODEL) + l.flags, dir, &run)) continue;
+        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, model) + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         if (std::string(l.flags).find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
         // the step's p2p bytes alone: the experts' statistics, reduced over the stages after the step for its line,
@@ -219,14 +224,15 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
         // tied embeddings travel on a group of their own
         if (std::string(l.flags).find("--pp") == std::string::npos) require_counted_equals_formula(run);
     }
+    }
 }
 
 TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sparse or dense layers among them: "
           "ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and recomputation", "[moe]") {
-    for (const char* model : {"d2c48h4t32v301e4k2", LAYOUT_MODEL}) {
+    for (const char* model : {"d2c48h4t32v301e4k2", LAYOUT_MODEL, LLAMA_LAYOUT_MODEL}) {
     INFO(model);
     GPTConfig c = parse_model_descriptor(model);
-    CHECK(gpt2_parameter_count(c) == num_parameters(c));
+    if (!c.llama()) CHECK(gpt2_parameter_count(c) == num_parameters(c));
     struct Layout {
         int ep, dp, tp, cp, pp;
         PPKind kind;
@@ -262,7 +268,7 @@ TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sp
                     ParallelPlan par{l.dp, zero, 1000, l.pp > 1 ? m_micro : 1, l.tp, l.tp > 1, recompute, l.cp};
                     if (l.pp > 1) par.pp = pp;
                     par.ep = l.ep;
-                    CHECK(gpt2_parameter_count_per_rank(c, l.tp, planned_part(c, par), l.ep) == m.num_parameters);
+                    if (!c.llama()) CHECK(gpt2_parameter_count_per_rank(c, l.tp, planned_part(c, par), l.ep) == m.num_parameters);
                     MemoryPlan plan = plan_memory(c, B, T, omp_get_max_threads(), par);
                     for (int i = 0; i < MEM_CATEGORIES; i++) {
                         INFO(mem_category_name(i));

@@ -5,9 +5,12 @@
 //   router_forward   logits (fp32) = x · Wrᵀ
 //   router_backward  dx += dlogits · Wr (bf16, and with dx null), dWr += dlogitsᵀ · x (bf16)
 //   gather_rows      the tokens' rows into dispatch order (token_of_row)
-//   moe_combine      out[t] = Σ_k gate[t,k] · rows[row_of[t,k]] (with the gates, and with weight null: 1)
-//   moe_spread       rows[row_of[t,k]] = gate[t,k] · dout[t]
-//   moe_gate_grads   dgate[t,k] = dout[t] · rows[row_of[t,k]] (fp32)
+//   moe_combine      out[t] = Σ_k gate[t,k] · rows[row_of[t,k]] (with the gates, and with weight null: 1; and
+//                    accumulating: the sum starts from out[t], as a shared expert's output)
+//   moe_spread       rows[row_of[t,k]] = gate[t,k] · dout[t] (and with row_of null: row t, the shared expert's
+//                    gate scaling its output gradient)
+//   moe_gate_grads   dgate[t,k] = dout[t] · rows[row_of[t,k]] (fp32; and with row_of null, the shared gate's dot)
+//   add_scaled_rows  out[t] += scale[t] · rows[t] (the gated shared expert's output added)
 // The routing (row_of, token_of_row, the gates) is llmc/moe.cuh's own route_tokens() on random logits, so
 // row_of and token_of_row are a real permutation of the K·BT rows (checked first), as in training.
 //
@@ -69,6 +72,9 @@ struct MoECase {
     std::vector<float> x, w, dlogits, dx0, dw0, rows, dout;
     // CPU reference
     std::vector<float> logits, dx, dw, gathered, combined, summed, spread, dgate;
+    // ... of the shared expert's uses: the combine on top of dout, dout spread and dotted with x row for row under
+    // the first BT gates as one gate per token, and x added to dout under them
+    std::vector<float> accumulated, spread_rows, dot_rows, scaled_added;
     DeviceArray<bf16> d_x, d_w, d_dx, d_dw, d_gathered, d_rows, d_out, d_dout, d_spread;
     DeviceArray<float> d_logits, d_dlogits, d_gates, d_dgate;
     DeviceArray<int> d_row_of, d_token_of_row;
@@ -115,6 +121,14 @@ struct MoECase {
         moe_spread(spread.data(), dout.data(), route.row_of.data(), route.gate.data(), BT, K, C);
         dgate.resize(R);
         moe_gate_grads(dgate.data(), dout.data(), rows.data(), route.row_of.data(), BT, K, C);
+        accumulated = dout;
+        moe_combine(accumulated.data(), rows.data(), route.row_of.data(), route.gate.data(), BT, K, C, true);
+        spread_rows.resize(BT * C);
+        moe_spread(spread_rows.data(), dout.data(), (const int*)nullptr, route.gate.data(), BT, 1, C);
+        dot_rows.resize(BT);
+        moe_gate_grads(dot_rows.data(), dout.data(), x.data(), (const int*)nullptr, BT, 1, C);
+        scaled_added = dout;
+        add_scaled_rows(scaled_added.data(), x.data(), route.gate.data(), BT, C);
     }
     void reset_grads() {
         upload(d_dx, dx0);
@@ -171,6 +185,24 @@ static void check_shape(Checks& checks, MoECase& k) {
     k.d_dgate.poison();
     on_main_stream([&] { moe_gate_grads(k.d_dgate.ptr, k.d_dout.ptr, k.d_rows.ptr, k.d_row_of.ptr, BT, K, C); });
     checks.check(v + "moe_gate_grads dgate", download(k.d_dgate), k.dgate, 1e-4);
+
+    // the shared expert's: the first BT of the K·BT gates stand for one gate per token
+    upload(k.d_out, k.dout);
+    on_main_stream([&] { moe_combine(k.d_out.ptr, k.d_rows.ptr, k.d_row_of.ptr, k.d_gates.ptr, BT, K, C, true); });
+    checks.check(v + "moe_combine accumulating", download(k.d_out), k.accumulated, 1e-2);
+    k.d_spread.poison();
+    on_main_stream([&] { moe_spread(k.d_spread.ptr, k.d_dout.ptr, (const int*)nullptr, k.d_gates.ptr, BT, 1, C); });
+    std::vector<float> spread_rows = download(k.d_spread);
+    spread_rows.resize(BT * C);
+    checks.check(v + "moe_spread row_of null", spread_rows, k.spread_rows, 1e-2);
+    k.d_dgate.poison();
+    on_main_stream([&] { moe_gate_grads(k.d_dgate.ptr, k.d_dout.ptr, k.d_x.ptr, (const int*)nullptr, BT, 1, C); });
+    std::vector<float> dots = download(k.d_dgate);
+    dots.resize(BT);
+    checks.check(v + "moe_gate_grads row_of null", dots, k.dot_rows, 1e-4);
+    upload(k.d_out, k.dout);
+    on_main_stream([&] { add_scaled_rows(k.d_out.ptr, k.d_x.ptr, k.d_gates.ptr, BT, C); });
+    checks.check(v + "add_scaled_rows", download(k.d_out), k.scaled_added, 1e-2);
 }
 
 // Each timed call cycles through its own copies of the BT×C and K·BT×C activations (the router weight, its

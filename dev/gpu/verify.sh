@@ -45,6 +45,8 @@
 #   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
 #   MOE_MIXED_MODEL   ... and its Qwen3-MoE with dense layers (layers 0 and 2) among the sparse ones, experts of
 #               their own width    [q4c384h6g2d64f1024e8k2x256n1s2 on cuda, q4c128h2g1d64f344e4k2x96n1s2 on cpu]
+#   MOE_SHARED_MODEL  ... and a Qwen2-MoE-shaped Llama: q, k and v biases, layer 0 dense, gates not renormalized, a
+#               gated shared expert   [l4c384h6g2f1024be8k2x256un1z512 on cuda, l4c128h2g1f344be4k2x96un1z128 on cpu]
 #   LLAMA_MODEL the Llama the mpi, cp and pp phases also run (grouped-query: 4 heads over 2 key/value heads);
 #               the mpi phase also runs it with one key/value head, which tp 2 holds on both ranks
 #                                                      [l4c256h4g2f688 on cuda, l4c128h4g2f344 on cpu]
@@ -160,6 +162,7 @@ if [[ $DEVICE == cuda ]]; then
     RESUME_TOL=${RESUME_TOL:-5e-3}
     MOE_MODEL=${MOE_MODEL:-d6c384h6e8k2}
     MOE_MIXED_MODEL=${MOE_MIXED_MODEL:-q4c384h6g2d64f1024e8k2x256n1s2}
+    MOE_SHARED_MODEL=${MOE_SHARED_MODEL:-l4c384h6g2f1024be8k2x256un1z512}
     LLAMA_MODEL=${LLAMA_MODEL:-l4c256h4g2f688}
     LLAMA_SHAPE=${LLAMA_SHAPE:-4:256:4:2:688}
 elif [[ $DEVICE == cpu ]]; then
@@ -169,6 +172,7 @@ elif [[ $DEVICE == cpu ]]; then
     RESUME_TOL=${RESUME_TOL:-1e-5}
     MOE_MODEL=${MOE_MODEL:-d4c128h2e4k2}
     MOE_MIXED_MODEL=${MOE_MIXED_MODEL:-q4c128h2g1d64f344e4k2x96n1s2}
+    MOE_SHARED_MODEL=${MOE_SHARED_MODEL:-l4c128h2g1f344be4k2x96un1z128}
     LLAMA_MODEL=${LLAMA_MODEL:-l4c128h4g2f344}
     LLAMA_SHAPE=${LLAMA_SHAPE:-2:128:4:2:344}
 else
@@ -754,8 +758,9 @@ phase_pp() {
 # moe: a mixture of experts (MOE_MODEL) on 2 ranks sharing the device over MPI, its experts split over them
 # (--ep 2, all-to-all dispatch; ZeRO-0 and ZeRO-1), replicated (dp 2), or on 2 pipeline stages under the
 # zero-bubble schedule (the split backward with experts), against one rank; then a Qwen3-MoE with dense layers
-# among the sparse ones (MOE_MIXED_MODEL) under ep 2 with ZeRO-1, and under pp 2 (zb: a dense layer's output
-# gradients kept for the W step beside a sparse layer's weight gradients taken at once)
+# among the sparse ones (MOE_MIXED_MODEL) under ep 2 with ZeRO-1, and under pp 2 (zb: the output gradients of a
+# dense layer's MLP and of each expert's rows kept for the W step); and a Qwen2-MoE-shaped Llama (MOE_SHARED_MODEL:
+# attention biases, the gated shared expert's kernels) under ep 2 with ZeRO-1 and under pp 2 (zb)
 
 phase_moe() {
     if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then
@@ -769,6 +774,11 @@ phase_moe() {
         two_ranks "$WORK/moe_mixed" "$MOE_MIXED_MODEL, ep 2 (dp 2), ZeRO-1" -e "$MOE_MIXED_MODEL" --ep 2 -z 1
         (( QUICK )) || two_ranks "$WORK/moe_mixed" "$MOE_MIXED_MODEL, pp 2 (zb), 4 micro-batches" -e "$MOE_MIXED_MODEL" \
             --pp 2 --pp-schedule zb
+    fi
+    if two_ranks_ready "$WORK/moe_shared" -e "$MOE_SHARED_MODEL"; then
+        two_ranks "$WORK/moe_shared" "$MOE_SHARED_MODEL, ep 2 (dp 2), ZeRO-1" -e "$MOE_SHARED_MODEL" --ep 2 -z 1
+        (( QUICK )) || two_ranks "$WORK/moe_shared" "$MOE_SHARED_MODEL, pp 2 (zb), 4 micro-batches" \
+            -e "$MOE_SHARED_MODEL" --pp 2 --pp-schedule zb
     fi
 }
 
@@ -1154,7 +1164,7 @@ declare -A EST_FULL=(
     [fp8]=450           # 2 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s a step), 12 timed runs
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
-    [moe]=120           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE: 3 more
+    [moe]=160           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each
     [mpi]=250           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each
     [kernels]=150       # 12 dev/cuda programs (93 s on an H100, 2026-11-27: attention 27) and attention_sdpa.py
     [pytorch]=60        # d12 10 steps, then PyTorch's d12 (bf16 autocast) 10 steps
@@ -1172,12 +1182,12 @@ declare -A EST_QUICK=(
     [mpi]=35            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
     [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
-    [moe]=40            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE: 1 rank and ep 2
+    [moe]=55            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each
     [resume]=45         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device); 3 -l 0 runs
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
 declare -A EST_CPU=(
-    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=1 [cp]=40 [pp]=60 [moe]=60 [mpi]=60 [kernels]=1
+    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=1 [cp]=40 [pp]=60 [moe]=80 [mpi]=60 [kernels]=1
     [pytorch]=30 [determinism]=20 [resume]=40 [nccl]=1 [plan]=1 [bench]=1
 )
 estimate() {

@@ -1,21 +1,23 @@
 #!/usr/bin/python3
-"""Generate a small Hugging Face mixture-of-experts reference (Qwen3-MoE or Mixtral) for llm5d's tests.
+"""Generate a small Hugging Face mixture-of-experts reference (Qwen3-MoE, Qwen2-MoE or Mixtral) for llm5d's tests.
 
 Run with Debian's interpreter, which ships torch and numpy:
 
-    /usr/bin/python3 test/reference/make_moe_reference.py --out DIR --arch qwen3_moe|mixtral [--unnormalized]
-        [--layers L --dense-layers N --sparse-step S]
+    /usr/bin/python3 test/reference/make_moe_reference.py --out DIR --arch qwen3_moe|qwen2_moe|mixtral
+        [--unnormalized] [--layers L --dense-layers N --sparse-step S]
 
-An independent model written here from Hugging Face's modeling_qwen3_moe (Qwen3MoeForCausalLM) and
-modeling_mixtral (MixtralForCausalLM), its parameters kept under HF's own tensor names, computed in float64 from
-float32 weights. Attention is Qwen3's (QK-norm before rotate-half RoPE, heads of HD channels that need not make
-C) or Llama's (Mixtral: no QK-norm, HD = C/NH); a layer's MLP is a sparse block (Qwen3-MoE: unless the layer is
-in mlp_only_layers, the first N here, or off decoder_sparse_step, (l + 1) % S != 0; those are Qwen3's dense MLP of
+An independent model written here from Hugging Face's modeling_qwen3_moe (Qwen3MoeForCausalLM),
+modeling_qwen2_moe (Qwen2MoeForCausalLM) and modeling_mixtral (MixtralForCausalLM), its parameters kept under
+HF's own tensor names, computed in float64 from float32 weights. Attention is Qwen3's (QK-norm before
+rotate-half RoPE, heads of HD channels that need not make C), Qwen2's (q, k and v with biases, HD = C/NH) or
+Llama's (Mixtral: neither, HD = C/NH); a layer's MLP is a sparse block (Qwen-MoE: unless the layer is in
+mlp_only_layers, the first N here, or off decoder_sparse_step, (l + 1) % S != 0; those are the dense MLP of
 intermediate_size hidden units): router logits = x·gateᵀ,
 routing weights = softmax over all E experts, the top K of them, divided by their sum when norm_topk_prob
-(Mixtral always; Qwen3-MoE as its config says: --unnormalized keeps them as they are), each chosen expert
+(Mixtral always; Qwen-MoE as its config says: --unnormalized keeps them as they are), each chosen expert
 down(silu(gate(x))·up(x)) of moe_intermediate_size hidden units (Mixtral: w2(silu(w1(x))·w3(x)) of
-intermediate_size), weighted and summed.
+intermediate_size), weighted and summed; Qwen2-MoE adds sigmoid(x·shared_expert_gateᵀ) times its shared expert,
+an MLP of shared_expert_intermediate_size hidden units over every token.
 
 The objective is llm5d's: the mean cross-entropy plus ALPHA times its load-balancing loss, E·Σ_i f_i·P_i per
 sequence and layer (f_i the share of the sequence's K·T assignments that went to expert i, a constant; P_i the
@@ -28,9 +30,10 @@ Writes:
 - DIR/state.bin: make_llama_reference.py's state format (ALPHA and the first micro-batch's aux loss in header
   [10] and [11]): the inputs and targets of every micro-batch, the first one's logits, loss and every gradient in
   llm5d's flat order (wte and lm_head padded to VP rows; each q and k head's rows, and QK-norm's weights, in
-  llm5d's order for RoPE on interleaved pairs; routerw, then fcw stacking each expert's up rows then gate rows,
-  fcprojw, of the sparse layers; qnormw and knormw; last the dense layers' dense_fcw, up rows then gate rows, and
-  dense_fcprojw), then the losses of 10 AdamW steps of MICRO micro-batches.
+  llm5d's order for RoPE on interleaved pairs, q, k and v's biases so too; routerw, then fcw stacking each expert's
+  up rows then gate rows, fcprojw, of the sparse layers; qnormw and knormw; the dense layers' dense_fcw, up rows
+  then gate rows, and dense_fcprojw; last the sparse layers' shared_fcw, shared_fcprojw and shared_gatew), then
+  the losses of 10 AdamW steps of MICRO micro-batches.
 """
 
 import argparse
@@ -55,13 +58,17 @@ KV = 2
 E = 4
 K = 2
 H_EXPERT = 40  # moe_intermediate_size (Mixtral: intermediate_size)
-H_DENSE = 88   # Qwen3-MoE's intermediate_size, for its dense layers
+H_DENSE = 88   # Qwen-MoE's intermediate_size, for its dense layers
+H_SHARED = 56  # Qwen2-MoE's shared_expert_intermediate_size
 ALPHA = 0.05
 ARCHS = {
-    # HD, norm eps, RoPE theta, QK-norm, the MLP block's name and the names of its experts' gate, up and down
-    "qwen3_moe": dict(hd=16, eps=1e-6, theta=1e6, qk_norm=True, block="mlp",
+    # HD, norm eps, RoPE theta, QK-norm, q/k/v biases and a gated shared expert, the MLP block's name and the names
+    # of its experts' gate, up and down
+    "qwen3_moe": dict(hd=16, eps=1e-6, theta=1e6, qk_norm=True, qwen2=False, block="mlp",
                       names=("gate_proj", "up_proj", "down_proj")),
-    "mixtral": dict(hd=C // NH, eps=1e-5, theta=1e6, qk_norm=False, block="block_sparse_moe",
+    "qwen2_moe": dict(hd=C // NH, eps=1e-6, theta=1e6, qk_norm=False, qwen2=True, block="mlp",
+                      names=("gate_proj", "up_proj", "down_proj")),
+    "mixtral": dict(hd=C // NH, eps=1e-5, theta=1e6, qk_norm=False, qwen2=False, block="block_sparse_moe",
                     names=("w1", "w3", "w2")),
 }
 
@@ -75,7 +82,7 @@ class MoEModel:
         # HF's Qwen3MoeDecoderLayer: which layers hold a sparse block
         self.sparse = [l not in self.mlp_only_layers and (l + 1) % sparse_step == 0 for l in range(layers)]
         a = ARCHS[arch]
-        self.hd, self.eps, self.theta, self.qk_norm = a["hd"], a["eps"], a["theta"], a["qk_norm"]
+        self.hd, self.eps, self.theta, self.qk_norm, self.qwen2 = a["hd"], a["eps"], a["theta"], a["qk_norm"], a["qwen2"]
         self.block, (self.gate_name, self.up_name, self.down_name) = a["block"], a["names"]
         hd = self.hd
         normal = lambda *shape, std: float32_normal(gen, *shape, std=std)
@@ -88,6 +95,10 @@ class MoEModel:
             p[at + "q_proj.weight"] = normal(NH * hd, C, std=0.02)
             p[at + "k_proj.weight"] = normal(KV * hd, C, std=0.02)
             p[at + "v_proj.weight"] = normal(KV * hd, C, std=0.02)
+            if self.qwen2:  # biases away from 0, so that a model that dropped them would show
+                p[at + "q_proj.bias"] = normal(NH * hd, std=0.1)
+                p[at + "k_proj.bias"] = normal(KV * hd, std=0.1)
+                p[at + "v_proj.bias"] = normal(KV * hd, std=0.1)
             p[at + "o_proj.weight"] = normal(C, NH * hd, std=resid)
             if self.qk_norm:
                 p[at + "q_norm.weight"] = 1.0 + normal(hd, std=0.3)
@@ -104,6 +115,11 @@ class MoEModel:
                 p[mlp + f"experts.{e}.{self.gate_name}.weight"] = normal(H_EXPERT, C, std=0.02)
                 p[mlp + f"experts.{e}.{self.up_name}.weight"] = normal(H_EXPERT, C, std=0.02)
                 p[mlp + f"experts.{e}.{self.down_name}.weight"] = normal(C, H_EXPERT, std=resid)
+            if self.qwen2:  # the shared expert, and its gate large enough to matter
+                p[mlp + "shared_expert.gate_proj.weight"] = normal(H_SHARED, C, std=0.02)
+                p[mlp + "shared_expert.up_proj.weight"] = normal(H_SHARED, C, std=0.02)
+                p[mlp + "shared_expert.down_proj.weight"] = normal(C, H_SHARED, std=resid)
+                p[mlp + "shared_expert_gate.weight"] = normal(1, C, std=0.3)
         p["model.norm.weight"] = 1.0 + normal(C, std=0.1)
         p["lm_head.weight"] = normal(V, C, std=0.02)
         for t in p.values():
@@ -125,9 +141,10 @@ class MoEModel:
     def attention(self, x, l):
         p, hd, at = self.p, self.hd, f"model.layers.{l}.self_attn."
         nb, nt, _ = x.shape
-        q = (x @ p[at + "q_proj.weight"].t()).view(nb, nt, NH, hd)
-        k = (x @ p[at + "k_proj.weight"].t()).view(nb, nt, KV, hd)
-        v = (x @ p[at + "v_proj.weight"].t()).view(nb, nt, KV, hd)
+        proj = lambda name: x @ p[at + name + ".weight"].t() + (p[at + name + ".bias"] if self.qwen2 else 0)
+        q = proj("q_proj").view(nb, nt, NH, hd)
+        k = proj("k_proj").view(nb, nt, KV, hd)
+        v = proj("v_proj").view(nb, nt, KV, hd)
         if self.qk_norm:
             q, k = self.rmsnorm(q, p[at + "q_norm.weight"]), self.rmsnorm(k, p[at + "k_norm.weight"])
         q, k = self.rope(q), self.rope(k)
@@ -157,15 +174,21 @@ class MoEModel:
             h = flat[token]
             y = (F.silu(h @ w(self.gate_name).t()) * (h @ w(self.up_name).t())) @ w(self.down_name).t()
             out = out.index_add(0, token, y * weights[token, slot, None])
+        if self.qwen2:  # Qwen2MoeSparseMoeBlock: the shared expert, scaled by its gate, added to the experts' sum
+            gate = torch.sigmoid(flat @ p[mlp + "shared_expert_gate.weight"].t())
+            out = out + gate * self.mlp(flat, mlp + "shared_expert.")
         counts = F.one_hot(chosen.view(nb, nt * K), E).sum(dim=1).to(x.dtype)    # (nb, E)
         f = (counts / (nt * K)).detach()
         prob = probs.view(nb, nt, E).mean(dim=1)
         return out.view(nb, nt, C), (ALPHA * E * (f * prob).sum(dim=-1)).mean()
 
-    def dense_mlp(self, x, l):
-        """A dense layer's MLP (Qwen3MoeMLP): down(silu(gate(x))·up(x))."""
-        w = lambda name: self.p[f"model.layers.{l}.mlp.{name}.weight"]
+    def mlp(self, x, prefix):
+        """Qwen-MoE's MLP (a dense layer's, or the shared expert): down(silu(gate(x))·up(x))."""
+        w = lambda name: self.p[f"{prefix}{name}.weight"]
         return (F.silu(x @ w("gate_proj").t()) * (x @ w("up_proj").t())) @ w("down_proj").t()
+
+    def dense_mlp(self, x, l):
+        return self.mlp(x, f"model.layers.{l}.mlp.")
 
     def forward(self, idx, targets):
         """(logits, cross-entropy, the load-balancing loss summed over the layers), as run_reference takes them."""
@@ -195,6 +218,10 @@ class MoEModel:
         parts += [layer(l, "input_layernorm.weight") for l in every]
         parts += [torch.cat([llm5d_rows(at(l, "q_proj"), NH), llm5d_rows(at(l, "k_proj"), KV), at(l, "v_proj")])
                   for l in every]
+        if self.qwen2:
+            bias = lambda l, name: layer(l, f"self_attn.{name}.bias")
+            parts += [torch.cat([llm5d_rows(bias(l, "q_proj"), NH), llm5d_rows(bias(l, "k_proj"), KV),
+                                 bias(l, "v_proj")]) for l in every]
         parts += [at(l, "o_proj") for l in every]
         parts += [layer(l, "post_attention_layernorm.weight") for l in every]
         parts += [layer(l, f"{self.block}.gate.weight") for l in sparse]
@@ -207,6 +234,11 @@ class MoEModel:
             parts += [llm5d_rows(at(l, "k_norm"), 1) for l in every]
         parts += [torch.cat([layer(l, "mlp.up_proj.weight"), layer(l, "mlp.gate_proj.weight")]) for l in dense]
         parts += [layer(l, "mlp.down_proj.weight") for l in dense]
+        if self.qwen2:
+            shared = lambda l, name: layer(l, f"mlp.shared_expert.{name}.weight")
+            parts += [torch.cat([shared(l, "up_proj"), shared(l, "gate_proj")]) for l in sparse]
+            parts += [shared(l, "down_proj") for l in sparse]
+            parts += [layer(l, "mlp.shared_expert_gate.weight") for l in sparse]
         return np.concatenate([t.numpy().astype("<f4").ravel() for t in parts])
 
     def hf_config(self):
@@ -219,29 +251,34 @@ class MoEModel:
         if self.arch == "mixtral":
             return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": E,
                     "intermediate_size": H_EXPERT, "router_jitter_noise": 0.0, **common}
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": E,
-                "moe_intermediate_size": H_EXPERT, "intermediate_size": H_DENSE, "norm_topk_prob": self.normalize,
-                "decoder_sparse_step": self.sparse_step, "mlp_only_layers": self.mlp_only_layers,
-                "attention_bias": False, "use_sliding_window": False, "max_window_layers": self.L, **common}
+        qwen_moe = {"num_experts": E, "moe_intermediate_size": H_EXPERT, "intermediate_size": H_DENSE,
+                    "norm_topk_prob": self.normalize, "decoder_sparse_step": self.sparse_step,
+                    "mlp_only_layers": self.mlp_only_layers, "use_sliding_window": False, "max_window_layers": self.L}
+        if self.arch == "qwen2_moe":  # Qwen2MoeConfig: no head_dim, no attention_bias (q, k, v always have biases)
+            del common["head_dim"]
+            return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                    "shared_expert_intermediate_size": H_SHARED, **qwen_moe, **common}
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+                **qwen_moe, **common}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--arch", required=True, choices=sorted(ARCHS))
-    ap.add_argument("--unnormalized", action="store_true", help="Qwen3-MoE with norm_topk_prob false")
+    ap.add_argument("--unnormalized", action="store_true", help="Qwen-MoE with norm_topk_prob false")
     ap.add_argument("--layers", type=int, default=L)
-    ap.add_argument("--dense-layers", type=int, default=0, help="Qwen3-MoE: mlp_only_layers [0, N)")
-    ap.add_argument("--sparse-step", type=int, default=1, help="Qwen3-MoE: decoder_sparse_step")
+    ap.add_argument("--dense-layers", type=int, default=0, help="Qwen-MoE: mlp_only_layers [0, N)")
+    ap.add_argument("--sparse-step", type=int, default=1, help="Qwen-MoE: decoder_sparse_step")
     args = ap.parse_args()
     assert not (args.unnormalized and args.arch == "mixtral"), "Mixtral always renormalizes its gates"
-    assert args.arch == "qwen3_moe" or (args.dense_layers, args.sparse_step) == (0, 1), "Mixtral's layers are all sparse"
+    assert args.arch != "mixtral" or (args.dense_layers, args.sparse_step) == (0, 1), "Mixtral's layers are all sparse"
 
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(SEED + 200 + int(args.unnormalized) + 2 * (args.arch == "mixtral") +
-                                        4 * args.dense_layers + 8 * args.sparse_step)
+                                        4 * args.dense_layers + 8 * args.sparse_step + 32 * (args.arch == "qwen2_moe"))
     model = MoEModel(args.arch, not args.unnormalized, gen, args.layers, args.dense_layers, args.sparse_step)
     x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
     y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
