@@ -124,9 +124,13 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
     check_against_pytorch("build/reference");
 }
 
-TEST_CASE("CPU GPT-2 with experts (E=4, K=2) matches PyTorch: logits, loss, aux loss, gradients and 10 AdamW steps",
+TEST_CASE("CPU GPT-2 with experts (E=4, K=2), and with DeepSeek's always-on shared expert beside them, matches "
+          "PyTorch: logits, loss, aux loss, gradients and 10 AdamW steps",
           "[model][reference][moe]") {
-    check_against_pytorch("build/reference_moe");
+    for (const char* dir : {"build/reference_moe", "build/reference_moe_shared"}) {
+        INFO(dir);
+        check_against_pytorch(dir);
+    }
 }
 
 TEST_CASE("CPU Llama 3 from an llm.c Llama 3 file matches a float64 PyTorch Llama: logits, loss, gradients and 10 "

@@ -127,8 +127,8 @@ TEST_CASE("descriptors with experts; e1k1 is the dense model: the same file, byt
 }
 
 TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense layers first (n<N>) and off the "
-          "sparse step (s<S>): descriptors, parameter counts, coordinates, the header slots of both file formats, and "
-          "the published Qwen3-30B-A3B and Mixtral 8x7B",
+          "sparse step (s<S>), shared experts (y<H>, z<H> gated) and q, k, v biases (b): descriptors, parameter counts, "
+          "coordinates, the header slots of both file formats, and the published Qwen3-30B-A3B and Mixtral 8x7B",
           "[moe]") {
     GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2x40u");
     CHECK((c.expert_size == 40 && !c.norm_topk && c.mlp_hidden() == 40 && c.hidden() == 192));
@@ -149,15 +149,24 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
     GPTConfig qmixed = parse_model_descriptor("q4c48h4g2d16f88t32v301e4k2x40n1s2");
     GPTConfig qsparse = parse_model_descriptor("q4c48h4g2d16f88t32v301e4k2x40");
     CHECK(num_parameters(qmixed) == num_parameters(qsparse) - 2 * (4 * C + 4 * 3 * C * 40) + 2 * 3 * C * 88);
+    // a shared expert in each sparse layer: DeepSeek's (GPT-2's MLP of 24, with its biases), Qwen2-MoE's gated one
+    // (3·C·56 and the gate's C) with q, k and v biases (C + 2·KV·hd a layer)
+    GPTConfig ds = parse_model_descriptor("d4c48h4t32v301e4k2x40n1s2y24");
+    CHECK((ds.shared_size == 24 && !ds.shared_gate && num_parameters(ds) == gpt2_parameter_count(ds)));
+    CHECK(num_parameters(ds) == num_parameters(mixed) + 2 * (2 * C * 24 + 24 + C));
+    GPTConfig q2 = parse_model_descriptor("l4c48h4g2f88t32v301be4k2x40un1z56");
+    GPTConfig q2plain = parse_model_descriptor("l4c48h4g2f88t32v301e4k2x40un1");
+    CHECK((q2.shared_size == 56 && q2.shared_gate && q2.attention_bias && !q2plain.attention_bias));
+    CHECK(num_parameters(q2) == num_parameters(q2plain) + 4 * (C + 2 * 2 * 12) + 3 * (3 * C * 56 + C));
     // every element's coordinates name a block that exists, and lead back to it
-    for (const GPTConfig& m : {mixed, qmixed})
+    for (const GPTConfig& m : {mixed, qmixed, ds, q2})
         for (size_t i = 0; i < num_parameters(m); i += 61) {
             ParamCoord p = param_coord(m, i);
             CHECK(param_block_exists(m, p.tensor, p.layer, p.expert));
             CHECK(param_offset(m, p) == i);
         }
     TempDir out;
-    for (const GPTConfig& m : {c, q, mixed, qmixed}) {
+    for (const GPTConfig& m : {c, q, mixed, qmixed, ds, q2}) {
         std::vector<float> params(num_parameters(m));
         gpt_init_random(m, params.data(), 7);
         std::string path = out / "model.bin";
@@ -166,13 +175,15 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
         GPTConfig read = read_model_header(path, &version);
         CHECK(same_model_shape(read, m));
         CHECK((read.expert_size == 40 && read.norm_topk == m.norm_topk && read.dense_layers == m.dense_layers &&
-               read.sparse_step == m.sparse_step));
+               read.sparse_step == m.sparse_step && read.shared_size == m.shared_size &&
+               read.shared_gate == m.shared_gate && read.attention_bias == m.attention_bias));
         std::vector<float> back(params.size());
         gpt_load_params(read, back.data(), path);
         CHECK(back == params);
     }
     for (const char* bad : {"d2c48h4x40", "d2c48h4u", "q2c48h4e1k1x40", "l2c48h4e4k2x0", "d2c48h4n1", "d2c48h4e4k2n2",
-                            "d2c48h4e4k2s3", "q2c48h4e4k2s0"}) {
+                            "d2c48h4e4k2s3", "q2c48h4e4k2s0", "d2c48h4y24", "l2c48h4z24", "d2c48h4e4k2b",
+                            "l2c48h4e4k2z0"}) {
         CommandResult r = single(strfmt("-e %s --plan", bad));
         INFO(bad << ": " << r.output);
         CHECK(r.status != 0);

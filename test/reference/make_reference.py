@@ -3,7 +3,7 @@
 
 Run with Debian's interpreter, which ships torch and numpy:
 
-    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe]
+    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe [--shared H]]
 
 Writes DIR/model.bin (llm.c checkpoint layout, fp32) and DIR/state.bin
 (inputs, targets, initial logits/loss/gradients, and the losses of a short
@@ -13,8 +13,10 @@ With --moe every MLP is a top-K mixture of E experts with a learned router and
 a load-balancing auxiliary loss (see Block.moe_mlp). The model file then holds
 E and K in header[8], header[9] and the router/expert tensors in place of the
 dense fc/fc_proj ones; the state file holds alpha and the initial aux loss in
-header[10], header[11]. Losses written are cross-entropy only; gradients and
-training use cross-entropy + aux.
+header[10], header[11]. --shared H adds to every layer an always-on shared expert
+(DeepSeek's: GPT-2's MLP of H hidden units on every token, added to the experts'
+sum), llm5d's header[14] = H and its tensors last in the file. Losses written
+are cross-entropy only; gradients and training use cross-entropy + aux.
 """
 
 import argparse
@@ -43,6 +45,7 @@ T = 17         # sequence length
 E = 0          # experts per MLP (0: dense MLP)
 K = 0          # experts per token (top-K)
 ALPHA = 0.0    # weight of the load-balancing loss
+SHARED = 0     # the shared expert's hidden units (0: none)
 
 MOE_CONFIG = dict(L=2, E=4, K=2, ALPHA=0.1)
 
@@ -85,6 +88,9 @@ class Block(nn.Module):
             self.fc_b = nn.Parameter(torch.empty(E, 4 * C))
             self.fc_proj_w = nn.Parameter(torch.empty(E, C, 4 * C))
             self.fc_proj_b = nn.Parameter(torch.empty(E, C))
+            if SHARED:
+                self.shared_fc = nn.Linear(C, SHARED)
+                self.shared_fc_proj = nn.Linear(SHARED, C)
         else:
             self.fc = nn.Linear(C, 4 * C)
             self.fc_proj = nn.Linear(4 * C, C)
@@ -124,6 +130,8 @@ class Block(nn.Module):
         f = (counts / (nt * K)).detach()
         prob = torch.softmax(logits, dim=-1).mean(dim=1)             # (nb, E)
         aux = (ALPHA * E * (f * prob).sum(dim=-1)).mean()
+        if SHARED:  # the shared expert: every token, beside the chosen experts
+            y = self.shared_fc_proj(F.gelu(self.shared_fc(h), approximate="tanh")) + y
         return y, aux
 
     def forward(self, x):
@@ -181,6 +189,9 @@ def init_weights(model, gen):
                 (blk.attn_proj.weight, blk.attn_proj.bias, resid_std))
         if E:
             normal(blk.router.weight, 0.02)
+        if E and SHARED:
+            mlp += ((blk.shared_fc.weight, blk.shared_fc.bias, 0.02),
+                    (blk.shared_fc_proj.weight, blk.shared_fc_proj.bias, resid_std))
         for weight, bias, std in attn + mlp:
             normal(weight, std)
             normal(bias, 0.02)
@@ -226,13 +237,19 @@ def ordered_tensors(model, grads=False):
     ]) + [
         get(model.ln_f.weight).detach(),
         get(model.ln_f.bias).detach(),
-    ]
+    ] + ([
+        stack(lambda b: b.shared_fc.weight),       # (L, SHARED, C)
+        stack(lambda b: b.shared_fc.bias),         # (L, SHARED)
+        stack(lambda b: b.shared_fc_proj.weight),  # (L, C, SHARED)
+        stack(lambda b: b.shared_fc_proj.bias),    # (L, C)
+    ] if E and SHARED else [])
 
 
 def expected_num_params():
     attn_ln = 4 * C * C + 8 * C        # ln_1, qkv, attn_proj, ln_2
     mlp = 8 * C * C + 5 * C            # fc + fc_proj with biases
-    per_layer = attn_ln + (E * C + E * mlp if E else mlp)
+    shared = 2 * C * SHARED + SHARED + C if SHARED else 0
+    per_layer = attn_ln + (E * C + E * mlp + shared if E else mlp)
     return VP * C + MAXT * C + L * per_layer + 2 * C
 
 
@@ -289,8 +306,12 @@ def main():
     ap.add_argument("--moe", action="store_true",
                     help="mixture-of-experts MLPs (L=%(L)d, E=%(E)d, top-%(K)d)"
                     % MOE_CONFIG)
+    ap.add_argument("--shared", type=int, default=0,
+                    help="with --moe: a shared expert of this many hidden units")
     args = ap.parse_args()
+    assert args.moe or not args.shared, "--shared needs --moe"
     configure(args.moe)
+    globals()["SHARED"] = args.shared
 
     t0 = time.time()
     torch.manual_seed(SEED)
@@ -314,7 +335,7 @@ def main():
     weight_bytes, nparams = as_f32_bytes(ordered_tensors(model))
     n_decayed = sum(p.numel() for p, d in zip(params, decayed) if d)
     expected_decayed = V * C + MAXT * C + L * (
-        4 * C * C + (E * C + E * 8 * C * C if E else 8 * C * C))
+        4 * C * C + (E * C + E * 8 * C * C + 2 * C * SHARED if E else 8 * C * C))
     assert n_decayed == expected_decayed, (n_decayed, expected_decayed)
     assert nparams == expected_num_params(), (nparams, expected_num_params())
 
@@ -353,7 +374,7 @@ def main():
     model_path = os.path.join(args.out, "model.bin")
     with open(model_path, "wb") as f:
         f.write(header([MODEL_MAGIC, MODEL_VERSION_FP32, MAXT, V, L, NH, C, VP,
-                        E, K]))
+                        E, K, 0, 0, 0, 0, SHARED]))
         f.write(weight_bytes)
 
     state_path = os.path.join(args.out, "state.bin")
