@@ -5,8 +5,11 @@
 // trace of what each rank did when.
 //
 // The split. The L layers form the schedule's virtual stages (N·V looped, V = --vpp virtual stages per rank for
-// the interleaved schedule; 2N for DualPipeV's V), as even as can be: the first L mod stages get one layer more
-// (the last stage also runs the final layernorm and the classifier, so the extra layers go first). The
+// the interleaved schedule; 2N for DualPipeV's V), as even as can be: where every layer is of one kind the first
+// L mod stages get one layer more (the last stage also runs the final layernorm and the classifier, so the extra
+// layers go first); where dense and sparse layers differ in cost (the weights a token passes through:
+// layer_token_weights), consecutive runs of layers whose largest cost is the least it can be, each stage taking
+// as many layers as that allows while one remains for each stage after it. The
 // schedule's placement (PPPlacement, llmc/pp_schedules.h) says which rank runs virtual stage g as which of its
 // chunks: looped, rank g mod N as its chunk g / N; in the V, rank r runs stages r and 2N-1-r as its chunks 0
 // and 1, both in model order. The first stage holds the embeddings; the last the final norm and the classifier:
@@ -21,7 +24,10 @@
 // given the whole micro-batch of tokens: the first embeds the inputs, the last scores the targets.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <map>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -44,9 +50,35 @@ struct PPSpec {
 };
 
 // the layers of virtual stage g of `stages`: [first, first + count)
-inline std::pair<int, int> virtual_stage_layers(int L, int stages, int g) {
-    int base = L / stages, extra = L % stages;
-    return {g * base + std::min(g, extra), base + (g < extra ? 1 : 0)};
+inline std::pair<int, int> virtual_stage_layers(const GPTConfig& c, int stages, int g) {
+    int L = c.num_layers;
+    std::vector<double> cost(L);
+    for (int l = 0; l < L; l++) cost[l] = layer_token_weights(c, l);
+    if (std::all_of(cost.begin(), cost.end(), [&](double x) { return x == cost[0]; })) {
+        int base = L / stages, extra = L % stages;
+        return {g * base + std::min(g, extra), base + (g < extra ? 1 : 0)};
+    }
+    // the stages' first layers, filling each up to `cap` while one layer remains for each later stage
+    auto split = [&](double cap) {
+        std::vector<int> first(stages + 1, L);
+        int l = 0;
+        for (int s = 0; s < stages; s++) {
+            first[s] = l;
+            double sum = cost[l++];
+            while (l < L && L - l > stages - 1 - s && sum + cost[l] <= cap) sum += cost[l++];
+        }
+        first[stages] = l;
+        return first;
+    };
+    // the least cap that fits (the costs are whole numbers): between the largest layer's and the whole model's
+    double lo = *std::max_element(cost.begin(), cost.end()), hi = std::accumulate(cost.begin(), cost.end(), 0.0);
+    while (lo < hi) {
+        double mid = std::floor((lo + hi) / 2);
+        if (split(mid)[stages] == L) hi = mid;
+        else lo = mid + 1;
+    }
+    std::vector<int> first = split(lo);
+    return {first[g], first[g + 1] - first[g]};
 }
 
 // the part of the model a stage holds; one line naming the flags when the layers cannot fill the stages
@@ -61,7 +93,7 @@ inline ModelPart stage_part(const GPTConfig& c, const PPSpec& pp) {
     }
     ModelPart part;
     for (int k = 0; k < at.chunks; k++) {
-        auto [first, count] = virtual_stage_layers(c.num_layers, stages, at.stage(pp.rank, k));
+        auto [first, count] = virtual_stage_layers(c, stages, at.stage(pp.rank, k));
         part.chunk_first.push_back(first);
         part.chunk_layers.push_back(count);
     }

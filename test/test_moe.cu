@@ -11,6 +11,7 @@
 
 #include "llmc/gpt.cuh"
 #include "llmc/plan.h"
+#include "llmc/pp.cuh"
 #include "mpi_helpers.h"
 #include "parameter_counts.h"
 
@@ -332,6 +333,32 @@ TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every rank wi
                         CHECK(plan.bytes[i] == m.ledger.bytes[i]);
                     }
                 }
+}
+
+TEST_CASE("the pipeline's split weighs dense and sparse layers by the weights a token passes through; a model of "
+          "one kind of layer keeps the even split", "[moe][pp]") {
+    // dense layers 0 and 1 (an MLP of 4C = 192: 2·48·192) before six sparse ones (router 4·48, 2 experts of 40:
+    // 2·2·48·40), each with attention's 4·48²: 27648 and 17088 a layer, 157824 in all
+    GPTConfig c = parse_model_descriptor("d8c48h4t32v301e4k2x40n2");
+    CHECK((layer_token_weights(c, 0) == 27648 && layer_token_weights(c, 2) == 17088));
+    auto layers = [](const GPTConfig& m, int pp, int rank) {
+        ModelPart part = stage_part(m, PPSpec{pp, rank, 1, PPKind::OneFOneB});
+        return std::make_pair(part.chunk_first[0], part.chunk_layers[0]);
+    };
+    // 4 + 4 would put 89472 on the first stage; 3 + 5 puts 72384 and 85440, the least largest there is
+    CHECK(layers(c, 2, 0) == std::make_pair(0, 3));
+    CHECK(layers(c, 2, 1) == std::make_pair(3, 5));
+    // four stages: two each would put 55296 on the first; three sparse layers (51264) are the least largest there
+    // is, and filling each stage up to it from the front gives d | d s | s s s | s s (27648, 44736, 51264, 34176)
+    CHECK(layers(c, 4, 0) == std::make_pair(0, 1));
+    CHECK(layers(c, 4, 1) == std::make_pair(1, 2));
+    CHECK(layers(c, 4, 2) == std::make_pair(3, 3));
+    CHECK(layers(c, 4, 3) == std::make_pair(6, 2));
+    // every layer sparse: the even split, the extra layers first
+    GPTConfig sparse = parse_model_descriptor("d8c48h4t32v301e4k2x40");
+    CHECK(layers(sparse, 3, 0) == std::make_pair(0, 3));
+    CHECK(layers(sparse, 3, 1) == std::make_pair(3, 3));
+    CHECK(layers(sparse, 3, 2) == std::make_pair(6, 2));
 }
 
 TEST_CASE("the ep byte formula for balanced routing, by hand", "[moe]") {
