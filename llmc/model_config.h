@@ -38,6 +38,9 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
         (c.shared_gate && c.shared_size == 0))
         fail("%s: a shared expert of %d hidden units%s: only a model with experts has one, and only a shared expert "
              "a gate", where.c_str(), c.shared_size, c.shared_gate ? ", gated" : "");
+    if (!(c.routed_scale > 0 && c.routed_scale <= 1000) || (!c.moe() && (c.sigmoid_scores || c.routed_scale != 1)))
+        fail("%s: %s scores scaled by %g: only a model with experts has a router, and its scale is in (0, 1000]",
+             where.c_str(), c.sigmoid_scores ? "sigmoid" : "softmax", c.routed_scale);
     if (c.moe() && c.count_dense_layers() == c.num_layers)
         fail("%s: %d dense layers first and a sparse layer every %d leave none of the %d layers sparse", where.c_str(),
              c.dense_layers, c.sparse_step, c.num_layers);
@@ -65,7 +68,9 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // dense (DeepSeek's first_k_dense_replace) and s<S> only every S-th layer sparse (HF's decoder_sparse_step: layer
 // l when (l + 1) % S == 0), the dense layers an MLP of the model's own size, e.g. q4c48h4e4k2x24n1s2 (layers 1
 // and 3 sparse); y<H> adds to every sparse layer a shared expert of H hidden units that takes every token
-// (DeepSeek's), z<H> one whose output a sigmoid gate of its own scales (Qwen2-MoE's), e.g. l2c48h4e4k2x24y48.
+// (DeepSeek's), z<H> one whose output a sigmoid gate of its own scales (Qwen2-MoE's), e.g. l2c48h4e4k2x24y48; i
+// scores each expert by a sigmoid rather than the softmax over all E, and r<F> scales the gates by F (a decimal:
+// DeepSeek-V3's routing is i and r2.5).
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
 // 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
 // the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
@@ -151,7 +156,7 @@ inline GPTConfig qwen3_named(const std::string& s) {
         return c;
     }
     fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b; give other shapes as "
-         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]][w]", s.c_str());
+         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>][i][r<F>]][w]", s.c_str());
 }
 
 // Mistral's Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): a Llama of 32 layers, 4096 channels, 32
@@ -189,9 +194,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     c.num_layers = number(s[0]);
     bool have_c = false, have_h = false, have_e = false, have_k = false;
     int hidden = 0;
-    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]][w]"
-                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]][w]"
-                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>]]";
+    const char* fields = qwen    ? "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>][i][r<F>]][w]"
+                         : llama ? "l<L>c<C>h<NH>[g<KV>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>][i][r<F>]][w]"
+                                 : "d<L>c<C>h<NH>[t<maxT>][v<V>][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>][i][r<F>]]";
     while (*p) {
         char key = *p++;
         bool known = true;
@@ -208,6 +213,14 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 's': c.sparse_step = number(key); break;
             case 'y': c.shared_size = number(key), c.shared_gate = false; break;
             case 'z': c.shared_size = number(key), c.shared_gate = true; break;
+            case 'i': c.sigmoid_scores = true; break;  // a flag
+            case 'r': {                                // a decimal
+                char* end;
+                c.routed_scale = strtof(p, &end);
+                if (end == p || !(c.routed_scale > 0)) fail("-e %s: bad number after 'r'", s.c_str());
+                p = end;
+                break;
+            }
             case 'g': known = llama && (c.num_kv_heads = number(key)); break;
             case 'f': known = llama && (hidden = number(key)); break;
             case 'd': known = qwen && (c.head_dim = number(key)); break;
@@ -218,9 +231,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
         if (!known) fail("-e %s: unknown field '%c' (expected %s)", s.c_str(), key, fields);
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
-    if ((c.expert_size > 0 || !c.norm_topk || c.dense_layers > 0 || c.sparse_step != 1 || c.shared_size > 0) &&
-        c.num_experts < 2)
-        fail("-e %s: x<H>, u, n<N>, s<S>, y<H> and z<H> describe experts: give e<E>k<K> with E > 1", s.c_str());
+    if ((c.expert_size > 0 || !c.norm_topk || c.dense_layers > 0 || c.sparse_step != 1 || c.shared_size > 0 ||
+         c.sigmoid_scores || c.routed_scale != 1) && c.num_experts < 2)
+        fail("-e %s: x<H>, u, n<N>, s<S>, y<H>, z<H>, i and r<F> describe experts: give e<E>k<K> with E > 1", s.c_str());
     c.padded_vocab_size = pad_vocab(c.vocab_size);
     if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
         if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
@@ -272,9 +285,11 @@ inline std::string experts_shape(const GPTConfig& c) {
                                  c.sparse_step);
     std::string shared = c.shared_size == 0 ? ""
                          : strfmt(" shared expert H=%d%s", c.shared_size, c.shared_gate ? " gated" : "");
-    return strfmt(" E=%d K=%d%s%s%s%s", c.num_experts, c.top_k,
+    std::string scores = strfmt("%s%s", c.sigmoid_scores ? " sigmoid scores" : "",
+                                c.routed_scale != 1 ? strfmt(" gates x%g", c.routed_scale).c_str() : "");
+    return strfmt(" E=%d K=%d%s%s%s%s%s", c.num_experts, c.top_k,
                   c.expert_size > 0 ? strfmt(" expert H=%d", c.expert_size).c_str() : "",
-                  c.norm_topk ? "" : " gates unnormalized", dense.c_str(), shared.c_str());
+                  c.norm_topk ? "" : " gates unnormalized", scores.c_str(), dense.c_str(), shared.c_str());
 }
 
 inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
@@ -284,6 +299,7 @@ inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
            a.expert_hidden() == b.expert_hidden() && a.norm_topk == b.norm_topk && a.dense_layers == b.dense_layers &&
            a.sparse_step == b.sparse_step && (a.count_dense_layers() == 0 || a.hidden() == b.hidden()) &&
            a.shared_size == b.shared_size && a.shared_gate == b.shared_gate &&
+           a.sigmoid_scores == b.sigmoid_scores && a.routed_scale == b.routed_scale &&
            a.head_size() == b.head_size() &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
                            a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings &&

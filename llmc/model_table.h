@@ -84,6 +84,10 @@ struct GPTConfig {
     // when shared_gate (Qwen2-MoE's shared_expert_gate)
     int shared_size = 0;
     bool shared_gate = false;
+    // ... and the router's scores: the softmax over all E (Mixtral's, Qwen's), or each expert's sigmoid
+    // (DeepSeek-V3's), the gates scaled by routed_scale (DeepSeek-V3's routed_scaling_factor, 2.5; 1 elsewhere)
+    bool sigmoid_scores = false;
+    float routed_scale = 1.0f;
     // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
     // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and the factor of Llama 3's frequency scaling
     // (0: none; 8 in Llama 3.1, 32 in Llama 3.2), and the version the file names; whether the classifier is the

@@ -3,10 +3,12 @@
 // over the rows routed to it, and the layer's output is the gate-weighted sum of the K expert outputs, plus, where
 // the model has one, a shared expert's output over every row.
 //
-//   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias), P = softmax over all E; the K largest are
-//            chosen (ties go to the lower expert), and their gates are P at those K, renormalized to sum to one
-//            (HF's norm_topk_prob: Mixtral's, Qwen3-MoE's; the same as a softmax over the K logits) or as they
-//            are. Dropless: every token reaches all K of its experts, so the experts see K·BT rows in all.
+//   router   logits = ln2(x) · Wrᵀ in fp32 (Wr is E×C, no bias), the scores S = softmax over all E (Mixtral's,
+//            Qwen's) or sigmoid of each (DeepSeek-V3's); the K largest logits are chosen (ties go to the lower
+//            expert), and their gates are S at those K, renormalized to sum to one (HF's norm_topk_prob: Mixtral's,
+//            Qwen3-MoE's, DeepSeek-V3's; under softmax the same as a softmax over the K logits) or as they are,
+//            times the routed scaling factor (DeepSeek-V3's 2.5; 1 elsewhere). Dropless: every token reaches all
+//            K of its experts, so the experts see K·BT rows in all.
 //   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
@@ -16,7 +18,8 @@
 //            sum's first term: out[t] = s[t] + Σ_k ...; Qwen2-MoE's is scaled by its gate and added last:
 //            out[t] = Σ_k ... + sigmoid(ln2(x)·wgᵀ) · s[t] (wg a C-vector, the gate's logit in fp32 as the router's).
 //   aux loss per sequence and layer, α·E·Σ_i f_i·P_i, f_i the share of the sequence's K·T assignments that went
-//            to expert i (a constant), P_i the mean over its tokens of the full softmax over the E logits.
+//            to expert i (a constant), P_i the mean over its tokens of the scores normalized to sum to one (the
+//            softmax itself; DeepSeek-V3's sequence-wise loss under sigmoid scores).
 //            The trainer's objective adds its mean over the global batch's sequences, summed over layers.
 //
 // The routing decisions are small (K numbers per token) and made on the host, from the logits the router
@@ -248,7 +251,8 @@ struct ExpertActivations {
 struct MoERoute {
     std::vector<int> expert;        // BT·K: each token's experts, largest logit first
     std::vector<float> gate;        // BT·K
-    std::vector<float> probs;       // BT·E: the softmax over every expert (the aux loss's P)
+    std::vector<float> probs;       // BT·E: the scores normalized to sum to one (the aux loss's P)
+    std::vector<float> scores;      // BT·E: the sigmoid scores (sigmoid scoring)
     std::vector<float> freq;        // B·E: f_i of each sequence (of the whole sequence under cp)
     std::vector<int> row_of;        // BT·K: where (t, k)'s row is in dispatch order
     std::vector<int> token_of_row;  // K·BT: the token of each row in dispatch order
@@ -260,17 +264,33 @@ struct MoERoute {
     std::vector<float> shared_scale;  // BT: the shared expert's gate, sigmoid of its logit (a gated one)
 };
 
-// The top-K experts and gates of each of BT tokens, the full softmax, and the dispatch order; normalize: the
-// gates are renormalized to sum to one
-inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, bool normalize) {
+// How a router turns logits into gates (GPTConfig's): the score function, the K gates renormalized to sum to
+// one, and the factor that scales them
+struct Routing {
+    bool sigmoid = false, normalize = true;
+    float scale = 1.0f;
+};
+
+// The top-K experts and gates of each of BT tokens, the normalized scores, and the dispatch order
+inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, const Routing& how) {
     r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E), r.row_of.resize(BT * K);
     r.token_of_row.resize(BT * K);
+    r.scores.resize(how.sigmoid ? BT * E : 0);
     r.send_counts.assign(E, 0);
     for (long t = 0; t < BT; t++) {
         const float* l = logits + t * E;
-        float top = *std::max_element(l, l + E), total = 0.0f;
-        for (int e = 0; e < E; e++) total += r.probs[t * E + e] = expf(l[e] - top);
-        for (int e = 0; e < E; e++) r.probs[t * E + e] /= total;
+        float* p = &r.probs[t * E];
+        if (how.sigmoid) {
+            float* s = &r.scores[t * E];
+            float total = 0.0f;
+            for (int e = 0; e < E; e++) total += s[e] = 1.0f / (1.0f + expf(-l[e]));
+            for (int e = 0; e < E; e++) p[e] = s[e] / total;
+        } else {
+            float top = *std::max_element(l, l + E), total = 0.0f;
+            for (int e = 0; e < E; e++) total += p[e] = expf(l[e] - top);
+            for (int e = 0; e < E; e++) p[e] /= total;
+        }
+        const float* score = how.sigmoid ? &r.scores[t * E] : p;
         // the K largest in turn; a strict comparison keeps the lower expert on a tie
         int* chosen = &r.expert[t * K];
         for (int k = 0; k < K; k++) {
@@ -280,10 +300,9 @@ inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K
             chosen[k] = best;
         }
         float chosen_total = 0.0f;
-        for (int k = 0; k < K; k++) chosen_total += r.gate[t * K + k] = r.probs[t * E + chosen[k]];
+        for (int k = 0; k < K; k++) chosen_total += r.gate[t * K + k] = score[chosen[k]];
         for (int k = 0; k < K; k++) r.send_counts[chosen[k]]++;
-        if (normalize)
-            for (int k = 0; k < K; k++) r.gate[t * K + k] /= chosen_total;
+        for (int k = 0; k < K; k++) r.gate[t * K + k] = (how.normalize ? r.gate[t * K + k] / chosen_total : r.gate[t * K + k]) * how.scale;
     }
     // dispatch order: by expert, then token, then slot (a counting sort that keeps the (t, k) order)
     std::vector<int> next(E, 0);
@@ -318,7 +337,7 @@ inline void sequence_statistics(MoERoute& r, std::vector<float>& prob_sums, Cont
 template <typename floatX>
 struct MixtureOfExperts {
     int E = 1, K = 1, X = 1;  // experts, chosen per token, held by this rank
-    bool normalize = true;    // the K gates renormalized to sum to one (GPTConfig's norm_topk)
+    Routing routing;          // the score function, the gates' normalization and scale
     float alpha = 0.01f;      // the aux loss's weight
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     int ep_size = 1, ep_rank = 0;
@@ -356,7 +375,8 @@ struct MixtureOfExperts {
     long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
 
     void allocate(Ledger& led, const GPTConfig& c, long BT) {
-        E = c.num_experts, K = c.top_k, X = E / ep_size, normalize = c.norm_topk;
+        E = c.num_experts, K = c.top_k, X = E / ep_size;
+        routing = {c.sigmoid_scores, c.norm_topk, c.routed_scale};
         int layers = c.num_layers, C = c.channels;
         load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
@@ -437,7 +457,7 @@ struct MixtureOfExperts {
         router_forward(logits, ln2, w.router, BT, C, E);
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
-        route_tokens(r, host_logits.data(), BT, E, K, normalize);
+        route_tokens(r, host_logits.data(), BT, E, K, routing);
         sequence_statistics(r, prob_sums, cp, B, Tl, E, K);
         if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
             for (int b = 0; b < B; b++) {
@@ -556,22 +576,36 @@ struct MixtureOfExperts {
         }
         moe_combine(dln, dinputs, rows_of, (const float*)nullptr, BT, K, C, has_shared);
 
-        // the router: the gradient of the softmax's P, from the gates (through their renormalization, where
-        // g_k = P_k / S: dP_k = (dg_k - Σ_j g_j·dg_j) / S) and from the aux loss, then through the softmax
+        // the router: the gradient of the scores, from the gates (g_k = c·v_k / V under renormalization, v the
+        // chosen scores, V their sum, c the scale: dv_k = (c·dg_k - Σ_j g_j·dg_j) / V; else c·dg_k) and from the
+        // aux loss through the normalized scores P, then through the score function
         host_dlogits.assign((size_t)BT * E, 0.0f);
-        std::vector<float> dp(E);
+        std::vector<float> dp(E), ds(E);
+        const float c = routing.scale;
         for (long t = 0; t < BT; t++) {
             const float *g = &r.gate[t * K], *dg = &host_dgates[t * K], *p = &r.probs[t * E];
+            const float* score = routing.sigmoid ? &r.scores[t * E] : p;
             const float* f = &r.freq[(t / Tl) * E];
             float* dl = &host_dlogits[t * E];
             // d aux / d P_i of the token: α·E·f_i per sequence, each sequence weighing dloss·T in the objective
             for (int e = 0; e < E; e++) dp[e] = alpha * E * f[e] * dloss;
             float gdg = 0.0f, chosen_total = 0.0f;
-            for (int k = 0; k < K; k++) gdg += g[k] * dg[k], chosen_total += p[r.expert[t * K + k]];
-            for (int k = 0; k < K; k++) dp[r.expert[t * K + k]] += normalize ? (dg[k] - gdg) / chosen_total : dg[k];
+            for (int k = 0; k < K; k++) gdg += g[k] * dg[k], chosen_total += score[r.expert[t * K + k]];
+            // the gates' part, to the chosen scores: P itself under softmax, the sigmoid scores else
+            float* dv = routing.sigmoid ? ds.data() : dp.data();
+            if (routing.sigmoid) std::fill(ds.begin(), ds.end(), 0.0f);
+            for (int k = 0; k < K; k++)
+                dv[r.expert[t * K + k]] += routing.normalize ? (c * dg[k] - gdg) / chosen_total : c * dg[k];
             float pdp = 0.0f;
             for (int e = 0; e < E; e++) pdp += p[e] * dp[e];
-            for (int e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - pdp);
+            if (!routing.sigmoid) {  // through the softmax
+                for (int e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - pdp);
+                continue;
+            }
+            // through P = s / Σs, then the sigmoid
+            float total = 0.0f;
+            for (int e = 0; e < E; e++) total += score[e];
+            for (int e = 0; e < E; e++) dl[e] = (ds[e] + (dp[e] - pdp) / total) * score[e] * (1.0f - score[e]);
         }
         const float* dl = on_device(dlogits, host_dlogits);
         // every tp rank holds the same router gradient; its part of dln is added once, before the tp reduction

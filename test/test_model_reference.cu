@@ -124,10 +124,11 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
     check_against_pytorch("build/reference");
 }
 
-TEST_CASE("CPU GPT-2 with experts (E=4, K=2), and with DeepSeek's always-on shared expert beside them, matches "
-          "PyTorch: logits, loss, aux loss, gradients and 10 AdamW steps",
+TEST_CASE("CPU GPT-2 with experts (E=4, K=2), with DeepSeek's always-on shared expert beside them, and with "
+          "DeepSeek-V3's sigmoid scores and gates scaled by 2.5 too, matches PyTorch: logits, loss, aux loss, gradients "
+          "and 10 AdamW steps",
           "[model][reference][moe]") {
-    for (const char* dir : {"build/reference_moe", "build/reference_moe_shared"}) {
+    for (const char* dir : {"build/reference_moe", "build/reference_moe_shared", "build/reference_moe_sigmoid"}) {
         INFO(dir);
         check_against_pytorch(dir);
     }

@@ -21,12 +21,13 @@ const char* MOE_MODEL = "d2c48h4t32v301e4k2";
 // ... and for the layouts, experts of 40 hidden units (not 4C) whose gates are not renormalized, layer 0 dense
 // (n1), 1 sparse, 2 dense (off the step of 2), 3 sparse: DualPipeV's four chunks of one layer each put a dense
 // chunk and a sparse one on each of its two stages. GPT-2's sparse layers add DeepSeek's shared expert (y24, always
-// on, with GPT-2's biases); the Llama's are Qwen2-MoE's: q, k and v biases and a gated shared expert (z56).
-const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2y24";
+// on, with GPT-2's biases) and its router's sigmoid scores, the gates scaled by 2.5 (i, r2.5); the Llama's are
+// Qwen2-MoE's: q, k and v biases and a gated shared expert (z56).
+const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2y24ir2.5";
 const char* LLAMA_LAYOUT_MODEL = "l4c48h4g2f88t32v301be4k2x40un1s2z56";
 
-TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts at the "
-          "chosen, renormalized or not, and the dispatch order",
+TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts (or each "
+          "expert's sigmoid) at the chosen, renormalized or not, scaled, and the dispatch order",
           "[moe]") {
     const int E = 5, K = 3;
     const long BT = 7;
@@ -34,10 +35,12 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the sof
     std::vector<float> logits(BT * E);
     for (float& x : logits) x = rng.normal(0.0f, 1.0f);
     logits[2 * E + 1] = logits[2 * E + 3] = 4.0f;  // a tie at the top of token 2: expert 1 comes first
+    for (bool sigmoid : {false, true})
     for (bool normalize : {true, false}) {
-        INFO("normalized " << normalize);
+        INFO("sigmoid " << sigmoid << ", normalized " << normalize);
+        const double scale = sigmoid ? 2.5 : 1.0;
         MoERoute r;
-        route_tokens(r, logits.data(), BT, E, K, normalize);
+        route_tokens(r, logits.data(), BT, E, K, Routing{sigmoid, normalize, (float)scale});
         std::vector<int> rows_seen(BT * K, 0);
         for (long t = 0; t < BT; t++) {
             const float* l = &logits[t * E];
@@ -45,14 +48,17 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the sof
             std::vector<int> order(E);
             for (int e = 0; e < E; e++) order[e] = e;
             std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
-            double all = 0.0, chosen = 0.0;
+            // the score: the softmax over all E, or each one's sigmoid; P the scores over their sum
+            double all = 0.0, chosen = 0.0, scores = 0.0;
             for (int e = 0; e < E; e++) all += exp(l[e]);
-            for (int k = 0; k < K; k++) chosen += exp(l[order[k]]) / all;
+            auto score = [&](int e) { return sigmoid ? 1.0 / (1.0 + exp(-l[e])) : exp(l[e]) / all; };
+            for (int e = 0; e < E; e++) scores += score(e);
+            for (int k = 0; k < K; k++) chosen += score(order[k]);
             double gate_sum = 0.0;
             for (int k = 0; k < K; k++) {
                 CHECK(r.expert[t * K + k] == order[k]);
-                double p = exp(l[order[k]]) / all;
-                CHECK(r.gate[t * K + k] == Approx(normalize ? p / chosen : p).epsilon(1e-6));
+                double p = score(order[k]);
+                CHECK(r.gate[t * K + k] == Approx((normalize ? p / chosen : p) * scale).epsilon(1e-6));
                 gate_sum += r.gate[t * K + k];
                 // its row in dispatch order carries this token, among the rows of its expert
                 int row = r.row_of[t * K + k];
@@ -63,11 +69,9 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the sof
                 CHECK(row >= first);
                 CHECK(row < first + r.send_counts[order[k]]);
             }
-            CHECK(gate_sum == Approx(normalize ? 1.0 : chosen).epsilon(1e-6));
-            CHECK(chosen < 0.999);  // so that the two cases differ
-            double p_sum = 0.0;
-            for (int e = 0; e < E; e++) p_sum += r.probs[t * E + e];
-            CHECK(p_sum == Approx(1.0).epsilon(1e-6));
+            CHECK(gate_sum == Approx((normalize ? 1.0 : chosen) * scale).epsilon(1e-6));
+            CHECK(fabs(chosen - 1.0) > 1e-3);  // so that the two cases differ
+            for (int e = 0; e < E; e++) CHECK(r.probs[t * E + e] == Approx(score(e) / scores).epsilon(1e-6));
         }
         CHECK(r.expert[2 * K] == 1);
         CHECK(r.expert[2 * K + 1] == 3);
@@ -128,7 +132,8 @@ TEST_CASE("descriptors with experts; e1k1 is the dense model: the same file, byt
 }
 
 TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense layers first (n<N>) and off the "
-          "sparse step (s<S>), shared experts (y<H>, z<H> gated) and q, k, v biases (b): descriptors, parameter counts, "
+          "sparse step (s<S>), shared experts (y<H>, z<H> gated), sigmoid scores (i) and scaled gates (r<F>), q, k, v "
+          "biases (b): descriptors, parameter counts, "
           "coordinates, the header slots of both file formats, and the published Qwen3-30B-A3B and Mixtral 8x7B",
           "[moe]") {
     GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2x40u");
@@ -152,8 +157,10 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
     CHECK(num_parameters(qmixed) == num_parameters(qsparse) - 2 * (4 * C + 4 * 3 * C * 40) + 2 * 3 * C * 88);
     // a shared expert in each sparse layer: DeepSeek's (GPT-2's MLP of 24, with its biases), Qwen2-MoE's gated one
     // (3·C·56 and the gate's C) with q, k and v biases (C + 2·KV·hd a layer)
-    GPTConfig ds = parse_model_descriptor("d4c48h4t32v301e4k2x40n1s2y24");
+    // (and DeepSeek-V3's router: sigmoid scores, the gates scaled by 2.5)
+    GPTConfig ds = parse_model_descriptor("d4c48h4t32v301e4k2x40n1s2y24ir2.5");
     CHECK((ds.shared_size == 24 && !ds.shared_gate && num_parameters(ds) == gpt2_parameter_count(ds)));
+    CHECK((ds.sigmoid_scores && ds.routed_scale == 2.5f && !mixed.sigmoid_scores && mixed.routed_scale == 1.0f));
     CHECK(num_parameters(ds) == num_parameters(mixed) + 2 * (2 * C * 24 + 24 + C));
     GPTConfig q2 = parse_model_descriptor("l4c48h4g2f88t32v301be4k2x40un1z56");
     GPTConfig q2plain = parse_model_descriptor("l4c48h4g2f88t32v301e4k2x40un1");
@@ -177,14 +184,15 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
         CHECK(same_model_shape(read, m));
         CHECK((read.expert_size == 40 && read.norm_topk == m.norm_topk && read.dense_layers == m.dense_layers &&
                read.sparse_step == m.sparse_step && read.shared_size == m.shared_size &&
-               read.shared_gate == m.shared_gate && read.attention_bias == m.attention_bias));
+               read.shared_gate == m.shared_gate && read.attention_bias == m.attention_bias &&
+               read.sigmoid_scores == m.sigmoid_scores && read.routed_scale == m.routed_scale));
         std::vector<float> back(params.size());
         gpt_load_params(read, back.data(), path);
         CHECK(back == params);
     }
     for (const char* bad : {"d2c48h4x40", "d2c48h4u", "q2c48h4e1k1x40", "l2c48h4e4k2x0", "d2c48h4n1", "d2c48h4e4k2n2",
                             "d2c48h4e4k2s3", "q2c48h4e4k2s0", "d2c48h4y24", "l2c48h4z24", "d2c48h4e4k2b",
-                            "l2c48h4e4k2z0"}) {
+                            "l2c48h4e4k2z0", "d2c48h4i", "d2c48h4r2", "d2c48h4e4k2r0", "d2c48h4e4k2r-1"}) {
         CommandResult r = single(strfmt("-e %s --plan", bad));
         INFO(bad << ": " << r.output);
         CHECK(r.status != 0);

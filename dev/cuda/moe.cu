@@ -86,7 +86,7 @@ struct MoECase {
         Rng rng(seed);
         std::vector<float> routing_logits(BT * E);
         for (float& l : routing_logits) l = rng.normal(0.0f, 1.0f);
-        route_tokens(route, routing_logits.data(), BT, E, K, true);
+        route_tokens(route, routing_logits.data(), BT, E, K, Routing{});
 
         x = random_bf16_values(BT * C, rng);
         w = random_bf16_values((size_t)E * C, rng, 0.05f);

@@ -3,7 +3,7 @@
 
 Run with Debian's interpreter, which ships torch and numpy:
 
-    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe [--shared H]]
+    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe [--shared H] [--sigmoid] [--scale F]]
 
 Writes DIR/model.bin (llm.c checkpoint layout, fp32) and DIR/state.bin
 (inputs, targets, initial logits/loss/gradients, and the losses of a short
@@ -15,7 +15,11 @@ E and K in header[8], header[9] and the router/expert tensors in place of the
 dense fc/fc_proj ones; the state file holds alpha and the initial aux loss in
 header[10], header[11]. --shared H adds to every layer an always-on shared expert
 (DeepSeek's: GPT-2's MLP of H hidden units on every token, added to the experts'
-sum), llm5d's header[14] = H and its tensors last in the file. Losses written
+sum), llm5d's header[14] = H and its tensors last in the file. --sigmoid scores
+each expert by the sigmoid of its logit (DeepSeek-V3's router: the gates the
+chosen scores over their sum, the aux loss's P the scores over theirs, header[16]
+1), and --scale F multiplies the gates by F (routed_scaling_factor, header[17]
+its float's bits). Losses written
 are cross-entropy only; gradients and training use cross-entropy + aux.
 """
 
@@ -46,6 +50,8 @@ E = 0          # experts per MLP (0: dense MLP)
 K = 0          # experts per token (top-K)
 ALPHA = 0.0    # weight of the load-balancing loss
 SHARED = 0     # the shared expert's hidden units (0: none)
+SIGMOID = False  # the router's scores: each expert's sigmoid (else the softmax over the top K, and over all E for P)
+SCALE = 1.0    # the gates' factor
 
 MOE_CONFIG = dict(L=2, E=4, K=2, ALPHA=0.1)
 
@@ -117,7 +123,12 @@ class Block(nn.Module):
         """Top-K mixture of experts; returns (output, load-balancing loss)."""
         logits = self.router(h)                          # (nb, nt, E)
         top_logits, top_idx = torch.topk(logits, K, dim=-1)
-        gates = torch.softmax(top_logits, dim=-1)        # (nb, nt, K)
+        if SIGMOID:
+            scores = torch.sigmoid(logits)
+            chosen_scores = torch.gather(scores, 2, top_idx)
+            gates = chosen_scores / chosen_scores.sum(dim=-1, keepdim=True) * SCALE
+        else:
+            gates = torch.softmax(top_logits, dim=-1) * SCALE  # (nb, nt, K)
         # every expert on every token (tiny sizes), then keep the chosen ones
         hid = torch.einsum("btc,efc->btef", h, self.fc_w) + self.fc_b
         hid = F.gelu(hid, approximate="tanh")
@@ -128,7 +139,10 @@ class Block(nn.Module):
         nt = h.shape[1]
         counts = F.one_hot(top_idx, E).sum(dim=(1, 2)).to(h.dtype)  # (nb, E)
         f = (counts / (nt * K)).detach()
-        prob = torch.softmax(logits, dim=-1).mean(dim=1)             # (nb, E)
+        if SIGMOID:
+            prob = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+        else:
+            prob = torch.softmax(logits, dim=-1).mean(dim=1)         # (nb, E)
         aux = (ALPHA * E * (f * prob).sum(dim=-1)).mean()
         if SHARED:  # the shared expert: every token, beside the chosen experts
             y = self.shared_fc_proj(F.gelu(self.shared_fc(h), approximate="tanh")) + y
@@ -308,10 +322,12 @@ def main():
                     % MOE_CONFIG)
     ap.add_argument("--shared", type=int, default=0,
                     help="with --moe: a shared expert of this many hidden units")
+    ap.add_argument("--sigmoid", action="store_true", help="with --moe: sigmoid scores")
+    ap.add_argument("--scale", type=float, default=1.0, help="with --moe: the gates' factor")
     args = ap.parse_args()
-    assert args.moe or not args.shared, "--shared needs --moe"
+    assert args.moe or not (args.shared or args.sigmoid or args.scale != 1.0), "--shared, --sigmoid, --scale need --moe"
     configure(args.moe)
-    globals()["SHARED"] = args.shared
+    globals().update(SHARED=args.shared, SIGMOID=args.sigmoid, SCALE=args.scale)
 
     t0 = time.time()
     torch.manual_seed(SEED)
@@ -374,7 +390,8 @@ def main():
     model_path = os.path.join(args.out, "model.bin")
     with open(model_path, "wb") as f:
         f.write(header([MODEL_MAGIC, MODEL_VERSION_FP32, MAXT, V, L, NH, C, VP,
-                        E, K, 0, 0, 0, 0, SHARED]))
+                        E, K, 0, 0, 0, 0, SHARED, 0, int(SIGMOID),
+                        0 if SCALE == 1.0 else f32_bits(SCALE)]))
         f.write(weight_bytes)
 
     state_path = os.path.join(args.out, "state.bin")
