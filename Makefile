@@ -122,9 +122,9 @@ build/reference_moe/model.bin: test/reference/make_reference.py
 build/reference_moe_shared/model.bin: test/reference/make_reference.py
 	@mkdir -p build/reference_moe_shared
 	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --out build/reference_moe_shared
-build/reference_moe_sigmoid/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe_sigmoid
-	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --sigmoid --scale 2.5 --out build/reference_moe_sigmoid
+build/reference_moe_deepseek/model.bin: test/reference/make_reference.py
+	@mkdir -p build/reference_moe_deepseek
+	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --sigmoid --scale 2.5 --bias-rate 0.01 --out build/reference_moe_deepseek
 
 # small Llama 3 models in float64: grouped-query attention with Llama 3.1's RoPE scaling, multi-query,
 # multi-head, Llama 3.2's tied classifier with its RoPE scaling, and Mixtral's experts (4 SwiGLU experts, top 2)
@@ -168,7 +168,7 @@ $(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llam
 # Tests section says how to run one shard or one case).
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
-	    build/reference_moe_shared/model.bin build/reference_moe_sigmoid/model.bin \
+	    build/reference_moe_shared/model.bin build/reference_moe_deepseek/model.bin \
 	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) $(MOE_REFERENCES) dev/data/node_modules data/sotu/train.bin
 	bash test/run_tests.sh
 

@@ -147,6 +147,17 @@ static std::pair<double, std::string> expert_statistics(GPTModel<floatX>& m, Gri
     return {sums[0] / sequences, shares};
 }
 
+// DeepSeek-V3's balancing after an update: the step's loads summed over every rank (the tp group's first rank
+// counts them, dp × cp ranks routed other tokens, stages hold other layers; a collective) move each sparse
+// layer's selection bias, the same on every rank, in the routing and wherever the rank keeps the parameter
+template <typename floatX>
+static void balance_experts(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid) {
+    std::vector<double> load = m.moe.load;
+    for (Comm* group : {&grid.tp_comm, &grid.dp_cp(), &grid.pp_comm})
+        group->wait(group->all_reduce(load.data(), load.data(), load.size(), DType::F64));
+    gpt_balance_experts(m, load, [&](size_t at, const float* values, size_t n) { dpr.set_values(at, values, n); });
+}
+
 // this rank's tp share of the parameters, fp32 on the host: the CPU's own (gathered over dp under ZeRO-3), or
 // the GPU's master weights (gathered over dp under ZeRO >= 1). A collective under ZeRO.
 static std::vector<float> local_share(GPT& m, DataParallel<float>& dpr, int zero) {
@@ -383,7 +394,7 @@ struct Trainer {
         model.cp.comm = &grid.cp_comm;
         model.moe.ep = &grid.ep_comm;
         model.moe.ep_rank = grid.at.ep;
-        model.moe.alpha = o.moe_aux;
+        model.moe.alpha = o.moe_aux, model.moe.bias_rate = o.moe_bias_rate;
         model.seed = o.seed;
         if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
             gpt_allocate_fp8(model);
@@ -441,6 +452,7 @@ struct Trainer {
             if (!in_place) copy_share_params(config, share_spec(grid), model.part, whole, mine, true);
         }
         install_share(model, *dpr, o.zero, mine);
+        if (config.router_bias) gpt_read_expert_bias(model, mine);
         load_seconds = now_seconds() - load_seconds;
         if (!resume_dir.empty()) verified = seconds_over_ranks(verify_seconds), loaded = seconds_over_ranks(load_seconds);
         spikes.restore(state.loss_window, state.norm_window);
@@ -605,6 +617,7 @@ struct Trainer {
         if (!r.skipped) {
             NvtxRange update("optimizer step");
             dpr->update(r.lr, o.weight_decay, r.norm);
+            if (config.router_bias) balance_experts(model, *dpr, grid);
             spikes.record(r.loss, r.norm);
         }
         r.ms = (now_seconds() - t0) * 1000.0;
@@ -845,6 +858,9 @@ static int run(const Options& o) {
     RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
     Options resolved = o;
     if (resolved.moe_aux < 0.0f) resolved.moe_aux = 0.01f;
+    if (o.moe_bias_rate >= 0.0f && !config.router_bias)
+        fail("--moe-bias-rate %g: only for a model whose router has a selection bias (a descriptor's a)", o.moe_bias_rate);
+    if (resolved.moe_bias_rate < 0.0f) resolved.moe_bias_rate = 0.001f;
     return dev == Device::CUDA ? train<bf16>(resolved, run) : train<float>(resolved, run);
 }
 int main(int argc, char** argv) {

@@ -872,11 +872,48 @@ inline void gpt_update(GPTModel<floatX>& m, float lr, float weight_decay, float 
     size_t offset = 0;
     for (int i = 0; i < NUM_PARAM_TENSORS; i++) {
         size_t n = m.param_sizes[i];
-        adamw_update(m.params + offset, m.master ? m.master + offset : nullptr, m.grads + offset, m.adam_m + offset,
-                     m.adam_v + offset, (long)n, lr, m.table[i].decayed ? weight_decay : 0.0f, grad_scale, m.adam_step,
-                     m.seed, (long)offset);
+        if (m.table[i].trained)  // (the router's selection bias moves by the loads: gpt_balance_experts)
+            adamw_update(m.params + offset, m.master ? m.master + offset : nullptr, m.grads + offset, m.adam_m + offset,
+                         m.adam_v + offset, (long)n, lr, m.table[i].decayed ? weight_decay : 0.0f, grad_scale,
+                         m.adam_step, m.seed, (long)offset);
         offset += n;
     }
+}
+
+// fp32 values of elements [at, at + n) of the flat parameters, where the model keeps them whole: the parameters
+// (rounded to nearest on the GPU) and the master weights
+template <typename floatX>
+inline void gpt_set_values(GPTModel<floatX>& m, size_t at, const float* values, size_t n) {
+    if (m.params) upload_from_float(m.params + at, values, n);
+    if (m.master) device_upload<floatX>(m.master + at, values, n);
+}
+
+// where the selection bias of each of the part's sparse layers lies in the flat buffer: (model layer, offset)
+template <typename floatX>
+inline std::vector<std::pair<int, size_t>> expert_bias_blocks(const GPTModel<floatX>& m) {
+    std::vector<std::pair<int, size_t>> blocks;
+    int Lp = m.part.layers();
+    for (int l = 0; l < Lp; l++)
+        for (const Segment& s : m.units[layer_unit(Lp, l)])
+            if (s.tensor == ROUTER_BIAS) blocks.push_back({m.part.model_layer(l), s.offset});
+    return blocks;
+}
+// the routing's copy of the selection biases, from the rank's share of fp32 parameters (after loading them)
+template <typename floatX>
+inline void gpt_read_expert_bias(GPTModel<floatX>& m, const float* share) {
+    int E = m.config.num_experts;
+    for (auto [layer, offset] : expert_bias_blocks(m))
+        std::copy(share + offset, share + offset + E, m.moe.bias.begin() + (size_t)layer * E);
+}
+// DeepSeek-V3's balancing after a step: the routing's biases move by the global batch's loads (load: every model
+// layer's, summed over the ranks that routed other tokens and the stages), and so do the parameters that hold
+// them, through set(offset, values, n) (the model's own copies, or DataParallel's set_values, which also writes
+// the shards a rank owns)
+template <typename floatX, typename Set>
+inline void gpt_balance_experts(GPTModel<floatX>& m, const std::vector<double>& load, Set&& set) {
+    m.moe.balance(load);
+    int E = m.config.num_experts;
+    for (auto [layer, offset] : expert_bias_blocks(m)) set(offset, &m.moe.bias[(size_t)layer * E], (size_t)E);
 }
 
 // The parameters of this rank's share, from fp32 values on the host (initialized or read from a file): copied

@@ -66,8 +66,9 @@ inline HfClass hf_class(const GPTConfig& c) {
                  "Qwen3-MoE are Llama's and Qwen3's)", c.num_experts, c.top_k);
         return HfClass::GPT2;
     }
-    if (c.sigmoid_scores || c.routed_scale != 1)
-        fail("--format hf: sigmoid scores or scaled gates (DeepSeek-V3's routing) have no Hugging Face form here");
+    if (c.sigmoid_scores || c.routed_scale != 1 || c.router_bias)
+        fail("--format hf: sigmoid scores, scaled gates or a selection bias (DeepSeek-V3's routing) have no Hugging "
+             "Face form here");
     if (c.shared_size > 0 && !c.shared_gate)
         fail("--format hf: a shared expert without a gate (DeepSeek's) has no Hugging Face form here (Qwen2-MoE's is "
              "gated: z<H>)");

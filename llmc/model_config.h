@@ -41,6 +41,7 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
     if (!(c.routed_scale > 0 && c.routed_scale <= 1000) || (!c.moe() && (c.sigmoid_scores || c.routed_scale != 1)))
         fail("%s: %s scores scaled by %g: only a model with experts has a router, and its scale is in (0, 1000]",
              where.c_str(), c.sigmoid_scores ? "sigmoid" : "softmax", c.routed_scale);
+    if (c.router_bias && !c.moe()) fail("%s: a router's selection bias: only a model with experts has a router", where.c_str());
     if (c.moe() && c.count_dense_layers() == c.num_layers)
         fail("%s: %d dense layers first and a sparse layer every %d leave none of the %d layers sparse", where.c_str(),
              c.dense_layers, c.sparse_step, c.num_layers);
@@ -69,8 +70,9 @@ inline void validate_config(const GPTConfig& c, const std::string& where) {
 // l when (l + 1) % S == 0), the dense layers an MLP of the model's own size, e.g. q4c48h4e4k2x24n1s2 (layers 1
 // and 3 sparse); y<H> adds to every sparse layer a shared expert of H hidden units that takes every token
 // (DeepSeek's), z<H> one whose output a sigmoid gate of its own scales (Qwen2-MoE's), e.g. l2c48h4e4k2x24y48; i
-// scores each expert by a sigmoid rather than the softmax over all E, and r<F> scales the gates by F (a decimal:
-// DeepSeek-V3's routing is i and r2.5).
+// scores each expert by a sigmoid rather than the softmax over all E, r<F> scales the gates by F (a decimal), and a
+// adds a bias per expert to the scores that choose, which training moves toward balanced loads (DeepSeek-V3's
+// routing is i, r2.5 and a).
 // Llama 3: "llama3-1b", "llama3-3b", "llama3-8b", "llama3-70b", "llama3-405b" are Meta's shapes (vocab 128256,
 // 8 key/value heads, RoPE theta 500000 with Llama 3's scaling, maxT 8192; the 1B and 3B are Llama 3.2's, with
 // the classifier tied to wte and RoPE scaled by 32, the others Llama 3.1's, untied and scaled by 8); any other
@@ -156,7 +158,7 @@ inline GPTConfig qwen3_named(const std::string& s) {
         return c;
     }
     fail("-e %s: Qwen3 sizes are qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-30b-a3b; give other shapes as "
-         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>][i][r<F>]][w]", s.c_str());
+         "q<L>c<C>h<NH>[g<KV>][d<hd>][f<H>][t<maxT>][v<V>][b][e<E>k<K>[x<H>][u][n<N>][s<S>][y<H>|z<H>][i][r<F>][a]][w]", s.c_str());
 }
 
 // Mistral's Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): a Llama of 32 layers, 4096 channels, 32
@@ -214,6 +216,7 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
             case 'y': c.shared_size = number(key), c.shared_gate = false; break;
             case 'z': c.shared_size = number(key), c.shared_gate = true; break;
             case 'i': c.sigmoid_scores = true; break;  // a flag
+            case 'a': c.router_bias = true; break;     // a flag
             case 'r': {                                // a decimal
                 char* end;
                 c.routed_scale = strtof(p, &end);
@@ -232,8 +235,9 @@ inline GPTConfig parse_model_descriptor(const std::string& s) {
     }
     if (have_e != have_k) fail("-e %s: experts need both e<E> and k<K>", s.c_str());
     if ((c.expert_size > 0 || !c.norm_topk || c.dense_layers > 0 || c.sparse_step != 1 || c.shared_size > 0 ||
-         c.sigmoid_scores || c.routed_scale != 1) && c.num_experts < 2)
-        fail("-e %s: x<H>, u, n<N>, s<S>, y<H>, z<H>, i and r<F> describe experts: give e<E>k<K> with E > 1", s.c_str());
+         c.sigmoid_scores || c.routed_scale != 1 || c.router_bias) && c.num_experts < 2)
+        fail("-e %s: x<H>, u, n<N>, s<S>, y<H>, z<H>, i, r<F> and a describe experts: give e<E>k<K> with E > 1",
+             s.c_str());
     c.padded_vocab_size = pad_vocab(c.vocab_size);
     if (qwen) {  // H hidden units as given (default Meta's rule, as a Llama's)
         if (!have_c || !have_h) fail("-e %s: a Qwen3 shape needs c<channels> and h<heads>", s.c_str());
@@ -285,8 +289,9 @@ inline std::string experts_shape(const GPTConfig& c) {
                                  c.sparse_step);
     std::string shared = c.shared_size == 0 ? ""
                          : strfmt(" shared expert H=%d%s", c.shared_size, c.shared_gate ? " gated" : "");
-    std::string scores = strfmt("%s%s", c.sigmoid_scores ? " sigmoid scores" : "",
-                                c.routed_scale != 1 ? strfmt(" gates x%g", c.routed_scale).c_str() : "");
+    std::string scores = strfmt("%s%s%s", c.sigmoid_scores ? " sigmoid scores" : "",
+                                c.routed_scale != 1 ? strfmt(" gates x%g", c.routed_scale).c_str() : "",
+                                c.router_bias ? " selection bias" : "");
     return strfmt(" E=%d K=%d%s%s%s%s%s", c.num_experts, c.top_k,
                   c.expert_size > 0 ? strfmt(" expert H=%d", c.expert_size).c_str() : "",
                   c.norm_topk ? "" : " gates unnormalized", scores.c_str(), dense.c_str(), shared.c_str());
@@ -299,7 +304,7 @@ inline bool same_model_shape(const GPTConfig& a, const GPTConfig& b) {
            a.expert_hidden() == b.expert_hidden() && a.norm_topk == b.norm_topk && a.dense_layers == b.dense_layers &&
            a.sparse_step == b.sparse_step && (a.count_dense_layers() == 0 || a.hidden() == b.hidden()) &&
            a.shared_size == b.shared_size && a.shared_gate == b.shared_gate &&
-           a.sigmoid_scores == b.sigmoid_scores && a.routed_scale == b.routed_scale &&
+           a.sigmoid_scores == b.sigmoid_scores && a.routed_scale == b.routed_scale && a.router_bias == b.router_bias &&
            a.head_size() == b.head_size() &&
            (!a.llama() || (a.hidden() == b.hidden() && a.norm_eps == b.norm_eps && a.rope_theta == b.rope_theta &&
                            a.rope_scaling == b.rope_scaling && a.tied_embeddings == b.tied_embeddings &&

@@ -84,10 +84,10 @@ inline std::vector<ShareRun> stored_runs(const GPTConfig& c, const std::vector<S
     return stored;
 }
 
-// the eight header slots that describe the experts beyond E and K: their hidden units (0: the MLP's), 1 when the
+// the nine header slots that describe the experts beyond E and K: their hidden units (0: the MLP's), 1 when the
 // gates are not renormalized, the first dense layers, the step of the sparse layers (0: 1, every layer), the
-// shared expert's hidden units (0: none), 1 when a gate scales it, 1 when the router's scores are sigmoids, and
-// the gates' scale as a float's bits (0: 1)
+// shared expert's hidden units (0: none), 1 when a gate scales it, 1 when the router's scores are sigmoids, the
+// gates' scale as a float's bits (0: 1), and 1 when a bias chooses the experts
 inline void read_expert_slots(GPTConfig& c, const int* slot, const std::string& path) {
     if (slot[1] != 0 && slot[1] != 1)
         fail("%s: header slot for the experts' gates is %d, not 0 (renormalized) or 1 (not)", path.c_str(), slot[1]);
@@ -100,12 +100,16 @@ inline void read_expert_slots(GPTConfig& c, const int* slot, const std::string& 
         fail("%s: header slot for the router's scores is %d, not 0 (softmax) or 1 (sigmoid)", path.c_str(), slot[6]);
     c.sigmoid_scores = slot[6] == 1;
     if (slot[7] != 0) memcpy(&c.routed_scale, &slot[7], sizeof(float));
+    if (slot[8] != 0 && slot[8] != 1)
+        fail("%s: header slot for the router's selection bias is %d, not 0 or 1", path.c_str(), slot[8]);
+    c.router_bias = slot[8] == 1;
 }
 inline void write_expert_slots(const GPTConfig& c, int* slot) {
     slot[0] = c.expert_size, slot[1] = !c.norm_topk;
     slot[2] = c.dense_layers, slot[3] = c.sparse_step == 1 ? 0 : c.sparse_step;
     slot[4] = c.shared_size, slot[5] = c.shared_gate, slot[6] = c.sigmoid_scores;
     if (c.routed_scale != 1) memcpy(&slot[7], &c.routed_scale, sizeof(float));
+    slot[8] = c.router_bias;
 }
 
 inline GPTConfig read_model_header(const std::string& path, int* version) {
@@ -144,9 +148,9 @@ inline GPTConfig read_model_header(const std::string& path, int* version) {
         c.rope_scaling = h[9] == 0 ? 0.0f : hf[3] != 0 ? hf[3] : 8.0f;
         if (h[14] != 0 && h[14] != 1) fail("%s: header slot 14 (tied embeddings) is %d, not 0 or 1", path.c_str(), h[14]);
         c.tied_embeddings = h[14] == 1;
-        // header[26]: 1 when q, k and v have biases (Qwen2's), held in the slot llm.c's files keep for them
-        if (h[26] != 0 && h[26] != 1) fail("%s: header slot 26 (attention biases) is %d, not 0 or 1", path.c_str(), h[26]);
-        c.attention_bias = h[26] == 1;
+        // header[28]: 1 when q, k and v have biases (Qwen2's), held in the slot llm.c's files keep for them
+        if (h[28] != 0 && h[28] != 1) fail("%s: header slot 28 (attention biases) is %d, not 0 or 1", path.c_str(), h[28]);
+        c.attention_bias = h[28] == 1;
         // header[15]: 1 for llm5d's Qwen3 (Llama 3's layout, QK-norm's weights after the final norm's slots),
         // with its head size and MLP size in [16] and [17]
         if (h[15] == 1) {
@@ -278,7 +282,7 @@ inline uint64_t gpt_save_params(const GPTConfig& c, const float* params, const s
         if (c.moe()) h[12] = c.num_experts, h[13] = c.top_k;
         h[14] = c.tied_embeddings;
         write_expert_slots(c, h + 18);
-        h[26] = c.attention_bias;
+        h[28] = c.attention_bias;
         if (c.arch == Arch::Qwen3) {  // its H is given, and it has no Llama version: those slots hold 0
             h[8] = h[10] = h[11] = 0;
             h[15] = 1, h[16] = c.head_size(), h[17] = c.hidden();

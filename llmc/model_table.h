@@ -88,6 +88,9 @@ struct GPTConfig {
     // (DeepSeek-V3's), the gates scaled by routed_scale (DeepSeek-V3's routed_scaling_factor, 2.5; 1 elsewhere)
     bool sigmoid_scores = false;
     float routed_scale = 1.0f;
+    // ... and a bias per expert added to the scores only to choose the experts (DeepSeek-V3's balancing without
+    // an auxiliary loss): a tensor of the table that training moves by the step's loads, not by AdamW
+    bool router_bias = false;
     // Llama 3, as llm.c's Llama 3 files give it: the MLP's hidden size by Meta's formula from multiple_of and
     // ffn_dim_multiplier (0: none), RMSNorm's eps, RoPE's theta and the factor of Llama 3's frequency scaling
     // (0: none; 8 in Llama 3.1, 32 in Llama 3.2), and the version the file names; whether the classifier is the
@@ -195,10 +198,11 @@ inline ModelPart whole_part(const GPTConfig& c) { return ModelPart{{0}, {c.num_l
 // first, then expert). Llama keeps its lm_head in wpe's slot, as llm.c's Llama 3 files do.
 // Qwen3's QK-norm weights come after them, so that the other architectures' files and checkpoints keep their
 // order, then the MLP of the dense layers of a model with experts, and last the sparse layers' shared expert and
-// its gate (each empty in every other model).
+// its gate, and the router's selection bias (each empty in every other model).
 enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, ROUTERW, FCW, FCB, FCPROJW,
                    FCPROJB, LNFW, LNFB, QNORMW, KNORMW, DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB,
-                   SHARED_FCW, SHARED_FCB, SHARED_FCPROJW, SHARED_FCPROJB, SHARED_GATEW, NUM_PARAM_TENSORS };
+                   SHARED_FCW, SHARED_FCB, SHARED_FCPROJW, SHARED_FCPROJB, SHARED_GATEW, ROUTER_BIAS,
+                   NUM_PARAM_TENSORS };
 // the Llama family's classifier, where GPT-2 has wpe (which it lacks)
 constexpr ParamTensor LM_HEAD = WPE;
 
@@ -239,6 +243,7 @@ struct TensorSpec {
                            // bias slots
     int file_copy = -1;    // absent here but in the model file as a copy of this tensor (a tied Llama's lm_head)
     size_t head_rows = 0;  // rows per attention head: a column split never cuts one (0: rows without heads)
+    bool trained = true;   // AdamW updates it (the router's selection bias is moved by the loads instead)
     LayerSet layers = LayerSet::Every;  // the layers that hold it (a layer tensor)
 
     size_t rows() const { return parts[0] + parts[1] + parts[2]; }
@@ -300,6 +305,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
     const Init zeros = Init::Zeros, ones = Init::Ones, normal = Init::Normal, residual = Init::ResidualNormal;
     size_t C = c.channels, Vp = c.padded_vocab_size, H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0;
     size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0, Hs = c.shared_size, gate = c.shared_gate;
+    size_t bias = c.router_bias ? c.num_experts : 0;
     bool expert = true, decay = true;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial;
     ModelTable table = {{
@@ -332,6 +338,7 @@ inline ModelTable gpt2_table(const GPTConfig& c) {
         {"shared_fcprojw", layer, !expert, {C},         Hs,  row,    decay,  own,      residual},
         {"shared_fcprojb", layer, !expert, {Hs ? C : 0}, 1,  rep,    !decay, own,      zeros},
         {"shared_gatew", layer,  !expert, {gate},       C,   rep,    decay,  own,      normal},
+        {"router_bias", layer,   !expert, {bias},       1,   rep,    !decay, own,      zeros},
     }};
     table[QKVW].head_rows = table[QKVB].head_rows = c.head_size();
     return table;
@@ -356,6 +363,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
     size_t C = c.channels, Vp = c.padded_vocab_size, hd = c.head_size(), Q = c.num_heads * hd, KV = c.kv_heads() * hd;
     size_t H = c.mlp_hidden(), router = c.moe() ? c.num_experts : 0, qk = c.qk_norm() ? hd : 0;
     size_t Hd = c.count_dense_layers() > 0 ? c.hidden() : 0, Hs = c.shared_size, gate = c.shared_gate;
+    size_t bias = c.router_bias ? c.num_experts : 0;
     size_t qb = c.attention_bias;  // q, k and v biases, or none (the files' slot then holds zeros)
     bool expert = true, decay = true, tied = c.tied_embeddings;
     const TPGrad own = TPGrad::Own, sp = TPGrad::SequencePartial, heads = TPGrad::HeadsPartial;
@@ -389,6 +397,7 @@ inline ModelTable llama_table(const GPTConfig& c) {
         {"shared_fcprojw", layer, !expert, {C},       Hs,  row,    decay,  own,      residual},
         {"shared_fcprojb", layer, !expert, {0},       1,   rep,    !decay, own,      zeros},
         {"shared_gatew", layer,  !expert, {gate},     C,   rep,    decay,  own,      normal},
+        {"router_bias", layer,   !expert, {bias},     1,   rep,    !decay, own,      zeros},
     }};
     table[QKVW].head_rows = table[QKVB].head_rows = hd;  // with fewer key/value heads than tp ranks, each is held by tp/KV ranks
     return table;
@@ -400,8 +409,9 @@ inline ModelTable llama_table(const GPTConfig& c) {
 inline ModelTable model_table(const GPTConfig& c) {
     ModelTable table = c.llama() ? llama_table(c) : gpt2_table(c);
     for (int t : {ROUTERW, FCW, FCB, FCPROJW, FCPROJB, SHARED_FCW, SHARED_FCB, SHARED_FCPROJW, SHARED_FCPROJB,
-                  SHARED_GATEW})
+                  SHARED_GATEW, ROUTER_BIAS})
         table[t].layers = LayerSet::Experts;
+    table[ROUTER_BIAS].trained = false;
     for (int t : {DENSE_FCW, DENSE_FCB, DENSE_FCPROJW, DENSE_FCPROJB}) table[t].layers = LayerSet::Dense;
     return table;
 }

@@ -7,8 +7,11 @@
 //            Qwen's) or sigmoid of each (DeepSeek-V3's); the K largest logits are chosen (ties go to the lower
 //            expert), and their gates are S at those K, renormalized to sum to one (HF's norm_topk_prob: Mixtral's,
 //            Qwen3-MoE's, DeepSeek-V3's; under softmax the same as a softmax over the K logits) or as they are,
-//            times the routed scaling factor (DeepSeek-V3's 2.5; 1 elsewhere). Dropless: every token reaches all
-//            K of its experts, so the experts see K·BT rows in all.
+//            times the routed scaling factor (DeepSeek-V3's 2.5; 1 elsewhere). With a selection bias (DeepSeek-V3's
+//            balancing without an auxiliary loss) the K chosen are those of the largest S + b instead, b a vector
+//            of the layer's that only chooses: the gates are S's. After each step b_i += γ·sign(mean − load_i),
+//            from the loads of the whole global batch (balance), the same on every rank. Dropless: every token
+//            reaches all K of its experts, so the experts see K·BT rows in all.
 //   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
@@ -35,6 +38,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #include "llmc/comm.cuh"
@@ -271,8 +275,10 @@ struct Routing {
     float scale = 1.0f;
 };
 
-// The top-K experts and gates of each of BT tokens, the normalized scores, and the dispatch order
-inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, const Routing& how) {
+// The top-K experts and gates of each of BT tokens, the normalized scores, and the dispatch order; bias (E, or
+// null): added to the scores to choose
+inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, const Routing& how,
+                         const float* bias = nullptr) {
     r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E), r.row_of.resize(BT * K);
     r.token_of_row.resize(BT * K);
     r.scores.resize(how.sigmoid ? BT * E : 0);
@@ -291,12 +297,13 @@ inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K
             for (int e = 0; e < E; e++) p[e] /= total;
         }
         const float* score = how.sigmoid ? &r.scores[t * E] : p;
-        // the K largest in turn; a strict comparison keeps the lower expert on a tie
+        // the K largest logits in turn (or scores plus bias); a strict comparison keeps the lower expert on a tie
+        auto key = [&](int e) { return bias ? score[e] + bias[e] : l[e]; };
         int* chosen = &r.expert[t * K];
         for (int k = 0; k < K; k++) {
             int best = -1;
             for (int e = 0; e < E; e++)
-                if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || l[e] > l[best])) best = e;
+                if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || key(e) > key(best))) best = e;
             chosen[k] = best;
         }
         float chosen_total = 0.0f;
@@ -338,6 +345,9 @@ template <typename floatX>
 struct MixtureOfExperts {
     int E = 1, K = 1, X = 1;  // experts, chosen per token, held by this rank
     Routing routing;          // the score function, the gates' normalization and scale
+    // each model layer's selection bias (L·E, or empty: none), the same on every rank, and how fast it moves (γ)
+    std::vector<float> bias;
+    float bias_rate = 0.001f;
     float alpha = 0.01f;      // the aux loss's weight
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     int ep_size = 1, ep_rank = 0;
@@ -377,6 +387,7 @@ struct MixtureOfExperts {
     void allocate(Ledger& led, const GPTConfig& c, long BT) {
         E = c.num_experts, K = c.top_k, X = E / ep_size;
         routing = {c.sigmoid_scores, c.norm_topk, c.routed_scale};
+        bias.assign(c.router_bias ? (size_t)c.num_layers * E : 0, 0.0f);
         int layers = c.num_layers, C = c.channels;
         load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
@@ -457,7 +468,7 @@ struct MixtureOfExperts {
         router_forward(logits, ln2, w.router, BT, C, E);
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
-        route_tokens(r, host_logits.data(), BT, E, K, routing);
+        route_tokens(r, host_logits.data(), BT, E, K, routing, bias.empty() ? nullptr : &bias[(size_t)layer * E]);
         sequence_statistics(r, prob_sums, cp, B, Tl, E, K);
         if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
             for (int b = 0; b < B; b++) {
@@ -634,6 +645,17 @@ struct MixtureOfExperts {
             mlp_weight_grads(expert_view(dw.experts, x, experts), a.kept_dout + first * C, a.kept_dfch + first * FC,
                              a.act + first * H, a.inputs + first * C, expert_view(w.experts, x, experts), n, experts, ws,
                              fp8);
+        }
+    }
+
+    // After a step, each sparse layer's selection bias toward balanced loads: b_i += γ·sign(mean − load_i), load:
+    // the step's assignments per (model layer, expert) over the whole global batch
+    void balance(const std::vector<double>& global_load) {
+        for (size_t l = 0; l < bias.size() / E; l++) {
+            const double* n = &global_load[l * E];
+            double mean = std::accumulate(n, n + E, 0.0) / E;
+            if (mean == 0) continue;  // a layer no token reached (a dense one)
+            for (int e = 0; e < E; e++) bias[l * E + e] += bias_rate * (float)((n[e] < mean) - (n[e] > mean));
         }
     }
 

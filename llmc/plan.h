@@ -231,7 +231,11 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 // each micro-step: 3kP. The loss (an all-reduce of one double) and the gradient norm (an all-gather of one
 // double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes. Values move as stored on the device.
 // Under expert parallelism the expert tensors' buckets move over their own group of replicas, which also
-// all-gathers its norm (the experts' norm then crosses the ep group: planned_ep_comm_bytes counts it).
+// all-gathers its norm (the experts' norm then crosses the ep group: planned_ep_comm_bytes counts it). A router
+// with a selection bias all-reduces the step's loads (L·E doubles) over dp·cp, tp and pp (balance_experts).
+inline double balancing_bytes(const GPTConfig& c, double N) {
+    return c.router_bias ? 2 * (N - 1) / N * c.num_layers * c.num_experts * sizeof(double) : 0.0;
+}
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
     double k = par.accumulation;
@@ -242,6 +246,7 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
         double N = groups[i].ranks, ring = (N - 1) / N, P = (double)groups[i].layout.padded_total;
         double loss = i == 0 ? 2 * sizeof(double) : 0.0;  // the loss: over dp·cp, the first group's ranks
         bytes += ring * (passes * P * stored_value_bytes(device) + loss) + (N - 1) * sizeof(double);
+        if (i == 0) bytes += balancing_bytes(c, N);
     }
     return bytes;
 }
@@ -278,7 +283,7 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
         partial += p.count;
     double partial_grads = (t - 1) * partial * value;
     double sums = par.zero <= 1 ? 1.0 : k;
-    return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double);
+    return k * per_micro_step + sums * partial_grads + (t - 1) * sizeof(double) + balancing_bytes(c, t);
 }
 
 // Bytes one rank sends to its cp group per optimizer step: in each layer of each micro-step, forward passes
@@ -308,7 +313,8 @@ inline double planned_pp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
         sends += at.p2p_after(g) + at.p2p_before(g);
     }
     double loss = par.pp.rank == par.pp.head_rank() ? sizeof(double) : 0.0;
-    return par.accumulation * sends * rows * c.channels * stored_value_bytes(device) + loss + (N - 1) * sizeof(double);
+    return par.accumulation * sends * rows * c.channels * stored_value_bytes(device) + loss + (N - 1) * sizeof(double) +
+           balancing_bytes(c, N);
 }
 
 // Bytes one rank sends to its ep group per optimizer step, for routing that spreads every token's K rows evenly

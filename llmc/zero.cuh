@@ -428,6 +428,7 @@ struct DataParallel : ParamStore<floatX> {
         floatX* p = stage == 3 ? shard_params : m.params;
         const floatX* g = reduced_grads();
         for (const OwnedSegment& s : all_owned()) {
+            if (!m.table[s.tensor].trained) continue;  // the router's selection bias: set_values moves it
             size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
             adamw_update(p + pi, shard_master ? shard_master + s.shard_offset : nullptr, g + gi, shard_m + s.shard_offset,
                          shard_v + s.shard_offset, (long)s.size, lr, m.table[s.tensor].decayed ? weight_decay : 0.0f, scale,
@@ -459,6 +460,21 @@ struct DataParallel : ParamStore<floatX> {
                 g.comm->wait(g.comm->all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
                 unpack_bucket(bk, s.packed, flat);
             }
+    }
+
+    // fp32 values of elements [at, at + n) of this rank's share, wherever it keeps them: its flat parameters and
+    // master weights where they are whole (gpt_set_values), and the pieces it owns of its shards (the master
+    // weights under ZeRO >= 1 on the GPU, the parameters under ZeRO-3). Each rank that holds the elements writes
+    // the same values (the router's selection bias), so the copies stay equal without a collective.
+    void set_values(size_t at, const float* values, size_t n) {
+        if (stage < 3) gpt_set_values(m, at, values, n);
+        for (const OwnedSegment& s : all_owned()) {
+            size_t lo = std::max(at, s.flat_offset), hi = std::min(at + n, s.flat_offset + s.size);
+            if (lo >= hi) continue;
+            size_t into = s.shard_offset + (lo - s.flat_offset);
+            if (shard_master) device_upload<floatX>(shard_master + into, values + (lo - at), hi - lo);
+            if (shard_params) upload_from_float(shard_params + into, values + (lo - at), hi - lo);
+        }
     }
 
     // ZeRO-3: keep this rank's pieces of full flat parameters (after initialization or loading)

@@ -14,6 +14,7 @@ struct ReferenceState {
     int B, T, V, Vp, steps, micro;  // micro: micro-batches per training step (B×T tokens each)
     float lr, weight_decay, grad_clip;
     float aux_weight, aux;  // with experts: the load-balancing loss's weight, and its value on the batch
+    float bias_rate;        // with a router's selection bias: its step per update
     std::vector<int> inputs, targets;
     std::vector<float> logits, grads, losses;
     float loss;
@@ -36,6 +37,7 @@ ReferenceState read_state(const std::string& path, size_t num_parameters) {
     s.lr = float_from_bits(h[7]), s.weight_decay = float_from_bits(h[8]), s.grad_clip = float_from_bits(h[9]);
     s.aux_weight = float_from_bits(h[10]), s.aux = float_from_bits(h[11]);
     s.micro = std::max(h[12], 1);
+    s.bias_rate = float_from_bits(h[13]);
     size_t BT = (size_t)s.B * s.T;
     s.inputs.resize(s.micro * BT);
     s.targets.resize(s.micro * BT);
@@ -72,7 +74,7 @@ void check_against_pytorch(const std::string& dir, std::string model_path = "", 
     if (hf) hf_load(m.config, m.params, model_path);
     else gpt_load_params(m.config, m.params, model_path);
     ref = read_state(dir + "/state.bin", m.num_parameters);
-    m.moe.alpha = ref.aux_weight;
+    m.moe.alpha = ref.aux_weight, m.moe.bias_rate = ref.bias_rate;
     REQUIRE(ref.V == config.vocab_size);
     REQUIRE(ref.Vp == config.padded_vocab_size);
     long BT = (long)ref.B * ref.T;
@@ -107,6 +109,7 @@ void check_against_pytorch(const std::string& dir, std::string model_path = "", 
 
     for (int step = 0; step < ref.steps; step++) {
         gpt_zero_grad(m);
+        m.moe.reset_statistics();  // the step's loads, which move a router's selection bias after the update
         float l = 0.0f;
         for (int k = 0; k < ref.micro; k++) {  // the step's mean loss, over micro-batches of B×T tokens
             float dloss = 1.0f / (BT * ref.micro);  // training's fused loss and logits' gradient
@@ -117,6 +120,8 @@ void check_against_pytorch(const std::string& dir, std::string model_path = "", 
         CHECK(fabs(l - ref.losses[step]) / ref.losses[step] < 1e-5);
         float scale = clip_scale(gpt_grad_norm(m), ref.grad_clip);
         gpt_update(m, ref.lr, ref.weight_decay, scale);
+        if (config.router_bias)
+            gpt_balance_experts(m, m.moe.load, [&](size_t at, const float* v, size_t n) { gpt_set_values(m, at, v, n); });
     }
 }
 
@@ -125,10 +130,10 @@ TEST_CASE("CPU GPT-2 matches PyTorch: logits, loss, gradients and 10 AdamW steps
 }
 
 TEST_CASE("CPU GPT-2 with experts (E=4, K=2), with DeepSeek's always-on shared expert beside them, and with "
-          "DeepSeek-V3's sigmoid scores and gates scaled by 2.5 too, matches PyTorch: logits, loss, aux loss, gradients "
-          "and 10 AdamW steps",
+          "DeepSeek-V3's routing too (sigmoid scores, gates scaled by 2.5, a selection bias moved by each step's loads), "
+          "matches PyTorch: logits, loss, aux loss, gradients and 10 AdamW steps",
           "[model][reference][moe]") {
-    for (const char* dir : {"build/reference_moe", "build/reference_moe_shared", "build/reference_moe_sigmoid"}) {
+    for (const char* dir : {"build/reference_moe", "build/reference_moe_shared", "build/reference_moe_deepseek"}) {
         INFO(dir);
         check_against_pytorch(dir);
     }

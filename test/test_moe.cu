@@ -21,9 +21,10 @@ const char* MOE_MODEL = "d2c48h4t32v301e4k2";
 // ... and for the layouts, experts of 40 hidden units (not 4C) whose gates are not renormalized, layer 0 dense
 // (n1), 1 sparse, 2 dense (off the step of 2), 3 sparse: DualPipeV's four chunks of one layer each put a dense
 // chunk and a sparse one on each of its two stages. GPT-2's sparse layers add DeepSeek's shared expert (y24, always
-// on, with GPT-2's biases) and its router's sigmoid scores, the gates scaled by 2.5 (i, r2.5); the Llama's are
-// Qwen2-MoE's: q, k and v biases and a gated shared expert (z56).
-const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2y24ir2.5";
+// on, with GPT-2's biases) and its router's sigmoid scores, the gates scaled by 2.5 and the selection bias (i, r2.5,
+// a: moved fast enough to change the routing within the run); the Llama's are Qwen2-MoE's: q, k and v biases and
+// a gated shared expert (z56).
+const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2y24ir2.5a";
 const char* LLAMA_LAYOUT_MODEL = "l4c48h4g2f88t32v301be4k2x40un1s2z56";
 
 TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts (or each "
@@ -208,16 +209,17 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
 }
 
 TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualPipeV) and recomputation, each with "
-          "gradient accumulation, on dense layers among the sparse ones and shared experts (DeepSeek's on GPT-2, "
-          "Qwen2-MoE's gated one on a Llama), gives the single-rank run's losses over 20 steps; the all-to-all bytes "
-          "(and under pp the p2p bytes) equal the formula",
+          "gradient accumulation, on dense layers among the sparse ones and shared experts (DeepSeek's on GPT-2 with its "
+          "router's sigmoid scores, scaled gates and selection bias; Qwen2-MoE's gated one on a Llama), gives the "
+          "single-rank run's losses over 20 steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula",
           "[moe]") {
     Data data;
     for (const char* model : {LAYOUT_MODEL, LLAMA_LAYOUT_MODEL}) {
     INFO(model);
     TempDir out;
+    std::string bias = parse_model_descriptor(model).router_bias ? " --moe-bias-rate 0.02" : "";
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank
-    REQUIRE(single_ok(data.flags(2, 128, 20, model), out / "one"));
+    REQUIRE(single_ok(data.flags(2, 128, 20, model) + bias, out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     struct Layout {
         const char* name;
@@ -234,7 +236,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
                      Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, model) + l.flags, dir, &run)) continue;
+        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, model) + bias + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         if (std::string(l.flags).find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
         // the step's p2p bytes alone: the experts' statistics, reduced over the stages after the step for its line,
@@ -383,12 +385,17 @@ TEST_CASE("the ep byte formula for balanced routing, by hand", "[moe]") {
     CHECK(planned_ep_comm_bytes(c, par, 2, 16, Device::CPU) == 0.0);
 }
 
-TEST_CASE("a run with experts under ep 2 resumes bit-exactly", "[moe]") {
+TEST_CASE("a run with experts under ep 2 resumes bit-exactly, and so does one whose router's selection bias moves "
+          "(the bias in the checkpoint's model, not in AdamW's state)", "[moe]") {
     Data data;
-    TempDir out;
-    GPTConfig c = parse_model_descriptor(MOE_MODEL);
-    check_resumes_bit_exactly(2, data.flags(2, 64, 6, MOE_MODEL) + " --ep 2 -z 1", out / "whole", out / "resumed",
-                              num_parameters(c));
+    for (std::string model : {std::string(MOE_MODEL), std::string(MOE_MODEL) + "ia"}) {
+        INFO(model);
+        TempDir out;
+        GPTConfig c = parse_model_descriptor(model);
+        std::string bias = c.router_bias ? " --moe-bias-rate 0.02" : "";
+        check_resumes_bit_exactly(2, data.flags(2, 64, 6, model) + bias + " --ep 2 -z 1", out / "whole",
+                                  out / "resumed", num_parameters(c));
+    }
 }
 
 TEST_CASE("bad experts and ep layouts are refused in one line", "[moe]") {

@@ -43,8 +43,10 @@
 #   CHECK_MODEL, CHECK_B, CHECK_T, CHECK_STEPS   the runs of determinism, mpi, cp, pp, moe, resume and nccl
 #                                              [cuda: d12, 4, 1024, 20; cpu: d4c128h2, 2, 64, 10]
 #   MOE_MODEL   the moe phase's model, with experts                 [d6c384h6e8k2 on cuda, d4c128h2e4k2 on cpu]
-#   MOE_MIXED_MODEL   ... and its Qwen3-MoE with dense layers (layers 0 and 2) among the sparse ones, experts of
-#               their own width    [q4c384h6g2d64f1024e8k2x256n1s2 on cuda, q4c128h2g1d64f344e4k2x96n1s2 on cpu]
+#   MOE_MIXED_MODEL   ... and its Qwen3 with dense layers (layers 0 and 2) among the sparse ones, experts of
+#               their own width, and DeepSeek-V3's routing: an always-on shared expert, sigmoid scores, gates scaled by
+#               2.5, a selection bias   [q4c384h6g2d64f1024e8k2x256n1s2y256ir2.5a on cuda,
+#               q4c128h2g1d64f344e4k2x96n1s2y96ir2.5a on cpu]
 #   MOE_SHARED_MODEL  ... and a Qwen2-MoE-shaped Llama: q, k and v biases, layer 0 dense, gates not renormalized, a
 #               gated shared expert   [l4c384h6g2f1024be8k2x256un1z512 on cuda, l4c128h2g1f344be4k2x96un1z128 on cpu]
 #   LLAMA_MODEL the Llama the mpi, cp and pp phases also run (grouped-query: 4 heads over 2 key/value heads);
@@ -161,7 +163,7 @@ if [[ $DEVICE == cuda ]]; then
     MPI_TOL=${MPI_TOL:-1e-3}
     RESUME_TOL=${RESUME_TOL:-5e-3}
     MOE_MODEL=${MOE_MODEL:-d6c384h6e8k2}
-    MOE_MIXED_MODEL=${MOE_MIXED_MODEL:-q4c384h6g2d64f1024e8k2x256n1s2}
+    MOE_MIXED_MODEL=${MOE_MIXED_MODEL:-q4c384h6g2d64f1024e8k2x256n1s2y256ir2.5a}
     MOE_SHARED_MODEL=${MOE_SHARED_MODEL:-l4c384h6g2f1024be8k2x256un1z512}
     LLAMA_MODEL=${LLAMA_MODEL:-l4c256h4g2f688}
     LLAMA_SHAPE=${LLAMA_SHAPE:-4:256:4:2:688}
@@ -171,7 +173,7 @@ elif [[ $DEVICE == cpu ]]; then
     MPI_TOL=${MPI_TOL:-1e-5}
     RESUME_TOL=${RESUME_TOL:-1e-5}
     MOE_MODEL=${MOE_MODEL:-d4c128h2e4k2}
-    MOE_MIXED_MODEL=${MOE_MIXED_MODEL:-q4c128h2g1d64f344e4k2x96n1s2}
+    MOE_MIXED_MODEL=${MOE_MIXED_MODEL:-q4c128h2g1d64f344e4k2x96n1s2y96ir2.5a}
     MOE_SHARED_MODEL=${MOE_SHARED_MODEL:-l4c128h2g1f344be4k2x96un1z128}
     LLAMA_MODEL=${LLAMA_MODEL:-l4c128h4g2f344}
     LLAMA_SHAPE=${LLAMA_SHAPE:-2:128:4:2:344}
@@ -757,10 +759,12 @@ phase_pp() {
 # ---------------------------------------------------------------------------------------------------------
 # moe: a mixture of experts (MOE_MODEL) on 2 ranks sharing the device over MPI, its experts split over them
 # (--ep 2, all-to-all dispatch; ZeRO-0 and ZeRO-1), replicated (dp 2), or on 2 pipeline stages under the
-# zero-bubble schedule (the split backward with experts), against one rank; then a Qwen3-MoE with dense layers
-# among the sparse ones (MOE_MIXED_MODEL) under ep 2 with ZeRO-1, and under pp 2 (zb: the output gradients of a
-# dense layer's MLP and of each expert's rows kept for the W step); and a Qwen2-MoE-shaped Llama (MOE_SHARED_MODEL:
-# attention biases, the gated shared expert's kernels) under ep 2 with ZeRO-1 and under pp 2 (zb)
+# zero-bubble schedule (the split backward with experts), against one rank; then a Qwen3 with dense layers
+# among the sparse ones and DeepSeek-V3's routing (MOE_MIXED_MODEL: the shared expert's MLP, sigmoid scores, the
+# selection bias moved after each step and written into the sharded master weights) under ep 2 with ZeRO-1, and
+# under pp 2 (zb: the output gradients of a dense layer's MLP and of each expert's rows kept for the W step); and a
+# Qwen2-MoE-shaped Llama (MOE_SHARED_MODEL: attention biases, the gated shared expert's kernels) under ep 2 with
+# ZeRO-1 and under pp 2 (zb)
 
 phase_moe() {
     if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then

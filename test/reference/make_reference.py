@@ -3,7 +3,8 @@
 
 Run with Debian's interpreter, which ships torch and numpy:
 
-    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe [--shared H] [--sigmoid] [--scale F]]
+    /usr/bin/python3 test/reference/make_reference.py --out DIR [--moe [--shared H] [--sigmoid] [--scale F]
+        [--bias-rate G]]
 
 Writes DIR/model.bin (llm.c checkpoint layout, fp32) and DIR/state.bin
 (inputs, targets, initial logits/loss/gradients, and the losses of a short
@@ -19,7 +20,11 @@ sum), llm5d's header[14] = H and its tensors last in the file. --sigmoid scores
 each expert by the sigmoid of its logit (DeepSeek-V3's router: the gates the
 chosen scores over their sum, the aux loss's P the scores over theirs, header[16]
 1), and --scale F multiplies the gates by F (routed_scaling_factor, header[17]
-its float's bits). Losses written
+its float's bits). --bias-rate G chooses the experts by the scores plus a bias
+per expert (DeepSeek-V3's balancing without an auxiliary loss: the gates stay
+the scores'), which after each AdamW step moves by G·sign(mean load − load) from
+that step's assignments (header[18] 1; the state's header[13] G; the bias last
+in the file, zeros, with zero gradients). Losses written
 are cross-entropy only; gradients and training use cross-entropy + aux.
 """
 
@@ -52,6 +57,7 @@ ALPHA = 0.0    # weight of the load-balancing loss
 SHARED = 0     # the shared expert's hidden units (0: none)
 SIGMOID = False  # the router's scores: each expert's sigmoid (else the softmax over the top K, and over all E for P)
 SCALE = 1.0    # the gates' factor
+BIAS_RATE = 0.0  # the selection bias's step per update (0: no bias)
 
 MOE_CONFIG = dict(L=2, E=4, K=2, ALPHA=0.1)
 
@@ -97,6 +103,8 @@ class Block(nn.Module):
             if SHARED:
                 self.shared_fc = nn.Linear(C, SHARED)
                 self.shared_fc_proj = nn.Linear(SHARED, C)
+            if BIAS_RATE:  # chooses, never trained: a buffer
+                self.register_buffer("sel_bias", torch.zeros(E))
         else:
             self.fc = nn.Linear(C, 4 * C)
             self.fc_proj = nn.Linear(4 * C, C)
@@ -123,6 +131,11 @@ class Block(nn.Module):
         """Top-K mixture of experts; returns (output, load-balancing loss)."""
         logits = self.router(h)                          # (nb, nt, E)
         top_logits, top_idx = torch.topk(logits, K, dim=-1)
+        if BIAS_RATE:  # the K largest scores plus the bias choose; the gates stay the scores'
+            choice = torch.sigmoid(logits) if SIGMOID else torch.softmax(logits, dim=-1)
+            _, top_idx = torch.topk(choice.detach() + self.sel_bias, K, dim=-1)
+            top_logits = torch.gather(logits, 2, top_idx)
+        self.last_counts = F.one_hot(top_idx, E).sum(dim=(0, 1, 2)).double()  # this forward's load per expert
         if SIGMOID:
             scores = torch.sigmoid(logits)
             chosen_scores = torch.gather(scores, 2, top_idx)
@@ -256,14 +269,16 @@ def ordered_tensors(model, grads=False):
         stack(lambda b: b.shared_fc.bias),         # (L, SHARED)
         stack(lambda b: b.shared_fc_proj.weight),  # (L, C, SHARED)
         stack(lambda b: b.shared_fc_proj.bias),    # (L, C)
-    ] if E and SHARED else [])
+    ] if E and SHARED else []) + ([
+        torch.stack([b.sel_bias if not grads else torch.zeros(E) for b in blks]),  # (L, E)
+    ] if E and BIAS_RATE else [])
 
 
 def expected_num_params():
     attn_ln = 4 * C * C + 8 * C        # ln_1, qkv, attn_proj, ln_2
     mlp = 8 * C * C + 5 * C            # fc + fc_proj with biases
     shared = 2 * C * SHARED + SHARED + C if SHARED else 0
-    per_layer = attn_ln + (E * C + E * mlp + shared if E else mlp)
+    per_layer = attn_ln + (E * C + E * mlp + shared + (E if BIAS_RATE else 0) if E else mlp)
     return VP * C + MAXT * C + L * per_layer + 2 * C
 
 
@@ -324,10 +339,12 @@ def main():
                     help="with --moe: a shared expert of this many hidden units")
     ap.add_argument("--sigmoid", action="store_true", help="with --moe: sigmoid scores")
     ap.add_argument("--scale", type=float, default=1.0, help="with --moe: the gates' factor")
+    ap.add_argument("--bias-rate", type=float, default=0.0, help="with --moe: a selection bias moving this fast")
     args = ap.parse_args()
-    assert args.moe or not (args.shared or args.sigmoid or args.scale != 1.0), "--shared, --sigmoid, --scale need --moe"
+    assert args.moe or not (args.shared or args.sigmoid or args.scale != 1.0 or args.bias_rate), \
+        "--shared, --sigmoid, --scale, --bias-rate need --moe"
     configure(args.moe)
-    globals().update(SHARED=args.shared, SIGMOID=args.sigmoid, SCALE=args.scale)
+    globals().update(SHARED=args.shared, SIGMOID=args.sigmoid, SCALE=args.scale, BIAS_RATE=args.bias_rate)
 
     t0 = time.time()
     torch.manual_seed(SEED)
@@ -384,6 +401,10 @@ def main():
         norms.append(norm)
         scale = CLIP / norm if norm > CLIP else 1.0
         adamw_step(params, decayed, m_state, v_state, step + 1, scale)
+        if BIAS_RATE:  # the bias toward balanced loads, from this step's assignments
+            with torch.no_grad():
+                for b in model.blocks:
+                    b.sel_bias += BIAS_RATE * torch.sign(b.last_counts.mean() - b.last_counts).float()
     assert losses[0] == init_loss, (losses[0], init_loss)
 
     os.makedirs(args.out, exist_ok=True)
@@ -391,14 +412,14 @@ def main():
     with open(model_path, "wb") as f:
         f.write(header([MODEL_MAGIC, MODEL_VERSION_FP32, MAXT, V, L, NH, C, VP,
                         E, K, 0, 0, 0, 0, SHARED, 0, int(SIGMOID),
-                        0 if SCALE == 1.0 else f32_bits(SCALE)]))
+                        0 if SCALE == 1.0 else f32_bits(SCALE), int(BIAS_RATE > 0)]))
         f.write(weight_bytes)
 
     state_path = os.path.join(args.out, "state.bin")
     with open(state_path, "wb") as f:
         f.write(header([STATE_MAGIC, STATE_VERSION, B, T, V, VP, NSTEPS,
                         f32_bits(LR), f32_bits(WD), f32_bits(CLIP),
-                        f32_bits(ALPHA), f32_bits(init_aux)]))
+                        f32_bits(ALPHA), f32_bits(init_aux), 0, f32_bits(BIAS_RATE)]))
         f.write(x.numpy().astype("<i4").tobytes())
         f.write(y.numpy().astype("<i4").tobytes())
         f.write(init_logits.numpy().astype("<f4").tobytes())
