@@ -60,7 +60,8 @@
 #               phase's)                                       [cuda: 4:256:4:2:688; cpu: 2:128:4:2:344]
 #   FP8_RUNS    model:B:T runs of 200 steps with and without --fp8 1, whose losses must agree within FP8_TOL
 #               (empty: none)
-#                                                          [d12:16:1024 l16c2048h32g8f8192t1024:4:1024]
+#               [d12:16:1024 l16c2048h32g8f8192t1024:4:1024 q8c1024h16g4d64f3072e8k2x768n1s2y768ir2.5a:8:1024: the
+#               last a Qwen3 of dense and sparse layers, a shared expert and DeepSeek-V3's routing, both kinds FP8]
 #   FP8_STEPS   steps of each FP8_RUNS run                                                 [200; quick 20]
 #   FP8_TOL     largest relative difference of a --fp8 1 run's loss from the bf16 run's, each step's loss
 #               averaged over FP8_WINDOW steps, after the warm-up (the runs' -u 20)                     [0.02]
@@ -138,7 +139,8 @@ if (( QUICK )); then
     FP8_SKIP=0  # quick's 20 steps are its warm-up: each compared alone
     ZERO_STAGES="1 3" PP_SCHEDULES="zb dualpipev"
 else
-    FP8_RUNS=${FP8_RUNS-d12:16:1024 l16c2048h32g8f8192t1024:4:1024} FP8_STEPS=${FP8_STEPS:-200} FP8_WINDOW=${FP8_WINDOW:-20}
+    FP8_RUNS=${FP8_RUNS-d12:16:1024 l16c2048h32g8f8192t1024:4:1024 q8c1024h16g4d64f3072e8k2x768n1s2y768ir2.5a:8:1024}
+    FP8_STEPS=${FP8_STEPS:-200} FP8_WINDOW=${FP8_WINDOW:-20}
     FP8_SKIP=$FP8_WARMUP  # the steps left out of the comparison
     FP8_SPEED=${FP8_SPEED-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:16:1024 llama3-1b:1:4096}
     ZERO_STAGES="0 1 2 3" PP_SCHEDULES="afab 1f1b zb dualpipev"
@@ -1165,7 +1167,7 @@ declare -A EST_FULL=(
     [tests]=20          # build/tests "[cuda]~[model]": 28 cases in 9 s on an H100 (2026-11-27)
     [model]=20          # 2 models x 2 attentions against the CPU model: 11 cases in 11 s on an H100
     [llama]=170         # 4 dev/cuda programs (< 20 s each), Catch2 30, llama3-1b 10 steps 30, PyTorch 40
-    [fp8]=450           # 2 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s a step), 12 timed runs
+    [fp8]=520           # 3 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s, the MoE ~0.15 s a step), 12 timed runs
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
     [moe]=160           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each
