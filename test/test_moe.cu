@@ -371,6 +371,25 @@ TEST_CASE("the pipeline's split weighs dense and sparse layers by the weights a 
     CHECK(layers(sparse, 3, 2) == std::make_pair(6, 2));
 }
 
+TEST_CASE("the selection bias moves by γ·sign(mean load − load) per layer, by hand; a layer no token reached stays",
+          "[moe]") {
+    MixtureOfExperts<float> moe;
+    moe.E = 4, moe.bias_rate = 0.25f;
+    moe.bias = {0.5f, -1.0f, 0.0f, 2.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // 3 layers of 4
+    // layer 0: mean 5, loads 1 9 5 5; layer 1: all at the mean; layer 2: none (a dense layer)
+    std::vector<double> load = {1, 9, 5, 5, 3, 3, 3, 3, 0, 0, 0, 0};
+    moe.balance(load);
+    std::vector<float> expected = {0.75f, -1.25f, 0.0f, 2.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    CHECK(moe.bias == expected);
+    // the routing chooses by score + bias and gates by the score: a large bias on the weakest expert picks it
+    const int E = 4, K = 1;
+    std::vector<float> logits = {2.0f, 1.0f, 0.0f, -1.0f}, bias = {0.0f, 0.0f, 0.0f, 5.0f};
+    MoERoute r;
+    route_tokens(r, logits.data(), 1, E, K, Routing{true, false, 1.0f}, bias.data());
+    CHECK(r.expert[0] == 3);
+    CHECK(r.gate[0] == Approx(1.0 / (1.0 + exp(1.0))).epsilon(1e-6));
+}
+
 TEST_CASE("the ep byte formula for balanced routing, by hand", "[moe]") {
     // d2c48h4e4k2 at B=2 T=16, ep 2, 3 micro-steps: per layer and micro-step half of the 2·32 = 64 rows go to
     // the other rank and as many come back, each crossing twice in forward and twice in backward as 48 fp32
