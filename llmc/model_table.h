@@ -437,15 +437,16 @@ inline int sparse_layers(const GPTConfig& c, const ModelPart& part) {
     return c.moe() ? (int)held_layers(c, LayerSet::Experts, part, part.layers()) : 0;
 }
 
-// The weights one token passes through in model layer l: every matrix the layer holds, an expert tensor's K
+// The weights one token passes through in each model layer: every matrix the layer holds, an expert tensor's K
 // blocks of E (the experts it is routed to). A layer's matmul FLOPs per token are twice this: the pipeline's
 // split weighs layers of different kinds by it (llmc/pp.cuh).
-inline double layer_token_weights(const GPTConfig& c, int layer) {
+inline std::vector<double> layer_token_weights(const GPTConfig& c) {
     ModelTable table = model_table(c);
-    double n = 0;
-    for (const TensorSpec& t : table)
-        if (t.holder == Holder::Layer && t.cols > 1 && layer_holds(c, t.layers, layer))
-            n += (double)t.block() * (t.expert ? c.top_k : 1);
+    std::vector<double> n(c.num_layers, 0.0);
+    for (int l = 0; l < c.num_layers; l++)
+        for (const TensorSpec& t : table)
+            if (t.holder == Holder::Layer && t.cols > 1 && layer_holds(c, t.layers, l))
+                n[l] += (double)t.block() * (t.expert ? c.top_k : 1);
     return n;
 }
 

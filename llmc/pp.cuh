@@ -52,8 +52,7 @@ struct PPSpec {
 // the layers of virtual stage g of `stages`: [first, first + count)
 inline std::pair<int, int> virtual_stage_layers(const GPTConfig& c, int stages, int g) {
     int L = c.num_layers;
-    std::vector<double> cost(L);
-    for (int l = 0; l < L; l++) cost[l] = layer_token_weights(c, l);
+    std::vector<double> cost = layer_token_weights(c);
     if (std::all_of(cost.begin(), cost.end(), [&](double x) { return x == cost[0]; })) {
         int base = L / stages, extra = L % stages;
         return {g * base + std::min(g, extra), base + (g < extra ? 1 : 0)};

@@ -212,21 +212,28 @@ TEST_CASE("a Hugging Face directory this trainer cannot represent, or a damaged 
     // GPT-2 with experts has no Hugging Face form; Mixtral's gates are renormalized, always
     check_one_line_error(single(strfmt("--convert build/reference_moe/model.bin --to '%s' --format hf", (out / "moe").c_str())),
                          {"--format hf", "experts"});
-    GPTConfig raw = parse_model_descriptor("l2c48h4e4k2u");
-    std::vector<float> raw_params(num_parameters(raw));
-    gpt_init_random(raw, raw_params.data(), 1);
-    gpt_save_params(raw, raw_params.data(), out / "raw.bin");
-    check_one_line_error(single(strfmt("--convert '%s' --to '%s' --format hf", (out / "raw.bin").c_str(),
-                                       (out / "raw").c_str())),
-                         {"--format hf", "Mixtral renormalizes"});
+    // a model of this shape, written as an llm.c file, then refused by --convert --format hf
+    auto not_exported = [&](const char* descriptor, const std::vector<std::string>& words) {
+        INFO(descriptor);
+        GPTConfig c = parse_model_descriptor(descriptor);
+        std::vector<float> params(num_parameters(c));
+        gpt_init_random(c, params.data(), 1);
+        std::string file = out / (std::string(descriptor) + ".bin"), hf = out / descriptor;
+        gpt_save_params(c, params.data(), file);
+        check_one_line_error(single(strfmt("--convert '%s' --to '%s' --format hf", file.c_str(), hf.c_str())), words);
+    };
+    not_exported("l2c48h4e4k2u", {"--format hf", "Mixtral renormalizes"});
     // ... and its layers are all sparse
-    GPTConfig mixed = parse_model_descriptor("l2c48h4e4k2n1");
-    std::vector<float> mixed_params(num_parameters(mixed));
-    gpt_init_random(mixed, mixed_params.data(), 1);
-    gpt_save_params(mixed, mixed_params.data(), out / "mixed.bin");
-    check_one_line_error(single(strfmt("--convert '%s' --to '%s' --format hf", (out / "mixed.bin").c_str(),
-                                       (out / "mixed").c_str())),
-                         {"--format hf", "Mixtral has experts in every layer"});
+    not_exported("l2c48h4e4k2n1", {"--format hf", "Mixtral has experts in every layer"});
+    // the classes the properties name: DeepSeek's ungated shared expert and its routing have none here; Qwen2-MoE
+    // has both q, k, v biases and a gated shared expert; Qwen3-MoE no shared expert
+    not_exported("l2c48h4be4k2y24", {"--format hf", "without a gate"});
+    not_exported("l2c48h4e4k2z24", {"--format hf", "Qwen2-MoE", "biases"});
+    not_exported("l2c48h4be4k2", {"--format hf", "Qwen2ForCausalLM"});
+    not_exported("l2c48h4b", {"--format hf", "Qwen2ForCausalLM"});
+    not_exported("q2c48h4e4k2z24", {"--format hf", "Qwen3-MoE has no shared expert"});
+    not_exported("l2c48h4be4k2z24i", {"--format hf", "DeepSeek-V3"});
+    not_exported("l2c48h4be4k2z24a", {"--format hf", "DeepSeek-V3"});
     // Qwen3-MoE's dense layers: the first ones (not layer 1 alone), and at least one layer sparse (a step of 3 in 2
     // layers leaves none)
     std::string qwen_moe = "build/reference_qwen3_moe/hf";
