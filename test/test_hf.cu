@@ -370,7 +370,6 @@ TEST_CASE("the fine-tune path: a Hugging Face Llama 3 directory with Llama 3's t
     CHECK(!file_exists(plain + "/tokenizer.json"));
 }
 
-
 TEST_CASE("the fine-tune path for Qwen3-MoE: a Hugging Face directory (a dense layer, then a sparse one) with Qwen's "
           "tokenizer -> its own tokens -> train_gpt -e DIR under --ep 2, the same losses as one rank -> --convert "
           "--format hf, the tokenizer files beside the weights and the dense layer where HF has it",
