@@ -152,12 +152,14 @@ $(QWEN3_REFERENCES): test/reference/make_qwen3_reference.py test/reference/make_
 # small Hugging Face mixtures of experts in float64, each its HF directory hf/ and a state (no llm.c file: the
 # tests read the directory): Qwen3-MoE with the top-K gates renormalized and not, and Mixtral
 MOE_REFERENCES = build/reference_qwen3_moe/state.bin build/reference_qwen3_moe_raw/state.bin \
-    build/reference_mixtral/state.bin build/reference_qwen3_moe_mixed/state.bin build/reference_qwen2_moe/state.bin
+    build/reference_mixtral/state.bin build/reference_qwen3_moe_mixed/state.bin build/reference_qwen2_moe/state.bin \
+    build/reference_qwen3_moe_batch/state.bin
 build/reference_qwen3_moe/state.bin: MOE_FLAGS = --arch qwen3_moe
 build/reference_qwen3_moe_raw/state.bin: MOE_FLAGS = --arch qwen3_moe --unnormalized
 build/reference_mixtral/state.bin: MOE_FLAGS = --arch mixtral
 build/reference_qwen3_moe_mixed/state.bin: MOE_FLAGS = --arch qwen3_moe --layers 4 --dense-layers 1 --sparse-step 2
 build/reference_qwen2_moe/state.bin: MOE_FLAGS = --arch qwen2_moe --unnormalized --layers 3 --dense-layers 1
+build/reference_qwen3_moe_batch/state.bin: MOE_FLAGS = --arch qwen3_moe --aux-batch
 $(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llama_reference.py \
     test/reference/make_hf_reference.py
 	@mkdir -p $(@D)

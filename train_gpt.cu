@@ -395,6 +395,8 @@ struct Trainer {
         model.moe.ep = &grid.ep_comm;
         model.moe.ep_rank = grid.at.ep;
         model.moe.alpha = o.moe_aux, model.moe.bias_rate = o.moe_bias_rate;
+        if (o.moe_aux_scope == "batch") model.moe.aux_scope = AuxScope::Batch;
+        if (grid.dp_cp().size > 1) model.moe.batch = &grid.dp_cp();
         model.seed = o.seed;
         if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
             gpt_allocate_fp8(model);

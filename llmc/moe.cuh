@@ -24,6 +24,11 @@
 //            to expert i (a constant), P_i the mean over its tokens of the scores normalized to sum to one (the
 //            softmax itself; DeepSeek-V3's sequence-wise loss under sigmoid scores).
 //            The trainer's objective adds its mean over the global batch's sequences, summed over layers.
+//            Or over the batch (Megatron-LM's global aux loss): f is the layer's share over every sequence of the
+//            step's micro-batches so far on all dp·cp ranks (the global batch's at the last micro-batch; one
+//            all-reduce of E counts per layer and micro-batch), P the mean over the micro-batch's tokens on all of
+//            them, and the objective adds the mean over micro-batches. Every sequence then shares f, so the
+//            per-sequence sums below serve both: the mean of Σ_i f_i·P_i over the sequences is Σ_i f_i·P_i.
 //
 // The routing decisions are small (K numbers per token) and made on the host, from the logits the router
 // kernel leaves in fp32, by the same code for both devices; the rows themselves move with kernels. Forward
@@ -321,23 +326,8 @@ inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K
     }
 }
 
-// the aux loss's gradient wants, per sequence, f (the share of assignments per expert) and Σ_t P; under cp a
-// sequence's tokens are spread over the group, so the sums are taken over it
-template <typename floatX>
-inline void sequence_statistics(MoERoute& r, std::vector<float>& prob_sums, ContextParallel<floatX>& cp, int B, int Tl,
-                                int E, int K) {
-    std::vector<float> sums(2 * (size_t)B * E, 0.0f);  // the counts, then Σ_t P, per sequence and expert
-    for (long t = 0; t < (long)B * Tl; t++) {
-        long b = t / Tl;
-        for (int k = 0; k < K; k++) sums[b * E + r.expert[t * K + k]] += 1.0f;
-        for (int e = 0; e < E; e++) sums[((long)B + b) * E + e] += r.probs[t * E + e];
-    }
-    if (cp.on()) cp.comm->wait(cp.comm->all_reduce(sums.data(), sums.data(), sums.size(), DType::F32));
-    float T = (float)Tl * cp.spec.size;
-    r.freq.resize((size_t)B * E);
-    prob_sums.assign(sums.begin() + (long)B * E, sums.end());
-    for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = sums[i] / (T * K);
-}
+// Where the aux loss's f comes from: each sequence's assignments, or the batch's (see the top)
+enum class AuxScope { Sequence, Batch };
 
 // ----------------------------------------------------------------------------------------------------------
 
@@ -349,7 +339,9 @@ struct MixtureOfExperts {
     std::vector<float> bias;
     float bias_rate = 0.001f;
     float alpha = 0.01f;      // the aux loss's weight
+    AuxScope aux_scope = AuxScope::Sequence;
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
+    Comm* batch = nullptr;    // the dp·cp group, whose tokens make the batch of the batch scope; null for one rank
     int ep_size = 1, ep_rank = 0;
     // scratch shared by the layers: rows in dispatch order and on the experts' side, the router's fp32
     // buffers, and (on the GPU) the routing decisions uploaded for the kernels
@@ -363,6 +355,9 @@ struct MixtureOfExperts {
     // assignments per (model layer, expert)
     double aux_sum = 0.0;
     std::vector<double> load;
+    // under the batch scope: each layer's assignments per expert over the step's micro-batches so far, summed over
+    // the batch group (L·E)
+    std::vector<double> batch_load;
     // ... and what crossed ranks: the rows sent to other ranks' experts and received from other ranks, and the
     // count exchanges (one per layer and micro-batch)
     long rows_crossing = 0, count_exchanges = 0;
@@ -371,6 +366,7 @@ struct MixtureOfExperts {
     void reset_statistics() {
         aux_sum = 0.0;
         std::fill(load.begin(), load.end(), 0.0);
+        std::fill(batch_load.begin(), batch_load.end(), 0.0);
         rows_crossing = count_exchanges = 0;
     }
     // The bytes this rank sends over the ep group, by the formula: per layer and micro-batch, forward's dispatch
@@ -390,6 +386,7 @@ struct MixtureOfExperts {
         bias.assign(c.router_bias ? (size_t)c.num_layers * E : 0, 0.0f);
         int layers = c.num_layers, C = c.channels;
         load.assign((size_t)layers * E, 0.0);
+        batch_load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
         auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
         auto scr_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_SCRATCH, n); };
@@ -422,6 +419,33 @@ struct MixtureOfExperts {
         for (int j = 1; j < ep_size; j++) out_at[j] = out_at[j - 1] + out[j - 1], in_at[j] = in_at[j - 1] + in[j - 1];
         if (to_experts) ep->wait(ep->all_to_allv(from, out.data(), out_at.data(), to, in.data(), in_at.data(), dtype_of<floatX>()));
         else ep->wait(ep->all_to_allv(from, in.data(), in_at.data(), to, out.data(), out_at.data(), dtype_of<floatX>()));
+    }
+
+    // The aux loss's statistics: each sequence's f (r.freq, B·E), which its gradient wants, and Σ_t P (prob_sums,
+    // B·E), which its value adds. Under cp a sequence's tokens are spread over the group, so its sums are taken
+    // over it. Under the batch scope every sequence's f is the layer's share of the step's assignments so far,
+    // this micro-batch's (this rank's: send_counts) summed over the batch group.
+    void aux_statistics(MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl, int layer) {
+        std::vector<float> sums(2 * (size_t)B * E, 0.0f);  // the counts, then Σ_t P, per sequence and expert
+        for (long t = 0; t < (long)B * Tl; t++) {
+            long b = t / Tl;
+            for (int k = 0; k < K; k++) sums[b * E + r.expert[t * K + k]] += 1.0f;
+            for (int e = 0; e < E; e++) sums[((long)B + b) * E + e] += r.probs[t * E + e];
+        }
+        if (cp.on()) cp.comm->wait(cp.comm->all_reduce(sums.data(), sums.data(), sums.size(), DType::F32));
+        prob_sums.assign(sums.begin() + (long)B * E, sums.end());
+        r.freq.resize((size_t)B * E);
+        if (aux_scope == AuxScope::Sequence) {
+            float T = (float)Tl * cp.spec.size;
+            for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = sums[i] / (T * K);
+            return;
+        }
+        std::vector<double> counts(r.send_counts.begin(), r.send_counts.end());
+        if (batch) batch->wait(batch->all_reduce(counts.data(), counts.data(), E, DType::F64));
+        double* so_far = &batch_load[(size_t)layer * E];
+        double total = 0.0;
+        for (int e = 0; e < E; e++) so_far[e] += counts[e], total += so_far[e];
+        for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = (float)(so_far[i % E] / total);
     }
 
     // The counts of rows each rank of the ep group sends to this one's experts, and the order in which the
@@ -469,7 +493,7 @@ struct MixtureOfExperts {
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
         route_tokens(r, host_logits.data(), BT, E, K, routing, bias.empty() ? nullptr : &bias[(size_t)layer * E]);
-        sequence_statistics(r, prob_sums, cp, B, Tl, E, K);
+        aux_statistics(r, cp, B, Tl, layer);
         if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
             for (int b = 0; b < B; b++) {
                 double sum = 0.0;

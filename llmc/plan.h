@@ -42,6 +42,7 @@ struct ParallelPlan {
     PPSpec pp;  // the stages, the schedule, and which stage the plan is for (pp.rank)
     int ep = 1;
     bool fp8 = false;  // --fp8
+    bool aux_batch = false;  // --moe-aux-scope batch
     // the ranks that reduce gradients and shard model states together (the expert tensors': expert_ranks())
     int grad_ranks() const { return dp * cp; }
     int expert_ranks() const { return dp / ep * cp; }
@@ -232,9 +233,14 @@ inline void print_memory(const char* title, const size_t bytes[MEM_CATEGORIES], 
 // double per rank, summed in rank order) add 2(N-1)/N·8 + (N-1)·8 bytes. Values move as stored on the device.
 // Under expert parallelism the expert tensors' buckets move over their own group of replicas, which also
 // all-gathers its norm (the experts' norm then crosses the ep group: planned_ep_comm_bytes counts it). A router
-// with a selection bias all-reduces the step's loads (L·E doubles) over dp·cp, tp and pp (balance_experts).
+// with a selection bias all-reduces the step's loads (L·E doubles) over dp·cp, tp and pp (balance_experts);
+// under --moe-aux-scope batch each sparse layer's forward all-reduces its E counts (doubles) over dp·cp.
 inline double balancing_bytes(const GPTConfig& c, double N) {
     return c.router_bias ? 2 * (N - 1) / N * c.num_layers * c.num_experts * sizeof(double) : 0.0;
+}
+inline double aux_batch_bytes(const GPTConfig& c, const ParallelPlan& par, double N) {
+    if (!par.aux_batch) return 0.0;
+    return par.accumulation * sparse_layers(c, planned_part(c, par)) * 2 * (N - 1) / N * c.num_experts * sizeof(double);
 }
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
@@ -246,7 +252,7 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
         double N = groups[i].ranks, ring = (N - 1) / N, P = (double)groups[i].layout.padded_total;
         double loss = i == 0 ? 2 * sizeof(double) : 0.0;  // the loss: over dp·cp, the first group's ranks
         bytes += ring * (passes * P * stored_value_bytes(device) + loss) + (N - 1) * sizeof(double);
-        if (i == 0) bytes += balancing_bytes(c, N);
+        if (i == 0) bytes += balancing_bytes(c, N) + aux_batch_bytes(c, par, N);
     }
     return bytes;
 }

@@ -32,6 +32,7 @@ inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     p.dp = dp, p.zero = o.zero, p.bucket_floats = o.bucket_floats();
     p.accumulation = accumulation;
     p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.fp8 = o.fp8 == 1, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
+    p.aux_batch = o.moe_aux_scope == "batch";
     return p;
 }
 
@@ -54,6 +55,8 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     if (config.num_experts % o.ep != 0)
         fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
     if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
+    if (!o.moe_aux_scope.empty() && !config.moe())
+        fail("--moe-aux-scope %s: the model has no experts", o.moe_aux_scope.c_str());
     l.tokens_per_micro_step = (long)o.B * o.T * l.dp;
     l.total_batch = o.total_batch == -1 ? l.tokens_per_micro_step : o.total_batch;
     if (l.total_batch % l.tokens_per_micro_step != 0)

@@ -15,6 +15,7 @@ struct ReferenceState {
     float lr, weight_decay, grad_clip;
     float aux_weight, aux;  // with experts: the load-balancing loss's weight, and its value on the batch
     float bias_rate;        // with a router's selection bias: its step per update
+    bool aux_batch;         // the load-balancing loss over the batch (--moe-aux-scope batch), not per sequence
     std::vector<int> inputs, targets;
     std::vector<float> logits, grads, losses;
     float loss;
@@ -38,6 +39,7 @@ ReferenceState read_state(const std::string& path, size_t num_parameters) {
     s.aux_weight = float_from_bits(h[10]), s.aux = float_from_bits(h[11]);
     s.micro = std::max(h[12], 1);
     s.bias_rate = float_from_bits(h[13]);
+    s.aux_batch = h[14] == 1;
     size_t BT = (size_t)s.B * s.T;
     s.inputs.resize(s.micro * BT);
     s.targets.resize(s.micro * BT);
@@ -75,6 +77,7 @@ void check_against_pytorch(const std::string& dir, std::string model_path = "", 
     else gpt_load_params(m.config, m.params, model_path);
     ref = read_state(dir + "/state.bin", m.num_parameters);
     m.moe.alpha = ref.aux_weight, m.moe.bias_rate = ref.bias_rate;
+    if (ref.aux_batch) m.moe.aux_scope = AuxScope::Batch;
     REQUIRE(ref.V == config.vocab_size);
     REQUIRE(ref.Vp == config.padded_vocab_size);
     long BT = (long)ref.B * ref.T;
@@ -167,11 +170,13 @@ TEST_CASE("CPU Qwen3 matches a float64 PyTorch Qwen3 written from Hugging Face's
 TEST_CASE("CPU Qwen3-MoE, Qwen2-MoE and Mixtral read from Hugging Face directories match float64 PyTorch models "
           "written from HF's modeling_qwen3_moe, modeling_qwen2_moe and modeling_mixtral (the softmax over all "
           "experts, its top 2 of 4 renormalized or not, experts of their own width; dense and sparse layers mixed by "
-          "mlp_only_layers and decoder_sparse_step; Qwen2-MoE's q, k and v biases and gated shared expert): logits, "
-          "loss, aux loss, every gradient and 10 AdamW steps",
+          "mlp_only_layers and decoder_sparse_step; Qwen2-MoE's q, k and v biases and gated shared expert; the "
+          "load-balancing loss over the batch, its f counted over the step's micro-batches so far): logits, loss, aux "
+          "loss, every gradient and 10 AdamW steps",
           "[model][reference][moe][hf]") {
     for (const char* dir : {"build/reference_qwen3_moe", "build/reference_qwen3_moe_raw", "build/reference_mixtral",
-                            "build/reference_qwen3_moe_mixed", "build/reference_qwen2_moe"}) {
+                            "build/reference_qwen3_moe_mixed", "build/reference_qwen2_moe",
+                            "build/reference_qwen3_moe_batch"}) {
         INFO(dir);
         check_against_pytorch(dir, std::string(dir) + "/hf", 1e-5);
     }

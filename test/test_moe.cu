@@ -249,6 +249,56 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
     }
 }
 
+// main.log's aux loss at a step (printed to 6 decimals), NAN when it has none
+double aux_at(const std::string& dir, int step) {
+    for (const std::string& line : lines_of(read_file(dir + "/main.log"))) {
+        int s;
+        size_t at = line.find(" aux:");
+        if (sscanf(line.c_str(), "s:%d trl:", &s) == 1 && s == step && at != std::string::npos)
+            return atof(line.c_str() + at + 5);
+    }
+    return NAN;
+}
+
+// The batch scope's f is the share over the step's micro-batches so far on every dp·cp rank, so a layout equals
+// the single-rank run that puts the same sequences in each micro-batch: dp·b of them (the loader deals
+// micro-step m's rows (m·dp + r)·b onwards to rank r). Its dp bytes add the counts' all-reduce (E doubles per
+// sparse layer and micro-batch), which the formula counts.
+TEST_CASE("--moe-aux-scope batch (Megatron-LM's global aux loss) under ep with dp, ZeRO-3, tp, cp, pp (1F1B, "
+          "DualPipeV) and recomputation gives the single-rank run's losses over 20 steps with as many sequences per "
+          "micro-batch; its aux differs from the per-sequence one; the dp bytes equal the formula",
+          "[moe]") {
+    Data data;
+    TempDir out;
+    const std::string flags = " --moe-aux-scope batch --moe-aux 0.05";
+    // 16 sequences a step: 4 micro-batches of 4 on one rank (DualPipeV on 2 stages wants 4)
+    REQUIRE(single_ok(data.flags(4, 256, 20, LLAMA_LAYOUT_MODEL) + flags, out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    REQUIRE(single_ok(data.flags(4, 256, 20, LLAMA_LAYOUT_MODEL) + " --moe-aux 0.05", out / "sequence"));
+    // the same sequences, the same first cross-entropy, another objective: the aux loss and the norms differ
+    std::map<std::string, double> per_sequence = losses(out / "sequence");
+    CHECK(per_sequence.at("trl 0") == reference.at("trl 0"));
+    CHECK(per_sequence.at("norm 0") != reference.at("norm 0"));
+    CHECK(aux_at(out / "sequence", 0) != aux_at(out / "one", 0));
+    struct Layout {
+        const char* name;
+        int ranks, b;
+        const char* flags;
+    };
+    for (Layout l : {Layout{"ep2", 2, 2, " --ep 2"}, Layout{"ep4", 4, 1, " --ep 4"}, Layout{"ep2_z3", 2, 2, " --ep 2 -z 3"},
+                     Layout{"ep2_tp2", 4, 2, " --ep 2 --tp 2"}, Layout{"ep2_cp2", 4, 2, " --ep 2 --cp 2"},
+                     Layout{"ep2_pp2", 4, 2, " --ep 2 --pp 2"},
+                     Layout{"ep2_dualpipev", 4, 2, " --ep 2 --pp 2 --pp-schedule dualpipev"},
+                     Layout{"dp2_r2", 2, 2, " -r 2"}}) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(l.ranks, data.flags(l.b, 256, 20, LLAMA_LAYOUT_MODEL) + flags + l.flags, dir, &run)) continue;
+        check_close(losses(dir), reference, 1e-5);
+        CHECK(std::fabs(aux_at(dir, 0) - aux_at(out / "one", 0)) <= 2e-6);
+        if (std::string(l.flags).find("--pp") == std::string::npos) require_counted_equals_formula(run);
+    }
+}
+
 TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sparse or dense layers among them: "
           "ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and recomputation", "[moe]") {
     for (const char* model : {"d2c48h4t32v301e4k2", LAYOUT_MODEL, LLAMA_LAYOUT_MODEL}) {
@@ -430,6 +480,8 @@ TEST_CASE("bad experts and ep layouts are refused in one line", "[moe]") {
     refused(MOE_MODEL, " --plan --world 6 --ep 3", {"--ep 3", "must divide the number of experts (4)"});
     refused(MOE_MODEL, " --plan --world 4 --ep 8", {"--ep 8", "must divide the data-parallel size 4"});
     refused("d2c48h4t32v301", " --moe-aux 0.1", {"--moe-aux", "no experts"});
+    refused("d2c48h4t32v301", " --moe-aux-scope batch", {"--moe-aux-scope batch", "no experts"});
+    refused(MOE_MODEL, " --moe-aux-scope global", {"--moe-aux-scope global", "sequence, batch"});
 }
 
 }  // namespace test_moe

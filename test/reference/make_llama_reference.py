@@ -234,6 +234,7 @@ def run_reference(model, x, y):
     model: .p (a dict of float64 leaf tensors), .forward(idx, targets) -> (logits, loss, aux) and
     .flat(grads=True) -> the gradients in llm5d's flat order, float32."""
     params = list(model.p.values())
+    start_step = getattr(model, "start_step", lambda: None)  # a model that keeps statistics over a step's micro-batches
     # the first micro-batch alone: logits, loss and every gradient of its objective (the mean loss, plus with
     # experts the load-balancing loss)
     logits, loss, aux = model.forward(x[:B], y[:B])
@@ -247,6 +248,7 @@ def run_reference(model, x, y):
     for step in range(1, NSTEPS + 1):
         for p in params:
             p.grad = None
+        start_step()
         total = 0.0
         for k in range(MICRO):
             _, loss, aux = model.forward(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B])
@@ -276,12 +278,12 @@ def write_model_file(path, ints, floats, values):
         f.write(values.tobytes())
 
 
-def write_state(path, x, y, logits, loss, grads, losses, moe=(0, 0)):
-    """The state file: header (moe: header [10], [11]), every micro-batch's inputs and targets, the first one's
-    logits, loss and gradients, then the steps' losses."""
+def write_state(path, x, y, logits, loss, grads, losses, moe=(0, 0), aux_batch=False):
+    """The state file: header (moe: header [10], [11]; [14] 1 for the load-balancing loss over the batch), every
+    micro-batch's inputs and targets, the first one's logits, loss and gradients, then the steps' losses."""
     with open(path, "wb") as f:
         f.write(header_ints([STATE_MAGIC, STATE_VERSION, B, T, V, VP, NSTEPS, f32_bits(LR), f32_bits(WD),
-                             f32_bits(CLIP), *moe, MICRO]))
+                             f32_bits(CLIP), *moe, MICRO, 0, int(aux_batch)]))
         f.write(x.numpy().astype("<i4").tobytes())
         f.write(y.numpy().astype("<i4").tobytes())
         f.write(logits.numpy().astype("<f4").tobytes())

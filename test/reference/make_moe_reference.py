@@ -4,7 +4,7 @@
 Run with Debian's interpreter, which ships torch and numpy:
 
     /usr/bin/python3 test/reference/make_moe_reference.py --out DIR --arch qwen3_moe|qwen2_moe|mixtral
-        [--unnormalized] [--layers L --dense-layers N --sparse-step S]
+        [--unnormalized] [--layers L --dense-layers N --sparse-step S] [--aux-batch]
 
 An independent model written here from Hugging Face's modeling_qwen3_moe (Qwen3MoeForCausalLM),
 modeling_qwen2_moe (Qwen2MoeForCausalLM) and modeling_mixtral (MixtralForCausalLM), its parameters kept under
@@ -23,6 +23,9 @@ The objective is llm5d's: the mean cross-entropy plus ALPHA times its load-balan
 sequence and layer (f_i the share of the sequence's K·T assignments that went to expert i, a constant; P_i the
 mean over its tokens of the softmax over all E), averaged over the sequences and summed over the sparse layers. (HF adds
 no auxiliary loss unless output_router_logits is set, and then a different one; the trainer's is --moe-aux.)
+With --aux-batch it is llm5d's --moe-aux-scope batch (Megatron-LM's global aux loss) instead: per layer and
+micro-batch E·Σ_i f_i·P_i, f_i the share of the assignments over the step's micro-batches so far, P_i the mean over
+the micro-batch's tokens; the objective's mean over the micro-batches is run_reference's.
 
 Writes:
 - DIR/hf/: config.json as the Hub's checkpoints write it and model.safetensors (F32, HF's names and row order,
@@ -76,8 +79,9 @@ ARCHS = {
 class MoEModel:
     """The parameters as {HF name: float64 leaf tensor}, the forward pass in HF's conventions, llm5d's order."""
 
-    def __init__(self, arch, normalize, gen, layers=L, dense_layers=0, sparse_step=1):
-        self.arch, self.normalize = arch, normalize
+    def __init__(self, arch, normalize, gen, layers=L, dense_layers=0, sparse_step=1, aux_batch=False):
+        self.arch, self.normalize, self.aux_batch = arch, normalize, aux_batch
+        self.start_step()
         self.L, self.mlp_only_layers, self.sparse_step = layers, list(range(dense_layers)), sparse_step
         # HF's Qwen3MoeDecoderLayer: which layers hold a sparse block
         self.sparse = [l not in self.mlp_only_layers and (l + 1) % sparse_step == 0 for l in range(layers)]
@@ -178,9 +182,17 @@ class MoEModel:
             gate = torch.sigmoid(flat @ p[mlp + "shared_expert_gate.weight"].t())
             out = out + gate * self.mlp(flat, mlp + "shared_expert.")
         counts = F.one_hot(chosen.view(nb, nt * K), E).sum(dim=1).to(x.dtype)    # (nb, E)
+        if self.aux_batch:  # f over the step's micro-batches so far, P over this one's tokens
+            self.so_far[l] = self.so_far.get(l, 0.0) + counts.sum(dim=0)
+            f = (self.so_far[l] / self.so_far[l].sum()).detach()
+            return out.view(nb, nt, C), ALPHA * E * (f * probs.mean(dim=0)).sum()
         f = (counts / (nt * K)).detach()
         prob = probs.view(nb, nt, E).mean(dim=1)
         return out.view(nb, nt, C), (ALPHA * E * (f * prob).sum(dim=-1)).mean()
+
+    def start_step(self):
+        """A new optimizer step: the batch scope's counts start again."""
+        self.so_far = {}
 
     def mlp(self, x, prefix):
         """Qwen-MoE's MLP (a dense layer's, or the shared expert): down(silu(gate(x))·up(x))."""
@@ -270,6 +282,7 @@ def main():
     ap.add_argument("--layers", type=int, default=L)
     ap.add_argument("--dense-layers", type=int, default=0, help="Qwen-MoE: mlp_only_layers [0, N)")
     ap.add_argument("--sparse-step", type=int, default=1, help="Qwen-MoE: decoder_sparse_step")
+    ap.add_argument("--aux-batch", action="store_true", help="the load-balancing loss's f over the step's batch")
     args = ap.parse_args()
     assert not (args.unnormalized and args.arch == "mixtral"), "Mixtral always renormalizes its gates"
     assert args.arch != "mixtral" or (args.dense_layers, args.sparse_step) == (0, 1), "Mixtral's layers are all sparse"
@@ -279,7 +292,8 @@ def main():
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(SEED + 200 + int(args.unnormalized) + 2 * (args.arch == "mixtral") +
                                         4 * args.dense_layers + 8 * args.sparse_step + 32 * (args.arch == "qwen2_moe"))
-    model = MoEModel(args.arch, not args.unnormalized, gen, args.layers, args.dense_layers, args.sparse_step)
+    model = MoEModel(args.arch, not args.unnormalized, gen, args.layers, args.dense_layers, args.sparse_step,
+                     args.aux_batch)
     x = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
     y = torch.randint(0, V, (MICRO * B, T), generator=gen, dtype=torch.long)
 
@@ -291,7 +305,7 @@ def main():
                       {name: t.detach().numpy().astype("<f4") for name, t in model.p.items()}, "F32")
     init_logits, init_loss, init_aux, init_grads, losses = run_reference(model, x, y)
     write_state(os.path.join(args.out, "state.bin"), x, y, init_logits, init_loss, init_grads, losses,
-                (f32_bits(ALPHA), f32_bits(init_aux)))
+                (f32_bits(ALPHA), f32_bits(init_aux)), args.aux_batch)
     dense = [l for l in range(model.L) if not model.sparse[l]]
     print(f"{args.arch} L={model.L} dense layers {dense} C={C} NH={NH} KV={KV} HD={model.hd} E={E} K={K} "
           f"expert H={H_EXPERT} normalized={model.normalize}: {init_grads.size} parameters, initial loss {init_loss:.6f}, aux "
