@@ -126,25 +126,31 @@ static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& p
     return row;
 }
 
-// With experts: the step's load-balancing loss (its mean over the global batch's sequences) and each layer's
-// smallest and largest share of the assignments ("min/max,..."), from what the step's forward passes counted,
-// summed over the ranks that saw other tokens (dp × cp) and the stages that hold other layers. A collective.
+// With experts: the step's load-balancing loss (its mean over the global batch's sequences), the assignments
+// dropped at capacity and each layer's smallest and largest share of the assignments chosen ("min/max,..."),
+// from what the step's forward passes counted, summed over the ranks that saw other tokens (dp × cp) and the
+// stages that hold other layers. A collective.
+struct ExpertStatistics {
+    double aux = -1.0;  // negative: a model without experts
+    long dropped = 0;
+    std::string shares;
+};
 template <typename floatX>
-static std::pair<double, std::string> expert_statistics(GPTModel<floatX>& m, Grid& grid, long sequences) {
-    std::vector<double> sums(1 + m.moe.load.size());
-    sums[0] = m.moe.aux_sum;
-    std::copy(m.moe.load.begin(), m.moe.load.end(), sums.begin() + 1);
+static ExpertStatistics expert_statistics(GPTModel<floatX>& m, Grid& grid, long sequences) {
+    std::vector<double> sums(2 + m.moe.load.size());
+    sums[0] = m.moe.aux_sum, sums[1] = (double)m.moe.dropped;
+    std::copy(m.moe.load.begin(), m.moe.load.end(), sums.begin() + 2);
     for (Comm* group : {&grid.dp_cp(), &grid.pp_comm})
         group->wait(group->all_reduce(sums.data(), sums.data(), sums.size(), DType::F64));
-    std::string shares;
+    ExpertStatistics s{sums[0] / sequences, (long)sums[1], ""};
     int E = m.config.num_experts;
     for (int l = 0; l < m.config.num_layers; l++) {
-        const double* load = &sums[1 + (size_t)l * E];
+        const double* load = &sums[2 + (size_t)l * E];
         double total = std::accumulate(load, load + E, 0.0);
-        shares += strfmt("%s%.3f/%.3f", l ? "," : "", *std::min_element(load, load + E) / total,
-                         *std::max_element(load, load + E) / total);
+        s.shares += strfmt("%s%.3f/%.3f", l ? "," : "", *std::min_element(load, load + E) / total,
+                           *std::max_element(load, load + E) / total);
     }
-    return {sums[0] / sequences, shares};
+    return s;
 }
 
 // DeepSeek-V3's balancing after an update: the step's loads summed over every rank (the tp group's first rank
@@ -387,6 +393,7 @@ struct Trainer {
         rank_layout.own = DataParallel<floatX>::model_buffers(o.zero);
         rank_layout.tp = TPSpec{grid.tp, grid.at.tp, o.sp == 1};
         rank_layout.cp = CPSpec{grid.cp, grid.at.cp, cp_split(o)}, rank_layout.ep = grid.ep;
+        rank_layout.capacity = o.moe_capacity;
         rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions, pp);
         rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
         gpt_allocate(model, config, o.B, o.T, rank_layout);
@@ -629,22 +636,25 @@ struct Trainer {
     // the step's line and main.log's; after the first step, what it sent, its memory, its cp balance and its
     // pipeline's bubble against the formulas (collectives)
     void report(int step, const StepResult& r, const BytesSent& sent) {
-        auto [aux, shares] = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
-                                        : std::pair<double, std::string>{-1.0, ""};
+        ExpertStatistics experts = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
+                                                : ExpertStatistics{};
+        double aux = experts.aux;
+        long dropped = o.moe_capacity > 0.0f ? experts.dropped : -1;
         bool first = step == state.step;
         if (lead) {
-            printf("step %5d/%d | loss %.6f%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, r.loss,
-                   aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "", r.lr, r.norm, r.ms,
+            printf("step %5d/%d | loss %.6f%s%s | lr %.2e | norm %.4f | %.1f ms | %.0f tok/s%s\n", step + 1, steps, r.loss,
+                   aux >= 0.0 ? strfmt(" | aux %.6f", aux).c_str() : "",
+                   dropped >= 0 ? strfmt(" | dropped %ld", dropped).c_str() : "", r.lr, r.norm, r.ms,
                    run.total_batch / (r.ms / 1000.0),
                    r.skipped ? strfmt(" | update skipped: %s (%d in a row)",
                                       r.spike.found() ? spikes.reason(r.spike).c_str() : "not finite", bad_steps).c_str()
                              : "");
             if (first) report_against_plan(sent);
             fflush(stdout);
-            log.train(step, (float)r.loss, r.lr, (float)r.norm, r.skipped, (float)aux, r.spike);
+            log.train(step, (float)r.loss, r.lr, (float)r.norm, r.skipped, (float)aux, dropped, r.spike);
             if (config.moe() && o.val_every > 0 && step % o.val_every == 0) {
-                printf("experts: min/max share of the assignments per layer: %s\n", shares.c_str());
-                log.expert_load(step, shares);
+                printf("experts: min/max share of the assignments per layer: %s\n", experts.shares.c_str());
+                log.expert_load(step, experts.shares);
             }
         }
         if (first && grid.cp > 1) report_cp_balance(r.ms);

@@ -35,19 +35,24 @@ struct LocalDims {
     int Cl, Hl, NHl, KVl, hd, QKVl, FCl, Vl;
     bool ring, means, qk_norm;
     int K;             // with experts: the slots per token (0: a dense MLP)
-    long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh)
+    long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh): every token of the
+                       // ep group with up to min(K, E/ep) of them; under a capacity, each expert's of every sequence
     // the dense layers of a model with experts: their MLP's hidden units and first matmul's width (0: none), and
     // the same of the sparse layers' shared expert (0: none)
     int dense_Hl, dense_FCl, shared_Hl, shared_FCl;
     bool shared_gate;  // ... whose output a gate scales
 };
 
-inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1, int ep = 1) {
+inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, int cp = 1, int ep = 1,
+                            float capacity = 0.0f) {
     LocalDims d;
     d.B = B, d.T = T / cp, d.C = c.channels, d.ring = cp > 1;
     d.BT = (long)B * d.T;
     d.K = c.moe() ? c.top_k : 0;
-    d.expert_rows = c.moe() ? (long)ep * d.BT * std::min(c.top_k, c.num_experts / ep) : 0;
+    long X = c.num_experts / ep;  // the experts a rank holds
+    d.expert_rows = c.moe() ? (long)ep * d.BT * std::min((long)c.top_k, X) : 0;
+    if (c.moe() && capacity > 0.0f)
+        d.expert_rows = std::min(d.expert_rows, X * ep * B * expert_capacity(capacity, c.top_k, c.num_experts, T));
     d.R = tp.sp ? d.BT / tp.size : d.BT;
     ModelTable table = model_table(c);
     d.Cl = (int)(table[ATTPROJW].cols / tp.size), d.Hl = (int)(table[FCPROJW].cols / tp.size);

@@ -144,6 +144,7 @@ struct ModelLayout {
     TPSpec tp;
     CPSpec cp;
     int ep = 1;
+    float capacity = 0.0f;  // the experts' capacity factor (--moe-capacity; 0: every assignment taken)
     ModelPart part;
     int slots = 1;
     bool split_backward = false;
@@ -186,7 +187,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     }
     for (int u = 0; u < num_units(part.layers()); u++) m.units.push_back(unit_segments(config, u, tp.size, part, ep));
 
-    LocalDims d = local_dims(config, tp, B, T, cp.size, ep);
+    LocalDims d = local_dims(config, tp, B, T, cp.size, ep, layout.capacity);
     size_t mlp_rows = config.moe() ? d.expert_rows : d.BT;
     size_t C = config.channels, BT = d.BT, R = d.R;
     size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
@@ -258,14 +259,14 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     }
     // under cp, a learned position table is gathered at the rank's positions (C wide); RoPE reads the positions
     m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
-    m.moe.ep_size = ep;
-    m.moe.allocate(led, config, BT);
+    m.moe.ep_size = ep, m.moe.capacity = layout.capacity;
+    m.moe.allocate(led, config, BT, d.expert_rows);
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
 template <typename floatX>
 inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
-    return local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size, m.moe.ep_size);
+    return local_dims(m.config, m.tp.spec, B, T, m.cp.spec.size, m.moe.ep_size, m.moe.capacity);
 }
 
 // The FP8 casts' buffers (llmc/fp8.cuh) for a rank's layer matmuls: inputs up to the widest of ln's C, attention's

@@ -1,6 +1,7 @@
 // DIR/main.log in llm.c's line format, which scripts and tests parse: "s:STEP trl:LOSS lr:LR norm:NORM" per
 // training step and "s:STEP tel:LOSS" per validation, losses with 6 decimals. With experts, a step's line adds
-// "aux:LOSS" and, every -v steps, a line "s:STEP load:MIN/MAX,..." (per layer). A step whose update was skipped
+// "aux:LOSS" (and under a capacity "drop:N", the assignments dropped) and, every -v steps, a line
+// "s:STEP load:MIN/MAX,..." (per layer). A step whose update was skipped
 // (a non-finite loss or gradient norm, or a spike) adds "skipped:1", and for a spike its z-score, "zloss:Z" or
 // "znorm:Z". A multiple-choice eval writes "s:STEP eval:ACC", the accuracy with 4 decimals (llm.c's line). A
 // line that cannot be written stops the run.
@@ -29,9 +30,12 @@ struct Logger {
     ~Logger() {
         if (f) fclose(f);
     }
-    // aux: a mixture of experts' load-balancing loss (negative: a dense model, not written)
-    void train(int step, float loss, float lr, float norm, bool skipped, float aux = -1.0f, Spike spike = {}) {
+    // aux: a mixture of experts' load-balancing loss (negative: a dense model, not written); dropped: the
+    // assignments its experts' capacity dropped (negative: no capacity, not written)
+    void train(int step, float loss, float lr, float norm, bool skipped, float aux = -1.0f, long dropped = -1,
+               Spike spike = {}) {
         std::string extra = aux >= 0.0f ? strfmt(" aux:%.6f", aux) : "";
+        if (dropped >= 0) extra += strfmt(" drop:%ld", dropped);
         if (skipped) extra += " skipped:1";
         if (spike.found()) extra += strfmt(" z%s:%.4f", spike.what, spike.z);
         line("s:%d trl:%.6f lr:%.6e norm:%.6f%s\n", step, loss, lr, norm, extra.c_str());

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -145,6 +146,10 @@ struct GPTConfig {
         return n;
     }
 };
+
+// the assignments of a sequence of T tokens each of E experts takes under a capacity factor F (--moe-capacity),
+// K chosen per token: ceil(F·K·T/E), F times an expert's share were the routing even
+inline long expert_capacity(float F, int K, int E, long T) { return (long)std::ceil((double)F * K * T / E); }
 
 inline int pad_vocab(int V) { return (V + 127) / 128 * 128; }
 // the padded vocab rows each of tp ranks holds (the last ranks may hold padding only past Vp)

@@ -145,15 +145,16 @@ inline void gather_rows(bf16* dst, const bf16* src, const int* index, long n, in
     launch_elementwise(gather_rows_kernel, n * C, dst, src, index, n, C);
 }
 
-// out[t] = Σ_k weight[t, k] · rows[row_of[t, k]] for BT tokens of K slots, in slot order (weight null: 1); with
-// accumulate the sum starts from out[t]
+// out[t] = Σ_k weight[t, k] · rows[row_of[t, k]] for BT tokens of K slots, in slot order (weight null: 1), the
+// slots dropped at capacity (row -1) left out; with accumulate the sum starts from out[t]
 inline void moe_combine(float* out, const float* rows, const int* row_of, const float* weight, long BT, int K, int C,
                         bool accumulate = false) {
 #pragma omp parallel for
     for (long t = 0; t < BT; t++)
         for (int c = 0; c < C; c++) {
             float sum = accumulate ? out[t * C + c] : 0.0f;
-            for (int k = 0; k < K; k++) sum += (weight ? weight[t * K + k] : 1.0f) * rows[(long)row_of[t * K + k] * C + c];
+            for (int k = 0; k < K; k++)
+                if (row_of[t * K + k] >= 0) sum += (weight ? weight[t * K + k] : 1.0f) * rows[(long)row_of[t * K + k] * C + c];
             out[t * C + c] = sum;
         }
 }
@@ -163,7 +164,8 @@ static __global__ void moe_combine_kernel(bf16* out, const bf16* rows, const int
         long t = i / C, c = i % C;
         float sum = accumulate ? __bfloat162float(out[i]) : 0.0f;
         for (int k = 0; k < K; k++)
-            sum += (weight ? weight[t * K + k] : 1.0f) * __bfloat162float(rows[(long)row_of[t * K + k] * C + c]);
+            if (row_of[t * K + k] >= 0)
+                sum += (weight ? weight[t * K + k] : 1.0f) * __bfloat162float(rows[(long)row_of[t * K + k] * C + c]);
         out[i] = __float2bfloat16(sum);
     }
 }
@@ -172,29 +174,35 @@ inline void moe_combine(bf16* out, const bf16* rows, const int* row_of, const fl
     launch_elementwise(moe_combine_kernel, BT * C, out, rows, row_of, weight, BT, K, C, accumulate);
 }
 
-// the combine's backward to the rows: rows[row_of[t, k]] = weight[t, k] · dout[t] (row_of null: row t·K + k)
+// the combine's backward to the rows: rows[row_of[t, k]] = weight[t, k] · dout[t] (row_of null: row t·K + k; a
+// dropped slot has none)
 inline void moe_spread(float* rows, const float* dout, const int* row_of, const float* weight, long BT, int K, int C) {
 #pragma omp parallel for
-    for (long tk = 0; tk < BT * K; tk++)
-        for (int c = 0; c < C; c++) rows[(row_of ? row_of[tk] : tk) * C + c] = weight[tk] * dout[tk / K * C + c];
+    for (long tk = 0; tk < BT * K; tk++) {
+        long row = row_of ? row_of[tk] : tk;
+        if (row >= 0)
+            for (int c = 0; c < C; c++) rows[row * C + c] = weight[tk] * dout[tk / K * C + c];
+    }
 }
 static __global__ void moe_spread_kernel(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT,
                                          int K, int C) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * K * C; i += (long)gridDim.x * blockDim.x) {
-        long tk = i / C, c = i % C;
-        rows[(row_of ? row_of[tk] : tk) * C + c] = __float2bfloat16(weight[tk] * __bfloat162float(dout[tk / K * C + c]));
+        long tk = i / C, c = i % C, row = row_of ? row_of[tk] : tk;
+        if (row >= 0) rows[row * C + c] = __float2bfloat16(weight[tk] * __bfloat162float(dout[tk / K * C + c]));
     }
 }
 inline void moe_spread(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT, int K, int C) {
     launch_elementwise(moe_spread_kernel, BT * K * C, rows, dout, row_of, weight, BT, K, C);
 }
 
-// ... and to the gates: dgate[t, k] = dout[t] · rows[row_of[t, k]] (row_of null: row t·K + k)
+// ... and to the gates: dgate[t, k] = dout[t] · rows[row_of[t, k]] (row_of null: row t·K + k; 0 for a dropped slot,
+// whose gate the output does not see)
 inline void moe_gate_grads(float* dgate, const float* dout, const float* rows, const int* row_of, long BT, int K, int C) {
 #pragma omp parallel for
     for (long tk = 0; tk < BT * K; tk++) {
+        long row = row_of ? row_of[tk] : tk;
         float sum = 0.0f;
-        for (int c = 0; c < C; c++) sum += dout[tk / K * C + c] * rows[(row_of ? row_of[tk] : tk) * C + c];
+        for (int c = 0; c < C && row >= 0; c++) sum += dout[tk / K * C + c] * rows[row * C + c];
         dgate[tk] = sum;
     }
 }
@@ -205,7 +213,7 @@ static __global__ void moe_gate_grads_kernel(float* dgate, const bf16* dout, con
     if (tk >= BT * K) return;
     float sum = 0.0f;
     long row = row_of ? row_of[tk] : tk;
-    for (int c = lane; c < C; c += 32) sum += __bfloat162float(dout[tk / K * C + c]) * __bfloat162float(rows[row * C + c]);
+    for (int c = lane; c < C && row >= 0; c += 32) sum += __bfloat162float(dout[tk / K * C + c]) * __bfloat162float(rows[row * C + c]);
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
     if (lane == 0) dgate[tk] = sum;
 }
@@ -263,8 +271,10 @@ struct MoERoute {
     std::vector<float> probs;       // BT·E: the scores normalized to sum to one (the aux loss's P)
     std::vector<float> scores;      // BT·E: the sigmoid scores (sigmoid scoring)
     std::vector<float> freq;        // B·E: f_i of each sequence (of the whole sequence under cp)
-    std::vector<int> row_of;        // BT·K: where (t, k)'s row is in dispatch order
-    std::vector<int> token_of_row;  // K·BT: the token of each row in dispatch order
+    std::vector<int> chosen;        // E: the assignments each expert was chosen for, before any capacity drops
+    std::vector<int> row_of;        // BT·K: where (t, k)'s row is in dispatch order (-1: dropped at capacity)
+    std::vector<int> token_of_row;  // the token of each row in dispatch order (dispatched of them)
+    long dispatched = 0;            // the rows that go to experts: K·BT less the drops
     std::vector<int> send_counts;   // E: rows to each expert, in dispatch order (rank j's experts: j·X .. j·X+X-1)
     std::vector<int> recv_counts;   // ep·X: rows from each rank of the ep group, per local expert
     std::vector<int> expert_first;  // X + 1: where each local expert's rows start in expert-major order
@@ -280,14 +290,34 @@ struct Routing {
     float scale = 1.0f;
 };
 
-// The top-K experts and gates of each of BT tokens, the normalized scores, and the dispatch order; bias (E, or
-// null): added to the scores to choose
+// The dispatch order of the assignments kept (keep: one per (t, k), or null: all): by expert, then token, then
+// slot (a counting sort that keeps the (t, k) order); a dropped one's row is -1
+inline void dispatch_order(MoERoute& r, long BT, int E, int K, const char* keep = nullptr) {
+    r.send_counts.assign(E, 0);
+    for (long tk = 0; tk < BT * K; tk++)
+        if (!keep || keep[tk]) r.send_counts[r.expert[tk]]++;
+    std::vector<int> next(E, 0);
+    for (int e = 1; e < E; e++) next[e] = next[e - 1] + r.send_counts[e - 1];
+    r.dispatched = next[E - 1] + r.send_counts[E - 1];
+    r.row_of.resize(BT * K), r.token_of_row.resize(r.dispatched);
+    for (long tk = 0; tk < BT * K; tk++) {
+        if (keep && !keep[tk]) {
+            r.row_of[tk] = -1;
+            continue;
+        }
+        int row = next[r.expert[tk]]++;
+        r.row_of[tk] = row;
+        r.token_of_row[row] = (int)(tk / K);
+    }
+}
+
+// The top-K experts and gates of each of BT tokens, the normalized scores, and the dispatch order of them all;
+// bias (E, or null): added to the scores to choose
 inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, const Routing& how,
                          const float* bias = nullptr) {
-    r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E), r.row_of.resize(BT * K);
-    r.token_of_row.resize(BT * K);
+    r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E);
     r.scores.resize(how.sigmoid ? BT * E : 0);
-    r.send_counts.assign(E, 0);
+    r.chosen.assign(E, 0);
     for (long t = 0; t < BT; t++) {
         const float* l = logits + t * E;
         float* p = &r.probs[t * E];
@@ -313,17 +343,24 @@ inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K
         }
         float chosen_total = 0.0f;
         for (int k = 0; k < K; k++) chosen_total += r.gate[t * K + k] = score[chosen[k]];
-        for (int k = 0; k < K; k++) r.send_counts[chosen[k]]++;
+        for (int k = 0; k < K; k++) r.chosen[chosen[k]]++;
         for (int k = 0; k < K; k++) r.gate[t * K + k] = (how.normalize ? r.gate[t * K + k] / chosen_total : r.gate[t * K + k]) * how.scale;
     }
-    // dispatch order: by expert, then token, then slot (a counting sort that keeps the (t, k) order)
-    std::vector<int> next(E, 0);
-    for (int e = 1; e < E; e++) next[e] = next[e - 1] + r.send_counts[e - 1];
-    for (long tk = 0; tk < BT * K; tk++) {
-        int row = next[r.expert[tk]]++;
-        r.row_of[tk] = row;
-        r.token_of_row[row] = (int)(tk / K);
+    dispatch_order(r, BT, E, K);
+}
+
+// Which assignments of B whole sequences (choices: each one's T positions in order, K experts each) their
+// experts take under a capacity of `cap` per expert and sequence: in token order, then slot order, an expert takes
+// the first cap it was chosen for (GShard's and Switch Transformer's rule) and the rest are dropped. Decided per
+// sequence, so that every layout drops the same ones.
+inline std::vector<char> within_capacity(const int* choices, int B, long T, int K, int E, long cap) {
+    std::vector<char> keep((size_t)B * T * K);
+    std::vector<long> taken(E);
+    for (int b = 0; b < B; b++) {
+        std::fill(taken.begin(), taken.end(), 0);
+        for (long tk = (long)b * T * K; tk < (long)(b + 1) * T * K; tk++) keep[tk] = taken[choices[tk]]++ < cap;
     }
+    return keep;
 }
 
 // Where the aux loss's f comes from: each sequence's assignments, or the batch's (see the top)
@@ -340,6 +377,7 @@ struct MixtureOfExperts {
     float bias_rate = 0.001f;
     float alpha = 0.01f;      // the aux loss's weight
     AuxScope aux_scope = AuxScope::Sequence;
+    float capacity = 0.0f;    // F: an expert takes at most ceil(F·K·T/E) of a sequence's assignments (0: all)
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     Comm* batch = nullptr;    // the dp·cp group, whose tokens make the batch of the batch scope; null for one rank
     int ep_size = 1, ep_rank = 0;
@@ -355,6 +393,7 @@ struct MixtureOfExperts {
     // assignments per (model layer, expert)
     double aux_sum = 0.0;
     std::vector<double> load;
+    long dropped = 0;  // ... and the assignments dropped at capacity (counted on tp rank 0)
     // under the batch scope: each layer's assignments per expert over the step's micro-batches so far, summed over
     // the batch group (L·E)
     std::vector<double> batch_load;
@@ -367,7 +406,7 @@ struct MixtureOfExperts {
         aux_sum = 0.0;
         std::fill(load.begin(), load.end(), 0.0);
         std::fill(batch_load.begin(), batch_load.end(), 0.0);
-        rows_crossing = count_exchanges = 0;
+        dropped = rows_crossing = count_exchanges = 0;
     }
     // The bytes this rank sends over the ep group, by the formula: per layer and micro-batch, forward's dispatch
     // and return and backward's two, each row of C elements sent once by dispatch or return (the rows it sends
@@ -377,10 +416,8 @@ struct MixtureOfExperts {
         return 2.0 * rows_crossing * C * sizeof(floatX) + (double)count_exchanges * (ep_size - 1) * X * sizeof(int) +
                (ep_size - 1) * sizeof(double);
     }
-    // rows the experts of one rank may receive: every token of the ep group, each with up to min(K, X) of them
-    long max_rows(long BT) const { return (long)ep_size * BT * std::min(K, X); }
-
-    void allocate(Ledger& led, const GPTConfig& c, long BT) {
+    // BT rows a micro-batch, and the most this rank's experts may receive (LocalDims::expert_rows)
+    void allocate(Ledger& led, const GPTConfig& c, long BT, long rows) {
         E = c.num_experts, K = c.top_k, X = E / ep_size;
         routing = {c.sigmoid_scores, c.norm_topk, c.routed_scale};
         bias.assign(c.router_bias ? (size_t)c.num_layers * E : 0, 0.0f);
@@ -390,7 +427,6 @@ struct MixtureOfExperts {
         if (!on()) return;
         auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
         auto scr_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_SCRATCH, n); };
-        long rows = max_rows(BT);
         dispatch = scr((size_t)BT * K * C);
         if (ep_size > 1) received = scr((size_t)rows * C);
         expert_rows = scr((size_t)rows * C);
@@ -421,10 +457,39 @@ struct MixtureOfExperts {
         else ep->wait(ep->all_to_allv(from, in.data(), in_at.data(), to, out.data(), out_at.data(), dtype_of<floatX>()));
     }
 
+    // The capacity's drops (within_capacity) for this rank's B sequences of Tl tokens: under cp each sequence's
+    // choices are gathered from the group and put in position order, so that every rank decides over the whole
+    // sequence as one rank would; the kept assignments are dispatched, the others' rows are -1
+    void drop_over_capacity(MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl, bool count) {
+        int N = cp.spec.size;
+        long T = (long)Tl * N, cap = expert_capacity(capacity, K, E, T);
+        std::vector<char> keep;
+        if (!cp.on()) {
+            keep = within_capacity(r.expert.data(), B, T, K, E, cap);
+        } else {
+            std::vector<int> all((size_t)N * B * Tl * K), whole((size_t)B * T * K);
+            cp.comm->wait(cp.comm->all_gather(r.expert.data(), all.data(), r.expert.size(), DType::I32));
+            int n = cp.layout.chunk_tokens();
+            for (int s = 0; s < N; s++)
+                for (int b = 0; b < B; b++)
+                    for (int t = 0; t < Tl; t++) {
+                        long at = ((long)b * T + (long)cp.layout.chunk_of(s, t / n) * n + t % n) * K;
+                        std::copy_n(&all[(((size_t)s * B + b) * Tl + t) * K], K, &whole[at]);
+                    }
+            std::vector<char> decided = within_capacity(whole.data(), B, T, K, E, cap);
+            keep.resize((size_t)B * Tl * K);
+            for (int b = 0; b < B; b++)
+                for (int t = 0; t < Tl; t++)
+                    std::copy_n(&decided[((long)b * T + cp.positions[t]) * K], K, &keep[((long)b * Tl + t) * K]);
+        }
+        dispatch_order(r, (long)B * Tl, E, K, keep.data());
+        if (count) dropped += (long)B * Tl * K - r.dispatched;
+    }
+
     // The aux loss's statistics: each sequence's f (r.freq, B·E), which its gradient wants, and Σ_t P (prob_sums,
     // B·E), which its value adds. Under cp a sequence's tokens are spread over the group, so its sums are taken
     // over it. Under the batch scope every sequence's f is the layer's share of the step's assignments so far,
-    // this micro-batch's (this rank's: send_counts) summed over the batch group.
+    // this micro-batch's (this rank's: chosen) summed over the batch group.
     void aux_statistics(MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl, int layer) {
         std::vector<float> sums(2 * (size_t)B * E, 0.0f);  // the counts, then Σ_t P, per sequence and expert
         for (long t = 0; t < (long)B * Tl; t++) {
@@ -440,7 +505,7 @@ struct MixtureOfExperts {
             for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = sums[i] / (T * K);
             return;
         }
-        std::vector<double> counts(r.send_counts.begin(), r.send_counts.end());
+        std::vector<double> counts(r.chosen.begin(), r.chosen.end());
         if (batch) batch->wait(batch->all_reduce(counts.data(), counts.data(), E, DType::F64));
         double* so_far = &batch_load[(size_t)layer * E];
         double total = 0.0;
@@ -493,6 +558,7 @@ struct MixtureOfExperts {
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
         route_tokens(r, host_logits.data(), BT, E, K, routing, bias.empty() ? nullptr : &bias[(size_t)layer * E]);
+        if (capacity > 0.0f) drop_over_capacity(r, cp, B, Tl, tp.spec.rank == 0);
         aux_statistics(r, cp, B, Tl, layer);
         if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
             for (int b = 0; b < B; b++) {
@@ -501,12 +567,12 @@ struct MixtureOfExperts {
                 aux_sum += alpha * E * sum / ((double)Tl * cp.spec.size);
             }
         if (tp.spec.rank == 0)
-            for (int e = 0; e < E; e++) load[(size_t)layer * E + e] += r.send_counts[e];
+            for (int e = 0; e < E; e++) load[(size_t)layer * E + e] += r.chosen[e];
         plan_receive(r);
 
         // the rows to the experts, the experts, the rows back
         const int* token_of = on_device(token_of_row, r.token_of_row);
-        gather_rows(ep_size > 1 ? dispatch : a.inputs, ln2, token_of, BT * K, C);
+        gather_rows(ep_size > 1 ? dispatch : a.inputs, ln2, token_of, r.dispatched, C);
         if (ep_size > 1) {
             exchange(dispatch, received, r, true, C);
             gather_rows(a.inputs, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);

@@ -67,6 +67,7 @@ struct Options {
     int vpp = 1;                                        // --vpp
     float moe_aux = -1.0f;                              // --moe-aux; -1: 0.01 with experts
     std::string moe_aux_scope;                          // --moe-aux-scope; "": sequence with experts
+    float moe_capacity = 0.0f;                          // --moe-capacity; 0: dropless
     float moe_bias_rate = -1.0f;                        // --moe-bias-rate; -1: 0.001 with a selection bias
     std::string trace;                                  // --trace
     int zero = 0;                                       // -z
@@ -169,6 +170,7 @@ inline const char* USAGE =
     "  --ep N            expert-parallel size: the experts split over N ranks of dp  [1]\n"
     "  --moe-aux F       with experts: the load-balancing loss's weight            [0.01]\n"
     "  --moe-aux-scope sequence|batch  f per sequence, or the step's over all dp ranks (Megatron's) [sequence]\n"
+    "  --moe-capacity F  with experts: each takes at most ceil(F*K*T/E) of a sequence's tokens; 0 drops none [0]\n"
     "  --moe-bias-rate F with a router's selection bias (a): its step per update   [0.001]\n"
     "  --comm mpi|nccl   communication backend                                     [nccl on cuda, mpi on cpu]\n"
     "  --comm-init mpi|tcp|file  how NCCL ranks find each other                    [mpi]\n"
@@ -293,6 +295,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--ep", integer(&o.ep, 1, 1 << 16)},
         {"--moe-aux", real(&o.moe_aux, 0.0f, 100.0f)},
         {"--moe-aux-scope", choice(&o.moe_aux_scope, {"sequence", "batch"})},
+        {"--moe-capacity", real(&o.moe_capacity, 0.0f, 1000.0f)},
         {"--moe-bias-rate", real(&o.moe_bias_rate, 0.0f, 1.0f)},
         {"-z", integer(&o.zero, 0, 3)},
         {"-r", integer(&o.recompute, 0, 2)},

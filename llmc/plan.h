@@ -43,6 +43,7 @@ struct ParallelPlan {
     int ep = 1;
     bool fp8 = false;  // --fp8
     bool aux_batch = false;  // --moe-aux-scope batch
+    float capacity = 0.0f;   // --moe-capacity
     // the ranks that reduce gradients and shard model states together (the expert tensors': expert_ranks())
     int grad_ranks() const { return dp * cp; }
     int expert_ranks() const { return dp / ep * cp; }
@@ -133,7 +134,7 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
     // the sizes a rank works with (llmc/activations.cuh): R rows of the residual stream (BT/t under sequence
     // parallelism); Cl, Hl channels and hidden units of the rank's heads; with experts K slots per token, and
     // the rows the rank's E/ep experts may see at most, for which the MLP's hidden layers are sized
-    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep);
+    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep, par.capacity);
     size_t C = c.channels, NH = c.num_heads, BT = d.BT, R = d.R, Cl = d.Cl, Hl = d.Hl;
     size_t K = d.K, E = c.num_experts, expert_rows = d.expert_rows, mlp_rows = K ? expert_rows : BT;
     MemoryPlan p;

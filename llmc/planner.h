@@ -32,7 +32,7 @@ inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     p.dp = dp, p.zero = o.zero, p.bucket_floats = o.bucket_floats();
     p.accumulation = accumulation;
     p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.fp8 = o.fp8 == 1, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
-    p.aux_batch = o.moe_aux_scope == "batch";
+    p.aux_batch = o.moe_aux_scope == "batch", p.capacity = o.moe_capacity;
     return p;
 }
 
@@ -57,6 +57,7 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
     if (!o.moe_aux_scope.empty() && !config.moe())
         fail("--moe-aux-scope %s: the model has no experts", o.moe_aux_scope.c_str());
+    if (o.moe_capacity > 0.0f && !config.moe()) fail("--moe-capacity %g: the model has no experts", o.moe_capacity);
     l.tokens_per_micro_step = (long)o.B * o.T * l.dp;
     l.total_batch = o.total_batch == -1 ? l.tokens_per_micro_step : o.total_batch;
     if (l.total_batch % l.tokens_per_micro_step != 0)
@@ -120,6 +121,16 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
                   .c_str()
             : "",
         accumulation, o.recompute);
+    if (config.moe()) {  // what the experts' buffers are sized for
+        long rows = local_dims(config, TPSpec{o.tp, 0, o.sp == 1}, o.B, o.T, o.cp, o.ep, o.moe_capacity).expert_rows;
+        if (o.moe_capacity > 0.0f)
+            printf("experts: a rank's experts take at most %ld rows a layer, %ld of each sequence per expert "
+                   "(--moe-capacity %g); the rest are dropped\n", rows,
+                   expert_capacity(o.moe_capacity, config.top_k, config.num_experts, o.T), o.moe_capacity);
+        else
+            printf("experts: a rank's experts take up to %ld rows a layer, sized for the worst case (every token of "
+                   "the ep group routed to them; --moe-capacity bounds it)\n", rows);
+    }
     if (par.pp.on()) print_stage_layers(config, par.pp);
     const char* precision = dev == Device::CUDA ? (o.fp8 ? "bf16 mixed precision with FP8 matmuls on cuda" : "bf16 mixed precision on cuda")
                                                 : (o.fp8 ? "fp32 with FP8 matmuls emulated on cpu" : "fp32 on cpu");

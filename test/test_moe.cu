@@ -87,6 +87,56 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the sof
     }
 }
 
+TEST_CASE("capacity: an expert takes the first ceil(F·K·T/E) of a sequence's assignments in token, then slot, order; "
+          "the dropped get no row, and the combine, its spread and the gates' gradients leave them out",
+          "[moe]") {
+    // 2 sequences of 4 tokens, 2 slots each, 3 experts; F = 0.75: ceil(0.75·2·4/3) = 2 per expert and sequence
+    const int B = 2, T = 4, K = 2, E = 3;
+    CHECK(expert_capacity(0.75f, K, E, T) == 2);
+    CHECK(expert_capacity(1.0f, 8, 128, 4096) == 256);  // Qwen3-30B-A3B's even share at T=4096
+    // each expert's third assignment in a sequence is dropped: sequence 0's expert 0 at token 2 and expert 1 at
+    // token 3, sequence 1's expert 2 at token 2 and expert 1 at token 3
+    std::vector<int> choices = {0, 1, 0, 2, 0, 1, 1, 2,
+                                2, 1, 2, 0, 1, 2, 1, 0};
+    std::vector<char> keep = within_capacity(choices.data(), B, T, K, E, 2);
+    CHECK(keep == std::vector<char>{1, 1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1});
+    // the dispatch order of the kept: by expert, then token; the dropped have no row
+    MoERoute r;
+    r.expert = choices;
+    dispatch_order(r, B * T, E, K, keep.data());
+    CHECK(r.dispatched == 12);
+    CHECK(r.send_counts == std::vector<int>{4, 4, 4});
+    for (long tk = 0; tk < B * T * K; tk++) CHECK((r.row_of[tk] == -1) == !keep[tk]);
+    CHECK(r.token_of_row == std::vector<int>{0, 1, 5, 7, 0, 2, 4, 6, 1, 3, 4, 5});
+    // a token's output sums its kept slots alone; the spread and the gates' gradients skip the dropped
+    const int C = 3;
+    Rng rng(5);
+    std::vector<float> rows(r.dispatched * C), gate(B * T * K), dout(B * T * C);
+    for (float& x : rows) x = rng.normal(0.0f, 1.0f);
+    for (float& x : gate) x = rng.uniform();
+    for (float& x : dout) x = rng.normal(0.0f, 1.0f);
+    std::vector<float> out(B * T * C), spread(r.dispatched * C, 7.0f), dgate(B * T * K, 7.0f);
+    moe_combine(out.data(), rows.data(), r.row_of.data(), gate.data(), B * T, K, C);
+    moe_spread(spread.data(), dout.data(), r.row_of.data(), gate.data(), B * T, K, C);
+    moe_gate_grads(dgate.data(), dout.data(), rows.data(), r.row_of.data(), B * T, K, C);
+    for (long t = 0; t < B * T; t++)
+        for (int c = 0; c < C; c++) {
+            double want = 0.0;
+            for (int k = 0; k < K; k++)
+                if (keep[t * K + k]) want += gate[t * K + k] * rows[r.row_of[t * K + k] * C + c];
+            CHECK(out[t * C + c] == Approx(want).margin(1e-6));
+        }
+    for (long tk = 0; tk < B * T * K; tk++) {
+        double want = 0.0;
+        for (int c = 0; c < C && keep[tk]; c++) {
+            CHECK(spread[r.row_of[tk] * C + c] == gate[tk] * dout[tk / K * C + c]);
+            want += dout[tk / K * C + c] * rows[r.row_of[tk] * C + c];
+        }
+        CHECK(dgate[tk] == Approx(want).margin(1e-6));
+    }
+    for (float x : spread) CHECK(x != 7.0f);  // every row written, none twice over a dropped slot's
+}
+
 TEST_CASE("descriptors with experts; e1k1 is the dense model: the same file, byte for byte, and the same losses",
           "[moe]") {
     GPTConfig c = parse_model_descriptor("d2c48h4t32v301e4k2");
@@ -208,6 +258,28 @@ TEST_CASE("experts of their own width (x<H>), gates not renormalized (u), dense 
     CHECK(num_parameters(mixtral) == 46702792704ull);
 }
 
+// One layout of a run against the single-rank one: `ranks` ranks with `flags`, b sequences a micro-batch
+struct MoeLayout {
+    const char* name;
+    int ranks, b;
+    const char* flags;
+};
+
+// Each layout's 20 steps of `model`, `tokens` a step, with `common` flags, against `reference` (the single-rank
+// run's losses), every loss within 1e-5; then check(name, dir, output)
+template <typename Check>
+void check_moe_layouts(const Data& data, const TempDir& out, const char* model, int tokens, const std::string& common,
+                       const std::map<std::string, double>& reference, std::initializer_list<MoeLayout> layouts,
+                       Check check) {
+    for (const MoeLayout& l : layouts) {
+        INFO(l.name);
+        std::string dir = out / l.name, run;
+        if (!train_ok(l.ranks, data.flags(l.b, tokens, 20, model) + common + l.flags, dir, &run)) continue;
+        check_close(losses(dir), reference, 1e-5);
+        check(std::string(l.flags), dir, run);
+    }
+}
+
 TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualPipeV) and recomputation, each with "
           "gradient accumulation, on dense layers among the sparse ones and shared experts (DeepSeek's on GPT-2 with its "
           "router's sigmoid scores, scaled gates and selection bias; Qwen2-MoE's gated one on a Llama), gives the "
@@ -221,44 +293,39 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank
     REQUIRE(single_ok(data.flags(2, 128, 20, model) + bias, out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
-    struct Layout {
-        const char* name;
-        int ranks, b;
-        const char* flags;
-    };
-    for (Layout l : {Layout{"ep2", 2, 2, " --ep 2"}, Layout{"ep4", 4, 1, " --ep 4"},
-                     Layout{"ep2_dp4", 4, 1, " --ep 2"}, Layout{"ep2_z1", 2, 2, " --ep 2 -z 1"},
-                     Layout{"ep2_z3", 2, 2, " --ep 2 -z 3"}, Layout{"ep2_tp2", 4, 2, " --ep 2 --tp 2"},
-                     Layout{"ep2_tp2_r1", 4, 2, " --ep 2 --tp 2 -r 1"},
-                     Layout{"ep2_pp2", 4, 1, " --ep 2 --pp 2"}, Layout{"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
-                     Layout{"ep2_dualpipev", 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev"},
-                     Layout{"ep2_cp2", 4, 2, " --ep 2 --cp 2"}, Layout{"ep2_r2", 2, 2, " --ep 2 -r 2"},
-                     Layout{"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"}, Layout{"dp2_replicated", 2, 2, ""}}) {
-        INFO(l.name);
-        std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, model) + bias + l.flags, dir, &run)) continue;
-        check_close(losses(dir), reference, 1e-5);
-        if (std::string(l.flags).find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
+    auto counted = [](const std::string& flags, const std::string&, const std::string& run) {
+        if (flags.find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
         // the step's p2p bytes alone: the experts' statistics, reduced over the stages after the step for its line,
         // are not the step's traffic
-        if (std::string(l.flags).find("--pp") != std::string::npos) require_pp_counted_equals_formula(run);
+        if (flags.find("--pp") != std::string::npos) require_pp_counted_equals_formula(run);
         // both reduction groups (dp·cp, and the experts' replicas) against the formula off the pipeline, whose
         // tied embeddings travel on a group of their own
-        if (std::string(l.flags).find("--pp") == std::string::npos) require_counted_equals_formula(run);
-    }
+        if (flags.find("--pp") == std::string::npos) require_counted_equals_formula(run);
+    };
+    check_moe_layouts(data, out, model, 128, bias, reference,
+                      {{"ep2", 2, 2, " --ep 2"}, {"ep4", 4, 1, " --ep 4"}, {"ep2_dp4", 4, 1, " --ep 2"},
+                       {"ep2_z1", 2, 2, " --ep 2 -z 1"}, {"ep2_z3", 2, 2, " --ep 2 -z 3"}, {"ep2_tp2", 4, 2, " --ep 2 --tp 2"},
+                       {"ep2_tp2_r1", 4, 2, " --ep 2 --tp 2 -r 1"}, {"ep2_pp2", 4, 1, " --ep 2 --pp 2"},
+                       {"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
+                       {"ep2_dualpipev", 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev"}, {"ep2_cp2", 4, 2, " --ep 2 --cp 2"},
+                       {"ep2_r2", 2, 2, " --ep 2 -r 2"}, {"ep2_dp4_z2_r1", 4, 1, " --ep 2 -z 2 -r 1"},
+                       {"dp2_replicated", 2, 2, ""}},
+                      counted);
     }
 }
 
-// main.log's aux loss at a step (printed to 6 decimals), NAN when it has none
-double aux_at(const std::string& dir, int step) {
+// a field of main.log's line for a training step (" aux:", the aux loss to 6 decimals; " drop:"), NAN when it
+// has none
+double logged(const std::string& dir, int step, const std::string& field) {
     for (const std::string& line : lines_of(read_file(dir + "/main.log"))) {
         int s;
-        size_t at = line.find(" aux:");
+        size_t at = line.find(field);
         if (sscanf(line.c_str(), "s:%d trl:", &s) == 1 && s == step && at != std::string::npos)
-            return atof(line.c_str() + at + 5);
+            return atof(line.c_str() + at + field.size());
     }
     return NAN;
 }
+double aux_at(const std::string& dir, int step) { return logged(dir, step, " aux:"); }
 
 // The batch scope's f is the share over the step's micro-batches so far on every dp·cp rank, so a layout equals
 // the single-rank run that puts the same sequences in each micro-batch: dp·b of them (the loader deals
@@ -280,27 +347,45 @@ TEST_CASE("--moe-aux-scope batch (Megatron-LM's global aux loss) under ep with d
     CHECK(per_sequence.at("trl 0") == reference.at("trl 0"));
     CHECK(per_sequence.at("norm 0") != reference.at("norm 0"));
     CHECK(aux_at(out / "sequence", 0) != aux_at(out / "one", 0));
-    struct Layout {
-        const char* name;
-        int ranks, b;
-        const char* flags;
-    };
-    for (Layout l : {Layout{"ep2", 2, 2, " --ep 2"}, Layout{"ep4", 4, 1, " --ep 4"}, Layout{"ep2_z3", 2, 2, " --ep 2 -z 3"},
-                     Layout{"ep2_tp2", 4, 2, " --ep 2 --tp 2"}, Layout{"ep2_cp2", 4, 2, " --ep 2 --cp 2"},
-                     Layout{"ep2_pp2", 4, 2, " --ep 2 --pp 2"},
-                     Layout{"ep2_dualpipev", 4, 2, " --ep 2 --pp 2 --pp-schedule dualpipev"},
-                     Layout{"dp2_r2", 2, 2, " -r 2"}}) {
-        INFO(l.name);
-        std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 256, 20, LLAMA_LAYOUT_MODEL) + flags + l.flags, dir, &run)) continue;
-        check_close(losses(dir), reference, 1e-5);
-        CHECK(std::fabs(aux_at(dir, 0) - aux_at(out / "one", 0)) <= 2e-6);
-        if (std::string(l.flags).find("--pp") == std::string::npos) require_counted_equals_formula(run);
-    }
+    check_moe_layouts(data, out, LLAMA_LAYOUT_MODEL, 256, flags, reference,
+                      {{"ep2", 2, 2, " --ep 2"}, {"ep4", 4, 1, " --ep 4"}, {"ep2_z3", 2, 2, " --ep 2 -z 3"},
+                       {"ep2_tp2", 4, 2, " --ep 2 --tp 2"}, {"ep2_cp2", 4, 2, " --ep 2 --cp 2"}, {"ep2_pp2", 4, 2, " --ep 2 --pp 2"},
+                       {"ep2_dualpipev", 4, 2, " --ep 2 --pp 2 --pp-schedule dualpipev"}, {"dp2_r2", 2, 2, " -r 2"}},
+                      [&](const std::string& layout, const std::string& dir, const std::string& run) {
+                          CHECK(std::fabs(aux_at(dir, 0) - aux_at(out / "one", 0)) <= 2e-6);
+                          if (layout.find("--pp") == std::string::npos) require_counted_equals_formula(run);
+                      });
+}
+
+// Capacity is decided per sequence in token order, so every layout drops what one rank drops: cp gathers a
+// sequence's choices from its ranks, ep and dp decide for their own sequences, tp ranks route alike.
+TEST_CASE("--moe-capacity 1 under ep with dp, ZeRO-3, tp, cp (zig-zag and contiguous), pp (zero-bubble, DualPipeV) "
+          "and recomputation drops the single-rank run's assignments and gives its losses over 20 steps",
+          "[moe]") {
+    Data data;
+    TempDir out;
+    const std::string flags = " --moe-capacity 1 --moe-bias-rate 0.02";
+    REQUIRE(single_ok(data.flags(2, 128, 20, LAYOUT_MODEL) + flags, out / "one"));
+    std::map<std::string, double> reference = losses(out / "one");
+    double dropped = 0.0;
+    for (int step = 0; step < 20; step++) dropped += logged(out / "one", step, " drop:");
+    CHECK(dropped > 0.0);  // ceil(1·2·16/4) = 8 of a sequence's 32 assignments per expert: the routing overflows
+    REQUIRE(single_ok(data.flags(2, 128, 20, LAYOUT_MODEL) + " --moe-bias-rate 0.02", out / "dropless"));
+    CHECK(losses(out / "dropless").at("trl 0") != reference.at("trl 0"));
+    check_moe_layouts(data, out, LAYOUT_MODEL, 128, flags, reference,
+                      {{"ep2", 2, 2, " --ep 2"}, {"ep4", 4, 1, " --ep 4"}, {"ep2_z3", 2, 2, " --ep 2 -z 3"},
+                       {"ep2_tp2", 4, 2, " --ep 2 --tp 2"}, {"ep2_cp2", 4, 2, " --ep 2 --cp 2"},
+                       {"cp2_contiguous", 2, 2, " --cp 2 --cp-split contiguous"},
+                       {"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
+                       {"ep2_dualpipev", 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev"}, {"ep2_r2", 2, 2, " --ep 2 -r 2"}},
+                      [&](const std::string&, const std::string& dir, const std::string&) {
+                          for (int step = 0; step < 20; step++)
+                              CHECK(logged(dir, step, " drop:") == logged(out / "one", step, " drop:"));
+                      });
 }
 
 TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sparse or dense layers among them: "
-          "ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and recomputation", "[moe]") {
+          "ep with dp, ZeRO, tp, cp, pp (1F1B and zb) and recomputation, dropless and under a capacity", "[moe]") {
     for (const char* model : {"d2c48h4t32v301e4k2", LAYOUT_MODEL, LLAMA_LAYOUT_MODEL}) {
     INFO(model);
     GPTConfig c = parse_model_descriptor(model);
@@ -316,10 +401,12 @@ TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sp
                      Layout{1, 2, 1, 1, 2, PPKind::ZeroBubble}})
         for (int zero : {0, 1, 3})
             for (int recompute : {0, 1, 2})
+                for (float capacity : {0.0f, 1.25f})
                 for (int stage = 0; stage < l.pp; stage++) {
                     if (zero >= 2 && l.kind == PPKind::ZeroBubble && l.pp > 1) continue;  // refused: zb takes ZeRO-0/1
                     INFO("ep " << l.ep << ", dp " << l.dp << ", tp " << l.tp << ", cp " << l.cp << ", pp " << l.pp << " ("
-                               << pp_schedule_name(l.kind) << ") stage " << stage << ", ZeRO-" << zero << ", -r " << recompute);
+                               << pp_schedule_name(l.kind) << ") stage " << stage << ", ZeRO-" << zero << ", -r " << recompute
+                               << ", capacity " << capacity);
                     const int m_micro = 4, B = 2, T = 16;
                     PPSpec pp{l.pp, stage, 1, l.kind};
                     bool split = l.pp > 1 && l.kind == PPKind::ZeroBubble;
@@ -331,7 +418,7 @@ TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sp
                     ModelLayout layout;
                     layout.own = DataParallel<float>::model_buffers(zero);
                     layout.tp = TPSpec{l.tp, 0, l.tp > 1}, layout.cp = CPSpec{l.cp, 0, CPSplit::ZigZag};
-                    layout.ep = l.ep;
+                    layout.ep = l.ep, layout.capacity = capacity;
                     if (l.pp > 1) layout.part = stage_part(c, pp);
                     layout.slots = slots, layout.split_backward = split, layout.recompute = recompute;
                     gpt_allocate(m, c, B, T, layout);
@@ -339,7 +426,7 @@ TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sp
                                      ExpertLinks{l.ep > 1 ? &replicas : nullptr, &ep});
                     ParallelPlan par{l.dp, zero, 1000, l.pp > 1 ? m_micro : 1, l.tp, l.tp > 1, recompute, l.cp};
                     if (l.pp > 1) par.pp = pp;
-                    par.ep = l.ep;
+                    par.ep = l.ep, par.capacity = capacity;
                     if (!c.llama()) CHECK(gpt2_parameter_count_per_rank(c, l.tp, planned_part(c, par), l.ep) == m.num_parameters);
                     MemoryPlan plan = plan_memory(c, B, T, omp_get_max_threads(), par);
                     for (int i = 0; i < MEM_CATEGORIES; i++) {
@@ -482,6 +569,7 @@ TEST_CASE("bad experts and ep layouts are refused in one line", "[moe]") {
     refused("d2c48h4t32v301", " --moe-aux 0.1", {"--moe-aux", "no experts"});
     refused("d2c48h4t32v301", " --moe-aux-scope batch", {"--moe-aux-scope batch", "no experts"});
     refused(MOE_MODEL, " --moe-aux-scope global", {"--moe-aux-scope global", "sequence, batch"});
+    refused("d2c48h4t32v301", " --moe-capacity 1.25", {"--moe-capacity 1.25", "no experts"});
 }
 
 }  // namespace test_moe

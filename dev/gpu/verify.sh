@@ -771,7 +771,8 @@ phase_pp() {
 # under pp 2 (zb: the output gradients of a dense layer's MLP and of each expert's rows kept for the W step); and a
 # Qwen2-MoE-shaped Llama (MOE_SHARED_MODEL: attention biases, the gated shared expert's kernels) under ep 2 with
 # ZeRO-1 and under pp 2 (zb), and with the load-balancing loss over the batch (--moe-aux-scope batch: each
-# forward's counts all-reduced over dp) under ep 2 against one rank of twice the sequences per micro-batch
+# forward's counts all-reduced over dp) under ep 2 against one rank of twice the sequences per micro-batch; last
+# MOE_MODEL under a capacity (--moe-capacity 1: the kernels' dropped slots, rows -1) under ep 2 with ZeRO-1
 
 phase_moe() {
     if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then
@@ -794,6 +795,10 @@ phase_moe() {
     if two_ranks_ready "$WORK/moe_batch" -e "$MOE_SHARED_MODEL" --moe-aux-scope batch -b $((2 * CHECK_B)); then
         two_ranks "$WORK/moe_batch" "$MOE_SHARED_MODEL, aux loss over the batch, ep 2 (dp 2)" -e "$MOE_SHARED_MODEL" \
             --moe-aux-scope batch --ep 2
+    fi
+    if two_ranks_ready "$WORK/moe_capacity" -e "$MOE_MODEL" --moe-capacity 1; then
+        two_ranks "$WORK/moe_capacity" "$MOE_MODEL, capacity 1, ep 2 (dp 2), ZeRO-1" -e "$MOE_MODEL" --moe-capacity 1 \
+            --ep 2 -z 1
     fi
 }
 
@@ -1179,7 +1184,7 @@ declare -A EST_FULL=(
     [fp8]=520           # 3 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s, the MoE ~0.15 s a step), 12 timed runs
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
-    [moe]=180           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each, the batch-scope pair 2
+    [moe]=200           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each; the batch-scope and capacity pairs 2 each
     [mpi]=250           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each
     [kernels]=150       # 12 dev/cuda programs (93 s on an H100, 2026-11-27: attention 27) and attention_sdpa.py
     [pytorch]=60        # d12 10 steps, then PyTorch's d12 (bf16 autocast) 10 steps
@@ -1197,12 +1202,12 @@ declare -A EST_QUICK=(
     [mpi]=35            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
     [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
-    [moe]=65            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each; the batch-scope pair
+    [moe]=75            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each; the batch-scope and capacity pairs
     [resume]=45         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device); 3 -l 0 runs
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
 declare -A EST_CPU=(
-    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=1 [cp]=40 [pp]=60 [moe]=80 [mpi]=60 [kernels]=1
+    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=1 [cp]=40 [pp]=60 [moe]=300 [mpi]=60 [kernels]=1
     [pytorch]=30 [determinism]=20 [resume]=40 [nccl]=1 [plan]=1 [bench]=1
 )
 estimate() {
