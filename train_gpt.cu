@@ -389,6 +389,7 @@ struct Trainer {
         rank_layout.cp = CPSpec{grid.cp, grid.at.cp, cp_split(o)}, rank_layout.ep = grid.ep;
         rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions, pp);
         rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
+        rank_layout.accumulation = accumulation;
         gpt_allocate(model, config, o.B, o.T, rank_layout);
         model.tp.comm = &grid.tp_comm;
         model.cp.comm = &grid.cp_comm;
