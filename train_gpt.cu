@@ -78,10 +78,11 @@ static double from_head_stage(Grid& grid, const PPSpec& pp, double value) {
 }
 
 // the mean loss over `batches` global batches of the validation data, each read and passed through the stages
-// as a training step's micro-batches are
+// as a training step's micro-batches are; in double, as the training loss, so that the mean over dp rounds once
+// and one rank and dp over the same batches log the same bits
 template <typename floatX>
-static float validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
-                             DataLoader& val, int batches) {
+static double validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+                              DataLoader& val, int batches) {
     val.reset();
     std::vector<std::vector<int>> inputs(1), targets(1);
     double total = 0.0;
@@ -90,7 +91,7 @@ static float validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline
         inputs[0] = val.inputs, targets[0] = val.targets;
         total += pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, val.B, val.T, 0.0f);
     }
-    return (float)(from_head_stage(grid, pp, total) / batches);
+    return from_head_stage(grid, pp, total) / batches;
 }
 
 // The multiple-choice eval: this dp rank's share of its rows, B at a time through the stages as validation
@@ -396,6 +397,7 @@ struct Trainer {
         rank_layout.capacity = o.moe_capacity;
         rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions, pp);
         rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
+        rank_layout.accumulation = accumulation;
         gpt_allocate(model, config, o.B, o.T, rank_layout);
         model.tp.comm = &grid.tp_comm;
         model.cp.comm = &grid.cp_comm;

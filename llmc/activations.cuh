@@ -225,6 +225,7 @@ struct Scratch {
     floatX *dresidual, *dln, *dqkv, *datty, *dfch, *dact;
     float *attention, *gemm;
     floatX *partial, *gather, *whole, *dchunk, *norm_whole;
+    floatX* dwte_micro_step;  // a tied wte's gradient of one micro-step, or null (tied_wte_summed_apart)
 };
 
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)

@@ -101,6 +101,18 @@ inline void launch_elementwise(void (*kernel)(Params...), long n, Args... args) 
     cuda_check(cudaGetLastError());
 }
 
+// dst += src, n elements of the storage type: a gradient of one micro-step (or a reduced piece of one) into the
+// gradients accumulated so far, one add per element, the sum in fp32 rounded once on the GPU
+inline void accumulate(float* dst, const float* src, size_t n) {
+#pragma omp parallel for
+    for (size_t i = 0; i < n; i++) dst[i] += src[i];
+}
+static __global__ void accumulate_kernel(bf16* dst, const bf16* src, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16(__bfloat162float(dst[i]) + __bfloat162float(src[i]));
+}
+inline void accumulate(bf16* dst, const bf16* src, size_t n) { launch_elementwise(accumulate_kernel, (long)n, dst, src, (long)n); }
+
 // dst (storage type, on its device) = src (fp32, on the same device)
 inline void convert_on_device(float* dst, const float* src, long n) { device_copy<float>(dst, src, (size_t)n); }
 inline void convert_on_device(bf16* dst, const float* src, long n) {

@@ -1,10 +1,16 @@
 // Token + position embedding: out[b,t,:] = wte[token[b,t],:] + wpe[t,:] (GPT-2's learned positions), or the token
 // embedding alone for a model without a position table (Llama: RoPE turns q and k instead), and its backward.
-// The backward scatters into the embedding tables; it is split across threads by channel ranges so that every
-// table entry is summed in token order by one thread, which keeps the result bit-reproducible.
+// The backward scatters into the embedding tables: each table row's gradient is summed over the positions that
+// read it, in a fixed order (bit-reproducible), and then added to the table's gradient once, so a micro-step's
+// gradient reaches the accumulated one whole and one rank accumulating micro-steps adds what dp's ranks reduce
+// (llmc/zero.cuh). The same backward over a share of the positions and of the vocabulary
+// (position_grads, masked_embedding_grads) serves tensor parallelism's split tables (llmc/tp.cuh).
 #pragma once
 
 #include <omp.h>
+
+#include <algorithm>
+#include <vector>
 
 inline void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C) {
 #pragma omp parallel for collapse(2)
@@ -21,23 +27,57 @@ inline void encoder_forward(float* out, const int* tokens, const float* wte, con
         }
 }
 
+// dwpe += dout's rows (R rows from token row `first`) at their positions: each position's rows summed in row
+// order, then added once
+inline void position_grads(float* dwpe, const float* dout, long R, long first, int T, int C) {
+#pragma omp parallel
+    {
+        std::vector<float> sum(C);
+#pragma omp for
+        for (int t = 0; t < T; t++) {
+            std::fill(sum.begin(), sum.end(), 0.0f);
+            for (long r = ((t - first) % T + T) % T; r < R; r += T)
+                for (int c = 0; c < C; c++) sum[c] += dout[r * C + c];
+            for (int c = 0; c < C; c++) dwpe[(long)t * C + c] += sum[c];
+        }
+    }
+}
+
+// dwte (the Vl vocab rows from vlo) += d's rows whose token it holds: each token's rows summed in row order,
+// then added once
+inline void masked_embedding_grads(float* dwte, const float* d, const int* tokens, long n, int C, long vlo, int Vl) {
+    // the rows of each token held here, in row order: a counting sort by token
+    auto held = [&](long i) {
+        long v = tokens[i] - vlo;
+        return v >= 0 && v < Vl ? v : -1L;
+    };
+    std::vector<long> start(Vl + 1, 0), rows;
+    for (long i = 0; i < n; i++)
+        if (long v = held(i); v >= 0) start[v + 1]++;
+    for (int v = 0; v < Vl; v++) start[v + 1] += start[v];
+    rows.resize(start[Vl]);
+    std::vector<long> next(start.begin(), start.end() - 1);
+    for (long i = 0; i < n; i++)
+        if (long v = held(i); v >= 0) rows[next[v]++] = i;
+#pragma omp parallel
+    {
+        std::vector<float> sum(C);
+#pragma omp for schedule(dynamic, 64)
+        for (int v = 0; v < Vl; v++) {
+            if (start[v] == start[v + 1]) continue;
+            std::fill(sum.begin(), sum.end(), 0.0f);
+            for (long k = start[v]; k < start[v + 1]; k++)
+                for (int c = 0; c < C; c++) sum[c] += d[rows[k] * C + c];
+            for (int c = 0; c < C; c++) dwte[(long)v * C + c] += sum[c];
+        }
+    }
+}
+
 // dwte (V rows) and dwpe accumulate (+=); the CUDA kernel sizes its sort keys by V. Without a position table
 // (wpe and dwpe null) the output is the token's row alone.
 inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C, int V) {
-    constexpr int CHUNK = 64;
-#pragma omp parallel for
-    for (int c0 = 0; c0 < C; c0 += CHUNK) {
-        int c1 = c0 + CHUNK < C ? c0 + CHUNK : C;
-        for (int b = 0; b < B; b++)
-            for (int t = 0; t < T; t++) {
-                const float* d = dout + ((size_t)b * T + t) * C;
-                float* tok = dwte + (size_t)tokens[b * T + t] * C;
-                for (int c = c0; c < c1; c++) tok[c] += d[c];
-                if (!dwpe) continue;
-                float* pos = dwpe + (size_t)t * C;
-                for (int c = c0; c < c1; c++) pos[c] += d[c];
-            }
-    }
+    masked_embedding_grads(dwte, dout, tokens, (long)B * T, C, 0, V);
+    if (dwpe) position_grads(dwpe, dout, (long)B * T, 0, T, C);
 }
 
 // ==========================================================================================================
@@ -275,4 +315,47 @@ inline void encoder_forward(bf16* out, const int* tokens, const bf16* wte, const
 inline void encoder_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C, int V) {
     size_t floats = (encoder_backward_scratch_bytes(B, T, V) + sizeof(float) - 1) / sizeof(float);
     encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, V, gpu_scratch(floats, "encoder_backward"), main_stream());
+}
+
+// position_grads and masked_embedding_grads on bf16, for tensor parallelism's shares (llmc/tp.cuh); the whole
+// tables' backward is encoder_backward_cuda's.
+// A thread owns one entry of dwpe and walks the rows at its position (every T-th from the first)
+static __global__ void position_grads_kernel(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)T * C; i += (long)gridDim.x * blockDim.x) {
+        long t = i / C;
+        int c = (int)(i % C);
+        float s = 0.0f;
+        for (long r = ((t - first) % T + T) % T; r < R; r += T) s += __bfloat162float(dout[r * C + c]);
+        dwpe[i] = __float2bfloat16(__bfloat162float(dwpe[i]) + s);
+    }
+}
+inline void position_grads(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
+    launch_elementwise(position_grads_kernel, (long)T * C, dwpe, dout, R, first, T, C);
+}
+
+// A block owns a tile of 128 vocab rows × 64 channels and scans the tokens in order, adding the rows of its
+// tokens into an fp32 tile in shared memory; a thread owns one channel of the tile, so every entry is summed
+// in token order by one thread (reproducible, no atomics). The cost is the scan: every tile reads all BT token
+// ids (from cache), where the single-rank encoder sorts them once.
+constexpr int VOCAB_TILE_ROWS = 128, VOCAB_TILE_CHANNELS = 64;
+static __global__ void masked_embedding_grads_kernel(bf16* dwte, const bf16* d, const int* tokens, long BT, int C,
+                                                     long vlo, int Vl) {
+    __shared__ float tile[VOCAB_TILE_ROWS][VOCAB_TILE_CHANNELS];
+    long row0 = (long)blockIdx.x * VOCAB_TILE_ROWS;
+    int c = blockIdx.y * VOCAB_TILE_CHANNELS + threadIdx.x;
+    for (int j = 0; j < VOCAB_TILE_ROWS; j++) tile[j][threadIdx.x] = 0.0f;
+    if (c >= C) return;  // the threads share no shared-memory entry, so none waits for another
+    for (long i = 0; i < BT; i++) {
+        long j = tokens[i] - vlo - row0;
+        if (j >= 0 && j < VOCAB_TILE_ROWS) tile[j][threadIdx.x] += __bfloat162float(d[i * C + c]);
+    }
+    for (int j = 0; j < VOCAB_TILE_ROWS && row0 + j < Vl; j++) {
+        bf16* w = dwte + (row0 + j) * C + c;
+        *w = __float2bfloat16(__bfloat162float(*w) + tile[j][threadIdx.x]);
+    }
+}
+inline void masked_embedding_grads(bf16* dwte, const bf16* d, const int* tokens, long BT, int C, long vlo, int Vl) {
+    dim3 grid(cuda_blocks(Vl, VOCAB_TILE_ROWS), cuda_blocks(C, VOCAB_TILE_CHANNELS));
+    masked_embedding_grads_kernel<<<grid, VOCAB_TILE_CHANNELS, 0, main_stream()>>>(dwte, d, tokens, BT, C, vlo, Vl);
+    cuda_check(cudaGetLastError());
 }

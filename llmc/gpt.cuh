@@ -149,7 +149,20 @@ struct ModelLayout {
     int slots = 1;
     bool split_backward = false;
     int recompute = RECOMPUTE_NONE;
+    int accumulation = 1;  // micro-steps per optimizer step
 };
+
+// A micro-step's gradient is added to the gradients accumulated over the step's earlier micro-steps whole, one
+// add per element, so that one rank accumulating micro-steps sums the same numbers in the same order as dp's
+// ranks that each run one of them and reduce (llmc/zero.cuh): the layers' kernels sum over their rows before
+// they add. A tied wte takes two gradients in a micro-step, the classifier's at the start of backward and the
+// embedding's at its end, so where they would land in gradients that accumulate (the model's own buffer, with
+// more than one micro-step; ZeRO-2/3 stage each micro-step's anew) the two are summed apart first, in a buffer
+// of wte's size. Under a pipeline the two are on different stages, or (DualPipeV's first rank) in backward
+// passes that other micro-batches' come between, and go straight into the gradients.
+inline bool tied_wte_summed_apart(const GPTConfig& c, const ModelPart& part, bool own_grads, int accumulation) {
+    return c.tied() && part.first && part.last && part.chunks() == 1 && own_grads && accumulation > 1;
+}
 
 // Allocates the model's part as the layout says, for micro-batches of up to B×T tokens
 template <typename floatX>
@@ -249,6 +262,9 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     s.whole = tp.sp ? scr(BT * C) : nullptr;
     s.dchunk = tp.sp ? scr(R * C) : nullptr;
     s.norm_whole = tp.sp ? scr(BT * C) : nullptr;
+    s.dwte_micro_step = tied_wte_summed_apart(config, part, layout.own.grads, layout.accumulation)
+                            ? led.alloc<floatX, floatX>(MEM_GRADS, (size_t)d.Vl * C)
+                            : nullptr;
     m.tp.gather = s.gather;
     if (!config.learned_positions()) {  // RoPE's (cos, sin) table for every position the model takes
         size_t n = (size_t)config.max_seq_len * d.hd;
@@ -757,7 +773,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         else if (!mb.dlogits) crossentropy_backward_inplace(a.logits, nullptr, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
         int unit = classifier_unit(c, Lp), t = classifier_tensor(c);
         ParamViews<floatX> cls = unit_params(m, unit), dcls = unit_grads(m, unit);
-        matmul_backward(s.dln, dcls[t], (floatX*)nullptr, a.logits, a.lnf, cls[t], BT, C, d.Vl, ws);
+        floatX* dclassifier = s.dwte_micro_step ? s.dwte_micro_step : dcls[t];
+        if (s.dwte_micro_step) device_zero<floatX>(dclassifier, (size_t)d.Vl * C);
+        matmul_backward(s.dln, dclassifier, (floatX*)nullptr, a.logits, a.lnf, cls[t], BT, C, d.Vl, ws);
         tp.reduce_rows(s.dln, dln_rows, BT, C);
         device_zero<floatX>(s.dresidual, R * C);
         const floatX* last_residual = layer_slice(a, n - 1, d, m.recompute, m.split_backward).residual3;
@@ -786,7 +804,9 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     if (part.starts_model(chunk)) {
         ParamViews<floatX> demb = unit_grads(m, embedding_unit(Lp));
         floatX* dpositions = c.learned_positions() ? cp.position_grads_begin(demb[WPE], C) : nullptr;
-        tp.embedding_backward(demb[WTE], dpositions, s.dresidual, s.whole, mb.device_inputs, B, d.T, C, d.Vl);
+        floatX* dwte = s.dwte_micro_step ? s.dwte_micro_step : demb[WTE];
+        tp.embedding_backward(dwte, dpositions, s.dresidual, s.whole, mb.device_inputs, B, d.T, C, d.Vl);
+        if (s.dwte_micro_step) accumulate(demb[WTE], s.dwte_micro_step, (size_t)d.Vl * C);
         if (dpositions) cp.position_grads_end(demb[WPE], C);
     }
     // the embeddings' unit goes with the part's first chunk, whose backward of a micro-batch comes last: on the

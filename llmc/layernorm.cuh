@@ -46,19 +46,24 @@ inline void layernorm_backward(float* dinp, float* dweight, float* dbias, const 
             dx[c] += s * (d[c] * weight[c] - dnorm_mean - norm * dnorm_norm_mean);
         }
     }
-    // parameter gradients sum over rows: split by channel so each sum has one owner and a fixed order
+    // parameter gradients sum over rows: split by channel so each sum has one owner and a fixed order. Each sum is
+    // taken whole and then added to the gradient once, as the kernels add their partial sums: a micro-step's
+    // gradient reaches the accumulated one in one add, so that one rank accumulating micro-steps adds what dp's
+    // ranks reduce (llmc/zero.cuh)
     constexpr int CHUNK = 32;
 #pragma omp parallel for
     for (int c0 = 0; c0 < C; c0 += CHUNK) {
         int c1 = c0 + CHUNK < C ? c0 + CHUNK : C;
+        float sum_w[CHUNK] = {}, sum_b[CHUNK] = {};
         for (long n = 0; n < N; n++) {
             const float* x = inp + n * C;
             const float* d = dout + n * C;
             for (int c = c0; c < c1; c++) {
-                dweight[c] += d[c] * (x[c] - mean[n]) * rstd[n];
-                dbias[c] += d[c];
+                sum_w[c - c0] += d[c] * (x[c] - mean[n]) * rstd[n];
+                sum_b[c - c0] += d[c];
             }
         }
+        for (int c = c0; c < c1; c++) dweight[c] += sum_w[c - c0], dbias[c] += sum_b[c - c0];
     }
 }
 

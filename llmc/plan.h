@@ -155,6 +155,8 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         }
         p.bytes[MEM_COMM] = X * staging;
     }
+    // a tied wte's gradient of one micro-step, summed apart before it joins the accumulated ones (llmc/gpt.cuh)
+    if (tied_wte_summed_apart(c, part, par.zero < 2, par.accumulation)) p.bytes[MEM_GRADS] += X * d.Vl * C;
     // What forward keeps for backward, from the model's activation buffers (llmc/activations.cuh), which say what
     // each holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs (under sp
     // the rank's rows, gathered again in backward), their statistics, qkv, the softmax probabilities (on the GPU

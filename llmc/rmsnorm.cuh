@@ -35,16 +35,19 @@ inline void rmsnorm_backward(float* dinp, float* dweight, const float* dout, con
         float* dx = dinp + n * C;
         for (int c = 0; c < C; c++) dx[c] += s * (d[c] * weight[c] - x[c] * s * s * gx_mean);
     }
-    // dweight sums over rows: split by channel so each sum has one owner and a fixed order
+    // dweight sums over rows: split by channel so each sum has one owner and a fixed order, taken whole and then
+    // added once (as layernorm_backward's)
     constexpr int CHUNK = 32;
 #pragma omp parallel for
     for (int c0 = 0; c0 < C; c0 += CHUNK) {
         int c1 = c0 + CHUNK < C ? c0 + CHUNK : C;
+        float sum[CHUNK] = {};
         for (long n = 0; n < N; n++) {
             const float* x = inp + n * C;
             const float* d = dout + n * C;
-            for (int c = c0; c < c1; c++) dweight[c] += d[c] * x[c] * rstd[n];
+            for (int c = c0; c < c1; c++) sum[c - c0] += d[c] * x[c] * rstd[n];
         }
+        for (int c = c0; c < c1; c++) dweight[c] += sum[c - c0];
     }
 }
 

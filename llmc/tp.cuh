@@ -122,63 +122,6 @@ inline void add_positions(bf16* out, const bf16* sum, const bf16* wpe, long R, l
     launch_elementwise(add_positions_kernel, R * C, out, sum, wpe, R, first, T, C);
 }
 
-// dwpe += dout's rows (R rows from token row `first`) at their positions, each entry summed in row order
-inline void position_grads(float* dwpe, const float* dout, long R, long first, int T, int C) {
-#pragma omp parallel for
-    for (int c = 0; c < C; c++)
-        for (long r = 0; r < R; r++) dwpe[((first + r) % T) * C + c] += dout[r * C + c];
-}
-// a thread owns one entry of dwpe and walks the rows at its position (every T-th from the first)
-static __global__ void position_grads_kernel(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)T * C; i += (long)gridDim.x * blockDim.x) {
-        long t = i / C;
-        int c = (int)(i % C);
-        float s = 0.0f;
-        for (long r = ((t - first) % T + T) % T; r < R; r += T) s += __bfloat162float(dout[r * C + c]);
-        dwpe[i] = __float2bfloat16(__bfloat162float(dwpe[i]) + s);
-    }
-}
-inline void position_grads(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
-    launch_elementwise(position_grads_kernel, (long)T * C, dwpe, dout, R, first, T, C);
-}
-
-// dwte (this rank's Vl vocab rows) += d's rows whose token this rank holds; each entry summed in token order
-inline void masked_embedding_grads(float* dwte, const float* d, const int* tokens, long BT, int C, long vlo, int Vl) {
-    // each channel is summed in token order by one thread: bit-reproducible
-#pragma omp parallel for
-    for (int c = 0; c < C; c++)
-        for (long i = 0; i < BT; i++) {
-            long row = tokens[i] - vlo;
-            if (row >= 0 && row < Vl) dwte[row * C + c] += d[i * C + c];
-        }
-}
-// A block owns a tile of 128 vocab rows × 64 channels and scans the tokens in order, adding the rows of its
-// tokens into an fp32 tile in shared memory; a thread owns one channel of the tile, so every entry is summed
-// in token order by one thread (reproducible, no atomics). The cost is the scan: every tile reads all BT token
-// ids (from cache), where the single-rank encoder sorts them once.
-constexpr int VOCAB_TILE_ROWS = 128, VOCAB_TILE_CHANNELS = 64;
-static __global__ void masked_embedding_grads_kernel(bf16* dwte, const bf16* d, const int* tokens, long BT, int C,
-                                                     long vlo, int Vl) {
-    __shared__ float tile[VOCAB_TILE_ROWS][VOCAB_TILE_CHANNELS];
-    long row0 = (long)blockIdx.x * VOCAB_TILE_ROWS;
-    int c = blockIdx.y * VOCAB_TILE_CHANNELS + threadIdx.x;
-    for (int j = 0; j < VOCAB_TILE_ROWS; j++) tile[j][threadIdx.x] = 0.0f;
-    if (c >= C) return;  // the threads share no shared-memory entry, so none waits for another
-    for (long i = 0; i < BT; i++) {
-        long j = tokens[i] - vlo - row0;
-        if (j >= 0 && j < VOCAB_TILE_ROWS) tile[j][threadIdx.x] += __bfloat162float(d[i * C + c]);
-    }
-    for (int j = 0; j < VOCAB_TILE_ROWS && row0 + j < Vl; j++) {
-        bf16* w = dwte + (row0 + j) * C + c;
-        *w = __float2bfloat16(__bfloat162float(*w) + tile[j][threadIdx.x]);
-    }
-}
-inline void masked_embedding_grads(bf16* dwte, const bf16* d, const int* tokens, long BT, int C, long vlo, int Vl) {
-    dim3 grid(cuda_blocks(Vl, VOCAB_TILE_ROWS), cuda_blocks(C, VOCAB_TILE_CHANNELS));
-    masked_embedding_grads_kernel<<<grid, VOCAB_TILE_CHANNELS, 0, main_stream()>>>(dwte, d, tokens, BT, C, vlo, Vl);
-    cuda_check(cudaGetLastError());
-}
-
 // Per row of this rank's logits (BT×Vl, `real` columns of real tokens), stats[3i..3i+2] = the max, Σ exp(x -
 // max) and the target logit (0 where another rank holds the target; max -inf and sum 0 with no real column)
 inline void vocab_row_stats(float* stats, const float* logits, const int* targets, long BT, int Vl, int real, long vlo) {

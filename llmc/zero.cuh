@@ -151,16 +151,6 @@ inline void unpack_bucket(const Bucket& b, const floatX* packed, floatX* flat) {
 
 enum ZeroBuffer { ZB_PARAMS, ZB_GRADS };
 
-// dst += src, n elements (a reduced piece into the gradient shard)
-inline void accumulate(float* dst, const float* src, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] += src[i];
-}
-static __global__ void accumulate_kernel(bf16* dst, const bf16* src, long n) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        dst[i] = __float2bfloat16(__bfloat162float(dst[i]) + __bfloat162float(src[i]));
-}
-inline void accumulate(bf16* dst, const bf16* src, size_t n) { launch_elementwise(accumulate_kernel, (long)n, dst, src, (long)n); }
-
 // Σ x² over spans of a gradient buffer, added in span order in double: the same sums on every rank and stage.
 // On the GPU each span's sum is a float on the device (a span may start at any element), read back together.
 inline double sum_of_squares_spans(const std::vector<std::pair<const float*, long>>& spans) {

@@ -108,27 +108,34 @@ TEST_CASE("ZeRO-0, 1, 2 and 3 give identical losses and identical final paramete
     }
 }
 
-TEST_CASE("--plan predicts the ledger of every rank, for every ZeRO stage, dp size and bucket size", "[distributed]") {
+// (with accumulation, the tied wte's gradient of a micro-step is summed apart where the gradients accumulate in
+// the model's own buffer, ZeRO-0 and 1: llmc/gpt.cuh's tied_wte_summed_apart)
+TEST_CASE("--plan predicts the ledger of every rank, for every ZeRO stage, dp size and bucket size, with and without "
+          "gradient accumulation", "[distributed]") {
     for (int dp : {1, 2, 3, 4})
         for (int zero = 0; zero <= 3; zero++)
             for (size_t bucket : {(size_t)1000, (size_t)15728, DEFAULT_BUCKET_FLOATS})
-                for (int rank = 0; rank < dp; rank++) {
-                    INFO("dp " << dp << " rank " << rank << " ZeRO-" << zero << " bucket " << bucket);
-                    GPTConfig c = parse_model_descriptor("d3c33h3t32v301");
-                    Comm group;  // only the size and rank matter until a collective runs
-                    group.size = dp;
-                    group.rank = rank;
-                    GPT m;
-                    ModelLayout layout;
-                    layout.own = DataParallel<float>::model_buffers(zero);
-                    gpt_allocate(m, c, 2, 16, layout);
-                    DataParallel dpr(m, group, zero, bucket);
-                    MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), ParallelPlan{dp, zero, bucket, 1});
-                    for (int i = 0; i < MEM_CATEGORIES; i++) {
-                        INFO(mem_category_name(i));
-                        CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                for (int accumulation : {1, 2})
+                    for (int rank = 0; rank < dp; rank++) {
+                        INFO("dp " << dp << " rank " << rank << " ZeRO-" << zero << " bucket " << bucket << ", "
+                                   << accumulation << " micro-steps");
+                        GPTConfig c = parse_model_descriptor("d3c33h3t32v301");
+                        Comm group;  // only the size and rank matter until a collective runs
+                        group.size = dp;
+                        group.rank = rank;
+                        GPT m;
+                        ModelLayout layout;
+                        layout.own = DataParallel<float>::model_buffers(zero);
+                        layout.accumulation = accumulation;
+                        gpt_allocate(m, c, 2, 16, layout);
+                        DataParallel dpr(m, group, zero, bucket);
+                        MemoryPlan plan =
+                            plan_memory(c, 2, 16, omp_get_max_threads(), ParallelPlan{dp, zero, bucket, accumulation});
+                        for (int i = 0; i < MEM_CATEGORIES; i++) {
+                            INFO(mem_category_name(i));
+                            CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                        }
                     }
-                }
 }
 
 TEST_CASE("the model states follow the Playbook's per-stage formulas", "[distributed]") {

@@ -133,6 +133,7 @@ TEST_CASE("--plan predicts the ledger of every Llama rank under dp with ZeRO-1 a
                                 layout.cp = CPSpec{cp, rank / tp, CPSplit::ZigZag};
                                 if (N > 1) layout.part = stage_part(c, pp);
                                 layout.slots = slots, layout.split_backward = N > 1 && pp_kind_splits_backward(kind);
+                                layout.accumulation = micro;
                                 gpt_allocate(m, c, 2, 16, layout);
                                 DataParallel dpr(m, group, zero, 1000, StageLinks{N > 1 ? &group : nullptr, nullptr});
                                 ParallelPlan par{2, zero, 1000, micro, tp, tp > 1};
