@@ -10,9 +10,12 @@
 //            times the routed scaling factor (DeepSeek-V3's 2.5; 1 elsewhere). With a selection bias (DeepSeek-V3's
 //            balancing without an auxiliary loss) the K chosen are those of the largest S + b instead, b a vector
 //            of the layer's that only chooses: the gates are S's. After each step b_i += γ·sign(mean − load_i),
-//            from the loads of the whole global batch (balance), the same on every rank. Dropless: every token
-//            reaches all K of its experts, so the experts see K·BT rows in all.
-//   dispatch the (token, slot) pairs are sorted by expert, token and slot ("dispatch order"); under expert
+//            from the loads of the whole global batch (balance), the same on every rank. Dropless by default:
+//            every token reaches all K of its experts, so the experts see K·BT rows in all.
+//   capacity (--moe-capacity F) an expert takes at most ceil(F·K·T/E) of a sequence's assignments, the first in
+//            token and slot order; the others are dropped (their slot adds nothing, their gate gets no gradient).
+//            Decided per sequence (under cp over the whole sequence's choices), so every layout drops alike.
+//   dispatch the (token, slot) pairs kept are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
 //   experts  the MLP of llmc/mlp.cuh on each expert's contiguous rows.
@@ -311,8 +314,8 @@ inline void dispatch_order(MoERoute& r, long BT, int E, int K, const char* keep 
     }
 }
 
-// The top-K experts and gates of each of BT tokens, the normalized scores, and the dispatch order of them all;
-// bias (E, or null): added to the scores to choose
+// The top-K experts and gates of each of BT tokens and the normalized scores (dispatch_order then sorts the
+// assignments kept); bias (E, or null): added to the scores to choose
 inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, const Routing& how,
                          const float* bias = nullptr) {
     r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E);
@@ -346,7 +349,6 @@ inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K
         for (int k = 0; k < K; k++) r.chosen[chosen[k]]++;
         for (int k = 0; k < K; k++) r.gate[t * K + k] = (how.normalize ? r.gate[t * K + k] / chosen_total : r.gate[t * K + k]) * how.scale;
     }
-    dispatch_order(r, BT, E, K);
 }
 
 // Which assignments of B whole sequences (choices: each one's T positions in order, K experts each) their
@@ -457,10 +459,10 @@ struct MixtureOfExperts {
         else ep->wait(ep->all_to_allv(from, in.data(), in_at.data(), to, out.data(), out_at.data(), dtype_of<floatX>()));
     }
 
-    // The capacity's drops (within_capacity) for this rank's B sequences of Tl tokens: under cp each sequence's
-    // choices are gathered from the group and put in position order, so that every rank decides over the whole
-    // sequence as one rank would; the kept assignments are dispatched, the others' rows are -1
-    void drop_over_capacity(MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl, bool count) {
+    // Which of this rank's B sequences of Tl tokens' assignments the capacity keeps (within_capacity): under cp
+    // each sequence's choices are gathered from the group and put in position order, so that every rank decides
+    // over the whole sequence as one rank would
+    std::vector<char> kept_within_capacity(const MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl) {
         int N = cp.spec.size;
         long T = (long)Tl * N, cap = expert_capacity(capacity, K, E, T);
         std::vector<char> keep;
@@ -482,8 +484,7 @@ struct MixtureOfExperts {
                 for (int t = 0; t < Tl; t++)
                     std::copy_n(&decided[((long)b * T + cp.positions[t]) * K], K, &keep[((long)b * Tl + t) * K]);
         }
-        dispatch_order(r, (long)B * Tl, E, K, keep.data());
-        if (count) dropped += (long)B * Tl * K - r.dispatched;
+        return keep;
     }
 
     // The aux loss's statistics: each sequence's f (r.freq, B·E), which its gradient wants, and Σ_t P (prob_sums,
@@ -558,7 +559,8 @@ struct MixtureOfExperts {
         host_logits.resize((size_t)BT * E);
         device_download<floatX>(host_logits.data(), logits, host_logits.size());
         route_tokens(r, host_logits.data(), BT, E, K, routing, bias.empty() ? nullptr : &bias[(size_t)layer * E]);
-        if (capacity > 0.0f) drop_over_capacity(r, cp, B, Tl, tp.spec.rank == 0);
+        std::vector<char> keep = capacity > 0.0f ? kept_within_capacity(r, cp, B, Tl) : std::vector<char>();
+        dispatch_order(r, BT, E, K, keep.empty() ? nullptr : keep.data());
         aux_statistics(r, cp, B, Tl, layer);
         if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
             for (int b = 0; b < B; b++) {
@@ -566,8 +568,10 @@ struct MixtureOfExperts {
                 for (int e = 0; e < E; e++) sum += (double)r.freq[(size_t)b * E + e] * prob_sums[(size_t)b * E + e];
                 aux_sum += alpha * E * sum / ((double)Tl * cp.spec.size);
             }
-        if (tp.spec.rank == 0)
+        if (tp.spec.rank == 0) {
             for (int e = 0; e < E; e++) load[(size_t)layer * E + e] += r.chosen[e];
+            dropped += BT * K - r.dispatched;
+        }
         plan_receive(r);
 
         // the rows to the experts, the experts, the rows back

@@ -299,12 +299,18 @@ inline double planned_tp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
 // the K/V block on N-1 times (BT·2Kl values as stored, BT = B·T/N local rows, Kl = KV/tp·hd the rank's key
 // channels: Cl for GPT-2, NH/KV times fewer under grouped-query attention, hd when tp exceeds KV), and
 // backward passes it on N-1 times again and its fp32 dK/dV accumulator N times (the last hop brings each one
-// home to the keys' rank).
+// home to the keys' rank). With experts each sparse layer's forward sums its sequences' aux statistics over the
+// group (an all-reduce of 2·B·E fp32: counts and Σ P), and under a capacity gathers their choices (an all-gather
+// of the rank's B·T/N·K int32), so that every rank sees whole sequences (llmc/moe.cuh).
 inline double planned_cp_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.cp == 1) return 0.0;
     double N = par.cp, kv = (double)B * (T / par.cp) * 2 * (c.kv_heads(par.tp) * c.head_size());
     double per_layer = 2 * (N - 1) * kv * stored_value_bytes(device) + N * kv * sizeof(float);
-    return par.accumulation * planned_part(c, par).layers() * per_layer;
+    double statistics = 2 * (N - 1) / N * 2.0 * B * c.num_experts * sizeof(float);
+    double choices = par.capacity > 0.0f ? (N - 1) * (double)B * (T / par.cp) * c.top_k * sizeof(int) : 0.0;
+    ModelPart part = planned_part(c, par);
+    double sparse = c.moe() ? sparse_layers(c, part) : 0;
+    return par.accumulation * (part.layers() * per_layer + sparse * (statistics + choices));
 }
 
 // Bytes one rank sends to its pp group per optimizer step: for each micro-batch, each of its chunks sends its

@@ -42,6 +42,7 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the sof
         const double scale = sigmoid ? 2.5 : 1.0;
         MoERoute r;
         route_tokens(r, logits.data(), BT, E, K, Routing{sigmoid, normalize, (float)scale});
+        dispatch_order(r, BT, E, K);
         std::vector<int> rows_seen(BT * K, 0);
         for (long t = 0; t < BT; t++) {
             const float* l = &logits[t * E];
@@ -295,6 +296,8 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
     std::map<std::string, double> reference = losses(out / "one");
     auto counted = [](const std::string& flags, const std::string&, const std::string& run) {
         if (flags.find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
+        // the ring, and the aux statistics summed over the cp group
+        if (flags.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);
         // the step's p2p bytes alone: the experts' statistics, reduced over the stages after the step for its line,
         // are not the step's traffic
         if (flags.find("--pp") != std::string::npos) require_pp_counted_equals_formula(run);
@@ -354,6 +357,7 @@ TEST_CASE("--moe-aux-scope batch (Megatron-LM's global aux loss) under ep with d
                       [&](const std::string& layout, const std::string& dir, const std::string& run) {
                           CHECK(std::fabs(aux_at(dir, 0) - aux_at(out / "one", 0)) <= 2e-6);
                           if (layout.find("--pp") == std::string::npos) require_counted_equals_formula(run);
+                          if (layout.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);
                       });
 }
 
@@ -378,9 +382,11 @@ TEST_CASE("--moe-capacity 1 under ep with dp, ZeRO-3, tp, cp (zig-zag and contig
                        {"cp2_contiguous", 2, 2, " --cp 2 --cp-split contiguous"},
                        {"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
                        {"ep2_dualpipev", 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev"}, {"ep2_r2", 2, 2, " --ep 2 -r 2"}},
-                      [&](const std::string&, const std::string& dir, const std::string&) {
+                      [&](const std::string& layout, const std::string& dir, const std::string& run) {
                           for (int step = 0; step < 20; step++)
                               CHECK(logged(dir, step, " drop:") == logged(out / "one", step, " drop:"));
+                          // the ring, the aux statistics and the choices gathered over the cp group
+                          if (layout.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);
                       });
 }
 
