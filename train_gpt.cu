@@ -408,9 +408,10 @@ struct Trainer {
         if (grid.dp_cp().size > 1) model.moe.batch = &grid.dp_cp();
         model.seed = o.seed;
         if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
-            gpt_allocate_fp8(model);
+            gpt_allocate_fp8(model, fp8_recipe_named(o.fp8_recipe));
             model.fp8.group = &grid.tp_cp();
             model.fp8_experts.group = &grid.tp_comm;
+            model.fp8.speaks = model.fp8_experts.speaks = grid.rank == 0;
         }
         // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp; with
         // experts split over ep, theirs over the ranks that hold the same experts
@@ -540,8 +541,8 @@ struct Trainer {
                num_parameters(config), model.num_parameters, model.ledger.total() / 1048576.0);
         if (pp.on()) print_stage_layers(config, pp);
         if (o.fp8)
-            printf("fp8: the matmuls of layers 1 to %d in E4M3 (activations, weights) and E5M2 (gradients), a scale per "
-                   "tensor; layers 0 and %d, attention, the embeddings and the classifier in %s\n", config.num_layers - 2,
+            printf("fp8: the matmuls of layers 1 to %d in %s; layers 0 and %d, attention, the embeddings and the "
+                   "classifier in %s\n", config.num_layers - 2, fp8_recipe_terms(fp8_recipe_named(o.fp8_recipe)),
                    config.num_layers - 1, on_gpu ? "bf16" : "fp32");
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train_data->total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, run.total_batch, steps);

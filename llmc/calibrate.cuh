@@ -94,7 +94,7 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
             for (auto [size, rate] : h.matmul_tflops) {
                 long n = (long)size;
                 double s = seconds_per_call<floatX>([&] {
-                    fp8_gemm(out, w8, Fp8Format::E4M3, ones, a8, Fp8Format::E4M3, ones, n, rows, n, 0.0f,
+                    fp8_gemm(out, {w8, Fp8Format::E4M3, ones}, {a8, Fp8Format::E4M3, ones}, n, rows, n, 0.0f,
                              CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Forward);
                 });
                 h.fp8_matmul_tflops.push_back({size, 2.0 * rows * n * n / s / 1e12});

@@ -28,6 +28,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <set>
 #include <string>
 #include <type_traits>
 
@@ -85,6 +86,9 @@ inline float fp8_decode(uint8_t code, Fp8Format f) {
 
 // x rounded to the format's grid (what the GEMM sees of it, before unscaling)
 inline float fp8_round(float x, Fp8Format f) { return fp8_decode(fp8_encode(x, f), f); }
+
+// the block-scaled recipes' casts, which round with fp8_round (the rest of this file dispatches to them)
+#include "llmc/fp8_blocks.cuh"
 
 // The scale of a tensor whose pieces' amaxes are given, and its inverse: the format's max over the amax; 1 for
 // a tensor of zeros; at most FLT_MAX for a tiny one; NaN when an element is not finite, so that the cast carries
@@ -247,27 +251,61 @@ inline void fp8_quantize(uint8_t* out, uint8_t* out_t, const bf16* x, long rows,
 // the transposed copies' rows (the weight gradient's K) padded for cuBLASLt's FP8 kernels
 inline long fp8_padded(long rows) { return (rows + 15) / 16 * 16; }
 
-enum Fp8Operand { FP8_INPUT = 0, FP8_WEIGHT = 1, FP8_GRAD = 2 };
+enum Fp8Operand { FP8_INPUT = 0, FP8_WEIGHT = 1, FP8_GRAD = 2, FP8_GRAD_T = 3 };
 
 // Each operand's scale and inverse sit 8 floats apart, the inverse on a 16-byte boundary: the inverses are what
 // cuBLASLt's A and B scale pointers read, its documentation states no alignment for them, and so they get the
 // 16 bytes FP8 GEMMs ask of every other pointer (TransformerEngine's and PyTorch's are allocations of their own)
 constexpr int FP8_SCALE_STRIDE = 8, FP8_SCALE_FLOATS = 3 * FP8_SCALE_STRIDE;
 
+// cuBLASLt's scale modes (cublasLtMatmulMatrixScale_t) by value: one fp32 per tensor, E8M0 per 32, fp32 per 128 and
+// per 128×128
+enum Fp8ScaleMode { FP8_SCALE_TENSOR = 0, FP8_SCALE_VEC32_E8M0 = 2, FP8_SCALE_VEC128 = 4, FP8_SCALE_BLK128 = 5 };
+
 template <typename floatX>
 struct Fp8Scaling {
     // a cast operand: on the GPU the code, on the CPU the value the GPU's GEMM makes of it (llmc/fp8.cuh's top)
     using Code = std::conditional_t<device_of<floatX> == Device::CUDA, uint8_t, float>;
-    Code *input = nullptr, *weight = nullptr, *grad = nullptr, *grad_t = nullptr;  // grad_t: the GPU's only
-    float* scales = nullptr;  // per operand (Fp8Operand) its scale and inverse (FP8_SCALE_FLOATS), on the device of floatX
-    float* amaxes = nullptr;  // the group's amaxes of the operand in hand, after the scales
-    Comm* group = nullptr;    // the ranks holding pieces of the same tensors (null: this rank alone)
+    Fp8Recipe recipe = Fp8Recipe::Tensorwise;
+    // grad_t: the output gradient as the weight gradient reads it (the GPU's transposed copy; under a block recipe
+    // on the CPU, its tiles down the columns)
+    Code *input = nullptr, *weight = nullptr, *grad = nullptr, *grad_t = nullptr;
+    float* scales = nullptr;  // tensorwise: per operand (Fp8Operand) its scale and inverse (FP8_SCALE_FLOATS)
+    float* amaxes = nullptr;  // tensorwise: the group's amaxes of the operand in hand, after the scales
+    Comm* group = nullptr;    // tensorwise: the ranks holding pieces of the same tensors (null: this rank alone)
+    void* tiles[4] = {};      // the block recipes on the GPU: each operand's tile scales (llmc/fp8_blocks.cuh)
+    bool speaks = true;       // says which weights stay out of a block recipe (one rank of a layout)
 
     float* pair(Fp8Operand o) const { return scales + FP8_SCALE_STRIDE * o + 3; }
     const float* inverse(Fp8Operand o) const { return pair(o) + 1; }
+    bool tensorwise() const { return recipe == Fp8Recipe::Tensorwise; }
+    // the output gradient's format: E5M2 under one scale per tensor, E4M3 where tiles give it range
+    Fp8Format grad_format() const { return tensorwise() ? Fp8Format::E5M2 : Fp8Format::E4M3; }
+    // the rows of the weight gradient's sum, padded: to 16 for cuBLASLt's FP8 kernels, to a whole tile under a block
+    // recipe (zeros change no amax)
+    long padded(long rows) const { return tensorwise() ? fp8_padded(rows) : pad_to(rows, fp8_tile(recipe)); }
+    // what the GEMM reads to undo operand o's scales, and how (cuBLASLt's scale mode)
+    const void* unscale(Fp8Operand o) const { return tensorwise() ? inverse(o == FP8_GRAD_T ? FP8_GRAD : o) : tiles[o]; }
+    int mode(Fp8Operand o) const {
+        if (tensorwise()) return FP8_SCALE_TENSOR;
+        if (recipe == Fp8Recipe::Mxfp8) return FP8_SCALE_VEC32_E8M0;
+        return o == FP8_WEIGHT ? FP8_SCALE_BLK128 : FP8_SCALE_VEC128;
+    }
 
-    // x (rows×cols) cast as operand o in format f with a scale shared over the group: into out, and on the GPU
-    // its transpose into out_t (cols×ld_t); either may be null
+    // Whether a weight of rows×cols runs in FP8: always under tensorwise; under a block recipe when its dimensions
+    // are whole tiles, the others said once per shape
+    bool takes(long rows, long cols) const {
+        if (fp8_recipe_takes(recipe, rows, cols)) return true;
+        static std::set<std::pair<long, long>> said;
+        if (speaks && said.insert({rows, cols}).second)
+            printf("fp8: the %ldx%ld weights' matmuls run in %s: --fp8-recipe %s needs dimensions that are multiples of "
+                   "%d\n", rows, cols, device_of<floatX> == Device::CUDA ? "bf16" : "fp32", fp8_recipe_name(recipe),
+                   fp8_tile(recipe));
+        return false;
+    }
+
+    // x (rows×cols) cast as tensorwise operand o in format f with a scale shared over the group: into out, and on the
+    // GPU its transpose into out_t (cols×ld_t); either may be null
     void cast(Code* out, Code* out_t, const floatX* x, long rows, long cols, long ld_t, Fp8Operand o, Fp8Format f) const {
         int pieces = group ? group->size : 1, mine = group ? group->rank : 0;
         fp8_amax(amaxes + mine, x, rows * cols);
@@ -275,44 +313,76 @@ struct Fp8Scaling {
         fp8_make_scale(pair(o), amaxes, pieces, f, x);
         fp8_quantize(out, out_t, x, rows, cols, ld_t, pair(o), f);
     }
+
+    // x (rows×cols) cast in the block recipe's tiles for a GEMM that sums along x's rows or, `down`, down its
+    // columns (the weight gradient's tokens; an mxfp8 weight's output channels for the input gradient), which the GPU
+    // writes transposed (cols×ld_t); a blockwise weight in 128×128 blocks either way
+    void cast_tiles(Code* out, const floatX* x, long rows, long cols, long ld_t, bool down, Fp8Operand o) const {
+        fp8_quantize_tiled(out, tiles[o], x, rows, cols, ld_t, down, o == FP8_WEIGHT && recipe == Fp8Recipe::Blockwise,
+                           recipe);
+    }
 };
 
 // The buffers' sizes for GEMMs of up to `rows` rows, inputs up to `input_cols` wide, weights of up to
-// `weight_elements` and outputs up to `output_cols` wide: codes (the CPU's floats), and floats for the scales
-// and the group's amaxes
+// `weight_elements` and outputs up to `output_cols` wide: codes (the CPU's floats), floats for the scales and the
+// group's amaxes, and a block recipe's tile scales per operand (bytes, in Fp8Operand's order)
 struct Fp8Sizes {
     size_t input, weight, grad, grad_t, floats;
+    size_t tiles[4];
 };
-inline Fp8Sizes fp8_sizes(long rows, long input_cols, long output_cols, size_t weight_elements, int group, Device dev) {
-    bool gpu = dev == Device::CUDA;
-    size_t padded = gpu ? fp8_padded(rows) : rows;
-    return {padded * input_cols, weight_elements, (size_t)rows * output_cols, gpu ? (size_t)output_cols * padded : 0,
-            (size_t)FP8_SCALE_FLOATS + group};
+inline Fp8Sizes fp8_sizes(long rows, long input_cols, long output_cols, size_t weight_elements, int group, Device dev,
+                          Fp8Recipe r = Fp8Recipe::Tensorwise) {
+    bool gpu = dev == Device::CUDA, tiled = r != Fp8Recipe::Tensorwise;
+    size_t padded = gpu ? (tiled ? pad_to(rows, fp8_tile(r)) : fp8_padded(rows)) : rows;
+    Fp8Sizes z{padded * input_cols, weight_elements, (size_t)rows * output_cols,
+               gpu ? (size_t)output_cols * padded : tiled ? (size_t)rows * output_cols : 0,
+               (size_t)FP8_SCALE_FLOATS + group, {0, 0, 0, 0}};
+    if (gpu && tiled) {  // each operand in the orientations it is cast in (a weight's dimensions are at most these)
+        bool blocks = r == Fp8Recipe::Blockwise;
+        z.tiles[FP8_INPUT] = std::max(fp8_scale_bytes(r, false, rows, input_cols), fp8_scale_bytes(r, false, input_cols, padded));
+        z.tiles[FP8_WEIGHT] = std::max(fp8_scale_bytes(r, blocks, output_cols, input_cols),
+                                       fp8_scale_bytes(r, blocks, input_cols, output_cols));
+        z.tiles[FP8_GRAD] = fp8_scale_bytes(r, false, rows, output_cols);
+        z.tiles[FP8_GRAD_T] = fp8_scale_bytes(r, false, output_cols, padded);
+    }
+    return z;
 }
 inline size_t fp8_bytes(const Fp8Sizes& s, Device dev) {
     size_t code = dev == Device::CUDA ? 1 : sizeof(float);
-    return code * (s.input + s.weight + s.grad + s.grad_t) + sizeof(float) * s.floats;
+    return code * (s.input + s.weight + s.grad + s.grad_t) + sizeof(float) * s.floats + s.tiles[0] + s.tiles[1] +
+           s.tiles[2] + s.tiles[3];
 }
 
-// what stops FP8 on this GPU ("" when nothing does): FP8 tensor cores need compute capability 8.9 or later, and
-// the cast kernels code built for them (a build for older GPUs only would emulate the casts)
-inline std::string fp8_gpu_problem() {
+// what stops FP8 with recipe r on this GPU ("" when nothing does): FP8 tensor cores need compute capability 8.9
+// or later, and the cast kernels code built for them (a build for older GPUs only would emulate the casts);
+// cuBLASLt runs blockwise's 128-element scales on compute capability 9.0 only (Hopper: Blackwell's tensor cores
+// scale in hardware, by 32) and mxfp8's E8M0 scales from 10.0 (Blackwell)
+inline std::string fp8_gpu_problem(Fp8Recipe r = Fp8Recipe::Tensorwise) {
     int gpu = 0;
     cudaDeviceProp prop;
     cuda_check(cudaGetDevice(&gpu));
     cuda_check(cudaGetDeviceProperties(&prop, gpu));
-    if (prop.major * 10 + prop.minor < 89)
+    int cc = prop.major * 10 + prop.minor;
+    if (cc < 89)
         return strfmt("needs FP8 tensor cores (compute capability 8.9 or later); %s is %d.%d", prop.name, prop.major,
                       prop.minor);
+    if (r == Fp8Recipe::Blockwise && cc != 90)
+        return strfmt("--fp8-recipe blockwise runs on compute capability 9.0 (cuBLASLt's 1x128 and 128x128 scales); %s is "
+                      "%d.%d", prop.name, prop.major, prop.minor);
+    if (r == Fp8Recipe::Mxfp8 && cc < 100)
+        return strfmt("--fp8-recipe mxfp8 needs compute capability 10.0 or later (cuBLASLt's E8M0 scales per 32 "
+                      "values); %s is %d.%d", prop.name, prop.major, prop.minor);
     cudaFuncAttributes attributes;
     cuda_check(cudaFuncGetAttributes(&attributes, fp8_quantize_kernel));
-    if (attributes.ptxVersion < 89)
-        return strfmt("this build has no code for compute capability 8.9 or later (its kernels are compute_%d); "
-                      "rebuild with CUDA_ARCH=\"-gencode arch=compute_90a,code=sm_90a\"", attributes.ptxVersion);
+    int built = r == Fp8Recipe::Mxfp8 ? 100 : 89;
+    if (attributes.ptxVersion < built)
+        return strfmt("this build has no code for compute capability %d.%d or later (its kernels are compute_%d); "
+                      "rebuild with CUDA_ARCH=\"-gencode arch=compute_%s,code=sm_%s\"", built / 10, built % 10,
+                      attributes.ptxVersion, built == 100 ? "100a" : "90a", built == 100 ? "100a" : "90a");
     return "";
 }
-inline void fp8_check_gpu() {
-    std::string why = fp8_gpu_problem();
+inline void fp8_check_gpu(Fp8Recipe r) {
+    std::string why = fp8_gpu_problem(r);
     if (!why.empty()) fail("--fp8 1: %s", why.c_str());
 }
 
@@ -347,15 +417,16 @@ struct Fp8GemmRequest {
     bool transa, transb;
     long m, n, k;                 // D is m×n, the sum runs over k
     int align_a, align_b, align_d;  // bytes (pointer_alignment)
+    int mode_a = FP8_SCALE_TENSOR, mode_b = FP8_SCALE_TENSOR;  // cuBLASLt's scale modes (Fp8ScaleMode)
 };
 
 struct Fp8GemmPlan {
     std::string refused;  // why cuBLASLt cannot run it; empty when it can
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;  // what cuBLASLt is asked for
     bool fast_accum = false;
-    // the separate kernels that run instead of the epilogue: GELU of the GEMM's output, GELU's backward, the
-    // bias gradient (a column sum of the unquantized output gradient)
-    bool gelu = false, gelu_backward = false, bias_grad = false;
+    // the separate kernels that run instead of the epilogue: the bias (block scales), GELU of the GEMM's output,
+    // GELU's backward, the bias gradient (a column sum of the unquantized output gradient)
+    bool bias = false, gelu = false, gelu_backward = false, bias_grad = false;
 };
 
 inline Fp8GemmPlan fp8_gemm_plan(const Fp8GemmRequest& r) {
@@ -371,12 +442,25 @@ inline Fp8GemmPlan fp8_gemm_plan(const Fp8GemmRequest& r) {
     if (r.m % 16 || r.k % 16) return refuse(strfmt("m %ld and k %ld must be multiples of 16", r.m, r.k));
     if (r.align_a < 16 || r.align_b < 16 || r.align_d < 16)
         return refuse(strfmt("A, B and D must be 16-byte aligned (they are %d, %d and %d)", r.align_a, r.align_b, r.align_d));
-    p.fast_accum = r.pass == GemmPass::Forward;
+    bool tiles = r.mode_a != FP8_SCALE_TENSOR || r.mode_b != FP8_SCALE_TENSOR;
+    if (tiles && (r.mode_a == FP8_SCALE_TENSOR || r.mode_b == FP8_SCALE_TENSOR))
+        return refuse("a tile-scaled operand pairs with another tile-scaled one only");
+    if (r.mode_a == FP8_SCALE_BLK128 && r.mode_b == FP8_SCALE_BLK128)
+        return refuse("128x128 blocks on both operands is no scale-mode combination of cuBLASLt");
+    if (tiles && (r.a != CUDA_R_8F_E4M3 || r.b != CUDA_R_8F_E4M3)) return refuse("the block recipes are E4M3 x E4M3");
+    int tile = r.mode_a == FP8_SCALE_VEC32_E8M0 ? FP8_MX_BLOCK : FP8_BLOCK;
+    if (tiles && r.k % tile) return refuse(strfmt("k %ld must be a multiple of the scales' %d", r.k, tile));
+    // a block-scaled GEMM accumulates in fp32 throughout (PyTorch's scaled_mm refuses fast accumulation with
+    // 1x128 and 128x128 scales) and adds the bias in a kernel of its own, as the GELU
+    p.fast_accum = r.pass == GemmPass::Forward && !tiles;
+    bool bias_epilogue = !tiles;
     switch (r.epilogue) {
         case CUBLASLT_EPILOGUE_DEFAULT: break;
-        case CUBLASLT_EPILOGUE_BIAS: p.epilogue = CUBLASLT_EPILOGUE_BIAS; break;
+        case CUBLASLT_EPILOGUE_BIAS: (bias_epilogue ? p.epilogue = CUBLASLT_EPILOGUE_BIAS : p.bias = true); break;
         case CUBLASLT_EPILOGUE_GELU_AUX: p.gelu = true; break;
-        case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: p.epilogue = CUBLASLT_EPILOGUE_BIAS, p.gelu = true; break;
+        case CUBLASLT_EPILOGUE_GELU_AUX_BIAS:
+            (bias_epilogue ? p.epilogue = CUBLASLT_EPILOGUE_BIAS : p.bias = true), p.gelu = true;
+            break;
         case CUBLASLT_EPILOGUE_BGRADB: p.bias_grad = true; break;
         case CUBLASLT_EPILOGUE_DGELU: p.gelu_backward = true; break;
         case CUBLASLT_EPILOGUE_DGELU_BGRAD: p.gelu_backward = true, p.bias_grad = true; break;
@@ -387,20 +471,36 @@ inline Fp8GemmPlan fp8_gemm_plan(const Fp8GemmRequest& r) {
 
 inline cudaDataType_t fp8_cuda_type(Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
-// D[m×n] (bf16, ld m) = a_inverse·b_inverse·Aᵀ·B + beta·D for codes A (k×m, ld k) and B (k×n, ld k), as
-// fp8_gemm_plan runs the GEMM that `wish` describes: the GEMM itself, with the bias when the plan keeps it in the
-// epilogue. Returns the plan; the caller, which holds their operands, runs the separate kernels it lists.
-inline Fp8GemmPlan fp8_gemm(bf16* d, const uint8_t* a, Fp8Format fa, const float* a_inverse, const uint8_t* b,
-                            Fp8Format fb, const float* b_inverse, long m, long n, long k, float beta,
+// an operand of an FP8 GEMM on the GPU: its codes, their format, what undoes their scales (a tensor's inverse
+// scale, or the tiles' scales) and how (Fp8ScaleMode)
+struct Fp8Matrix {
+    const uint8_t* codes;
+    Fp8Format format;
+    const void* unscale;
+    int mode = FP8_SCALE_TENSOR;
+};
+
+// out[rows×cols] += bias per column (the bias that a block-scaled GEMM's epilogue does not add)
+static __global__ void fp8_add_bias_kernel(bf16* out, const bf16* bias, long rows, long cols) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * cols; i += (long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16(__bfloat162float(out[i]) + __bfloat162float(bias[i % cols]));
+}
+
+// D[m×n] (bf16, ld m) = unscale(A)·unscale(B)·Aᵀ·B + beta·D for codes A (k×m, ld k) and B (k×n, ld k), as
+// fp8_gemm_plan runs the GEMM that `wish` describes: the GEMM itself, and the bias (in the epilogue, or after it).
+// Returns the plan; the caller, which holds their operands, runs the other separate kernels it lists.
+inline Fp8GemmPlan fp8_gemm(bf16* d, Fp8Matrix a, Fp8Matrix b, long m, long n, long k, float beta,
                             cublasLtEpilogue_t wish, GemmPass pass, const bf16* bias = nullptr) {
-    Fp8GemmRequest r{wish, pass, fp8_cuda_type(fa), fp8_cuda_type(fb), true, false, m, n, k,
-                     pointer_alignment(a), pointer_alignment(b), pointer_alignment(d)};
+    Fp8GemmRequest r{wish, pass, fp8_cuda_type(a.format), fp8_cuda_type(b.format), true, false, m, n, k,
+                     pointer_alignment(a.codes), pointer_alignment(b.codes), pointer_alignment(d), a.mode, b.mode};
     Fp8GemmPlan plan = fp8_gemm_plan(r);
     if (!plan.refused.empty())
-        fail("--fp8 1: the GEMM m=%ld n=%ld k=%ld (%s x %s) cannot run in FP8: %s", m, n, k, fp8_name(fa), fp8_name(fb),
-             plan.refused.c_str());
-    cublaslt_matmul(d, a, b, plan.epilogue == CUBLASLT_EPILOGUE_BIAS ? bias : nullptr, nullptr, true, false, m, n, k, beta,
-                    plan.epilogue, main_stream(), GemmOperands{r.a, r.b, a_inverse, b_inverse, plan.fast_accum});
+        fail("--fp8 1: the GEMM m=%ld n=%ld k=%ld (%s x %s) cannot run in FP8: %s", m, n, k, fp8_name(a.format),
+             fp8_name(b.format), plan.refused.c_str());
+    GemmOperands operands{r.a, r.b, (const float*)a.unscale, (const float*)b.unscale, plan.fast_accum, a.mode, b.mode};
+    cublaslt_matmul(d, a.codes, b.codes, plan.epilogue == CUBLASLT_EPILOGUE_BIAS ? bias : nullptr, nullptr, true, false,
+                    m, n, k, beta, plan.epilogue, main_stream(), operands);
+    if (plan.bias) launch_elementwise(fp8_add_bias_kernel, n * m, d, bias, n, m);  // D is n rows of m (column-major)
     return plan;
 }
 
@@ -408,23 +508,59 @@ inline Fp8GemmPlan fp8_gemm(bf16* d, const uint8_t* a, Fp8Format fa, const float
 // the three GEMMs of a linear layer, as matmul.cuh's entry points take them. The CPU's run through those entry
 // points on the cast values; the GPU's through fp8_gemm.
 
+// the forward's casts: the input and the weight, both summed along their rows
+template <typename floatX>
+void fp8_cast_forward(const Fp8Scaling<floatX>& q, const floatX* inp, const floatX* weight, long N, long C, long OC) {
+    if (q.tensorwise()) {
+        q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
+        q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+    } else {
+        q.cast_tiles(q.input, inp, N, C, 0, false, FP8_INPUT);
+        q.cast_tiles(q.weight, weight, OC, C, 0, false, FP8_WEIGHT);
+    }
+}
+
+// The backward's casts, into q.grad and q.weight for the input gradient (dinp), q.grad_t and q.input for the
+// weight gradient (dweight). The weight's sum runs down its columns (the output channels), the weight gradient's
+// down the tokens, which the GPU writes transposed, the tokens padded (padded: their count). Tensorwise casts the
+// output gradient once for both GEMMs (the GPU writes both copies in one pass; the CPU's grad serves both), a block
+// recipe twice, in tiles along each GEMM's sum.
+template <typename floatX>
+void fp8_cast_backward(const Fp8Scaling<floatX>& q, const floatX* dout, const floatX* inp, const floatX* weight, long N,
+                       long C, long OC, long padded, bool dinp, bool dweight) {
+    constexpr bool gpu = device_of<floatX> == Device::CUDA;
+    if (q.tensorwise()) {
+        q.cast(q.grad, dweight && gpu ? q.grad_t : nullptr, dout, N, OC, padded, FP8_GRAD, Fp8Format::E5M2);
+        if (dinp) q.cast(gpu ? nullptr : q.weight, gpu ? q.weight : nullptr, weight, OC, C, OC, FP8_WEIGHT, Fp8Format::E4M3);
+        if (dweight) q.cast(gpu ? nullptr : q.input, gpu ? q.input : nullptr, inp, N, C, padded, FP8_INPUT, Fp8Format::E4M3);
+        return;
+    }
+    if (dinp) {
+        q.cast_tiles(q.grad, dout, N, OC, 0, false, FP8_GRAD);
+        q.cast_tiles(q.weight, weight, OC, C, OC, true, FP8_WEIGHT);
+    }
+    if (dweight) {
+        q.cast_tiles(q.grad_t, dout, N, OC, padded, true, FP8_GRAD_T);
+        q.cast_tiles(q.input, inp, N, C, padded, true, FP8_INPUT);
+    }
+}
+
 // out[N×OC] = inp · Wᵀ + bias; with pre_gelu, pre_gelu takes that and out its GELU
 inline void fp8_matmul_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias, long N,
                                long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
-    q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
-    q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+    fp8_cast_forward(q, inp, weight, N, C, OC);
     if (pre_gelu) matmul_gelu_forward(out, pre_gelu, q.input, q.weight, bias, N, C, OC, workspace);
     else matmul_forward(out, q.input, q.weight, bias, N, C, OC, workspace);
 }
 inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias, long N,
                                long C, long OC, float*, const Fp8Scaling<bf16>& q) {
-    q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
-    q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
+    fp8_cast_forward(q, inp, weight, N, C, OC);
     cublasLtEpilogue_t wish = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
                                        : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
     // outᵀ[OC×N] = (W as C×OC)ᵀ · (inp as C×N); with GELU the GEMM writes pre_gelu, and the GELU kernel out
-    Fp8GemmPlan plan = fp8_gemm(pre_gelu ? pre_gelu : out, q.weight, Fp8Format::E4M3, q.inverse(FP8_WEIGHT), q.input,
-                                Fp8Format::E4M3, q.inverse(FP8_INPUT), OC, N, C, 0.0f, wish, GemmPass::Forward, bias);
+    Fp8GemmPlan plan = fp8_gemm(pre_gelu ? pre_gelu : out, {q.weight, Fp8Format::E4M3, q.unscale(FP8_WEIGHT), q.mode(FP8_WEIGHT)},
+                                {q.input, Fp8Format::E4M3, q.unscale(FP8_INPUT), q.mode(FP8_INPUT)}, OC, N, C, 0.0f, wish,
+                                GemmPass::Forward, bias);
     if (plan.gelu) gelu_forward(out, pre_gelu, N * OC);
 }
 
@@ -432,26 +568,24 @@ inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const
 // dout itself, not its cast (any of the three may be null)
 inline void fp8_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                 const float* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
-    q.cast(q.grad, nullptr, dout, N, OC, 0, FP8_GRAD, Fp8Format::E5M2);
-    if (dinp) q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
-    if (dweight) q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
-    matmul_backward(dinp, dweight, nullptr, q.grad, q.input, q.weight, N, C, OC, workspace);
+    fp8_cast_backward(q, dout, inp, weight, N, C, OC, N, dinp, dweight);
+    if (dinp) matmul_backward(dinp, nullptr, nullptr, q.grad, q.input, q.weight, N, C, OC, workspace);
+    if (dweight) matmul_backward(nullptr, dweight, nullptr, q.tensorwise() ? q.grad : q.grad_t, q.input, q.weight, N, C, OC,
+                                 workspace);
     if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                                 const bf16* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<bf16>& q) {
-    long padded = fp8_padded(N);
-    q.cast(q.grad, dweight ? q.grad_t : nullptr, dout, N, OC, padded, FP8_GRAD, Fp8Format::E5M2);
-    if (dinp) {  // dinpᵀ[C×N] = (Wᵀ as OC×C)ᵀ · (dout as OC×N)
-        q.cast(nullptr, q.weight, weight, OC, C, OC, FP8_WEIGHT, Fp8Format::E4M3);
-        fp8_gemm(dinp, q.weight, Fp8Format::E4M3, q.inverse(FP8_WEIGHT), q.grad, Fp8Format::E5M2, q.inverse(FP8_GRAD), C,
-                 N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Backward);
-    }
-    if (dweight) {  // dWᵀ[C×OC] += (inpᵀ as N×C)ᵀ · (doutᵀ as N×OC), over the padded rows
-        q.cast(nullptr, q.input, inp, N, C, padded, FP8_INPUT, Fp8Format::E4M3);
-        fp8_gemm(dweight, q.input, Fp8Format::E4M3, q.inverse(FP8_INPUT), q.grad_t, Fp8Format::E5M2, q.inverse(FP8_GRAD),
-                 C, OC, padded, 1.0f, dbias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Backward);
-    }
+    long padded = q.padded(N);
+    fp8_cast_backward(q, dout, inp, weight, N, C, OC, padded, dinp, dweight);
+    if (dinp)  // dinpᵀ[C×N] = (Wᵀ as OC×C)ᵀ · (dout as OC×N)
+        fp8_gemm(dinp, {q.weight, Fp8Format::E4M3, q.unscale(FP8_WEIGHT), q.mode(FP8_WEIGHT)},
+                 {q.grad, q.grad_format(), q.unscale(FP8_GRAD), q.mode(FP8_GRAD)}, C, N, OC, 0.0f, CUBLASLT_EPILOGUE_DEFAULT,
+                 GemmPass::Backward);
+    if (dweight)  // dWᵀ[C×OC] += (inpᵀ as N×C)ᵀ · (doutᵀ as N×OC), over the padded rows
+        fp8_gemm(dweight, {q.input, Fp8Format::E4M3, q.unscale(FP8_INPUT), q.mode(FP8_INPUT)},
+                 {q.grad_t, q.grad_format(), q.unscale(FP8_GRAD_T), q.mode(FP8_GRAD_T)}, C, OC, padded, 1.0f,
+                 dbias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Backward);
     // the bias gradient, which fp8_gemm_plan never folds into an FP8 GEMM (bias_grad): the column sums of dout
     if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
 }
@@ -461,19 +595,19 @@ inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf
 template <typename floatX>
 inline void matmul_forward(floatX* out, const floatX* inp, const floatX* weight, const floatX* bias, long N, long C,
                            long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (fp8) fp8_matmul_forward(out, (floatX*)nullptr, inp, weight, bias, N, C, OC, workspace, *fp8);
+    if (fp8 && fp8->takes(OC, C)) fp8_matmul_forward(out, (floatX*)nullptr, inp, weight, bias, N, C, OC, workspace, *fp8);
     else matmul_forward(out, inp, weight, bias, N, C, OC, workspace);
 }
 template <typename floatX>
 inline void matmul_gelu_forward(floatX* out, floatX* pre_gelu, const floatX* inp, const floatX* weight, const floatX* bias,
                                 long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (fp8) fp8_matmul_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace, *fp8);
+    if (fp8 && fp8->takes(OC, C)) fp8_matmul_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace, *fp8);
     else matmul_gelu_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace);
 }
 template <typename floatX>
 inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                             const floatX* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (fp8) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
+    if (fp8 && fp8->takes(OC, C)) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
     else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 // ... and the MLP projection's backward through GELU (gelu_matmul_backward). An FP8 layer's GEMMs are
@@ -483,7 +617,7 @@ template <typename floatX>
 inline void gelu_matmul_backward(floatX* dpre, floatX* dweight, floatX* dbias, floatX* dpre_bias, const floatX* dout,
                                  const floatX* inp, const floatX* pre_gelu, const floatX* weight, long N, long C,
                                  long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (!fp8) {
+    if (!fp8 || !fp8->takes(OC, C)) {
         gelu_matmul_backward(dpre, dweight, dbias, dpre_bias, dout, inp, pre_gelu, weight, N, C, OC, workspace);
         return;
     }

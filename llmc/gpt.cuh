@@ -289,23 +289,52 @@ inline LocalDims model_dims(const GPTModel<floatX>& m, int B, int T) {
 // Cl and the MLPs' Hl; outputs up to the widest of qkv's, the projections' C and the MLPs' first; the largest
 // weight; on the rows of a micro-batch or, with experts, the most an expert may see; group: the ranks whose
 // amaxes are gathered (tp × cp)
-inline Fp8Sizes fp8_layer_sizes(const LocalDims& d, int group, Device dev) {
+inline Fp8Sizes fp8_layer_sizes(const LocalDims& d, int group, Device dev, Fp8Recipe recipe = Fp8Recipe::Tensorwise) {
     long rows = std::max(d.BT, d.expert_rows);
     long in = std::max({(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.dense_Hl, (long)d.shared_Hl});
     long out = std::max({(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl, (long)d.shared_FCl});
     size_t weight = std::max({(size_t)d.QKVl * d.C, (size_t)d.C * d.Cl, (size_t)d.FCl * d.C, (size_t)d.C * d.Hl,
                               (size_t)d.dense_FCl * d.C, (size_t)d.shared_FCl * d.C});
-    return fp8_sizes(rows, in, out, weight, group, dev);
+    return fp8_sizes(rows, in, out, weight, group, dev, recipe);
+}
+
+// What stops a layout from casting a block recipe's tiles as the single rank does ("" when nothing does). Each tile
+// is scaled alone, so the tiles need only be whole on every rank: under tp a weight that runs in the recipe on one
+// rank (its dimensions whole tiles) must split into pieces of whole tiles (q, k and v of the attention's first
+// matmul, the MLPs' hidden units), and under cp the weight gradient's tiles of tokens must not straddle the
+// sequence's chunks, which are T/(2·cp) tokens.
+inline std::string fp8_layout_problem(const GPTConfig& c, Fp8Recipe r, int tp, int cp, int T) {
+    if (r == Fp8Recipe::Tensorwise) return "";
+    int L = fp8_tile(r);
+    LocalDims whole = local_dims(c, TPSpec{1, 0, false}, 1, T), piece = local_dims(c, TPSpec{tp, 0, false}, 1, T);
+    struct Split {
+        const char* what;
+        long rows, cols, whole_piece, piece;
+    } splits[] = {{"the queries", whole.QKVl, whole.C, whole.Cl, piece.Cl},
+                  {"the keys and values", whole.QKVl, whole.C, (long)whole.KVl * whole.hd, (long)piece.KVl * piece.hd},
+                  {"the MLP's hidden units", whole.FCl, whole.C, whole.Hl, piece.Hl},
+                  {"the dense MLP's hidden units", whole.dense_FCl, whole.C, whole.dense_Hl, piece.dense_Hl},
+                  {"the shared expert's hidden units", whole.shared_FCl, whole.C, whole.shared_Hl, piece.shared_Hl}};
+    for (const Split& s : splits)
+        if (tp > 1 && s.whole_piece > 0 && fp8_recipe_takes(r, s.rows, s.cols) && s.piece % L != 0)
+            return strfmt("--tp %d splits %s into pieces of %ld, which cut the whole tensor's tiles of %d", tp, s.what,
+                          s.piece, L);
+    if (cp > 1 && (T / (2 * cp)) % L != 0)
+        return strfmt("--cp %d cuts sequences into chunks of %d tokens, which cut the weight gradient's tiles of %d tokens",
+                      cp, T / (2 * cp), L);
+    return "";
 }
 
 // --fp8 1: the buffers of the FP8 casts, after gpt_allocate; the groups are set with the rest of the comms
 template <typename floatX>
-inline void gpt_allocate_fp8(GPTModel<floatX>& m) {
+inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::Tensorwise) {
     constexpr Device dev = device_of<floatX>;
     if (m.config.num_layers <= 2)
         fail("--fp8 1: the first and the last layer stay bf16, so a model of %d layers has none to run in FP8",
              m.config.num_layers);
-    if (dev == Device::CUDA) fp8_check_gpu();
+    if (dev == Device::CUDA) fp8_check_gpu(recipe);
+    std::string why = fp8_layout_problem(m.config, recipe, m.tp.size(), m.cp.spec.size, m.T);
+    if (!why.empty()) fail("--fp8-recipe %s: %s", fp8_recipe_name(recipe), why.c_str());
     LocalDims d = model_dims(m, m.B, m.T);
     // cuBLASLt's FP8 kernels want every K, and the leading dimensions, a multiple of 16 (the rows are padded)
     for (long k : {(long)d.C, (long)d.Cl, (long)d.Hl, (long)d.QKVl, (long)d.FCl, (long)d.dense_Hl, (long)d.shared_Hl})
@@ -313,13 +342,17 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m) {
             fail("--fp8 1: the rank's matmul widths (C %d, C/tp %d, hidden %d, qkv %d, MLP in %d, dense layers' hidden "
                  "%d, shared expert's hidden %d) must be multiples of 16", d.C, d.Cl, d.Hl, d.QKVl, d.FCl, d.dense_Hl,
                  d.shared_Hl);
-    Fp8Sizes z = fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev);
+    Fp8Sizes z = fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev, recipe);
     using Code = typename Fp8Scaling<floatX>::Code;
     auto codes = [&](size_t n) { return n ? m.ledger.template alloc<floatX, Code>(MEM_SCRATCH, n) : nullptr; };
     Fp8Scaling<floatX>& q = m.fp8;
+    q.recipe = recipe;
     q.input = codes(z.input), q.weight = codes(z.weight), q.grad = codes(z.grad), q.grad_t = codes(z.grad_t);
     q.scales = m.ledger.template alloc<floatX, float>(MEM_SCRATCH, z.floats);
     q.amaxes = q.scales + FP8_SCALE_FLOATS;
+    if constexpr (dev == Device::CUDA)  // (the CPU's casts keep their scales in the values)
+        for (int o = 0; o < 4; o++)
+            q.tiles[o] = z.tiles[o] ? m.ledger.template alloc<floatX, uint8_t>(MEM_SCRATCH, z.tiles[o]) : nullptr;
     m.fp8_experts = q;
     m.fp8_on = true;
 }

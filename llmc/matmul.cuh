@@ -199,10 +199,13 @@ inline int pointer_alignment(const void* p) {
 // What A and B hold: bf16, or FP8 codes with the device pointers to the factors that turn them back into values
 // (llmc/fp8.cuh, whose fp8_gemm_plan decides every field of an FP8 GEMM); D = alpha·a_scale·b_scale·op(A)·op(B).
 // fast_accum: FP8 only, accumulate in the tensor cores' own precision without periodic promotion to fp32.
+// a_mode, b_mode: FP8 only, how the scales apply (cuBLASLt's cublasLtMatmulMatrixScale_t: 0 one fp32 per tensor, the
+// default; the block recipes' per-tile scales, llmc/fp8_blocks.cuh).
 struct GemmOperands {
     cudaDataType_t a = CUDA_R_16BF, b = CUDA_R_16BF;
     const float *a_scale = nullptr, *b_scale = nullptr;
     bool fast_accum = false;
+    int a_mode = 0, b_mode = 0;
 };
 
 inline bool is_fp8_type(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -220,7 +223,7 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
     // the key holds everything the descriptor and the heuristic see: the shapes, the types, the epilogue, fast
     // accumulation, and the alignment of every pointer set before it runs (a, b, d, and the epilogue's bias and
     // aux), so no plan is reused on a less-aligned pointer
-    static std::map<std::array<long, 15>, MatmulPlan> plans;
+    static std::map<std::array<long, 17>, MatmulPlan> plans;
     CublasLtContext& ctx = cublaslt();
     const CublasLtApi& lt = ctx.api;
     // the pointers the epilogue and the FP8 scales read, set on the plan's descriptor before every call (and
@@ -238,7 +241,7 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
             cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in.b_scale,
                                                       sizeof(in.b_scale)));
     };
-    std::array<long, 15> key{transa,
+    std::array<long, 17> key{transa,
                              transb,
                              m,
                              n,
@@ -252,12 +255,14 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
                              bias ? pointer_alignment(bias) : 0,
                              (long)in.a,
                              (long)in.b,
-                             in.fast_accum};
+                             in.fast_accum,
+                             in.a_mode,
+                             in.b_mode};
     auto describe = [&]() {
         return strfmt("m=%ld n=%ld k=%ld transa=%d transb=%d epilogue=%d types A=%d B=%d C=D=bf16 fast_accum=%d "
-                      "alignment A=%ld B=%ld D=%ld aux=%ld bias=%ld",
-                      m, n, k, (int)transa, (int)transb, (int)epilogue, (int)in.a, (int)in.b, (int)in.fast_accum, key[7],
-                      key[8], key[9], key[10], key[11]);
+                      "scale modes A=%d B=%d alignment A=%ld B=%ld D=%ld aux=%ld bias=%ld",
+                      m, n, k, (int)transa, (int)transb, (int)epilogue, (int)in.a, (int)in.b, (int)in.fast_accum,
+                      in.a_mode, in.b_mode, key[7], key[8], key[9], key[10], key[11]);
     };
     auto it = plans.find(key);
     if (it == plans.end()) {
@@ -282,14 +287,17 @@ inline bool cublaslt_matmul(bf16* d, const void* a, const void* b, const bf16* b
                                                       &bf16_type, sizeof(bf16_type)));
         }
         if (is_fp8_type(in.a) || is_fp8_type(in.b)) {
-            // FP8: both fields explicit, as TransformerEngine sets them: fast accumulation on or off, and one
-            // fp32 scale per tensor (the scale mode cuBLAS 12.8 added, whose default this is)
+            // FP8: both fields explicit, as TransformerEngine sets them: fast accumulation on or off, and the scale
+            // modes (cuBLAS 12.8 added them; one fp32 per tensor is the default, the per-tile modes came in 12.9)
             int8_t fast = in.fast_accum;
             cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
-#if CUBLAS_VERSION >= 120800
-            cublasLtMatmulMatrixScale_t scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &scalar, sizeof(scalar)));
-            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &scalar, sizeof(scalar)));
+#if CUBLAS_VERSION >= 120900
+            cublasLtMatmulMatrixScale_t mode_a = (cublasLtMatmulMatrixScale_t)in.a_mode,
+                                        mode_b = (cublasLtMatmulMatrixScale_t)in.b_mode;
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+            cublas_check(lt.matmul_desc_set_attribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+#else
+            if (in.a_mode || in.b_mode) fail("FP8 block scales need cuBLAS 12.9 or later (this build has %d)", CUBLAS_VERSION);
 #endif
         }
         cublas_check(lt.matrix_layout_create(&p.a, in.a, transa ? k : m, transa ? m : k, transa ? k : m));

@@ -73,6 +73,7 @@ struct Options {
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r
     int fp8 = 0;                                        // --fp8
+    std::string fp8_recipe;                             // --fp8-recipe; "": tensorwise
     float bucket_mb = 25.0f;                            // --bucket-mb
     std::string comm;                                   // --comm: "" picks nccl on cuda, mpi on cpu
     std::string comm_init = "mpi";                      // --comm-init
@@ -115,6 +116,9 @@ inline const char* USAGE =
     "  --fp8 0|1         FP8 matmuls in the transformer layers but the first and the last: E4M3\n"
     "                    activations and weights, E5M2 gradients, a scale per tensor (a GPU of compute\n"
     "                    capability 8.9+; emulated on the CPU)                     [0]\n"
+    "  --fp8-recipe tensorwise|blockwise|mxfp8  with --fp8 1, how the casts scale: one scale per tensor;\n"
+    "                    DeepSeek-V3's 1x128 tiles and 128x128 weight blocks, E4M3 throughout (compute\n"
+    "                    capability 9.0); or MXFP8's power-of-two scale per 32 values (10.0+)  [tensorwise]\n"
     "optimization:\n"
     "  -x N              training steps; -1 = one epoch                            [-1]\n"
     "  -l LR             peak learning rate                                        [3e-4]\n"
@@ -300,6 +304,7 @@ inline Options parse_options(int argc, char** argv) {
         {"-z", integer(&o.zero, 0, 3)},
         {"-r", integer(&o.recompute, 0, 2)},
         {"--fp8", integer(&o.fp8, 0, 1)},
+        {"--fp8-recipe", choice(&o.fp8_recipe, {"tensorwise", "blockwise", "mxfp8"})},
         {"--sp", integer(&o.sp, 0, 1)},
         {"--cp-split", choice(&o.cp_split, {"zigzag", "contiguous"})},
         {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb", "dualpipev"})},

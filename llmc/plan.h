@@ -42,6 +42,7 @@ struct ParallelPlan {
     PPSpec pp;  // the stages, the schedule, and which stage the plan is for (pp.rank)
     int ep = 1;
     bool fp8 = false;  // --fp8
+    Fp8Recipe fp8_recipe = Fp8Recipe::Tensorwise;  // --fp8-recipe
     bool aux_batch = false;  // --moe-aux-scope batch
     float capacity = 0.0f;   // --moe-capacity
     // the ranks that reduce gradients and shard model states together (the expert tensors': expert_ranks())
@@ -215,9 +216,10 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         kernels += 2 * BT * E + 2 * BT * K + (gpu ? 2 * BT * K + expert_rows : 0) + (c.shared_gate ? 2 * BT : 0);
     }
     p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
-    // --fp8: the cast operands (an input, a weight, an output gradient and, on the GPU, its transpose; one byte a
-    // code, the CPU's decoded floats four) and the scales and amaxes (llmc/fp8.cuh)
-    if (par.fp8) p.bytes[MEM_SCRATCH] += fp8_bytes(fp8_layer_sizes(d, par.tp * par.cp, dev), dev);
+    // --fp8: the cast operands (an input, a weight, an output gradient and, on the GPU or under a block recipe, the
+    // weight gradient's copy of it; one byte a code, the CPU's decoded floats four), the scales and amaxes, and a
+    // block recipe's tile scales (llmc/fp8.cuh, llmc/fp8_blocks.cuh)
+    if (par.fp8) p.bytes[MEM_SCRATCH] += fp8_bytes(fp8_layer_sizes(d, par.tp * par.cp, dev, par.fp8_recipe), dev);
     return p;
 }
 
