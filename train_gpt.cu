@@ -170,7 +170,8 @@ static void balance_experts(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid
 static std::vector<float> local_share(GPT& m, DataParallel<float>& dpr, int zero) {
     std::vector<float> local(m.num_parameters);
     if (zero == 3) dpr.all_gather_params(local.data());
-    else std::copy(m.params, m.params + m.num_parameters, local.begin());
+    dpr.refresh_params();
+    if (zero < 3) std::copy(m.params, m.params + m.num_parameters, local.begin());
     return local;
 }
 static std::vector<float> local_share(GPTCuda& m, DataParallel<bf16>& dpr, int zero) {
@@ -227,7 +228,7 @@ template <typename floatX>
 static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, const PPSpec& pp, int zero,
                           std::vector<float>& storage) {
     if constexpr (device_of<floatX> == Device::CPU)
-        if (holds_whole_model(grid, zero)) return m.params;
+        if (holds_whole_model(grid, zero)) return dpr.refresh_params(), m.params;
     std::vector<ModelPart> parts;
     size_t largest = 0;
     for (int s = 0; s < grid.pp; s++) {
@@ -417,7 +418,8 @@ struct Trainer {
         // experts split over ep, theirs over the ranks that hold the same experts
         StageLinks links{pp.on() ? &grid.pp_comm : nullptr, model.part.tied_across_stages() ? &grid.tied_comm : nullptr};
         ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
-        dpr.reset(new DataParallel<floatX>(model, grid.dp_cp(), o.zero, run.bucket_floats, links, experts));
+        dpr.reset(new DataParallel<floatX>(model, grid.dp_cp(), o.zero, run.bucket_floats, links, experts,
+                                           o.fp8_param_gather == 1));
         optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
         adam_m = o.zero >= 1 ? dpr->shard_m : model.adam_m;
         adam_v = o.zero >= 1 ? dpr->shard_v : model.adam_v;
@@ -464,6 +466,7 @@ struct Trainer {
             if (!in_place) copy_share_params(config, share_spec(grid), model.part, whole, mine, true);
         }
         install_share(model, *dpr, o.zero, mine);
+        dpr->params_changed();
         if (config.router_bias) gpt_read_expert_bias(model, mine);
         load_seconds = now_seconds() - load_seconds;
         if (!resume_dir.empty()) verified = seconds_over_ranks(verify_seconds), loaded = seconds_over_ranks(load_seconds);

@@ -40,10 +40,11 @@
 
 #include "llmc/utils.h"
 
-enum class DType { F32, F64, I32, BF16 };
-inline size_t dtype_size(DType t) { return t == DType::F64 ? 8 : t == DType::BF16 ? 2 : 4; }
+// U8: raw bytes (FP8 codes), gathered and sent, never summed
+enum class DType { F32, F64, I32, BF16, U8 };
+inline size_t dtype_size(DType t) { return t == DType::F64 ? 8 : t == DType::BF16 ? 2 : t == DType::U8 ? 1 : 4; }
 inline const char* dtype_name(DType t) {
-    return t == DType::F32 ? "f32" : t == DType::F64 ? "f64" : t == DType::I32 ? "i32" : "bf16";
+    return t == DType::F32 ? "f32" : t == DType::F64 ? "f64" : t == DType::I32 ? "i32" : t == DType::U8 ? "u8" : "bf16";
 }
 
 enum class Backend { SELF, MPI, NCCL };
@@ -69,6 +70,7 @@ inline MPI_Datatype mpi_type(DType t) {
         case DType::F32: return MPI_FLOAT;
         case DType::F64: return MPI_DOUBLE;
         case DType::I32: return MPI_INT;
+        case DType::U8: return MPI_UINT8_T;
         default: return MPI_UINT16_T;  // bf16 moves as raw 16-bit words; its sums go through mpi_bf16_sum
     }
 }
@@ -603,6 +605,7 @@ struct Comm {
             case DType::F32: return ncclFloat32;
             case DType::F64: return ncclFloat64;
             case DType::I32: return ncclInt32;
+            case DType::U8: return ncclUint8;
             default: return ncclBfloat16;
         }
     }

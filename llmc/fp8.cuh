@@ -31,6 +31,7 @@
 #include <set>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 
 #include "llmc/comm.cuh"
 #include "llmc/device.cuh"
@@ -262,6 +263,60 @@ constexpr int FP8_SCALE_STRIDE = 8, FP8_SCALE_FLOATS = 3 * FP8_SCALE_STRIDE;
 // per 128×128
 enum Fp8ScaleMode { FP8_SCALE_TENSOR = 0, FP8_SCALE_VEC32_E8M0 = 2, FP8_SCALE_VEC128 = 4, FP8_SCALE_BLK128 = 5 };
 
+// A weight cast ahead of its layer (Fp8ReadyWeight below) into the operand buffer `out` for the forward or, `down`,
+// the input gradient, with its scales where the GEMM reads them (tensorwise: the operand's pair; blockwise: the
+// 128×128 blocks' inverses in cuBLASLt's layout for that orientation, as fp8_quantize_blocks writes them). The
+// CPU's values are the same either way round; the GPU transposes the codes for the input gradient.
+inline void fp8_take_weight(float* out, bool, const float* codes, const float*, long rows, long cols, void*, Fp8Recipe) {
+    memcpy(out, codes, (size_t)rows * cols * sizeof(float));
+}
+
+// out (cols×rows) = codesᵀ (rows×cols), through 32×32 tiles in shared memory so that reads and writes are coalesced
+static __global__ void fp8_transpose_codes_kernel(uint8_t* out, const uint8_t* codes, long rows, long cols) {
+    __shared__ uint8_t tile[32][33];
+    long r0 = (long)blockIdx.y * 32, c0 = (long)blockIdx.x * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (r0 + i < rows && c0 + threadIdx.x < cols) tile[i][threadIdx.x] = codes[(r0 + i) * cols + c0 + threadIdx.x];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y)
+        if (c0 + i < cols && r0 + threadIdx.x < rows) out[(c0 + i) * rows + r0 + threadIdx.x] = tile[threadIdx.x][i];
+}
+// block (i, j)'s inverse scale (pairs: scale and inverse per block, row-major) at its place in the BLK128x128 layout
+static __global__ void fp8_place_block_scales_kernel(float* scales, const float* pairs, long rows, long cols, bool down) {
+    long across = cols / FP8_BLOCK, blocks = rows / FP8_BLOCK * across;
+    for (long b = (long)blockIdx.x * blockDim.x + threadIdx.x; b < blocks; b += (long)gridDim.x * blockDim.x) {
+        long i = b / across, j = b % across;
+        long at = down ? fp8_scale_index(Fp8Recipe::Blockwise, true, j * FP8_BLOCK, i, cols, rows / FP8_BLOCK)
+                       : fp8_scale_index(Fp8Recipe::Blockwise, true, i * FP8_BLOCK, j, rows, across);
+        scales[at] = pairs[2 * b + 1];
+    }
+}
+inline void fp8_take_weight(uint8_t* out, bool down, const uint8_t* codes, const float* pairs, long rows, long cols,
+                            void* scales, Fp8Recipe r) {
+    if (down) {
+        dim3 grid((unsigned)((cols + 31) / 32), (unsigned)((rows + 31) / 32)), block(32, 8);
+        fp8_transpose_codes_kernel<<<grid, block, 0, main_stream()>>>(out, codes, rows, cols);
+        cuda_check(cudaGetLastError());
+    } else {
+        device_copy<bf16>(out, codes, (size_t)rows * cols);
+    }
+    if (r == Fp8Recipe::Tensorwise) device_copy<bf16>(static_cast<float*>(scales), pairs, 2);
+    else launch_elementwise(fp8_place_block_scales_kernel, rows / FP8_BLOCK * (cols / FP8_BLOCK), static_cast<float*>(scales),
+                            pairs, rows, cols, down);
+}
+
+// A weight whose cast arrived ready (--fp8-param-gather, llmc/fp8_gather.cuh): its rows×cols codes (the CPU's
+// values, as a cast leaves them), and the scale and inverse of each of its scaled pieces (tensorwise one pair,
+// blockwise one per 128×128 block, row-major over the blocks), where the codes' device keeps them
+template <typename Code>
+struct Fp8ReadyWeight {
+    const Code* codes;
+    const float* pairs;
+    long rows, cols;
+};
+template <typename Code>
+using Fp8ReadyWeights = std::unordered_map<const void*, Fp8ReadyWeight<Code>>;
+
 template <typename floatX>
 struct Fp8Scaling {
     // a cast operand: on the GPU the code, on the CPU the value the GPU's GEMM makes of it (llmc/fp8.cuh's top)
@@ -275,6 +330,9 @@ struct Fp8Scaling {
     Comm* group = nullptr;    // tensorwise: the ranks holding pieces of the same tensors (null: this rank alone)
     void* tiles[4] = {};      // the block recipes on the GPU: each operand's tile scales (llmc/fp8_blocks.cuh)
     bool speaks = true;       // says which weights stay out of a block recipe (one rank of a layout)
+    // --fp8-param-gather: the FP8 weights' casts as gathered, by the address of the weight the layer passes (every
+    // weight cast here must be one of them); null: each weight is cast from its values
+    const Fp8ReadyWeights<Code>* ready = nullptr;
 
     float* pair(Fp8Operand o) const { return scales + FP8_SCALE_STRIDE * o + 3; }
     const float* inverse(Fp8Operand o) const { return pair(o) + 1; }
@@ -312,6 +370,25 @@ struct Fp8Scaling {
         if (pieces > 1) group->wait(group->all_gather(amaxes + mine, amaxes, 1, DType::F32));
         fp8_make_scale(pair(o), amaxes, pieces, f, x);
         fp8_quantize(out, out_t, x, rows, cols, ld_t, pair(o), f);
+    }
+
+    // The weight W (rows×cols) cast for the forward (summed along its rows) or, `down`, the input gradient (down its
+    // columns, which the GPU writes transposed) into `weight` and its scales: from W's values, or as gathered
+    void cast_weight(const floatX* w, long rows, long cols, bool down) const {
+        if (ready) {
+            auto it = ready->find(w);
+            if (it == ready->end() || it->second.rows != rows || it->second.cols != cols)
+                fail("--fp8-param-gather: the %ldx%ld weight of an FP8 matmul came without its FP8 codes", rows, cols);
+            const Fp8ReadyWeight<Code>& r = it->second;
+            fp8_take_weight(weight, down, r.codes, r.pairs, rows, cols,
+                            tensorwise() ? (void*)pair(FP8_WEIGHT) : tiles[FP8_WEIGHT], recipe);
+        } else if (tensorwise()) {
+            constexpr bool gpu = device_of<floatX> == Device::CUDA;
+            cast(gpu && down ? nullptr : weight, gpu && down ? weight : nullptr, w, rows, cols, down ? rows : 0, FP8_WEIGHT,
+                 Fp8Format::E4M3);
+        } else {
+            cast_tiles(weight, w, rows, cols, down ? rows : 0, down, FP8_WEIGHT);
+        }
     }
 
     // x (rows×cols) cast in the block recipe's tiles for a GEMM that sums along x's rows or, `down`, down its
@@ -511,13 +588,9 @@ inline Fp8GemmPlan fp8_gemm(bf16* d, Fp8Matrix a, Fp8Matrix b, long m, long n, l
 // the forward's casts: the input and the weight, both summed along their rows
 template <typename floatX>
 void fp8_cast_forward(const Fp8Scaling<floatX>& q, const floatX* inp, const floatX* weight, long N, long C, long OC) {
-    if (q.tensorwise()) {
-        q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
-        q.cast(q.weight, nullptr, weight, OC, C, 0, FP8_WEIGHT, Fp8Format::E4M3);
-    } else {
-        q.cast_tiles(q.input, inp, N, C, 0, false, FP8_INPUT);
-        q.cast_tiles(q.weight, weight, OC, C, 0, false, FP8_WEIGHT);
-    }
+    if (q.tensorwise()) q.cast(q.input, nullptr, inp, N, C, 0, FP8_INPUT, Fp8Format::E4M3);
+    else q.cast_tiles(q.input, inp, N, C, 0, false, FP8_INPUT);
+    q.cast_weight(weight, OC, C, false);
 }
 
 // The backward's casts, into q.grad and q.weight for the input gradient (dinp), q.grad_t and q.input for the
@@ -531,13 +604,13 @@ void fp8_cast_backward(const Fp8Scaling<floatX>& q, const floatX* dout, const fl
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
     if (q.tensorwise()) {
         q.cast(q.grad, dweight && gpu ? q.grad_t : nullptr, dout, N, OC, padded, FP8_GRAD, Fp8Format::E5M2);
-        if (dinp) q.cast(gpu ? nullptr : q.weight, gpu ? q.weight : nullptr, weight, OC, C, OC, FP8_WEIGHT, Fp8Format::E4M3);
+        if (dinp) q.cast_weight(weight, OC, C, true);
         if (dweight) q.cast(gpu ? nullptr : q.input, gpu ? q.input : nullptr, inp, N, C, padded, FP8_INPUT, Fp8Format::E4M3);
         return;
     }
     if (dinp) {
         q.cast_tiles(q.grad, dout, N, OC, 0, false, FP8_GRAD);
-        q.cast_tiles(q.weight, weight, OC, C, OC, true, FP8_WEIGHT);
+        q.cast_weight(weight, OC, C, true);
     }
     if (dweight) {
         q.cast_tiles(q.grad_t, dout, N, OC, padded, true, FP8_GRAD_T);

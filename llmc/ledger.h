@@ -34,22 +34,21 @@ struct Ledger {
     }
 
     // zero-filled and 64-byte aligned, so vector loads never straddle cache lines
-    float* alloc_floats(MemCategory category, size_t count) {
-        size_t n = count * sizeof(float);
+    float* alloc_floats(MemCategory category, size_t count) { return (float*)alloc_host(category, count * sizeof(float)); }
+    void* alloc_host(MemCategory category, size_t n) {
         size_t rounded = (n + 63) / 64 * 64;
         void* p = aligned_alloc(64, rounded ? rounded : 64);
         if (!p) fail("out of host memory allocating %zu bytes for %s", n, mem_category_name(category));
         memset(p, 0, rounded ? rounded : 64);
         blocks.push_back(p);
         bytes[category] += n;
-        return (float*)p;
+        return p;
     }
     // count elements of E on the device of the storage type T
     template <typename T, typename E>
     E* alloc(MemCategory category, size_t count) {
         if constexpr (device_of<T> == Device::CPU) {
-            static_assert(sizeof(E) == sizeof(float), "host buffers hold fp32 or int32");
-            return reinterpret_cast<E*>(alloc_floats(category, count));
+            return static_cast<E*>(alloc_host(category, count * sizeof(E)));
         } else {
             size_t n = count * sizeof(E);
             void* p = nullptr;

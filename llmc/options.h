@@ -74,6 +74,7 @@ struct Options {
     int recompute = 0;                                  // -r
     int fp8 = 0;                                        // --fp8
     std::string fp8_recipe;                             // --fp8-recipe; "": tensorwise
+    int fp8_param_gather = 0;                           // --fp8-param-gather
     float bucket_mb = 25.0f;                            // --bucket-mb
     std::string comm;                                   // --comm: "" picks nccl on cuda, mpi on cpu
     std::string comm_init = "mpi";                      // --comm-init
@@ -119,6 +120,8 @@ inline const char* USAGE =
     "  --fp8-recipe tensorwise|blockwise|mxfp8  with --fp8 1, how the casts scale: one scale per tensor;\n"
     "                    DeepSeek-V3's 1x128 tiles and 128x128 weight blocks, E4M3 throughout (compute\n"
     "                    capability 9.0); or MXFP8's power-of-two scale per 32 values (10.0+)  [tensorwise]\n"
+    "  --fp8-param-gather 0|1  with --fp8 1 and -z 1..3: the FP8 layers' weights gathered as their FP8\n"
+    "                    codes, a byte each (Megatron-LM's fp8_param_gather; tensorwise, blockwise)  [0]\n"
     "optimization:\n"
     "  -x N              training steps; -1 = one epoch                            [-1]\n"
     "  -l LR             peak learning rate                                        [3e-4]\n"
@@ -305,6 +308,7 @@ inline Options parse_options(int argc, char** argv) {
         {"-r", integer(&o.recompute, 0, 2)},
         {"--fp8", integer(&o.fp8, 0, 1)},
         {"--fp8-recipe", choice(&o.fp8_recipe, {"tensorwise", "blockwise", "mxfp8"})},
+        {"--fp8-param-gather", integer(&o.fp8_param_gather, 0, 1)},
         {"--sp", integer(&o.sp, 0, 1)},
         {"--cp-split", choice(&o.cp_split, {"zigzag", "contiguous"})},
         {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb", "dualpipev"})},

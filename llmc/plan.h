@@ -43,6 +43,7 @@ struct ParallelPlan {
     int ep = 1;
     bool fp8 = false;  // --fp8
     Fp8Recipe fp8_recipe = Fp8Recipe::Tensorwise;  // --fp8-recipe
+    bool fp8_param_gather = false;                 // --fp8-param-gather
     bool aux_batch = false;  // --moe-aux-scope batch
     float capacity = 0.0f;   // --moe-capacity
     // the ranks that reduce gradients and shard model states together (the expert tensors': expert_ranks())
@@ -92,6 +93,20 @@ inline int planned_in_flight(const PPSpec& pp, int m) {
         case PPKind::DualPipeV: return r == 0 || r == N - 1 ? 2 * N + 1 : 2 * N + 2;
         default: return std::min(N - r, m);
     }
+}
+
+// --fp8-param-gather: each group's buckets on the wire (llmc/fp8_gather.cuh), and the FP8 weights' scales of them all
+struct PlannedWires {
+    std::vector<std::vector<Fp8BucketWire>> groups;
+    size_t scales = 0;
+};
+inline PlannedWires planned_wires(const GPTConfig& c, const ParallelPlan& par, Device dev) {
+    PlannedWires w;
+    if (!par.fp8_param_gather) return w;
+    for (const PlannedGroup& g : planned_groups(c, par))
+        w.groups.push_back(fp8_bucket_wires(c, planned_part(c, par), par.tp, g.layout, g.ranks, par.fp8_recipe,
+                                            dev == Device::CUDA ? 2 : 4, w.scales));
+    return w;
 }
 
 struct MemoryPlan {
@@ -155,6 +170,14 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
             if (par.zero == 3) staging += e.padded + 2 * lay.max_padded;
         }
         p.bytes[MEM_COMM] = X * staging;
+        // --fp8-param-gather: the scales, the codes the layers read and the wire's staging
+        PlannedWires wires = planned_wires(c, par, dev);
+        std::vector<PlannedGroup> groups = planned_groups(c, par);
+        if (par.fp8_param_gather) p.bytes[MEM_PARAMS] += 2 * F * wires.scales;
+        for (size_t i = 0; i < wires.groups.size(); i++) {
+            Fp8GatherBytes b = fp8_gather_bytes(wires.groups[i], groups[i].ranks, par.zero, dev == Device::CUDA ? 1 : F);
+            p.bytes[MEM_PARAMS] += b.params, p.bytes[MEM_COMM] += b.comm;
+        }
     }
     // a tied wte's gradient of one micro-step, summed apart before it joins the accumulated ones (llmc/gpt.cuh)
     if (tied_wte_summed_apart(c, part, par.zero < 2, par.accumulation)) p.bytes[MEM_GRADS] += X * d.Vl * C;
@@ -247,17 +270,28 @@ inline double aux_batch_bytes(const GPTConfig& c, const ParallelPlan& par, doubl
     if (!par.aux_batch) return 0.0;
     return par.accumulation * sparse_layers(c, planned_part(c, par)) * 2 * (N - 1) / N * c.num_experts * sizeof(double);
 }
+// Under --fp8-param-gather a parameter gather moves each bucket with FP8 weights as its pieces on the wire (every
+// rank's padded to the largest, codes a byte each), and each update all-gathers every FP8 weight's amaxes per scale
+// (a float each) over the first group.
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
     double k = par.accumulation;
-    double passes = par.zero <= 1 ? 2.0 : par.zero == 2 ? k + 1.0 : 3.0 * k;
+    double reduce = par.zero <= 1 ? 1.0 : k, gather = par.zero <= 2 ? 1.0 : 2.0 * k;
     std::vector<PlannedGroup> groups = planned_groups(c, par);
+    PlannedWires wires = planned_wires(c, par, device);
     double bytes = 0.0;
     for (size_t i = 0; i < groups.size(); i++) {
-        double N = groups[i].ranks, ring = (N - 1) / N, P = (double)groups[i].layout.padded_total;
+        const BucketLayout& lay = groups[i].layout;
+        double N = groups[i].ranks, ring = (N - 1) / N, X = stored_value_bytes(device);
+        double P = (double)lay.padded_total * X, gathered = P;  // a pass over the buckets, and a parameter gather
+        if (par.fp8_param_gather)
+            for (size_t b = 0; b < lay.buckets.size(); b++) {
+                const Fp8BucketWire& w = wires.groups[i][b];
+                if (!w.weights.empty()) gathered += N * (double)w.piece_bytes - (double)lay.buckets[b].padded * X;
+            }
         double loss = i == 0 ? 2 * sizeof(double) : 0.0;  // the loss: over dp·cp, the first group's ranks
-        bytes += ring * (passes * P * stored_value_bytes(device) + loss) + (N - 1) * sizeof(double);
-        if (i == 0) bytes += balancing_bytes(c, N) + aux_batch_bytes(c, par, N);
+        bytes += ring * (reduce * P + gather * gathered + loss) + (N - 1) * sizeof(double);
+        if (i == 0) bytes += balancing_bytes(c, N) + aux_batch_bytes(c, par, N) + (N - 1) * sizeof(float) * wires.scales;
     }
     return bytes;
 }

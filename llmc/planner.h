@@ -34,6 +34,7 @@ inline ParallelPlan parallel_plan(const Options& o, int dp, int accumulation) {
     p.tp = o.tp, p.sp = o.sp == 1, p.recompute = o.recompute, p.fp8 = o.fp8 == 1, p.cp = o.cp, p.pp = pp_spec(o, 0), p.ep = o.ep;
     p.aux_batch = o.moe_aux_scope == "batch", p.capacity = o.moe_capacity;
     p.fp8_recipe = fp8_recipe_named(o.fp8_recipe);
+    p.fp8_param_gather = o.fp8_param_gather == 1;
     return p;
 }
 
@@ -60,6 +61,13 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
         fail("--moe-aux-scope %s: the model has no experts", o.moe_aux_scope.c_str());
     if (o.moe_capacity > 0.0f && !config.moe()) fail("--moe-capacity %g: the model has no experts", o.moe_capacity);
     if (!o.fp8_recipe.empty() && !o.fp8) fail("--fp8-recipe %s: needs --fp8 1", o.fp8_recipe.c_str());
+    if (o.fp8_param_gather) {
+        if (!o.fp8) fail("--fp8-param-gather 1: needs --fp8 1");
+        if (o.zero == 0) fail("--fp8-param-gather 1: ZeRO-0 all-reduces gradients and gathers no parameters (use -z 1, 2 or 3)");
+        if (fp8_recipe_named(o.fp8_recipe) == Fp8Recipe::Mxfp8)
+            fail("--fp8-param-gather 1: mxfp8 casts each weight twice (along its rows and down its columns), two bytes a "
+                 "parameter on the wire, no fewer than bf16's");
+    }
     if (o.fp8) {
         std::string why = fp8_layout_problem(config, fp8_recipe_named(o.fp8_recipe), o.tp, o.cp, o.T);
         if (!why.empty()) fail("--fp8-recipe %s: %s", o.fp8_recipe.c_str(), why.c_str());
@@ -223,6 +231,7 @@ inline std::string layout_flags(const Options& o) {
     if (o.zero > 0) s += strfmt(" -z %d", o.zero);
     if (o.recompute > 0) s += strfmt(" -r %d", o.recompute);
     if (o.fp8) s += " --fp8 1" + (o.fp8_recipe.empty() ? std::string() : " --fp8-recipe " + o.fp8_recipe);
+    if (o.fp8_param_gather) s += " --fp8-param-gather 1";
     if (o.bucket_mb != defaults.bucket_mb) s += strfmt(" --bucket-mb %g", o.bucket_mb);
     return s;
 }

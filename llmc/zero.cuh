@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "llmc/comm.cuh"
@@ -149,6 +150,9 @@ inline void unpack_bucket(const Bucket& b, const floatX* packed, floatX* flat) {
     for (const Segment& s : b.segments) device_copy<floatX>(flat + s.offset, packed, s.size), packed += s.size;
 }
 
+// --fp8-param-gather's wire layout of these buckets, and its casts (they read the bucket layout above)
+#include "llmc/fp8_gather.cuh"
+
 enum ZeroBuffer { ZB_PARAMS, ZB_GRADS };
 
 // Σ x² over spans of a gradient buffer, added in span order in double: the same sums on every rank and stage.
@@ -196,8 +200,13 @@ template <typename floatX>
 struct DataParallel : ParamStore<floatX> {
     // A bucket's staging: its packed copy and this rank's piece of it, for a reduction in flight (or, in ZeRO-3,
     // its gathered parameters). The embeddings have a staging of their own; the other buckets share two.
+    using Code = typename Fp8Scaling<floatX>::Code;
     struct Staging {
         floatX *packed = nullptr, *piece = nullptr;
+        // --fp8-param-gather, ZeRO-3: this rank's piece on the wire, every rank's, and the codes taken from them
+        uint8_t *wire_piece = nullptr, *wire = nullptr;
+        Code* codes = nullptr;
+        bool taken = false;  // the gathered wire is unpacked
         int bucket = -1;         // the bucket using it; -1 when free
         bool in_flight = false;  // its reduction has started
         CommRequest request;
@@ -218,6 +227,12 @@ struct DataParallel : ParamStore<floatX> {
         std::vector<int> reduce_staging_of;  // per bucket: the reduce staging holding it this micro-step, or -1
         std::vector<int> units_done;      // per bucket, this micro-step
         int current_gather = -1;          // ZeRO-3: the non-embedding bucket in use
+        // --fp8-param-gather (llmc/fp8_gather.cuh): each bucket's wire layout; under ZeRO-1/2 every FP8 weight's
+        // codes (bucket b's from codes_at[b]) and the staging of one gather
+        std::vector<Fp8BucketWire> wires;
+        Code* codes = nullptr;
+        std::vector<size_t> codes_at;
+        uint8_t *wire_piece = nullptr, *wire = nullptr;
         int pass_low = 0, pass_high = 0;  // the buckets of the pass under way, besides the embeddings'
         int emb_bucket() const { return (int)layout.buckets.size() - 1; }
     };
@@ -235,9 +250,10 @@ struct DataParallel : ParamStore<floatX> {
     bool last_micro_step = true, backward = false;
     uint64_t started = 0;
     GradientPlan plan;  // which gradients are partial sums over tp, and which the norm counts on another rank
+    std::unique_ptr<Fp8Gathers<floatX>> fp8;  // --fp8-param-gather: the FP8 weights travel as codes
 
     DataParallel(GPTModel<floatX>& model, Comm& dp_comm, int zero_stage, size_t bucket_floats, StageLinks stage_links = {},
-                 ExpertLinks experts = {})
+                 ExpertLinks experts = {}, bool fp8_param_gather = false)
         : m(model), comm(dp_comm), stage(zero_stage), N(dp_comm.size), rank(dp_comm.rank), links(stage_links),
           expert_links(experts) {
         int ep = experts.replicas && experts.ep ? experts.ep->size : 1;
@@ -274,6 +290,40 @@ struct DataParallel : ParamStore<floatX> {
                 }
             }
         }
+        if (fp8_param_gather) gather_fp8_codes();
+    }
+
+    // --fp8-param-gather: each group's wire layouts and the buffers of its gathers (fp8_gather_bytes counts them for
+    // the plan); the FP8 layers then look their weights up in fp8->ready
+    void gather_fp8_codes() {
+        if (stage == 0) fail("--fp8-param-gather 1: ZeRO-0 all-reduces gradients and gathers no parameters (use -z 1, 2 or 3)");
+        fp8.reset(new Fp8Gathers<floatX>());
+        fp8->recipe = m.fp8.recipe;
+        Ledger& led = m.ledger;
+        for (Group& g : groups)
+            g.wires = fp8_bucket_wires(m.config, m.part, m.tp.size(), g.layout, g.N, fp8->recipe, sizeof(floatX), fp8->scales);
+        fp8->pairs = led.alloc<floatX, float>(MEM_PARAMS, 2 * fp8->scales);
+        for (Group& g : groups) {
+            size_t codes = 0, max_codes = 0, max_piece = 0;
+            for (const Fp8BucketWire& w : g.wires) {
+                g.codes_at.push_back(codes);
+                codes += w.codes, max_codes = std::max(max_codes, w.codes), max_piece = std::max(max_piece, w.piece_bytes);
+            }
+            if (max_codes == 0) continue;
+            if (stage == 3) {
+                for (Staging& s : g.gather_staging) {
+                    s.codes = led.alloc<floatX, Code>(MEM_COMM, max_codes);
+                    s.wire_piece = led.alloc<floatX, uint8_t>(MEM_COMM, max_piece);
+                    s.wire = led.alloc<floatX, uint8_t>(MEM_COMM, g.N * max_piece);
+                }
+            } else {
+                g.codes = led.alloc<floatX, Code>(MEM_PARAMS, codes);
+                g.wire_piece = led.alloc<floatX, uint8_t>(MEM_COMM, max_piece);
+                g.wire = led.alloc<floatX, uint8_t>(MEM_COMM, g.N * max_piece);
+                for (size_t b = 0; b < g.wires.size(); b++) fp8->offer(g.wires[b], m.params, false, g.codes + g.codes_at[b]);
+            }
+        }
+        m.fp8.ready = &fp8->ready;
     }
 
     // one rank without sharding needs none of this: the model runs on its flat buffers
@@ -424,7 +474,42 @@ struct DataParallel : ParamStore<floatX> {
                          shard_v + s.shard_offset, (long)s.size, lr, m.table[s.tensor].decayed ? weight_decay : 0.0f, scale,
                          m.adam_step, m.seed, (long)s.flat_offset);
         }
-        if (stage < 3) all_gather_params(m.params);
+        if (fp8) params_changed();
+        else if (stage < 3) all_gather_params(m.params);
+    }
+
+    // The parameters changed on every rank (an update, or a model installed): under --fp8-param-gather the FP8
+    // weights' scales are made anew from the owned elements, and under ZeRO-1/2 the updated pieces gathered, the FP8
+    // weights as codes. Collective.
+    void params_changed() {
+        if (!fp8) return;
+        DeviceTemp<floatX, float> amaxes(fp8->scales);
+        device_zero<floatX>(amaxes.data, fp8->scales);
+        for (Group& g : groups)
+            for (size_t b = 0; b < g.wires.size(); b++)
+                if (!g.wires[b].weights.empty()) fp8->piece_amaxes(amaxes.data, g.wires[b], g.rank, owned_values(g, (int)b));
+        std::vector<float> host(fp8->scales);
+        device_download<floatX>(host.data(), amaxes.data, fp8->scales);
+        fp8->make_scales(host, comm, m.fp8.group);
+        if (stage == 3) return;  // the gathers cast the pieces they send
+        for (Group& g : groups)
+            for (size_t b = 0; b < g.layout.buckets.size(); b++) {
+                const Fp8BucketWire& w = g.wires[b];
+                if (w.weights.empty()) {
+                    all_gather_bucket(g, (int)b, m.params);
+                    continue;
+                }
+                fp8->pack(g.wire_piece, w, g.rank, owned_values(g, (int)b));
+                g.comm->wait(g.comm->all_gather(g.wire_piece, g.wire, w.piece_bytes, DType::U8));
+                fp8->unpack(g.wire, w, g.codes + g.codes_at[b],
+                            [&](int r, const Fp8WireRun& run) { return r == g.rank ? nullptr : m.params + run.flat; });
+            }
+    }
+
+    // Under --fp8-param-gather with ZeRO-1/2, the flat parameters' values made whole (the FP8 weights' elements
+    // this rank does not own arrive as codes only): before anything reads them whole. Collective.
+    void refresh_params() {
+        if (fp8 && stage < 3) all_gather_params(m.params);
     }
 
     // the mean of a value over the dp group (the loss, for logging)
@@ -440,16 +525,7 @@ struct DataParallel : ParamStore<floatX> {
     // flat buffer. Collective.
     void all_gather_params(floatX* flat) {
         for (Group& g : groups)
-            for (size_t b = 0; b < g.layout.buckets.size(); b++) {
-                const Bucket& bk = g.layout.buckets[b];
-                Staging& s = g.reduce_staging[(int)b == g.emb_bucket() ? 0 : 1];
-                const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
-                if (!shard_params)
-                    for (const OwnedSegment& o : g.owned[b])
-                        device_copy<floatX>(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size);
-                g.comm->wait(g.comm->all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
-                unpack_bucket(bk, s.packed, flat);
-            }
+            for (size_t b = 0; b < g.layout.buckets.size(); b++) all_gather_bucket(g, (int)b, flat);
     }
 
     // fp32 values of elements [at, at + n) of this rank's share, wherever it keeps them: its flat parameters and
@@ -498,6 +574,27 @@ struct DataParallel : ParamStore<floatX> {
     }
 
    private:
+    // bucket b of group g gathered into `flat`, each rank's piece as stored
+    void all_gather_bucket(Group& g, int b, floatX* flat) {
+        const Bucket& bk = g.layout.buckets[b];
+        Staging& s = g.reduce_staging[b == g.emb_bucket() ? 0 : 1];
+        const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
+        if (!shard_params)
+            for (const OwnedSegment& o : g.owned[b])
+                device_copy<floatX>(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size);
+        g.comm->wait(g.comm->all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
+        unpack_bucket(bk, s.packed, flat);
+    }
+
+    // where this rank's current values of a run of its piece of bucket b are: its parameter shard (ZeRO-3), or
+    // the flat parameters, whose owned elements it has just updated
+    auto owned_values(const Group& g, int b) const {
+        size_t piece_start = g.rank * g.layout.buckets[b].piece, shard_at = g.layout.buckets[b].shard_offset;
+        return [this, piece_start, shard_at](const Fp8WireRun& run) -> const floatX* {
+            return shard_params ? shard_params + shard_at + (run.packed - piece_start) : m.params + run.flat;
+        };
+    }
+
     // a group of the tensors `which`, reduced over `over`; its pieces follow the previous groups' in the shards
     void add_group(Comm& over, bool experts, size_t bucket_floats, int ep, TensorGroup which) {
         Group g;
@@ -539,6 +636,7 @@ struct DataParallel : ParamStore<floatX> {
             st = gather_staging_for(g, b);
         }
         g.comm->wait(st->request);
+        take(g, *st);
         return st->packed;
     }
 
@@ -613,7 +711,22 @@ struct DataParallel : ParamStore<floatX> {
     void gather(Group& g, int b, Staging& st) {
         const Bucket& bk = g.layout.buckets[b];
         st.bucket = b;
+        if (fp8 && !g.wires[b].weights.empty()) {
+            const Fp8BucketWire& w = g.wires[b];
+            fp8->pack(st.wire_piece, w, g.rank, owned_values(g, b));
+            st.request = g.comm->all_gather(st.wire_piece, st.wire, w.piece_bytes, DType::U8);
+            st.taken = false;
+            return;
+        }
         st.request = g.comm->all_gather(shard_params + bk.shard_offset, st.packed, bk.piece, dtype_of<floatX>());
+    }
+    // ... and under --fp8-param-gather, once it has arrived: its pieces unpacked, the FP8 weights' codes offered
+    void take(Group& g, Staging& st) {
+        if (!fp8 || st.taken || g.wires[st.bucket].weights.empty()) return;
+        const Fp8BucketWire& w = g.wires[st.bucket];
+        fp8->unpack(st.wire, w, st.codes, [&](int, const Fp8WireRun& run) { return st.packed + run.packed; });
+        fp8->offer(w, st.packed, true, st.codes);
+        st.taken = true;
     }
     Staging* gather_staging_for(Group& g, int b) {
         for (Staging& s : g.gather_staging)

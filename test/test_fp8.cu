@@ -942,4 +942,103 @@ TEST_CASE("--fp8-recipe: without --fp8 1, a tp that cuts tiles and a cp whose ch
                              {"--fp8 1", "mxfp8", "compute capability 10.0"});
 }
 
+// --fp8-param-gather (llmc/fp8_gather.cuh): the FP8 layers' weights gathered as their codes. The codes are the single
+// rank's casts (each scale from the whole weight's or block's amax, shared over the dp and tp ranks owning its pieces),
+// so the flag changes no bit: dp 2 under ZeRO-1, 2 and 3 trains the single rank's bits, model file included (GPT-2's
+// biases and norms travel as values between the codes; a Llama's 128x128 blocks under blockwise), and tp 2 x dp 2
+// (the tp ranks' amaxes) and pp 2 x dp 2 train their own layout's bits without it. The dp bytes each run counts are
+// the formula's and --plan's, and fewer than without the flag. Planted: each rank scaling its pieces by the amax of
+// its own elements (not the dp group's) failed every case at step 0 (losses 2.2e-3 to 1.7e-2 away: the other ranks'
+// larger values saturate).
+TEST_CASE("--fp8-param-gather 1 trains the bits it would without, dp 2 under ZeRO-1 to 3 the single rank's, tp 2 x dp 2 "
+          "and pp 2 x dp 2 their own: tensorwise and blockwise, 12 steps at learning rate 3e-3, with fewer dp bytes",
+          "[fp8][parallel]") {
+    Data data;
+    TempDir out;
+    struct Case {
+        const char *name, *model, *recipe;
+        int ranks;
+        const char* flags;
+        bool against_single;  // the reference: the single rank's run, or the same layout without the flag
+    };
+    const char* GPT2 = "d4c64h4t32v301";
+    const char* LLAMA = "l4c32h4g2f80t32v301";
+    const char* LLAMA128 = "l4c128h4g2f256t32v301";
+    std::vector<Case> cases = {
+        {"gpt2_z2", GPT2, "tensorwise", 2, " -z 2", true},
+        {"llama_z1", LLAMA, "tensorwise", 2, " -z 1", true},
+        {"llama_z3", LLAMA, "tensorwise", 2, " -z 3", true},
+        {"blockwise_z1", LLAMA128, "blockwise", 2, " -z 1", true},
+        {"blockwise_z3", LLAMA128, "blockwise", 2, " -z 3", true},
+        {"tp2_sp_dp2_z3", LLAMA128, "tensorwise", 4, " --tp 2 --sp 1 -z 3", false},
+        {"pp2_dp2_z1", LLAMA128, "blockwise", 4, " --pp 2 -z 1", false},
+    };
+    const std::string last = strfmt("/ckpt_%08d/model.bin", LAYOUT_STEPS);
+    std::map<std::string, std::string> singles;
+    for (const Case& c : cases) {
+        INFO(c.name);
+        std::string base = recipe_flags(data, c.model, c.recipe), flags = base + strfmt(" -n %d", LAYOUT_STEPS);
+        std::string reference = out / (std::string(c.name) + "_reference"), dir = out / c.name, run, without;
+        if (c.against_single) {
+            std::string key = std::string(c.model) + c.recipe;
+            if (!singles.count(key)) REQUIRE(single_ok(flags, singles[key] = out / key));
+            reference = singles[key];
+        } else {
+            REQUIRE(train_ok(c.ranks, flags + c.flags, reference, &without));
+        }
+        if (!train_ok(c.ranks, flags + c.flags + " --fp8-param-gather 1", dir, &run)) continue;
+        std::map<std::string, double> want = losses(reference);
+        REQUIRE(want.size() == 2 * LAYOUT_STEPS + 3);
+        CHECK(want["trl 11"] < want["trl 0"] - 0.4);  // the weights moved
+        check_figures(losses(dir), want, 0.0);
+        CHECK(differing_values(read_file(dir + last), read_file(reference + last)) == 0);
+        require_counted_equals_formula(run);
+        double sent = dp_comm_line(run).sent;
+        if (c.against_single) {  // --plan's figure with the flag is what the run sent, and fewer bytes than without
+            std::string plan = strfmt(" --plan --world %d", c.ranks);
+            CommandResult with = single(base + c.flags + " --fp8-param-gather 1" + plan), plain = single(base + c.flags + plan);
+            REQUIRE(with.status == 0);
+            REQUIRE(plain.status == 0);
+            CHECK(line_value(with.output, "communication per step per rank: ") == sent);
+            CHECK(sent < line_value(plain.output, "communication per step per rank: "));
+        } else {
+            CHECK(sent < dp_comm_line(without).sent);
+        }
+    }
+}
+
+TEST_CASE("--fp8-param-gather: refused without --fp8 1, under ZeRO-0 and with mxfp8, in one line; --plan counts the "
+          "buffers the gathers allocate on every rank of every ZeRO stage", "[fp8]") {
+    Data data;
+    std::string flags = layout_flags(data, "l4c128h4g2f256t32v301");
+    check_one_line_error(single(flags + " -z 1 --fp8-param-gather 1 --plan --world 2"), {"--fp8-param-gather 1", "--fp8 1"});
+    check_one_line_error(single(flags + " --fp8 1 --fp8-param-gather 1 --plan --world 2"),
+                         {"--fp8-param-gather 1", "ZeRO-0"});
+    check_one_line_error(single(flags + " --fp8 1 --fp8-recipe mxfp8 -z 1 --fp8-param-gather 1 --plan --world 2"),
+                         {"--fp8-param-gather 1", "mxfp8"});
+    GPTConfig c = parse_model_descriptor("l4c128h4g2f256t32v301");
+    for (Fp8Recipe r : {Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise})
+        for (int zero = 1; zero <= 3; zero++)
+            for (int rank = 0; rank < 3; rank++) {
+                INFO(fp8_recipe_name(r) << ", ZeRO-" << zero << ", rank " << rank << " of 3");
+                Comm group;  // only the size and rank matter until a collective runs
+                group.size = 3, group.rank = rank;
+                GPT m;
+                ModelLayout layout;
+                layout.own = DataParallel<float>::model_buffers(zero);
+                gpt_allocate(m, c, 2, 16, layout);
+                gpt_allocate_fp8(m, r);
+                size_t bucket = 20000;
+                DataParallel dpr(m, group, zero, bucket, {}, {}, true);
+                ParallelPlan par{3, zero, bucket, 1};
+                par.fp8 = true, par.fp8_recipe = r, par.fp8_param_gather = true;
+                MemoryPlan plan = plan_memory(c, 2, 16, omp_get_max_threads(), par);
+                for (int i = 0; i < MEM_CATEGORIES; i++) {
+                    INFO(mem_category_name(i));
+                    CHECK(plan.bytes[i] == m.ledger.bytes[i]);
+                }
+                CHECK(dpr.fp8->ready.size() == (zero == 3 ? 0 : 8));  // layers 1 and 2: qkv, the projection, the MLP's two
+            }
+}
+
 }  // namespace test_fp8
