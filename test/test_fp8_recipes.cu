@@ -1,8 +1,14 @@
-// The block recipes' GPU side (llmc/fp8_blocks.cuh). On the CPU: the tile scales' layouts against cuBLASLt's
-// documentation, written here from its text (VEC128_32F M-major, BLK128x128_32F K-major with a column stride of a
-// multiple of 4, VEC32_UE8M0's 128x4 tiles and their in-tile offsets). On a GPU: each cast kernel bit for bit
-// against the CPU's cast (fp8_quantize_tiles), its scales at their layout's indices and mxfp8's padding zero; the
-// recipes refused where cuBLASLt has no kernels for them.
+// The block recipes' GPU side (llmc/fp8_blocks.cuh, and fp8_gemm_plan's tile modes in llmc/fp8.cuh). On the CPU:
+// the tile scales' layouts against cuBLASLt's documentation, written here from its text (VEC128_32F M-major,
+// BLK128x128_32F K-major with a column stride of a multiple of 4, VEC32_UE8M0's 128x4 tiles and their in-tile
+// offsets); the plan's refusals of what cuBLASLt refuses under block scales (m or n not a multiple of 4 under the
+// fp32 tiles, scales off 16 bytes, E8M0 beside another mode), and Fp8Scaling::runs, which must send to bf16 every
+// layer GEMM the plan would refuse and no other; the CPU's fallback itself (the fp32 bits). On a GPU: each cast
+// kernel bit for bit against the CPU's cast (fp8_quantize_tiles), its scales at their layout's indices and mxfp8's
+// padding zero; each block-scaled GEMM through fp8_gemm against the CPU emulation; the recipes refused where
+// cuBLASLt has no kernels for them.
+#include <omp.h>
+
 #include "dev/cuda/common.h"
 #include "llmc/fp8.cuh"
 
@@ -58,6 +64,89 @@ TEST_CASE("fp8 recipes: the tile scales' layouts are cuBLASLt's documented ones 
             CHECK(wrong == 0);
             CHECK(hits.size() == (size_t)(round_up(M, 128) * round_up(T, 4)));  // whole tiles
             CHECK(std::count(hits.begin(), hits.end(), 1) == M * T);              // one scale per index
+        }
+}
+
+// the plan of a layer GEMM under recipe r as fp8_gemm asks for it (E4M3 operands but tensorwise's gradients,
+// aligned pointers)
+Fp8GemmPlan layer_plan(Fp8Recipe r, Fp8Operand a, Fp8Operand b, long m, long n, long k, GemmPass pass) {
+    Fp8Scaling<bf16> q;
+    q.recipe = r;
+    cudaDataType_t grad = fp8_cuda_type(q.grad_format());
+    return fp8_gemm_plan({CUBLASLT_EPILOGUE_DEFAULT, pass, a == FP8_GRAD ? grad : CUDA_R_8F_E4M3,
+                          b == FP8_GRAD || b == FP8_GRAD_T ? grad : CUDA_R_8F_E4M3, true, false, m, n, k, 256, 256, 256,
+                          q.mode(a), q.mode(b)});
+}
+
+TEST_CASE("fp8 GEMM plan, block scales: m and n multiples of 4 under the fp32 tiles, scales 16-byte aligned, E8M0 with "
+          "E8M0 alone; Fp8Scaling::runs sends to bf16 exactly the layer GEMMs the plan refuses",
+          "[fp8]") {
+    auto plan = [](int mode_a, int mode_b, long m, long n, long k, int align_scale_a = 256, int align_scale_b = 256) {
+        Fp8GemmRequest r{CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Forward, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, true, false, m, n, k,
+                         256, 256, 256, mode_a, mode_b};
+        r.align_scale_a = align_scale_a, r.align_scale_b = align_scale_b;
+        return fp8_gemm_plan(r);
+    };
+    const int VEC128 = FP8_SCALE_VEC128, BLK = FP8_SCALE_BLK128, E8M0 = FP8_SCALE_VEC32_E8M0, TENSOR = FP8_SCALE_TENSOR;
+    CHECK(plan(BLK, VEC128, 256, 36, 256).refused.empty());
+    CHECK(plan(VEC128, BLK, 256, 36, 256).refused.empty());
+    Fp8GemmPlan odd = plan(BLK, VEC128, 256, 38, 256);
+    CHECK(odd.refused.find("multiples of 4") != std::string::npos);
+    CHECK(!plan(VEC128, VEC128, 256, 38, 256).refused.empty());
+    CHECK(plan(E8M0, E8M0, 256, 38, 256).refused.empty());     // E8M0's tiles pad the rows to 128
+    CHECK(plan(TENSOR, TENSOR, 256, 38, 256).refused.empty());  // one scale per tensor: no rule on n
+    CHECK(plan(BLK, VEC128, 256, 36, 256, 16, 16).refused.empty());
+    CHECK(plan(BLK, VEC128, 256, 36, 256, 8, 256).refused.find("16-byte aligned") != std::string::npos);
+    CHECK(!plan(E8M0, E8M0, 256, 36, 256, 256, 4).refused.empty());
+    CHECK(!plan(E8M0, VEC128, 256, 36, 256).refused.empty());
+    CHECK(!plan(VEC128, E8M0, 256, 36, 256).refused.empty());
+    // runs against the plans of the layer's three GEMMs (fp8_matmul_forward and _backward on the GPU), for every
+    // token count up to 64 and a weight of whole tiles: the fallback is where the plan would stop the run, and only
+    // there
+    const long C = 256, OC = 384;
+    for (Fp8Recipe r : {Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise, Fp8Recipe::Mxfp8}) {
+        Fp8Scaling<bf16> q;
+        q.recipe = r, q.speaks = false;
+        long disagree = 0, fallbacks = 0;
+        for (long N = 1; N <= 64; N++) {
+            bool planned = layer_plan(r, FP8_WEIGHT, FP8_INPUT, OC, N, C, GemmPass::Forward).refused.empty() &&
+                           layer_plan(r, FP8_WEIGHT, FP8_GRAD, C, N, OC, GemmPass::Backward).refused.empty() &&
+                           layer_plan(r, FP8_INPUT, FP8_GRAD_T, C, OC, q.padded(N), GemmPass::Backward).refused.empty();
+            disagree += q.runs(N, OC, C) != planned;
+            fallbacks += !q.runs(N, OC, C);
+        }
+        INFO(fp8_recipe_name(r));
+        CHECK(disagree == 0);
+        CHECK(fallbacks == (r == Fp8Recipe::Blockwise ? 48 : 0));
+        CHECK(!q.runs(64, OC + 16, C) == (r != Fp8Recipe::Tensorwise));  // and a weight of partial tiles, whatever N
+    }
+}
+
+TEST_CASE("fp8 recipes on the CPU: a blockwise layer over a token count that is no multiple of 4 runs in fp32, its bits "
+          "those of the layer without FP8; over a multiple of 4, and under mxfp8 over any, the recipe runs", "[fp8]") {
+    const long C = 256, OC = 128;
+    std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+    for (Fp8Recipe r : BLOCK_RECIPES)
+        for (long N : {6L, 8L}) {
+            INFO(fp8_recipe_name(r) << ", " << N << " tokens");
+            Rng rng(21 + N);
+            std::vector<float> x = random_vector(N * C, rng), w = random_vector(OC * C, rng, 0.2f),
+                               bias = random_vector(OC, rng), dout = random_vector(N * OC, rng, 1e-3f),
+                               dw0 = random_vector(OC * C, rng);
+            std::vector<float> input(N * C), weight(OC * C), grad(N * OC), grad_t(N * OC), scales(FP8_SCALE_FLOATS + 1);
+            Fp8Scaling<float> q;
+            q.recipe = r, q.speaks = false;
+            q.input = input.data(), q.weight = weight.data(), q.grad = grad.data(), q.grad_t = grad_t.data();
+            q.scales = scales.data(), q.amaxes = scales.data() + FP8_SCALE_FLOATS;
+            std::vector<float> out(N * OC), plain(N * OC), dinp(N * C), plain_dinp(N * C), dw = dw0, plain_dw = dw0;
+            matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &q);
+            matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data());
+            matmul_backward(dinp.data(), dw.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &q);
+            matmul_backward(plain_dinp.data(), plain_dw.data(), nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws.data());
+            bool fallback = r == Fp8Recipe::Blockwise && N % 4 != 0;
+            CHECK((out == plain) == fallback);
+            CHECK((dinp == plain_dinp) == fallback);
+            CHECK((dw == plain_dw) == fallback);
         }
 }
 
@@ -192,6 +281,101 @@ TEST_CASE("CUDA fp8 block casts equal the CPU's casts bit for bit: rows, columns
             CHECK(blocks_t.scales_differ == 0);
         }
     }
+}
+
+// A layer's GEMMs under recipe r through the model's entry points (fp8_gemm with the recipe's scale modes) against
+// the CPU emulation on the same bf16 values: the forward with its bias (a kernel of its own under block scales) and
+// with GELU, the input and weight gradients (the weight gradient summed over tokens padded to a whole tile and added
+// to what was there), the bias gradient. Both sum the same codes times the same scales in fp32; the GPU's output is
+// rounded to bf16 (2^-9), so 1e-2 of each value (and of the reference's RMS) holds it, and GELU's 2e-2 its bf16
+// input; the tolerance tells the recipe from bf16, whose GEMMs lie farther from the emulation than that.
+void check_block_gemms(Fp8Recipe r) {
+    struct Shape {
+        long N, C, OC;
+    };
+    // N: a partial tile of tokens, a multiple of 4 but of no tile, and (blockwise) a count that is no multiple of 4,
+    // which runs in bf16 on the GPU and fp32 on the CPU
+    for (Shape s : {Shape{40, 256, 128}, Shape{200, 384, 256}, Shape{42, 256, 128}}) {
+        const long N = s.N, C = s.C, OC = s.OC;
+        INFO(fp8_recipe_name(r) << ": N " << N << " C " << C << " OC " << OC);
+        Rng rng(41 + N);
+        std::vector<float> x = random_bf16_values(N * C, rng), w = random_bf16_values(OC * C, rng, 0.2f),
+                           bias = random_bf16_values(OC, rng), dout = random_bf16_values(N * OC, rng, 1e-3f),
+                           dw0 = random_bf16_values(OC * C, rng), db0 = random_bf16_values(OC, rng);
+        x[3 * C + 10] = 40.0f, dout[7 * OC + 5] = 0.25f;  // outliers, which the tiles keep to themselves
+        // the CPU emulation
+        std::vector<float> input(N * C), weight(OC * C), grad(N * OC), grad_t(N * OC), floats(FP8_SCALE_FLOATS + 1);
+        Fp8Scaling<float> cpu;
+        cpu.recipe = r, cpu.speaks = false;
+        cpu.input = input.data(), cpu.weight = weight.data(), cpu.grad = grad.data(), cpu.grad_t = grad_t.data();
+        cpu.scales = floats.data(), cpu.amaxes = floats.data() + FP8_SCALE_FLOATS;
+        std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+        std::vector<float> out(N * OC), pre(N * OC), act(N * OC), dinp(N * C), dweight = dw0, dbias = db0, plain(N * OC);
+        matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu);
+        matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu);
+        matmul_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &cpu);
+        matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data());
+        const bool runs = cpu.runs(N, OC, C);
+        CHECK(runs == (r != Fp8Recipe::Blockwise || N % 4 == 0));
+        if (runs) CHECK(!compare_rms(plain, out, 1e-2).pass());  // the recipe is not the unquantized GEMM
+        // the GPU
+        Fp8Sizes z = fp8_sizes(N, C, std::max(C, OC), (size_t)OC * C, 1, Device::CUDA, r);
+        DeviceArray<uint8_t> d_input(z.input), d_weight(z.weight), d_grad(z.grad), d_grad_t(z.grad_t);
+        std::vector<std::unique_ptr<DeviceArray<uint8_t>>> tiles;
+        DeviceArray<float> d_floats(z.floats), scratch(matmul_backward_scratch_floats(N, OC));
+        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
+        Fp8Scaling<bf16> q;
+        q.recipe = r, q.speaks = false;
+        q.input = d_input.ptr, q.weight = d_weight.ptr, q.grad = d_grad.ptr, q.grad_t = d_grad_t.ptr;
+        q.scales = d_floats.ptr, q.amaxes = d_floats.ptr + FP8_SCALE_FLOATS;
+        for (int o = 0; o < 4; o++) {
+            REQUIRE(z.tiles[o] > 0);
+            tiles.emplace_back(new DeviceArray<uint8_t>(z.tiles[o]));
+            q.tiles[o] = tiles.back()->ptr;
+        }
+        DeviceArray<bf16> d_x(N * C), d_w(OC * C), d_bias(OC), d_dout(N * OC), d_out(N * OC), d_pre(N * OC), d_dinp(N * C),
+            d_dw(OC * C), d_db(OC);
+        upload(d_x, x), upload(d_w, w), upload(d_bias, bias), upload(d_dout, dout), upload(d_dw, dw0), upload(d_db, db0);
+        auto check = [](const char* what, const std::vector<float>& gpu, const std::vector<float>& emulated, double tol) {
+            Comparison c = compare_rms(gpu, emulated, tol);
+            INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance " << tol);
+            CHECK(c.pass());
+        };
+        matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        check("forward with bias", download(d_out), out, 1e-2);
+        d_out.poison(), d_pre.poison();
+        matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        check("forward before GELU", download(d_pre), pre, 1e-2);
+        check("GELU", download(d_out), act, 2e-2);
+        matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, nullptr, &q);
+        check("input gradient", download(d_dinp), dinp, 1e-2);
+        check("weight gradient (accumulated)", download(d_dw), dweight, 1e-2);
+        check("bias gradient (accumulated)", download(d_db), dbias, 1e-2);
+        gpu_scratch_registry() = GpuScratch{};
+    }
+}
+
+// the first lines of a block recipe's GPU case: skipped without a GPU, or (one line saying why) where cuBLASLt has
+// no kernels for the recipe: blockwise off compute capability 9.0, mxfp8 below 10.0
+bool recipe_runs_here(Fp8Recipe r) {
+    if (!cuda_device_available()) {
+        skip_case("no GPU");
+        return false;
+    }
+    std::string why = fp8_gpu_problem(r);
+    if (!why.empty()) skip_case(why);
+    return why.empty();
+}
+
+TEST_CASE("CUDA fp8 blockwise GEMMs (cuBLASLt's 1x128 and 128x128 scales on Hopper) match the CPU emulation: forward "
+          "with bias and GELU, input and weight gradients, the bias gradient; a token count that is no multiple of 4 "
+          "falls back on both devices", "[cuda][fp8]") {
+    if (recipe_runs_here(Fp8Recipe::Blockwise)) check_block_gemms(Fp8Recipe::Blockwise);
+}
+
+TEST_CASE("CUDA fp8 mxfp8 GEMMs (cuBLASLt's E8M0 scales per 32 values on Blackwell) match the CPU emulation: forward "
+          "with bias and GELU, input and weight gradients, the bias gradient", "[cuda][fp8]") {
+    if (recipe_runs_here(Fp8Recipe::Mxfp8)) check_block_gemms(Fp8Recipe::Mxfp8);
 }
 
 TEST_CASE("CUDA fp8 recipes are refused in one line where cuBLASLt has no kernels for them: blockwise off compute "
