@@ -361,6 +361,20 @@ struct Fp8Scaling {
                    fp8_tile(recipe));
         return false;
     }
+    // Whether the matmuls of such a weight over n tokens run in FP8: when it takes the weight, and under blockwise
+    // when n is a multiple of 4 (the forward's and the input gradient's n, which cuBLASLt's 1x128 and 128x128
+    // scales want so: fp8_gemm_plan); the others said once per weight shape. The CPU falls back alike, so that
+    // both devices run one numerics (an expert's share of the tokens, a batch of odd length).
+    bool runs(long n, long rows, long cols) const {
+        if (!takes(rows, cols)) return false;
+        if (recipe != Fp8Recipe::Blockwise || n % 4 == 0) return true;
+        static std::set<std::pair<long, long>> said;
+        if (speaks && said.insert({rows, cols}).second)
+            printf("fp8: the %ldx%ld weights' matmuls over %ld tokens (and any count that is no multiple of 4) run in %s: "
+                   "--fp8-recipe blockwise needs token counts that are multiples of 4\n", rows, cols, n,
+                   device_of<floatX> == Device::CUDA ? "bf16" : "fp32");
+        return false;
+    }
 
     // x (rows×cols) cast as tensorwise operand o in format f with a scale shared over the group: into out, and on the
     // GPU its transpose into out_t (cols×ld_t); either may be null
@@ -483,6 +497,9 @@ inline void fp8_check_gpu(Fp8Recipe r) {
 //             itself, as TransformerEngine does beside its cast), and the GELU backward of DGELU and DGELU_BGRAD
 //   accumulation  fast in the forward, promoted to fp32 periodically in the two gradient GEMMs: the split
 //             TransformerEngine's recipes default to (fprop fast, dgrad and wgrad with a split accumulator)
+//   tiles     the block recipes' scale modes in the pairs of its "128-element 1D and 128x128 2D block scaling" table
+//             (never 128x128 on both), E8M0 per 32 with itself, E4M3 operands, k whole tiles, the scales 16-byte
+//             aligned, and under the fp32 tiles m and n multiples of 4 (its "scaling factors layouts" notes)
 // The CPU Catch2 case "fp8 GEMM plan" holds the function to this table.
 
 enum class GemmPass { Forward, Backward };  // the forward's GEMM, or one of the two gradient GEMMs
@@ -495,6 +512,7 @@ struct Fp8GemmRequest {
     long m, n, k;                 // D is m×n, the sum runs over k
     int align_a, align_b, align_d;  // bytes (pointer_alignment)
     int mode_a = FP8_SCALE_TENSOR, mode_b = FP8_SCALE_TENSOR;  // cuBLASLt's scale modes (Fp8ScaleMode)
+    int align_scale_a = 256, align_scale_b = 256;               // the tile scales' pointers, bytes
 };
 
 struct Fp8GemmPlan {
@@ -525,8 +543,18 @@ inline Fp8GemmPlan fp8_gemm_plan(const Fp8GemmRequest& r) {
     if (r.mode_a == FP8_SCALE_BLK128 && r.mode_b == FP8_SCALE_BLK128)
         return refuse("128x128 blocks on both operands is no scale-mode combination of cuBLASLt");
     if (tiles && (r.a != CUDA_R_8F_E4M3 || r.b != CUDA_R_8F_E4M3)) return refuse("the block recipes are E4M3 x E4M3");
-    int tile = r.mode_a == FP8_SCALE_VEC32_E8M0 ? FP8_MX_BLOCK : FP8_BLOCK;
+    bool mx = r.mode_a == FP8_SCALE_VEC32_E8M0;
+    if (tiles && mx != (r.mode_b == FP8_SCALE_VEC32_E8M0))
+        return refuse("E8M0 scales per 32 values pair with E8M0 scales per 32 values only");
+    int tile = mx ? FP8_MX_BLOCK : FP8_BLOCK;
     if (tiles && r.k % tile) return refuse(strfmt("k %ld must be a multiple of the scales' %d", r.k, tile));
+    // the block scales' layouts: "starting addresses of scaling factors must be 16B aligned", and the fp32 tiles'
+    // (VEC128_32F, BLK128x128_32F) want "M and N multiples of 4"
+    if (tiles && (r.align_scale_a < 16 || r.align_scale_b < 16))
+        return refuse(strfmt("the tile scales must be 16-byte aligned (they are %d and %d)", r.align_scale_a,
+                             r.align_scale_b));
+    if (tiles && !mx && (r.m % 4 || r.n % 4))
+        return refuse(strfmt("m %ld and n %ld must be multiples of 4 under 1x128 and 128x128 scales", r.m, r.n));
     // a block-scaled GEMM accumulates in fp32 throughout (PyTorch's scaled_mm refuses fast accumulation with
     // 1x128 and 128x128 scales) and adds the bias in a kernel of its own, as the GELU
     p.fast_accum = r.pass == GemmPass::Forward && !tiles;
@@ -569,7 +597,8 @@ static __global__ void fp8_add_bias_kernel(bf16* out, const bf16* bias, long row
 inline Fp8GemmPlan fp8_gemm(bf16* d, Fp8Matrix a, Fp8Matrix b, long m, long n, long k, float beta,
                             cublasLtEpilogue_t wish, GemmPass pass, const bf16* bias = nullptr) {
     Fp8GemmRequest r{wish, pass, fp8_cuda_type(a.format), fp8_cuda_type(b.format), true, false, m, n, k,
-                     pointer_alignment(a.codes), pointer_alignment(b.codes), pointer_alignment(d), a.mode, b.mode};
+                     pointer_alignment(a.codes), pointer_alignment(b.codes), pointer_alignment(d), a.mode, b.mode,
+                     pointer_alignment(a.unscale), pointer_alignment(b.unscale)};
     Fp8GemmPlan plan = fp8_gemm_plan(r);
     if (!plan.refused.empty())
         fail("--fp8 1: the GEMM m=%ld n=%ld k=%ld (%s x %s) cannot run in FP8: %s", m, n, k, fp8_name(a.format),
@@ -668,19 +697,19 @@ inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf
 template <typename floatX>
 inline void matmul_forward(floatX* out, const floatX* inp, const floatX* weight, const floatX* bias, long N, long C,
                            long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (fp8 && fp8->takes(OC, C)) fp8_matmul_forward(out, (floatX*)nullptr, inp, weight, bias, N, C, OC, workspace, *fp8);
+    if (fp8 && fp8->runs(N, OC, C)) fp8_matmul_forward(out, (floatX*)nullptr, inp, weight, bias, N, C, OC, workspace, *fp8);
     else matmul_forward(out, inp, weight, bias, N, C, OC, workspace);
 }
 template <typename floatX>
 inline void matmul_gelu_forward(floatX* out, floatX* pre_gelu, const floatX* inp, const floatX* weight, const floatX* bias,
                                 long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (fp8 && fp8->takes(OC, C)) fp8_matmul_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace, *fp8);
+    if (fp8 && fp8->runs(N, OC, C)) fp8_matmul_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace, *fp8);
     else matmul_gelu_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace);
 }
 template <typename floatX>
 inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                             const floatX* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (fp8 && fp8->takes(OC, C)) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
+    if (fp8 && fp8->runs(N, OC, C)) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
     else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 // ... and the MLP projection's backward through GELU (gelu_matmul_backward). An FP8 layer's GEMMs are
@@ -690,7 +719,7 @@ template <typename floatX>
 inline void gelu_matmul_backward(floatX* dpre, floatX* dweight, floatX* dbias, floatX* dpre_bias, const floatX* dout,
                                  const floatX* inp, const floatX* pre_gelu, const floatX* weight, long N, long C,
                                  long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
-    if (!fp8 || !fp8->takes(OC, C)) {
+    if (!fp8 || !fp8->runs(N, OC, C)) {
         gelu_matmul_backward(dpre, dweight, dbias, dpre_bias, dout, inp, pre_gelu, weight, N, C, OC, workspace);
         return;
     }

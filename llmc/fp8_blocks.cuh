@@ -148,122 +148,231 @@ inline size_t fp8_scale_bytes(Fp8Recipe r, bool blocks, long rows, long k) {
 
 // ----------------------------------------------------------------------------------------------------------
 // the GPU's casts, each kernel beside the CPU's fp8_quantize_tiles, which it equals bit for bit: one scale per
-// tile written as the top comment's layout says (an fp32 inverse scale, or mxfp8's E8M0 byte)
+// tile written as the top comment's layout says (an fp32 inverse scale, or mxfp8's E8M0 byte). The casts are
+// memory-bound, and each kernel reads x in 16-byte vectors (8 values) where the row length and x's alignment allow
+// (one value at a time elsewhere) and writes its codes in runs of 8 or 16 bytes; the copies written transposed
+// go through shared memory, so that a warp's stores land on whole rows of the copy rather than one byte in each
+// of 32 rows.
 
 __device__ inline void fp8_store_scale(void* scales, long at, float amax, float inverse, Fp8Recipe r) {
     if (r == Fp8Recipe::Mxfp8) static_cast<uint8_t*>(scales)[at] = fp8_e8m0(amax);
     else static_cast<float*>(scales)[at] = inverse;
 }
 
-// the largest |value| of a warp's values, a NaN winning (as fp8_amax_kernel: the bits' order is the order of
-// non-negative floats, and a NaN's bits exceed infinity's)
-__device__ inline float fp8_warp_amax(float v) {
-    unsigned int m = __float_as_uint(fabsf(v));
-    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffff, m, offset));
-    return __uint_as_float(m);
+// value k of 8 bf16 held in a 16-byte vector (a bf16 is the top half of its float's bits)
+__device__ inline float fp8_bf16_at(const uint4& raw, int k) {
+    unsigned int w = k < 2 ? raw.x : k < 4 ? raw.y : k < 6 ? raw.z : raw.w;
+    return __uint_as_float(k % 2 ? w & 0xFFFF0000u : w << 16);
 }
 
-// Tiles along the rows (1×L): a warp per tile, each lane a strided L/32 of its values (consecutive lanes read
-// consecutive values). Codes into out (rows×cols, K = cols).
+// |v|'s bits: for non-negative floats the integer order is the float order, and a NaN's bits exceed infinity's, so
+// the largest of them is the amax with a NaN winning (as fp8_amax_kernel's)
+__device__ inline unsigned int fp8_abs_bits(float v) { return __float_as_uint(fabsf(v)); }
+
+// four codes in one word, the first in the lowest byte (memory order)
+__device__ inline unsigned int fp8_word(const uint8_t* q) {
+    return q[0] | q[1] << 8 | q[2] << 16 | (unsigned int)q[3] << 24;
+}
+
+// x's values c .. c+7 of row `row` as bf16 bits (zeros past cols): one 16-byte load when `vectors` (cols a
+// multiple of 8, x 16-byte aligned)
+__device__ inline uint4 fp8_load8(const bf16* x, long row, long c, long cols, bool vectors) {
+    if (vectors && c < cols) return *reinterpret_cast<const uint4*>(x + row * cols + c);
+    unsigned short h[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) h[k] = c + k < cols ? __bfloat16_as_ushort(x[row * cols + c + k]) : 0;
+    return make_uint4(h[0] | (unsigned int)h[1] << 16, h[2] | (unsigned int)h[3] << 16, h[4] | (unsigned int)h[5] << 16,
+                      h[6] | (unsigned int)h[7] << 16);
+}
+
+constexpr int FP8_CAST_THREADS = 256;
+
+// Tiles along the rows (1×L): L/8 consecutive threads per tile, 8 consecutive values each, the tile's amax taken
+// over them by shuffles; a row's consecutive tiles to consecutive threads, so a warp reads 512 contiguous bytes.
+// Codes into out (rows×cols, K = cols).
 template <int L>
-__global__ void fp8_quantize_rows_kernel(uint8_t* out, void* scales, const bf16* x, long rows, long cols, Fp8Recipe r) {
+__global__ void __launch_bounds__(FP8_CAST_THREADS)
+    fp8_quantize_rows_kernel(uint8_t* out, void* scales, const bf16* x, long rows, long cols, Fp8Recipe r) {
+    constexpr int LANES = L / 8;
     long ktiles = (cols + L - 1) / L;
-    long tile = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    int lane = threadIdx.x % 32;
-    if (tile >= rows * ktiles) return;  // whole warps leave together: a tile is a warp's
-    long row = tile / ktiles, c0 = (tile % ktiles) * L;
-    constexpr int PER = L / 32;
-    float v[PER];
-    float m = 0.0f;
+    long thread = (long)blockIdx.x * blockDim.x + threadIdx.x, tile = thread / LANES;
+    int lane = (int)(thread % LANES);
+    // every thread reaches the shuffles; those past the last tile carry zeros
+    bool inside = tile < rows * ktiles;
+    long row = inside ? tile / ktiles : 0, c0 = inside ? tile % ktiles * L : 0, c = c0 + lane * 8;
+    bool vectors = cols % 8 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)out % 8 == 0;
+    uint4 raw = fp8_load8(x, row, inside ? c : cols, cols, vectors);
+    unsigned int m = 0;
 #pragma unroll
-    for (int i = 0; i < PER; i++) {
-        long c = c0 + lane + 32 * i;
-        v[i] = c < cols ? __bfloat162float(x[row * cols + c]) : 0.0f;
-        m = __uint_as_float(max(__float_as_uint(m), __float_as_uint(fabsf(v[i]))));
-    }
-    float amax = fp8_warp_amax(m);
-    float scale, inverse;
+    for (int k = 0; k < 8; k++) m = max(m, fp8_abs_bits(fp8_bf16_at(raw, k)));
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffff, m, offset));
+    if (!inside) return;
+    float amax = __uint_as_float(m), scale, inverse;
     fp8_tile_scale(&scale, &inverse, amax, r);
-#pragma unroll
-    for (int i = 0; i < PER; i++) {
-        long c = c0 + lane + 32 * i;
-        if (c < cols) out[row * cols + c] = __nv_cvt_float_to_fp8(v[i] * scale, __NV_SATFINITE, __NV_E4M3);
-    }
     if (lane == 0) fp8_store_scale(scales, fp8_scale_index(r, false, row, c0 / L, rows, ktiles), amax, inverse, r);
+    if (c >= cols) return;
+    uint8_t q[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) q[k] = __nv_cvt_float_to_fp8(fp8_bf16_at(raw, k) * scale, __NV_SATFINITE, __NV_E4M3);
+    if (vectors) {
+        *reinterpret_cast<uint2*>(out + row * cols + c) = make_uint2(fp8_word(q), fp8_word(q + 4));
+    } else {
+        for (int k = 0; k < 8 && c + k < cols; k++) out[row * cols + c + k] = q[k];
+    }
 }
 
 // Tiles down the columns (L×1), written transposed: out_t (cols×ld_t) holds xᵀ, K = x's rows, zero from rows to
-// ld_t. A thread per tile: consecutive threads take consecutive columns, so each of the L reads is coalesced.
+// ld_t. A block per L rows × 64 columns of x: the rows come into shared memory as 16-byte vectors (a warp reads 4
+// rows of 128 bytes), 4 threads per column take its tile's amax and cast L/4 values each into a shared tile of
+// codes transposed, which leaves as 16-byte runs of xᵀ's rows (a thread per column reading down it, and writing its
+// row of xᵀ a byte at a time, touched 32 rows of xᵀ with each store).
+constexpr int FP8_COLS_WIDTH = 64;
 template <int L>
-__global__ void fp8_quantize_cols_kernel(uint8_t* out_t, void* scales, const bf16* x, long rows, long cols, long ld_t,
-                                         Fp8Recipe r) {
-    long ktiles = (ld_t + L - 1) / L;
-    long c = (long)blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
-    if (c >= cols || t >= ktiles) return;
-    long r0 = t * L, end = r0 + L < rows ? r0 + L : rows, end_t = r0 + L < ld_t ? r0 + L : ld_t;
+__global__ void __launch_bounds__(FP8_CAST_THREADS)
+    fp8_quantize_cols_kernel(uint8_t* out_t, void* scales, const bf16* x, long rows, long cols, long ld_t, Fp8Recipe r) {
+    constexpr int W = FP8_COLS_WIDTH, PARTS = FP8_CAST_THREADS / W, RUN = L / PARTS, SEGMENTS = L / 16;
+    __shared__ __align__(16) bf16 xs[L][W];
+    // codes[j][i]: the code of x[r0 + i][c0 + j]; rows of L + 4 bytes put a warp's 32 columns in 32 banks
+    __shared__ __align__(16) uint8_t codes[W][L + 4];
+    __shared__ unsigned int part_max[PARTS][W];
+    long ktiles = (ld_t + L - 1) / L, r0 = (long)blockIdx.y * L, c0 = (long)blockIdx.x * W;
+    bool vectors = cols % 8 == 0 && (uintptr_t)x % 16 == 0;
+    for (int g = threadIdx.x; g < L * W / 8; g += FP8_CAST_THREADS) {
+        int i = g / (W / 8), j = g % (W / 8) * 8;
+        *reinterpret_cast<uint4*>(&xs[i][j]) = r0 + i < rows ? fp8_load8(x, r0 + i, c0 + j, cols, vectors) : uint4{};
+    }
+    __syncthreads();
+    int j = threadIdx.x % W, part = threadIdx.x / W;
     unsigned int m = 0;
-    for (long i = r0; i < end; i++) m = max(m, __float_as_uint(fabsf(__bfloat162float(x[i * cols + c]))));
+    for (int s = 0; s < RUN; s++) m = max(m, fp8_abs_bits(__bfloat162float(xs[part * RUN + s][j])));
+    part_max[part][j] = m;
+    __syncthreads();
+    for (int p = 0; p < PARTS; p++) m = max(m, part_max[p][j]);
     float amax = __uint_as_float(m), scale, inverse;
     fp8_tile_scale(&scale, &inverse, amax, r);
-    for (long i = r0; i < end_t; i++)
-        out_t[c * ld_t + i] =
-            i < rows ? __nv_cvt_float_to_fp8(__bfloat162float(x[i * cols + c]) * scale, __NV_SATFINITE, __NV_E4M3) : 0;
-    fp8_store_scale(scales, fp8_scale_index(r, false, c, t, cols, ktiles), amax, inverse, r);
+    for (int s = 0; s < RUN; s += 4) {
+        uint8_t q[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int i = part * RUN + s + k;
+            q[k] = r0 + i < rows ? __nv_cvt_float_to_fp8(__bfloat162float(xs[i][j]) * scale, __NV_SATFINITE, __NV_E4M3) : 0;
+        }
+        *reinterpret_cast<unsigned int*>(&codes[j][part * RUN + s]) = fp8_word(q);
+    }
+    if (part == 0 && c0 + j < cols)
+        fp8_store_scale(scales, fp8_scale_index(r, false, c0 + j, blockIdx.y, cols, ktiles), amax, inverse, r);
+    __syncthreads();
+    bool vectors_t = ld_t % 16 == 0 && (uintptr_t)out_t % 16 == 0;
+    for (int g = threadIdx.x; g < W * SEGMENTS; g += FP8_CAST_THREADS) {
+        int jj = g / SEGMENTS, i = g % SEGMENTS * 16;
+        long c = c0 + jj, at = c * ld_t + r0 + i;
+        if (c >= cols || r0 + i >= ld_t) continue;
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(&codes[jj][i]);
+        if (vectors_t) *reinterpret_cast<uint4*>(out_t + at) = make_uint4(w[0], w[1], w[2], w[3]);
+        else
+            for (int k = 0; k < 16 && r0 + i + k < ld_t; k++) out_t[at + k] = codes[jj][i + k];
+    }
 }
 
-// blockwise weights: a block of 256 threads per 128×128 block; its amax, then the codes into out (rows×cols) and
-// the transposed copy out_t (cols×rows), with the scale in each one's BLK128x128 layout (either may be null)
-__global__ void fp8_quantize_blocks_kernel(uint8_t* out, float* scales, uint8_t* out_t, float* scales_t, const bf16* x,
-                                           long rows, long cols) {
-    __shared__ unsigned int warp_max[8];
+// blockwise weights: a block per 128×128 block of x, each thread holding 8 vectors of 8 values from the amax to the
+// cast; the codes into out (rows×cols) and the transposed copy out_t (cols×rows), the latter through shared memory
+// and out as 16-byte runs of its rows, with the scale in each one's BLK128x128 layout (either may be null)
+__global__ void __launch_bounds__(FP8_CAST_THREADS)
+    fp8_quantize_blocks_kernel(uint8_t* out, float* scales, uint8_t* out_t, float* scales_t, const bf16* x, long rows,
+                               long cols) {
+    constexpr int VECTORS = FP8_BLOCK * FP8_BLOCK / 8 / FP8_CAST_THREADS, WARPS = FP8_CAST_THREADS / 32;
+    __shared__ unsigned int warp_max[WARPS];
+    __shared__ __align__(16) uint8_t codes[FP8_BLOCK][FP8_BLOCK + 4];  // codes[j][i]: x[r0 + i][c0 + j]'s
     long r0 = (long)blockIdx.y * FP8_BLOCK, c0 = (long)blockIdx.x * FP8_BLOCK;
+    bool vectors = cols % 8 == 0 && (uintptr_t)x % 16 == 0 && (!out || (uintptr_t)out % 8 == 0);
+    uint4 raw[VECTORS];
     unsigned int m = 0;
-    for (int e = threadIdx.x; e < FP8_BLOCK * FP8_BLOCK; e += blockDim.x) {
-        long i = r0 + e / FP8_BLOCK, j = c0 + e % FP8_BLOCK;
-        if (i < rows && j < cols) m = max(m, __float_as_uint(fabsf(__bfloat162float(x[i * cols + j]))));
+#pragma unroll
+    for (int s = 0; s < VECTORS; s++) {
+        int g = threadIdx.x + s * FP8_CAST_THREADS, i = g / (FP8_BLOCK / 8), j = g % (FP8_BLOCK / 8) * 8;
+        raw[s] = r0 + i < rows ? fp8_load8(x, r0 + i, c0 + j, cols, vectors) : uint4{};
+#pragma unroll
+        for (int k = 0; k < 8; k++) m = max(m, fp8_abs_bits(fp8_bf16_at(raw[s], k)));
     }
     for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffff, m, offset));
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
     m = 0;
-    for (int w = 0; w < 8; w++) m = max(m, warp_max[w]);
+    for (int w = 0; w < WARPS; w++) m = max(m, warp_max[w]);
     float amax = __uint_as_float(m), scale, inverse;
     fp8_tile_scale(&scale, &inverse, amax, Fp8Recipe::Blockwise);
-    for (int e = threadIdx.x; e < FP8_BLOCK * FP8_BLOCK; e += blockDim.x) {
-        long i = r0 + e / FP8_BLOCK, j = c0 + e % FP8_BLOCK;
-        if (i >= rows || j >= cols) continue;
-        uint8_t q = __nv_cvt_float_to_fp8(__bfloat162float(x[i * cols + j]) * scale, __NV_SATFINITE, __NV_E4M3);
-        if (out) out[i * cols + j] = q;
-        if (out_t) out_t[j * rows + i] = q;
+#pragma unroll
+    for (int s = 0; s < VECTORS; s++) {
+        int g = threadIdx.x + s * FP8_CAST_THREADS, i = g / (FP8_BLOCK / 8), j = g % (FP8_BLOCK / 8) * 8;
+        long r = r0 + i, c = c0 + j;
+        uint8_t q[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) q[k] = __nv_cvt_float_to_fp8(fp8_bf16_at(raw[s], k) * scale, __NV_SATFINITE, __NV_E4M3);
+        if (out && r < rows && c < cols) {
+            if (vectors) *reinterpret_cast<uint2*>(out + r * cols + c) = make_uint2(fp8_word(q), fp8_word(q + 4));
+            else
+                for (int k = 0; k < 8 && c + k < cols; k++) out[r * cols + c + k] = q[k];
+        }
+        if (out_t)
+#pragma unroll
+            for (int k = 0; k < 8; k++) codes[j + k][i] = q[k];
     }
-    if (threadIdx.x != 0) return;
-    long block_rows = (rows + FP8_BLOCK - 1) / FP8_BLOCK, block_cols = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
-    if (scales) scales[fp8_scale_index(Fp8Recipe::Blockwise, true, r0, blockIdx.x, rows, block_cols)] = inverse;
-    if (scales_t) scales_t[fp8_scale_index(Fp8Recipe::Blockwise, true, c0, blockIdx.y, cols, block_rows)] = inverse;
+    if (threadIdx.x == 0) {
+        long block_rows = (rows + FP8_BLOCK - 1) / FP8_BLOCK, block_cols = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
+        if (scales) scales[fp8_scale_index(Fp8Recipe::Blockwise, true, r0, blockIdx.x, rows, block_cols)] = inverse;
+        if (scales_t) scales_t[fp8_scale_index(Fp8Recipe::Blockwise, true, c0, blockIdx.y, cols, block_rows)] = inverse;
+    }
+    if (!out_t) return;
+    __syncthreads();
+    bool vectors_t = rows % 16 == 0 && (uintptr_t)out_t % 16 == 0;
+    for (int g = threadIdx.x; g < FP8_BLOCK * FP8_BLOCK / 16; g += FP8_CAST_THREADS) {
+        int j = g / (FP8_BLOCK / 16), i = g % (FP8_BLOCK / 16) * 16;
+        long c = c0 + j, at = c * rows + r0 + i;
+        if (c >= cols || r0 + i >= rows) continue;
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(&codes[j][i]);
+        if (vectors_t) *reinterpret_cast<uint4*>(out_t + at) = make_uint4(w[0], w[1], w[2], w[3]);
+        else
+            for (int k = 0; k < 16 && r0 + i + k < rows; k++) out_t[at + k] = codes[j][i + k];
+    }
+}
+
+// cuBLASLt reads mxfp8's scales in whole tiles of 128 rows × 4 K-tiles and asks that the bytes past the operand's
+// rows and K-tiles be zero (its "1D block scaling factors layout"); the kernels write the operand's own scales, so
+// where the tiles have such bytes the whole tensor is cleared first
+inline void fp8_clear_scale_padding(void* scales, Fp8Recipe r, long rows, long k) {
+    long ktiles = (k + fp8_tile(r) - 1) / fp8_tile(r);
+    if (r == Fp8Recipe::Mxfp8 && (rows % 128 || ktiles % 4))
+        cuda_check(cudaMemsetAsync(scales, 0, fp8_scale_bytes(r, false, rows, k), main_stream()));
 }
 
 inline void fp8_quantize_rows(uint8_t* out, void* scales, const bf16* x, long rows, long cols, Fp8Recipe r) {
-    long warps = rows * ((cols + fp8_tile(r) - 1) / fp8_tile(r));
-    if (warps == 0) return;
-    unsigned blocks = (unsigned)((warps * 32 + 255) / 256);
+    long threads = rows * ((cols + fp8_tile(r) - 1) / fp8_tile(r)) * (fp8_tile(r) / 8);
+    if (threads == 0) return;
+    fp8_clear_scale_padding(scales, r, rows, cols);
+    unsigned blocks = (unsigned)((threads + FP8_CAST_THREADS - 1) / FP8_CAST_THREADS);
     if (r == Fp8Recipe::Mxfp8)
-        fp8_quantize_rows_kernel<FP8_MX_BLOCK><<<blocks, 256, 0, main_stream()>>>(out, scales, x, rows, cols, r);
-    else fp8_quantize_rows_kernel<FP8_BLOCK><<<blocks, 256, 0, main_stream()>>>(out, scales, x, rows, cols, r);
+        fp8_quantize_rows_kernel<FP8_MX_BLOCK><<<blocks, FP8_CAST_THREADS, 0, main_stream()>>>(out, scales, x, rows, cols, r);
+    else fp8_quantize_rows_kernel<FP8_BLOCK><<<blocks, FP8_CAST_THREADS, 0, main_stream()>>>(out, scales, x, rows, cols, r);
     cuda_check(cudaGetLastError());
 }
 inline void fp8_quantize_cols(uint8_t* out_t, void* scales, const bf16* x, long rows, long cols, long ld_t, Fp8Recipe r) {
     if (cols == 0 || ld_t == 0) return;
-    dim3 grid((unsigned)((cols + 127) / 128), (unsigned)((ld_t + fp8_tile(r) - 1) / fp8_tile(r)));
+    fp8_clear_scale_padding(scales, r, cols, ld_t);
+    dim3 grid((unsigned)((cols + FP8_COLS_WIDTH - 1) / FP8_COLS_WIDTH), (unsigned)((ld_t + fp8_tile(r) - 1) / fp8_tile(r)));
     if (r == Fp8Recipe::Mxfp8)
-        fp8_quantize_cols_kernel<FP8_MX_BLOCK><<<grid, 128, 0, main_stream()>>>(out_t, scales, x, rows, cols, ld_t, r);
-    else fp8_quantize_cols_kernel<FP8_BLOCK><<<grid, 128, 0, main_stream()>>>(out_t, scales, x, rows, cols, ld_t, r);
+        fp8_quantize_cols_kernel<FP8_MX_BLOCK><<<grid, FP8_CAST_THREADS, 0, main_stream()>>>(out_t, scales, x, rows, cols,
+                                                                                             ld_t, r);
+    else
+        fp8_quantize_cols_kernel<FP8_BLOCK><<<grid, FP8_CAST_THREADS, 0, main_stream()>>>(out_t, scales, x, rows, cols, ld_t,
+                                                                                          r);
     cuda_check(cudaGetLastError());
 }
 inline void fp8_quantize_blocks(uint8_t* out, float* scales, uint8_t* out_t, float* scales_t, const bf16* x, long rows,
                                 long cols) {
     if (rows == 0 || cols == 0) return;
     dim3 grid((unsigned)((cols + FP8_BLOCK - 1) / FP8_BLOCK), (unsigned)((rows + FP8_BLOCK - 1) / FP8_BLOCK));
-    fp8_quantize_blocks_kernel<<<grid, 256, 0, main_stream()>>>(out, scales, out_t, scales_t, x, rows, cols);
+    fp8_quantize_blocks_kernel<<<grid, FP8_CAST_THREADS, 0, main_stream()>>>(out, scales, out_t, scales_t, x, rows, cols);
     cuda_check(cudaGetLastError());
 }
 

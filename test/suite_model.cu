@@ -11,6 +11,7 @@
 #include "test/test_distributed.cu"
 #include "test/test_failures.cu"
 #include "test/test_fp8.cu"
+#include "test/test_fp8_recipes.cu"
 #include "test/test_hf.cu"
 #include "test/test_layers.cu"
 #include "test/test_llama.cu"

@@ -9,6 +9,7 @@
 #   PHASES="build model pytorch" bash dev/gpu/verify.sh LOGDIR
 #   BUDGET=300 PHASES=quick PREBUILT=1 bash dev/gpu/verify.sh LOGDIR   # every GPU code path, ~3 min on an H100
 #   PHASES="pytorch determinism mpi" DEVICE=cpu bash dev/gpu/verify.sh LOGDIR   # the plumbing, on the CPU
+#   QUICK=1 PHASES=fp8 PREBUILT=1 FP8_BLOCK_SPEED=llama3-1b:16:1024 bash dev/gpu/verify.sh LOGDIR   # FP8's recipes
 #
 # Every check prints one line "PASS|FAIL|SKIP <phase>: <check> <figure>"; the end is a table of the figures
 # and, last, "N passed, M failed, K skipped". Every command's output goes to LOGDIR/<phase>.log. Exit status 0
@@ -26,12 +27,12 @@
 #               GPU code path (each kernel family through the [cuda] tests, GPT-2 and Llama, FP8, the mma and
 #               wgmma attention, dp and ZeRO, tp, cp, pp, ep, NCCL on one rank, resume across devices):
 #               CHECK_MODEL d6c384h6 at B=4 T=256 for 6 steps, ZeRO-1 and 3, the zb, dualpipev and interleaved pp
-#               schedules, ep 2 with ZeRO-1 and under pp, one FP8 run of 20 steps and no FP8 timings; the
-#               [cuda] tests run once (the tests and model phases)
+#               schedules, ep 2 with ZeRO-1 and under pp, one FP8 run of 20 steps with tensorwise and one with
+#               blockwise, and no FP8 timings; the [cuda] tests run once (the tests and model phases)
 #   QUICK       1: quick's small runs for the phases PHASES names (PHASES=quick sets it)                  [0]
 #   DEVICE      cuda, or cpu for the phases that have a CPU form (build: train_gpt only; pytorch,
-#               determinism, mpi; llama: its PyTorch comparison): a test of this script's plumbing on a
-#               machine without a GPU                                                                  [cuda]
+#               determinism, mpi; llama: its PyTorch comparison; fp8: its runs on small models, against fp32):
+#               a test of this script's plumbing on a machine without a GPU                            [cuda]
 #   TIMEOUT     seconds each phase may run (the bench phase: each of its own phases), BUDGET permitting [600]
 #   ENV_SCRIPT  sourced first (MPI, Catch2, NCCL paths)                    [.devdeps/env.sh when present]
 #   PREBUILT    1: binaries built elsewhere and newer than their sources are used as they are          [0]
@@ -62,7 +63,10 @@
 #               (empty: none)
 #               [d12:16:1024 l16c2048h32g8f8192t1024:4:1024 q8c1024h16g4d64f3072e8k2x768n1s2y768ir2.5a:8:1024: the
 #               last a Qwen3 of dense and sparse layers, a shared expert and DeepSeek-V3's routing, both kinds FP8]
-#   FP8_STEPS   steps of each FP8_RUNS run                                                 [200; quick 20]
+#   FP8_BLOCK_RUNS  model:B:T runs of FP8_STEPS steps with --fp8 1 --fp8-recipe blockwise against the run without
+#               FP8 (FP8_RUNS's where it has the same model:B:T), held as FP8_RUNS's are; SKIP off compute
+#               capability 9.0                 [d12:16:1024, its layers' matmuls whole 128x128 blocks; quick d12:4:1024]
+#   FP8_STEPS   steps of each FP8_RUNS and FP8_BLOCK_RUNS run                              [200; quick 20]
 #   FP8_TOL     largest relative difference of a --fp8 1 run's loss from the bf16 run's, each step's loss
 #               averaged over FP8_WINDOW steps, after the warm-up (the runs' -u 20)                     [0.02]
 #   FP8_WINDOW  the steps each compared loss averages over (1: every step alone). From random weights a
@@ -77,6 +81,10 @@
 #   FP8_MIN_SPEEDUP  the bf16 step over the fp8 step such a run must reach (measured on an H100: llama3-1b B=16
 #               T=1024 1.12x and 1.13x, llama3-3b B=8 1.17x and 1.18x; d12 and qwen3-0.6b are slower with FP8,
 #               so no bound below 1e9 parameters or 16384 tokens, where nothing was measured)            [1.05]
+#   FP8_BLOCK_SPEED  model:B:T runs timed as FP8_SPEED's with --fp8 1 --fp8-recipe blockwise, beside the bf16 and
+#               tensorwise runs of the same model:B:T (FP8_SPEED's where it has them): figures, unbounded (no
+#               blockwise step was measured before); the runs must exit 0 with a median step and blockwise be on
+#                                                                          [llama3-1b:16:1024; quick none]
 #   MPI_TOL     largest relative difference of a 2-rank layout's loss, and of its gradient norm, from the
 #               single-rank run's at any step (the mpi, cp, pp and moe phases and the resume phase's dp 2 then
 #               1 rank). cuda: bf16 sums in another order; the layouts followed one rank within 1.4e-5 (dp),
@@ -108,7 +116,7 @@
 
 set -uo pipefail
 
-usage() { sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n 2,13p "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ $# -eq 1 && $1 != -* ]] || usage
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 mkdir -p "$1" || exit 2
@@ -134,15 +142,25 @@ PLAN_RUNS=${PLAN_RUNS:-d12:16:0 d12:16:2 d48:4:1 d12e8k2:8:1}
 PLAN_TOL=${PLAN_TOL:-0.05}
 FP8_TOL=${FP8_TOL:-0.02}
 FP8_WARMUP=20  # the FP8 runs' learning-rate warm-up (-u)
+if [[ $DEVICE == cpu ]]; then
+    # the fp8 phase's CPU form, its plumbing: models the CPU steps through in a second, 20 steps, each compared
+    # alone; the Llama's matmuls are whole 128-tiles (C 128, q k v 256, the MLP's 512 and 256), so blockwise runs
+    FP8_RUNS=${FP8_RUNS-d4c128h2:2:64} FP8_BLOCK_RUNS=${FP8_BLOCK_RUNS-l4c128h4g2f256:2:64}
+    FP8_SPEED=${FP8_SPEED-} FP8_BLOCK_SPEED=${FP8_BLOCK_SPEED-l4c128h4g2f256:2:64}
+    FP8_STEPS=${FP8_STEPS:-20} FP8_WINDOW=${FP8_WINDOW:-1}
+fi
 if (( QUICK )); then
     FP8_RUNS=${FP8_RUNS-d12:4:1024} FP8_STEPS=${FP8_STEPS:-20} FP8_SPEED=${FP8_SPEED-} FP8_WINDOW=${FP8_WINDOW:-1}
+    FP8_BLOCK_RUNS=${FP8_BLOCK_RUNS-d12:4:1024} FP8_BLOCK_SPEED=${FP8_BLOCK_SPEED-}
     FP8_SKIP=0  # quick's 20 steps are its warm-up: each compared alone
     ZERO_STAGES="1 3" PP_SCHEDULES="zb dualpipev"
 else
     FP8_RUNS=${FP8_RUNS-d12:16:1024 l16c2048h32g8f8192t1024:4:1024 q8c1024h16g4d64f3072e8k2x768n1s2y768ir2.5a:8:1024}
     FP8_STEPS=${FP8_STEPS:-200} FP8_WINDOW=${FP8_WINDOW:-20}
     FP8_SKIP=$FP8_WARMUP  # the steps left out of the comparison
+    [[ $DEVICE == cpu ]] && FP8_SKIP=0
     FP8_SPEED=${FP8_SPEED-d12:16:1024 d12:4:4096 d48:4:1024 d48:1:4096 llama3-1b:16:1024 llama3-1b:1:4096}
+    FP8_BLOCK_RUNS=${FP8_BLOCK_RUNS-d12:16:1024} FP8_BLOCK_SPEED=${FP8_BLOCK_SPEED-llama3-1b:16:1024}
     ZERO_STAGES="0 1 2 3" PP_SCHEDULES="afab 1f1b zb dualpipev"
 fi
 STEP_TOL=${STEP_TOL:-0.25}
@@ -851,11 +869,15 @@ phase_llama() {
 }
 
 # ---------------------------------------------------------------------------------------------------------
-# fp8: --fp8 1 on the GPU (llmc/fp8.cuh). Its Catch2 tests: the cast kernels bit for bit against the software
-# cast, each FP8 GEMM (cuBLASLt, E4M3 and E5M2) against the CPU emulation. Then FP8_RUNS: 200 steps with and
-# without --fp8 1 on the SOTU tokens, the mean losses of each FP8_WINDOW steps after the warm-up within FP8_TOL
-# (the warm-up's own mean printed beside); and FP8_SPEED:
-# the median step with and without it, side by side (the figures dev/bench/RESULTS.md records)
+# fp8: --fp8 1 on the GPU (llmc/fp8.cuh, llmc/fp8_blocks.cuh). Its Catch2 tests: the cast kernels bit for bit
+# against the software cast (tensorwise) and the CPU's tile casts (blockwise and mxfp8, each scale at its layout's
+# index), each FP8 GEMM (cuBLASLt, E4M3 and E5M2; the block-scaled ones of the recipes the GPU runs) against the
+# CPU emulation. Then FP8_RUNS: 200 steps with and without --fp8 1 on the SOTU tokens, the mean losses of each
+# FP8_WINDOW steps after the warm-up within FP8_TOL (the warm-up's own mean printed beside); FP8_BLOCK_RUNS, the
+# same with --fp8-recipe blockwise; FP8_SPEED: the median step with and without it, side by side (the figures
+# dev/bench/RESULTS.md records), and FP8_BLOCK_SPEED blockwise's beside them; last, the recipe the GPU lacks
+# (mxfp8 on a Hopper) refused in one line. DEVICE=cpu runs the same on small models against fp32 (the CPU
+# emulates every recipe), its plumbing.
 
 # the median of a run's step times, steps 11 on, in ms (its console lines "step N/M | ... | X ms | ...")
 median_step_ms() {
@@ -893,68 +915,163 @@ fp8_speed_problem() {
     fi
 }
 
-phase_fp8() {
-    if ! needs_gpu "the [cuda][fp8] tests and the FP8 runs" && ! needs_device; then
-        mkdir -p "$WORK/fp8"
-        # quick: the tests phase's [cuda] run holds these
-        if (( !QUICK )) || ! has_phase tests; then
-            run build/tests "[cuda][fp8]"
-            catch2_last $? 'build/tests "[cuda][fp8]" (cast kernels against the software cast, FP8 GEMMs against the CPU emulation)'
-        fi
-        for spec in $FP8_RUNS; do
-            IFS=: read -r model B T <<<"$spec"
-            for fp8 in 0 1; do
-                train -e "$model" -b "$B" -t "$T" -x "$FP8_STEPS" -l 6e-4 -u "$FP8_WARMUP" --fp8 "$fp8" -o "$WORK/fp8/${model}_$fp8"
-                rc=$?
-                run_output >"$WORK/fp8/${model}_$fp8.out"
-                (( rc == 0 )) || break
-            done
-            name="$model B=$B T=$T, $FP8_STEPS steps, --fp8 1 against bf16"
-            if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"; continue; fi
-            # FP8 on in the --fp8 1 run alone, and doing something: else the comparison below proves nothing
-            problem=$(fp8_problem "$WORK/fp8/${model}_0.out" "$WORK/fp8/${model}_1.out" \
-                "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log")
-            if [[ -n $problem ]]; then result FAIL fp8 "$name" "$problem"; continue; fi
-            # losses alone: FP8's gradients are not bf16's, and their norms need not agree step by step
-            read -r diff n < <(compare_windows "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log" \
-                "$FP8_WINDOW" "$FP8_SKIP")
-            read -r _ _ step_diff _ < <(compare_losses "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log")
-            figure="max rel. difference of $FP8_WINDOW-step mean losses after the first $FP8_SKIP steps $diff over $n"
-            figure+=" windows (tolerance $FP8_TOL; single steps $step_diff"
-            if (( FP8_SKIP > 0 )); then
-                read -r warm _ < <(compare_windows "$WORK/fp8/${model}_0/main.log" "$WORK/fp8/${model}_1/main.log" \
-                    "$FP8_SKIP" 0 "$FP8_SKIP")
-                figure+=", the mean of the first $FP8_SKIP $warm"
-            fi
-            figure+=")"
-            if within "$diff" "$FP8_TOL"; then result PASS fp8 "$name" "$figure"; else result FAIL fp8 "$name" "($figure)"; fi
-        done
-        for spec in $FP8_SPEED; do
-            IFS=: read -r model B T <<<"$spec"
-            ms=()
-            out=$WORK/fp8/speed_${model}_${B}_$T
-            for fp8 in 0 1; do
-                train -e "$model" -b "$B" -t "$T" -x 30 --fp8 "$fp8"
-                rc=$?
-                run_output >"${out}_$fp8.out"
-                (( rc == 0 )) || break
-                ms+=("$(median_step_ms)")
-            done
-            name="step time $model B=$B T=$T"
-            if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"; continue; fi
-            parameters=$(sed -n 's/^model .*: \([0-9]*\) parameters.*/\1/p' "${out}_1.out" | head -n 1)
-            problem=$(fp8_problem "${out}_0.out" "${out}_1.out")
-            [[ -n $problem ]] || problem=$(fp8_speed_problem "${ms[0]}" "${ms[1]}" "$parameters" $((B * T)))
-            if [[ -n $problem ]]; then result FAIL fp8 "$name" "$problem"
-            else
-                figure="bf16 ${ms[0]} ms, fp8 ${ms[1]} ms, speedup $(awk -v a="${ms[0]}" -v b="${ms[1]}" 'BEGIN { printf "%.2f", a / b }')x"
-                if [[ $parameters =~ ^[0-9]+$ ]] && (( parameters >= 1000000000 && B * T >= 16384 )); then
-                    figure+=" (at least $FP8_MIN_SPEEDUP)"
-                fi
-                result PASS fp8 "$name" "$figure"
-            fi
-        done
+# fp8_against_plain NAME PLAIN_DIR FP8_DIR: one --fp8 1 run against the run without it (each DIR a run's -o, beside
+# DIR.out its output): FP8 on in the one alone and changing the losses, then the means of each FP8_WINDOW steps after
+# the first FP8_SKIP within FP8_TOL (the warm-up's mean and the worst single step printed beside)
+fp8_against_plain() {
+    local name=$1 plain=$2 fp8=$3 problem diff n step_diff warm figure
+    problem=$(fp8_problem "$plain.out" "$fp8.out" "$plain/main.log" "$fp8/main.log")
+    if [[ -n $problem ]]; then result FAIL fp8 "$name" "$problem"; return; fi
+    # losses alone: FP8's gradients are not bf16's, and their norms need not agree step by step
+    read -r diff n < <(compare_windows "$plain/main.log" "$fp8/main.log" "$FP8_WINDOW" "$FP8_SKIP")
+    read -r _ _ step_diff _ < <(compare_losses "$plain/main.log" "$fp8/main.log")
+    figure="max rel. difference of $FP8_WINDOW-step mean losses after the first $FP8_SKIP steps $diff over $n"
+    figure+=" windows (tolerance $FP8_TOL; single steps $step_diff"
+    if (( FP8_SKIP > 0 )); then
+        read -r warm _ < <(compare_windows "$plain/main.log" "$fp8/main.log" "$FP8_SKIP" 0 "$FP8_SKIP")
+        figure+=", the mean of the first $FP8_SKIP $warm"
     fi
+    figure+=")"
+    if within "$diff" "$FP8_TOL"; then result PASS fp8 "$name" "$figure"; else result FAIL fp8 "$name" "($figure)"; fi
+}
+
+# what the GPU lacks of the block recipes ("" when it has them, or on the cpu, which emulates every recipe):
+# blockwise runs on compute capability 9.0 alone, mxfp8 from 10.0 (llmc/fp8.cuh, fp8_gpu_problem)
+recipe_missing() {
+    [[ $DEVICE == cuda ]] || return 0
+    case $1 in
+        blockwise) [[ $GPU_CC == 9.0 ]] || echo "blockwise runs on compute capability 9.0 alone; this GPU is $GPU_CC" ;;
+        mxfp8) [[ ${GPU_CC%%.*} -ge 10 ]] || echo "mxfp8 needs compute capability 10.0; this GPU is $GPU_CC" ;;
+    esac
+}
+
+# speed_run SPEC VARIANT: the median step of 30 steps of SPEC (model:B:T) without FP8 (VARIANT 0), with --fp8 1 (1)
+# or with --fp8 1 --fp8-recipe VARIANT, into SPEED_MS, its output beside in SPEED_OUT; once per SPEC and VARIANT
+# (FP8_SPEED and FP8_BLOCK_SPEED share their runs). Returns the run's status
+declare -A SPEED_MS=() SPEED_OUT=()
+speed_run() {
+    local spec=$1 variant=$2 model B T out rc
+    [[ -n ${SPEED_OUT["$spec $variant"]:-} ]] && return 0
+    IFS=: read -r model B T <<<"$spec"
+    out=$WORK/fp8/speed_${model}_${B}_${T}_$variant.out
+    case $variant in
+        0 | 1) train -e "$model" -b "$B" -t "$T" -x 30 --fp8 "$variant" ;;
+        *) train -e "$model" -b "$B" -t "$T" -x 30 --fp8 1 --fp8-recipe "$variant" ;;
+    esac
+    rc=$?
+    run_output >"$out"
+    (( rc == 0 )) || return "$rc"
+    SPEED_OUT["$spec $variant"]=$out SPEED_MS["$spec $variant"]=$(median_step_ms)
+}
+
+phase_fp8() {
+    needs_device "the FP8 runs" && return
+    mkdir -p "$WORK/fp8"
+    local plain=bf16
+    [[ $DEVICE == cpu ]] && plain=fp32
+    # quick: the tests phase's [cuda] run holds these
+    if ! needs_gpu 'build/tests "[cuda][fp8]"' && { (( !QUICK )) || ! has_phase tests; }; then
+        run build/tests "[cuda][fp8]"
+        catch2_last $? 'build/tests "[cuda][fp8]" (the cast kernels against the software cast and the CPU'"'"'s tile casts, FP8 GEMMs of each recipe the GPU runs against the CPU emulation, the recipes it lacks refused)'
+    fi
+    declare -A plain_run=()  # the run without FP8 of each model:B:T, which FP8_BLOCK_RUNS shares with FP8_RUNS
+    for spec in $FP8_RUNS; do
+        IFS=: read -r model B T <<<"$spec"
+        for fp8 in 0 1; do
+            train -e "$model" -b "$B" -t "$T" -x "$FP8_STEPS" -l 6e-4 -u "$FP8_WARMUP" --fp8 "$fp8" -o "$WORK/fp8/${model}_$fp8"
+            rc=$?
+            run_output >"$WORK/fp8/${model}_$fp8.out"
+            (( rc == 0 )) || break
+        done
+        name="$model B=$B T=$T, $FP8_STEPS steps, --fp8 1 against $plain"
+        if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"; continue; fi
+        plain_run[$spec]=$WORK/fp8/${model}_0
+        fp8_against_plain "$name" "$WORK/fp8/${model}_0" "$WORK/fp8/${model}_1"
+    done
+    # blockwise (1x128 tiles, 128x128 weight blocks) against the same runs without FP8, its "fp8:" line naming it
+    missing=$(recipe_missing blockwise)
+    for spec in $FP8_BLOCK_RUNS; do
+        IFS=: read -r model B T <<<"$spec"
+        name="$model B=$B T=$T, $FP8_STEPS steps, --fp8 1 --fp8-recipe blockwise against $plain"
+        if [[ -n $missing ]]; then result SKIP fp8 "$name" "($missing)"; continue; fi
+        rc=0
+        if [[ -z ${plain_run[$spec]:-} ]]; then
+            train -e "$model" -b "$B" -t "$T" -x "$FP8_STEPS" -l 6e-4 -u "$FP8_WARMUP" --fp8 0 -o "$WORK/fp8/${model}_0"
+            rc=$?
+            run_output >"$WORK/fp8/${model}_0.out"
+            (( rc == 0 )) && plain_run[$spec]=$WORK/fp8/${model}_0
+        fi
+        if (( rc == 0 )); then
+            train -e "$model" -b "$B" -t "$T" -x "$FP8_STEPS" -l 6e-4 -u "$FP8_WARMUP" --fp8 1 --fp8-recipe blockwise \
+                -o "$WORK/fp8/${model}_blockwise"
+            rc=$?
+            run_output >"$WORK/fp8/${model}_blockwise.out"
+        fi
+        if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"; continue; fi
+        if ! grep -q "$FP8_ON_LINE.*(blockwise)" "$WORK/fp8/${model}_blockwise.out"; then
+            result FAIL fp8 "$name" "(the run's 'fp8: the matmuls ...' line does not name blockwise)"; continue
+        fi
+        fp8_against_plain "$name" "${plain_run[$spec]}" "$WORK/fp8/${model}_blockwise"
+    done
+    for spec in $FP8_SPEED; do
+        IFS=: read -r model B T <<<"$spec"
+        name="step time $model B=$B T=$T"
+        speed_run "$spec" 0 && speed_run "$spec" 1
+        rc=$?
+        if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"; continue; fi
+        ms=("${SPEED_MS["$spec 0"]}" "${SPEED_MS["$spec 1"]}")
+        parameters=$(sed -n 's/^model .*: \([0-9]*\) parameters.*/\1/p' "${SPEED_OUT["$spec 1"]}" | head -n 1)
+        problem=$(fp8_problem "${SPEED_OUT["$spec 0"]}" "${SPEED_OUT["$spec 1"]}")
+        [[ -n $problem ]] || problem=$(fp8_speed_problem "${ms[0]}" "${ms[1]}" "$parameters" $((B * T)))
+        if [[ -n $problem ]]; then result FAIL fp8 "$name" "$problem"
+        else
+            figure="bf16 ${ms[0]} ms, fp8 ${ms[1]} ms, speedup $(awk -v a="${ms[0]}" -v b="${ms[1]}" 'BEGIN { printf "%.2f", a / b }')x"
+            if [[ $parameters =~ ^[0-9]+$ ]] && (( parameters >= 1000000000 && B * T >= 16384 )); then
+                figure+=" (at least $FP8_MIN_SPEEDUP)"
+            fi
+            result PASS fp8 "$name" "$figure"
+        fi
+    done
+    # blockwise's step beside the step without FP8 and tensorwise's: figures, unbounded (no blockwise step has been
+    # measured yet); the runs must exit 0 with a median step, and blockwise must be on
+    for spec in $FP8_BLOCK_SPEED; do
+        IFS=: read -r model B T <<<"$spec"
+        name="step time $model B=$B T=$T, blockwise"
+        if [[ -n $missing ]]; then result SKIP fp8 "$name" "($missing)"; continue; fi
+        speed_run "$spec" 0 && speed_run "$spec" 1 && speed_run "$spec" blockwise
+        rc=$?
+        if (( rc != 0 )); then result FAIL fp8 "$name" "$(why "$rc")"; continue; fi
+        ms=("${SPEED_MS["$spec 0"]}" "${SPEED_MS["$spec 1"]}" "${SPEED_MS["$spec blockwise"]}")
+        problem=$(fp8_problem "${SPEED_OUT["$spec 0"]}" "${SPEED_OUT["$spec blockwise"]}")
+        if [[ -z $problem ]] && ! grep -q "$FP8_ON_LINE.*(blockwise)" "${SPEED_OUT["$spec blockwise"]}"; then
+            problem="(the run's 'fp8: the matmuls ...' line does not name blockwise)"
+        fi
+        [[ -n $problem ]] || problem=$(fp8_speed_problem "${ms[0]}" "${ms[2]}" 0 0)
+        if [[ -n $problem ]]; then result FAIL fp8 "$name" "$problem"; continue; fi
+        result PASS fp8 "$name" "$(awk -v a="${ms[0]}" -v t="${ms[1]}" -v b="${ms[2]}" -v p="$plain" \
+            'BEGIN { printf "%s %s ms, tensorwise %s ms, blockwise %s ms: %.2fx %s, %.2fx tensorwise (a figure, unbounded)", p, a, t, b, a / b, p, t / b }')"
+    done
+    # a recipe the GPU has no kernels for is refused before anything runs, in one line (llmc/fp8.cuh, fp8_gpu_problem)
+    for recipe in blockwise mxfp8; do
+        name="--fp8-recipe $recipe refused in one line"
+        if [[ $DEVICE == cpu ]]; then result SKIP fp8 "$name" "(DEVICE=cpu: the CPU emulates every recipe)"; continue; fi
+        missing=$(recipe_missing "$recipe")
+        if [[ -z $missing ]]; then result SKIP fp8 "$name" "(compute capability $GPU_CC runs it)"; continue; fi
+        train -e d12 -b 4 -t 1024 -x 1 --fp8 1 --fp8-recipe "$recipe"
+        rc=$?
+        lines=$(run_output | grep -c .)
+        line=$(run_output | head -n 1)
+        want="*compute capability 8.9*"  # below it no FP8 at all, whatever the recipe
+        if awk -v cc="$GPU_CC" 'BEGIN { exit !(cc + 0 >= 8.9) }'; then
+            want="*$recipe*compute capability $([[ $recipe == blockwise ]] && echo 9.0 || echo 10.0)*"
+        fi
+        # shellcheck disable=SC2053  # want is a pattern
+        if (( rc == 1 && lines == 1 )) && [[ $line == "train_gpt: "* && $line == $want ]]; then
+            result PASS fp8 "$name" "\"$line\""
+        else
+            result FAIL fp8 "$name" "(exit status $rc, $lines lines; the first: \"$line\")"
+        fi
+    done
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1181,7 +1298,7 @@ declare -A EST_FULL=(
     [tests]=20          # build/tests "[cuda]~[model]": 28 cases in 9 s on an H100 (2026-11-27)
     [model]=20          # 2 models x 2 attentions against the CPU model: 11 cases in 11 s on an H100
     [llama]=170         # 4 dev/cuda programs (< 20 s each), Catch2 30, llama3-1b 10 steps 30, PyTorch 40
-    [fp8]=520           # 3 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s, the MoE ~0.15 s a step), 12 timed runs
+    [fp8]=580           # 3 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s, the MoE ~0.15 s a step), 12 timed runs; blockwise d12 200 steps 34 and llama3-1b timed 20 (its bf16 and tensorwise runs shared), mxfp8 refused 4
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
     [moe]=200           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each; the batch-scope and capacity pairs 2 each
@@ -1198,7 +1315,7 @@ declare -A EST_QUICK=(
     [build]=5           # PREBUILT=1 with fresh binaries (the recipe): the checks of freshness alone
     [tests]=20          # build/tests "[cuda]~[model]": every [cuda] case but the models': 9 s on an H100 (2026-11-27)
     [model]=20          # [cuda][model]: 11 cases, 274 assertions in 11 s on an H100
-    [fp8]=15            # d12 B=4 T=1024, 20 steps with and without --fp8 1: 2 x (4 s + 20 x ~45 ms)
+    [fp8]=25            # d12 B=4 T=1024, 20 steps without --fp8 1, with it and with blockwise: 3 x (4 s + 20 x ~45 ms); mxfp8 refused 4
     [mpi]=35            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
     [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
@@ -1207,14 +1324,17 @@ declare -A EST_QUICK=(
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
 declare -A EST_CPU=(
-    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=1 [cp]=40 [pp]=60 [moe]=300 [mpi]=60 [kernels]=1
+    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=100 [cp]=40 [pp]=60 [moe]=300 [mpi]=60 [kernels]=1
     [pytorch]=30 [determinism]=20 [resume]=40 [nccl]=1 [plan]=1 [bench]=1
 )
 estimate() {
     local p=$1
     if [[ $DEVICE == cpu ]]; then echo "${EST_CPU[$p]}"
     elif [[ $p == build && $PREBUILT == 1 ]]; then echo 5
-    elif [[ $p == fp8 && -z $FP8_SPEED ]] && (( !QUICK )); then echo 120  # the [cuda][fp8] tests and FP8_RUNS alone
+    elif [[ $p == fp8 ]] && { (( QUICK )) || [[ -z $FP8_SPEED ]]; }; then
+        # the [cuda][fp8] tests, FP8_RUNS and FP8_BLOCK_RUNS (quick's or full's), and FP8_BLOCK_SPEED without
+        # FP8_SPEED's runs to share: a bf16, a tensorwise and a blockwise run of 30 steps, ~20 s each
+        echo $(( ( QUICK ? EST_QUICK[fp8] : 160 ) + 60 * $(wc -w <<<"$FP8_BLOCK_SPEED") ))
     elif (( QUICK )) && [[ -n ${EST_QUICK[$p]:-} ]]; then echo "${EST_QUICK[$p]}"
     else echo "${EST_FULL[$p]}"; fi
 }
