@@ -218,7 +218,7 @@ TEST_CASE("predict_step prices every layout family: its parts add up to the step
 }
 
 TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is named by file and line", "[planner]") {
-    for (const char* path : {"dev/hardware/h100.txt", "dev/hardware/a100.txt", "dev/hardware/cpu.txt"}) {
+    for (const char* path : {"dev/hardware/h100.txt", "dev/hardware/b200.txt", "dev/hardware/a100.txt", "dev/hardware/cpu.txt"}) {
         INFO(path);
         HardwareProfile h = load_hardware(path);
         CHECK(!h.name.empty());
@@ -227,9 +227,31 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
         CHECK(again.memory_gbps == Approx(h.memory_gbps).epsilon(1e-3));
         CHECK(again.matmul_tflops.size() == h.matmul_tflops.size());
         CHECK(again.fp8_matmul_tflops.size() == h.fp8_matmul_tflops.size());
+        CHECK(again.fp8_blockwise_matmul_tflops == h.fp8_blockwise_matmul_tflops);
+        CHECK(again.mxfp8_matmul_tflops == h.mxfp8_matmul_tflops);
+        CHECK(again.recipes_run() == h.recipes_run());
     }
-    CHECK(load_hardware("dev/hardware/h100.txt").fp8_matmul_tflops.size() == 4);  // Hopper has FP8
-    CHECK(load_hardware("dev/hardware/a100.txt").fp8_matmul_tflops.empty());      // Ampere has none
+    // the recipes each GPU runs (fp8_gpu_problem): Hopper tensorwise and blockwise, Blackwell tensorwise and mxfp8,
+    // Ampere none; a CPU emulates all three
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt"), b200 = load_hardware("dev/hardware/b200.txt");
+    using Names = std::vector<std::string>;
+    CHECK(h100.fp8_matmul_tflops.size() == 4);  // Hopper has FP8
+    CHECK(h100.recipes_run() == Names{"tensorwise", "blockwise"});
+    CHECK(b200.recipes_run() == Names{"tensorwise", "mxfp8"});
+    CHECK(load_hardware("dev/hardware/a100.txt").fp8_matmul_tflops.empty());  // Ampere has none
+    CHECK(load_hardware("dev/hardware/a100.txt").recipes_run().empty());
+    CHECK(load_hardware("dev/hardware/cpu.txt").recipes_run() == Names{"tensorwise", "blockwise", "mxfp8"});
+    // blockwise GEMMs on Hopper below tensorwise's and above bf16's at every size; mxfp8's on Blackwell likewise
+    for (double n : {64.0, 300.0, 1024.0, 8192.0}) {
+        INFO("n = " << n);
+        CHECK(h100.matmul_rate(n, true, "blockwise") < h100.matmul_rate(n, true, "tensorwise"));
+        CHECK(h100.matmul_rate(n, true, "blockwise") > h100.matmul_rate(n));
+        CHECK(b200.matmul_rate(n, true, "mxfp8") < b200.matmul_rate(n, true, "tensorwise"));
+        CHECK(b200.matmul_rate(n, true, "mxfp8") > b200.matmul_rate(n));
+        CHECK(b200.matmul_rate(n) > h100.matmul_rate(n));
+    }
+    CHECK(b200.peak_tflops == 2250);    // dense bf16, MFU's denominator
+    CHECK(b200.memory_gib > 170);      // 180 GB
     HardwareProfile h = parse_hardware(round_profile_file(2), "round.txt");
     CHECK(h.memory_gib == 2.0);
     CHECK(h.matmul_rate(4096) == 2.0);
@@ -244,6 +266,19 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     HardwareProfile fp8 = parse_hardware(two_sizes + "fp8_matmul_tflops 64 5\nfp8_matmul_tflops 256 9\n", "fp8.txt");
     CHECK(fp8.matmul_rate(128, true) == Approx(7.0));
     CHECK(fp8.matmul_rate(128) == Approx(2.0));
+    CHECK(fp8.recipes_run() == std::vector<std::string>{"tensorwise", "blockwise", "mxfp8"});  // a CPU emulates all
+    std::string gpu = std::regex_replace(two_sizes, std::regex("device cpu"), "device cuda");
+    // a GPU profile with FP8 rates and no list: tensorwise, the recipe there was before the list
+    CHECK(parse_hardware(gpu + "fp8_matmul_tflops 64 5\n", "fp8.txt").recipes_run() == std::vector<std::string>{"tensorwise"});
+    // a recipe's own rates where given, else the FP8 rate's
+    HardwareProfile recipes = parse_hardware(gpu + "fp8_matmul_tflops 64 5\nfp8_blockwise_matmul_tflops 64 3\n"
+                                                   "fp8_blockwise_matmul_tflops 256 7\nfp8_recipes tensorwise blockwise\n",
+                                             "recipes.txt");
+    CHECK(recipes.matmul_rate(128, true, "blockwise") == Approx(5.0));
+    CHECK(recipes.matmul_rate(128, true, "tensorwise") == Approx(5.0));
+    CHECK(recipes.matmul_rate(128, true, "mxfp8") == Approx(5.0));
+    CHECK(recipes.runs("blockwise"));
+    CHECK(!recipes.runs("mxfp8"));
     auto refused = [](const std::string& text, const std::string& words) {
         try {
             parse_hardware(text, "bad.txt");
@@ -262,6 +297,10 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     refused(round_profile_file(2) + "device cuda\n", "bad.txt:18: device given twice");
     refused(std::regex_replace(round_profile_file(2), std::regex("device cpu"), "device tpu"),
             "device: expected cuda or cpu");
+    refused(round_profile_file(2) + "fp8_recipes tensorwise rowwise\n", "bad.txt:18: fp8_recipes: 'rowwise' is no recipe");
+    refused(gpu + "mxfp8_matmul_tflops 64 3\nfp8_recipes tensorwise\n",
+            "mxfp8_matmul_tflops: the rates of a recipe that fp8_recipes does not list");
+    refused(gpu + "fp8_blockwise_matmul_tflops 64 3\n", "fp8_blockwise_matmul_tflops: the rates of a recipe");
 }
 
 TEST_CASE("train_gpt --plan --hardware prints predict_step's line", "[planner]") {
