@@ -133,15 +133,18 @@ TEST_CASE("predict_step with --fp8 1: the layers between the first and the last 
     fp8.fp8 = true;
     double BT = B * T, mm = 0, mm8 = 0, casts = 0;
     // the four linear layers (out, in): qkv, the attention projection, fc, fc_proj; each cast reads X bytes
-    // twice (the amax, then the cast) and writes one byte, the output gradient's cast two copies
+    // twice (the amax, then the cast) and, on the CPU, writes each cast value as a float: the input and the weight
+    // forward, the output gradient (once for both gradients), the weight and the input again backward
     for (auto [out, in] : {std::pair<double, double>{3 * C, C}, {C, C}, {4 * C, C}, {C, 4 * C}}) {
         mm += 2 * BT * out * in / 2e12, mm8 += 2 * BT * out * in / 5e12;
-        casts += ((2 * X + 1) * (BT * in + out * in) + (2 * X + 2) * BT * out + (2 * X + 1) * (out * in + BT * in)) / 10e9;
+        casts += ((2 * X + 4) * (BT * in + out * in) + (2 * X + 4) * BT * out + (2 * X + 4) * (out * in + BT * in)) / 10e9;
     }
     // forward, the input gradient and the weight gradient: three GEMMs of each shape in each of the 2 layers
     double saved = 2 * (3 * (mm - mm8) - casts);
     StepTime a = predict_step(c, (int)B, (int)T, plain, Device::CPU, hw, 8), b = predict_step(c, (int)B, (int)T, fp8, Device::CPU, hw, 8);
     CHECK(a.seconds - b.seconds == Approx(saved).epsilon(1e-9));
+    CHECK(b.fp8_casts == Approx(2 * casts).epsilon(1e-9));
+    CHECK(a.fp8_casts == 0.0);
     // without FP8 rates in the profile, FP8 GEMMs cost what bf16's do, and only the casts are added
     StepTime priced_as_bf16 = predict_step(c, (int)B, (int)T, fp8, Device::CPU, round_profile(), 8);
     CHECK(priced_as_bf16.seconds - a.seconds == Approx(2 * casts).epsilon(1e-9));
@@ -149,6 +152,111 @@ TEST_CASE("predict_step with --fp8 1: the layers between the first and the last 
     GPTConfig two = parse_model_descriptor(MODEL);
     CHECK(predict_step(two, (int)B, (int)T, fp8, Device::CPU, hw, 8).seconds ==
           predict_step(two, (int)B, (int)T, plain, Device::CPU, hw, 8).seconds);
+}
+
+TEST_CASE("predict_step prices each FP8 recipe on the GPU as llmc/fp8.cuh runs it: the casts' passes, padding, "
+          "scales and kernels, the recipe's GEMM rate, by hand", "[planner][fp8]") {
+    // GPT-2 with C = 128: every weight is whole tiles of 128 and of 32; B=2 sequences of T=40 make 80 rows, which the
+    // weight gradient pads to 80 (tensorwise: 16), 128 (blockwise) or 96 (mxfp8). Layers 1 and 2 of 4 run in FP8.
+    GPTConfig c = parse_model_descriptor("d4c128h2t64v128");
+    const double C = 128, M = 2 * 40, X = 2, F = 4;  // bf16 values, fp32 scales
+    HardwareProfile hw = round_profile();
+    hw.launch_us = 1;  // each kernel 1 µs, so that the casts' kernels count
+    hw.fp8_matmul_tflops = {{1, 5.0}}, hw.fp8_blockwise_matmul_tflops = {{1, 4.0}}, hw.mxfp8_matmul_tflops = {{1, 3.0}};
+    hw.fp8_recipes = {"tensorwise", "blockwise", "mxfp8"};
+    auto up = [](double n, double m) { return std::ceil(n / m) * m; };
+    // the scales' bytes, as cuBLASLt lays them out for an operand of `rows` rows summed along k: blockwise's fp32 per
+    // 1x128 tile (rows padded to 4) and per 128x128 block (a row of blocks padded to 4), mxfp8's byte per 1x32 tile
+    // (rows padded to 128, tiles along k to 4)
+    auto tiles128 = [&](double rows, double k) { return F * std::ceil(k / 128) * up(rows, 4); };
+    auto blocks128 = [&](double rows, double k) { return F * std::ceil(rows / 128) * up(std::ceil(k / 128), 4); };
+    auto tiles32 = [&](double rows, double k) { return up(rows, 128) * up(std::ceil(k / 32), 4); };
+    struct Expected {
+        const char* name;
+        Fp8Recipe recipe;
+        double rate, padded;
+        std::function<double(double, double)> bytes;  // one weight's casts, forward and backward
+        double kernels;                               // ... and their launches
+    };
+    std::vector<Expected> recipes = {
+        // an amax pass and a cast pass each (2X read, a byte written): x and W forward; dout once for both gradients,
+        // with its transposed copy (P rows), W again and x again (its transpose, P rows); four kernels a cast
+        {"tensorwise", Fp8Recipe::Tensorwise, 5.0, up(M, 16),
+         [&](double out, double in) {
+             double P = up(M, 16);
+             return (2 * X + 1) * (M * in + out * in) + (2 * X + 1) * M * out + P * out + (2 * X + 1) * out * in +
+                    2 * X * M * in + P * in;
+         },
+         20},
+        // one pass a cast (X read, a byte and the tile's scale written): x and W forward; dout along its rows and W
+        // transposed (blocks) for the input's gradient; dout and x down their columns (P rows) for the weight's
+        {"blockwise", Fp8Recipe::Blockwise, 4.0, up(M, 128),
+         [&](double out, double in) {
+             double P = up(M, 128);
+             return (X + 1) * (M * in + out * in) + tiles128(M, in) + blocks128(out, in) +  // forward
+                    (X + 1) * (M * out + out * in) + tiles128(M, out) + blocks128(in, out) +  // the input's gradient
+                    X * M * (out + in) + P * (out + in) + tiles128(out, P) + tiles128(in, P);  // the weight's
+         },
+         6},
+        {"mxfp8", Fp8Recipe::Mxfp8, 3.0, up(M, 32),
+         [&](double out, double in) {
+             double P = up(M, 32);
+             return (X + 1) * (M * in + out * in) + tiles32(M, in) + tiles32(out, in) +
+                    (X + 1) * (M * out + out * in) + tiles32(M, out) + tiles32(in, out) +
+                    X * M * (out + in) + P * (out + in) + tiles32(out, P) + tiles32(in, P);
+         },
+         6},
+    };
+    ParallelPlan plain;
+    StepTime bf16 = predict_step(c, 2, 40, plain, Device::CUDA, hw, 8);
+    for (const Expected& e : recipes) {
+        INFO(e.name);
+        double saved = 0, casts = 0;
+        for (auto [out, in] : {std::pair<double, double>{3 * C, C}, {C, C}, {4 * C, C}, {C, 4 * C}}) {
+            double gemm = 2 * M * out * in / 2e12 + 1e-6;                              // bf16, with its launch
+            double fp8 = 2 * (2 * M * out * in / (e.rate * 1e12) + 1e-6) +            // forward, the input's gradient
+                         2 * e.padded * out * in / (e.rate * 1e12) + 1e-6;             // the weight's, padded rows
+            double cast = e.bytes(out, in) / 10e9 + e.kernels * 1e-6;
+            saved += 3 * gemm - fp8 - cast, casts += cast;
+        }
+        ParallelPlan par;
+        par.fp8 = true, par.fp8_recipe = e.recipe;
+        StepTime s = predict_step(c, 2, 40, par, Device::CUDA, hw, 8);
+        CHECK(bf16.seconds - s.seconds == Approx(2 * saved).epsilon(1e-9));  // layers 1 and 2
+        CHECK(s.fp8_casts == Approx(2 * casts).epsilon(1e-9));
+        CHECK(s.compute == Approx(s.seconds).epsilon(1e-12));  // one rank: nothing but compute
+    }
+    // a recipe without rates of its own is priced at the FP8 rate: blockwise's GEMMs then cost tensorwise's
+    HardwareProfile no_block = hw;
+    no_block.fp8_blockwise_matmul_tflops.clear();
+    ParallelPlan block, tensorwise;
+    block.fp8 = tensorwise.fp8 = true, block.fp8_recipe = Fp8Recipe::Blockwise;
+    StepTime at_own = predict_step(c, 2, 40, block, Device::CUDA, hw, 8),
+             at_fp8 = predict_step(c, 2, 40, block, Device::CUDA, no_block, 8);
+    CHECK(at_fp8.seconds < at_own.seconds);
+    CHECK(at_fp8.fp8_casts == at_own.fp8_casts);
+    // a weight that is not whole tiles runs in bf16, casts and all: at C = 64 blockwise takes none (the step is
+    // bf16's to the bit), mxfp8 all (tiles of 32)
+    GPTConfig narrow = parse_model_descriptor("d4c64h2t64v128");
+    ParallelPlan mx = block;
+    mx.fp8_recipe = Fp8Recipe::Mxfp8;
+    StepTime narrow_bf16 = predict_step(narrow, 2, 40, plain, Device::CUDA, hw, 8);
+    StepTime narrow_block = predict_step(narrow, 2, 40, block, Device::CUDA, hw, 8);
+    CHECK(narrow_block.seconds == narrow_bf16.seconds);
+    CHECK(narrow_block.fp8_casts == 0.0);
+    CHECK(predict_step(narrow, 2, 40, mx, Device::CUDA, hw, 8).fp8_casts > 0.0);
+    // tensorwise shares each cast's amax over tp: a one-float all-gather a cast, exposed in tp's part (2 a weight
+    // forward, 3 backward, four weights in each of 2 layers), at 1 GB/s and 15 µs a call
+    HardwareProfile latency = hw;
+    latency.intra_latency_us = 15;
+    ParallelPlan tp = tensorwise, tp_bf16;
+    tp.tp = tp_bf16.tp = 2, tp.sp = tp_bf16.sp = true;
+    double gathers = 2 * 4 * 5 * (4 / 1e9 + 15e-6);
+    double tp_plain = predict_step(c, 2, 40, tp_bf16, Device::CUDA, latency, 8).tp;
+    CHECK(predict_step(c, 2, 40, tp, Device::CUDA, latency, 8).tp - tp_plain == Approx(gathers).epsilon(1e-9));
+    ParallelPlan tp_block = tp;
+    tp_block.fp8_recipe = Fp8Recipe::Blockwise;  // each tile's scale from the tile: nothing to gather
+    CHECK(predict_step(c, 2, 40, tp_block, Device::CUDA, latency, 8).tp == Approx(tp_plain).epsilon(1e-12));
 }
 
 TEST_CASE("a pipeline's predicted step is the simulated schedule's makespan plus the update", "[planner]") {
