@@ -5,6 +5,7 @@
 #include <functional>
 #include <iterator>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "llmc/gpt.cuh"
@@ -515,6 +516,7 @@ TEST_CASE("--search holds the layout flags the command line gives: it finds the 
         {"--pp 2 --pp-schedule zb", [](const Options& o) { return o.pp == 2 && o.pp_schedule == "zb"; }},
         {"--tp 1 -z 3 -b 4 --fp8 1",
          [](const Options& o) { return o.tp == 1 && o.zero == 3 && o.B == 4 && o.fp8 == 1; }},
+        {"--fp8 1 --fp8-recipe blockwise", [](const Options& o) { return o.fp8 == 1 && o.fp8_recipe == "blockwise"; }},
     };
     for (const Held& h : holds) {
         INFO("held: " << h.flags);
@@ -593,6 +595,7 @@ TEST_CASE("--search with a held value no layout can have finds none, and says wh
 TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks bf16 layouts alone", "[planner]") {
     CHECK(fixed_search_flags(parsed(SEARCH + " --fp8 0 --tp 2 -c 0.1 --seed 3")) == "--tp 2, --fp8 0");
     CHECK(fixed_search_flags(parsed(SEARCH)) == "");
+    CHECK(fixed_search_flags(parsed(SEARCH + " --fp8-recipe mxfp8 --fp8 1")) == "--fp8 1, --fp8-recipe mxfp8");
     // Llama 3 8B on 8 H100s at sequence 4096: the full search ranks an FP8 layout first, the held one none
     std::string llama = "-e llama3-8b -t 4096 -d 1048576 --device cuda --search --gpus 8";
     std::regex row(R"(\n +\d+ +[0-9.]+ +[0-9]+ +[0-9.]+%  mpirun -np 8 \./train_gpt -e llama3-8b -t 4096 -d 1048576 ([^\n]*))");
@@ -607,7 +610,9 @@ TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks b
     REQUIRE(unheld.status == 0);
     std::vector<std::string> unheld_rows = rows(unheld.output);
     REQUIRE(unheld_rows.size() == 10);
-    CHECK(unheld_rows[0].find("--fp8 1") != std::string::npos);
+    CHECK(unheld_rows[0].find("--fp8 1 --fp8-recipe ") != std::string::npos);  // the command names its recipe
+    CHECK(unheld.output.find("mxfp8") == std::string::npos);  // an H100 runs none
+    CHECK(lines_of(unheld.output)[0].find("with and without FP8 matmuls (tensorwise, blockwise)") != std::string::npos);
     CHECK(unheld.output.find("fixed by the command line") == std::string::npos);
     CommandResult bf16 = single(llama + " --fp8 0");
     INFO(bf16.output);
@@ -619,6 +624,93 @@ TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks b
     std::vector<std::string> bf16_rows = rows(bf16.output);
     CHECK(bf16_rows.size() == 10);
     for (const std::string& flags : bf16_rows) CHECK(flags.find("--fp8") == std::string::npos);
+}
+
+TEST_CASE("--search tries each FP8 recipe the profile's GPU runs (tensorwise and blockwise on an H100, tensorwise and "
+          "mxfp8 on a B200), refuses the layouts a recipe cannot run, and plans each with its recipe's buffers",
+          "[planner][fp8]") {
+    const GPTConfig config = parse_model_descriptor("d4c64h2t16v128");
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt"), b200 = load_hardware("dev/hardware/b200.txt");
+    auto recipes = [](const Searched& s) {
+        std::set<std::string> r;
+        for (const SearchCandidate& c : s.found)
+            if (c.o.fp8) r.insert(c.o.fp8_recipe);
+        return r;
+    };
+    Searched on_h100 = searched("", Device::CUDA, h100), on_b200 = searched("", Device::CUDA, b200);
+    CHECK(recipes(on_h100) == std::set<std::string>{"blockwise", "tensorwise"});
+    CHECK(recipes(on_b200) == std::set<std::string>{"mxfp8", "tensorwise"});
+    for (const Searched* s : {&on_h100, &on_b200}) {
+        // 4-token chunks under cp cut the block recipes' tiles of tokens, and tp 4 mxfp8's queries (16 of 64)
+        CHECK(s->refused.at("--fp8-recipe") > 0);
+        for (size_t i = 0; i < s->found.size(); i++) {
+            const SearchCandidate& c = s->found[i];
+            std::string flags = layout_flags(c.o);
+            INFO(flags);
+            if (i > 0) CHECK(s->found[i - 1].step.seconds <= c.step.seconds);  // ranked
+            CHECK((flags.find("--fp8") != std::string::npos) == (c.o.fp8 == 1));  // the command runs what was planned
+            if (c.o.fp8) CHECK(flags.find(" --fp8 1 --fp8-recipe " + c.o.fp8_recipe) != std::string::npos);
+            if (c.o.fp8 && c.o.fp8_recipe != "tensorwise") CHECK(c.o.cp == 1);
+            if (c.o.fp8 && c.o.fp8_recipe == "mxfp8") CHECK(c.o.tp <= 2);
+            // the bytes the search compares with the device: the plan of the candidate's own flags, recipe included
+            CheckedLayout l = check_layout(c.o, config, 4);
+            ParallelPlan par = parallel_plan(c.o, l.dp, l.accumulation);
+            double bytes = 0;
+            for (int stage = 0; stage < c.o.pp; stage++) {
+                par.pp.rank = stage;
+                bytes = std::max(bytes, planned_device_bytes(plan_memory(config, c.o.B, 16, omp_get_max_threads(), par,
+                                                                         Device::CUDA), Device::CUDA, h100));
+            }
+            CHECK(c.bytes == bytes);
+        }
+    }
+    // ... which differ by recipe (a block recipe's tile scales), so that the check above sees the recipe
+    ParallelPlan tensorwise, blockwise;
+    tensorwise.fp8 = blockwise.fp8 = true, blockwise.fp8_recipe = Fp8Recipe::Blockwise;
+    CHECK(plan_memory(config, 4, 16, 1, tensorwise, Device::CUDA).total() !=
+          plan_memory(config, 4, 16, 1, blockwise, Device::CUDA).total());
+    // a recipe the command line gives is the only one tried; one the GPU does not run is refused, by --fp8-recipe
+    Searched mx = searched("--fp8 1 --fp8-recipe mxfp8", Device::CUDA, b200);
+    REQUIRE(!mx.found.empty());
+    CHECK(recipes(mx) == std::set<std::string>{"mxfp8"});
+    Searched not_hopper = searched("--fp8 1 --fp8-recipe mxfp8", Device::CUDA, h100);
+    CHECK(not_hopper.found.empty());
+    CHECK(not_hopper.refused.size() == 1);
+    CHECK(not_hopper.refused["--fp8-recipe"] > 0);
+    // a GPU without FP8 (no recipe in its profile) is never tried with it, and refuses a --fp8 1 that is given
+    HardwareProfile a100 = load_hardware("dev/hardware/a100.txt");
+    CHECK(recipes(searched("", Device::CUDA, a100)).empty());
+    Searched ampere = searched("--fp8 1", Device::CUDA, a100);
+    CHECK(ampere.found.empty());
+    CHECK(ampere.refused["--fp8"] > 0);
+}
+
+TEST_CASE("train_gpt --plan with --fp8 1 names the recipe, the weights it takes, its casts' share of the step and the "
+          "rates its GEMMs are priced at, and says when the profile's GPU does not run it", "[planner][fp8]") {
+    // a Llama whose MLP projection (128 x 320) is no whole tiles of 128: blockwise takes 3 of the 4 weights of a layer
+    const std::string model = "-e l4c128h4g2f320t64v256 -b 2 -t 64 --device cuda --plan --fp8 1";
+    GPTConfig config = parse_model_descriptor("l4c128h4g2f320t64v256");
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt");
+    ParallelPlan par;
+    par.fp8 = true, par.fp8_recipe = Fp8Recipe::Blockwise;
+    StepTime step = predict_step(config, 2, 64, par, Device::CUDA, h100, 8);
+    CommandResult r = single(model + " --fp8-recipe blockwise --hardware dev/hardware/h100.txt");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("bf16 mixed precision with FP8 matmuls (blockwise) on cuda") != std::string::npos);
+    CHECK(r.output.find(strfmt("\nfp8: --fp8-recipe blockwise on layers 1 to 2, 3 of the 4 matmul weights of a layer "
+                               "(the others in bf16: dimensions not whole tiles of 128); casts %.3f ms of compute (%.1f%% "
+                               "of the step), GEMMs at the profile's blockwise rates\n",
+                               step.fp8_casts * 1e3, 100 * step.fp8_casts / step.seconds)) != std::string::npos);
+    CHECK(r.output.find("predicted step: " + describe_step(step) + "\n") != std::string::npos);
+    // mxfp8 on an H100: priced at the FP8 rates, and said to be refused there
+    CommandResult mx = single(model + " --fp8-recipe mxfp8 --hardware dev/hardware/h100.txt");
+    INFO(mx.output);
+    REQUIRE(mx.status == 0);
+    CHECK(mx.output.find("fp8: --fp8-recipe mxfp8 on layers 1 to 2, 4 of the 4 matmul weights of a layer; casts ") !=
+          std::string::npos);
+    CHECK(mx.output.find("GEMMs at the profile's FP8 rates (it gives none of this recipe's own); the profile's GPU runs "
+                         "tensorwise, blockwise, so the trainer would refuse this recipe there\n") != std::string::npos);
 }
 
 }  // namespace test_planner
