@@ -4,6 +4,9 @@
 //   matmul_tflops     matmul_forward, M rows by n by n, at each size n of the base profile's list
 //   fp8_matmul_tflops on a GPU with FP8 tensor cores, cuBLASLt's E4M3 GEMM of the same shapes (the casts that
 //                     precede it in a run are priced as memory passes)
+//   fp8_blockwise_matmul_tflops, mxfp8_matmul_tflops  the block recipes' GEMMs of the same shapes (those whose sum
+//                     is whole tiles) with the forward's scale modes, where the GPU runs the recipe
+//   fp8_recipes       the recipes the GPU runs (fp8_gpu_problem)
 //   attention_tflops  causal attention forward and backward (B sequences of T tokens, 12 heads of 64)
 //   memory_gbps       a residual sum and AdamW over buffers far larger than the caches
 //   transcendental_gbps  GELU forward and backward, over the same buffers
@@ -82,7 +85,10 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         rate = 2.0 * rows * n * n / s / 1e12;
     }
     if constexpr (gpu) {
-        h.fp8_matmul_tflops.clear();
+        h.fp8_matmul_tflops.clear(), h.fp8_blockwise_matmul_tflops.clear(), h.mxfp8_matmul_tflops.clear();
+        h.fp8_recipes.clear();
+        for (Fp8Recipe r : {Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise, Fp8Recipe::Mxfp8})
+            if (fp8_gpu_problem(r).empty()) h.fp8_recipes.push_back(fp8_recipe_name(r));
         if (fp8_gpu_problem().empty()) {
             uint8_t* a8 = led.alloc<floatX, uint8_t>(MEM_SCRATCH, rows * largest);
             uint8_t* w8 = led.alloc<floatX, uint8_t>(MEM_SCRATCH, largest * largest);
@@ -98,6 +104,36 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
                              CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Forward);
                 });
                 h.fp8_matmul_tflops.push_back({size, 2.0 * rows * n * n / s / 1e12});
+            }
+            // The block recipes' GEMMs, as the forward runs them: the weight's codes (blockwise: in 128x128 blocks) and
+            // the input's (tiles along the sum), cast once per size so that their scales are laid out for it; sizes
+            // whose sum is no whole tile have no such GEMM. A recipe cuBLASLt refuses at some shape here keeps no rates
+            // (its GEMMs are then priced at the FP8 rate) and is said so.
+            for (Fp8Recipe r : {Fp8Recipe::Blockwise, Fp8Recipe::Mxfp8}) {
+                if (!fp8_gpu_problem(r).empty()) continue;
+                auto& points = r == Fp8Recipe::Blockwise ? h.fp8_blockwise_matmul_tflops : h.mxfp8_matmul_tflops;
+                const bool blocks = r == Fp8Recipe::Blockwise;
+                const int mode_w = blocks ? FP8_SCALE_BLK128 : FP8_SCALE_VEC32_E8M0;
+                const int mode_a = blocks ? FP8_SCALE_VEC128 : FP8_SCALE_VEC32_E8M0;
+                void* w_scales = led.alloc<floatX, uint8_t>(MEM_SCRATCH, fp8_scale_bytes(r, blocks, largest, largest));
+                void* a_scales = led.alloc<floatX, uint8_t>(MEM_SCRATCH, fp8_scale_bytes(r, false, rows, largest));
+                try {
+                    for (auto [size, rate] : h.matmul_tflops) {
+                        long n = (long)size;
+                        if (n % fp8_tile(r) != 0) continue;
+                        fp8_quantize_tiled(w8, w_scales, w, n, n, 0, false, blocks, r);
+                        fp8_quantize_tiled(a8, a_scales, a, rows, n, 0, false, false, r);
+                        Fp8Matrix weight{w8, Fp8Format::E4M3, w_scales, mode_w};
+                        Fp8Matrix input{a8, Fp8Format::E4M3, a_scales, mode_a};
+                        double s = seconds_per_call<floatX>([&] {
+                            fp8_gemm(out, weight, input, n, rows, n, 0.0f, CUBLASLT_EPILOGUE_DEFAULT, GemmPass::Forward);
+                        });
+                        points.push_back({size, 2.0 * rows * n * n / s / 1e12});
+                    }
+                } catch (const Error& e) {
+                    printf("calibrate: no %s rates (%s)\n", fp8_recipe_name(r), e.what());
+                    points.clear();
+                }
             }
         }
     }

@@ -3,7 +3,8 @@
 //             parallelism sends, and the predicted step (llmc/step_time.h) against a hardware profile;
 //   --search  every layout of N devices the trainer accepts, dropped when it does not fit, the rest ranked by
 //             predicted tokens/s, with the command line that launches each; the layout flags the command line
-//             gives are held fixed, and only the others are varied.
+//             gives are held fixed, and only the others are varied. FP8 is tried in each recipe the profile says
+//             the GPU runs (fp8_recipes: tensorwise and blockwise on an H100, tensorwise and mxfp8 on a B200).
 // Both refuse exactly what the trainer refuses: check_layout is the trainer's own check of the flags.
 #pragma once
 
@@ -113,6 +114,44 @@ inline double planned_device_bytes(const MemoryPlan& p, Device dev, const Hardwa
     return (double)p.total() + outside;
 }
 
+// --plan's line on FP8: the recipe, which weights of a layer it takes (a block recipe's others stay bf16), what its
+// casts cost of the predicted step, the rate its GEMMs are priced at, and whether the profile's GPU runs it
+inline std::string describe_fp8(const GPTConfig& config, const ParallelPlan& par, const HardwareProfile& hw,
+                                const StepTime& step) {
+    const std::string recipe = fp8_recipe_name(par.fp8_recipe);
+    ModelTable table = model_table(config);
+    int taken = 0, weights = 0;
+    int layer = std::min(1, config.num_layers - 1);  // a layer FP8 reaches (its weights are every such layer's)
+    for (const TensorSpec& w : table) {
+        if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0 || !layer_holds(config, w.layers, layer) ||
+            &w == &table[ROUTERW] || &w == &table[SHARED_GATEW])
+            continue;
+        weights++;
+        taken += fp8_recipe_takes(par.fp8_recipe, (long)w.local_rows(par.tp), (long)w.local_cols(par.tp));
+    }
+    std::string which = config.num_layers <= 2
+                            ? "no layers (the first and the last stay bf16)"
+                            : strfmt("layers 1 to %d, %d of the %d matmul weights of a layer", config.num_layers - 2,
+                                     taken, weights);
+    if (taken < weights)
+        which += strfmt(" (the others in bf16: dimensions not whole tiles of %d)", fp8_tile(par.fp8_recipe));
+    const HardwareProfile::Points& points = hw.fp8_points(recipe);
+    std::string rates = &points == &hw.matmul_tflops ? "bf16's rates (the profile gives no FP8 rates)"
+                        : &points == &hw.fp8_matmul_tflops && recipe != "tensorwise"
+                            ? "the profile's FP8 rates (it gives none of this recipe's own)"
+                            : "the profile's " + recipe + " rates";
+    std::string s = strfmt("fp8: --fp8-recipe %s on %s; casts %.3f ms of compute (%.1f%% of the step), GEMMs at %s",
+                           recipe.c_str(), which.c_str(), step.fp8_casts * 1e3, 100 * step.fp8_casts / step.seconds,
+                           rates.c_str());
+    if (!hw.runs(recipe)) {
+        std::string run;
+        for (const std::string& r : hw.recipes_run()) run += (run.empty() ? "" : ", ") + r;
+        s += strfmt("; the profile's GPU runs %s, so the trainer would refuse this recipe there",
+                    run.empty() ? "no FP8 recipe" : run.c_str());
+    }
+    return s;
+}
+
 inline void print_plan(const Options& o, const GPTConfig& config, const std::string& device, Device dev, int world,
                        int accumulation) {
     HardwareProfile hw;
@@ -146,8 +185,11 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
                    "the ep group routed to them; --moe-capacity bounds it)\n", rows);
     }
     if (par.pp.on()) print_stage_layers(config, par.pp);
-    const char* precision = dev == Device::CUDA ? (o.fp8 ? "bf16 mixed precision with FP8 matmuls on cuda" : "bf16 mixed precision on cuda")
-                                                : (o.fp8 ? "fp32 with FP8 matmuls emulated on cpu" : "fp32 on cpu");
+    const char* recipe = fp8_recipe_name(par.fp8_recipe);
+    std::string precision = dev == Device::CUDA
+                                ? (o.fp8 ? strfmt("bf16 mixed precision with FP8 matmuls (%s) on cuda", recipe)
+                                         : "bf16 mixed precision on cuda")
+                                : (o.fp8 ? strfmt("fp32 with FP8 matmuls (%s) emulated on cpu", recipe) : "fp32 on cpu");
     // each stage holds other layers and keeps another number of micro-batches in flight: a plan for each
     for (int stage = 0; stage < o.pp; stage++) {
         par.pp.rank = stage;
@@ -156,8 +198,9 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
         std::string where =
             o.pp > 1 ? strfmt(" on stage %d (%d micro-batch%s in flight)", stage, in_flight, in_flight == 1 ? "" : "es")
                      : "";
-        print_memory(strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T, precision).c_str(),
-                     plan.bytes, plan.total());
+        std::string title = strfmt("predicted memory per rank%s, B=%d T=%d, %s:", where.c_str(), o.B, o.T,
+                                   precision.c_str());
+        print_memory(title.c_str(), plan.bytes, plan.total());
         if (dev == Device::CUDA) {
             // outside the ledger: cuBLASLt's workspace (counted by the run's measured figure) and the CUDA context
             // (not counted: the run measures from after its creation)
@@ -205,7 +248,9 @@ inline void print_plan(const Options& o, const GPTConfig& config, const std::str
     }
     int per_node = devices_per_node(o, hw);
     printf("hardware: %s (%s), %d per node\n", hw.name.c_str(), hw_path.c_str(), per_node);
-    printf("predicted step: %s\n", describe_step(predict_step(config, o.B, o.T, par, dev, hw, per_node)).c_str());
+    StepTime step = predict_step(config, o.B, o.T, par, dev, hw, per_node);
+    printf("predicted step: %s\n", describe_step(step).c_str());
+    if (o.fp8) printf("%s\n", describe_fp8(config, par, hw, step).c_str());
 }
 
 // One candidate of --search: its flags, what it needs and what it is predicted to do
@@ -237,8 +282,8 @@ inline std::string layout_flags(const Options& o) {
 }
 
 // the layout flags --search varies, in the order its command lines give them; one the command line gives is held
-inline const std::vector<std::string> SEARCH_FLAGS = {"-b",  "--tp", "--sp", "--cp", "--pp", "--pp-schedule",
-                                                      "--vpp", "--ep", "-z",   "-r",   "--fp8"};
+inline const std::vector<std::string> SEARCH_FLAGS = {"-b", "--tp", "--sp", "--cp",  "--pp", "--pp-schedule", "--vpp",
+                                                      "--ep", "-z", "-r",   "--fp8", "--fp8-recipe"};
 
 // the flags the search holds, as the command line gave them ("--tp 2, --fp8 0"); empty when it varies every one
 inline std::string fixed_search_flags(const Options& o) {
@@ -256,13 +301,21 @@ std::vector<T> search_choices(const Options& base, const std::string& flag, T gi
     return base.given.count(flag) ? std::vector<T>{given} : tried;
 }
 
-// --fp8's choices: FP8 where the profile prices it (a GPU with FP8 rates) and the model has layers between its
-// first and last, unless the command line fixed it
+// --fp8's choices: FP8 where the profile's GPU runs a recipe (the profile's fp8_recipes; tensorwise where it gives
+// FP8 rates and no list) and the model has layers between its first and last, unless the command line fixed it
 inline std::vector<int> search_fp8_choices(const Options& base, const GPTConfig& config, Device dev,
                                            const HardwareProfile& hw) {
     std::vector<int> tried = {0};
-    if (dev == Device::CUDA && !hw.fp8_matmul_tflops.empty() && config.num_layers > 2) tried.push_back(1);
+    if (dev == Device::CUDA && !hw.recipes_run().empty() && config.num_layers > 2) tried.push_back(1);
     return search_choices(base, "--fp8", base.fp8, tried);
+}
+
+// --fp8-recipe's choices with --fp8 1: the one the command line gave, or each the profile's device runs (every one
+// on a CPU, which emulates them); a GPU that runs none gets the default, which the search then refuses
+inline std::vector<std::string> search_recipe_choices(const Options& base, const HardwareProfile& hw) {
+    if (base.given.count("--fp8-recipe")) return {base.fp8_recipe};
+    std::vector<std::string> run = hw.recipes_run();
+    return run.empty() ? std::vector<std::string>{"tensorwise"} : run;
 }
 
 inline std::vector<int> divisors(int n) {
@@ -280,16 +333,25 @@ inline std::vector<int> powers_of_two_dividing(int n) {
 
 // Every layout of `gpus` devices: tp within a node and dividing the heads, cp splitting the sequence, pp with
 // each schedule (interleaved with 2 and 4 virtual stages), ep dividing dp and the experts, ZeRO 0-3,
-// micro-batches of powers of two, recomputation 0-2, and bf16 or FP8 matmuls; sp with tp. A layout flag the
-// command line gives (SEARCH_FLAGS) takes its value alone, which may be one the search would never try. Those
-// the trainer refuses are counted by the flag that refuses them, those that do not fit by how much they lack.
+// micro-batches of powers of two, recomputation 0-2, and bf16 or FP8 matmuls in each recipe the GPU runs; sp with
+// tp. A layout flag the command line gives (SEARCH_FLAGS) takes its value alone, which may be one the search would
+// never try. Those the trainer refuses are counted by the flag that refuses them (an FP8 recipe the profile's GPU
+// does not run by --fp8-recipe, or by --fp8 when no recipe was given), those that do not fit by how much they lack.
 inline std::vector<SearchCandidate> search_layouts(const Options& base, const GPTConfig& config, Device dev,
                                                    const HardwareProfile& hw, int per_node,
                                                    std::map<std::string, int>& refused, int& too_big) {
     std::vector<SearchCandidate> fitting;
     int gpus = base.search_gpus;
     bool sp_given = base.given.count("--sp") > 0;
-    std::vector<int> fp8_choices = search_fp8_choices(base, config, dev, hw);
+    // the precisions tried: bf16, and FP8 in each recipe (a recipe the command line gives is held with --fp8 0 too,
+    // where the trainer refuses it)
+    std::vector<std::pair<int, std::string>> precisions;
+    for (int fp8 : search_fp8_choices(base, config, dev, hw)) {
+        if (fp8 == 0) precisions.push_back({0, base.fp8_recipe});
+        else
+            for (const std::string& recipe : search_recipe_choices(base, hw)) precisions.push_back({1, recipe});
+    }
+    const bool recipe_given = base.given.count("--fp8-recipe") > 0;
     too_big = 0;
     // the grid's sizes the search tries divide the devices; a given one that does not is the trainer's to refuse
     for (int tp : search_choices(base, "--tp", base.tp, divisors(std::gcd(gpus, per_node))))
@@ -309,11 +371,17 @@ inline std::vector<SearchCandidate> search_layouts(const Options& base, const GP
                     for (int ep : search_choices(base, "--ep", base.ep, config.moe() ? divisors(dp) : std::vector<int>{1}))
                         for (int zero : search_choices(base, "-z", base.zero, {0, 1, 2, 3}))
                             for (int B : search_choices(base, "-b", base.B, batches))
-                                for (int recompute : search_choices(base, "-r", base.recompute, {0, 1, 2})) for (int fp8 : fp8_choices) {
+                                for (int recompute : search_choices(base, "-r", base.recompute, {0, 1, 2})) for (auto [fp8, recipe] : precisions) {
                                     Options o = base;
                                     o.tp = tp, o.sp = sp_given ? base.sp : tp > 1, o.cp = cp, o.pp = pp,
                                     o.pp_schedule = schedule, o.vpp = vpp;
                                     o.ep = ep, o.zero = zero, o.B = B, o.recompute = recompute, o.fp8 = fp8;
+                                    o.fp8_recipe = recipe;
+                                    // a recipe the GPU does not run: the trainer's fp8_check_gpu refuses it there
+                                    if (fp8 && !hw.runs(recipe.empty() ? "tensorwise" : recipe)) {
+                                        refused[recipe_given ? "--fp8-recipe" : "--fp8"]++;
+                                        continue;
+                                    }
                                     CheckedLayout l;
                                     try {
                                         l = check_layout(o, config, gpus);
@@ -361,9 +429,13 @@ inline void print_search(const Options& o, const GPTConfig& config, Device dev) 
     size_t considered = found.size() + too_big;
     for (auto& [flag, n] : refused) considered += n;
     std::vector<int> fp8 = search_fp8_choices(o, config, dev, hw);
-    const char* with_fp8 = fp8.size() == 2 ? ", with and without FP8 matmuls," : fp8[0] == 1 ? " with FP8 matmuls" : "";
-    std::string precision = dev == Device::CUDA ? strfmt("bf16 mixed precision%s on cuda", with_fp8)
-                                                : strfmt("fp32%s on cpu", fp8[0] == 1 ? " with FP8 matmuls emulated" : "");
+    std::string recipes;
+    for (const std::string& r : search_recipe_choices(o, hw)) recipes += (recipes.empty() ? "" : ", ") + r;
+    std::string with_fp8 = fp8.size() == 2   ? ", with and without FP8 matmuls (" + recipes + "),"
+                           : fp8[0] == 1 ? " with FP8 matmuls (" + recipes + ")"
+                                         : "";
+    std::string precision = dev == Device::CUDA ? "bf16 mixed precision" + with_fp8 + " on cuda"
+                                                : "fp32" + (fp8[0] == 1 ? with_fp8 + " emulated" : "") + " on cpu";
     printf("search: %d devices (%d per node) of %s (%s), model L=%d C=%d NH=%d%s%s, -t %d -d %ld, %s\n", o.search_gpus,
            per_node, hw.name.c_str(), hw_path.c_str(), config.num_layers, config.channels, config.num_heads,
            family_shape(config).c_str(), experts_shape(config).c_str(), o.T, o.total_batch,

@@ -4,11 +4,16 @@
 // Compute. Each matmul costs 2·M·N·K FLOPs at the profile's rate for its smallest dimension; backward does two
 // of the same shapes per forward matmul (the input's gradient and the weight's). Causal attention does
 // 2·B·Tq·T·Cl FLOPs forward (Tq = T/cp local queries against T/2 keys on average, two products) and 2.5 times
-// that backward. Under --fp8 the matmuls of every layer but the model's first and last run at the profile's FP8
-// rate, after the casts of their operands. The element-wise kernels cost the bytes they read and write at the
-// profile's bandwidth: streaming ones (layernorm, residual, the embeddings, AdamW, the gradient norm, FP8's
-// casts) at memory_gbps, those with a tanh or exp per element (GELU, the cross-entropy) at transcendental_gbps;
-// every op a fixed launch cost.
+// that backward. The element-wise kernels cost the bytes they read and write at the profile's bandwidth:
+// streaming ones (layernorm, residual, the embeddings, AdamW, the gradient norm, FP8's casts) at memory_gbps,
+// those with a tanh or exp per element (GELU, the cross-entropy) at transcendental_gbps; every op a fixed launch
+// cost.
+//
+// FP8 (--fp8 1, by --fp8-recipe). The matmuls of every layer but the model's first and last run at the recipe's
+// rate in the profile (blockwise GEMMs on Hopper apply their 1x128 and 128x128 scales in the main loop and
+// accumulate in fp32 throughout: slower than tensorwise ones; mxfp8's scale in Blackwell's tensor cores), after
+// the casts of their operands, which fp8_casts (below) counts as llmc/fp8.cuh runs them. A weight whose dimensions
+// are not whole tiles of a block recipe runs in bf16, casts and all, as the router does under every recipe.
 //
 // Communication. Each collective costs the bytes one rank sends (the plan's counts: llmc/plan.h) at the bus
 // bandwidth of the link its group crosses, plus a latency per call. Ranks are laid out tp fastest, then cp,
@@ -40,6 +45,7 @@ struct StepTime {
     double bubble = 0;                              // the critical stage's idle time in the pipeline
     double seconds = 0;                             // the sum of the above
     double tokens_per_second = 0, mfu = 0;
+    double fp8_casts = 0;  // of compute: the critical stage's FP8 casts (--fp8 1)
 };
 
 // the link a group crosses: inside a node when its span of consecutive ranks fits the node's devices
@@ -73,9 +79,64 @@ inline double model_flops_per_token(const GPTConfig& c, int T) {
 // apart for the zero-bubble schedule's W; the exposed communication of each pass is priced separately.
 struct PassCost {
     double forward = 0, backward = 0, weight_grad = 0;  // compute
+    double casts = 0;                                   // ... of which FP8's casts
     double tp = 0, cp = 0, ep = 0, pp = 0;              // exposed communication, forward and backward together
     double forward_comm = 0;                            // ... of which in forward
 };
+
+// One linear layer's FP8 casts: the bytes they move and the kernels they launch, in forward, for the input's
+// gradient and for the weight's (fp8_cast_forward and fp8_cast_backward in llmc/fp8.cuh), and the amaxes that
+// tensorwise gathers over the ranks holding pieces of the tensor.
+struct Fp8CastCount {
+    double bytes = 0, ops = 0, gathers = 0;
+    void add(double b, double o, double g) { bytes += b, ops += o, gathers += g; }
+};
+struct Fp8Casts {
+    Fp8CastCount forward, input_grad, weight_grad;
+    Fp8CastCount split;  // what a split backward (the zero-bubble schedules) casts again in its W step
+    double padded = 0;   // the rows of the weight gradient's sum, padded as its casts pad them
+};
+// A layer with weight W (out×in) on M rows of input x (M×in) and output gradient dout (M×out), X bytes a value.
+//   tensorwise  each cast is an amax pass over the operand (X bytes an element read), the scale, and a cast pass
+//               (X read, a code written): 2X + 1 bytes and 4 kernels (the amax's memset, the amax, the scale, the
+//               cast); a gathered amax per cast where a group holds the tensor's pieces. Forward casts x and W.
+//               Backward casts dout once for both gradients, the GPU writing its transposed copy, the tokens
+//               padded to 16 (P rows), in the same pass (2X + 1 + 1 bytes), then W again (its transpose) for the
+//               input's gradient and x again (its transpose, P rows) for the weight's. A split backward casts dout
+//               in each step: once more, without the copy.
+//   blockwise   no amax pass: each 1×128 tile's scale comes from the tile in hand, so a cast is one kernel that
+//               reads X and writes a code and its tile's fp32 scale (a 128×128 block's for W). But a tile runs
+//               along the GEMM's sum, so x and dout are cast twice: along their rows for the forward and the input's
+//               gradient, down their columns (the tokens, padded to 128: P rows) for the weight's. W is cast once
+//               for the forward and once transposed for the input's gradient, both in 128×128 blocks.
+//   mxfp8       as blockwise with 1×32 tiles and one-byte E8M0 scales, W cast along its rows and down its columns.
+// The bytes counted are the ones that cross memory: a block kernel's second look at its tile (the cast after the
+// tile's amax) hits the cache. The scales take the bytes of their layouts (fp8_scale_bytes). Every pass is priced
+// at memory_gbps, the column casts' transposed one-byte stores too, which no GPU has timed yet. The CPU (the
+// emulation) writes each cast value as a float, keeps scales in the values and makes no transposed copies.
+inline Fp8Casts fp8_casts(Fp8Recipe r, Device dev, double M, double out, double in) {
+    const bool gpu = dev == Device::CUDA, tensorwise = r == Fp8Recipe::Tensorwise;
+    const double X = stored_value_bytes(dev), code = gpu ? 1.0 : 4.0;
+    const double P = !gpu ? M : tensorwise ? (double)fp8_padded((long)M) : (double)pad_to((long)M, fp8_tile(r));
+    auto scales = [&](double rows, double k, bool blocks) {
+        return gpu && !tensorwise ? (double)fp8_scale_bytes(r, blocks, (long)rows, (long)k) : 0.0;
+    };
+    const bool blocks = r == Fp8Recipe::Blockwise;  // blockwise weights: 128×128 blocks
+    Fp8Casts k;
+    k.padded = P;
+    if (tensorwise) {
+        const double read = 2 * X;  // the amax pass and the cast pass
+        k.forward.add((read + code) * (M * in + out * in), 8, 2);
+        k.input_grad.add((read + code) * M * out + (gpu ? code * P * out : 0) + (read + code) * out * in, 8, 2);
+        k.weight_grad.add(read * M * in + code * P * in, 4, 1);
+        k.split.add((read + code) * M * out, 4, 1);
+        return k;
+    }
+    k.forward.add((X + code) * (M * in + out * in) + scales(M, in, false) + scales(out, in, blocks), 2, 0);
+    k.input_grad.add((X + code) * (M * out + out * in) + scales(M, out, false) + scales(in, out, blocks), 2, 0);
+    k.weight_grad.add(X * M * (out + in) + code * P * (out + in) + scales(out, P, false) + scales(in, P, false), 2, 0);
+    return k;
+}
 
 struct StepModel {
     const GPTConfig& c;
@@ -85,8 +146,10 @@ struct StepModel {
     int B, T, gpus_per_node;
 
     double value_bytes() const { return stored_value_bytes(dev); }
+    // a GEMM in bf16 (fp32 on the CPU), or in FP8 at the recipe's rate
     double gemm(double M, double N, double K, bool fp8 = false) const {
-        return 2 * M * N * K / (hw.matmul_rate(std::min({M, N, K}), fp8) * 1e12) + hw.launch_us * 1e-6;
+        return 2 * M * N * K / (hw.matmul_rate(std::min({M, N, K}), fp8, fp8_recipe_name(par.fp8_recipe)) * 1e12) +
+               hw.launch_us * 1e-6;
     }
     double memory(double bytes, int ops) const { return bytes / (hw.memory_gbps * 1e9) + ops * hw.launch_us * 1e-6; }
     double transcendental(double bytes, int ops) const {
@@ -112,15 +175,26 @@ struct StepModel {
         bool again_gelu = par.recompute >= 1, again_layernorm = par.recompute >= 2;
         // One layer of each kind: its matmuls, forward, from the table: each 2-D weight the layer holds, as the rank
         // holds it, on every token row, an expert's on the rows balanced routing sends it; backward does each shape
-        // twice. Under --fp8 the layers between the model's first and last run them at the FP8 rate, and each
-        // GEMM's operands are cast first (llmc/fp8.cuh): an amax pass and a cast pass over the input and the weight
-        // forward (2X + 1 bytes an element), backward over the output gradient (two copies out: 2X + 2), the
-        // weight and the input again; four ops a cast. The bytes of the element-wise ops: two layernorms (in, out)
-        // and two residual sums (two in, one out) on R rows and, in a sparse layer, the rows copied out to the
-        // experts and back; GELU on the hidden layer (one in, one out forward, two in and one out backward, once
-        // more forward when -r recomputes it).
+        // twice. Under --fp8 the layers between the model's first and last run them in the recipe, each weight
+        // that the recipe takes (fp8_recipe_takes: under a block recipe, dimensions of whole tiles) after its
+        // operands' casts (fp8_casts), the weight gradient over the rows the casts pad; the others as bf16. A
+        // tensorwise cast's gathered amax waits on the group holding the tensor's pieces (tp × cp for the dense
+        // weights, tp for the experts': train_gpt.cu's fp8 groups): a one-float all-gather. The bytes of the
+        // element-wise ops: two layernorms (in, out) and two residual sums (two in, one out) on R rows and, in a
+        // sparse layer, the rows copied out to the experts and back; GELU on the hidden layer (one in, one out
+        // forward, two in and one out backward, once more forward when -r recomputes it).
+        const bool split = par.pp.on() && pp_kind_splits_backward(par.pp.kind);  // a W step of its own
         struct LayerCost {
-            double mm = 0, mm8 = 0, cast_f = 0, cast_b = 0, other_f = 0, other_b = 0;
+            double mm = 0;                              // bf16: one GEMM of each shape
+            double mm8 = 0, mm8_w = 0;                  // FP8: forward (or the input's gradient); the weight's
+            double cast_f = 0, cast_b = 0, cast_w = 0;  // FP8's casts: forward, input gradient, weight gradient
+            double gather_f = 0, gather_b = 0;          // FP8's amax gathers (tensorwise)
+            double other_f = 0, other_b = 0;
+        };
+        const Fp8Recipe recipe = par.fp8_recipe;
+        auto gathers = [&](double n, int pieces) {  // one float from each rank of the group, n times
+            if (pieces == 1) return 0.0;
+            return n * link_seconds(link(pieces, 1), (pieces - 1) * sizeof(float), 1);
         };
         auto layer_cost = [&](int layer) {
             LayerCost k;
@@ -130,12 +204,26 @@ struct StepModel {
                     continue;
                 double out = w.local_rows(par.tp), in = w.local_cols(par.tp), M = w.expert ? rows : BT;
                 double n = w.expert ? experts : 1;
+                double once = n * gemm(M, out, in);
+                k.mm += once;
                 bool router = &w == &table[ROUTERW] || &w == &table[SHARED_GATEW];  // stay in their own precision
-                k.mm += n * gemm(M, out, in);
-                k.mm8 += n * gemm(M, out, in, !router);
-                if (router) continue;
-                k.cast_f += n * memory((2 * X + 1) * (M * in + out * in), 8);
-                k.cast_b += n * memory((2 * X + 2) * M * out + (2 * X + 1) * (out * in + M * in), 12);
+                if (router || !fp8_recipe_takes(recipe, (long)out, (long)in)) {
+                    k.mm8 += once, k.mm8_w += once;
+                    continue;
+                }
+                Fp8Casts casts = fp8_casts(recipe, dev, M, out, in);
+                k.mm8 += n * gemm(M, out, in, true);
+                k.mm8_w += n * gemm(casts.padded, out, in, true);
+                k.cast_f += n * memory(casts.forward.bytes, (int)casts.forward.ops);
+                k.cast_b += n * memory(casts.input_grad.bytes, (int)casts.input_grad.ops);
+                k.cast_w += n * memory(casts.weight_grad.bytes, (int)casts.weight_grad.ops);
+                int pieces = w.expert ? par.tp : par.tp * par.cp;
+                k.gather_f += gathers(n * casts.forward.gathers, pieces);
+                k.gather_b += gathers(n * (casts.input_grad.gathers + casts.weight_grad.gathers), pieces);
+                if (split) {
+                    k.cast_w += n * memory(casts.split.bytes, (int)casts.split.ops);
+                    k.gather_b += gathers(n * casts.split.gathers, pieces);
+                }
             }
             // the hidden layer: a dense layer's on every row, the experts' on the rows they took and the shared
             // expert's on every row
@@ -154,13 +242,15 @@ struct StepModel {
         while (c.dense_layer(sparse_at)) sparse_at++;
         const LayerCost sparse = layer_cost(sparse_at), dense = c.dense_layer(0) ? layer_cost(0) : sparse;
         int sparse_layers = 0;
+        double gathered_f = 0, gathered_b = 0;  // FP8's amax gathers, exposed
         for (int l = first; l < first + layers; l++) {
             const LayerCost& k = c.dense_layer(l) ? dense : sparse;
             sparse_layers += c.sparse_layer(l);
             bool fp8 = par.fp8 && l != 0 && l != c.num_layers - 1;
             p.forward += (fp8 ? k.mm8 + k.cast_f : k.mm) + k.other_f;
             p.backward += (fp8 ? k.mm8 + k.cast_b : k.mm) + k.other_b;
-            p.weight_grad += fp8 ? k.mm8 : k.mm;  // the weight gradients' matmuls
+            p.weight_grad += fp8 ? k.mm8_w + k.cast_w : k.mm;  // the weight gradients' matmuls (and their casts)
+            if (fp8) p.casts += k.cast_f + k.cast_b + k.cast_w, gathered_f += k.gather_f, gathered_b += k.gather_b;
         }
         if (embeddings) {  // the first chunk's lookup and its gradient's scatter
             p.forward += memory(X * 3 * R * C, 1);
@@ -203,6 +293,9 @@ struct StepModel {
             p.ep = 2 * f;
             p.forward_comm += f;
         }
+        // FP8's gathered amaxes (tensorwise, over tp × cp): in tp's part where the group has tp ranks, else in cp's
+        (par.tp > 1 ? p.tp : p.cp) += gathered_f + gathered_b;
+        p.forward_comm += gathered_f;
         // pp: the chunk's output on, and its input's gradient back, R rows of the residual stream
         if (par.pp.on()) {
             double send = link_seconds(pp_link(), R * C * X, 1);
@@ -294,6 +387,7 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         double window = 0.0;
         for (const PassCost& p : costs[r]) {
             s.compute += m * (p.forward + p.backward + p.weight_grad);
+            s.fp8_casts += m * p.casts;
             s.tp += m * p.tp, s.cp += m * p.cp, s.ep += m * p.ep, s.pp += m * p.pp;
             double backward = p.backward + p.weight_grad;
             window += par.zero == 3 ? m * (p.forward + backward) : par.zero == 2 ? m * backward : backward;

@@ -5,6 +5,7 @@
 #include <functional>
 #include <iterator>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "llmc/gpt.cuh"
@@ -133,15 +134,18 @@ TEST_CASE("predict_step with --fp8 1: the layers between the first and the last 
     fp8.fp8 = true;
     double BT = B * T, mm = 0, mm8 = 0, casts = 0;
     // the four linear layers (out, in): qkv, the attention projection, fc, fc_proj; each cast reads X bytes
-    // twice (the amax, then the cast) and writes one byte, the output gradient's cast two copies
+    // twice (the amax, then the cast) and, on the CPU, writes each cast value as a float: the input and the weight
+    // forward, the output gradient (once for both gradients), the weight and the input again backward
     for (auto [out, in] : {std::pair<double, double>{3 * C, C}, {C, C}, {4 * C, C}, {C, 4 * C}}) {
         mm += 2 * BT * out * in / 2e12, mm8 += 2 * BT * out * in / 5e12;
-        casts += ((2 * X + 1) * (BT * in + out * in) + (2 * X + 2) * BT * out + (2 * X + 1) * (out * in + BT * in)) / 10e9;
+        casts += ((2 * X + 4) * (BT * in + out * in) + (2 * X + 4) * BT * out + (2 * X + 4) * (out * in + BT * in)) / 10e9;
     }
     // forward, the input gradient and the weight gradient: three GEMMs of each shape in each of the 2 layers
     double saved = 2 * (3 * (mm - mm8) - casts);
     StepTime a = predict_step(c, (int)B, (int)T, plain, Device::CPU, hw, 8), b = predict_step(c, (int)B, (int)T, fp8, Device::CPU, hw, 8);
     CHECK(a.seconds - b.seconds == Approx(saved).epsilon(1e-9));
+    CHECK(b.fp8_casts == Approx(2 * casts).epsilon(1e-9));
+    CHECK(a.fp8_casts == 0.0);
     // without FP8 rates in the profile, FP8 GEMMs cost what bf16's do, and only the casts are added
     StepTime priced_as_bf16 = predict_step(c, (int)B, (int)T, fp8, Device::CPU, round_profile(), 8);
     CHECK(priced_as_bf16.seconds - a.seconds == Approx(2 * casts).epsilon(1e-9));
@@ -149,6 +153,111 @@ TEST_CASE("predict_step with --fp8 1: the layers between the first and the last 
     GPTConfig two = parse_model_descriptor(MODEL);
     CHECK(predict_step(two, (int)B, (int)T, fp8, Device::CPU, hw, 8).seconds ==
           predict_step(two, (int)B, (int)T, plain, Device::CPU, hw, 8).seconds);
+}
+
+TEST_CASE("predict_step prices each FP8 recipe on the GPU as llmc/fp8.cuh runs it: the casts' passes, padding, "
+          "scales and kernels, the recipe's GEMM rate, by hand", "[planner][fp8]") {
+    // GPT-2 with C = 128: every weight is whole tiles of 128 and of 32; B=2 sequences of T=40 make 80 rows, which the
+    // weight gradient pads to 80 (tensorwise: 16), 128 (blockwise) or 96 (mxfp8). Layers 1 and 2 of 4 run in FP8.
+    GPTConfig c = parse_model_descriptor("d4c128h2t64v128");
+    const double C = 128, M = 2 * 40, X = 2, F = 4;  // bf16 values, fp32 scales
+    HardwareProfile hw = round_profile();
+    hw.launch_us = 1;  // each kernel 1 µs, so that the casts' kernels count
+    hw.fp8_matmul_tflops = {{1, 5.0}}, hw.fp8_blockwise_matmul_tflops = {{1, 4.0}}, hw.mxfp8_matmul_tflops = {{1, 3.0}};
+    hw.fp8_recipes = {"tensorwise", "blockwise", "mxfp8"};
+    auto up = [](double n, double m) { return std::ceil(n / m) * m; };
+    // the scales' bytes, as cuBLASLt lays them out for an operand of `rows` rows summed along k: blockwise's fp32 per
+    // 1x128 tile (rows padded to 4) and per 128x128 block (a row of blocks padded to 4), mxfp8's byte per 1x32 tile
+    // (rows padded to 128, tiles along k to 4)
+    auto tiles128 = [&](double rows, double k) { return F * std::ceil(k / 128) * up(rows, 4); };
+    auto blocks128 = [&](double rows, double k) { return F * std::ceil(rows / 128) * up(std::ceil(k / 128), 4); };
+    auto tiles32 = [&](double rows, double k) { return up(rows, 128) * up(std::ceil(k / 32), 4); };
+    struct Expected {
+        const char* name;
+        Fp8Recipe recipe;
+        double rate, padded;
+        std::function<double(double, double)> bytes;  // one weight's casts, forward and backward
+        double kernels;                               // ... and their launches
+    };
+    std::vector<Expected> recipes = {
+        // an amax pass and a cast pass each (2X read, a byte written): x and W forward; dout once for both gradients,
+        // with its transposed copy (P rows), W again and x again (its transpose, P rows); four kernels a cast
+        {"tensorwise", Fp8Recipe::Tensorwise, 5.0, up(M, 16),
+         [&](double out, double in) {
+             double P = up(M, 16);
+             return (2 * X + 1) * (M * in + out * in) + (2 * X + 1) * M * out + P * out + (2 * X + 1) * out * in +
+                    2 * X * M * in + P * in;
+         },
+         20},
+        // one pass a cast (X read, a byte and the tile's scale written): x and W forward; dout along its rows and W
+        // transposed (blocks) for the input's gradient; dout and x down their columns (P rows) for the weight's
+        {"blockwise", Fp8Recipe::Blockwise, 4.0, up(M, 128),
+         [&](double out, double in) {
+             double P = up(M, 128);
+             return (X + 1) * (M * in + out * in) + tiles128(M, in) + blocks128(out, in) +  // forward
+                    (X + 1) * (M * out + out * in) + tiles128(M, out) + blocks128(in, out) +  // the input's gradient
+                    X * M * (out + in) + P * (out + in) + tiles128(out, P) + tiles128(in, P);  // the weight's
+         },
+         6},
+        {"mxfp8", Fp8Recipe::Mxfp8, 3.0, up(M, 32),
+         [&](double out, double in) {
+             double P = up(M, 32);
+             return (X + 1) * (M * in + out * in) + tiles32(M, in) + tiles32(out, in) +
+                    (X + 1) * (M * out + out * in) + tiles32(M, out) + tiles32(in, out) +
+                    X * M * (out + in) + P * (out + in) + tiles32(out, P) + tiles32(in, P);
+         },
+         6},
+    };
+    ParallelPlan plain;
+    StepTime bf16 = predict_step(c, 2, 40, plain, Device::CUDA, hw, 8);
+    for (const Expected& e : recipes) {
+        INFO(e.name);
+        double saved = 0, casts = 0;
+        for (auto [out, in] : {std::pair<double, double>{3 * C, C}, {C, C}, {4 * C, C}, {C, 4 * C}}) {
+            double gemm = 2 * M * out * in / 2e12 + 1e-6;                              // bf16, with its launch
+            double fp8 = 2 * (2 * M * out * in / (e.rate * 1e12) + 1e-6) +            // forward, the input's gradient
+                         2 * e.padded * out * in / (e.rate * 1e12) + 1e-6;             // the weight's, padded rows
+            double cast = e.bytes(out, in) / 10e9 + e.kernels * 1e-6;
+            saved += 3 * gemm - fp8 - cast, casts += cast;
+        }
+        ParallelPlan par;
+        par.fp8 = true, par.fp8_recipe = e.recipe;
+        StepTime s = predict_step(c, 2, 40, par, Device::CUDA, hw, 8);
+        CHECK(bf16.seconds - s.seconds == Approx(2 * saved).epsilon(1e-9));  // layers 1 and 2
+        CHECK(s.fp8_casts == Approx(2 * casts).epsilon(1e-9));
+        CHECK(s.compute == Approx(s.seconds).epsilon(1e-12));  // one rank: nothing but compute
+    }
+    // a recipe without rates of its own is priced at the FP8 rate: blockwise's GEMMs then cost tensorwise's
+    HardwareProfile no_block = hw;
+    no_block.fp8_blockwise_matmul_tflops.clear();
+    ParallelPlan block, tensorwise;
+    block.fp8 = tensorwise.fp8 = true, block.fp8_recipe = Fp8Recipe::Blockwise;
+    StepTime at_own = predict_step(c, 2, 40, block, Device::CUDA, hw, 8),
+             at_fp8 = predict_step(c, 2, 40, block, Device::CUDA, no_block, 8);
+    CHECK(at_fp8.seconds < at_own.seconds);
+    CHECK(at_fp8.fp8_casts == at_own.fp8_casts);
+    // a weight that is not whole tiles runs in bf16, casts and all: at C = 64 blockwise takes none (the step is
+    // bf16's to the bit), mxfp8 all (tiles of 32)
+    GPTConfig narrow = parse_model_descriptor("d4c64h2t64v128");
+    ParallelPlan mx = block;
+    mx.fp8_recipe = Fp8Recipe::Mxfp8;
+    StepTime narrow_bf16 = predict_step(narrow, 2, 40, plain, Device::CUDA, hw, 8);
+    StepTime narrow_block = predict_step(narrow, 2, 40, block, Device::CUDA, hw, 8);
+    CHECK(narrow_block.seconds == narrow_bf16.seconds);
+    CHECK(narrow_block.fp8_casts == 0.0);
+    CHECK(predict_step(narrow, 2, 40, mx, Device::CUDA, hw, 8).fp8_casts > 0.0);
+    // tensorwise shares each cast's amax over tp: a one-float all-gather a cast, exposed in tp's part (2 a weight
+    // forward, 3 backward, four weights in each of 2 layers), at 1 GB/s and 15 µs a call
+    HardwareProfile latency = hw;
+    latency.intra_latency_us = 15;
+    ParallelPlan tp = tensorwise, tp_bf16;
+    tp.tp = tp_bf16.tp = 2, tp.sp = tp_bf16.sp = true;
+    double gathers = 2 * 4 * 5 * (4 / 1e9 + 15e-6);
+    double tp_plain = predict_step(c, 2, 40, tp_bf16, Device::CUDA, latency, 8).tp;
+    CHECK(predict_step(c, 2, 40, tp, Device::CUDA, latency, 8).tp - tp_plain == Approx(gathers).epsilon(1e-9));
+    ParallelPlan tp_block = tp;
+    tp_block.fp8_recipe = Fp8Recipe::Blockwise;  // each tile's scale from the tile: nothing to gather
+    CHECK(predict_step(c, 2, 40, tp_block, Device::CUDA, latency, 8).tp == Approx(tp_plain).epsilon(1e-12));
 }
 
 TEST_CASE("a pipeline's predicted step is the simulated schedule's makespan plus the update", "[planner]") {
@@ -218,7 +327,7 @@ TEST_CASE("predict_step prices every layout family: its parts add up to the step
 }
 
 TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is named by file and line", "[planner]") {
-    for (const char* path : {"dev/hardware/h100.txt", "dev/hardware/a100.txt", "dev/hardware/cpu.txt"}) {
+    for (const char* path : {"dev/hardware/h100.txt", "dev/hardware/b200.txt", "dev/hardware/a100.txt", "dev/hardware/cpu.txt"}) {
         INFO(path);
         HardwareProfile h = load_hardware(path);
         CHECK(!h.name.empty());
@@ -227,9 +336,31 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
         CHECK(again.memory_gbps == Approx(h.memory_gbps).epsilon(1e-3));
         CHECK(again.matmul_tflops.size() == h.matmul_tflops.size());
         CHECK(again.fp8_matmul_tflops.size() == h.fp8_matmul_tflops.size());
+        CHECK(again.fp8_blockwise_matmul_tflops == h.fp8_blockwise_matmul_tflops);
+        CHECK(again.mxfp8_matmul_tflops == h.mxfp8_matmul_tflops);
+        CHECK(again.recipes_run() == h.recipes_run());
     }
-    CHECK(load_hardware("dev/hardware/h100.txt").fp8_matmul_tflops.size() == 4);  // Hopper has FP8
-    CHECK(load_hardware("dev/hardware/a100.txt").fp8_matmul_tflops.empty());      // Ampere has none
+    // the recipes each GPU runs (fp8_gpu_problem): Hopper tensorwise and blockwise, Blackwell tensorwise and mxfp8,
+    // Ampere none; a CPU emulates all three
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt"), b200 = load_hardware("dev/hardware/b200.txt");
+    using Names = std::vector<std::string>;
+    CHECK(h100.fp8_matmul_tflops.size() == 4);  // Hopper has FP8
+    CHECK(h100.recipes_run() == Names{"tensorwise", "blockwise"});
+    CHECK(b200.recipes_run() == Names{"tensorwise", "mxfp8"});
+    CHECK(load_hardware("dev/hardware/a100.txt").fp8_matmul_tflops.empty());  // Ampere has none
+    CHECK(load_hardware("dev/hardware/a100.txt").recipes_run().empty());
+    CHECK(load_hardware("dev/hardware/cpu.txt").recipes_run() == Names{"tensorwise", "blockwise", "mxfp8"});
+    // blockwise GEMMs on Hopper below tensorwise's and above bf16's at every size; mxfp8's on Blackwell likewise
+    for (double n : {64.0, 300.0, 1024.0, 8192.0}) {
+        INFO("n = " << n);
+        CHECK(h100.matmul_rate(n, true, "blockwise") < h100.matmul_rate(n, true, "tensorwise"));
+        CHECK(h100.matmul_rate(n, true, "blockwise") > h100.matmul_rate(n));
+        CHECK(b200.matmul_rate(n, true, "mxfp8") < b200.matmul_rate(n, true, "tensorwise"));
+        CHECK(b200.matmul_rate(n, true, "mxfp8") > b200.matmul_rate(n));
+        CHECK(b200.matmul_rate(n) > h100.matmul_rate(n));
+    }
+    CHECK(b200.peak_tflops == 2250);    // dense bf16, MFU's denominator
+    CHECK(b200.memory_gib > 170);      // 180 GB
     HardwareProfile h = parse_hardware(round_profile_file(2), "round.txt");
     CHECK(h.memory_gib == 2.0);
     CHECK(h.matmul_rate(4096) == 2.0);
@@ -244,6 +375,19 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     HardwareProfile fp8 = parse_hardware(two_sizes + "fp8_matmul_tflops 64 5\nfp8_matmul_tflops 256 9\n", "fp8.txt");
     CHECK(fp8.matmul_rate(128, true) == Approx(7.0));
     CHECK(fp8.matmul_rate(128) == Approx(2.0));
+    CHECK(fp8.recipes_run() == std::vector<std::string>{"tensorwise", "blockwise", "mxfp8"});  // a CPU emulates all
+    std::string gpu = std::regex_replace(two_sizes, std::regex("device cpu"), "device cuda");
+    // a GPU profile with FP8 rates and no list: tensorwise, the recipe there was before the list
+    CHECK(parse_hardware(gpu + "fp8_matmul_tflops 64 5\n", "fp8.txt").recipes_run() == std::vector<std::string>{"tensorwise"});
+    // a recipe's own rates where given, else the FP8 rate's
+    HardwareProfile recipes = parse_hardware(gpu + "fp8_matmul_tflops 64 5\nfp8_blockwise_matmul_tflops 64 3\n"
+                                                   "fp8_blockwise_matmul_tflops 256 7\nfp8_recipes tensorwise blockwise\n",
+                                             "recipes.txt");
+    CHECK(recipes.matmul_rate(128, true, "blockwise") == Approx(5.0));
+    CHECK(recipes.matmul_rate(128, true, "tensorwise") == Approx(5.0));
+    CHECK(recipes.matmul_rate(128, true, "mxfp8") == Approx(5.0));
+    CHECK(recipes.runs("blockwise"));
+    CHECK(!recipes.runs("mxfp8"));
     auto refused = [](const std::string& text, const std::string& words) {
         try {
             parse_hardware(text, "bad.txt");
@@ -262,6 +406,10 @@ TEST_CASE("hardware profiles: the files in dev/hardware parse, and a bad line is
     refused(round_profile_file(2) + "device cuda\n", "bad.txt:18: device given twice");
     refused(std::regex_replace(round_profile_file(2), std::regex("device cpu"), "device tpu"),
             "device: expected cuda or cpu");
+    refused(round_profile_file(2) + "fp8_recipes tensorwise rowwise\n", "bad.txt:18: fp8_recipes: 'rowwise' is no recipe");
+    refused(gpu + "mxfp8_matmul_tflops 64 3\nfp8_recipes tensorwise\n",
+            "mxfp8_matmul_tflops: the rates of a recipe that fp8_recipes does not list");
+    refused(gpu + "fp8_blockwise_matmul_tflops 64 3\n", "fp8_blockwise_matmul_tflops: the rates of a recipe");
 }
 
 TEST_CASE("train_gpt --plan --hardware prints predict_step's line", "[planner]") {
@@ -368,6 +516,7 @@ TEST_CASE("--search holds the layout flags the command line gives: it finds the 
         {"--pp 2 --pp-schedule zb", [](const Options& o) { return o.pp == 2 && o.pp_schedule == "zb"; }},
         {"--tp 1 -z 3 -b 4 --fp8 1",
          [](const Options& o) { return o.tp == 1 && o.zero == 3 && o.B == 4 && o.fp8 == 1; }},
+        {"--fp8 1 --fp8-recipe blockwise", [](const Options& o) { return o.fp8 == 1 && o.fp8_recipe == "blockwise"; }},
     };
     for (const Held& h : holds) {
         INFO("held: " << h.flags);
@@ -446,6 +595,7 @@ TEST_CASE("--search with a held value no layout can have finds none, and says wh
 TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks bf16 layouts alone", "[planner]") {
     CHECK(fixed_search_flags(parsed(SEARCH + " --fp8 0 --tp 2 -c 0.1 --seed 3")) == "--tp 2, --fp8 0");
     CHECK(fixed_search_flags(parsed(SEARCH)) == "");
+    CHECK(fixed_search_flags(parsed(SEARCH + " --fp8-recipe mxfp8 --fp8 1")) == "--fp8 1, --fp8-recipe mxfp8");
     // Llama 3 8B on 8 H100s at sequence 4096: the full search ranks an FP8 layout first, the held one none
     std::string llama = "-e llama3-8b -t 4096 -d 1048576 --device cuda --search --gpus 8";
     std::regex row(R"(\n +\d+ +[0-9.]+ +[0-9]+ +[0-9.]+%  mpirun -np 8 \./train_gpt -e llama3-8b -t 4096 -d 1048576 ([^\n]*))");
@@ -460,7 +610,9 @@ TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks b
     REQUIRE(unheld.status == 0);
     std::vector<std::string> unheld_rows = rows(unheld.output);
     REQUIRE(unheld_rows.size() == 10);
-    CHECK(unheld_rows[0].find("--fp8 1") != std::string::npos);
+    CHECK(unheld_rows[0].find("--fp8 1 --fp8-recipe ") != std::string::npos);  // the command names its recipe
+    CHECK(unheld.output.find("mxfp8") == std::string::npos);  // an H100 runs none
+    CHECK(lines_of(unheld.output)[0].find("with and without FP8 matmuls (tensorwise, blockwise)") != std::string::npos);
     CHECK(unheld.output.find("fixed by the command line") == std::string::npos);
     CommandResult bf16 = single(llama + " --fp8 0");
     INFO(bf16.output);
@@ -472,6 +624,93 @@ TEST_CASE("--search names the flags it holds on its second line; --fp8 0 ranks b
     std::vector<std::string> bf16_rows = rows(bf16.output);
     CHECK(bf16_rows.size() == 10);
     for (const std::string& flags : bf16_rows) CHECK(flags.find("--fp8") == std::string::npos);
+}
+
+TEST_CASE("--search tries each FP8 recipe the profile's GPU runs (tensorwise and blockwise on an H100, tensorwise and "
+          "mxfp8 on a B200), refuses the layouts a recipe cannot run, and plans each with its recipe's buffers",
+          "[planner][fp8]") {
+    const GPTConfig config = parse_model_descriptor("d4c64h2t16v128");
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt"), b200 = load_hardware("dev/hardware/b200.txt");
+    auto recipes = [](const Searched& s) {
+        std::set<std::string> r;
+        for (const SearchCandidate& c : s.found)
+            if (c.o.fp8) r.insert(c.o.fp8_recipe);
+        return r;
+    };
+    Searched on_h100 = searched("", Device::CUDA, h100), on_b200 = searched("", Device::CUDA, b200);
+    CHECK(recipes(on_h100) == std::set<std::string>{"blockwise", "tensorwise"});
+    CHECK(recipes(on_b200) == std::set<std::string>{"mxfp8", "tensorwise"});
+    for (const Searched* s : {&on_h100, &on_b200}) {
+        // 4-token chunks under cp cut the block recipes' tiles of tokens, and tp 4 mxfp8's queries (16 of 64)
+        CHECK(s->refused.at("--fp8-recipe") > 0);
+        for (size_t i = 0; i < s->found.size(); i++) {
+            const SearchCandidate& c = s->found[i];
+            std::string flags = layout_flags(c.o);
+            INFO(flags);
+            if (i > 0) CHECK(s->found[i - 1].step.seconds <= c.step.seconds);  // ranked
+            CHECK((flags.find("--fp8") != std::string::npos) == (c.o.fp8 == 1));  // the command runs what was planned
+            if (c.o.fp8) CHECK(flags.find(" --fp8 1 --fp8-recipe " + c.o.fp8_recipe) != std::string::npos);
+            if (c.o.fp8 && c.o.fp8_recipe != "tensorwise") CHECK(c.o.cp == 1);
+            if (c.o.fp8 && c.o.fp8_recipe == "mxfp8") CHECK(c.o.tp <= 2);
+            // the bytes the search compares with the device: the plan of the candidate's own flags, recipe included
+            CheckedLayout l = check_layout(c.o, config, 4);
+            ParallelPlan par = parallel_plan(c.o, l.dp, l.accumulation);
+            double bytes = 0;
+            for (int stage = 0; stage < c.o.pp; stage++) {
+                par.pp.rank = stage;
+                bytes = std::max(bytes, planned_device_bytes(plan_memory(config, c.o.B, 16, omp_get_max_threads(), par,
+                                                                         Device::CUDA), Device::CUDA, h100));
+            }
+            CHECK(c.bytes == bytes);
+        }
+    }
+    // ... which differ by recipe (a block recipe's tile scales), so that the check above sees the recipe
+    ParallelPlan tensorwise, blockwise;
+    tensorwise.fp8 = blockwise.fp8 = true, blockwise.fp8_recipe = Fp8Recipe::Blockwise;
+    CHECK(plan_memory(config, 4, 16, 1, tensorwise, Device::CUDA).total() !=
+          plan_memory(config, 4, 16, 1, blockwise, Device::CUDA).total());
+    // a recipe the command line gives is the only one tried; one the GPU does not run is refused, by --fp8-recipe
+    Searched mx = searched("--fp8 1 --fp8-recipe mxfp8", Device::CUDA, b200);
+    REQUIRE(!mx.found.empty());
+    CHECK(recipes(mx) == std::set<std::string>{"mxfp8"});
+    Searched not_hopper = searched("--fp8 1 --fp8-recipe mxfp8", Device::CUDA, h100);
+    CHECK(not_hopper.found.empty());
+    CHECK(not_hopper.refused.size() == 1);
+    CHECK(not_hopper.refused["--fp8-recipe"] > 0);
+    // a GPU without FP8 (no recipe in its profile) is never tried with it, and refuses a --fp8 1 that is given
+    HardwareProfile a100 = load_hardware("dev/hardware/a100.txt");
+    CHECK(recipes(searched("", Device::CUDA, a100)).empty());
+    Searched ampere = searched("--fp8 1", Device::CUDA, a100);
+    CHECK(ampere.found.empty());
+    CHECK(ampere.refused["--fp8"] > 0);
+}
+
+TEST_CASE("train_gpt --plan with --fp8 1 names the recipe, the weights it takes, its casts' share of the step and the "
+          "rates its GEMMs are priced at, and says when the profile's GPU does not run it", "[planner][fp8]") {
+    // a Llama whose MLP projection (128 x 320) is no whole tiles of 128: blockwise takes 3 of the 4 weights of a layer
+    const std::string model = "-e l4c128h4g2f320t64v256 -b 2 -t 64 --device cuda --plan --fp8 1";
+    GPTConfig config = parse_model_descriptor("l4c128h4g2f320t64v256");
+    HardwareProfile h100 = load_hardware("dev/hardware/h100.txt");
+    ParallelPlan par;
+    par.fp8 = true, par.fp8_recipe = Fp8Recipe::Blockwise;
+    StepTime step = predict_step(config, 2, 64, par, Device::CUDA, h100, 8);
+    CommandResult r = single(model + " --fp8-recipe blockwise --hardware dev/hardware/h100.txt");
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    CHECK(r.output.find("bf16 mixed precision with FP8 matmuls (blockwise) on cuda") != std::string::npos);
+    CHECK(r.output.find(strfmt("\nfp8: --fp8-recipe blockwise on layers 1 to 2, 3 of the 4 matmul weights of a layer "
+                               "(the others in bf16: dimensions not whole tiles of 128); casts %.3f ms of compute (%.1f%% "
+                               "of the step), GEMMs at the profile's blockwise rates\n",
+                               step.fp8_casts * 1e3, 100 * step.fp8_casts / step.seconds)) != std::string::npos);
+    CHECK(r.output.find("predicted step: " + describe_step(step) + "\n") != std::string::npos);
+    // mxfp8 on an H100: priced at the FP8 rates, and said to be refused there
+    CommandResult mx = single(model + " --fp8-recipe mxfp8 --hardware dev/hardware/h100.txt");
+    INFO(mx.output);
+    REQUIRE(mx.status == 0);
+    CHECK(mx.output.find("fp8: --fp8-recipe mxfp8 on layers 1 to 2, 4 of the 4 matmul weights of a layer; casts ") !=
+          std::string::npos);
+    CHECK(mx.output.find("GEMMs at the profile's FP8 rates (it gives none of this recipe's own); the profile's GPU runs "
+                         "tensorwise, blockwise, so the trainer would refuse this recipe there\n") != std::string::npos);
 }
 
 }  // namespace test_planner
