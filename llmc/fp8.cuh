@@ -368,6 +368,9 @@ struct Fp8Scaling {
     bool runs(long n, long rows, long cols) const {
         if (!takes(rows, cols)) return false;
         if (recipe != Fp8Recipe::Blockwise || n % 4 == 0) return true;
+        if (ready)  // the gathered weight is codes: no values to run the fallback on
+            fail("--fp8-param-gather 1: a blockwise matmul over %ld tokens (no multiple of 4) would run in bf16 from the "
+                 "weight's values, which the gathers carry as FP8 codes", n);
         static std::set<std::pair<long, long>> said;
         if (speaks && said.insert({rows, cols}).second)
             printf("fp8: the %ldx%ld weights' matmuls over %ld tokens (and any count that is no multiple of 4) run in %s: "

@@ -65,6 +65,9 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     if (o.fp8_param_gather) {
         if (!o.fp8) fail("--fp8-param-gather 1: needs --fp8 1");
         if (o.zero == 0) fail("--fp8-param-gather 1: ZeRO-0 all-reduces gradients and gathers no parameters (use -z 1, 2 or 3)");
+        if (fp8_recipe_named(o.fp8_recipe) == Fp8Recipe::Blockwise && (long)o.B * o.T / o.cp % 4 != 0)
+            fail("--fp8-param-gather 1: blockwise runs a matmul over %ld tokens (-b x -t / --cp) in bf16 from the weight's "
+                 "values, which the gathers carry as FP8 codes: make it a multiple of 4", (long)o.B * o.T / o.cp);
         if (fp8_recipe_named(o.fp8_recipe) == Fp8Recipe::Mxfp8)
             fail("--fp8-param-gather 1: mxfp8 casts each weight twice (along its rows and down its columns), two bytes a "
                  "parameter on the wire, no fewer than bf16's");
