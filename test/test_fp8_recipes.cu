@@ -367,18 +367,18 @@ bool recipe_runs_here(Fp8Recipe r) {
     return why.empty();
 }
 
-TEST_CASE("CUDA fp8 blockwise GEMMs (cuBLASLt's 1x128 and 128x128 scales on Hopper) match the CPU emulation: forward "
+TEST_CASE("CUDA fp8 blockwise GEMMs: cuBLASLt's 1x128 and 128x128 scales on Hopper match the CPU emulation, forward "
           "with bias and GELU, input and weight gradients, the bias gradient; a token count that is no multiple of 4 "
           "falls back on both devices", "[cuda][fp8]") {
     if (recipe_runs_here(Fp8Recipe::Blockwise)) check_block_gemms(Fp8Recipe::Blockwise);
 }
 
-TEST_CASE("CUDA fp8 mxfp8 GEMMs (cuBLASLt's E8M0 scales per 32 values on Blackwell) match the CPU emulation: forward "
+TEST_CASE("CUDA fp8 mxfp8 GEMMs: cuBLASLt's E8M0 scales per 32 values on Blackwell match the CPU emulation, forward "
           "with bias and GELU, input and weight gradients, the bias gradient", "[cuda][fp8]") {
     if (recipe_runs_here(Fp8Recipe::Mxfp8)) check_block_gemms(Fp8Recipe::Mxfp8);
 }
 
-TEST_CASE("CUDA fp8 recipes are refused in one line where cuBLASLt has no kernels for them: blockwise off compute "
+TEST_CASE("CUDA fp8 recipes: refused in one line where cuBLASLt has no kernels for them, blockwise off compute "
           "capability 9.0, mxfp8 below 10.0, tensorwise below 8.9", "[cuda][fp8]") {
     SKIP_WITHOUT_GPU_CASE();
     cudaDeviceProp prop;
