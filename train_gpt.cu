@@ -545,8 +545,9 @@ struct Trainer {
         if (pp.on()) print_stage_layers(config, pp);
         if (o.fp8)
             printf("fp8: the matmuls of layers 1 to %d in %s; layers 0 and %d, attention, the embeddings and the "
-                   "classifier in %s\n", config.num_layers - 2, fp8_recipe_terms(fp8_recipe_named(o.fp8_recipe)),
-                   config.num_layers - 1, on_gpu ? "bf16" : "fp32");
+                   "classifier in %s%s\n", config.num_layers - 2, fp8_recipe_terms(fp8_recipe_named(o.fp8_recipe)),
+                   config.num_layers - 1, on_gpu ? "bf16" : "fp32",
+                   o.fp8_param_gather ? "; their weights gathered over dp as E4M3 codes (--fp8-param-gather 1)" : "");
         printf("train: %zu tokens in %s; batch %d x %d on %d dp ranks, %d micro-steps per step (%ld tokens); %d steps\n",
                train_data->total_tokens, o.train_pattern.c_str(), o.B, o.T, grid.dp, accumulation, run.total_batch, steps);
         if (evals)

@@ -40,6 +40,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "llmc/device.cuh"
 
@@ -144,6 +146,19 @@ inline size_t fp8_scale_bytes(Fp8Recipe r, bool blocks, long rows, long k) {
     if (r == Fp8Recipe::Mxfp8) return (size_t)pad_to(rows, 128) * pad_to(ktiles, 4);
     if (blocks) return sizeof(float) * (size_t)((rows + FP8_BLOCK - 1) / FP8_BLOCK) * pad_to(ktiles, 4);
     return sizeof(float) * (size_t)ktiles * pad_to(rows, 4);
+}
+
+// For the checks that read a GPU's casts back (test/, dev/cuda/fp8_blocks.cu): whether two values are the same
+// bits (any NaN the same as any NaN), and the inverse scale a GEMM reads at index `at` of a scale tensor's bytes
+// (mxfp8's E8M0 byte as its power of two, 0xFF a NaN; the others' fp32)
+inline bool fp8_same_bits(float a, float b) {
+    return memcmp(&a, &b, sizeof(float)) == 0 || (std::isnan(a) && std::isnan(b));
+}
+inline float fp8_stored_inverse(const std::vector<uint8_t>& scales, long at, Fp8Recipe r) {
+    if (r == Fp8Recipe::Mxfp8) return scales[at] == 0xFF ? NAN : std::ldexp(1.0f, (int)scales[at] - 127);
+    float inverse;
+    memcpy(&inverse, scales.data() + at * sizeof(float), sizeof(float));
+    return inverse;
 }
 
 // ----------------------------------------------------------------------------------------------------------

@@ -13,9 +13,12 @@
 // the largest, then the tp group as a layer's cast would: every rank ends with every scale, casts its own
 // elements with them, and the gathers move codes alone. The scales are made once per update.
 //
-// Not gathered as codes: mxfp8's weights, which its input gradient casts again in tiles down the columns (two
-// casts, two bytes a parameter: nothing saved; refused with the flag), and the experts', whose matmuls see a
-// different number of rows each step (they travel in the storage type).
+// The experts' weights travel as codes under tensorwise, each expert's weight one scale, made over the group that
+// reduces it (the expert replicas, under expert parallelism) and the tp group. Under blockwise they travel as stored:
+// an expert's share of the tokens is any number, and a count that is no multiple of 4 runs its matmuls in bf16 from
+// the weight's values (Fp8Scaling::runs), which codes cannot give back. Not gathered as codes at all: mxfp8's
+// weights, which its input gradient casts again in tiles down the columns (two casts, two bytes a parameter: nothing
+// saved; refused with the flag).
 //
 // A bucket's piece on the wire is its runs: stretches of the piece's elements, each inside one tensor, as codes
 // (inside one FP8 weight) or as stored values; pieces differ in bytes, so each rank's is padded to the largest.
@@ -36,9 +39,13 @@
 
 // (included by llmc/zero.cuh after its buckets, Bucket and BucketLayout, which the wire layout reads)
 
-// The shape of each FP8 weight that tensor t holds in `unit` of a part (each block of the unit's segment is one),
-// or {0, 0} where the tensor travels in the storage type: the matmul weights of the layers that run in FP8 (all
-// but the model's first and last, llmc/gpt.cuh's fp8_for), when the recipe takes their shape; not the experts'
+// whether the experts' weights travel as codes under recipe r (the top comment says why blockwise's do not)
+inline bool fp8_gathers_experts(Fp8Recipe r) { return r == Fp8Recipe::Tensorwise; }
+
+// The shape of each FP8 weight that tensor t holds in `unit` of a part (each block of the unit's segment is one:
+// the experts' stacked weights are one a expert), or {0, 0} where the tensor travels in the storage type: the matmul
+// weights of the layers that run in FP8 (all but the model's first and last, llmc/gpt.cuh's fp8_for), when the
+// recipe takes their shape
 inline std::pair<long, long> fp8_gathered_shape(const GPTConfig& c, const ModelTable& table, const ModelPart& part, int tp,
                                                 int unit, int t, Fp8Recipe r) {
     int L = part.layers();
@@ -48,7 +55,7 @@ inline std::pair<long, long> fp8_gathered_shape(const GPTConfig& c, const ModelT
     static const int weights[] = {QKVW, ATTPROJW, FCW, FCPROJW, DENSE_FCW, DENSE_FCPROJW, SHARED_FCW, SHARED_FCPROJW};
     if (std::find(std::begin(weights), std::end(weights), t) == std::end(weights)) return {0, 0};
     const TensorSpec& s = table[t];
-    if (s.expert && c.moe()) return {0, 0};
+    if (s.expert && c.moe() && !fp8_gathers_experts(r)) return {0, 0};
     long rows = (long)s.local_rows(tp), cols = (long)s.local_cols(tp);
     if (!fp8_recipe_takes(r, rows, cols)) return {0, 0};
     return {rows, cols};
@@ -204,34 +211,35 @@ struct Fp8Gathers {
         }
     }
 
-    // Every rank's amaxes (host, `scales` floats each, from piece_amaxes) over the dp group, then the tp group
-    // for tensorwise, into the scale pairs: the largest of each, as a layer's cast of the whole weight takes it
-    void make_scales(std::vector<float>& amaxes, Comm& dp, Comm* tp) {
-        std::vector<float> all(scales * dp.size);
-        dp.wait(dp.all_gather(amaxes.data(), all.data(), scales, DType::F32));
-        for (size_t s = 0; s < scales; s++) {
+    // One reduction group's scales, [first, first + count) of the rank's: every rank's amaxes of them (host, from
+    // piece_amaxes) over the group's ranks (dp, or the expert replicas), then the tp group for tensorwise, into the
+    // scale pairs: the largest of each, as a layer's cast of the whole weight takes it
+    void make_scales(const float* amaxes, size_t first, size_t count, Comm& dp, Comm* tp) {
+        std::vector<float> mine(amaxes + first, amaxes + first + count), all(count * dp.size);
+        dp.wait(dp.all_gather(mine.data(), all.data(), count, DType::F32));
+        for (size_t s = 0; s < count; s++) {
             float m = 0.0f;
             for (int r = 0; r < dp.size; r++) {
-                float a = all[r * scales + s];
+                float a = all[r * count + s];
                 m = std::isfinite(a) && std::isfinite(m) ? std::max(m, a) : NAN;
             }
-            amaxes[s] = m;
+            mine[s] = m;
         }
-        std::vector<float> host(2 * scales);
+        std::vector<float> host(2 * count);
         if (recipe == Fp8Recipe::Tensorwise) {
             int T = tp ? tp->size : 1;
-            all.assign(scales * T, 0.0f);
-            if (T > 1) tp->wait(tp->all_gather(amaxes.data(), all.data(), scales, DType::F32));
-            else all = amaxes;
+            all.assign(count * T, 0.0f);
+            if (T > 1) tp->wait(tp->all_gather(mine.data(), all.data(), count, DType::F32));
+            else all = mine;
             std::vector<float> pieces(T);
-            for (size_t s = 0; s < scales; s++) {
-                for (int r = 0; r < T; r++) pieces[r] = all[r * scales + s];
+            for (size_t s = 0; s < count; s++) {
+                for (int r = 0; r < T; r++) pieces[r] = all[r * count + s];
                 fp8_scale_pair(&host[2 * s], pieces.data(), T, Fp8Format::E4M3);
             }
         } else {
-            for (size_t s = 0; s < scales; s++) fp8_tile_scale(&host[2 * s], &host[2 * s + 1], amaxes[s], recipe);
+            for (size_t s = 0; s < count; s++) fp8_tile_scale(&host[2 * s], &host[2 * s + 1], mine[s], recipe);
         }
-        device_upload<floatX>(pairs, host.data(), host.size());
+        device_upload<floatX>(pairs + 2 * first, host.data(), host.size());
     }
 
     // this rank's piece of bucket w on the wire: its FP8 weights' elements cast to codes, the rest copied as stored

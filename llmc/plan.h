@@ -98,14 +98,18 @@ inline int planned_in_flight(const PPSpec& pp, int m) {
 // --fp8-param-gather: each group's buckets on the wire (llmc/fp8_gather.cuh), and the FP8 weights' scales of them all
 struct PlannedWires {
     std::vector<std::vector<Fp8BucketWire>> groups;
+    std::vector<size_t> group_scales;  // each group's
     size_t scales = 0;
 };
 inline PlannedWires planned_wires(const GPTConfig& c, const ParallelPlan& par, Device dev) {
     PlannedWires w;
     if (!par.fp8_param_gather) return w;
-    for (const PlannedGroup& g : planned_groups(c, par))
+    for (const PlannedGroup& g : planned_groups(c, par)) {
+        size_t before = w.scales;
         w.groups.push_back(fp8_bucket_wires(c, planned_part(c, par), par.tp, g.layout, g.ranks, par.fp8_recipe,
                                             dev == Device::CUDA ? 2 : 4, w.scales));
+        w.group_scales.push_back(w.scales - before);
+    }
     return w;
 }
 
@@ -272,7 +276,7 @@ inline double aux_batch_bytes(const GPTConfig& c, const ParallelPlan& par, doubl
 }
 // Under --fp8-param-gather a parameter gather moves each bucket with FP8 weights as its pieces on the wire (every
 // rank's padded to the largest, codes a byte each), and each update all-gathers every FP8 weight's amaxes per scale
-// (a float each) over the first group.
+// (a float each) over the group that reduces the weight.
 inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, Device device) {
     if (par.grad_ranks() == 1) return 0.0;
     double k = par.accumulation;
@@ -291,7 +295,8 @@ inline double planned_comm_bytes(const GPTConfig& c, const ParallelPlan& par, De
             }
         double loss = i == 0 ? 2 * sizeof(double) : 0.0;  // the loss: over dp·cp, the first group's ranks
         bytes += ring * (reduce * P + gather * gathered + loss) + (N - 1) * sizeof(double);
-        if (i == 0) bytes += balancing_bytes(c, N) + aux_batch_bytes(c, par, N) + (N - 1) * sizeof(float) * wires.scales;
+        if (par.fp8_param_gather) bytes += (N - 1) * sizeof(float) * wires.group_scales[i];
+        if (i == 0) bytes += balancing_bytes(c, N) + aux_batch_bytes(c, par, N);
     }
     return bytes;
 }

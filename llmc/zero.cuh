@@ -230,6 +230,7 @@ struct DataParallel : ParamStore<floatX> {
         // --fp8-param-gather (llmc/fp8_gather.cuh): each bucket's wire layout; under ZeRO-1/2 every FP8 weight's
         // codes (bucket b's from codes_at[b]) and the staging of one gather
         std::vector<Fp8BucketWire> wires;
+        size_t scales_first = 0, scales = 0;  // its FP8 weights' scales among the rank's
         Code* codes = nullptr;
         std::vector<size_t> codes_at;
         uint8_t *wire_piece = nullptr, *wire = nullptr;
@@ -300,8 +301,11 @@ struct DataParallel : ParamStore<floatX> {
         fp8.reset(new Fp8Gathers<floatX>());
         fp8->recipe = m.fp8.recipe;
         Ledger& led = m.ledger;
-        for (Group& g : groups)
+        for (Group& g : groups) {
+            g.scales_first = fp8->scales;
             g.wires = fp8_bucket_wires(m.config, m.part, m.tp.size(), g.layout, g.N, fp8->recipe, sizeof(floatX), fp8->scales);
+            g.scales = fp8->scales - g.scales_first;
+        }
         fp8->pairs = led.alloc<floatX, float>(MEM_PARAMS, 2 * fp8->scales);
         for (Group& g : groups) {
             size_t codes = 0, max_codes = 0, max_piece = 0;
@@ -324,6 +328,7 @@ struct DataParallel : ParamStore<floatX> {
             }
         }
         m.fp8.ready = &fp8->ready;
+        if (fp8_gathers_experts(fp8->recipe)) m.fp8_experts.ready = &fp8->ready;
     }
 
     // one rank without sharding needs none of this: the model runs on its flat buffers
@@ -490,7 +495,10 @@ struct DataParallel : ParamStore<floatX> {
                 if (!g.wires[b].weights.empty()) fp8->piece_amaxes(amaxes.data, g.wires[b], g.rank, owned_values(g, (int)b));
         std::vector<float> host(fp8->scales);
         device_download<floatX>(host.data(), amaxes.data, fp8->scales);
-        fp8->make_scales(host, comm, m.fp8.group);
+        for (Group& g : groups)  // the experts' scales are shared over tp alone, as their layers' casts share them
+            if (g.scales)
+                fp8->make_scales(host.data(), g.scales_first, g.scales, *g.comm,
+                                 g.experts ? m.fp8_experts.group : m.fp8.group);
         if (stage == 3) return;  // the gathers cast the pieces they send
         for (Group& g : groups)
             for (size_t b = 0; b < g.layout.buckets.size(); b++) {

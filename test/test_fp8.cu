@@ -263,8 +263,6 @@ std::vector<float> tile_cast_reference(const std::vector<float>& x, long rows, l
     return out;
 }
 
-bool same_bits(float a, float b) { return memcmp(&a, &b, sizeof(float)) == 0 || (std::isnan(a) && std::isnan(b)); }
-
 TEST_CASE("fp8 recipes: blockwise's and mxfp8's tile casts equal a reference under each tile's own scale, bit for bit "
           "(rows, columns and 128x128 blocks, partial tiles at the edges, zeros, a non-finite tile); an outlier costs "
           "only its own tile's precision", "[fp8]") {
@@ -285,7 +283,7 @@ TEST_CASE("fp8 recipes: blockwise's and mxfp8's tile casts equal a reference und
             fp8_quantize_tiles(got.data(), x.data(), rows, cols, t.tile_rows, t.tile_cols, r);
             std::vector<float> want = tile_cast_reference(x, rows, cols, t.tile_rows, t.tile_cols, r);
             long differ = 0;
-            for (size_t i = 0; i < x.size(); i++) differ += !same_bits(got[i], want[i]);
+            for (size_t i = 0; i < x.size(); i++) differ += !fp8_same_bits(got[i], want[i]);
             CHECK(differ == 0);
         }
         // mxfp8's power of two leaves every scaled value within the format (none saturates); blockwise puts each
@@ -946,12 +944,14 @@ TEST_CASE("--fp8-recipe: without --fp8 1, a tp that cuts tiles and a cp whose ch
 // rank's casts (each scale from the whole weight's or block's amax, shared over the dp and tp ranks owning its pieces),
 // so the flag changes no bit: dp 2 under ZeRO-1, 2 and 3 trains the single rank's bits, model file included (GPT-2's
 // biases and norms travel as values between the codes; a Llama's 128x128 blocks under blockwise), and tp 2 x dp 2
-// (the tp ranks' amaxes) and pp 2 x dp 2 train their own layout's bits without it. The dp bytes each run counts are
-// the formula's and --plan's, and fewer than without the flag. Planted: each rank scaling its pieces by the amax of
-// its own elements (not the dp group's) failed every case at step 0 (losses 2.2e-3 to 1.7e-2 away: the other ranks'
-// larger values saturate).
-TEST_CASE("--fp8-param-gather 1 trains the bits it would without, dp 2 under ZeRO-1 to 3 the single rank's, tp 2 x dp 2 "
-          "and pp 2 x dp 2 their own: tensorwise and blockwise, 12 steps at learning rate 3e-3, with fewer dp bytes",
+// (the tp ranks' amaxes) and pp 2 x dp 2 train their own layout's bits without it. A mixture of experts' expert
+// weights travel as codes too (tensorwise): dp 2 gives the single rank's bits, and ep 2 x dp 2 (each expert's scale
+// made over its two replicas) its own layout's. The dp bytes each run counts are the formula's and --plan's, and
+// fewer than without the flag. Planted: each rank scaling its pieces by the amax of its own elements (not the dp
+// group's) failed every case at step 0 (losses 2.2e-3 to 1.7e-2 away: the other ranks' larger values saturate);
+// the experts' scales made over the whole dp group (whose ep ranks hold other experts) failed ep 2 x dp 2 at step 0.
+TEST_CASE("--fp8-param-gather 1: the bits it would train without, dp 2 under ZeRO-1 to 3 the single rank's, tp 2 x dp 2, "
+          "pp 2 x dp 2 and ep 2 x dp 2 their own: tensorwise and blockwise, 12 steps at learning rate 3e-3, fewer dp bytes",
           "[fp8][parallel]") {
     Data data;
     TempDir out;
@@ -964,6 +964,7 @@ TEST_CASE("--fp8-param-gather 1 trains the bits it would without, dp 2 under ZeR
     const char* GPT2 = "d4c64h4t32v301";
     const char* LLAMA = "l4c32h4g2f80t32v301";
     const char* LLAMA128 = "l4c128h4g2f256t32v301";
+    const char* MOE = "l4c32h4g2f80t32v301e4k2";
     std::vector<Case> cases = {
         {"gpt2_z2", GPT2, "tensorwise", 2, " -z 2", true},
         {"llama_z1", LLAMA, "tensorwise", 2, " -z 1", true},
@@ -972,6 +973,11 @@ TEST_CASE("--fp8-param-gather 1 trains the bits it would without, dp 2 under ZeR
         {"blockwise_z3", LLAMA128, "blockwise", 2, " -z 3", true},
         {"tp2_sp_dp2_z3", LLAMA128, "tensorwise", 4, " --tp 2 --sp 1 -z 3", false},
         {"pp2_dp2_z1", LLAMA128, "blockwise", 4, " --pp 2 -z 1", false},
+        {"moe_z1", MOE, "tensorwise", 2, " -z 1", true},
+        {"moe_z3", MOE, "tensorwise", 2, " -z 3", true},
+        // one bucket a group: with a layer's experts a bucket, pieces padded to the largest (a piece of the last
+        // layer's experts, stored values) would hide what the codes save
+        {"moe_ep2_dp2_z3", MOE, "tensorwise", 4, " --ep 2 -z 3 -d 128 --bucket-mb 1", false},
     };
     const std::string last = strfmt("/ckpt_%08d/model.bin", LAYOUT_STEPS);
     std::map<std::string, std::string> singles;
@@ -1016,11 +1022,20 @@ TEST_CASE("--fp8-param-gather: refused without --fp8 1, under ZeRO-0 and with mx
                          {"--fp8-param-gather 1", "ZeRO-0"});
     check_one_line_error(single(flags + " --fp8 1 --fp8-recipe mxfp8 -z 1 --fp8-param-gather 1 --plan --world 2"),
                          {"--fp8-param-gather 1", "mxfp8"});
-    GPTConfig c = parse_model_descriptor("l4c128h4g2f256t32v301");
-    for (Fp8Recipe r : {Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise})
+    // the Llama's layers 1 and 2 hold 4 FP8 weights each (qkv, the projection, the MLP's two); the mixture's 2 and
+    // its 4 experts' two each, under tensorwise (blockwise: none, its widths are no multiples of 128)
+    struct Model {
+        const char* descriptor;
+        Fp8Recipe recipe;
+        size_t weights;
+    };
+    for (Model mo : {Model{"l4c128h4g2f256t32v301", Fp8Recipe::Tensorwise, 8}, Model{"l4c128h4g2f256t32v301",
+                     Fp8Recipe::Blockwise, 8}, Model{"l4c32h4g2f80t32v301e4k2", Fp8Recipe::Tensorwise, 20}})
         for (int zero = 1; zero <= 3; zero++)
             for (int rank = 0; rank < 3; rank++) {
-                INFO(fp8_recipe_name(r) << ", ZeRO-" << zero << ", rank " << rank << " of 3");
+                Fp8Recipe r = mo.recipe;
+                GPTConfig c = parse_model_descriptor(mo.descriptor);
+                INFO(mo.descriptor << ", " << fp8_recipe_name(r) << ", ZeRO-" << zero << ", rank " << rank << " of 3");
                 Comm group;  // only the size and rank matter until a collective runs
                 group.size = 3, group.rank = rank;
                 GPT m;
@@ -1037,7 +1052,7 @@ TEST_CASE("--fp8-param-gather: refused without --fp8 1, under ZeRO-0 and with mx
                     INFO(mem_category_name(i));
                     CHECK(plan.bytes[i] == m.ledger.bytes[i]);
                 }
-                CHECK(dpr.fp8->ready.size() == (zero == 3 ? 0 : 8));  // layers 1 and 2: qkv, the projection, the MLP's two
+                CHECK(dpr.fp8->ready.size() == (zero == 3 ? 0 : mo.weights));  // ZeRO-3 offers them as they arrive
             }
 }
 

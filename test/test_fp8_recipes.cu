@@ -153,23 +153,13 @@ TEST_CASE("fp8 recipes on the CPU: a blockwise layer over a token count that is 
 // ----------------------------------------------------------------------------------------------------------
 // on a GPU
 
-bool same_bits(float a, float b) { return memcmp(&a, &b, sizeof(float)) == 0 || (std::isnan(a) && std::isnan(b)); }
-
-// the inverse scale a GEMM reads for the tile at `at` of a scale tensor
-float tile_inverse(const std::vector<uint8_t>& scales, long at, Fp8Recipe r) {
-    if (r == Fp8Recipe::Mxfp8) return scales[at] == 0xFF ? NAN : std::ldexp(1.0f, (int)scales[at] - 127);
-    float inverse;
-    memcpy(&inverse, scales.data() + at * sizeof(float), sizeof(float));
-    return inverse;
-}
-
 // whether the scale the GPU stored at `at` is the one of a tile of amax `amax`: mxfp8's E8M0 byte, blockwise's
 // inverse scale (bit for bit, any NaN for a NaN)
 bool scale_matches(const std::vector<uint8_t>& scales, long at, float amax, Fp8Recipe r) {
     if (r == Fp8Recipe::Mxfp8) return scales[at] == fp8_e8m0(amax);
     float scale, inverse;
     fp8_tile_scale(&scale, &inverse, amax, r);
-    return same_bits(tile_inverse(scales, at, r), inverse);
+    return fp8_same_bits(fp8_stored_inverse(scales, at, r), inverse);
 }
 
 // the amax of x's tile (rows i0.., columns j0..; a NaN wins), as the CPU's cast takes it
@@ -197,8 +187,8 @@ CastCheck check_cast(const std::vector<float>& x, const std::vector<float>& cpu,
     for (long i = 0; i < rows; i++)
         for (long j = 0; j < cols; j++) {
             float got = fp8_decode(codes[code_at(i, j)], Fp8Format::E4M3) *
-                        tile_inverse(scales, scale_index(i / tile_rows, j / tile_cols), r);
-            c.differ += !same_bits(got, cpu[i * cols + j]);
+                        fp8_stored_inverse(scales, scale_index(i / tile_rows, j / tile_cols), r);
+            c.differ += !fp8_same_bits(got, cpu[i * cols + j]);
         }
     std::vector<bool> used(r == Fp8Recipe::Mxfp8 ? scales.size() : 0);
     for (long ti = 0; ti < ceil_div(rows, tile_rows); ti++)

@@ -18,16 +18,6 @@ const Fp8Recipe BLOCK_RECIPES[] = {Fp8Recipe::Blockwise, Fp8Recipe::Mxfp8};
 
 long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
-bool same_bits(float a, float b) { return memcmp(&a, &b, sizeof(float)) == 0 || (std::isnan(a) && std::isnan(b)); }
-
-// the inverse scale a GEMM reads at `at` of a scale tensor
-float tile_inverse(const std::vector<uint8_t>& scales, long at, Fp8Recipe r) {
-    if (r == Fp8Recipe::Mxfp8) return scales[at] == 0xFF ? NAN : std::ldexp(1.0f, (int)scales[at] - 127);
-    float inverse;
-    memcpy(&inverse, scales.data() + at * sizeof(float), sizeof(float));
-    return inverse;
-}
-
 // how many of x's values the GPU's codes (at code_at(i, j), unscaled by the inverse at scale_at(tile row, tile
 // column)) do not give bit for bit as the CPU's cast in tiles of tile_rows × tile_cols does
 template <typename CodeAt, typename ScaleAt>
@@ -41,8 +31,8 @@ long cast_differences(const std::vector<float>& x, long rows, long cols, long ti
     for (long i = 0; i < rows; i++)
         for (long j = 0; j < cols; j++) {
             float got = fp8_decode(codes[code_at(i, j)], Fp8Format::E4M3) *
-                        tile_inverse(scales, scale_at(i / tile_rows, j / tile_cols), r);
-            differ += !same_bits(got, cpu[i * cols + j]);
+                        fp8_stored_inverse(scales, scale_at(i / tile_rows, j / tile_cols), r);
+            differ += !fp8_same_bits(got, cpu[i * cols + j]);
         }
     return differ;
 }

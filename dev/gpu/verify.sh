@@ -643,7 +643,8 @@ phase_determinism() {
 # ---------------------------------------------------------------------------------------------------------
 # mpi: 2 ranks sharing the device over MPI (dp with ZeRO-0..3 and 2 micro-steps; tp 2) against one rank, all
 # with the same global batch of 4 micro-batches; then a Llama (LLAMA_MODEL) under dp 2 with ZeRO-1 and tp 2,
-# and with one key/value head (LLAMA_MQA) under tp 2, both ranks holding it and summing its gradient
+# and with one key/value head (LLAMA_MQA) under tp 2, both ranks holding it and summing its gradient; last, the
+# FP8 parameter gathers (fp8_gathers, below)
 
 GLOBAL_BATCH=$((4 * CHECK_B * CHECK_T))
 
@@ -708,10 +709,8 @@ told_apart() {
     fi
 }
 
-# two_ranks_ready DIR [FLAGS...]: true when 2 ranks can run here and the one-rank reference (with FLAGS) ran
-# in DIR/single; otherwise the phase's SKIP or FAIL is recorded
-two_ranks_ready() {
-    local dir=$1; shift
+# two_ranks_can_run: true when 2 ranks can run here; otherwise the phase's SKIP or FAIL is recorded
+two_ranks_can_run() {
     if needs_device; then return 1; fi
     if ! command -v mpirun >/dev/null 2>&1; then
         result SKIP "$PHASE" "2 ranks" "(no mpirun: source .devdeps/env.sh, or set ENV_SCRIPT)"; return 1
@@ -719,6 +718,13 @@ two_ranks_ready() {
     if [[ $(ldd "$TRAIN_GPT" 2>/dev/null) != *libmpi* ]]; then
         result FAIL "$PHASE" "2 ranks" "(train_gpt was built without MPI: rebuild with mpicxx on PATH)"; return 1
     fi
+}
+
+# two_ranks_ready DIR [FLAGS...]: true when 2 ranks can run here and the one-rank reference (with FLAGS) ran
+# in DIR/single; otherwise the phase's SKIP or FAIL is recorded
+two_ranks_ready() {
+    local dir=$1; shift
+    two_ranks_can_run || return 1
     rm -rf "$dir" && mkdir -p "$dir"
     single_rank "$dir/single" "$@"
 }
@@ -745,6 +751,36 @@ phase_mpi() {
         two_ranks "$WORK/mpi_mqa" "$LLAMA_MQA, tp 2 (sp) over its one key/value head, 4 micro-steps" -e "$LLAMA_MQA" \
             --tp 2 --debug-check-replicas 1
     fi
+    fp8_gathers
+}
+
+# fp8_gathers: --fp8-param-gather 1 (llmc/fp8_gather.cuh) on 2 ranks sharing the device over MPI, dp 2 under
+# ZeRO-1 and ZeRO-3, tensorwise and (where the GPU runs it) blockwise: the FP8 layers' weights travel as E4M3 codes
+# cast from each rank's part with the whole tensor's amax, so every step's loss and gradient norm must be the same
+# bits as the same layout gathering bf16 (tolerance 0), over 10 steps at least. The run with the flag must say it.
+fp8_gathers() {
+    local dir=$WORK/mpi_fp8 recipe z gather rc name missing steps=$((CHECK_STEPS > 10 ? CHECK_STEPS : 10))
+    two_ranks_can_run || return
+    mkdir -p "$dir"
+    for recipe in tensorwise blockwise; do
+        missing=$(recipe_missing "$recipe")
+        for z in 1 3; do
+            name="$CHECK_MODEL dp 2, ZeRO-$z, $recipe: --fp8-param-gather 1 against gathering the stored values"
+            if [[ -n $missing ]]; then result SKIP "$PHASE" "$name" "($missing)"; continue; fi
+            for gather in 0 1; do
+                run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 \
+                    "${CHECK_FLAGS[@]}" -x "$steps" -d "$GLOBAL_BATCH" -z "$z" --fp8 1 --fp8-recipe "$recipe" \
+                    --fp8-param-gather "$gather" -o "$dir/${recipe}_z${z}_$gather"
+                rc=$?
+                run_output >"$dir/${recipe}_z${z}_$gather.out"
+                (( rc == 0 )) || break
+            done
+            if (( rc == 0 )) && ! grep -q '^fp8: .*gathered over dp as E4M3 codes' "$dir/${recipe}_z${z}_1.out"; then
+                result FAIL "$PHASE" "$name" "(the run with the flag printed no 'fp8: ... gather' line)"; continue
+            fi
+            against "$dir/${recipe}_z${z}_0" "$dir/${recipe}_z${z}_1" "$name" 0 "$rc"
+        done
+    done
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1302,7 +1338,7 @@ declare -A EST_FULL=(
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
     [moe]=200           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each; the batch-scope and capacity pairs 2 each
-    [mpi]=250           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each
+    [mpi]=450           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each; the FP8 gathers 8 x (20 x 0.92 s + 7)
     [kernels]=150       # 12 dev/cuda programs (93 s on an H100, 2026-11-27: attention 27) and attention_sdpa.py
     [pytorch]=60        # d12 10 steps, then PyTorch's d12 (bf16 autocast) 10 steps
     [determinism]=25    # 2 x (20 x 43 ms + 4 s + a 1.5 GB checkpoint)
@@ -1316,7 +1352,7 @@ declare -A EST_QUICK=(
     [tests]=20          # build/tests "[cuda]~[model]": every [cuda] case but the models': 9 s on an H100 (2026-11-27)
     [model]=20          # [cuda][model]: 11 cases, 274 assertions in 11 s on an H100
     [fp8]=25            # d12 B=4 T=1024, 20 steps without --fp8 1, with it and with blockwise: 3 x (4 s + 20 x ~45 ms); mxfp8 refused 4
-    [mpi]=35            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100
+    [mpi]=90            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100; the FP8 gathers 8 x ~7
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
     [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
     [moe]=75            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each; the batch-scope and capacity pairs
@@ -1324,7 +1360,7 @@ declare -A EST_QUICK=(
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
 declare -A EST_CPU=(
-    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=100 [cp]=40 [pp]=60 [moe]=300 [mpi]=60 [kernels]=1
+    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=100 [cp]=40 [pp]=60 [moe]=300 [mpi]=100 [kernels]=1
     [pytorch]=30 [determinism]=20 [resume]=40 [nccl]=1 [plan]=1 [bench]=1
 )
 estimate() {
