@@ -944,9 +944,10 @@ TEST_CASE("--fp8-recipe: without --fp8 1, a tp that cuts tiles and a cp whose ch
 // rank's casts (each scale from the whole weight's or block's amax, shared over the dp and tp ranks owning its pieces),
 // so the flag changes no bit: dp 2 under ZeRO-1, 2 and 3 trains the single rank's bits, model file included (GPT-2's
 // biases and norms travel as values between the codes; a Llama's 128x128 blocks under blockwise), and tp 2 x dp 2
-// (the tp ranks' amaxes) and pp 2 x dp 2 train their own layout's bits without it. A mixture of experts' expert
-// weights travel as codes too (tensorwise): dp 2 gives the single rank's bits, and ep 2 x dp 2 (each expert's scale
-// made over its two replicas) its own layout's. The dp bytes each run counts are the formula's and --plan's, and
+// (the tp ranks' amaxes), pp 2 x dp 2 and dp 2 under ZeRO-3 accumulating 2 micro-steps (each gathering its buckets
+// anew) train their own layout's bits without it. A mixture of experts' expert weights travel as codes too
+// (tensorwise): dp 2 gives the single rank's bits, and ep 2 x dp 2 (each expert's scale made over its two replicas)
+// its own layout's. The dp bytes each run counts are the formula's and --plan's, and
 // fewer than without the flag. Planted: each rank scaling its pieces by the amax of its own elements (not the dp
 // group's) failed every case at step 0 (losses 2.2e-3 to 1.7e-2 away: the other ranks' larger values saturate);
 // the experts' scales made over the whole dp group (whose ep ranks hold other experts) failed ep 2 x dp 2 at step 0.
@@ -973,6 +974,7 @@ TEST_CASE("--fp8-param-gather 1: the bits it would train without, dp 2 under ZeR
         {"blockwise_z3", LLAMA128, "blockwise", 2, " -z 3", true},
         {"tp2_sp_dp2_z3", LLAMA128, "tensorwise", 4, " --tp 2 --sp 1 -z 3", false},
         {"pp2_dp2_z1", LLAMA128, "blockwise", 4, " --pp 2 -z 1", false},
+        {"blockwise_z3_accumulating", LLAMA128, "blockwise", 2, " -z 3 -d 128", false},  // 2 micro-steps a rank
         {"moe_z1", MOE, "tensorwise", 2, " -z 1", true},
         {"moe_z3", MOE, "tensorwise", 2, " -z 3", true},
         // one bucket a group: with a layer's experts a bucket, pieces padded to the largest (a piece of the last
