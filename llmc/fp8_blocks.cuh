@@ -237,6 +237,25 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS)
     }
 }
 
+// A block's codes of x's rows r0.. and columns c0.. (codes[j][i]: x[r0 + i][c0 + j]'s, WIDTH columns of HEIGHT
+// rows, each padded by 4 bytes) out to xᵀ (cols×ld_t) as 16-byte runs of its rows, or a byte at a time where ld_t
+// or out_t is not aligned for them
+template <int WIDTH, int HEIGHT>
+__device__ void fp8_store_transposed(uint8_t* out_t, const uint8_t (*codes)[HEIGHT + 4], long r0, long c0, long cols,
+                                     long ld_t) {
+    constexpr int SEGMENTS = HEIGHT / 16;
+    bool vectors = ld_t % 16 == 0 && (uintptr_t)out_t % 16 == 0;
+    for (int g = threadIdx.x; g < WIDTH * SEGMENTS; g += blockDim.x) {
+        int j = g / SEGMENTS, i = g % SEGMENTS * 16;
+        long c = c0 + j, at = c * ld_t + r0 + i;
+        if (c >= cols || r0 + i >= ld_t) continue;
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(&codes[j][i]);
+        if (vectors) *reinterpret_cast<uint4*>(out_t + at) = make_uint4(w[0], w[1], w[2], w[3]);
+        else
+            for (int k = 0; k < 16 && r0 + i + k < ld_t; k++) out_t[at + k] = codes[j][i + k];
+    }
+}
+
 // Tiles down the columns (L×1), written transposed: out_t (cols×ld_t) holds xᵀ, K = x's rows, zero from rows to
 // ld_t. A block per L rows × 64 columns of x: the rows come into shared memory as 16-byte vectors (a warp reads 4
 // rows of 128 bytes), 4 threads per column take its tile's amax and cast L/4 values each into a shared tile of
@@ -246,7 +265,7 @@ constexpr int FP8_COLS_WIDTH = 64;
 template <int L>
 __global__ void __launch_bounds__(FP8_CAST_THREADS)
     fp8_quantize_cols_kernel(uint8_t* out_t, void* scales, const bf16* x, long rows, long cols, long ld_t, Fp8Recipe r) {
-    constexpr int W = FP8_COLS_WIDTH, PARTS = FP8_CAST_THREADS / W, RUN = L / PARTS, SEGMENTS = L / 16;
+    constexpr int W = FP8_COLS_WIDTH, PARTS = FP8_CAST_THREADS / W, RUN = L / PARTS;
     __shared__ __align__(16) bf16 xs[L][W];
     // codes[j][i]: the code of x[r0 + i][c0 + j]; rows of L + 4 bytes put a warp's 32 columns in 32 banks
     __shared__ __align__(16) uint8_t codes[W][L + 4];
@@ -278,16 +297,7 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS)
     if (part == 0 && c0 + j < cols)
         fp8_store_scale(scales, fp8_scale_index(r, false, c0 + j, blockIdx.y, cols, ktiles), amax, inverse, r);
     __syncthreads();
-    bool vectors_t = ld_t % 16 == 0 && (uintptr_t)out_t % 16 == 0;
-    for (int g = threadIdx.x; g < W * SEGMENTS; g += FP8_CAST_THREADS) {
-        int jj = g / SEGMENTS, i = g % SEGMENTS * 16;
-        long c = c0 + jj, at = c * ld_t + r0 + i;
-        if (c >= cols || r0 + i >= ld_t) continue;
-        const unsigned int* w = reinterpret_cast<const unsigned int*>(&codes[jj][i]);
-        if (vectors_t) *reinterpret_cast<uint4*>(out_t + at) = make_uint4(w[0], w[1], w[2], w[3]);
-        else
-            for (int k = 0; k < 16 && r0 + i + k < ld_t; k++) out_t[at + k] = codes[jj][i + k];
-    }
+    fp8_store_transposed<W, L>(out_t, codes, r0, c0, cols, ld_t);
 }
 
 // blockwise weights: a block per 128×128 block of x, each thread holding 8 vectors of 8 values from the amax to the
@@ -340,16 +350,7 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS)
     }
     if (!out_t) return;
     __syncthreads();
-    bool vectors_t = rows % 16 == 0 && (uintptr_t)out_t % 16 == 0;
-    for (int g = threadIdx.x; g < FP8_BLOCK * FP8_BLOCK / 16; g += FP8_CAST_THREADS) {
-        int j = g / (FP8_BLOCK / 16), i = g % (FP8_BLOCK / 16) * 16;
-        long c = c0 + j, at = c * rows + r0 + i;
-        if (c >= cols || r0 + i >= rows) continue;
-        const unsigned int* w = reinterpret_cast<const unsigned int*>(&codes[j][i]);
-        if (vectors_t) *reinterpret_cast<uint4*>(out_t + at) = make_uint4(w[0], w[1], w[2], w[3]);
-        else
-            for (int k = 0; k < 16 && r0 + i + k < rows; k++) out_t[at + k] = codes[j][i + k];
-    }
+    fp8_store_transposed<FP8_BLOCK, FP8_BLOCK>(out_t, codes, r0, c0, cols, rows);
 }
 
 // cuBLASLt reads mxfp8's scales in whole tiles of 128 rows × 4 K-tiles and asks that the bytes past the operand's

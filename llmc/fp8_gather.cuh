@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -38,6 +39,19 @@
 #include "llmc/model_table.h"
 
 // (included by llmc/zero.cuh after its buckets, Bucket and BucketLayout, which the wire layout reads)
+
+// Why --fp8-param-gather 1 cannot run under ZeRO stage `zero` and recipe r with matmuls over `tokens` rows
+// (-b × -t / --cp), or "": the planner's check_layout and DataParallel both ask
+inline std::string fp8_param_gather_problem(int zero, Fp8Recipe r, long tokens) {
+    if (zero == 0) return "ZeRO-0 all-reduces gradients and gathers no parameters (use -z 1, 2 or 3)";
+    if (r == Fp8Recipe::Mxfp8)
+        return "mxfp8 casts each weight twice (along its rows and down its columns), two bytes a parameter on the "
+               "wire, no fewer than bf16's";
+    if (r == Fp8Recipe::Blockwise && tokens % 4 != 0)
+        return strfmt("blockwise runs a matmul over %ld tokens (-b x -t / --cp) in bf16 from the weight's values, which "
+                      "the gathers carry as FP8 codes: make it a multiple of 4", tokens);
+    return "";
+}
 
 // whether the experts' weights travel as codes under recipe r (the top comment says why blockwise's do not)
 inline bool fp8_gathers_experts(Fp8Recipe r) { return r == Fp8Recipe::Tensorwise; }
@@ -52,8 +66,7 @@ inline std::pair<long, long> fp8_gathered_shape(const GPTConfig& c, const ModelT
     if (unit < 1 || unit > L) return {0, 0};
     int layer = part.model_layer(L - unit);
     if (layer == 0 || layer == c.num_layers - 1) return {0, 0};
-    static const int weights[] = {QKVW, ATTPROJW, FCW, FCPROJW, DENSE_FCW, DENSE_FCPROJW, SHARED_FCW, SHARED_FCPROJW};
-    if (std::find(std::begin(weights), std::end(weights), t) == std::end(weights)) return {0, 0};
+    if (!fp8_matmul_weight(t)) return {0, 0};
     const TensorSpec& s = table[t];
     if (s.expert && c.moe() && !fp8_gathers_experts(r)) return {0, 0};
     long rows = (long)s.local_rows(tp), cols = (long)s.local_cols(tp);

@@ -211,6 +211,16 @@ enum ParamTensor { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, L
 // the Llama family's classifier, where GPT-2 has wpe (which it lacks)
 constexpr ParamTensor LM_HEAD = WPE;
 
+// the layer matmuls' weights, which --fp8 1 runs in FP8 in all but the first and the last layer (the router and the
+// shared expert's gate, small, stay in bf16)
+inline bool fp8_matmul_weight(int t) {
+    switch (t) {
+        case QKVW: case ATTPROJW: case FCW: case FCPROJW: case DENSE_FCW: case DENSE_FCPROJW: case SHARED_FCW:
+        case SHARED_FCPROJW: return true;
+        default: return false;
+    }
+}
+
 enum class TPSplit { Replicated, Column, Row, Vocab };
 // the unit that holds a tensor: the embeddings, a layer, or the head (the final norm, and a classifier of its own)
 enum class Holder { Embeddings, Layer, Head };

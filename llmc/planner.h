@@ -64,13 +64,8 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     if (!o.fp8_recipe.empty() && !o.fp8) fail("--fp8-recipe %s: needs --fp8 1", o.fp8_recipe.c_str());
     if (o.fp8_param_gather) {
         if (!o.fp8) fail("--fp8-param-gather 1: needs --fp8 1");
-        if (o.zero == 0) fail("--fp8-param-gather 1: ZeRO-0 all-reduces gradients and gathers no parameters (use -z 1, 2 or 3)");
-        if (fp8_recipe_named(o.fp8_recipe) == Fp8Recipe::Blockwise && (long)o.B * o.T / o.cp % 4 != 0)
-            fail("--fp8-param-gather 1: blockwise runs a matmul over %ld tokens (-b x -t / --cp) in bf16 from the weight's "
-                 "values, which the gathers carry as FP8 codes: make it a multiple of 4", (long)o.B * o.T / o.cp);
-        if (fp8_recipe_named(o.fp8_recipe) == Fp8Recipe::Mxfp8)
-            fail("--fp8-param-gather 1: mxfp8 casts each weight twice (along its rows and down its columns), two bytes a "
-                 "parameter on the wire, no fewer than bf16's");
+        std::string why = fp8_param_gather_problem(o.zero, fp8_recipe_named(o.fp8_recipe), (long)o.B * o.T / o.cp);
+        if (!why.empty()) fail("--fp8-param-gather 1: %s", why.c_str());
     }
     if (o.fp8) {
         std::string why = fp8_layout_problem(config, fp8_recipe_named(o.fp8_recipe), o.tp, o.cp, o.T);
@@ -125,10 +120,9 @@ inline std::string describe_fp8(const GPTConfig& config, const ParallelPlan& par
     ModelTable table = model_table(config);
     int taken = 0, weights = 0;
     int layer = std::min(1, config.num_layers - 1);  // a layer FP8 reaches (its weights are every such layer's)
-    for (const TensorSpec& w : table) {
-        if (w.holder != Holder::Layer || w.cols == 1 || w.block() == 0 || !layer_holds(config, w.layers, layer) ||
-            &w == &table[ROUTERW] || &w == &table[SHARED_GATEW])
-            continue;
+    for (int t = 0; t < NUM_PARAM_TENSORS; t++) {
+        const TensorSpec& w = table[t];
+        if (!fp8_matmul_weight(t) || w.block() == 0 || !layer_holds(config, w.layers, layer)) continue;
         weights++;
         taken += fp8_recipe_takes(par.fp8_recipe, (long)w.local_rows(par.tp), (long)w.local_cols(par.tp));
     }

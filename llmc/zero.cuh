@@ -297,7 +297,8 @@ struct DataParallel : ParamStore<floatX> {
     // --fp8-param-gather: each group's wire layouts and the buffers of its gathers (fp8_gather_bytes counts them for
     // the plan); the FP8 layers then look their weights up in fp8->ready
     void gather_fp8_codes() {
-        if (stage == 0) fail("--fp8-param-gather 1: ZeRO-0 all-reduces gradients and gathers no parameters (use -z 1, 2 or 3)");
+        std::string why = fp8_param_gather_problem(stage, m.fp8.recipe, (long)m.B * m.T / m.cp.spec.size);
+        if (!why.empty()) fail("--fp8-param-gather 1: %s", why.c_str());
         fp8.reset(new Fp8Gathers<floatX>());
         fp8->recipe = m.fp8.recipe;
         Ledger& led = m.ledger;
