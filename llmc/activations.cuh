@@ -35,6 +35,7 @@ struct LocalDims {
     int Cl, Hl, NHl, KVl, hd, QKVl, FCl, Vl;
     bool ring, means, qk_norm;
     int K;             // with experts: the slots per token (0: a dense MLP)
+    int E;             // ... and the experts (0: none)
     long expert_rows;  // ... and the rows this rank's experts may see at most (llmc/moe.cuh): every token of the
                        // ep group with up to min(K, E/ep) of them; under a capacity, each expert's of every sequence
     // the dense layers of a model with experts: their MLP's hidden units and first matmul's width (0: none), and
@@ -49,6 +50,7 @@ inline LocalDims local_dims(const GPTConfig& c, const TPSpec& tp, int B, int T, 
     d.B = B, d.T = T / cp, d.C = c.channels, d.ring = cp > 1;
     d.BT = (long)B * d.T;
     d.K = c.moe() ? c.top_k : 0;
+    d.E = c.moe() ? c.num_experts : 0;
     long X = c.num_experts / ep;  // the experts a rank holds
     d.expert_rows = c.moe() ? (long)ep * d.BT * std::min((long)c.top_k, X) : 0;
     if (c.moe() && capacity > 0.0f)
@@ -95,8 +97,10 @@ struct Activations {
     // under a split backward (the zero-bubble pipeline), what the deferred weight gradients read besides the
     // inputs above: the output gradients of the layer's four matmuls (an expert's: of its rows)
     floatX *dqkv, *dattproj, *dfch, *dfcproj;
-    // with experts: the rows they took (expert-major) and the rows they gave back (dispatch order); fch and
-    // fch_act then hold the experts' rows too
+    // with experts: the routing (llmc/moe.cuh's ExpertActivations), the rows they took (expert-major) and the
+    // rows they gave back (dispatch order); fch and fch_act then hold the experts' rows too
+    float *route_logits, *route_gate, *route_freq, *shared_scale;
+    int *route_expert, *route_row;
     floatX *moe_in, *moe_out;
     // ... and the shared expert's hidden layer before and after its activation, its output (kept where a gate
     // scales it: the gate's gradient reads it), and under a split backward its two output gradients
@@ -151,6 +155,9 @@ inline std::vector<ActivationBuffer> layer_buffers(Activations<floatX>& a, const
             buffer("fch", a.fch, fch), buffer("fch_act", a.fch_act, act, RECOMPUTE_ACTIVATION),
             buffer("fcproj", a.fcproj, R * C), buffer("residual3", a.residual3, R * C), buffer("dqkv", a.dqkv, S * BT * d.QKVl),
             buffer("dattproj", a.dattproj, S * BT * C), buffer("dfch", a.dfch, dfch), buffer("dfcproj", a.dfcproj, dfcproj),
+            buffer("route_logits", a.route_logits, BT * d.E), buffer("route_expert", a.route_expert, BT * d.K),
+            buffer("route_gate", a.route_gate, BT * d.K), buffer("route_row", a.route_row, BT * d.K),
+            buffer("route_freq", a.route_freq, (size_t)d.B * d.E), buffer("shared_scale", a.shared_scale, gated * BT),
             buffer("moe_in", a.moe_in, d.expert_rows * C), buffer("moe_out", a.moe_out, d.K * BT * C),
             buffer("qkv_pre", a.qkv_pre, QK * BT * d.QKVl), buffer("qk_rstd", a.qk_rstd, QK * BT * (d.NHl + d.KVl)),
             buffer("shared_fch", a.shared_fch, BT * d.shared_FCl),

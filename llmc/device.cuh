@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -71,6 +72,37 @@ inline void device_download(E* host, const E* src, size_t count) {
         memcpy(host, src, count * sizeof(E));
     }
 }
+
+// Small host tables (a layer's routing counts and the like) uploaded without waiting for the device: each is
+// copied into pinned memory that the transfer reads when its turn on the stream comes. The pinned ring waits for
+// the stream only when it wraps around, once every RING_BYTES uploaded. On the CPU an upload is a copy.
+template <typename T>
+struct AsyncUploads {
+    static constexpr size_t RING_BYTES = 4 << 20;
+    std::shared_ptr<char> ring;  // shared by copies of the owner, freed with the last
+    size_t size = 0, at = 0;
+    template <typename E>
+    void upload(E* dst, const E* host, size_t count) {
+        size_t bytes = count * sizeof(E);
+        if constexpr (device_of<T> == Device::CPU) {
+            if (dst != host) memcpy(dst, host, bytes);
+        } else {
+            size_t need = (bytes + 255) / 256 * 256;
+            if (!ring || need > size || at + need > size) cuda_check(cudaStreamSynchronize(main_stream()));
+            if (!ring || need > size) {
+                char* p = nullptr;
+                size = std::max(need, RING_BYTES);
+                cuda_check(cudaMallocHost(&p, size));
+                ring.reset(p, [](char* q) { cudaFreeHost(q); });
+                at = 0;
+            }
+            if (at + need > size) at = 0;
+            memcpy(ring.get() + at, host, bytes);
+            cuda_check(cudaMemcpyAsync(dst, ring.get() + at, bytes, cudaMemcpyHostToDevice, main_stream()));
+            at += need;
+        }
+    }
+};
 
 // ----------------------------------------------------------------------------------------------------------
 // conversions between the fp32 the files hold and the storage type: round to nearest even into bf16, exact

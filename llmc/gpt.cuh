@@ -276,7 +276,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     // under cp, a learned position table is gathered at the rank's positions (C wide); RoPE reads the positions
     m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep, m.moe.capacity = layout.capacity;
-    m.moe.allocate(led, config, BT, d.expert_rows);
+    m.moe.allocate(led, config, B, BT, d.expert_rows, cp.size);
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -384,7 +384,8 @@ inline MlpShape mlp_shape(const GPTConfig& c, const LocalDims& d, int Hl) { retu
 template <typename floatX>
 inline ExpertActivations<floatX> expert_activations(const Activations<floatX>& la, bool split) {
     floatX* none = nullptr;
-    return {la.moe_in, la.fch, la.fch_act, la.moe_out, la.shared_fch, la.shared_act, la.shared_out,
+    return {la.route_logits, la.route_gate, la.route_freq, la.shared_scale, la.route_expert, la.route_row,
+            la.moe_in, la.fch, la.fch_act, la.moe_out, la.shared_fch, la.shared_act, la.shared_out,
             split ? la.dfcproj : none, split ? la.dfch : none, split ? la.dshared_out : none,
             split ? la.dshared_fch : none};
 }

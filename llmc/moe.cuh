@@ -33,9 +33,12 @@
 //            them, and the objective adds the mean over micro-batches. Every sequence then shares f, so the
 //            per-sequence sums below serve both: the mean of Σ_i f_i·P_i over the sequences is Σ_i f_i·P_i.
 //
-// The routing decisions are small (K numbers per token) and made on the host, from the logits the router
-// kernel leaves in fp32, by the same code for both devices; the rows themselves move with kernels. Forward
-// keeps the decisions (MoERoute) for backward. Under tensor parallelism each expert, and the shared expert, is
+// The routing runs where the rows are: the scores, the top-K, the gates, the capacity's drops, the sort into
+// dispatch order and the aux loss's statistics are kernels on the GPU and loops over the same bodies on the CPU,
+// which are their reference (the GPU's decisions are the CPU's to the bit). Only the counts go to the host, one
+// copy per layer, for the all-to-all's sizes and the experts' row ranges; forward keeps the decisions on the
+// device (ExpertActivations) and the counts on the host (MoERoute) for backward, whose router gradient is a
+// kernel too. Under tensor parallelism each expert, and the shared expert, is
 // split as the dense MLP is (fc by rows, fc_proj by columns): every tp rank routes the same whole rows the same
 // way, the combined partial outputs are reduced over the group, and fc_proj's bias is added on tp rank 0 alone
 // so that the reduction adds it once. Under --fp8 the experts' matmuls are FP8 too (llmc/fp8.cuh), each scaled
@@ -254,37 +257,28 @@ inline MlpTensorViews<floatX> expert_view(const MlpTensorViews<floatX>& stacked,
             at(stacked.fcprojb, s.C)};
 }
 
-// What a sparse layer keeps for backward: the rows the experts took (expert-major), their hidden layer before and
-// after the activation, the rows they gave back (dispatch order); the shared expert's hidden layer and, where a
-// gate scales it, its output; and under a split backward (the zero-bubble pipeline's) the experts' and the shared
-// expert's output gradients, for the weight-gradient step (null otherwise)
+// What a sparse layer keeps for backward: the routing (the router's logits, BT·E; each slot's expert, gate and
+// row in dispatch order, -1 where dropped, BT·K; each sequence's f of the aux loss, B·E; a gated shared expert's
+// scales, BT), the rows the experts took (expert-major), their hidden layer before and after the activation, the
+// rows they gave back (dispatch order); the shared expert's hidden layer and, where a gate scales it, its output;
+// and under a split backward (the zero-bubble pipeline's) the experts' and the shared expert's output gradients,
+// for the weight-gradient step (null otherwise)
 template <typename floatX>
 struct ExpertActivations {
+    float *logits, *gate, *freq, *shared_scale;
+    int *expert, *row_of;
     floatX *inputs, *fch, *act, *outputs;
     floatX *shared_fch, *shared_act, *shared_out;
     floatX *kept_dout, *kept_dfch, *kept_shared_dout, *kept_shared_dfch;
 };
 
 // ----------------------------------------------------------------------------------------------------------
-// Routing: the decisions for one layer and one micro-batch, on the host
-
-struct MoERoute {
-    std::vector<int> expert;        // BT·K: each token's experts, largest logit first
-    std::vector<float> gate;        // BT·K
-    std::vector<float> probs;       // BT·E: the scores normalized to sum to one (the aux loss's P)
-    std::vector<float> scores;      // BT·E: the sigmoid scores (sigmoid scoring)
-    std::vector<float> freq;        // B·E: f_i of each sequence (of the whole sequence under cp)
-    std::vector<int> chosen;        // E: the assignments each expert was chosen for, before any capacity drops
-    std::vector<int> row_of;        // BT·K: where (t, k)'s row is in dispatch order (-1: dropped at capacity)
-    std::vector<int> token_of_row;  // the token of each row in dispatch order (dispatched of them)
-    long dispatched = 0;            // the rows that go to experts: K·BT less the drops
-    std::vector<int> send_counts;   // E: rows to each expert, in dispatch order (rank j's experts: j·X .. j·X+X-1)
-    std::vector<int> recv_counts;   // ep·X: rows from each rank of the ep group, per local expert
-    std::vector<int> expert_first;  // X + 1: where each local expert's rows start in expert-major order
-    std::vector<int> recv_of_expert_row, expert_row_of_recv;  // the permutation between the two orders (ep > 1)
-    long rows = 0;                  // rows on this rank's experts
-    std::vector<float> shared_scale;  // BT: the shared expert's gate, sigmoid of its logit (a gated one)
-};
+// Routing: the decisions for one layer and one micro-batch, made where the rows are. Each step is a CPU loop and
+// a kernel over one body (__host__ __device__), chosen by the model's storage type, so the GPU's choices are the
+// CPU's bit for bit: the scores' exponentials are taken in double and rounded once to float, on which the host's
+// and the device's exp agree (each within an ulp of double: they round apart only within 2⁻²⁹ of a float's
+// rounding boundary), and the sorts are integer counts. The decisions stay on the device, kept per layer for
+// backward (ExpertActivations); the host gets the counts alone, one copy per layer, which the all-to-all needs.
 
 // How a router turns logits into gates (GPTConfig's): the score function, the K gates renormalized to sum to
 // one, and the factor that scales them
@@ -293,77 +287,347 @@ struct Routing {
     float scale = 1.0f;
 };
 
-// The dispatch order of the assignments kept (keep: one per (t, k), or null: all): by expert, then token, then
-// slot (a counting sort that keeps the (t, k) order); a dropped one's row is -1
-inline void dispatch_order(MoERoute& r, long BT, int E, int K, const char* keep = nullptr) {
-    r.send_counts.assign(E, 0);
-    for (long tk = 0; tk < BT * K; tk++)
-        if (!keep || keep[tk]) r.send_counts[r.expert[tk]]++;
-    std::vector<int> next(E, 0);
-    for (int e = 1; e < E; e++) next[e] = next[e - 1] + r.send_counts[e - 1];
-    r.dispatched = next[E - 1] + r.send_counts[E - 1];
-    r.row_of.resize(BT * K), r.token_of_row.resize(r.dispatched);
-    for (long tk = 0; tk < BT * K; tk++) {
-        if (keep && !keep[tk]) {
-            r.row_of[tk] = -1;
-            continue;
+__host__ __device__ inline float route_exp(float x) { return (float)exp((double)x); }
+
+// One token's scores from its E logits l: P (the scores normalized to sum to one: the softmax, or the sigmoids s
+// over their sum), s itself under sigmoid scoring (s null otherwise)
+__host__ __device__ inline void token_scores(float* p, float* s, const float* l, int E, bool sigmoid) {
+    float total = 0.0f;
+    if (sigmoid) {
+        for (int e = 0; e < E; e++) total += s[e] = 1.0f / (1.0f + route_exp(-l[e]));
+        for (int e = 0; e < E; e++) p[e] = s[e] / total;
+        return;
+    }
+    float top = l[0];
+    for (int e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
+    for (int e = 0; e < E; e++) total += p[e] = route_exp(l[e] - top);
+    for (int e = 0; e < E; e++) p[e] /= total;
+}
+
+// ... its K experts, largest logit first (or largest score plus bias, bias an E-vector or null; a strict
+// comparison keeps the lower expert on a tie), and their gates: the chosen scores, renormalized or not, scaled
+__host__ __device__ inline void token_route(int* expert, float* gate, float* p, float* s, const float* l,
+                                            const float* bias, int E, int K, Routing how) {
+    token_scores(p, s, l, E, how.sigmoid);
+    const float* score = how.sigmoid ? s : p;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        float best_key = 0.0f;
+        for (int e = 0; e < E; e++) {
+            bool taken = false;
+            for (int j = 0; j < k; j++) taken |= expert[j] == e;
+            float key = bias ? score[e] + bias[e] : l[e];
+            if (!taken && (best < 0 || key > best_key)) best = e, best_key = key;
         }
-        int row = next[r.expert[tk]]++;
-        r.row_of[tk] = row;
-        r.token_of_row[row] = (int)(tk / K);
+        expert[k] = best;
+    }
+    float chosen_total = 0.0f;
+    for (int k = 0; k < K; k++) chosen_total += gate[k] = score[expert[k]];
+    for (int k = 0; k < K; k++) gate[k] = (how.normalize ? gate[k] / chosen_total : gate[k]) * how.scale;
+}
+static __global__ void route_tokens_kernel(int* expert, float* gate, float* probs, float* scores, const float* logits,
+                                           const float* bias, long BT, int E, int K, Routing how) {
+    long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < BT)
+        token_route(expert + t * K, gate + t * K, probs + t * E, scores ? scores + t * E : nullptr, logits + t * E, bias, E,
+                    K, how);
+}
+// BT tokens: expert and gate (BT·K), probs (BT·E: P) and, under sigmoid scoring, scores (BT·E: s; else null)
+template <typename floatX>
+inline void route_tokens(int* expert, float* gate, float* probs, float* scores, const float* logits, const float* bias,
+                         long BT, int E, int K, const Routing& how) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+#pragma omp parallel for
+        for (long t = 0; t < BT; t++)
+            token_route(expert + t * K, gate + t * K, probs + t * E, scores ? scores + t * E : nullptr, logits + t * E, bias,
+                        E, K, how);
+    } else {
+        route_tokens_kernel<<<cuda_blocks(BT, 128), 128, 0, main_stream()>>>(expert, gate, probs, scores, logits, bias, BT, E,
+                                                                            K, how);
+        cuda_check(cudaGetLastError());
     }
 }
 
-// The top-K experts and gates of each of BT tokens and the normalized scores (dispatch_order then sorts the
-// assignments kept); bias (E, or null): added to the scores to choose
-inline void route_tokens(MoERoute& r, const float* logits, long BT, int E, int K, const Routing& how,
-                         const float* bias = nullptr) {
-    r.expert.resize(BT * K), r.gate.resize(BT * K), r.probs.resize(BT * E);
-    r.scores.resize(how.sigmoid ? BT * E : 0);
-    r.chosen.assign(E, 0);
-    for (long t = 0; t < BT; t++) {
-        const float* l = logits + t * E;
-        float* p = &r.probs[t * E];
-        if (how.sigmoid) {
-            float* s = &r.scores[t * E];
-            float total = 0.0f;
-            for (int e = 0; e < E; e++) total += s[e] = 1.0f / (1.0f + expf(-l[e]));
-            for (int e = 0; e < E; e++) p[e] = s[e] / total;
-        } else {
-            float top = *std::max_element(l, l + E), total = 0.0f;
-            for (int e = 0; e < E; e++) total += p[e] = expf(l[e] - top);
-            for (int e = 0; e < E; e++) p[e] /= total;
-        }
-        const float* score = how.sigmoid ? &r.scores[t * E] : p;
-        // the K largest logits in turn (or scores plus bias); a strict comparison keeps the lower expert on a tie
-        auto key = [&](int e) { return bias ? score[e] + bias[e] : l[e]; };
-        int* chosen = &r.expert[t * K];
-        for (int k = 0; k < K; k++) {
-            int best = -1;
-            for (int e = 0; e < E; e++)
-                if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || key(e) > key(best))) best = e;
-            chosen[k] = best;
-        }
-        float chosen_total = 0.0f;
-        for (int k = 0; k < K; k++) chosen_total += r.gate[t * K + k] = score[chosen[k]];
-        for (int k = 0; k < K; k++) r.chosen[chosen[k]]++;
-        for (int k = 0; k < K; k++) r.gate[t * K + k] = (how.normalize ? r.gate[t * K + k] / chosen_total : r.gate[t * K + k]) * how.scale;
+// The aux loss's statistics of sequence b and expert e: sums[b·E + e] the assignments of its Tl tokens that chose
+// e, sums[(B + b)·E + e] their P summed (in token order)
+__host__ __device__ inline void sequence_statistics(float* sums, const int* expert, const float* probs, int b, int e,
+                                                    int B, long Tl, int E, int K) {
+    float n = 0.0f, p = 0.0f;
+    for (long t = b * Tl; t < (b + 1) * Tl; t++) {
+        for (int k = 0; k < K; k++) n += expert[t * K + k] == e ? 1.0f : 0.0f;
+        p += probs[t * E + e];
     }
+    sums[(long)b * E + e] = n, sums[((long)B + b) * E + e] = p;
+}
+static __global__ void route_statistics_kernel(float* sums, const int* expert, const float* probs, int B, long Tl, int E,
+                                               int K) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < B * E) sequence_statistics(sums, expert, probs, i / E, i % E, B, Tl, E, K);
+}
+template <typename floatX>
+inline void route_statistics(float* sums, const int* expert, const float* probs, int B, long Tl, int E, int K) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+#pragma omp parallel for
+        for (int i = 0; i < B * E; i++) sequence_statistics(sums, expert, probs, i / E, i % E, B, Tl, E, K);
+    } else {
+        route_statistics_kernel<<<cuda_blocks(B * E, 128), 128, 0, main_stream()>>>(sums, expert, probs, B, Tl, E, K);
+        cuda_check(cudaGetLastError());
+    }
+}
+
+// Stable counting sorts of assignments by expert, for the capacity (each expert's rank among a sequence's
+// assignments) and the dispatch order (each kept assignment's row: by expert, then token, then slot). The CPU
+// walks the assignments in order. The GPU splits each segment (a sequence, or the whole micro-batch) into chunks
+// of ROUTE_CHUNK: a warp per (chunk, expert) counts the chunk's assignments of its expert, one block turns the
+// counts into each (chunk, expert)'s first rank, and a warp per (chunk, expert) walks the chunk again, ranking
+// its expert's assignments in order with a ballot.
+constexpr int ROUTE_CHUNK = 1024;
+inline long route_chunks(long assignments, int segments) {
+    return segments * ((assignments / segments + ROUTE_CHUNK - 1) / ROUTE_CHUNK);
+}
+// the GPU's scratch (ints) for sorting n assignments in `segments` segments among E experts
+inline size_t route_sort_ints(long n, int segments, int E) { return 2 * (size_t)E * route_chunks(n, segments); }
+
+struct ChunkRange {
+    long from, to;
+};
+__device__ inline ChunkRange route_chunk(long chunk, long segment) {
+    long per = (segment + ROUTE_CHUNK - 1) / ROUTE_CHUNK, seg = chunk / per;
+    long from = seg * segment + chunk % per * ROUTE_CHUNK;
+    return {from, from + ROUTE_CHUNK < (seg + 1) * segment ? from + ROUTE_CHUNK : (seg + 1) * segment};
+}
+// counts[chunk·E + e]: the chunk's assignments of e (those keep marks, keep null: all)
+static __global__ void count_assignments_kernel(int* counts, const int* choices, const int* keep, long segment, long chunks,
+                                                int E) {
+    long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (warp >= chunks * E) return;
+    int e = (int)(warp % E);
+    ChunkRange c = route_chunk(warp / E, segment);
+    int n = 0;
+    for (long i = c.from + lane; i < c.to; i += 32) n += choices[i] == e && (!keep || keep[i]);
+    for (int o = 16; o > 0; o /= 2) n += __shfl_xor_sync(0xffffffff, n, o);
+    if (lane == 0) counts[warp] = n;
+}
+// first[chunk·E + e]: the assignments of e before the chunk in its segment; over one segment (totals non-null)
+// also after all those of the experts before e, whose counts go to totals
+static __global__ void first_ranks_kernel(int* first, int* totals, const int* counts, long chunks, int segments, int E) {
+    long per = chunks / segments;
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        for (int s = 0; s < segments; s++) {
+            int running = 0;
+            for (long c = s * per; c < (s + 1) * per; c++) first[c * E + e] = running, running += counts[c * E + e];
+            if (totals) totals[e] = running;
+        }
+    if (!totals) return;
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int before = 0;
+        for (int j = 0; j < e; j++) before += totals[j];
+        for (long c = 0; c < chunks; c++) first[c * E + e] += before;
+    }
+}
+// each of the chunk's assignments of e in order, ranked from first: with keep_out, kept when its rank is under
+// cap; with row_of, its row (the rank; -1 where keep says dropped) and that row's token
+static __global__ void rank_assignments_kernel(int* keep_out, int* row_of, int* token_of_row, const int* choices,
+                                               const int* keep, const int* first, long segment, long chunks, int E,
+                                               int K, long cap) {
+    long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (warp >= chunks * E) return;
+    int e = (int)(warp % E), rank = first[warp];
+    ChunkRange c = route_chunk(warp / E, segment);
+    for (long at = c.from; at < c.to; at += 32) {
+        long i = at + lane;
+        bool mine = i < c.to && choices[i] == e, counted = mine && (!keep || keep[i]);
+        unsigned ballot = __ballot_sync(0xffffffff, counted);
+        int r = rank + __popc(ballot & ((1u << lane) - 1));
+        if (mine && keep_out) keep_out[i] = r < cap;
+        if (mine && row_of) {
+            row_of[i] = counted ? r : -1;
+            if (counted) token_of_row[r] = (int)(i / K);
+        }
+        rank += __popc(ballot);
+    }
+}
+static void rank_on_gpu(int* keep_out, int* row_of, int* token_of_row, int* totals, const int* choices, const int* keep,
+                        long n, int segments, int E, int K, long cap, int* scratch) {
+    long chunks = route_chunks(n, segments), warps = chunks * E;
+    int *counts = scratch, *first = scratch + chunks * E;
+    count_assignments_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, main_stream()>>>(counts, choices, keep, n / segments,
+                                                                                     chunks, E);
+    first_ranks_kernel<<<1, 256, 0, main_stream()>>>(first, totals, counts, chunks, segments, E);
+    rank_assignments_kernel<<<cuda_blocks(warps * 32, 256), 256, 0, main_stream()>>>(
+        keep_out, row_of, token_of_row, choices, keep, first, n / segments, chunks, E, K, cap);
+    cuda_check(cudaGetLastError());
 }
 
 // Which assignments of B whole sequences (choices: each one's T positions in order, K experts each) their
 // experts take under a capacity of `cap` per expert and sequence: in token order, then slot order, an expert takes
-// the first cap it was chosen for (GShard's and Switch Transformer's rule) and the rest are dropped. Decided per
-// sequence, so that every layout drops the same ones.
-inline std::vector<char> within_capacity(const int* choices, int B, long T, int K, int E, long cap) {
-    std::vector<char> keep((size_t)B * T * K);
-    std::vector<long> taken(E);
-    for (int b = 0; b < B; b++) {
-        std::fill(taken.begin(), taken.end(), 0);
-        for (long tk = (long)b * T * K; tk < (long)(b + 1) * T * K; tk++) keep[tk] = taken[choices[tk]]++ < cap;
+// the first cap it was chosen for (GShard's and Switch Transformer's rule) and the rest are dropped (keep 0).
+// Decided per sequence, so that every layout drops the same ones.
+template <typename floatX>
+inline void within_capacity(int* keep, const int* choices, int B, long T, int K, int E, long cap, int* scratch) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+        std::vector<long> taken(E);
+        for (int b = 0; b < B; b++) {
+            std::fill(taken.begin(), taken.end(), 0);
+            for (long tk = (long)b * T * K; tk < (long)(b + 1) * T * K; tk++) keep[tk] = taken[choices[tk]]++ < cap;
+        }
+    } else {
+        rank_on_gpu(keep, nullptr, nullptr, nullptr, choices, nullptr, (long)B * T * K, B, E, K, cap, scratch);
     }
-    return keep;
 }
+
+// The dispatch order of the assignments kept (keep: one per (t, k), or null: all): by expert, then token, then
+// slot; row_of[t·K + k] its row (-1: dropped), token_of_row each row's token, counts[e] the rows of expert e
+template <typename floatX>
+inline void dispatch_order(int* row_of, int* token_of_row, int* counts, const int* expert, const int* keep, long BT, int E,
+                           int K, int* scratch) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+        std::fill(counts, counts + E, 0);
+        for (long tk = 0; tk < BT * K; tk++)
+            if (!keep || keep[tk]) counts[expert[tk]]++;
+        std::vector<int> next(E, 0);
+        for (int e = 1; e < E; e++) next[e] = next[e - 1] + counts[e - 1];
+        for (long tk = 0; tk < BT * K; tk++) {
+            bool kept = !keep || keep[tk];
+            row_of[tk] = kept ? next[expert[tk]]++ : -1;
+            if (kept) token_of_row[row_of[tk]] = (int)(tk / K);
+        }
+    } else {
+        rank_on_gpu(nullptr, row_of, token_of_row, counts, expert, keep, BT * K, 1, E, K, 0, scratch);
+    }
+}
+
+// n rows of K ints: dst[i] = src[index[i]] (gather), or dst[index[i]] = src[i] (scatter)
+static __global__ void move_int_rows_kernel(int* dst, const int* src, const int* index, long n, int K, bool scatter) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += (long)gridDim.x * blockDim.x) {
+        long row = i / K, k = i % K;
+        if (scatter) dst[(long)index[row] * K + k] = src[i];
+        else dst[i] = src[(long)index[row] * K + k];
+    }
+}
+template <typename floatX>
+inline void move_int_rows(int* dst, const int* src, const int* index, long n, int K, bool scatter) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+        for (long i = 0; i < n * K; i++) {
+            long row = i / K, k = i % K;
+            if (scatter) dst[(long)index[row] * K + k] = src[i];
+            else dst[i] = src[(long)index[row] * K + k];
+        }
+    } else {
+        launch_elementwise(move_int_rows_kernel, n * K, dst, src, index, n, K, scatter);
+    }
+}
+
+// Under expert parallelism the rows a rank's experts take arrive source-major (rank s's rows for its expert x,
+// in s's dispatch order) and the experts take them expert-major (within an expert by source). blocks[j], j =
+// s·X + x, is where block j starts in the arrival order, blocks[n + j] where among the experts' rows, blocks[2n +
+// j] its rows. permuted_row gives, for a row of one order, the row of the other that holds the same token.
+__host__ __device__ inline int permuted_row(long row, const int* blocks, int n, bool expert_row) {
+    const int *from = blocks + (expert_row ? n : 0), *to = blocks + (expert_row ? 0 : n), *rows = blocks + 2 * n;
+    for (int j = 0; j < n; j++)
+        if (row >= from[j] && row < from[j] + rows[j]) return to[j] + (int)(row - from[j]);
+    return -1;
+}
+static __global__ void permutation_kernel(int* index, const int* blocks, int n, long rows, bool expert_row) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += (long)gridDim.x * blockDim.x)
+        index[i] = permuted_row(i, blocks, n, expert_row);
+}
+// index[i] for each of `rows` rows: with expert_row, the arrival row of expert row i; else the expert row of
+// arrival row i
+template <typename floatX>
+inline void permutation(int* index, const int* blocks, int n, long rows, bool expert_row) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+        for (long i = 0; i < rows; i++) index[i] = permuted_row(i, blocks, n, expert_row);
+    } else {
+        launch_elementwise(permutation_kernel, rows, index, blocks, n, rows, expert_row);
+    }
+}
+
+// Backward to the router: one token's logit gradients dl (E) from its gates' gradients dg (K) and the aux loss.
+// The gates' part goes to the chosen scores (g_k = c·v_k / V under renormalization, v the chosen scores, V their
+// sum, c the scale: dv_k = (c·dg_k - Σ_j g_j·dg_j) / V; else c·dg_k), the aux loss's to P (α·E·f_i per sequence,
+// each sequence weighing dloss·T in the objective: dloss·α·E·f_i per token), then through the score function.
+// p and s: scratch rows (E) for the token's P and s.
+__host__ __device__ inline void token_router_grad(float* dl, float* p, float* s, const float* l, const int* expert,
+                                                  const float* g, const float* dg, const float* f, int E, int K,
+                                                  Routing how, float alpha, float dloss) {
+    token_scores(p, s, l, E, how.sigmoid);
+    const float* score = how.sigmoid ? s : p;
+    // dl holds dP under softmax, ds under sigmoid (whose dP is the aux part alone: recomputed below)
+    for (int e = 0; e < E; e++) dl[e] = how.sigmoid ? 0.0f : alpha * E * f[e] * dloss;
+    float gdg = 0.0f, chosen_total = 0.0f;
+    for (int k = 0; k < K; k++) gdg += g[k] * dg[k], chosen_total += score[expert[k]];
+    for (int k = 0; k < K; k++)
+        dl[expert[k]] += how.normalize ? (how.scale * dg[k] - gdg) / chosen_total : how.scale * dg[k];
+    float pdp = 0.0f;
+    for (int e = 0; e < E; e++) pdp += p[e] * (how.sigmoid ? alpha * E * f[e] * dloss : dl[e]);
+    if (!how.sigmoid) {  // through the softmax
+        for (int e = 0; e < E; e++) dl[e] = p[e] * (dl[e] - pdp);
+        return;
+    }
+    // through P = s / Σs, then the sigmoid
+    float total = 0.0f;
+    for (int e = 0; e < E; e++) total += s[e];
+    for (int e = 0; e < E; e++) dl[e] = (dl[e] + (alpha * E * f[e] * dloss - pdp) / total) * s[e] * (1.0f - s[e]);
+}
+static __global__ void router_grads_kernel(float* dlogits, float* probs, float* scores, const float* logits,
+                                           const int* expert, const float* gate, const float* dgate, const float* freq,
+                                           long BT, long Tl, int E, int K, Routing how, float alpha, float dloss) {
+    long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < BT)
+        token_router_grad(dlogits + t * E, probs + t * E, scores ? scores + t * E : nullptr, logits + t * E, expert + t * K,
+                          gate + t * K, dgate + t * K, freq + t / Tl * E, E, K, how, alpha, dloss);
+}
+// BT tokens of B sequences of Tl (freq: f, B·E); probs and scores: scratch as route_tokens'
+template <typename floatX>
+inline void router_grads(float* dlogits, float* probs, float* scores, const float* logits, const int* expert,
+                         const float* gate, const float* dgate, const float* freq, long BT, long Tl, int E, int K,
+                         const Routing& how, float alpha, float dloss) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+#pragma omp parallel for
+        for (long t = 0; t < BT; t++)
+            token_router_grad(dlogits + t * E, probs + t * E, scores ? scores + t * E : nullptr, logits + t * E,
+                              expert + t * K, gate + t * K, dgate + t * K, freq + t / Tl * E, E, K, how, alpha, dloss);
+    } else {
+        router_grads_kernel<<<cuda_blocks(BT, 128), 128, 0, main_stream()>>>(dlogits, probs, scores, logits, expert, gate,
+                                                                            dgate, freq, BT, Tl, E, K, how, alpha, dloss);
+        cuda_check(cudaGetLastError());
+    }
+}
+
+// A gated shared expert's gate: forward scale = sigmoid(logit); backward the logit's gradient from the output's
+// dot (d, in place): d·s·(1 - s)
+__host__ __device__ inline float shared_gate_value(float logit, float scale, float d, bool backward) {
+    return backward ? d * scale * (1.0f - scale) : 1.0f / (1.0f + route_exp(-logit));
+}
+static __global__ void shared_gate_kernel(float* out, const float* logits, const float* scales, long BT, bool backward) {
+    for (long t = (long)blockIdx.x * blockDim.x + threadIdx.x; t < BT; t += (long)gridDim.x * blockDim.x)
+        out[t] = shared_gate_value(logits[t], backward ? scales[t] : 0.0f, backward ? out[t] : 0.0f, backward);
+}
+// forward: out = the scales from logits; backward: out (the dots) becomes the logits' gradient, scales forward's
+template <typename floatX>
+inline void shared_gate(float* out, const float* logits, const float* scales, long BT, bool backward) {
+    if constexpr (device_of<floatX> == Device::CPU) {
+        for (long t = 0; t < BT; t++)
+            out[t] = shared_gate_value(logits[t], backward ? scales[t] : 0.0f, backward ? out[t] : 0.0f, backward);
+    } else {
+        launch_elementwise(shared_gate_kernel, BT, out, logits, scales, BT, backward);
+    }
+}
+
+// What the host keeps of one layer's routing of a micro-batch, for its forward's exchanges and its backward:
+// counts only (the decisions themselves stay on the device, ExpertActivations)
+struct MoERoute {
+    std::vector<int> send_counts;   // E: rows to each expert, in dispatch order (rank j's experts: j·X .. j·X+X-1)
+    long dispatched = 0;            // the rows that go to experts: K·BT less the drops
+    std::vector<int> recv_counts;   // ep·X: rows from each rank of the ep group, per local expert
+    std::vector<int> expert_first;  // X + 1: where each local expert's rows start in expert-major order
+    std::vector<int> blocks;        // 3·ep·X: the permutation between the arrival and the experts' orders (ep > 1)
+    long rows = 0;                  // rows on this rank's experts
+};
 
 // Where the aux loss's f comes from: each sequence's assignments, or the batch's (see the top)
 enum class AuxScope { Sequence, Batch };
@@ -383,14 +647,16 @@ struct MixtureOfExperts {
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     Comm* batch = nullptr;    // the dp·cp group, whose tokens make the batch of the batch scope; null for one rank
     int ep_size = 1, ep_rank = 0;
-    // scratch shared by the layers: rows in dispatch order and on the experts' side, the router's fp32
-    // buffers, and (on the GPU) the routing decisions uploaded for the kernels
+    // scratch shared by the layers: rows in dispatch order and on the experts' side (and under ep as they
+    // arrive); the routing's fp32 and int32 buffers (routing_scratch)
     floatX *dispatch = nullptr, *received = nullptr, *expert_rows = nullptr;
-    float *logits = nullptr, *gates = nullptr, *dgates = nullptr, *dlogits = nullptr;
-    int *row_of = nullptr, *token_of_row = nullptr, *permutation = nullptr;
-    // ... and the shared expert's gate: its logits (backward: their gradients) and its scales, fp32
-    float *shared_logits = nullptr, *shared_scales = nullptr;
-    std::vector<float> host_logits, host_dgates, host_dlogits, prob_sums, host_shared;
+    float *probs = nullptr, *scores = nullptr, *dlogits = nullptr, *dgates = nullptr, *shared_logits = nullptr,
+          *layer_bias = nullptr;
+    int *token_of_row = nullptr, *permutation_index = nullptr, *blocks = nullptr, *report = nullptr, *sort = nullptr,
+        *keep = nullptr, *gathered = nullptr, *ordered = nullptr, *kept_whole = nullptr, *whole_of = nullptr;
+    std::vector<int> host_report;
+    bool whole_of_ready = false;  // the cp layout's index, uploaded once
+    AsyncUploads<floatX> uploads;
     // what the step's forward passes saw, for the log: Σ over sequences and layers of the aux loss, and the
     // assignments per (model layer, expert)
     double aux_sum = 0.0;
@@ -418,8 +684,41 @@ struct MixtureOfExperts {
         return 2.0 * rows_crossing * C * sizeof(floatX) + (double)count_exchanges * (ep_size - 1) * X * sizeof(int) +
                (ep_size - 1) * sizeof(double);
     }
-    // BT rows a micro-batch, and the most this rank's experts may receive (LocalDims::expert_rows)
-    void allocate(Ledger& led, const GPTConfig& c, long BT, long rows) {
+
+    // The routing's scratch, fp32 or int32 words each, for B sequences of BT/B tokens a micro-batch on this rank,
+    // `rows` the most its experts may receive, cp the context-parallel group's size; the allocation and --plan
+    // read this one list. fp32: the scores (P; s under sigmoid scoring), the logits' and the gates' gradients, a
+    // gated shared expert's logits, the layer's selection bias. int32: each row's token, the permutation of the
+    // experts' rows and its blocks (under ep), the counts and statistics the host reads (E counts, then 2·B·E
+    // statistics as fp32), the sorts' scratch; under a capacity the kept flags, and under cp the whole sequences'
+    // choices gathered, in position order and decided, and the layout's index into them.
+    struct ScratchBuffer {
+        void** pointer;
+        size_t words;
+    };
+    std::vector<ScratchBuffer> routing_scratch(const GPTConfig& c, int B, long BT, long rows, int cp, float F) {
+        size_t n = (size_t)BT * K, whole = (size_t)cp * n;
+        bool capacity = F > 0.0f, gathers = capacity && cp > 1;
+        auto f32 = [](float*& p, size_t words) { return ScratchBuffer{reinterpret_cast<void**>(&p), words}; };
+        auto i32 = [](int*& p, size_t words) { return ScratchBuffer{reinterpret_cast<void**>(&p), words}; };
+        size_t sorting = std::max(route_sort_ints(n, 1, E), capacity ? route_sort_ints(whole, B, E) : 0);
+        return {f32(probs, BT * E), f32(scores, c.sigmoid_scores ? BT * E : 0), f32(dlogits, BT * E), f32(dgates, n),
+                f32(shared_logits, c.shared_gate ? BT : 0), f32(layer_bias, c.router_bias ? E : 0),
+                i32(token_of_row, n), i32(permutation_index, ep_size > 1 ? rows : 0), i32(blocks, ep_size > 1 ? 3 * E : 0),
+                i32(report, E + 2 * (size_t)B * E), i32(sort, sorting), i32(keep, capacity ? n : 0),
+                i32(gathered, gathers ? whole : 0), i32(ordered, gathers ? whole : 0), i32(kept_whole, gathers ? whole : 0),
+                i32(whole_of, gathers ? (size_t)cp * BT : 0)};
+    }
+    size_t routing_scratch_words(const GPTConfig& c, int B, long BT, long rows, int cp, float F) {
+        E = c.num_experts, K = c.top_k;
+        size_t words = 0;
+        for (const ScratchBuffer& b : routing_scratch(c, B, BT, rows, cp, F)) words += b.words;
+        return words;
+    }
+
+    // B sequences and BT rows a micro-batch, the most this rank's experts may receive (LocalDims::expert_rows), and
+    // the cp group's size
+    void allocate(Ledger& led, const GPTConfig& c, int B, long BT, long rows, int cp) {
         E = c.num_experts, K = c.top_k, X = E / ep_size;
         routing = {c.sigmoid_scores, c.norm_topk, c.routed_scale};
         bias.assign(c.router_bias ? (size_t)c.num_layers * E : 0, 0.0f);
@@ -428,25 +727,11 @@ struct MixtureOfExperts {
         batch_load.assign((size_t)layers * E, 0.0);
         if (!on()) return;
         auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
-        auto scr_f = [&](size_t n) { return led.alloc<floatX, float>(MEM_SCRATCH, n); };
         dispatch = scr((size_t)BT * K * C);
         if (ep_size > 1) received = scr((size_t)rows * C);
         expert_rows = scr((size_t)rows * C);
-        logits = scr_f((size_t)BT * E), dlogits = scr_f((size_t)BT * E);
-        gates = scr_f((size_t)BT * K), dgates = scr_f((size_t)BT * K);
-        if (c.shared_gate) shared_logits = scr_f((size_t)BT), shared_scales = scr_f((size_t)BT);
-        if (device_of<floatX> == Device::CUDA) {
-            auto scr_i = [&](size_t n) { return led.alloc<floatX, int>(MEM_SCRATCH, n); };
-            row_of = scr_i((size_t)BT * K), token_of_row = scr_i((size_t)BT * K), permutation = scr_i((size_t)rows);
-        }
-    }
-
-    // the host's numbers where the kernels read them: the host vector itself on the CPU, else uploaded
-    template <typename V>
-    const V* on_device(V* device, const std::vector<V>& host) {
-        if constexpr (device_of<floatX> == Device::CPU) return host.data();
-        device_upload<floatX>(device, host.data(), host.size());
-        return device;
+        for (const ScratchBuffer& b : routing_scratch(c, B, BT, rows, cp, capacity))
+            if (b.words) *b.pointer = led.alloc<floatX, float>(MEM_SCRATCH, b.words);
     }
 
     // rows between dispatch order (here) and the ranks of their experts (source-major there), either way
@@ -458,128 +743,62 @@ struct MixtureOfExperts {
         if (to_experts) ep->wait(ep->all_to_allv(from, out.data(), out_at.data(), to, in.data(), in_at.data(), dtype_of<floatX>()));
         else ep->wait(ep->all_to_allv(from, in.data(), in_at.data(), to, out.data(), out_at.data(), dtype_of<floatX>()));
     }
-
-    // Which of this rank's B sequences of Tl tokens' assignments the capacity keeps (within_capacity): under cp
-    // each sequence's choices are gathered from the group and put in position order, so that every rank decides
-    // over the whole sequence as one rank would
-    std::vector<char> kept_within_capacity(const MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl) {
-        int N = cp.spec.size;
-        long T = (long)Tl * N, cap = expert_capacity(capacity, K, E, T);
-        std::vector<char> keep;
-        if (!cp.on()) {
-            keep = within_capacity(r.expert.data(), B, T, K, E, cap);
-        } else {
-            std::vector<int> all((size_t)N * B * Tl * K), whole((size_t)B * T * K);
-            cp.comm->wait(cp.comm->all_gather(r.expert.data(), all.data(), r.expert.size(), DType::I32));
-            int n = cp.layout.chunk_tokens();
-            for (int s = 0; s < N; s++)
-                for (int b = 0; b < B; b++)
-                    for (int t = 0; t < Tl; t++) {
-                        long at = ((long)b * T + (long)cp.layout.chunk_of(s, t / n) * n + t % n) * K;
-                        std::copy_n(&all[(((size_t)s * B + b) * Tl + t) * K], K, &whole[at]);
-                    }
-            std::vector<char> decided = within_capacity(whole.data(), B, T, K, E, cap);
-            keep.resize((size_t)B * Tl * K);
-            for (int b = 0; b < B; b++)
-                for (int t = 0; t < Tl; t++)
-                    std::copy_n(&decided[((long)b * T + cp.positions[t]) * K], K, &keep[((long)b * Tl + t) * K]);
-        }
-        return keep;
+    // ... and on this rank between their arrival order and the experts' (to_experts: into the experts' order)
+    void reorder(floatX* to, const floatX* from, const MoERoute& r, bool to_experts, int C) {
+        uploads.upload(blocks, r.blocks.data(), r.blocks.size());
+        permutation<floatX>(permutation_index, blocks, ep_size * X, r.rows, to_experts);
+        gather_rows(to, from, permutation_index, r.rows, C);
     }
 
-    // The aux loss's statistics: each sequence's f (r.freq, B·E), which its gradient wants, and Σ_t P (prob_sums,
-    // B·E), which its value adds. Under cp a sequence's tokens are spread over the group, so its sums are taken
-    // over it. Under the batch scope every sequence's f is the layer's share of the step's assignments so far,
-    // this micro-batch's (this rank's: chosen) summed over the batch group.
-    void aux_statistics(MoERoute& r, ContextParallel<floatX>& cp, int B, int Tl, int layer) {
-        std::vector<float> sums(2 * (size_t)B * E, 0.0f);  // the counts, then Σ_t P, per sequence and expert
-        for (long t = 0; t < (long)B * Tl; t++) {
-            long b = t / Tl;
-            for (int k = 0; k < K; k++) sums[b * E + r.expert[t * K + k]] += 1.0f;
-            for (int e = 0; e < E; e++) sums[((long)B + b) * E + e] += r.probs[t * E + e];
+    // The layer's routing, on the device: the router's logits, each token's experts and gates, the drops at
+    // capacity, the dispatch order and the aux loss's statistics; then the counts to the host (the layer's one
+    // wait for the device), the statistics summed over cp, each sequence's f kept (a.freq), and the exchange of
+    // the counts over the ep group
+    void route(MoERoute& r, const ExpertActivations<floatX>& a, const floatX* ln2, const floatX* router, int B, int Tl,
+               int C, TensorParallel& tp, ContextParallel<floatX>& cp, int layer) {
+        long BT = (long)B * Tl;
+        router_forward(a.logits, ln2, router, BT, C, E);
+        if (!bias.empty()) uploads.upload(layer_bias, &bias[(size_t)layer * E], E);
+        route_tokens<floatX>(a.expert, a.gate, probs, scores, a.logits, bias.empty() ? nullptr : layer_bias, BT, E, K,
+                             routing);
+        const int* kept = capacity > 0.0f ? decide_capacity(a.expert, cp, B, Tl) : nullptr;
+        dispatch_order<floatX>(a.row_of, token_of_row, report, a.expert, kept, BT, E, K, sort);
+        route_statistics<floatX>(reinterpret_cast<float*>(report + E), a.expert, probs, B, Tl, E, K);
+        host_report.resize(E + 2 * (size_t)B * E);
+        device_download<floatX>(host_report.data(), report, host_report.size());
+        r.send_counts.assign(host_report.begin(), host_report.begin() + E);
+        r.dispatched = std::accumulate(r.send_counts.begin(), r.send_counts.end(), 0L);
+        std::vector<float> sums(2 * (size_t)B * E);
+        memcpy(sums.data(), host_report.data() + E, sums.size() * sizeof(float));
+        std::vector<double> chosen(E, 0.0);  // this rank's assignments per expert, before any drops
+        for (size_t i = 0; i < (size_t)B * E; i++) chosen[i % E] += sums[i];
+        aux_statistics(a.freq, sums, chosen, cp, B, Tl, layer);
+        if (tp.spec.rank == 0) {
+            for (int e = 0; e < E; e++) load[(size_t)layer * E + e] += chosen[e];
+            dropped += BT * K - r.dispatched;
         }
-        if (cp.on()) cp.comm->wait(cp.comm->all_reduce(sums.data(), sums.data(), sums.size(), DType::F32));
-        prob_sums.assign(sums.begin() + (long)B * E, sums.end());
-        r.freq.resize((size_t)B * E);
-        if (aux_scope == AuxScope::Sequence) {
-            float T = (float)Tl * cp.spec.size;
-            for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = sums[i] / (T * K);
-            return;
-        }
-        std::vector<double> counts(r.chosen.begin(), r.chosen.end());
-        if (batch) batch->wait(batch->all_reduce(counts.data(), counts.data(), E, DType::F64));
-        double* so_far = &batch_load[(size_t)layer * E];
-        double total = 0.0;
-        for (int e = 0; e < E; e++) so_far[e] += counts[e], total += so_far[e];
-        for (size_t i = 0; i < r.freq.size(); i++) r.freq[i] = (float)(so_far[i % E] / total);
-    }
-
-    // The counts of rows each rank of the ep group sends to this one's experts, and the order in which the
-    // experts take them: expert-major, and within an expert by source rank, then the source's dispatch order
-    void plan_receive(MoERoute& r) {
-        r.recv_counts.assign((size_t)ep_size * X, 0);
-        if (ep_size > 1) ep->wait(ep->all_to_all(r.send_counts.data(), r.recv_counts.data(), X, DType::I32));
-        else r.recv_counts = r.send_counts;
-        if (ep_size > 1) {
-            count_exchanges++;
-            for (int j = 0; j < ep_size; j++)
-                for (int x = 0; x < X && j != ep_rank; x++) rows_crossing += r.send_counts[j * X + x] + r.recv_counts[j * X + x];
-        }
-        r.expert_first.assign(X + 1, 0);
-        for (int x = 0; x < X; x++) {
-            r.expert_first[x + 1] = r.expert_first[x];
-            for (int s = 0; s < ep_size; s++) r.expert_first[x + 1] += r.recv_counts[s * X + x];
-        }
-        r.rows = r.expert_first[X];
-        if (ep_size == 1) return;
-        r.recv_of_expert_row.resize(r.rows), r.expert_row_of_recv.resize(r.rows);
-        std::vector<int> next(r.expert_first.begin(), r.expert_first.end() - 1);
-        int recv_row = 0;
-        for (int s = 0; s < ep_size; s++)
-            for (int x = 0; x < X; x++)
-                for (int i = 0; i < r.recv_counts[s * X + x]; i++, recv_row++) {
-                    int er = next[x]++;
-                    r.recv_of_expert_row[er] = recv_row, r.expert_row_of_recv[recv_row] = er;
-                }
+        plan_receive(r);
     }
 
     // Forward of one sparse layer's MLP. ln2: the norm's output, every row (BT×C); out: this rank's rows of the
     // MLP's output (R×C), with `partial` BT×C scratch under sequence parallelism; w: the layer's parameters; a: what
-    // the layer keeps (inputs: rows×C, fch: rows×FC, act: rows×H; outputs K·BT×C, dispatch order; the shared
-    // expert's on BT rows). B sequences of Tl tokens each on this rank; `experts` and `shared` the MLPs' shapes on
-    // this rank; layer is the layer's index in the model (for the load); fp8 the experts' FP8 state, fp8_shared
-    // the shared expert's.
+    // the layer keeps (the routing; inputs: rows×C, fch: rows×FC, act: rows×H; outputs K·BT×C, dispatch order; the
+    // shared expert's on BT rows). B sequences of Tl tokens each on this rank; `experts` and `shared` the MLPs'
+    // shapes on this rank; layer is the layer's index in the model (for the load); fp8 the experts' FP8 state,
+    // fp8_shared the shared expert's.
     void forward(floatX* out, floatX* partial, MoERoute& r, const ExpertActivations<floatX>& a, const floatX* ln2,
                  const ExpertTensors<floatX>& w, int B, int Tl, const MlpShape& experts, const MlpShape& shared,
                  TensorParallel& tp, ContextParallel<floatX>& cp, int layer, float* ws, const Fp8Scaling<floatX>* fp8,
                  const Fp8Scaling<floatX>* fp8_shared) {
         long BT = (long)B * Tl;
         int C = experts.C;
-        router_forward(logits, ln2, w.router, BT, C, E);
-        host_logits.resize((size_t)BT * E);
-        device_download<floatX>(host_logits.data(), logits, host_logits.size());
-        route_tokens(r, host_logits.data(), BT, E, K, routing, bias.empty() ? nullptr : &bias[(size_t)layer * E]);
-        std::vector<char> keep = capacity > 0.0f ? kept_within_capacity(r, cp, B, Tl) : std::vector<char>();
-        dispatch_order(r, BT, E, K, keep.empty() ? nullptr : keep.data());
-        aux_statistics(r, cp, B, Tl, layer);
-        if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
-            for (int b = 0; b < B; b++) {
-                double sum = 0.0;
-                for (int e = 0; e < E; e++) sum += (double)r.freq[(size_t)b * E + e] * prob_sums[(size_t)b * E + e];
-                aux_sum += alpha * E * sum / ((double)Tl * cp.spec.size);
-            }
-        if (tp.spec.rank == 0) {
-            for (int e = 0; e < E; e++) load[(size_t)layer * E + e] += r.chosen[e];
-            dropped += BT * K - r.dispatched;
-        }
-        plan_receive(r);
+        route(r, a, ln2, w.router, B, Tl, C, tp, cp, layer);
 
         // the rows to the experts, the experts, the rows back
-        const int* token_of = on_device(token_of_row, r.token_of_row);
-        gather_rows(ep_size > 1 ? dispatch : a.inputs, ln2, token_of, r.dispatched, C);
+        gather_rows(ep_size > 1 ? dispatch : a.inputs, ln2, token_of_row, r.dispatched, C);
         if (ep_size > 1) {
             exchange(dispatch, received, r, true, C);
-            gather_rows(a.inputs, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
+            reorder(a.inputs, received, r, true, C);
         }
         floatX* expert_out = ep_size > 1 ? expert_rows : a.outputs;
         MlpTensorViews<floatX> ew = on_first_tp_rank(w.experts, tp);
@@ -591,7 +810,7 @@ struct MixtureOfExperts {
                         expert_view(ew, x, experts), n, experts, ws, fp8);
         }
         if (ep_size > 1) {
-            gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
+            reorder(received, expert_rows, r, false, C);
             exchange(received, a.outputs, r, false, C);
         }
         floatX* whole = tp.spec.sp ? partial : out;
@@ -599,14 +818,11 @@ struct MixtureOfExperts {
         if (has_shared)  // the sum's first term, or (gated) its own buffer
             mlp_forward(gated ? a.shared_out : whole, a.shared_fch, a.shared_act, ln2, on_first_tp_rank(w.shared, tp), BT,
                         shared, ws, fp8_shared);
-        moe_combine(whole, a.outputs, on_device(row_of, r.row_of), on_device(gates, r.gate), BT, K, C,
-                    has_shared && !gated);
+        moe_combine(whole, a.outputs, a.row_of, a.gate, BT, K, C, has_shared && !gated);
         if (gated) {
             router_forward(shared_logits, ln2, w.shared_gate, BT, C, 1);
-            r.shared_scale.resize(BT);
-            device_download<floatX>(r.shared_scale.data(), shared_logits, BT);
-            for (float& g : r.shared_scale) g = 1.0f / (1.0f + expf(-g));
-            add_scaled_rows(whole, a.shared_out, on_device(shared_scales, r.shared_scale), BT, C);
+            shared_gate<floatX>(a.shared_scale, shared_logits, nullptr, BT, false);
+            add_scaled_rows(whole, a.shared_out, a.shared_scale, BT, C);
         }
         tp.reduce_rows(whole, out, BT, C);
     }
@@ -624,20 +840,17 @@ struct MixtureOfExperts {
         long BT = (long)B * Tl;
         int C = experts.C;
         bool split = a.kept_dout != nullptr, has_shared = w.shared.fcw != nullptr, gated = w.shared_gate != nullptr;
-        const int* rows_of = on_device(row_of, r.row_of);
         // the shared expert first: its input gradient starts dln, to which the experts' combine adds
         if (has_shared) {
             const floatX* sdout = dout;
             if (gated) {
                 // the gate's logit: dl = s·(1 - s) · dout·out, the dot summed over the tp ranks' partial outputs
-                host_shared.resize(BT);
                 moe_gate_grads(shared_logits, dout, a.shared_out, (const int*)nullptr, BT, 1, C);
-                device_download<floatX>(host_shared.data(), shared_logits, BT);
-                tp.sum_in_rank_order(host_shared.data(), BT);
-                for (long t = 0; t < BT; t++) host_shared[t] *= r.shared_scale[t] * (1.0f - r.shared_scale[t]);
+                tp.sum_floats_in_rank_order<floatX>(shared_logits, BT);
+                shared_gate<floatX>(shared_logits, nullptr, a.shared_scale, BT, true);
                 // the output's gradient, scaled (dispatch's rows are free until the experts' backward)
                 floatX* scaled = split ? a.kept_shared_dout : dispatch;
-                moe_spread(scaled, dout, (const int*)nullptr, on_device(shared_scales, r.shared_scale), BT, 1, C);
+                moe_spread(scaled, dout, (const int*)nullptr, a.shared_scale, BT, 1, C);
                 sdout = scaled;
             } else if (split) {
                 device_copy<floatX>(a.kept_shared_dout, dout, BT * C);
@@ -648,18 +861,16 @@ struct MixtureOfExperts {
         }
 
         // the gates: dgate = dout · y, summed over the tp ranks' partial outputs
-        host_dgates.resize((size_t)BT * K);
-        moe_gate_grads(dgates, dout, a.outputs, rows_of, BT, K, C);
-        device_download<floatX>(host_dgates.data(), dgates, host_dgates.size());
-        tp.sum_in_rank_order(host_dgates.data(), BT * K);
+        moe_gate_grads(dgates, dout, a.outputs, a.row_of, BT, K, C);
+        tp.sum_floats_in_rank_order<floatX>(dgates, BT * K);
 
         // the rows: to the experts, through them, back
         floatX* drows = ep_size > 1 ? dispatch : expert_rows;
-        moe_spread(drows, dout, rows_of, on_device(gates, r.gate), BT, K, C);
+        moe_spread(drows, dout, a.row_of, a.gate, BT, K, C);
         floatX* dexpert = drows;  // the experts' output gradients, expert-major
         if (ep_size > 1) {
             exchange(dispatch, received, r, true, C);
-            gather_rows(expert_rows, received, on_device(permutation, r.recv_of_expert_row), r.rows, C);
+            reorder(expert_rows, received, r, true, C);
             dexpert = expert_rows;
         }
         if (split) device_copy<floatX>(a.kept_dout, dexpert, r.rows * C);
@@ -675,49 +886,106 @@ struct MixtureOfExperts {
         }
         const floatX* dinputs = dexpert;  // dispatch order, once back
         if (ep_size > 1) {
-            gather_rows(received, expert_rows, on_device(permutation, r.expert_row_of_recv), r.rows, C);
+            reorder(received, expert_rows, r, false, C);
             exchange(received, dispatch, r, false, C);
             dinputs = dispatch;
         }
-        moe_combine(dln, dinputs, rows_of, (const float*)nullptr, BT, K, C, has_shared);
+        moe_combine(dln, dinputs, a.row_of, (const float*)nullptr, BT, K, C, has_shared);
 
-        // the router: the gradient of the scores, from the gates (g_k = c·v_k / V under renormalization, v the
-        // chosen scores, V their sum, c the scale: dv_k = (c·dg_k - Σ_j g_j·dg_j) / V; else c·dg_k) and from the
-        // aux loss through the normalized scores P, then through the score function
-        host_dlogits.assign((size_t)BT * E, 0.0f);
-        std::vector<float> dp(E), ds(E);
-        const float c = routing.scale;
-        for (long t = 0; t < BT; t++) {
-            const float *g = &r.gate[t * K], *dg = &host_dgates[t * K], *p = &r.probs[t * E];
-            const float* score = routing.sigmoid ? &r.scores[t * E] : p;
-            const float* f = &r.freq[(t / Tl) * E];
-            float* dl = &host_dlogits[t * E];
-            // d aux / d P_i of the token: α·E·f_i per sequence, each sequence weighing dloss·T in the objective
-            for (int e = 0; e < E; e++) dp[e] = alpha * E * f[e] * dloss;
-            float gdg = 0.0f, chosen_total = 0.0f;
-            for (int k = 0; k < K; k++) gdg += g[k] * dg[k], chosen_total += score[r.expert[t * K + k]];
-            // the gates' part, to the chosen scores: P itself under softmax, the sigmoid scores else
-            float* dv = routing.sigmoid ? ds.data() : dp.data();
-            if (routing.sigmoid) std::fill(ds.begin(), ds.end(), 0.0f);
-            for (int k = 0; k < K; k++)
-                dv[r.expert[t * K + k]] += routing.normalize ? (c * dg[k] - gdg) / chosen_total : c * dg[k];
-            float pdp = 0.0f;
-            for (int e = 0; e < E; e++) pdp += p[e] * dp[e];
-            if (!routing.sigmoid) {  // through the softmax
-                for (int e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - pdp);
-                continue;
-            }
-            // through P = s / Σs, then the sigmoid
-            float total = 0.0f;
-            for (int e = 0; e < E; e++) total += score[e];
-            for (int e = 0; e < E; e++) dl[e] = (ds[e] + (dp[e] - pdp) / total) * score[e] * (1.0f - score[e]);
-        }
-        const float* dl = on_device(dlogits, host_dlogits);
+        // the router: its logits' gradients from the gates' and the aux loss (token_router_grad)
+        router_grads<floatX>(dlogits, probs, scores, a.logits, a.expert, a.gate, dgates, a.freq, BT, Tl, E, K, routing,
+                             alpha, dloss);
         // every tp rank holds the same router gradient; its part of dln is added once, before the tp reduction
-        router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.router, dl, ln2, w.router, BT, C, E);
+        router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.router, dlogits, ln2, w.router, BT, C, E);
         if (gated)  // ... and so the shared expert's gate's
-            router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.shared_gate, on_device(shared_logits, host_shared),
-                            ln2, w.shared_gate, BT, C, 1);
+            router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.shared_gate, shared_logits, ln2, w.shared_gate, BT, C,
+                            1);
+    }
+
+    // Which of this rank's B sequences of Tl tokens' assignments the capacity keeps (within_capacity), as flags
+    // in `keep`: under cp each sequence's choices are gathered from the group and put in position order, so that
+    // every rank decides over the whole sequence as one rank would, and takes its own positions' flags back
+    const int* decide_capacity(const int* expert, ContextParallel<floatX>& cp, int B, int Tl) {
+        int N = cp.spec.size;
+        long T = (long)Tl * N, cap = expert_capacity(capacity, K, E, T), BTl = (long)B * Tl;
+        if (!cp.on()) {
+            within_capacity<floatX>(keep, expert, B, T, K, E, cap, sort);
+            return keep;
+        }
+        if (!whole_of_ready) {  // where rank s's row (b, t) sits among the whole sequences: the same every layer
+            std::vector<int> index((size_t)N * BTl);
+            int n = cp.layout.chunk_tokens();
+            for (int s = 0; s < N; s++)
+                for (int b = 0; b < B; b++)
+                    for (int t = 0; t < Tl; t++)
+                        index[((size_t)s * B + b) * Tl + t] = (int)((long)b * T + (long)cp.layout.chunk_of(s, t / n) * n + t % n);
+            device_upload<floatX>(whole_of, index.data(), index.size());
+            whole_of_ready = true;
+        }
+        cp.comm->wait(cp.comm->all_gather(expert, gathered, BTl * K, DType::I32));
+        move_int_rows<floatX>(ordered, gathered, whole_of, N * BTl, K, true);
+        within_capacity<floatX>(kept_whole, ordered, B, T, K, E, cap, sort);
+        move_int_rows<floatX>(keep, kept_whole, whole_of + (long)cp.spec.rank * BTl, BTl, K, false);
+        return keep;
+    }
+
+    // The aux loss's statistics from each sequence's sums (route_statistics: B·E counts, then B·E sums of P; this
+    // rank's tokens), which under cp are a sequence's partial sums and are summed over the group: each
+    // sequence's f, kept in freq for backward, and the loss's value added to aux_sum. Under the batch scope every
+    // sequence's f is the layer's share of the step's assignments so far, this micro-batch's (chosen: this rank's
+    // per expert) summed over the batch group.
+    void aux_statistics(float* freq, std::vector<float>& sums, const std::vector<double>& chosen,
+                        ContextParallel<floatX>& cp, int B, int Tl, int layer) {
+        if (cp.on()) cp.comm->wait(cp.comm->all_reduce(sums.data(), sums.data(), sums.size(), DType::F32));
+        const float* prob_sums = sums.data() + (size_t)B * E;
+        std::vector<float> f((size_t)B * E);
+        if (aux_scope == AuxScope::Sequence) {
+            float T = (float)Tl * cp.spec.size;
+            for (size_t i = 0; i < f.size(); i++) f[i] = sums[i] / (T * K);
+        } else {
+            std::vector<double> counts = chosen;
+            if (batch) batch->wait(batch->all_reduce(counts.data(), counts.data(), E, DType::F64));
+            double* so_far = &batch_load[(size_t)layer * E];
+            double total = 0.0;
+            for (int e = 0; e < E; e++) so_far[e] += counts[e], total += so_far[e];
+            for (size_t i = 0; i < f.size(); i++) f[i] = (float)(so_far[i % E] / total);
+        }
+        uploads.upload(freq, f.data(), f.size());
+        if (cp.spec.rank == 0)  // the statistics are whole sequences', the same on every cp rank: count them once
+            for (int b = 0; b < B; b++) {
+                double sum = 0.0;
+                for (int e = 0; e < E; e++) sum += (double)f[(size_t)b * E + e] * prob_sums[(size_t)b * E + e];
+                aux_sum += alpha * E * sum / ((double)Tl * cp.spec.size);
+            }
+    }
+
+    // The counts of rows each rank of the ep group sends to this one's experts, and the order in which the
+    // experts take them: expert-major, and within an expert by source rank, then the source's dispatch order
+    // (the blocks permuted_row reads)
+    void plan_receive(MoERoute& r) {
+        r.recv_counts.assign((size_t)ep_size * X, 0);
+        if (ep_size > 1) ep->wait(ep->all_to_all(r.send_counts.data(), r.recv_counts.data(), X, DType::I32));
+        else r.recv_counts = r.send_counts;
+        if (ep_size > 1) {
+            count_exchanges++;
+            for (int j = 0; j < ep_size; j++)
+                for (int x = 0; x < X && j != ep_rank; x++) rows_crossing += r.send_counts[j * X + x] + r.recv_counts[j * X + x];
+        }
+        r.expert_first.assign(X + 1, 0);
+        for (int x = 0; x < X; x++) {
+            r.expert_first[x + 1] = r.expert_first[x];
+            for (int s = 0; s < ep_size; s++) r.expert_first[x + 1] += r.recv_counts[s * X + x];
+        }
+        r.rows = r.expert_first[X];
+        if (ep_size == 1) return;
+        int n = ep_size * X;
+        r.blocks.assign(3 * (size_t)n, 0);
+        std::vector<int> next(r.expert_first.begin(), r.expert_first.end() - 1);
+        for (int j = 0, arrival = 0; j < n; j++) {
+            int x = j % X;
+            r.blocks[j] = arrival, r.blocks[n + j] = next[x], r.blocks[2 * n + j] = r.recv_counts[j];
+            arrival += r.recv_counts[j], next[x] += r.recv_counts[j];
+        }
     }
 
     // The MLPs' weight gradients a split backward left, from the output gradients it kept

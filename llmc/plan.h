@@ -234,13 +234,13 @@ inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, con
         kernels += BT * Cl + half * Cl + NH / t * half + NH / t * BT;
     }
     // The experts' layers share (llmc/moe.cuh): the rows in dispatch order (K·BT·C), on the experts' side
-    // (expert_rows·C) and, under ep, as received (expert_rows·C); in fp32 the router's logits and their
-    // gradient (BT·E each) and the gates and theirs (BT·K each); on the GPU the routing uploaded for the kernels,
-    // as int32: each slot's row and each row's token (BT·K each) and the permutation between the experts' order
-    // and the received one (expert_rows); a gated shared expert's logits and scales (BT each, fp32).
+    // (expert_rows·C) and, under ep, as received (expert_rows·C); and the routing's fp32 and int32 scratch, the
+    // list the allocation reads (MixtureOfExperts::routing_scratch).
     if (K) {
         scratch += K * BT * C + expert_rows * C + (par.ep > 1 ? expert_rows * C : 0);
-        kernels += 2 * BT * E + 2 * BT * K + (gpu ? 2 * BT * K + expert_rows : 0) + (c.shared_gate ? 2 * BT : 0);
+        MixtureOfExperts<float> moe;
+        moe.ep_size = par.ep;
+        kernels += moe.routing_scratch_words(c, B, BT, expert_rows, par.cp, par.capacity);
     }
     p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
     // --fp8: the cast operands (an input, a weight, an output gradient and, on the GPU or under a block recipe, the

@@ -243,6 +243,19 @@ static __global__ void sum_ranks_kernel(bf16* x, const bf16* all, long n, int ra
     }
 }
 inline void sum_ranks(bf16* x, const bf16* all, long n, int ranks) { launch_elementwise(sum_ranks_kernel, n, x, all, n, ranks); }
+// ... fp32 values on the device of the storage type floatX
+static __global__ void sum_float_ranks_kernel(float* x, const float* all, long n, int ranks) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < ranks; r++) s += all[r * n + i];
+        x[i] = s;
+    }
+}
+template <typename floatX>
+inline void sum_float_ranks(float* x, const float* all, long n, int ranks) {
+    if constexpr (device_of<floatX> == Device::CPU) sum_ranks(x, all, n, ranks);
+    else launch_elementwise(sum_float_ranks_kernel, n, x, all, n, ranks);
+}
 
 // ----------------------------------------------------------------------------------------------------------
 
@@ -365,6 +378,14 @@ struct TensorParallel {
         DeviceTemp<floatX, floatX> all(n * size());
         comm->wait(comm->all_gather(x, all.data, n, dtype_of<floatX>()));
         sum_ranks(x, all.data + (spec.rank - spec.rank % ranks) * n, n, ranks);
+    }
+    // ... fp32 values on the device of the storage type floatX (the experts' gates' gradients)
+    template <typename floatX>
+    void sum_floats_in_rank_order(float* x, long n) {
+        if (!on()) return;
+        DeviceTemp<floatX, float> all(n * size());
+        comm->wait(comm->all_gather(x, all.data, n, DType::F32));
+        sum_float_ranks<floatX>(x, all.data, n, size());
     }
 
    private:

@@ -9,6 +9,7 @@
 // The model has odd sizes (C=48 in 4 heads of 12, a vocab of 301) and 4 experts with top-2 routing.
 #include <catch.hpp>
 
+#include "dev/cuda/routing_case.h"
 #include "llmc/gpt.cuh"
 #include "llmc/plan.h"
 #include "llmc/pp.cuh"
@@ -27,6 +28,27 @@ const char* MOE_MODEL = "d2c48h4t32v301e4k2";
 const char* LAYOUT_MODEL = "d4c48h4t32v301e4k2x40un1s2y24ir2.5a";
 const char* LLAMA_LAYOUT_MODEL = "l4c48h4g2f88t32v301be4k2x40un1s2z56";
 
+// One micro-batch's routing on the host, through the functions the CPU model calls (llmc/moe.cuh)
+struct HostRouting {
+    std::vector<int> expert, row_of, token_of_row, send_counts;
+    std::vector<float> gate, probs, scores;
+    long dispatched = 0;
+    HostRouting() = default;
+    HostRouting(const float* logits, long BT, int E, int K, const Routing& how, const float* bias = nullptr)
+        : expert(BT * K), gate(BT * K), probs(BT * E), scores(how.sigmoid ? BT * E : 0) {
+        route_tokens<float>(expert.data(), gate.data(), probs.data(), how.sigmoid ? scores.data() : nullptr, logits, bias,
+                            BT, E, K, how);
+        dispatch(BT, E, K);
+    }
+    void dispatch(long BT, int E, int K, const int* keep = nullptr) {
+        row_of.resize(BT * K), token_of_row.resize(BT * K), send_counts.resize(E);
+        dispatch_order<float>(row_of.data(), token_of_row.data(), send_counts.data(), expert.data(), keep, BT, E, K,
+                              nullptr);
+        dispatched = std::accumulate(send_counts.begin(), send_counts.end(), 0L);
+        token_of_row.resize(dispatched);
+    }
+};
+
 TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the softmax over all experts (or each "
           "expert's sigmoid) at the chosen, renormalized or not, scaled, and the dispatch order",
           "[moe]") {
@@ -40,9 +62,7 @@ TEST_CASE("routing: the top-K by logit (ties to the lower expert), gates the sof
     for (bool normalize : {true, false}) {
         INFO("sigmoid " << sigmoid << ", normalized " << normalize);
         const double scale = sigmoid ? 2.5 : 1.0;
-        MoERoute r;
-        route_tokens(r, logits.data(), BT, E, K, Routing{sigmoid, normalize, (float)scale});
-        dispatch_order(r, BT, E, K);
+        HostRouting r(logits.data(), BT, E, K, Routing{sigmoid, normalize, (float)scale});
         std::vector<int> rows_seen(BT * K, 0);
         for (long t = 0; t < BT; t++) {
             const float* l = &logits[t * E];
@@ -99,12 +119,13 @@ TEST_CASE("capacity: an expert takes the first ceil(F·K·T/E) of a sequence's a
     // token 3, sequence 1's expert 2 at token 2 and expert 1 at token 3
     std::vector<int> choices = {0, 1, 0, 2, 0, 1, 1, 2,
                                 2, 1, 2, 0, 1, 2, 1, 0};
-    std::vector<char> keep = within_capacity(choices.data(), B, T, K, E, 2);
-    CHECK(keep == std::vector<char>{1, 1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1});
+    std::vector<int> keep(B * T * K);
+    within_capacity<float>(keep.data(), choices.data(), B, T, K, E, 2, nullptr);
+    CHECK(keep == std::vector<int>{1, 1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1});
     // the dispatch order of the kept: by expert, then token; the dropped have no row
-    MoERoute r;
+    HostRouting r;
     r.expert = choices;
-    dispatch_order(r, B * T, E, K, keep.data());
+    r.dispatch(B * T, E, K, keep.data());
     CHECK(r.dispatched == 12);
     CHECK(r.send_counts == std::vector<int>{4, 4, 4});
     for (long tk = 0; tk < B * T * K; tk++) CHECK((r.row_of[tk] == -1) == !keep[tk]);
@@ -461,6 +482,25 @@ TEST_CASE("--plan predicts the ledger of every rank with experts, every layer sp
           planned_ep_comm_bytes(c, par, 2, 16, Device::CPU));
 }
 
+TEST_CASE("routing on the GPU: the CPU's choices, capacity, dispatch order and permutation to the bit",
+          "[moe][cuda]") {
+    SKIP_WITHOUT_GPU_CASE();
+    // softmax and sigmoid scores, renormalized or not and scaled, with a selection bias, under a capacity; a
+    // micro-batch of several sort chunks and sequences that cross them; Qwen3-30B-A3B's router (128 experts, top 8)
+    for (const RoutingCase& c : {RoutingCase{2, 777, 8, 2, Routing{}, false, 0.0f, 1},
+                                 RoutingCase{3, 1000, 8, 2, Routing{}, false, 1.25f, 2},
+                                 RoutingCase{2, 513, 16, 4, Routing{true, true, 2.5f}, true, 1.0f, 3},
+                                 RoutingCase{1, 300, 5, 3, Routing{true, false, 1.0f}, false, 0.0f, 4},
+                                 RoutingCase{1, 4096, 128, 8, Routing{}, false, 1.25f, 5}}) {
+        INFO("B " << c.B << ", T " << c.Tl << ", E " << c.E << ", K " << c.K << ", capacity " << c.capacity);
+        std::vector<std::string> differences = routing_differences(c);
+        std::string said;
+        for (const std::string& d : differences) said += d + "; ";
+        INFO(said);
+        CHECK(differences.empty());
+    }
+}
+
 TEST_CASE("on the GPU, --plan --device cuda predicts the ledger of every rank with experts, with ep, tp and ZeRO",
           "[moe][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
@@ -528,8 +568,7 @@ TEST_CASE("the selection bias moves by γ·sign(mean load − load) per layer, b
     // the routing chooses by score + bias and gates by the score: a large bias on the weakest expert picks it
     const int E = 4, K = 1;
     std::vector<float> logits = {2.0f, 1.0f, 0.0f, -1.0f}, bias = {0.0f, 0.0f, 0.0f, 5.0f};
-    MoERoute r;
-    route_tokens(r, logits.data(), 1, E, K, Routing{true, false, 1.0f}, bias.data());
+    HostRouting r(logits.data(), 1, E, K, Routing{true, false, 1.0f}, bias.data());
     CHECK(r.expert[0] == 3);
     CHECK(r.gate[0] == Approx(1.0 / (1.0 + exp(1.0))).epsilon(1e-6));
 }

@@ -1,7 +1,8 @@
-// moe: the mixture-of-experts layer's data-movement kernels of llmc/moe.cuh, each checked against the header's
-// CPU overload of the same name (outputs poisoned first) on d12's layer (BT = 4096 tokens, C = 768, E = 8
-// experts, top K = 2) and an odd one (BT = 77, C = 48, E = 4, K = 3), then timed on the first against the copy
-// bandwidth:
+// moe: the mixture-of-experts layer's kernels of llmc/moe.cuh, each checked against the header's CPU overload of
+// the same name. First the routing (dev/cuda/routing_case.h: the experts, gates, capacity flags, dispatch order
+// and ep permutation equal to the CPU's bit for bit, the router's logit gradients to 1e-5), then the data
+// movement (outputs poisoned first) on d12's layer (BT = 4096 tokens, C = 768, E = 8 experts, top K = 2) and an
+// odd one (BT = 77, C = 48, E = 4, K = 3), timed on the first against the copy bandwidth:
 //   router_forward   logits (fp32) = x · Wrᵀ
 //   router_backward  dx += dlogits · Wr (bf16, and with dx null), dWr += dlogitsᵀ · x (bf16)
 //   gather_rows      the tokens' rows into dispatch order (token_of_row)
@@ -31,6 +32,7 @@
 // stream (common.h's cudaMemset poisoning, cudaMemcpy up- and downloads) does not order against: every launch
 // here is bracketed by device synchronizations, and the timings record their events on main_stream().
 #include "dev/cuda/common.h"
+#include "dev/cuda/routing_case.h"
 #include "llmc/moe.cuh"
 
 // ------------------------------------------------------------------------------------------------------------
@@ -66,7 +68,10 @@ struct MoECase {
     long BT;
     int C, E, K;
     long R;  // K·BT rows in dispatch order
-    MoERoute route;
+    struct {
+        std::vector<int> expert, row_of, token_of_row, counts;
+        std::vector<float> gate, probs;
+    } route;  // the CPU model's routing of random logits
     // inputs: x (ln2's output), the router weight, dlogits, the accumulated gradients' starting values, the
     // experts' output rows (dispatch order) and the layer's output gradient
     std::vector<float> x, w, dlogits, dx0, dw0, rows, dout;
@@ -86,7 +91,12 @@ struct MoECase {
         Rng rng(seed);
         std::vector<float> routing_logits(BT * E);
         for (float& l : routing_logits) l = rng.normal(0.0f, 1.0f);
-        route_tokens(route, routing_logits.data(), BT, E, K, Routing{});
+        route.expert.resize(R), route.gate.resize(R), route.probs.resize(BT * E), route.row_of.resize(R);
+        route.token_of_row.resize(R), route.counts.resize(E);
+        route_tokens<float>(route.expert.data(), route.gate.data(), route.probs.data(), nullptr, routing_logits.data(),
+                            nullptr, BT, E, K, Routing{});
+        dispatch_order<float>(route.row_of.data(), route.token_of_row.data(), route.counts.data(), route.expert.data(),
+                              nullptr, BT, E, K, nullptr);
 
         x = random_bf16_values(BT * C, rng);
         w = random_bf16_values((size_t)E * C, rng, 0.05f);
@@ -260,8 +270,17 @@ static void time_shape(MoECase& k) {
 
 int main() {
     Program program(
-        "moe: router, gather, combine, spread and gate gradients of llmc/moe.cuh against the CPU; timed");
+        "moe: routing, router, gather, combine, spread and gate gradients of llmc/moe.cuh against the CPU; timed");
     Checks checks;
+    // the routing's kernels make the CPU's decisions (dev/cuda/routing_case.h): d12's router, under a capacity
+    // of 1.25, and Qwen3-30B-A3B's (128 experts, top 8) with DeepSeek-V3's sigmoid scores and selection bias
+    for (const RoutingCase& c : {RoutingCase{4, 1024, 8, 2, Routing{}, false, 1.25f, 1},
+                                 RoutingCase{1, 4096, 128, 8, Routing{true, true, 2.5f}, true, 0.0f, 2}}) {
+        std::vector<std::string> differences = routing_differences(c);
+        for (const std::string& d : differences) printf("  %s\n", d.c_str());
+        checks.require(strfmt("routing B=%d T=%ld E=%d K=%d: the CPU's decisions", c.B, c.Tl, c.E, c.K),
+                       differences.empty());
+    }
     MoECase d12(4096, 768, 8, 2, 11);
     check_shape(checks, d12);
     {
