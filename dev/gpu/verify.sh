@@ -826,9 +826,26 @@ phase_pp() {
 # Qwen2-MoE-shaped Llama (MOE_SHARED_MODEL: attention biases, the gated shared expert's kernels) under ep 2 with
 # ZeRO-1 and under pp 2 (zb), and with the load-balancing loss over the batch (--moe-aux-scope batch: each
 # forward's counts all-reduced over dp) under ep 2 against one rank of twice the sequences per micro-batch; last
-# MOE_MODEL under a capacity (--moe-capacity 1: the kernels' dropped slots, rows -1) under ep 2 with ZeRO-1
+# MOE_MODEL under a capacity (--moe-capacity 1: the kernels' dropped slots, rows -1) under ep 2 with ZeRO-1, and
+# with FP8 experts (--fp8 1: one GEMM per expert, which cuBLAS's grouped GEMM cannot take) under ep 2 against one
+# rank within FP8_TOL (each expert's scale spans the rows of both ranks' micro-batches). First, on the GPU, the
+# routing's kernels against their CPU loops, to the bit (dev/cuda/moe, the [cuda][moe] cases), and the experts'
+# grouped GEMMs against one GEMM per expert at Qwen3-30B-A3B's and Mixtral's shapes (dev/cuda/experts, the
+# [cuda][experts] cases); every run below routes on the device and runs its bf16 experts grouped.
 
 phase_moe() {
+    if ! needs_gpu "the routing's and the grouped experts' kernel checks"; then
+        for program in moe experts; do
+            if [[ ! -x dev/cuda/$program ]]; then
+                result FAIL moe "dev/cuda/$program" "(not built: add the build phase)"; continue
+            fi
+            run "dev/cuda/$program"
+            rc=$?
+            kernel_result "$rc" "dev/cuda/$program" "$(run_output | grep -E '^[0-9]+ of [0-9]+ checks passed' | tail -n 1)"
+        done
+        run build/tests "[cuda][moe],[cuda][experts]"
+        catch2_last $? 'build/tests "[cuda][moe],[cuda][experts]" (device routing to the bit, grouped GEMMs against the loop)'
+    fi
     if two_ranks_ready "$WORK/moe" -e "$MOE_MODEL"; then
         for z in $( ((QUICK)) && echo 1 || echo 0 1); do
             two_ranks "$WORK/moe" "$MOE_MODEL, ep 2 (dp 2), ZeRO-$z, 2 micro-steps" -e "$MOE_MODEL" --ep 2 -z "$z"
@@ -852,6 +869,10 @@ phase_moe() {
     fi
     if two_ranks_ready "$WORK/moe_capacity" -e "$MOE_MODEL" --moe-capacity 1; then
         two_ranks "$WORK/moe_capacity" "$MOE_MODEL, capacity 1, ep 2 (dp 2), ZeRO-1" -e "$MOE_MODEL" --moe-capacity 1 \
+            --ep 2 -z 1
+    fi
+    if two_ranks_ready "$WORK/moe_fp8" -e "$MOE_MODEL" --fp8 1; then
+        MPI_TOL=$FP8_TOL two_ranks "$WORK/moe_fp8" "$MOE_MODEL, FP8 experts, ep 2 (dp 2), ZeRO-1" -e "$MOE_MODEL" --fp8 1 \
             --ep 2 -z 1
     fi
 }
@@ -1337,7 +1358,7 @@ declare -A EST_FULL=(
     [fp8]=580           # 3 x 2 runs of 200 steps (d12 B=16 ~0.15 s, the 1B Llama ~0.3 s, the MoE ~0.15 s a step), 12 timed runs; blockwise d12 200 steps 34 and llama3-1b timed 20 (its bf16 and tensorwise runs shared), mxfp8 refused 4
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
-    [moe]=200           # 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each; the batch-scope and capacity pairs 2 each
+    [moe]=260           # dev/cuda/moe and experts ~30, their Catch2 cases 5; 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each; the batch-scope, capacity and FP8 pairs 2 each
     [mpi]=450           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each; the FP8 gathers 8 x (20 x 0.92 s + 7)
     [kernels]=150       # 12 dev/cuda programs (93 s on an H100, 2026-11-27: attention 27) and attention_sdpa.py
     [pytorch]=60        # d12 10 steps, then PyTorch's d12 (bf16 autocast) 10 steps
@@ -1355,7 +1376,7 @@ declare -A EST_QUICK=(
     [mpi]=90            # 1 rank, ZeRO-1 and 3, tp 2; the Llama's 1 rank and tp 2, its one-head tp 2: 25 s on an H100; the FP8 gathers 8 x ~7
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
     [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
-    [moe]=75            # 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each; the batch-scope and capacity pairs
+    [moe]=110           # dev/cuda/moe and experts ~30, their Catch2 cases 5; 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each; the batch-scope, capacity and FP8 pairs
     [resume]=45         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device); 3 -l 0 runs
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
