@@ -52,6 +52,7 @@
 #include "llmc/comm.cuh"
 #include "llmc/cp.cuh"
 #include "llmc/device.cuh"
+#include "llmc/experts.cuh"
 #include "llmc/ledger.h"
 #include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
@@ -246,14 +247,6 @@ struct ExpertTensors {
     MlpTensorViews<floatX> experts, shared;
     floatX* shared_gate;
 };
-// expert x's tensors among the stacked ones (null where they are)
-template <typename floatX>
-inline MlpTensorViews<floatX> expert_view(const MlpTensorViews<floatX>& stacked, int x, const MlpShape& s) {
-    auto at = [&](floatX* p, long block) { return p ? p + x * block : nullptr; };
-    return {at(stacked.fcw, (long)s.FC() * s.C), at(stacked.fcb, s.FC()), at(stacked.fcprojw, (long)s.C * s.H),
-            at(stacked.fcprojb, s.C)};
-}
-
 // What a sparse layer keeps for backward: the rows the experts took (expert-major), their hidden layer before and
 // after the activation, the rows they gave back (dispatch order); the shared expert's hidden layer and, where a
 // gate scales it, its output; and under a split backward (the zero-bubble pipeline's) the experts' and the shared
