@@ -18,7 +18,8 @@
 //   dispatch the (token, slot) pairs kept are sorted by expert, token and slot ("dispatch order"); under expert
 //            parallelism (--ep N, each rank holding E/N experts) the rows travel to the ranks of their experts
 //            with an all-to-all-v, the counts exchanged first, and come back the same way.
-//   experts  the MLP of llmc/mlp.cuh on each expert's contiguous rows.
+//   experts  the MLP of llmc/mlp.cuh on each expert's contiguous rows, all of a rank's experts in one grouped
+//            GEMM per matmul on the GPU (llmc/experts.cuh).
 //   combine  out[t] = Σ_k gate[t,k] · y[t,k], in slot order, so the sum is the same on every layout.
 //   shared   DeepSeek's shared expert, an MLP over every row that every rank of an ep group holds whole, is the
 //            sum's first term: out[t] = s[t] + Σ_k ...; Qwen2-MoE's is scaled by its gate and added last:
@@ -55,6 +56,7 @@
 #include "llmc/comm.cuh"
 #include "llmc/cp.cuh"
 #include "llmc/device.cuh"
+#include "llmc/experts.cuh"
 #include "llmc/ledger.h"
 #include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
@@ -249,14 +251,6 @@ struct ExpertTensors {
     MlpTensorViews<floatX> experts, shared;
     floatX* shared_gate;
 };
-// expert x's tensors among the stacked ones (null where they are)
-template <typename floatX>
-inline MlpTensorViews<floatX> expert_view(const MlpTensorViews<floatX>& stacked, int x, const MlpShape& s) {
-    auto at = [&](floatX* p, long block) { return p ? p + x * block : nullptr; };
-    return {at(stacked.fcw, (long)s.FC() * s.C), at(stacked.fcb, s.FC()), at(stacked.fcprojw, (long)s.C * s.H),
-            at(stacked.fcprojb, s.C)};
-}
-
 // What a sparse layer keeps for backward: the routing (the router's logits, BT·E; each slot's expert, gate and
 // row in dispatch order, -1 where dropped, BT·K; each sequence's f of the aux loss, B·E; a gated shared expert's
 // scales, BT), the rows the experts took (expert-major), their hidden layer before and after the activation, the
@@ -801,14 +795,8 @@ struct MixtureOfExperts {
             reorder(a.inputs, received, r, true, C);
         }
         floatX* expert_out = ep_size > 1 ? expert_rows : a.outputs;
-        MlpTensorViews<floatX> ew = on_first_tp_rank(w.experts, tp);
-        long FC = experts.FC(), H = experts.H;
-        for (int x = 0; x < X; x++) {
-            long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
-            if (n == 0) continue;
-            mlp_forward(expert_out + first * C, a.fch + first * FC, a.act + first * H, a.inputs + first * C,
-                        expert_view(ew, x, experts), n, experts, ws, fp8);
-        }
+        experts_forward(expert_out, a.fch, a.act, a.inputs, on_first_tp_rank(w.experts, tp), r.expert_first, experts, ws,
+                        fp8);
         if (ep_size > 1) {
             reorder(received, expert_rows, r, false, C);
             exchange(received, a.outputs, r, false, C);
@@ -875,15 +863,9 @@ struct MixtureOfExperts {
         }
         if (split) device_copy<floatX>(a.kept_dout, dexpert, r.rows * C);
         if (recompute) mlp_activation_again(a.act, a.fch, r.rows, experts);
-        // dexpert turns into the experts' input gradients row by row, each expert's rows once it is done with them
-        long FC = experts.FC(), H = experts.H;
-        for (int x = 0; x < X; x++) {
-            long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
-            if (n == 0) continue;
-            mlp_backward(dexpert + first * C, expert_view(dw.experts, x, experts), dexpert + first * C,
-                         split ? a.kept_dfch + first * FC : dfch, dact, a.fch + first * FC, a.act + first * H,
-                         a.inputs + first * C, expert_view(w.experts, x, experts), n, experts, ws, fp8);
-        }
+        // dexpert turns into the experts' input gradients, once they have read it
+        experts_backward(dexpert, dw.experts, dexpert, split ? a.kept_dfch : dfch, dact, a.fch, a.act, a.inputs, w.experts,
+                         r.expert_first, experts, ws, fp8);
         const floatX* dinputs = dexpert;  // dispatch order, once back
         if (ep_size > 1) {
             reorder(received, expert_rows, r, false, C);
@@ -999,15 +981,8 @@ struct MixtureOfExperts {
                              ws, fp8_shared);
         }
         if (recompute) mlp_activation_again(a.act, a.fch, r.rows, experts);
-        int C = experts.C;
-        long FC = experts.FC(), H = experts.H;
-        for (int x = 0; x < X; x++) {
-            long first = r.expert_first[x], n = r.expert_first[x + 1] - first;
-            if (n == 0) continue;
-            mlp_weight_grads(expert_view(dw.experts, x, experts), a.kept_dout + first * C, a.kept_dfch + first * FC,
-                             a.act + first * H, a.inputs + first * C, expert_view(w.experts, x, experts), n, experts, ws,
+        experts_weight_grads(dw.experts, a.kept_dout, a.kept_dfch, a.act, a.inputs, w.experts, r.expert_first, experts, ws,
                              fp8);
-        }
     }
 
     // After a step, each sparse layer's selection bias toward balanced loads: b_i += γ·sign(mean − load_i), load:

@@ -3,8 +3,8 @@
 // up, and the deterministic kernels run twice for the same bits. Tolerances are bf16's. Without a GPU every
 // case says "skipped: no GPU" and counts as skipped (the wgmma attention's, on a GPU other than Hopper, "skipped: not
 // Hopper"), except the host-side precondition checks, the emulations of the attention's mma and wgmma fragment
-// and shared-memory layouts on the CPU, and the choices of the matmul backward's epilogues and of the attention
-// kernels, which run anywhere.
+// and shared-memory layouts on the CPU, the choices of the matmul backward's epilogues and of the attention
+// kernels, and the experts' grouped GEMM descriptors run on the CPU, which run anywhere.
 // dev/cuda/ runs the same checks on GPT-2-sized shapes and times them; the inputs and CPU reference runs they share
 // are dev/cuda/*_case.h's.
 #include <array>
@@ -14,6 +14,7 @@
 #include "dev/cuda/attention_case.h"
 #include "dev/cuda/classifier_case.h"
 #include "dev/cuda/encoder_case.h"
+#include "dev/cuda/experts_case.h"
 #include "dev/cuda/layernorm_case.h"
 #include "dev/cuda/matmul_case.h"
 #include "llmc/gelu.cuh"
@@ -103,6 +104,96 @@ void check_gelu_matmul(long N, long C, long OC, bool epilogues) {
     REQUIRE(download(k.d_dw) == dw);
     REQUIRE(download(k.d_db) == db);
     REQUIRE(download(k.d_dpb) == dpb);
+}
+
+// llmc/experts.cuh's grouped passes run on the CPU (their GEMM descriptors through experts_gemm's loops, the
+// per-row kernels' CPU loops) against the mlp_* loop the CPU's entry points run, din == dout, whole and split: the
+// same fp32 arithmetic in the same order but for the bias added after the sum, identical bits on this project's
+// builds; 1e-5 leaves the order free. A GEMM given another expert's weights or rows, or a bias gradient that drops
+// a row, is an O(1) error.
+void check_experts_on_cpu(const MlpShape& s, bool bias, const std::vector<int>& counts) {
+    INFO("experts C=" << s.C << " H=" << s.H << (s.activation == Activation::GELU ? " GELU" : " SwiGLU")
+                      << (bias ? " with biases" : ""));
+    ExpertsCase k(s, bias, experts_first(counts), 23, true);
+    for (bool split : {false, true}) {
+        INFO((split ? "split backward" : "backward"));
+        ExpertsCase::HostRun g = k.run_on_cpu(true, split);
+        const ExpertsCase::HostRun& l = k.cpu;
+        std::pair<const char*, std::pair<const std::vector<float>*, const std::vector<float>*>> all[] = {
+            {"out", {&g.out, &l.out}},       {"fch", {&g.fch, &l.fch}},
+            {"act", {&g.act, &l.act}},       {"din", {&g.din, &l.din}},
+            {"dfch", {&g.dfch, &l.dfch}},    {"dact", {&g.dact, &l.dact}},
+            {"dfcw", {&g.dfcw, &l.dfcw}},    {"dfcb", {&g.dfcb, &l.dfcb}},
+            {"dfcprojw", {&g.dfcprojw, &l.dfcprojw}}, {"dfcprojb", {&g.dfcprojb, &l.dfcprojb}}};
+        for (auto& [name, v] : all) require_close(name, *v.first, *v.second, 1e-5);
+    }
+}
+
+// The GPU's grouped passes against its loop of mlp_* calls (cuBLASLt per expert) and against the CPU, din == dout
+// for the grouped backward (the loop's din a buffer of its own), then the split backward, and the grouped backward
+// again for the same bits. Grouped against the loop: 1e-2 forward, 2e-2 gradients (one or two bf16 roundings apart
+// per stage: the bias after the GEMM's rounding rather than in its epilogue, other GEMM kernels' summation orders;
+// dev/cuda/experts.cu says more); against the CPU 2e-2 and 3e-2, as the matmul's checks.
+void check_experts(const MlpShape& s, bool bias, const std::vector<int>& counts) {
+    INFO("experts C=" << s.C << " H=" << s.H << (s.activation == Activation::GELU ? " GELU" : " SwiGLU")
+                      << (bias ? " with biases" : ""));
+    REQUIRE(experts_grouped_missing() == "");
+    ExpertsCase k(s, bias, experts_first(counts), 24, true);
+    auto synced = [](auto&& launch) {
+        cuda_check(cudaDeviceSynchronize());
+        launch();
+        cuda_check(cudaDeviceSynchronize());
+    };
+    struct Output {
+        const char* name;
+        DeviceArray<bf16>*grouped, *loop;
+        const std::vector<float>* cpu;
+    };
+    ExpertsCase::Run &g = k.grouped, &l = k.loop;
+    std::vector<Output> forward = {{"out", &g.out, &l.out, &k.cpu.out},
+                                   {"fch", &g.fch, &l.fch, &k.cpu.fch},
+                                   {"act", &g.act, &l.act, &k.cpu.act}};
+    std::vector<Output> backward = {{"din", &g.din, &l.din, &k.cpu.din},
+                                    {"dfch", &g.dfch, &l.dfch, &k.cpu.dfch},
+                                    {"dfcw (+=)", &g.dfcw, &l.dfcw, &k.cpu.dfcw},
+                                    {"dfcprojw (+=)", &g.dfcprojw, &l.dfcprojw, &k.cpu.dfcprojw}};
+    if (k.swiglu()) backward.push_back({"dact", &g.dact, &l.dact, &k.cpu.dact});
+    if (bias) {
+        backward.push_back({"dfcb (+=)", &g.dfcb, &l.dfcb, &k.cpu.dfcb});
+        backward.push_back({"dfcprojb (+=)", &g.dfcprojb, &l.dfcprojb, &k.cpu.dfcprojb});
+    }
+    auto compare = [&](const std::vector<Output>& outputs, double tol, double cpu_tol, bool with_cpu) {
+        for (const Output& o : outputs) {
+            INFO(o.name);
+            std::vector<float> grouped = download(*o.grouped);
+            require_close("grouped against the loop", grouped, download(*o.loop), tol);
+            if (with_cpu) require_close("grouped against the CPU", grouped, *o.cpu, cpu_tol);
+        }
+    };
+    synced([&] { k.forward(k.loop, false); });
+    synced([&] { k.forward(k.grouped, true); });
+    compare(forward, 1e-2, 2e-2, true);
+    synced([&] { k.backward(k.loop, false, false); });
+    synced([&] { k.backward(k.grouped, true, true); });
+    compare(backward, 2e-2, 3e-2, true);
+    std::vector<std::vector<float>> first_run;
+    for (const Output& o : backward) first_run.push_back(download(*o.grouped));
+    {
+        INFO("split backward");
+        synced([&] { g.din.poison(), g.dfch.poison(), k.reset_grads(g); });
+        synced([&] { k.split_backward(g, true); });
+        compare(backward, 2e-2, 3e-2, false);
+    }
+    {
+        INFO("the grouped backward again: the same bits");
+        synced([&] { k.reset_grads(g); });
+        synced([&] { k.backward(g, true, true); });
+        for (size_t i = 0; i < backward.size(); i++) {
+            INFO(backward[i].name);
+            REQUIRE(download(*backward[i].grouped) == first_run[i]);
+        }
+    }
+    REQUIRE(experts_grouped_missing() == "");  // the grouped GEMMs ran throughout
 }
 
 // the mma.sync kernels, or the wgmma ones (hopper); NH query heads over KV key/value heads
@@ -564,6 +655,22 @@ TEST_CASE("CUDA wgmma flash attention (Hopper) forward and deterministic backwar
     check_attention(1, 77, 512, 8, 1, true);    // hs 64, multi-query
     check_attention(1, 333, 1024, 8, 2, true);  // hs 128, groups of 4, three blocks
     check_attention(2, 64, 1024, 8, 1, true);   // hs 128, multi-query, less than one block
+}
+
+// experts of odd row counts, one without rows in the middle and one at each end (the SwiGLU case), C and H whole
+// 16-byte vectors as the model's are
+TEST_CASE("experts' grouped passes on the CPU equal the per-expert loop", "[experts]") {
+    check_experts_on_cpu(MlpShape{64, 96, Activation::GELU}, true, {37, 0, 64, 1, 129});
+    check_experts_on_cpu(MlpShape{128, 48, Activation::SwiGLU}, false, {0, 13, 5, 41, 0});
+    check_experts_on_cpu(MlpShape{64, 40, Activation::SwiGLU}, true, {3, 0, 0, 17});
+}
+
+TEST_CASE("CUDA grouped expert GEMMs match the per-expert loop and the CPU", "[cuda][experts]") {
+    SKIP_WITHOUT_GPU_CASE();
+    check_experts(MlpShape{64, 96, Activation::GELU}, true, {37, 0, 64, 1, 129});
+    check_experts(MlpShape{128, 48, Activation::SwiGLU}, false, {0, 13, 5, 41, 0});
+    check_experts(MlpShape{64, 40, Activation::SwiGLU}, true, {3, 0, 0, 17});
+    check_experts(MlpShape{256, 512, Activation::SwiGLU}, false, {300, 517, 1, 0, 290, 1000, 7, 900});
 }
 
 TEST_CASE("CUDA GELU forward and backward match the CPU", "[cuda]") {
