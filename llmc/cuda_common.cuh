@@ -11,6 +11,7 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "llmc/utils.h"
@@ -117,18 +118,26 @@ struct CublasLtApi {
     decltype(&cublasLtMatmulAlgoCheck) algo_check;
 };
 
+// A library of the cuBLAS the toolkit ships (`base`: libcublasLt or libcublas), of its major version, opened on
+// first use so that the binary links neither; soname says which file. Null where it cannot be opened.
+inline void* open_cublas_library(const char* base, std::string& soname) {
+    soname = strfmt("%s.so.%d", base, CUBLAS_VER_MAJOR);
+    return dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+}
+// function <- the library's symbol `name`; whether it has one
+template <typename F>
+inline bool find_symbol(void* lib, F& function, const char* name) {
+    function = reinterpret_cast<F>(dlsym(lib, name));
+    return function != nullptr;
+}
+
 inline CublasLtApi open_cublaslt() {
-#define LLM5D_STRING(x) #x
-#define LLM5D_SONAME(major) "libcublasLt.so." LLM5D_STRING(major)
-    const char* soname = LLM5D_SONAME(CUBLAS_VER_MAJOR);
-#undef LLM5D_SONAME
-#undef LLM5D_STRING
-    void* lib = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) fail("cuBLASLt: cannot open %s: %s", soname, dlerror());
+    std::string soname;
+    void* lib = open_cublas_library("libcublasLt", soname);
+    if (!lib) fail("cuBLASLt: cannot open %s: %s", soname.c_str(), dlerror());
     CublasLtApi api;
     auto find = [&](auto& function, const char* name) {
-        function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(dlsym(lib, name));
-        if (!function) fail("cuBLASLt: %s has no %s", soname, name);
+        if (!find_symbol(lib, function, name)) fail("cuBLASLt: %s has no %s", soname.c_str(), name);
     };
     find(api.create, "cublasLtCreate");
     find(api.matmul, "cublasLtMatmul");

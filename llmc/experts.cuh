@@ -62,19 +62,15 @@ struct CublasGrouped {
 inline CublasGrouped& cublas_grouped() {
     static CublasGrouped* grouped = [] {
         auto* g = new CublasGrouped();
-#define LLM5D_STRING(x) #x
-#define LLM5D_SONAME(major) "libcublas.so." LLM5D_STRING(major)
-        const char* soname = LLM5D_SONAME(CUBLAS_VER_MAJOR);
-#undef LLM5D_SONAME
-#undef LLM5D_STRING
-        void* lib = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
+        std::string soname;
+        void* lib = open_cublas_library("libcublas", soname);
         if (!lib) {
-            g->missing = strfmt("%s cannot be opened: %s", soname, dlerror());
+            g->missing = strfmt("%s cannot be opened: %s", soname.c_str(), dlerror());
             return g;
         }
         auto find = [&](auto& function, const char* name) {
-            function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(dlsym(lib, name));
-            if (!function && g->missing.empty()) g->missing = strfmt("%s has no %s", soname, name);
+            if (!find_symbol(lib, function, name) && g->missing.empty())
+                g->missing = strfmt("%s has no %s", soname.c_str(), name);
         };
         find(g->create, "cublasCreate_v2");
         find(g->set_stream, "cublasSetStream_v2");

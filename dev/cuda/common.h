@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "llmc/cuda_common.cuh"
+#include "llmc/device.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -182,6 +183,16 @@ struct Checks {
 // Each timing stays within TIMING_BUDGET_MS of calls (after its warm-up): a call slower than expected, a large
 // shape or a slow GPU lowers the repetitions (to 5 at the least) rather than the program's time growing with them.
 constexpr float TIMING_BUDGET_MS = 250.0f;
+
+// f's launches on llmc's main_stream(), a non-blocking stream that the legacy default stream (the uploads,
+// downloads and poisoning here) does not order against: the device synchronized before and after
+template <typename F>
+inline void on_main_stream(F&& f) {
+    cuda_check(cudaDeviceSynchronize());
+    f();
+    cuda_check(cudaGetLastError());
+    cuda_check(cudaDeviceSynchronize());
+}
 
 // median milliseconds per call of f(set), set = 0, 1, ..., sets - 1, 0, 1, ... over reps calls (fewer where
 // reps calls would outlast TIMING_BUDGET_MS, judged from one call timed after one warm-up pass over every set);

@@ -106,14 +106,6 @@ static void check_on_device(Checks& checks, const std::string& what, const Devic
 
 constexpr double FORWARD_TOL = 1e-2, BACKWARD_TOL = 2e-2, CPU_FORWARD_TOL = 2e-2, CPU_BACKWARD_TOL = 3e-2;
 
-template <typename F>
-static void on_main_stream(F&& f) {
-    cuda_check(cudaDeviceSynchronize());
-    f();
-    cuda_check(cudaGetLastError());
-    cuda_check(cudaDeviceSynchronize());
-}
-
 // an output or gradient by name: the grouped run's, the loop's, the CPU's (empty without host values), and whether
 // it comes from the backward
 struct ExpertsOutput {

@@ -36,16 +36,6 @@
 #include "llmc/moe.cuh"
 
 // ------------------------------------------------------------------------------------------------------------
-// launches on the header's stream, ordered against everything on the legacy stream
-
-template <typename F>
-static void on_main_stream(F&& f) {
-    cuda_check(cudaDeviceSynchronize());
-    f();
-    cuda_check(cudaGetLastError());
-    cuda_check(cudaDeviceSynchronize());
-}
-
 // common.h's median_ms with the events on main_stream(), where llmc's kernels run (a non-blocking stream, which
 // the legacy default stream does not wait for)
 template <typename F>

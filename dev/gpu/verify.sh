@@ -469,6 +469,19 @@ kernel_result() {
     else result FAIL "$PHASE" "$check" "${summary:-$(why "$rc")}"; fi
 }
 
+# kernel_programs PROGRAM...: each dev/cuda program run, one result each (its "N of M checks passed" line)
+kernel_programs() {
+    local program rc
+    for program in "$@"; do
+        if [[ ! -x dev/cuda/$program ]]; then
+            result FAIL "$PHASE" "dev/cuda/$program" "(not built: add the build phase)"; continue
+        fi
+        run "dev/cuda/$program"
+        rc=$?
+        kernel_result "$rc" "dev/cuda/$program" "$(run_output | grep -E '^[0-9]+ of [0-9]+ checks passed' | tail -n 1)"
+    done
+}
+
 # ---------------------------------------------------------------------------------------------------------
 # build: train_gpt, build/tests and dev/cuda for the GPU found
 
@@ -835,14 +848,7 @@ phase_pp() {
 
 phase_moe() {
     if ! needs_gpu "the routing's and the grouped experts' kernel checks"; then
-        for program in moe experts; do
-            if [[ ! -x dev/cuda/$program ]]; then
-                result FAIL moe "dev/cuda/$program" "(not built: add the build phase)"; continue
-            fi
-            run "dev/cuda/$program"
-            rc=$?
-            kernel_result "$rc" "dev/cuda/$program" "$(run_output | grep -E '^[0-9]+ of [0-9]+ checks passed' | tail -n 1)"
-        done
+        kernel_programs moe experts
         run build/tests "[cuda][moe],[cuda][experts]"
         catch2_last $? 'build/tests "[cuda][moe],[cuda][experts]" (device routing to the bit, grouped GEMMs against the loop)'
     fi
@@ -888,14 +894,7 @@ LLAMA_KERNEL_TESTS='[cuda][rmsnorm],[cuda][rope],[cuda][#test_swiglu],[cuda][qkn
 
 phase_llama() {
     if ! needs_gpu "dev/cuda's kernel checks and the Catch2 [cuda] tests"; then
-        for program in rmsnorm rope swiglu qknorm attention; do
-            if [[ ! -x dev/cuda/$program ]]; then
-                result FAIL llama "dev/cuda/$program" "(not built: add the build phase)"; continue
-            fi
-            run "dev/cuda/$program"
-            rc=$?
-            kernel_result "$rc" "dev/cuda/$program" "$(run_output | grep -E '^[0-9]+ of [0-9]+ checks passed' | tail -n 1)"
-        done
+        kernel_programs rmsnorm rope swiglu qknorm attention
         run build/tests -# "$LLAMA_KERNEL_TESTS"
         catch2_last $? 'build/tests: the [cuda] tests of RMSNorm, RoPE, SwiGLU, QK-norm and grouped-query attention'
         run build/tests "[cuda][llama]~[wgmma]"
