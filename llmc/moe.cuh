@@ -342,29 +342,35 @@ inline void route_tokens(int* expert, float* gate, float* probs, float* scores, 
     }
 }
 
-// The aux loss's statistics of sequence b and expert e: sums[b·E + e] the assignments of its Tl tokens that chose
-// e, sums[(B + b)·E + e] their P summed (in token order)
-__host__ __device__ inline void sequence_statistics(float* sums, const int* expert, const float* probs, int b, int e,
-                                                    int B, long Tl, int E, int K) {
+// The aux loss's statistics of the B sequences of Tl tokens: sums[b·E + e] the assignments of sequence b that
+// chose e, sums[(B + b)·E + e] their P summed. The CPU adds in token order; the GPU's warp per (b, e) adds its
+// lanes' strided partial sums, so the sums of P differ in the last bits (the counts, whole numbers, do not).
+static __global__ void route_statistics_kernel(float* sums, const int* expert, const float* probs, int B, long Tl, int E,
+                                               int K) {
+    long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (warp >= (long)B * E) return;
+    int b = (int)(warp / E), e = (int)(warp % E);
     float n = 0.0f, p = 0.0f;
-    for (long t = b * Tl; t < (b + 1) * Tl; t++) {
+    for (long t = b * Tl + lane; t < (b + 1) * Tl; t += 32) {
         for (int k = 0; k < K; k++) n += expert[t * K + k] == e ? 1.0f : 0.0f;
         p += probs[t * E + e];
     }
-    sums[(long)b * E + e] = n, sums[((long)B + b) * E + e] = p;
-}
-static __global__ void route_statistics_kernel(float* sums, const int* expert, const float* probs, int B, long Tl, int E,
-                                               int K) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < B * E) sequence_statistics(sums, expert, probs, i / E, i % E, B, Tl, E, K);
+    for (int o = 16; o > 0; o /= 2) n += __shfl_xor_sync(0xffffffff, n, o), p += __shfl_xor_sync(0xffffffff, p, o);
+    if (lane == 0) sums[warp] = n, sums[(long)B * E + warp] = p;
 }
 template <typename floatX>
 inline void route_statistics(float* sums, const int* expert, const float* probs, int B, long Tl, int E, int K) {
     if constexpr (device_of<floatX> == Device::CPU) {
-#pragma omp parallel for
-        for (int i = 0; i < B * E; i++) sequence_statistics(sums, expert, probs, i / E, i % E, B, Tl, E, K);
+        std::fill(sums, sums + 2 * (size_t)B * E, 0.0f);
+        for (long t = 0; t < (long)B * Tl; t++) {
+            long b = t / Tl;
+            for (int k = 0; k < K; k++) sums[b * E + expert[t * K + k]] += 1.0f;
+            for (int e = 0; e < E; e++) sums[((long)B + b) * E + e] += probs[t * E + e];
+        }
     } else {
-        route_statistics_kernel<<<cuda_blocks(B * E, 128), 128, 0, main_stream()>>>(sums, expert, probs, B, Tl, E, K);
+        route_statistics_kernel<<<cuda_blocks((long)B * E * 32, 256), 256, 0, main_stream()>>>(sums, expert, probs, B, Tl,
+                                                                                               E, K);
         cuda_check(cudaGetLastError());
     }
 }
@@ -494,22 +500,20 @@ inline void dispatch_order(int* row_of, int* token_of_row, int* counts, const in
     }
 }
 
-// n rows of K ints: dst[i] = src[index[i]] (gather), or dst[index[i]] = src[i] (scatter)
+// n rows of K ints: dst[i] = src[index[i]] (gather), or dst[index[i]] = src[i] (scatter); element i of the n·K
+__host__ __device__ inline void move_int(int* dst, const int* src, const int* index, long i, int K, bool scatter) {
+    long row = i / K, k = i % K;
+    if (scatter) dst[(long)index[row] * K + k] = src[i];
+    else dst[i] = src[(long)index[row] * K + k];
+}
 static __global__ void move_int_rows_kernel(int* dst, const int* src, const int* index, long n, int K, bool scatter) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += (long)gridDim.x * blockDim.x) {
-        long row = i / K, k = i % K;
-        if (scatter) dst[(long)index[row] * K + k] = src[i];
-        else dst[i] = src[(long)index[row] * K + k];
-    }
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * K; i += (long)gridDim.x * blockDim.x)
+        move_int(dst, src, index, i, K, scatter);
 }
 template <typename floatX>
 inline void move_int_rows(int* dst, const int* src, const int* index, long n, int K, bool scatter) {
     if constexpr (device_of<floatX> == Device::CPU) {
-        for (long i = 0; i < n * K; i++) {
-            long row = i / K, k = i % K;
-            if (scatter) dst[(long)index[row] * K + k] = src[i];
-            else dst[i] = src[(long)index[row] * K + k];
-        }
+        for (long i = 0; i < n * K; i++) move_int(dst, src, index, i, K, scatter);
     } else {
         launch_elementwise(move_int_rows_kernel, n * K, dst, src, index, n, K, scatter);
     }

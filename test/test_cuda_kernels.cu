@@ -139,11 +139,6 @@ void check_experts(const MlpShape& s, bool bias, const std::vector<int>& counts)
                       << (bias ? " with biases" : ""));
     REQUIRE(experts_grouped_missing() == "");
     ExpertsCase k(s, bias, experts_first(counts), 24, true);
-    auto synced = [](auto&& launch) {
-        cuda_check(cudaDeviceSynchronize());
-        launch();
-        cuda_check(cudaDeviceSynchronize());
-    };
     struct Output {
         const char* name;
         DeviceArray<bf16>*grouped, *loop;
@@ -170,24 +165,24 @@ void check_experts(const MlpShape& s, bool bias, const std::vector<int>& counts)
             if (with_cpu) require_close("grouped against the CPU", grouped, *o.cpu, cpu_tol);
         }
     };
-    synced([&] { k.forward(k.loop, false); });
-    synced([&] { k.forward(k.grouped, true); });
+    on_main_stream([&] { k.forward(k.loop, false); });
+    on_main_stream([&] { k.forward(k.grouped, true); });
     compare(forward, 1e-2, 2e-2, true);
-    synced([&] { k.backward(k.loop, false, false); });
-    synced([&] { k.backward(k.grouped, true, true); });
+    on_main_stream([&] { k.backward(k.loop, false, false); });
+    on_main_stream([&] { k.backward(k.grouped, true, true); });
     compare(backward, 2e-2, 3e-2, true);
     std::vector<std::vector<float>> first_run;
     for (const Output& o : backward) first_run.push_back(download(*o.grouped));
     {
         INFO("split backward");
-        synced([&] { g.din.poison(), g.dfch.poison(), k.reset_grads(g); });
-        synced([&] { k.split_backward(g, true); });
+        on_main_stream([&] { g.din.poison(), g.dfch.poison(), k.reset_grads(g); });
+        on_main_stream([&] { k.split_backward(g, true); });
         compare(backward, 2e-2, 3e-2, false);
     }
     {
         INFO("the grouped backward again: the same bits");
-        synced([&] { k.reset_grads(g); });
-        synced([&] { k.backward(g, true, true); });
+        on_main_stream([&] { k.reset_grads(g); });
+        on_main_stream([&] { k.backward(g, true, true); });
         for (size_t i = 0; i < backward.size(); i++) {
             INFO(backward[i].name);
             REQUIRE(download(*backward[i].grouped) == first_run[i]);

@@ -1,10 +1,11 @@
 // routing_case: llmc/moe.cuh's routing on the device against its CPU loops, on random logits with ties planted.
 // The GPU must make the CPU's decisions to the bit: each token's experts, the capacity's kept flags, the
 // dispatch order (each slot's row, each row's token, the counts) and the ep permutation are compared exactly;
-// the gates and P too, since both sides run the same arithmetic (route_exp rounds a double exp once). The
-// statistics' sums of P and the router's logit gradients are fp32 sums in the same order on both sides, but the
-// device may fuse a multiply and an add that the host rounds twice: 1e-5 of their RMS (an error of one expert's
-// share of the gradient would be ~1/E of it). Used by test/test_moe.cu ([cuda]) and dev/cuda/moe.cu.
+// the gates and P too, since both sides run the same arithmetic (route_exp rounds a double exp once), and the
+// statistics' counts (whole numbers). The statistics' sums of P (a warp's strided partial sums on the GPU, token
+// order on the CPU) and the router's logit gradients (the same order, but the device may fuse a multiply and an
+// add that the host rounds twice) to 1e-5 of their RMS: one token's P missed, or one expert's share of the
+// gradient, would be ~1/T or ~1/E of it. Used by test/test_moe.cu ([cuda]) and dev/cuda/moe.cu.
 #pragma once
 
 #include <string>
