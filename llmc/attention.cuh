@@ -1627,3 +1627,240 @@ inline void attention_block_backward(const AttentionBlock& a, AttentionRows<cons
             attention_backward_launch<HS, float>(a, dout, lse, delta, dq, dkv, main_stream());
     });
 }
+
+// ==========================================================================================================
+// Ring attention's blocks (llmc/cp.cuh) on both devices: the ring keeps a rank's queries and passes the keys
+// and values around, and what it computes with them is here. The heads and rows a block works on; the block's
+// attention (a CPU loop, and on CUDA the kernels the layers run, through attention_block_forward/backward above);
+// the copies between qkv rows and the K/V rows that travel; D; and the merge of each block's output into the
+// running one (the online softmax across blocks). Each is a CPU loop (fp32, OpenMP) with its CUDA beside it (bf16
+// storage, fp32 arithmetic, fp32 running output, log-sum-exp and gradient accumulators). The fp32 buffers exist
+// on both devices, so the steps that touch only them take the storage type as a template argument to know where
+// they live.
+
+// The heads a rank's attention has: NH query heads over KV key/value heads of hs channels (grouped-query
+// attention: query head h reads key/value head h / (NH/KV); KV = NH is multi-head attention). C = NH·hs is the
+// width of the queries and of the output, K = KV·hs that of the keys and of the values: a row of qkv holds
+// C + 2K values (q, then k, then v), a row of what travels the ring 2K (k, then v).
+struct RingHeads {
+    int C, NH, KV;
+    __host__ __device__ int hs() const { return C / NH; }
+    __host__ __device__ int K() const { return KV * (C / NH); }
+    __host__ __device__ int qkv_row() const { return C + 2 * K(); }
+    __host__ __device__ int kv_row() const { return 2 * K(); }
+    __host__ __device__ int kv_head(int h) const { return h / (NH / KV); }
+};
+
+// The per-block kernels. A block is n local query rows starting at q0 of qkv (B, Tl, C + 2K) against n key rows
+// starting at k0 of kv (B, Tl, 2K: K then V, the layout that travels), per (batch, query head); causal masks key
+// j after query i of the block (both chunks are the same n positions of the sequence).
+//
+// forward: out_blk (B, n, C) = the block's softmax over its keys applied to V, lse_blk (B, NH, n) its
+// log-sum-exp (natural log, of the scaled scores).
+// backward: with the global lse and D = rowsum(dO∘O) of the query rows (B, NH, Tl), adds the block's share to
+// dq (B, Tl, C) at the query rows and to dkv (B, Tl, 2K) at the key rows, all fp32; a key/value head's gradient
+// sums its NH/KV query heads, in head order.
+
+inline void ring_block_forward(float* out_blk, float* lse_blk, const float* qkv, int q0, const float* kv, int k0, int n,
+                               bool causal, int B, int Tl, RingHeads a) {
+    int hs = a.hs(), C = a.C, NH = a.NH;
+    float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < n; i++) {
+                const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
+                float* o = out_blk + ((size_t)b * n + i) * C + h * hs;
+                for (int d = 0; d < hs; d++) o[d] = 0.0f;
+                // one pass of the online softmax: o and sum stay scaled to the running maximum
+                float maxv = -INFINITY, sum = 0.0f;
+                int keys = causal ? i + 1 : n;
+                for (int j = 0; j < keys; j++) {
+                    const float* k = kv + ((size_t)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
+                    const float* v = k + a.K();
+                    float s = 0.0f;
+                    for (int d = 0; d < hs; d++) s += q[d] * k[d];
+                    s *= scale;
+                    float m = fmaxf(maxv, s), rescale = expf(maxv - m), p = expf(s - m);
+                    sum = sum * rescale + p;
+                    for (int d = 0; d < hs; d++) o[d] = o[d] * rescale + p * v[d];
+                    maxv = m;
+                }
+                for (int d = 0; d < hs; d++) o[d] /= sum;
+                lse_blk[((size_t)b * NH + h) * n + i] = maxv + logf(sum);
+            }
+}
+
+// Two passes, one owning the query rows (dQ) and one the key rows (dK, dV), so no two threads add to the same
+// entry; each recomputes the probabilities it needs.
+inline void ring_block_backward(float* dq, float* dkv, const float* dout, const float* qkv, int q0, const float* kv,
+                                int k0, int n, bool causal, const float* lse, const float* delta, int B, int Tl,
+                                RingHeads a) {
+    int hs = a.hs(), C = a.C, NH = a.NH, group = a.NH / a.KV;
+    float scale = 1.0f / sqrtf((float)hs);
+    // key j's K and V (local row k0 + j) as query head h reads them
+    auto key = [&](int b, int h, int j) { return kv + ((size_t)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs; };
+    // P and dS = P·(dO·v - D) of query i (local row q0 + i) and key j (local row k0 + j)
+    auto scores = [&](int b, int h, int i, int j, float* p, float* ds) {
+        const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
+        const float* k = key(b, h, j);
+        const float* v = k + a.K();
+        const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
+        float s = 0.0f, dp = 0.0f;
+        for (int e = 0; e < hs; e++) s += q[e] * k[e], dp += d[e] * v[e];
+        size_t row = ((size_t)b * NH + h) * Tl + q0 + i;
+        *p = expf(s * scale - lse[row]);
+        *ds = *p * (dp - delta[row]);
+    };
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < n; i++) {
+                float* g = dq + ((size_t)b * Tl + q0 + i) * C + h * hs;
+                for (int j = 0; j < (causal ? i + 1 : n); j++) {
+                    float p, ds;
+                    scores(b, h, i, j, &p, &ds);
+                    const float* k = key(b, h, j);
+                    for (int e = 0; e < hs; e++) g[e] += ds * scale * k[e];
+                }
+            }
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < a.KV; g++)
+            for (int j = 0; j < n; j++) {
+                float* dk = dkv + ((size_t)b * Tl + k0 + j) * a.kv_row() + g * hs;
+                float* dv = dk + a.K();
+                for (int h = g * group; h < (g + 1) * group; h++)
+                    for (int i = causal ? j : 0; i < n; i++) {
+                        float p, ds;
+                        scores(b, h, i, j, &p, &ds);
+                        const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
+                        const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
+                        for (int e = 0; e < hs; e++) dk[e] += ds * scale * q[e], dv[e] += p * d[e];
+                    }
+            }
+}
+
+// CUDA: the flash kernels above, the ones the layers run (--attention mma or wgmma), on the block's rows where
+// they lie: the queries at row q0 of qkv, the keys and values at row k0 of the ring's buffer, each sequence Tl
+// rows further; the causal mask for a chunk with itself, the full one for an earlier chunk.
+// The forward writes the block's output and log-sum-exp in fp32; the backward adds the block's share to the fp32
+// accumulators, each row owned by one warp of a launch, so the sums are deterministic as the CPU's.
+
+inline AttentionBlock ring_attention_block(const bf16* qkv, int q0, const bf16* kv, int k0, int n, bool causal, int B,
+                                           int Tl, RingHeads a) {
+    AttentionMask mask = causal ? AttentionMask::Causal : AttentionMask::Full;
+    return {B,
+            n,
+            a.C,
+            a.NH,
+            a.KV,
+            mask,
+            {qkv + (long)q0 * a.qkv_row(), (long)Tl * a.qkv_row(), a.qkv_row()},
+            {kv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()}};
+}
+
+inline void ring_block_forward(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv, int k0, int n,
+                               bool causal, int B, int Tl, RingHeads a) {
+    attention_block_forward(ring_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a), {out_blk, (long)n * a.C, a.C},
+                            {lse_blk, n, 1});
+}
+
+inline void ring_block_backward(float* dq, float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
+                                int k0, int n, bool causal, const float* lse, const float* delta, int B, int Tl,
+                                RingHeads a) {
+    attention_block_backward(ring_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a),
+                             {dout + (long)q0 * a.C, (long)Tl * a.C, a.C}, {lse + q0, Tl, 1}, {delta + q0, Tl, 1},
+                             {dq + (long)q0 * a.C, (long)Tl * a.C, a.C},
+                             {dkv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()});
+}
+
+// kv (rows, 2K) = the K and V columns of qkv (rows, C + 2K): what travels the ring
+inline void ring_pack_kv(float* kv, const float* qkv, long rows, RingHeads a) {
+#pragma omp parallel for
+    for (long r = 0; r < rows; r++)
+        memcpy(kv + r * a.kv_row(), qkv + r * a.qkv_row() + a.C, a.kv_row() * sizeof(float));
+}
+static __global__ void ring_pack_kv_kernel(bf16* kv, const bf16* qkv, long rows, RingHeads a) {
+    long width = a.kv_row();
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * width; i += (long)gridDim.x * blockDim.x)
+        kv[i] = qkv[i / width * a.qkv_row() + a.C + i % width];
+}
+inline void ring_pack_kv(bf16* kv, const bf16* qkv, long rows, RingHeads a) {
+    launch_elementwise(ring_pack_kv_kernel, rows * a.kv_row(), kv, qkv, rows, a);
+}
+
+// dqkv (rows, C + 2K) = dq (rows, C) beside dkv (rows, 2K), in the storage type
+inline void ring_store_grads(float* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
+#pragma omp parallel for
+    for (long r = 0; r < rows; r++) {
+        memcpy(dqkv + r * a.qkv_row(), dq + r * a.C, a.C * sizeof(float));
+        memcpy(dqkv + r * a.qkv_row() + a.C, dkv + r * a.kv_row(), a.kv_row() * sizeof(float));
+    }
+}
+static __global__ void ring_store_grads_kernel(bf16* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
+    long width = a.qkv_row();
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * width; i += (long)gridDim.x * blockDim.x) {
+        long r = i / width;
+        int c = (int)(i % width);
+        dqkv[i] = __float2bfloat16(c < a.C ? dq[r * a.C + c] : dkv[r * a.kv_row() + c - a.C]);
+    }
+}
+inline void ring_store_grads(bf16* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
+    launch_elementwise(ring_store_grads_kernel, rows * a.qkv_row(), dqkv, dq, dkv, rows, a);
+}
+
+// delta (B, NH, Tl) = dO·O over each head: the softmax backward's Σ_j P·dP of the row
+inline void attention_delta(float* delta, const float* dout, const float* out, int B, int Tl, int C, int NH) {
+    int hs = C / NH;
+#pragma omp parallel for collapse(3)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < Tl; t++) {
+                size_t at = ((size_t)b * Tl + t) * C + h * hs;
+                float s = 0.0f;
+                for (int e = 0; e < hs; e++) s += dout[at + e] * out[at + e];
+                delta[((size_t)b * NH + h) * Tl + t] = s;
+            }
+}
+inline void attention_delta(float* delta, const bf16* dout, const bf16* out, int B, int Tl, int C, int NH) {
+    attention_delta_cuda(delta, dout, out, B, Tl, C, NH, main_stream());  // the flash backward's own first step
+}
+
+// One query row's running output (hs wide, normalized over the keys seen so far) and log-sum-exp take in a
+// block's: the log-sum-exp of the union, and each output weighted by its share of the new total. A running
+// log-sum-exp of -inf (no keys yet) gives the block's own.
+static __host__ __device__ inline void ring_merge_row(float* out, float* lse, const float* out_blk, float lse_blk,
+                                                      int hs) {
+    float hi = fmaxf(*lse, lse_blk), lo = fminf(*lse, lse_blk);
+    float merged = hi + log1pf(expf(lo - hi));
+    float keep = expf(*lse - merged), take = expf(lse_blk - merged);
+    for (int e = 0; e < hs; e++) out[e] = out[e] * keep + out_blk[e] * take;
+    *lse = merged;
+}
+static __global__ void ring_merge_kernel(float* out, float* lse, int q0, const float* out_blk, const float* lse_blk,
+                                         int n, long rows, int Tl, int C, int NH) {
+    int hs = C / NH;
+    for (long r = (long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long)gridDim.x * blockDim.x) {
+        long b = r / ((long)NH * n), h = r / n % NH, i = r % n;
+        ring_merge_row(out + (b * Tl + q0 + i) * C + h * hs, lse + (b * NH + h) * Tl + q0 + i,
+                       out_blk + (b * n + i) * C + h * hs, lse_blk[r], hs);
+    }
+}
+// the block's rows (B, n) merged into the running ones at local rows q0..q0+n
+template <typename floatX>
+inline void ring_merge(float* out, float* lse, int q0, const float* out_blk, const float* lse_blk, int n, int B, int Tl,
+                       int C, int NH) {
+    long rows = (long)B * NH * n;
+    if constexpr (device_of<floatX> == Device::CUDA) {
+        launch_elementwise(ring_merge_kernel, rows, out, lse, q0, out_blk, lse_blk, n, rows, Tl, C, NH);
+    } else {
+        int hs = C / NH;
+#pragma omp parallel for
+        for (long r = 0; r < rows; r++) {
+            long b = r / ((long)NH * n), h = r / n % NH, i = r % n;
+            ring_merge_row(out + (b * Tl + q0 + i) * C + h * hs, lse + (b * NH + h) * Tl + q0 + i,
+                           out_blk + (b * n + i) * C + h * hs, lse_blk[r], hs);
+        }
+    }
+}

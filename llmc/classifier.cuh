@@ -1,6 +1,7 @@
 // Softmax + cross-entropy over the logits (B*T rows of Vp columns, of which the first V are real tokens; the
 // padding columns never enter the softmax and get zero gradient). The backward turns the logits into their
-// gradient in place, so the probabilities are never stored.
+// gradient in place, so the probabilities are never stored. At the end, the pieces of the same loss over logit
+// columns split across a tensor-parallel group (llmc/tp.cuh), whose full rows exist nowhere.
 #pragma once
 
 #include <cmath>
@@ -198,4 +199,113 @@ inline void crossentropy_backward_inplace(bf16* logits, float* losses, const int
 inline float crossentropy_fused(float* losses, bf16* logits, const int* targets, long N, int V, int Vp, float dloss) {
     crossentropy_backward_inplace_cuda(logits, losses, targets, N, V, Vp, dloss, main_stream());
     return mean_loss_from_device(losses, N);
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// The vocab-parallel cross-entropy's pieces (llmc/tp.cuh), each a CPU loop and its CUDA kernel: every rank
+// reduces its own logit columns to a row's max, Σ exp and target logit; the group's statistics, gathered, combine
+// into the row's log-sum-exp and loss; and each rank turns its columns into their gradient from that log-sum-exp.
+
+// Per row of this rank's logits (BT×Vl, `real` columns of real tokens), stats[3i..3i+2] = the max, Σ exp(x -
+// max) and the target logit (0 where another rank holds the target; max -inf and sum 0 with no real column)
+inline void vocab_row_stats(float* stats, const float* logits, const int* targets, long BT, int Vl, int real, long vlo) {
+#pragma omp parallel for
+    for (long i = 0; i < BT; i++) {
+        const float* x = logits + i * Vl;
+        float mx = -INFINITY;
+        for (int j = 0; j < real; j++) mx = fmaxf(mx, x[j]);
+        double s = 0.0;
+        for (int j = 0; j < real; j++) s += exp((double)x[j] - mx);
+        long t = targets[i] - vlo;
+        stats[i * 3] = mx;
+        stats[i * 3 + 1] = (float)s;
+        stats[i * 3 + 2] = t >= 0 && t < Vl ? (float)x[t] : 0.0f;
+    }
+}
+// a block per row, in two sweeps (the max, then the sum), each reduced over the block in a fixed order
+static __global__ void vocab_row_stats_kernel(float* stats, const bf16* logits, const int* targets, int Vl, int real,
+                                              long vlo) {
+    __shared__ float shared[32];
+    long i = blockIdx.x;
+    const bf16* x = logits + i * Vl;
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < real; j += blockDim.x) mx = fmaxf(mx, __bfloat162float(x[j]));
+    mx = warp_max(mx);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = mx;
+    __syncthreads();
+    mx = threadIdx.x % 32 < blockDim.x / 32 ? shared[threadIdx.x % 32] : -INFINITY;
+    mx = warp_max(mx);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < real; j += blockDim.x) s += expf(__bfloat162float(x[j]) - mx);
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) {
+        long t = targets[i] - vlo;
+        stats[i * 3] = mx;
+        stats[i * 3 + 1] = s;
+        stats[i * 3 + 2] = t >= 0 && t < Vl ? __bfloat162float(x[t]) : 0.0f;
+    }
+}
+inline void vocab_row_stats(float* stats, const bf16* logits, const int* targets, long BT, int Vl, int real, long vlo) {
+    vocab_row_stats_kernel<<<(unsigned int)BT, 256, 0, main_stream()>>>(stats, logits, targets, Vl, real, vlo);
+    cuda_check(cudaGetLastError());
+}
+
+// every rank's row statistics (all: ranks × BT × 3, rank-major) combined in rank order into each row's log-sum-exp
+// and loss
+static __host__ __device__ inline void combine_row(float* losses, float* lse, const float* all, long BT, int ranks, long i) {
+    float mx = -INFINITY, target = 0.0f;
+    for (int r = 0; r < ranks; r++) mx = fmaxf(mx, all[(r * BT + i) * 3]);
+    double s = 0.0;
+    for (int r = 0; r < ranks; r++) {
+        const float* p = &all[(r * BT + i) * 3];
+        if (p[1] > 0) s += (double)p[1] * exp((double)p[0] - mx);
+        target += p[2];
+    }
+    lse[i] = (float)(log(s) + mx);
+    losses[i] = lse[i] - target;
+}
+static __global__ void combine_rows_kernel(float* losses, float* lse, const float* all, long BT, int ranks) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT; i += (long)gridDim.x * blockDim.x)
+        combine_row(losses, lse, all, BT, ranks, i);
+}
+// the combined rows and the mean loss (on the GPU reading it waits for the forward: the pass's one read)
+template <typename floatX>
+inline float combine_rows(float* losses, float* lse, const float* all, long BT, int ranks) {
+    if constexpr (device_of<floatX> == Device::CUDA) {
+        launch_elementwise(combine_rows_kernel, BT, losses, lse, all, BT, ranks);
+        return mean_loss_from_device(losses, BT);
+    } else {
+        double total = 0.0;
+        for (long i = 0; i < BT; i++) {
+            combine_row(losses, lse, all, BT, ranks, i);
+            total += losses[i];
+        }
+        return (float)(total / BT);
+    }
+}
+
+// logits (BT×Vl, global column vlo + j) become (softmax - onehot)·dloss on real columns, 0 on padding
+inline void vocab_crossentropy_grad(float* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
+                                    float dloss) {
+#pragma omp parallel for
+    for (long i = 0; i < BT; i++) {
+        float* x = logits + i * Vl;
+        for (int j = 0; j < Vl; j++) {
+            long v = vlo + j;
+            x[j] = v < V ? (expf(x[j] - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
+        }
+    }
+}
+static __global__ void vocab_crossentropy_grad_kernel(bf16* logits, const float* lse, const int* targets, long BT, int V,
+                                                      int Vl, long vlo, float dloss) {
+    for (long k = (long)blockIdx.x * blockDim.x + threadIdx.x; k < BT * Vl; k += (long)gridDim.x * blockDim.x) {
+        long i = k / Vl, v = vlo + k % Vl;
+        float g = v < V ? (expf(__bfloat162float(logits[k]) - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
+        logits[k] = __float2bfloat16(g);
+    }
+}
+inline void vocab_crossentropy_grad(bf16* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
+                                    float dloss) {
+    launch_elementwise(vocab_crossentropy_grad_kernel, BT * Vl, logits, lse, targets, BT, V, Vl, vlo, dloss);
 }

@@ -29,11 +29,13 @@
 // hop brings every accumulator back to the rank that owns the keys. No rank ever holds the whole sequence's K
 // and V or a T×T matrix.
 //
-// Both devices run the same ring code: the per-block attention, the merge and the small element-wise steps are
-// each a CPU loop (fp32, OpenMP) with CUDA beside it (bf16 storage, fp32 arithmetic and fp32 running output,
-// log-sum-exp and gradient accumulators), picked by the storage type's pointers as the layer headers pick
-// theirs. On CUDA a block is a call of the flash kernels of llmc/attention.cuh that the layers run (mma.sync or
-// wgmma, --attention), given the block's rows, its mask and fp32 outputs: one GPU attention per instruction set.
+// Both devices run the same ring code, which is the split and the communication; what it computes with lives
+// with attention (llmc/attention.cuh: the per-block attention, the merge, D and the copies between qkv rows and
+// the rows that travel) and with the device's memory operations (llmc/device.cuh), each a CPU loop (fp32,
+// OpenMP) with CUDA beside it (bf16 storage, fp32 arithmetic and fp32 running output, log-sum-exp and gradient
+// accumulators), picked by the storage type's pointers as the layer headers pick theirs. On CUDA a block is a
+// call of the flash kernels that the layers run (mma.sync or wgmma, --attention), given the block's rows, its
+// mask and fp32 outputs: one GPU attention per instruction set.
 #pragma once
 
 #include <algorithm>
@@ -112,262 +114,10 @@ inline long cp_attention_pairs(const CPLayout& l) {
     return pairs;
 }
 
-// ==========================================================================================================
-// The heads a rank's attention has: NH query heads over KV key/value heads of hs channels (grouped-query
-// attention: query head h reads key/value head h / (NH/KV); KV = NH is multi-head attention). C = NH·hs is the
-// width of the queries and of the output, K = KV·hs that of the keys and of the values: a row of qkv holds
-// C + 2K values (q, then k, then v), a row of what travels the ring 2K (k, then v).
-struct RingHeads {
-    int C, NH, KV;
-    __host__ __device__ int hs() const { return C / NH; }
-    __host__ __device__ int K() const { return KV * (C / NH); }
-    __host__ __device__ int qkv_row() const { return C + 2 * K(); }
-    __host__ __device__ int kv_row() const { return 2 * K(); }
-    __host__ __device__ int kv_head(int h) const { return h / (NH / KV); }
-};
-
-// ==========================================================================================================
-// The per-block kernels. A block is n local query rows starting at q0 of qkv (B, Tl, C + 2K) against n key rows
-// starting at k0 of kv (B, Tl, 2K: K then V, the layout that travels), per (batch, query head); causal masks key
-// j after query i of the block (both chunks are the same n positions of the sequence).
-//
-// forward: out_blk (B, n, C) = the block's softmax over its keys applied to V, lse_blk (B, NH, n) its
-// log-sum-exp (natural log, of the scaled scores).
-// backward: with the global lse and D = rowsum(dO∘O) of the query rows (B, NH, Tl), adds the block's share to
-// dq (B, Tl, C) at the query rows and to dkv (B, Tl, 2K) at the key rows, all fp32; a key/value head's gradient
-// sums its NH/KV query heads, in head order.
-
-inline void cp_block_forward(float* out_blk, float* lse_blk, const float* qkv, int q0, const float* kv, int k0, int n,
-                             bool causal, int B, int Tl, RingHeads a) {
-    int hs = a.hs(), C = a.C, NH = a.NH;
-    float scale = 1.0f / sqrtf((float)hs);
-#pragma omp parallel for collapse(3)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < n; i++) {
-                const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
-                float* o = out_blk + ((size_t)b * n + i) * C + h * hs;
-                for (int d = 0; d < hs; d++) o[d] = 0.0f;
-                // one pass of the online softmax: o and sum stay scaled to the running maximum
-                float maxv = -INFINITY, sum = 0.0f;
-                int keys = causal ? i + 1 : n;
-                for (int j = 0; j < keys; j++) {
-                    const float* k = kv + ((size_t)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs;
-                    const float* v = k + a.K();
-                    float s = 0.0f;
-                    for (int d = 0; d < hs; d++) s += q[d] * k[d];
-                    s *= scale;
-                    float m = fmaxf(maxv, s), rescale = expf(maxv - m), p = expf(s - m);
-                    sum = sum * rescale + p;
-                    for (int d = 0; d < hs; d++) o[d] = o[d] * rescale + p * v[d];
-                    maxv = m;
-                }
-                for (int d = 0; d < hs; d++) o[d] /= sum;
-                lse_blk[((size_t)b * NH + h) * n + i] = maxv + logf(sum);
-            }
-}
-
-// Two passes, one owning the query rows (dQ) and one the key rows (dK, dV), so no two threads add to the same
-// entry; each recomputes the probabilities it needs.
-inline void cp_block_backward(float* dq, float* dkv, const float* dout, const float* qkv, int q0, const float* kv, int k0,
-                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, RingHeads a) {
-    int hs = a.hs(), C = a.C, NH = a.NH, group = a.NH / a.KV;
-    float scale = 1.0f / sqrtf((float)hs);
-    // key j's K and V (local row k0 + j) as query head h reads them
-    auto key = [&](int b, int h, int j) { return kv + ((size_t)b * Tl + k0 + j) * a.kv_row() + a.kv_head(h) * hs; };
-    // P and dS = P·(dO·v - D) of query i (local row q0 + i) and key j (local row k0 + j)
-    auto scores = [&](int b, int h, int i, int j, float* p, float* ds) {
-        const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
-        const float* k = key(b, h, j);
-        const float* v = k + a.K();
-        const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
-        float s = 0.0f, dp = 0.0f;
-        for (int e = 0; e < hs; e++) s += q[e] * k[e], dp += d[e] * v[e];
-        size_t row = ((size_t)b * NH + h) * Tl + q0 + i;
-        *p = expf(s * scale - lse[row]);
-        *ds = *p * (dp - delta[row]);
-    };
-#pragma omp parallel for collapse(3)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < n; i++) {
-                float* g = dq + ((size_t)b * Tl + q0 + i) * C + h * hs;
-                for (int j = 0; j < (causal ? i + 1 : n); j++) {
-                    float p, ds;
-                    scores(b, h, i, j, &p, &ds);
-                    const float* k = key(b, h, j);
-                    for (int e = 0; e < hs; e++) g[e] += ds * scale * k[e];
-                }
-            }
-#pragma omp parallel for collapse(3)
-    for (int b = 0; b < B; b++)
-        for (int g = 0; g < a.KV; g++)
-            for (int j = 0; j < n; j++) {
-                float* dk = dkv + ((size_t)b * Tl + k0 + j) * a.kv_row() + g * hs;
-                float* dv = dk + a.K();
-                for (int h = g * group; h < (g + 1) * group; h++)
-                    for (int i = causal ? j : 0; i < n; i++) {
-                        float p, ds;
-                        scores(b, h, i, j, &p, &ds);
-                        const float* q = qkv + ((size_t)b * Tl + q0 + i) * a.qkv_row() + h * hs;
-                        const float* d = dout + ((size_t)b * Tl + q0 + i) * C + h * hs;
-                        for (int e = 0; e < hs; e++) dk[e] += ds * scale * q[e], dv[e] += p * d[e];
-                    }
-            }
-}
-
-// CUDA: the flash kernels of llmc/attention.cuh, the ones the layers run (--attention mma or wgmma), on the
-// block's rows where they lie: the queries at row q0 of qkv, the keys and values at row k0 of the ring's buffer,
-// each sequence Tl rows further; the causal mask for a chunk with itself, the full one for an earlier chunk.
-// The forward writes the block's output and log-sum-exp in fp32; the backward adds the block's share to the fp32
-// accumulators, each row owned by one warp of a launch, so the sums are deterministic as the CPU's.
-
 // heads ring attention can run: KV dividing NH (the CUDA kernels refuse a head size they were not compiled for)
 inline void cp_check_heads(RingHeads a) {
     if (a.NH < 1 || a.C % a.NH != 0) fail("ring attention: C=%d is not a multiple of NH=%d", a.C, a.NH);
     if (a.KV < 1 || a.NH % a.KV != 0) fail("ring attention: %d key/value heads must divide the %d query heads", a.KV, a.NH);
-}
-
-inline AttentionBlock cp_attention_block(const bf16* qkv, int q0, const bf16* kv, int k0, int n, bool causal, int B,
-                                         int Tl, RingHeads a) {
-    AttentionMask mask = causal ? AttentionMask::Causal : AttentionMask::Full;
-    return {B,
-            n,
-            a.C,
-            a.NH,
-            a.KV,
-            mask,
-            {qkv + (long)q0 * a.qkv_row(), (long)Tl * a.qkv_row(), a.qkv_row()},
-            {kv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()}};
-}
-
-inline void cp_block_forward(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv, int k0, int n,
-                             bool causal, int B, int Tl, RingHeads a) {
-    attention_block_forward(cp_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a), {out_blk, (long)n * a.C, a.C},
-                            {lse_blk, n, 1});
-}
-
-inline void cp_block_backward(float* dq, float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv, int k0,
-                              int n, bool causal, const float* lse, const float* delta, int B, int Tl, RingHeads a) {
-    attention_block_backward(cp_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a),
-                             {dout + (long)q0 * a.C, (long)Tl * a.C, a.C}, {lse + q0, Tl, 1}, {delta + q0, Tl, 1},
-                             {dq + (long)q0 * a.C, (long)Tl * a.C, a.C},
-                             {dkv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()});
-}
-
-// ==========================================================================================================
-// The element-wise steps around the blocks, each a CPU loop and its CUDA kernel. The fp32 buffers exist on
-// both devices, so the steps that touch only them take the storage type as a template argument to know where
-// they live.
-
-// kv (rows, 2K) = the K and V columns of qkv (rows, C + 2K): what travels the ring
-inline void cp_pack_kv(float* kv, const float* qkv, long rows, RingHeads a) {
-#pragma omp parallel for
-    for (long r = 0; r < rows; r++) memcpy(kv + r * a.kv_row(), qkv + r * a.qkv_row() + a.C, a.kv_row() * sizeof(float));
-}
-static __global__ void cp_pack_kv_kernel(bf16* kv, const bf16* qkv, long rows, RingHeads a) {
-    long width = a.kv_row();
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * width; i += (long)gridDim.x * blockDim.x)
-        kv[i] = qkv[i / width * a.qkv_row() + a.C + i % width];
-}
-inline void cp_pack_kv(bf16* kv, const bf16* qkv, long rows, RingHeads a) {
-    launch_elementwise(cp_pack_kv_kernel, rows * a.kv_row(), kv, qkv, rows, a);
-}
-
-// dqkv (rows, C + 2K) = dq (rows, C) beside dkv (rows, 2K), in the storage type
-inline void cp_store_grads(float* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
-#pragma omp parallel for
-    for (long r = 0; r < rows; r++) {
-        memcpy(dqkv + r * a.qkv_row(), dq + r * a.C, a.C * sizeof(float));
-        memcpy(dqkv + r * a.qkv_row() + a.C, dkv + r * a.kv_row(), a.kv_row() * sizeof(float));
-    }
-}
-static __global__ void cp_store_grads_kernel(bf16* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
-    long width = a.qkv_row();
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * width; i += (long)gridDim.x * blockDim.x) {
-        long r = i / width;
-        int c = (int)(i % width);
-        dqkv[i] = __float2bfloat16(c < a.C ? dq[r * a.C + c] : dkv[r * a.kv_row() + c - a.C]);
-    }
-}
-inline void cp_store_grads(bf16* dqkv, const float* dq, const float* dkv, long rows, RingHeads a) {
-    launch_elementwise(cp_store_grads_kernel, rows * a.qkv_row(), dqkv, dq, dkv, rows, a);
-}
-
-// delta (B, NH, Tl) = dO·O over each head: the softmax backward's Σ_j P·dP of the row
-inline void cp_delta(float* delta, const float* dout, const float* out, int B, int Tl, int C, int NH) {
-    int hs = C / NH;
-#pragma omp parallel for collapse(3)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++)
-            for (int t = 0; t < Tl; t++) {
-                size_t at = ((size_t)b * Tl + t) * C + h * hs;
-                float s = 0.0f;
-                for (int e = 0; e < hs; e++) s += dout[at + e] * out[at + e];
-                delta[((size_t)b * NH + h) * Tl + t] = s;
-            }
-}
-inline void cp_delta(float* delta, const bf16* dout, const bf16* out, int B, int Tl, int C, int NH) {
-    attention_delta_cuda(delta, dout, out, B, Tl, C, NH, main_stream());  // the flash backward's own first step
-}
-
-// One query row's running output (hs wide, normalized over the keys seen so far) and log-sum-exp take in a
-// block's: the log-sum-exp of the union, and each output weighted by its share of the new total. A running
-// log-sum-exp of -inf (no keys yet) gives the block's own.
-static __host__ __device__ inline void cp_merge_row(float* out, float* lse, const float* out_blk, float lse_blk, int hs) {
-    float hi = fmaxf(*lse, lse_blk), lo = fminf(*lse, lse_blk);
-    float merged = hi + log1pf(expf(lo - hi));
-    float keep = expf(*lse - merged), take = expf(lse_blk - merged);
-    for (int e = 0; e < hs; e++) out[e] = out[e] * keep + out_blk[e] * take;
-    *lse = merged;
-}
-static __global__ void cp_merge_kernel(float* out, float* lse, int q0, const float* out_blk, const float* lse_blk, int n,
-                                       long rows, int Tl, int C, int NH) {
-    int hs = C / NH;
-    for (long r = (long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long)gridDim.x * blockDim.x) {
-        long b = r / ((long)NH * n), h = r / n % NH, i = r % n;
-        cp_merge_row(out + (b * Tl + q0 + i) * C + h * hs, lse + (b * NH + h) * Tl + q0 + i,
-                     out_blk + (b * n + i) * C + h * hs, lse_blk[r], hs);
-    }
-}
-// the block's rows (B, n) merged into the running ones at local rows q0..q0+n
-template <typename floatX>
-inline void cp_merge(float* out, float* lse, int q0, const float* out_blk, const float* lse_blk, int n, int B, int Tl,
-                     int C, int NH) {
-    long rows = (long)B * NH * n;
-    if constexpr (device_of<floatX> == Device::CUDA) {
-        launch_elementwise(cp_merge_kernel, rows, out, lse, q0, out_blk, lse_blk, n, rows, Tl, C, NH);
-    } else {
-        int hs = C / NH;
-#pragma omp parallel for
-        for (long r = 0; r < rows; r++) {
-            long b = r / ((long)NH * n), h = r / n % NH, i = r % n;
-            cp_merge_row(out + (b * Tl + q0 + i) * C + h * hs, lse + (b * NH + h) * Tl + q0 + i,
-                         out_blk + (b * n + i) * C + h * hs, lse_blk[r], hs);
-        }
-    }
-}
-
-static __global__ void cp_fill_kernel(float* x, long n, float value) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] = value;
-}
-template <typename floatX>
-inline void cp_fill(float* x, long n, float value) {
-    if constexpr (device_of<floatX> == Device::CUDA) launch_elementwise(cp_fill_kernel, n, x, n, value);
-    else std::fill(x, x + n, value);
-}
-
-static __global__ void cp_accumulate_kernel(float* acc, const float* x, long n) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) acc[i] += x[i];
-}
-template <typename floatX>
-inline void cp_accumulate(float* acc, const float* x, long n) {
-    if constexpr (device_of<floatX> == Device::CUDA) {
-        launch_elementwise(cp_accumulate_kernel, n, acc, x, n);
-    } else {
-#pragma omp parallel for
-        for (long i = 0; i < n; i++) acc[i] += x[i];
-    }
 }
 
 // ==========================================================================================================
@@ -450,9 +200,9 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, R
     size_t kv_count = (size_t)B * Tl * a.kv_row();
     floatX *held = buf.kv_held, *incoming = buf.kv_incoming;
     float* running = buf.rows;
-    cp_pack_kv(held, qkv, (long)B * Tl, a);
+    ring_pack_kv(held, qkv, (long)B * Tl, a);
     device_zero<floatX>(running, (size_t)B * Tl * C);
-    cp_fill<floatX>(lse, (long)B * NH * Tl, -INFINITY);
+    device_fill<floatX>(lse, (long)B * NH * Tl, -INFINITY);
     for (int step = 0; step < N; step++) {
         int source = (l.rank + N - step) % N;  // whose keys and values are held now
         bool more = step + 1 < N;
@@ -462,9 +212,9 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, R
             for (int ki = 0; ki < 2; ki++) {
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
-                cp_block_forward(buf.out_blk, buf.lse_blk, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, B,
-                                 Tl, a);
-                cp_merge<floatX>(running, lse, qi * n, buf.out_blk, buf.lse_blk, n, B, Tl, C, NH);
+                ring_block_forward(buf.out_blk, buf.lse_blk, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal,
+                                   B, Tl, a);
+                ring_merge<floatX>(running, lse, qi * n, buf.out_blk, buf.lse_blk, n, B, Tl, C, NH);
             }
         if (more) {
             ring_wait(comm, hop);
@@ -483,8 +233,8 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
     size_t kv_count = (size_t)B * Tl * a.kv_row();
     floatX *held = buf.kv_held, *incoming = buf.kv_incoming;
     float *dq = buf.rows, *arrived = buf.acc_arrived;
-    cp_pack_kv(held, qkv, (long)B * Tl, a);
-    cp_delta(buf.delta, dout, out, B, Tl, C, NH);
+    ring_pack_kv(held, qkv, (long)B * Tl, a);
+    attention_delta(buf.delta, dout, out, B, Tl, C, NH);
     device_zero<floatX>(dq, (size_t)B * Tl * C);
     RingHop grads;  // the accumulator sent on at the end of the previous step
     for (int step = 0; step < N; step++) {
@@ -499,15 +249,15 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
             for (int ki = 0; ki < 2; ki++) {
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
-                cp_block_backward(dq, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse, buf.delta,
-                                  B, Tl, a);
+                ring_block_backward(dq, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse,
+                                    buf.delta, B, Tl, a);
             }
         // the accumulator for the source's keys arrives from the rank that held them a step ago, and leaves with
         // this rank's share added; after the last step's hop every rank holds its own keys' gradient
         if (N > 1) {
             if (step > 0) {
                 ring_wait(comm, grads);
-                cp_accumulate<floatX>(acc, arrived, (long)kv_count);
+                accumulate_floats<floatX>(acc, arrived, (long)kv_count);
             }
             grads = ring_hop(comm, acc, arrived, kv_count, DType::F32);
         }
@@ -517,42 +267,7 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
         }
     }
     if (N > 1) ring_wait(comm, grads);
-    cp_store_grads(dqkv, dq, N > 1 ? arrived : buf.acc[0], (long)B * Tl, a);
-}
-
-// ==========================================================================================================
-// The position embedding at the tokens' real positions. The encoder adds row t of wpe to local row t of each
-// sequence, so a rank hands it the rows of its own positions, gathered into a Tl-row table, and adds the
-// table's gradient back at those positions (each position is held by one rank, so the sums over the group
-// that data parallelism makes see each position's gradient once).
-
-// dst (n rows of C) = the rows of src at positions
-inline void gather_position_rows(float* dst, const float* src, const int* positions, int n, int C) {
-#pragma omp parallel for
-    for (int i = 0; i < n; i++) memcpy(dst + (size_t)i * C, src + (size_t)positions[i] * C, C * sizeof(float));
-}
-static __global__ void gather_position_rows_kernel(bf16* dst, const bf16* src, const int* positions, int n, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)n * C; i += (long)gridDim.x * blockDim.x)
-        dst[i] = src[(long)positions[i / C] * C + i % C];
-}
-inline void gather_position_rows(bf16* dst, const bf16* src, const int* positions, int n, int C) {
-    launch_elementwise(gather_position_rows_kernel, (long)n * C, dst, src, positions, n, C);
-}
-
-// the rows of dst at positions += src (n rows of C); positions are distinct
-inline void add_position_rows(float* dst, const float* src, const int* positions, int n, int C) {
-#pragma omp parallel for
-    for (int i = 0; i < n; i++)
-        for (int c = 0; c < C; c++) dst[(size_t)positions[i] * C + c] += src[(size_t)i * C + c];
-}
-static __global__ void add_position_rows_kernel(bf16* dst, const bf16* src, const int* positions, int n, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)n * C; i += (long)gridDim.x * blockDim.x) {
-        bf16* d = dst + (long)positions[i / C] * C + i % C;
-        *d = __float2bfloat16(__bfloat162float(*d) + __bfloat162float(src[i]));
-    }
-}
-inline void add_position_rows(bf16* dst, const bf16* src, const int* positions, int n, int C) {
-    launch_elementwise(add_position_rows_kernel, (long)n * C, dst, src, positions, n, C);
+    ring_store_grads(dqkv, dq, N > 1 ? arrived : buf.acc[0], (long)B * Tl, a);
 }
 
 // ==========================================================================================================
@@ -611,10 +326,14 @@ struct ContextParallel {
     // the sequence positions of the local tokens, where the kernels read them (null: 0..T-1), for RoPE
     const int* token_positions() const { return on() ? device_positions : nullptr; }
 
+    // The position embedding at the tokens' real positions. The encoder adds row t of wpe to local row t of each
+    // sequence, so a rank hands it the rows of its own positions, gathered into a Tl-row table, and adds the
+    // table's gradient back at those positions (each position is held by one rank, so the sums over the group
+    // that data parallelism makes see each position's gradient once).
     // the position embedding rows the encoder adds, one per local position
     const floatX* position_rows(const floatX* wpe, int C) {
         if (!on()) return wpe;
-        gather_position_rows(position_table, wpe, device_positions, (int)positions.size(), C);
+        gather_rows(position_table, wpe, device_positions, (long)positions.size(), C);
         return position_table;
     }
     // where the encoder's backward accumulates the gradient of those rows, and then back into dwpe
@@ -624,7 +343,7 @@ struct ContextParallel {
         return position_table_grads;
     }
     void position_grads_end(floatX* dwpe, int C) {
-        if (on()) add_position_rows(dwpe, position_table_grads, device_positions, (int)positions.size(), C);
+        if (on()) add_rows_at(dwpe, position_table_grads, device_positions, (int)positions.size(), C);
     }
 
     // attention over the whole sequence for this rank's Tl local rows, NH query heads over KV key/value heads;

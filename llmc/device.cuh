@@ -4,7 +4,8 @@
 // code is one template over that type, and overload resolution on the pointer types is what sends each layer
 // call to its CPU loop or its CUDA kernel: gpt_forward/gpt_backward never ask which device they are on.
 // Buffers of fp32 elements exist on both devices; the helpers that touch them take the storage type too, to
-// know where they live.
+// know where they live. Beside the copies are the moves of rows by an index and the sums of rank pieces that the
+// parallel runtimes make around the layers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -144,6 +145,95 @@ static __global__ void accumulate_kernel(bf16* dst, const bf16* src, long n) {
         dst[i] = __float2bfloat16(__bfloat162float(dst[i]) + __bfloat162float(src[i]));
 }
 inline void accumulate(bf16* dst, const bf16* src, size_t n) { launch_elementwise(accumulate_kernel, (long)n, dst, src, (long)n); }
+
+// ... fp32 values on the device of the storage type floatX (the fp32 accumulators of ring attention's gradients)
+static __global__ void accumulate_floats_kernel(float* acc, const float* x, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) acc[i] += x[i];
+}
+template <typename floatX>
+inline void accumulate_floats(float* acc, const float* x, long n) {
+    if constexpr (device_of<floatX> == Device::CUDA) {
+        launch_elementwise(accumulate_floats_kernel, n, acc, x, n);
+    } else {
+#pragma omp parallel for
+        for (long i = 0; i < n; i++) acc[i] += x[i];
+    }
+}
+
+// x[0..n) = value, fp32 on the device of the storage type floatX
+static __global__ void device_fill_kernel(float* x, long n, float value) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] = value;
+}
+template <typename floatX>
+inline void device_fill(float* x, long n, float value) {
+    if constexpr (device_of<floatX> == Device::CUDA) launch_elementwise(device_fill_kernel, n, x, n, value);
+    else std::fill(x, x + n, value);
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// Rows moved by an index, and the pieces a collective gathered from every rank summed in rank order: the copies
+// and sums the parallel runtimes make around the layers (a cp rank's positions, the experts' dispatch, a tp
+// group's sums that leave every rank with the same bits), each a CPU loop and its CUDA kernel.
+
+// dst[i, :] = src[index[i], :] for n rows of C
+inline void gather_rows(float* dst, const float* src, const int* index, long n, int C) {
+#pragma omp parallel for
+    for (long i = 0; i < n; i++) memcpy(dst + i * C, src + (long)index[i] * C, C * sizeof(float));
+}
+static __global__ void gather_rows_kernel(bf16* dst, const bf16* src, const int* index, long n, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * C; i += (long)gridDim.x * blockDim.x)
+        dst[i] = src[(long)index[i / C] * C + i % C];
+}
+inline void gather_rows(bf16* dst, const bf16* src, const int* index, long n, int C) {
+    launch_elementwise(gather_rows_kernel, n * C, dst, src, index, n, C);
+}
+
+// dst[index[i], :] += src[i, :] for n rows of C; the indices are distinct
+inline void add_rows_at(float* dst, const float* src, const int* index, int n, int C) {
+#pragma omp parallel for
+    for (int i = 0; i < n; i++)
+        for (int c = 0; c < C; c++) dst[(size_t)index[i] * C + c] += src[(size_t)i * C + c];
+}
+static __global__ void add_rows_at_kernel(bf16* dst, const bf16* src, const int* index, int n, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)n * C; i += (long)gridDim.x * blockDim.x) {
+        bf16* d = dst + (long)index[i / C] * C + i % C;
+        *d = __float2bfloat16(__bfloat162float(*d) + __bfloat162float(src[i]));
+    }
+}
+inline void add_rows_at(bf16* dst, const bf16* src, const int* index, int n, int C) {
+    launch_elementwise(add_rows_at_kernel, (long)n * C, dst, src, index, n, C);
+}
+
+// x[i] = Σ over ranks of all[r·n + i], added in rank order in fp32
+inline void sum_ranks(float* x, const float* all, long n, int ranks) {
+#pragma omp parallel for
+    for (long i = 0; i < n; i++) {
+        float s = 0.0f;
+        for (int r = 0; r < ranks; r++) s += all[r * n + i];
+        x[i] = s;
+    }
+}
+static __global__ void sum_ranks_kernel(bf16* x, const bf16* all, long n, int ranks) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < ranks; r++) s += __bfloat162float(all[r * n + i]);
+        x[i] = __float2bfloat16(s);
+    }
+}
+inline void sum_ranks(bf16* x, const bf16* all, long n, int ranks) { launch_elementwise(sum_ranks_kernel, n, x, all, n, ranks); }
+// ... fp32 values on the device of the storage type floatX
+static __global__ void sum_float_ranks_kernel(float* x, const float* all, long n, int ranks) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < ranks; r++) s += all[r * n + i];
+        x[i] = s;
+    }
+}
+template <typename floatX>
+inline void sum_float_ranks(float* x, const float* all, long n, int ranks) {
+    if constexpr (device_of<floatX> == Device::CPU) sum_ranks(x, all, n, ranks);
+    else launch_elementwise(sum_float_ranks_kernel, n, x, all, n, ranks);
+}
 
 // dst (storage type, on its device) = src (fp32, on the same device)
 inline void convert_on_device(float* dst, const float* src, long n) { device_copy<float>(dst, src, (size_t)n); }

@@ -4,7 +4,8 @@
 // read it, in a fixed order (bit-reproducible), and then added to the table's gradient once, so a micro-step's
 // gradient reaches the accumulated one whole and one rank accumulating micro-steps adds what dp's ranks reduce
 // (llmc/zero.cuh). The same backward over a share of the positions and of the vocabulary
-// (position_grads, masked_embedding_grads) serves tensor parallelism's split tables (llmc/tp.cuh).
+// (position_grads, masked_embedding_grads) serves tensor parallelism's split tables (llmc/tp.cuh), and the
+// forward's pieces for them are here too (masked_lookup, add_positions).
 #pragma once
 
 #include <omp.h>
@@ -358,4 +359,46 @@ inline void masked_embedding_grads(bf16* dwte, const bf16* d, const int* tokens,
     dim3 grid(cuda_blocks(Vl, VOCAB_TILE_ROWS), cuda_blocks(C, VOCAB_TILE_CHANNELS));
     masked_embedding_grads_kernel<<<grid, VOCAB_TILE_CHANNELS, 0, main_stream()>>>(dwte, d, tokens, BT, C, vlo, Vl);
     cuda_check(cudaGetLastError());
+}
+
+// ----------------------------------------------------------------------------------------------------------
+// The forward's pieces for tensor parallelism's split tables (llmc/tp.cuh), each a CPU loop and its CUDA kernel:
+// a rank looks up only the vocab rows it holds, and the position rows are added once the group has summed the
+// lookups.
+
+// out[i] = wte row (tokens[i] - vlo) when this rank holds it (rows [0, Vl)), else zeros
+inline void masked_lookup(float* out, const int* tokens, const float* wte, long BT, int C, long vlo, int Vl) {
+#pragma omp parallel for
+    for (long i = 0; i < BT; i++) {
+        long row = tokens[i] - vlo;
+        float* o = out + i * C;
+        if (row >= 0 && row < Vl) memcpy(o, wte + row * C, C * sizeof(float));
+        else memset(o, 0, C * sizeof(float));
+    }
+}
+static __global__ void masked_lookup_kernel(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x) {
+        long row = tokens[i / C] - vlo;
+        out[i] = row >= 0 && row < Vl ? wte[row * C + i % C] : __float2bfloat16(0.0f);
+    }
+}
+inline void masked_lookup(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
+    launch_elementwise(masked_lookup_kernel, BT * C, out, tokens, wte, BT, C, vlo, Vl);
+}
+
+// out (R rows from token row `first`) = sum + wpe at each row's position; sum may be out
+inline void add_positions(float* out, const float* sum, const float* wpe, long R, long first, int T, int C) {
+#pragma omp parallel for
+    for (long r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r * C + c] = sum[r * C + c] + wpe[((first + r) % T) * C + c];
+}
+static __global__ void add_positions_kernel(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < R * C; i += (long)gridDim.x * blockDim.x) {
+        long r = i / C;
+        int c = (int)(i % C);
+        out[i] = __float2bfloat16(__bfloat162float(sum[i]) + __bfloat162float(wpe[((first + r) % T) * C + c]));
+    }
+}
+inline void add_positions(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
+    launch_elementwise(add_positions_kernel, R * C, out, sum, wpe, R, first, T, C);
 }

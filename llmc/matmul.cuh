@@ -653,3 +653,18 @@ inline void gelu_matmul_backward(bf16* dpre, bf16* dweight, bf16* dbias, bf16* d
     matmul_backward_cuda(dpre, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream(), pre_gelu,
                          dpre_bias);
 }
+
+// out (R×OC) = sum + bias on every row (sum may be out): a row-parallel layer's bias (llmc/tp.cuh), added once
+// the group has summed the partial products
+inline void add_bias_rows(float* out, const float* sum, const float* bias, long R, int OC) {
+#pragma omp parallel for
+    for (long r = 0; r < R; r++)
+        for (int o = 0; o < OC; o++) out[r * OC + o] = sum[r * OC + o] + bias[o];
+}
+static __global__ void add_bias_rows_kernel(bf16* out, const bf16* sum, const bf16* bias, long R, int OC) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < R * OC; i += (long)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16(__bfloat162float(sum[i]) + __bfloat162float(bias[i % OC]));
+}
+inline void add_bias_rows(bf16* out, const bf16* sum, const bf16* bias, long R, int OC) {
+    launch_elementwise(add_bias_rows_kernel, R * OC, out, sum, bias, R, OC);
+}

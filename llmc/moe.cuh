@@ -140,19 +140,6 @@ inline void router_backward(bf16* dx, bf16* dw, const float* dlogits, const bf16
     cuda_check(cudaGetLastError());
 }
 
-// dst[i, :] = src[index[i], :] for n rows of C
-inline void gather_rows(float* dst, const float* src, const int* index, long n, int C) {
-#pragma omp parallel for
-    for (long i = 0; i < n; i++) memcpy(dst + i * C, src + (long)index[i] * C, C * sizeof(float));
-}
-static __global__ void gather_rows_kernel(bf16* dst, const bf16* src, const int* index, long n, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n * C; i += (long)gridDim.x * blockDim.x)
-        dst[i] = src[(long)index[i / C] * C + i % C];
-}
-inline void gather_rows(bf16* dst, const bf16* src, const int* index, long n, int C) {
-    launch_elementwise(gather_rows_kernel, n * C, dst, src, index, n, C);
-}
-
 // out[t] = Σ_k weight[t, k] · rows[row_of[t, k]] for BT tokens of K slots, in slot order (weight null: 1), the
 // slots dropped at capacity (row -1) left out; with accumulate the sum starts from out[t]
 inline void moe_combine(float* out, const float* rows, const int* row_of, const float* weight, long BT, int K, int C,

@@ -21,9 +21,9 @@
 // added over the group (in rank order, identically on every rank) before data parallelism reduces them.
 //
 // On both devices: the collectives take the model's buffers where they live, and the few element-wise steps
-// tp adds around the layers (the row-parallel bias, the masked lookup, the cross-entropy's statistics, the
-// rank-order sums) are each a CPU loop with its CUDA kernel beside it, picked by the buffer's type as the
-// layer headers pick theirs.
+// tp adds around the layers live with the layers they belong to, each a CPU loop with its CUDA kernel beside it:
+// the row-parallel bias in llmc/matmul.cuh, the masked lookup and the positions in llmc/encoder.cuh, the
+// cross-entropy's row statistics in llmc/classifier.cuh, the rank-order sums in llmc/device.cuh.
 #pragma once
 
 #include <cmath>
@@ -68,197 +68,6 @@ struct DeviceTemp {
 };
 
 // ----------------------------------------------------------------------------------------------------------
-// The element-wise steps, each a CPU loop and its CUDA kernel (one thread per element, grid-stride, fp32
-// arithmetic on bf16 storage, on the compute stream).
-
-// out (R×OC) = sum + bias on every row; sum may be out
-inline void add_bias_rows(float* out, const float* sum, const float* bias, long R, int OC) {
-#pragma omp parallel for
-    for (long r = 0; r < R; r++)
-        for (int o = 0; o < OC; o++) out[r * OC + o] = sum[r * OC + o] + bias[o];
-}
-static __global__ void add_bias_rows_kernel(bf16* out, const bf16* sum, const bf16* bias, long R, int OC) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < R * OC; i += (long)gridDim.x * blockDim.x)
-        out[i] = __float2bfloat16(__bfloat162float(sum[i]) + __bfloat162float(bias[i % OC]));
-}
-inline void add_bias_rows(bf16* out, const bf16* sum, const bf16* bias, long R, int OC) {
-    launch_elementwise(add_bias_rows_kernel, R * OC, out, sum, bias, R, OC);
-}
-
-// out[i] = wte row (tokens[i] - vlo) when this rank holds it (rows [0, Vl)), else zeros
-inline void masked_lookup(float* out, const int* tokens, const float* wte, long BT, int C, long vlo, int Vl) {
-#pragma omp parallel for
-    for (long i = 0; i < BT; i++) {
-        long row = tokens[i] - vlo;
-        float* o = out + i * C;
-        if (row >= 0 && row < Vl) memcpy(o, wte + row * C, C * sizeof(float));
-        else memset(o, 0, C * sizeof(float));
-    }
-}
-static __global__ void masked_lookup_kernel(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C; i += (long)gridDim.x * blockDim.x) {
-        long row = tokens[i / C] - vlo;
-        out[i] = row >= 0 && row < Vl ? wte[row * C + i % C] : __float2bfloat16(0.0f);
-    }
-}
-inline void masked_lookup(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
-    launch_elementwise(masked_lookup_kernel, BT * C, out, tokens, wte, BT, C, vlo, Vl);
-}
-
-// out (R rows from token row `first`) = sum + wpe at each row's position; sum may be out
-inline void add_positions(float* out, const float* sum, const float* wpe, long R, long first, int T, int C) {
-#pragma omp parallel for
-    for (long r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) out[r * C + c] = sum[r * C + c] + wpe[((first + r) % T) * C + c];
-}
-static __global__ void add_positions_kernel(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < R * C; i += (long)gridDim.x * blockDim.x) {
-        long r = i / C;
-        int c = (int)(i % C);
-        out[i] = __float2bfloat16(__bfloat162float(sum[i]) + __bfloat162float(wpe[((first + r) % T) * C + c]));
-    }
-}
-inline void add_positions(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
-    launch_elementwise(add_positions_kernel, R * C, out, sum, wpe, R, first, T, C);
-}
-
-// Per row of this rank's logits (BT×Vl, `real` columns of real tokens), stats[3i..3i+2] = the max, Σ exp(x -
-// max) and the target logit (0 where another rank holds the target; max -inf and sum 0 with no real column)
-inline void vocab_row_stats(float* stats, const float* logits, const int* targets, long BT, int Vl, int real, long vlo) {
-#pragma omp parallel for
-    for (long i = 0; i < BT; i++) {
-        const float* x = logits + i * Vl;
-        float mx = -INFINITY;
-        for (int j = 0; j < real; j++) mx = fmaxf(mx, x[j]);
-        double s = 0.0;
-        for (int j = 0; j < real; j++) s += exp((double)x[j] - mx);
-        long t = targets[i] - vlo;
-        stats[i * 3] = mx;
-        stats[i * 3 + 1] = (float)s;
-        stats[i * 3 + 2] = t >= 0 && t < Vl ? (float)x[t] : 0.0f;
-    }
-}
-// a block per row, in two sweeps (the max, then the sum), each reduced over the block in a fixed order
-static __global__ void vocab_row_stats_kernel(float* stats, const bf16* logits, const int* targets, int Vl, int real,
-                                              long vlo) {
-    __shared__ float shared[32];
-    long i = blockIdx.x;
-    const bf16* x = logits + i * Vl;
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < real; j += blockDim.x) mx = fmaxf(mx, __bfloat162float(x[j]));
-    mx = warp_max(mx);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = mx;
-    __syncthreads();
-    mx = threadIdx.x % 32 < blockDim.x / 32 ? shared[threadIdx.x % 32] : -INFINITY;
-    mx = warp_max(mx);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < real; j += blockDim.x) s += expf(__bfloat162float(x[j]) - mx);
-    s = block_sum(s, shared);
-    if (threadIdx.x == 0) {
-        long t = targets[i] - vlo;
-        stats[i * 3] = mx;
-        stats[i * 3 + 1] = s;
-        stats[i * 3 + 2] = t >= 0 && t < Vl ? __bfloat162float(x[t]) : 0.0f;
-    }
-}
-inline void vocab_row_stats(float* stats, const bf16* logits, const int* targets, long BT, int Vl, int real, long vlo) {
-    vocab_row_stats_kernel<<<(unsigned int)BT, 256, 0, main_stream()>>>(stats, logits, targets, Vl, real, vlo);
-    cuda_check(cudaGetLastError());
-}
-
-// every rank's row statistics (all: ranks × BT × 3, rank-major) combined in rank order into each row's log-sum-exp
-// and loss
-static __host__ __device__ inline void combine_row(float* losses, float* lse, const float* all, long BT, int ranks, long i) {
-    float mx = -INFINITY, target = 0.0f;
-    for (int r = 0; r < ranks; r++) mx = fmaxf(mx, all[(r * BT + i) * 3]);
-    double s = 0.0;
-    for (int r = 0; r < ranks; r++) {
-        const float* p = &all[(r * BT + i) * 3];
-        if (p[1] > 0) s += (double)p[1] * exp((double)p[0] - mx);
-        target += p[2];
-    }
-    lse[i] = (float)(log(s) + mx);
-    losses[i] = lse[i] - target;
-}
-static __global__ void combine_rows_kernel(float* losses, float* lse, const float* all, long BT, int ranks) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT; i += (long)gridDim.x * blockDim.x)
-        combine_row(losses, lse, all, BT, ranks, i);
-}
-// the combined rows and the mean loss (on the GPU reading it waits for the forward: the pass's one read)
-template <typename floatX>
-inline float combine_rows(float* losses, float* lse, const float* all, long BT, int ranks) {
-    if constexpr (device_of<floatX> == Device::CUDA) {
-        launch_elementwise(combine_rows_kernel, BT, losses, lse, all, BT, ranks);
-        return mean_loss_from_device(losses, BT);
-    } else {
-        double total = 0.0;
-        for (long i = 0; i < BT; i++) {
-            combine_row(losses, lse, all, BT, ranks, i);
-            total += losses[i];
-        }
-        return (float)(total / BT);
-    }
-}
-
-// logits (BT×Vl, global column vlo + j) become (softmax - onehot)·dloss on real columns, 0 on padding
-inline void vocab_crossentropy_grad(float* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
-                                    float dloss) {
-#pragma omp parallel for
-    for (long i = 0; i < BT; i++) {
-        float* x = logits + i * Vl;
-        for (int j = 0; j < Vl; j++) {
-            long v = vlo + j;
-            x[j] = v < V ? (expf(x[j] - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
-        }
-    }
-}
-static __global__ void vocab_crossentropy_grad_kernel(bf16* logits, const float* lse, const int* targets, long BT, int V,
-                                                      int Vl, long vlo, float dloss) {
-    for (long k = (long)blockIdx.x * blockDim.x + threadIdx.x; k < BT * Vl; k += (long)gridDim.x * blockDim.x) {
-        long i = k / Vl, v = vlo + k % Vl;
-        float g = v < V ? (expf(__bfloat162float(logits[k]) - lse[i]) - (v == targets[i] ? 1.0f : 0.0f)) * dloss : 0.0f;
-        logits[k] = __float2bfloat16(g);
-    }
-}
-inline void vocab_crossentropy_grad(bf16* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
-                                    float dloss) {
-    launch_elementwise(vocab_crossentropy_grad_kernel, BT * Vl, logits, lse, targets, BT, V, Vl, vlo, dloss);
-}
-
-// x[i] = Σ over ranks of all[r·n + i], added in rank order in fp32
-inline void sum_ranks(float* x, const float* all, long n, int ranks) {
-#pragma omp parallel for
-    for (long i = 0; i < n; i++) {
-        float s = 0.0f;
-        for (int r = 0; r < ranks; r++) s += all[r * n + i];
-        x[i] = s;
-    }
-}
-static __global__ void sum_ranks_kernel(bf16* x, const bf16* all, long n, int ranks) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (int r = 0; r < ranks; r++) s += __bfloat162float(all[r * n + i]);
-        x[i] = __float2bfloat16(s);
-    }
-}
-inline void sum_ranks(bf16* x, const bf16* all, long n, int ranks) { launch_elementwise(sum_ranks_kernel, n, x, all, n, ranks); }
-// ... fp32 values on the device of the storage type floatX
-static __global__ void sum_float_ranks_kernel(float* x, const float* all, long n, int ranks) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        float s = 0.0f;
-        for (int r = 0; r < ranks; r++) s += all[r * n + i];
-        x[i] = s;
-    }
-}
-template <typename floatX>
-inline void sum_float_ranks(float* x, const float* all, long n, int ranks) {
-    if constexpr (device_of<floatX> == Device::CPU) sum_ranks(x, all, n, ranks);
-    else launch_elementwise(sum_float_ranks_kernel, n, x, all, n, ranks);
-}
-
-// ----------------------------------------------------------------------------------------------------------
-
 // The methods are templates over the model's storage type (llmc/device.cuh): the same code moves host
 // buffers on the CPU and device buffers on the GPU.
 struct TensorParallel {
@@ -268,10 +77,14 @@ struct TensorParallel {
 
     int size() const { return spec.size; }
     bool on() const { return spec.size > 1; }
-    // rows of activations a rank holds between the parallel regions
+
+    // --- placement: what this rank holds -------------------------------------------------------------------
+    //   token rows between the parallel regions    rows(BT) from first_row(BT): its BT/tp (sp), or all BT
+    //   vocab rows of wte, columns of the logits   Vl from first_vocab(Vl) = rank·Vl
+    //   heads and hidden units                     its share of each tensor, by the model's table (model_table.h)
     long rows(long BT) const { return spec.sp ? BT / spec.size : BT; }
-    // where this rank's rows start inside a whole (BT-row) buffer
     long first_row(long BT) const { return spec.sp ? spec.rank * (BT / spec.size) : 0; }
+    long first_vocab(int Vl) const { return (long)spec.rank * Vl; }
 
     // --- entering a column-parallel layer -------------------------------------------------------------------
 
@@ -280,7 +93,7 @@ struct TensorParallel {
     void gather_rows(floatX* whole, long BT, int C) {
         if (!on() || !spec.sp) return;
         long n = rows(BT) * C;
-        comm->wait(comm->all_gather(whole + spec.rank * n, whole, n, dtype_of<floatX>()));
+        comm->wait(comm->all_gather(whole + first_row(BT) * C, whole, n, dtype_of<floatX>()));
     }
     // backward: the partial input gradients (BT rows) summed; into `mine` (this rank's rows: sp) or in place
     template <typename floatX>
@@ -327,7 +140,7 @@ struct TensorParallel {
                            int T, int C, int Vl) {
         if (!on()) return encoder_forward(out, tokens, wte, wpe, B, T, C);
         long BT = (long)B * T;
-        masked_lookup(partial, tokens, wte, BT, C, (long)spec.rank * Vl, Vl);
+        masked_lookup(partial, tokens, wte, BT, C, first_vocab(Vl), Vl);
         reduce_rows(partial, out, BT, C);
         if (wpe) add_positions(out, spec.sp ? out : partial, wpe, rows(BT), first_row(BT), T, C);
         else if (!spec.sp) device_copy<floatX>(out, partial, BT * C);  // no position table (Llama): the sum itself
@@ -342,7 +155,7 @@ struct TensorParallel {
         // wpe: from this rank's rows (under sp a partial sum, completed before the dp reduction)
         if (dwpe) position_grads(dwpe, dout, rows(BT), first_row(BT), T, C);
         const floatX* d = all_rows(dout, whole, BT, C);
-        masked_embedding_grads(dwte, d, tokens, BT, C, (long)spec.rank * Vl, Vl);
+        masked_embedding_grads(dwte, d, tokens, BT, C, first_vocab(Vl), Vl);
     }
 
     // --- vocab-parallel cross-entropy -----------------------------------------------------------------------
@@ -351,7 +164,7 @@ struct TensorParallel {
     // keeps each row's log-sum-exp for the backward. Returns the mean loss.
     template <typename floatX>
     float crossentropy_forward(float* losses, float* lse, const floatX* logits, const int* targets, long BT, int V, int Vl) {
-        long vlo = (long)spec.rank * Vl;
+        long vlo = first_vocab(Vl);
         int real = (int)std::max(0L, std::min((long)Vl, V - vlo));  // columns of real tokens here
         DeviceTemp<floatX, float> mine(BT * 3), all(BT * 3 * size());
         vocab_row_stats(mine.data, logits, targets, BT, Vl, real, vlo);
@@ -363,7 +176,7 @@ struct TensorParallel {
     template <typename floatX>
     void crossentropy_backward_inplace(floatX* logits, const float* lse, const int* targets, long BT, int V, int Vl,
                                        float dloss) {
-        vocab_crossentropy_grad(logits, lse, targets, BT, V, Vl, (long)spec.rank * Vl, dloss);
+        vocab_crossentropy_grad(logits, lse, targets, BT, V, Vl, first_vocab(Vl), dloss);
     }
 
     // --- group sums that leave every rank with the same bits -----------------------------------------------

@@ -154,7 +154,7 @@ TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference, on 
         }
 }
 
-// One block of the ring on the flash kernels against the CPU block (cp_block_forward and cp_block_backward on
+// One block of the ring on the flash kernels against the CPU block (ring_block_forward and ring_block_backward on
 // floats, from the same bf16 inputs): the n query rows of a rank's second chunk (q0 = n of Tl = 2n) against n key
 // rows of a separate K/V buffer, as a ring step holds another rank's: its second chunk under the causal mask (the
 // diagonal block) or its first under the full one (a block of an earlier chunk). The forward's out and lse are
@@ -172,13 +172,13 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
                        kv = random_bf16_values((size_t)B * Tl * a.kv_row(), rng),
                        dout = random_bf16_values((size_t)B * Tl * C, rng);
     std::vector<float> out((size_t)B * n * C), lse_blk((size_t)B * NH * n);
-    cp_block_forward(out.data(), lse_blk.data(), qkv.data(), q0, kv.data(), k0, n, causal, B, Tl, a);
+    ring_block_forward(out.data(), lse_blk.data(), qkv.data(), q0, kv.data(), k0, n, causal, B, Tl, a);
     std::vector<float> lse = random_vector((size_t)B * NH * Tl, rng), delta = random_vector((size_t)B * NH * Tl, rng);
     for (int bh = 0; bh < B * NH; bh++)
         for (int i = 0; i < n; i++) lse[(size_t)bh * Tl + q0 + i] = lse_blk[(size_t)bh * n + i] + rng.uniform();
     std::vector<float> dq((size_t)B * Tl * C), dkv((size_t)B * Tl * a.kv_row());
-    cp_block_backward(dq.data(), dkv.data(), dout.data(), qkv.data(), q0, kv.data(), k0, n, causal, lse.data(),
-                      delta.data(), B, Tl, a);
+    ring_block_backward(dq.data(), dkv.data(), dout.data(), qkv.data(), q0, kv.data(), k0, n, causal, lse.data(),
+                        delta.data(), B, Tl, a);
     std::vector<float> dq_start = random_vector(dq.size(), rng), dkv_start = random_vector(dkv.size(), rng);
 
     DeviceArray<bf16> d_qkv(qkv.size()), d_kv(kv.size()), d_dout(dout.size());
@@ -194,7 +194,7 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
         attention_kernels() = kind;
         d_out.poison();
         d_lse_blk.poison();
-        cp_block_forward(d_out.ptr, d_lse_blk.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, B, Tl, a);
+        ring_block_forward(d_out.ptr, d_lse_blk.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, B, Tl, a);
         cuda_check(cudaStreamSynchronize(main_stream()));
         require_close("block out", download(d_out), out, AttentionCase::OUT_TOL);
         require_close("block lse", download(d_lse_blk), lse_blk, 1e-3);
@@ -203,8 +203,8 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
         for (int run = 0; run < 2; run++) {
             upload(d_dq, dq_start);
             upload(d_dkv, dkv_start);
-            cp_block_backward(d_dq.ptr, d_dkv.ptr, d_dout.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, d_lse.ptr,
-                              d_delta.ptr, B, Tl, a);
+            ring_block_backward(d_dq.ptr, d_dkv.ptr, d_dout.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, d_lse.ptr,
+                                d_delta.ptr, B, Tl, a);
             cuda_check(cudaStreamSynchronize(main_stream()));
             std::vector<float> got_dq = download(d_dq), got_dkv = download(d_dkv);
             if (run == 1) {
