@@ -1072,6 +1072,53 @@ static __device__ __forceinline__ void hopper_produce(const HopperBarriers& bar,
         }
     }
 }
+
+// The backward kernels' warp specialization (the forward's is the same, written out): the first warpgroup hands
+// its registers to the others and its first warp produces (produce()); each consumer warpgroup takes them and
+// computes on its 64 of the block's own rows (consume(row0), row0 the first of them)
+template <typename Produce, typename Consume>
+static __device__ __forceinline__ void hopper_specialize(Produce produce, Consume consume) {
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
+        if (threadIdx.x < 32) produce();
+    } else {
+        setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
+        consume(HOPPER_BOX * (threadIdx.x / 128 - 1));
+    }
+}
+
+// A consumer warpgroup of either backward kernel: the block's two own tiles (K and V for dK/dV, Q and dO for dQ)
+// against `steps` streamed stages of two tiles (Q and dO, or K and V), step n's starting at row tile_start(n)
+// of the sequence. At each step whose tile it can see (visible(t0)), its 64 rows from row0 against the tile's
+// COLS: p = own(0)·streamed(0)ᵀ (the scores) and ds = own(1)·streamed(1)ᵀ (dO·Vᵀ), either way round; step(t0,
+// stage, p, ds) turns them into P and dS and issues their products into the gradients, which are then waited
+// for and pinned, in the order given. Every stage is released once passed, and with it whatever else the step
+// read from the stage (the dK/dV kernel's lse and D).
+template <int HS, int COLS, typename Smem, typename TileStart, typename Visible, typename Step, typename... Grads>
+static __device__ __forceinline__ void hopper_backward_walk(const HopperBarriers& bar, uint32_t base, int row0,
+                                                            int steps, TileStart tile_start, Visible visible, Step step,
+                                                            Grads&... grads) {
+    mbarrier_wait(bar.own_full(), 0);
+    for (int n = 0; n < steps; n++) {
+        int stage = n % HOPPER_STAGES, t0 = tile_start(n);
+        mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
+        if (visible(t0)) {
+            float p[COLS / 8][4], ds[COLS / 8][4];
+            warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, base + Smem::streamed(stage, 0), COLS);
+            warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, base + Smem::streamed(stage, 1), COLS);
+            wgmma_commit();
+            wgmma_wait();
+            wgmma_pin<COLS>(p);
+            wgmma_pin<COLS>(ds);
+            step(t0, stage, p, ds);
+            wgmma_commit();
+            wgmma_wait();
+            (wgmma_pin<HS>(grads), ...);
+        }
+        mbarrier_arrive(bar.empty(stage));
+    }
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // ----------------------------------------------------------------------------------------------------------
@@ -1165,9 +1212,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     auto head_of = [&](int n) { return kh * group + n / per_head; };
     auto tile_start = [&](int n) { return (first + n % per_head) * COLS; };
 
-    if (threadIdx.x < 128) {
-        setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
-        if (threadIdx.x < 32)
+    hopper_specialize(
+        [&] {
             hopper_produce(
                 bar, steps, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
                 [&](uint32_t full) {
@@ -1190,40 +1236,27 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                         delta_s[stage * COLS + i] = inside ? delta_head[query] : 0.0f;
                     }
                 });
-    } else {
-        setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
-        int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), key0 = k0 + row0 + 16 * (threadIdx.x / 32 % 4);
-        float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
-        mbarrier_wait(bar.own_full(), 0);
-        for (int n = 0; n < steps; n++) {
-            int stage = n % HOPPER_STAGES, q0 = tile_start(n);
-            mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
-            // a diagonal tile can lie wholly before this warpgroup's keys (the second one's, on the first tile)
-            if (k0 + row0 <= a.last_key(q0 + COLS - 1)) {
-                uint32_t q_t = base + Smem::streamed(stage, 0), do_t = base + Smem::streamed(stage, 1);
-                float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's keys; columns: the tile's queries
-                warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, q_t, COLS);
-                warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, do_t, COLS);
-                wgmma_commit();
-                wgmma_wait();
-                wgmma_pin<COLS>(p);
-                wgmma_pin<COLS>(ds);
-                key_slab_probabilities<COLS>(p, ds, key0, q0, k0 + row0 + HOPPER_BOX - 1 > a.last_key(q0), a,
-                                             lse_s + stage * COLS, delta_s + stage * COLS, scale_log2);
-                warpgroup_pm<HS, COLS>(dv, p, do_t);
-                warpgroup_pm<HS, COLS>(dk, ds, q_t);
-                wgmma_commit();
-                wgmma_wait();
-                wgmma_pin<HS>(dv);
-                wgmma_pin<HS>(dk);
-            }
-            mbarrier_arrive(bar.empty(stage));  // the lse and D reads too: the arrival releases them
-        }
-        float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
-        G* dkey = dkv.at(b, 0) + kh * HS;
-        store_gradient_rows<HS>(dkey, dkv.stride, dk, key0, T, dk_scale);
-        store_gradient_rows<HS>(dkey + KV * HS, dkv.stride, dv, key0, T, one);
-    }
+        },
+        [&](int row0) {
+            int key0 = k0 + row0 + 16 * (threadIdx.x / 32 % 4);
+            float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
+            // p and ds: rows this warpgroup's keys, columns the tile's queries
+            hopper_backward_walk<HS, COLS, Smem>(
+                bar, base, row0, steps, tile_start,
+                // a diagonal tile can lie wholly before this warpgroup's keys (the second one's, on the first tile)
+                [&](int q0) { return k0 + row0 <= a.last_key(q0 + COLS - 1); },
+                [&](int q0, int stage, float (&p)[COLS / 8][4], float (&ds)[COLS / 8][4]) {
+                    key_slab_probabilities<COLS>(p, ds, key0, q0, k0 + row0 + HOPPER_BOX - 1 > a.last_key(q0), a,
+                                                 lse_s + stage * COLS, delta_s + stage * COLS, scale_log2);
+                    warpgroup_pm<HS, COLS>(dv, p, base + Smem::streamed(stage, 1));
+                    warpgroup_pm<HS, COLS>(dk, ds, base + Smem::streamed(stage, 0));
+                },
+                dv, dk);
+            float dk_scale[2] = {scale, scale}, one[2] = {1.0f, 1.0f};
+            G* dkey = dkv.at(b, 0) + kh * HS;
+            store_gradient_rows<HS>(dkey, dkv.stride, dk, key0, T, dk_scale);
+            store_gradient_rows<HS>(dkey + KV * HS, dkv.stride, dv, key0, T, one);
+        });
 #endif
 }
 
@@ -1246,9 +1279,8 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
     int q0 = (gridDim.x - 1 - blockIdx.x) * HOPPER_ROWS;
     int tiles = min(a.last_key(q0 + HOPPER_ROWS - 1), T - 1) / COLS + 1;
 
-    if (threadIdx.x < 128) {
-        setmaxnreg_dec<HOPPER_PRODUCER_REGS>();
-        if (threadIdx.x < 32)
+    hopper_specialize(
+        [&] {
             hopper_produce(
                 bar, tiles, 2 * Smem::own_bytes, 2 * Smem::tile_bytes,
                 [&](uint32_t full) {
@@ -1261,39 +1293,26 @@ static __global__ void __launch_bounds__(HOPPER_THREADS, 1)
                                       full);
                 },
                 [](int, int, int) {});
-    } else {
-        setmaxnreg_inc<HOPPER_CONSUMER_REGS>();
-        int row0 = HOPPER_BOX * (threadIdx.x / 128 - 1), query0 = q0 + row0 + 16 * (threadIdx.x / 32 % 4);
-        float row_lse[2], row_delta[2];
-        slab_row_stats(row_lse, row_delta, lse.at(bh, 0), delta.at(bh, 0), query0, T);
-        float dq[HS / 8][4] = {};
-        mbarrier_wait(bar.own_full(), 0);
-        for (int n = 0; n < tiles; n++) {
-            int stage = n % HOPPER_STAGES, k0 = n * COLS;
-            mbarrier_wait(bar.full(stage), n / HOPPER_STAGES % 2);
-            // a diagonal tile can lie wholly after this warpgroup's queries (the first one's, on the last tile)
-            if (k0 <= a.last_key(q0 + row0 + HOPPER_BOX - 1)) {
-                uint32_t k_t = base + Smem::streamed(stage, 0);
-                float p[COLS / 8][4], ds[COLS / 8][4];  // rows: this warpgroup's queries; columns: the tile's keys
-                warpgroup_abt<HS, COLS>(p, base + Smem::own(0), HOPPER_ROWS, row0, k_t, COLS);
-                warpgroup_abt<HS, COLS>(ds, base + Smem::own(1), HOPPER_ROWS, row0, base + Smem::streamed(stage, 1),
-                                        COLS);
-                wgmma_commit();
-                wgmma_wait();
-                wgmma_pin<COLS>(p);
-                wgmma_pin<COLS>(ds);
-                query_slab_probabilities<COLS>(p, ds, query0, k0, k0 + COLS - 1 > a.last_key(q0 + row0), a, row_lse,
-                                               row_delta, scale_log2);
-                warpgroup_pm<HS, COLS>(dq, ds, k_t);
-                wgmma_commit();
-                wgmma_wait();
-                wgmma_pin<HS>(dq);
-            }
-            mbarrier_arrive(bar.empty(stage));
-        }
-        float dq_scale[2] = {scale, scale};
-        store_gradient_rows<HS>(dq_rows.at(b, 0) + h * HS, dq_rows.stride, dq, query0, T, dq_scale);
-    }
+        },
+        [&](int row0) {
+            int query0 = q0 + row0 + 16 * (threadIdx.x / 32 % 4);
+            float row_lse[2], row_delta[2];
+            slab_row_stats(row_lse, row_delta, lse.at(bh, 0), delta.at(bh, 0), query0, T);
+            float dq[HS / 8][4] = {};
+            // p and ds: rows this warpgroup's queries, columns the tile's keys
+            hopper_backward_walk<HS, COLS, Smem>(
+                bar, base, row0, tiles, [](int n) { return n * COLS; },
+                // a diagonal tile can lie wholly after this warpgroup's queries (the first one's, on the last tile)
+                [&](int k0) { return k0 <= a.last_key(q0 + row0 + HOPPER_BOX - 1); },
+                [&](int k0, int stage, float (&p)[COLS / 8][4], float (&ds)[COLS / 8][4]) {
+                    query_slab_probabilities<COLS>(p, ds, query0, k0, k0 + COLS - 1 > a.last_key(q0 + row0), a,
+                                                   row_lse, row_delta, scale_log2);
+                    warpgroup_pm<HS, COLS>(dq, ds, base + Smem::streamed(stage, 0));
+                },
+                dq);
+            float dq_scale[2] = {scale, scale};
+            store_gradient_rows<HS>(dq_rows.at(b, 0) + h * HS, dq_rows.stride, dq, query0, T, dq_scale);
+        });
 #endif
 }
 
