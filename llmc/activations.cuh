@@ -2,8 +2,9 @@
 // (LocalDims), every activation buffer named and sized once (layer_buffers, per layer and stacked layer 0 first;
 // edge_buffers, around the layers), what -r recomputes instead of keeping, the scratch that lives only inside
 // backward, and a micro-batch's slot of activations and tokens (several in flight under pipeline parallelism).
-// The allocation (llmc/gpt.cuh's gpt_allocate) and --plan (llmc/plan.h) both read these lists, so the bytes
-// planned are the bytes allocated.
+// activation_buffers and scratch_buffers turn them into the model's list of buffers (llmc/ledger.h), which the
+// allocation (llmc/gpt.cuh's gpt_allocate) walks and --plan (llmc/plan.h) reads, so the bytes planned are the
+// bytes allocated.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "llmc/encoder.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/layernorm.cuh"
+#include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
 #include "llmc/model_table.h"
 #include "llmc/moe.cuh"
@@ -194,23 +196,6 @@ inline const ActivationBuffer* largest_recomputed(const std::vector<ActivationBu
     return largest;
 }
 
-// The bytes of a micro-batch's activations in the storage type floatX: what each layer keeps, what the buffers
-// around the layers hold, and the shared buffers of those -r recomputes. The plan's figures (llmc/plan.h).
-struct ActivationBytes {
-    size_t per_layer = 0, edges = 0, recomputed = 0;
-};
-template <typename floatX>
-inline ActivationBytes activation_bytes(const LocalDims& d, bool split, int recompute, bool head, int tp) {
-    Activations<floatX> a{};
-    ActivationBytes b;
-    std::vector<ActivationBuffer> per_layer = layer_buffers(a, d, split);
-    for (const ActivationBuffer& s : per_layer) b.per_layer += kept_per_layer(s, recompute) * s.element;
-    for (const ActivationBuffer& s : edge_buffers(a, d, head, tp)) b.edges += s.count * s.element;
-    for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
-        if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) b.recomputed += s->count * s->element;
-    return b;
-}
-
 // layer l's slice of every per-layer activation buffer (stacked layer 0 first); the other fields unchanged
 template <typename floatX>
 inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, const LocalDims& d, int recompute,
@@ -264,3 +249,69 @@ struct MicroBatchSlot {
     float loss = -1.0f;  // the chunk's loss: -1 without targets, or when the chunk is not the model's last
     bool dlogits = false;  // the logits hold their gradient already: a training forward took both in one pass
 };
+
+// The activations of a rank's micro-batch slots as the list the model's allocation walks: first the one buffer of
+// each -r level (the level's largest), then per slot the embeddings' output, every per-layer buffer stacked for
+// chunks of up to chunk_layers layers (one that -r recomputes shares its level's buffer), the head's buffers on
+// the last stage and, on the GPU, the tokens and targets (the CPU's kernels read the slot's own vectors).
+// recomputed: where the levels' buffers go.
+template <typename floatX>
+inline BufferList activation_buffers(std::vector<MicroBatchSlot<floatX>>& slots, void* (&recomputed)[RECOMPUTE_NORMS + 1],
+                                     const LocalDims& d, size_t chunk_layers, bool split, int recompute, bool head, int tp) {
+    auto kept = [](const ActivationBuffer& s, size_t count) {
+        return PlannedBuffer{s.name, MEM_ACTIVATIONS, count * s.element, s.pointer};
+    };
+    BufferList list;
+    Activations<floatX> sizing{};
+    std::vector<ActivationBuffer> per_layer = layer_buffers(sizing, d, split);
+    for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
+        if (const ActivationBuffer* s = largest_recomputed(per_layer, level))
+            list.push_back({s->name, MEM_ACTIVATIONS, s->count * s->element, &recomputed[level]});
+    for (MicroBatchSlot<floatX>& mb : slots) {
+        std::vector<ActivationBuffer> edges = edge_buffers(mb.acts, d, head, tp);
+        list.push_back(kept(edges[0], edges[0].count));  // the embeddings' output
+        for (const ActivationBuffer& s : layer_buffers(mb.acts, d, split))
+            if (s.recomputed && recompute >= s.recomputed)
+                list.push_back({s.name, MEM_ACTIVATIONS, 0, s.pointer, &recomputed[s.recomputed]});
+            else
+                list.push_back(kept(s, chunk_layers * s.count));
+        for (size_t i = 1; i < edges.size(); i++) list.push_back(kept(edges[i], edges[i].count));
+        if (device_of<floatX> == Device::CUDA) {
+            list.push_back(planned("device_inputs", MEM_ACTIVATIONS, mb.device_inputs, d.BT));
+            list.push_back(planned("device_targets", MEM_ACTIVATIONS, mb.device_targets, d.BT));
+        }
+    }
+    return list;
+}
+
+// The scratch as the list the model's allocation walks: backward's activation gradients (dfch for the experts'
+// rows, a dense layer's or the shared expert's; dact, SwiGLU's output gradient, where its input is wider: GELU's
+// runs in place), the kernels' workspaces (the GPU's shared scratch; the CPU's attention rows and GEMM panels for
+// `threads` threads), tp's and sp's buffers, and a tied wte's gradient summed apart (a gradient, when
+// summed_apart: tied_wte_summed_apart). The pointers not listed stay null.
+template <typename floatX>
+inline BufferList scratch_buffers(Scratch<floatX>& s, const LocalDims& d, const TPSpec& tp, int threads, bool summed_apart) {
+    size_t C = d.C, BT = d.BT, R = d.R, mlp_rows = d.K ? d.expert_rows : BT;
+    BufferList list = {planned("dresidual", MEM_SCRATCH, s.dresidual, R * C), planned("dln", MEM_SCRATCH, s.dln, BT * C),
+                       planned("dqkv", MEM_SCRATCH, s.dqkv, BT * d.QKVl), planned("datty", MEM_SCRATCH, s.datty, BT * d.Cl),
+                       planned("dfch", MEM_SCRATCH, s.dfch, std::max({mlp_rows * d.FCl, BT * d.dense_FCl, BT * d.shared_FCl}))};
+    if (d.FCl != d.Hl)
+        list.push_back(planned("dact", MEM_SCRATCH, s.dact, std::max({mlp_rows * d.Hl, BT * d.dense_Hl, BT * d.shared_Hl})));
+    if (device_of<floatX> == Device::CUDA) {
+        list.push_back(planned("gpu kernel scratch", MEM_SCRATCH, s.gemm, gpu_kernel_scratch_floats(d)));
+    } else {
+        list.push_back(planned("attention rows", MEM_SCRATCH, s.attention, (size_t)threads * d.T));
+        list.push_back(planned("gemm panels", MEM_SCRATCH, s.gemm, gemm_workspace_floats(threads)));
+    }
+    if (tp.size > 1) {
+        list.push_back(planned("tp partial", MEM_SCRATCH, s.partial, BT * C));
+        list.push_back(planned("tp gather", MEM_SCRATCH, s.gather, BT * C / tp.size));
+    }
+    if (tp.sp) {
+        list.push_back(planned("sp whole", MEM_SCRATCH, s.whole, BT * C));
+        list.push_back(planned("sp dchunk", MEM_SCRATCH, s.dchunk, R * C));
+        list.push_back(planned("sp norm_whole", MEM_SCRATCH, s.norm_whole, BT * C));
+    }
+    if (summed_apart) list.push_back(planned("dwte_micro_step", MEM_GRADS, s.dwte_micro_step, (size_t)d.Vl * C));
+    return list;
+}

@@ -147,8 +147,8 @@ inline void ring_wait(Comm& comm, RingHop& hop) {
     comm.wait(hop.received);
 }
 
-// What the ring works in, allocated once for the largest batch through the model's ledger (so --plan counts
-// it): the K/V block held and the one arriving, in the storage type; the fp32 dK/dV accumulators (the one
+// What the ring works in, allocated once for the largest batch from the model's list of buffers (which --plan
+// reads): the K/V block held and the one arriving, in the storage type; the fp32 dK/dV accumulators (the one
 // being added to, the one still on its way to the next rank, and the one arriving); and fp32 scratch, the
 // running output (forward) or dQ (backward), one block's output and log-sum-exp, and D. The K/V and
 // accumulator buffers are what travels, counted as comm buffers.
@@ -168,18 +168,20 @@ inline RingSizes ring_sizes(int B, int Tl, RingHeads a) {
     return {rows * a.kv_row(), rows * a.C, B * n * a.C, B * a.NH * n, rows * a.NH};
 }
 
+// the ring's buffers as the list an allocation walks (llmc/ledger.h), into r
+template <typename floatX>
+inline BufferList ring_buffer_list(RingBuffers<floatX>& r, int B, int Tl, RingHeads a) {
+    RingSizes z = ring_sizes(B, Tl, a);
+    return {planned("ring kv_held", MEM_COMM, r.kv_held, z.kv),     planned("ring kv_incoming", MEM_COMM, r.kv_incoming, z.kv),
+            planned("ring acc[0]", MEM_COMM, r.acc[0], z.kv),       planned("ring acc[1]", MEM_COMM, r.acc[1], z.kv),
+            planned("ring acc_arrived", MEM_COMM, r.acc_arrived, z.kv), planned("ring rows", MEM_SCRATCH, r.rows, z.rows),
+            planned("ring out_blk", MEM_SCRATCH, r.out_blk, z.out_blk), planned("ring lse_blk", MEM_SCRATCH, r.lse_blk, z.lse_blk),
+            planned("ring delta", MEM_SCRATCH, r.delta, z.delta)};
+}
 template <typename floatX>
 inline RingBuffers<floatX> ring_buffers(Ledger& led, int B, int Tl, RingHeads a) {
-    RingSizes z = ring_sizes(B, Tl, a);
     RingBuffers<floatX> r;
-    r.kv_held = led.alloc<floatX, floatX>(MEM_COMM, z.kv);
-    r.kv_incoming = led.alloc<floatX, floatX>(MEM_COMM, z.kv);
-    for (float*& a : r.acc) a = led.alloc<floatX, float>(MEM_COMM, z.kv);
-    r.acc_arrived = led.alloc<floatX, float>(MEM_COMM, z.kv);
-    r.rows = led.alloc<floatX, float>(MEM_SCRATCH, z.rows);
-    r.out_blk = led.alloc<floatX, float>(MEM_SCRATCH, z.out_blk);
-    r.lse_blk = led.alloc<floatX, float>(MEM_SCRATCH, z.lse_blk);
-    r.delta = led.alloc<floatX, float>(MEM_SCRATCH, z.delta);
+    led.allocate<floatX>(ring_buffer_list(r, B, Tl, a));
     return r;
 }
 
@@ -291,20 +293,26 @@ struct ContextParallel {
 
     bool on() const { return spec.size > 1; }
 
-    // the buffers for up to B sequences of T tokens (through the model's ledger): positions, the position
-    // table and its gradient when the model has a learned one (C wide; 0: RoPE's positions need none), and the
-    // ring's for the rank's heads
-    void allocate(Ledger& led, int B, int T, int table_width, RingHeads heads) {
+    // the buffers for up to B sequences of T tokens, as the list the model's allocation walks (none for a group of
+    // one): positions on the GPU, the position table and its gradient when the model has a learned one (C wide; 0:
+    // RoPE's positions need none), and the ring's for the rank's heads
+    BufferList buffers(int B, int T, int table_width, RingHeads heads) {
+        if (!on()) return {};
+        int Tl = local_tokens(T);
+        BufferList list;
+        if (device_of<floatX> == Device::CUDA) list.push_back(planned("cp positions", MEM_ACTIVATIONS, device_positions, Tl));
+        if (table_width > 0) {
+            list.push_back(planned("cp position_table", MEM_ACTIVATIONS, position_table, (size_t)Tl * table_width));
+            list.push_back(planned("cp position_table_grads", MEM_SCRATCH, position_table_grads, (size_t)Tl * table_width));
+        }
+        append(list, ring_buffer_list(ring, B, Tl, heads));
+        return list;
+    }
+    // the split of T-token sequences, checked with the heads, before the allocation
+    void prepare(int T, RingHeads heads) {
         if (!on()) return;
         layout = cp_layout(T, spec.size, spec.rank, spec.split);
-        int Tl = layout.local_tokens();
         cp_check_heads(heads);
-        if constexpr (device_of<floatX> == Device::CUDA) device_positions = led.alloc<floatX, int>(MEM_ACTIVATIONS, Tl);
-        if (table_width > 0) {
-            position_table = led.alloc<floatX, floatX>(MEM_ACTIVATIONS, (size_t)Tl * table_width);
-            position_table_grads = led.alloc<floatX, floatX>(MEM_SCRATCH, (size_t)Tl * table_width);
-        }
-        ring = ring_buffers<floatX>(led, B, Tl, heads);
     }
 
     // a forward on sequences of T tokens begins: the split for T, and where the kernels find its positions

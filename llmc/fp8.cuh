@@ -441,11 +441,6 @@ inline Fp8Sizes fp8_sizes(long rows, long input_cols, long output_cols, size_t w
     }
     return z;
 }
-inline size_t fp8_bytes(const Fp8Sizes& s, Device dev) {
-    size_t code = dev == Device::CUDA ? 1 : sizeof(float);
-    return code * (s.input + s.weight + s.grad + s.grad_t) + sizeof(float) * s.floats + s.tiles[0] + s.tiles[1] +
-           s.tiles[2] + s.tiles[3];
-}
 
 // what stops FP8 with recipe r on this GPU ("" when nothing does): FP8 tensor cores need compute capability 8.9
 // or later, and the cast kernels code built for them (a build for older GPUs only would emulate the casts);

@@ -85,7 +85,8 @@ struct GPTModel {
     int recompute = RECOMPUTE_NONE;
     bool split_backward = false;  // backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk()
     std::vector<MicroBatchSlot<floatX>> slots;  // one per micro-batch in flight (one without pipelining)
-    Scratch<floatX> scratch;
+    void* recomputed[RECOMPUTE_NORMS + 1] = {};  // the buffer of each -r level, shared by every layer and slot
+    Scratch<floatX> scratch{};
     float* rope = nullptr;  // Llama: RoPE's (cos, sin) per position and frequency (llmc/rope.cuh)
     // --fp8 (gpt_allocate_fp8): the layers' FP8 casts, their scales shared over the ranks that hold pieces of a
     // micro-batch's tensors (tp × cp), and the same buffers for the experts, whose scales tp alone shares
@@ -164,19 +165,54 @@ inline bool tied_wte_summed_apart(const GPTConfig& c, const ModelPart& part, boo
     return c.tied() && part.first && part.last && part.chunks() == 1 && own_grads && accumulation > 1;
 }
 
-// Allocates the model's part as the layout says, for micro-batches of up to B×T tokens
+// Every buffer of the model's part as the layout says, for micro-batches of up to B×T tokens and `threads` CPU
+// threads: the list gpt_allocate walks and --plan reads (llmc/plan.h). It is made from the sizes alone and
+// allocates nothing, so a plan can list a model no machine at hand could hold. In order: the model states the rank
+// allocates itself (the parameters, gradients, on the GPU the fp32 master weights, AdamW's moments), the
+// activations of each micro-batch in flight (llmc/activations.cuh), the scratch, Llama's RoPE table, the ring's
+// buffers under cp (llmc/cp.cuh) and the experts' (llmc/moe.cuh). The pointers are m's: it takes the layout's
+// cp group, ep group and capacity, and a slot per micro-batch in flight.
+template <typename floatX>
+inline BufferList gpt_buffers(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout,
+                              int threads) {
+    ModelPart part = layout.part.chunks() > 0 ? layout.part : whole_part(config);
+    size_t n = num_parameters(config, layout.tp.size, part, layout.ep);
+    BufferList list;
+    if (layout.own.params) list.push_back(planned("params", MEM_PARAMS, m.params, n));
+    if (layout.own.grads) list.push_back(planned("grads", MEM_GRADS, m.grads, n));
+    if (layout.own.optimizer) {
+        if (device_of<floatX> == Device::CUDA) list.push_back(planned("master", MEM_MASTER_WEIGHTS, m.master, n));
+        list.push_back(planned("adam_m", MEM_OPTIMIZER, m.adam_m, n));
+        list.push_back(planned("adam_v", MEM_OPTIMIZER, m.adam_v, n));
+    }
+    LocalDims d = local_dims(config, layout.tp, B, T, layout.cp.size, layout.ep, layout.capacity);
+    size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
+    m.slots.resize(layout.slots);
+    append(list, activation_buffers(m.slots, m.recomputed, d, chunk_layers, layout.split_backward, layout.recompute,
+                                    part.last, layout.tp.size));
+    bool summed_apart = tied_wte_summed_apart(config, part, layout.own.grads, layout.accumulation);
+    append(list, scratch_buffers(m.scratch, d, layout.tp, threads, summed_apart));
+    if (!config.learned_positions())
+        list.push_back(planned("rope", MEM_SCRATCH, m.rope, (size_t)config.max_seq_len * d.hd));
+    // under cp, a learned position table is gathered at the rank's positions (C wide); RoPE reads the positions
+    m.cp.spec = layout.cp;
+    append(list, m.cp.buffers(B, T, config.learned_positions() ? config.channels : 0, RingHeads{d.Cl, d.NHl, d.KVl}));
+    m.moe.ep_size = layout.ep, m.moe.capacity = layout.capacity;
+    append(list, m.moe.buffers(config, B, d.BT, d.expert_rows, layout.cp.size));
+    return list;
+}
+
+// Allocates the model's part as the layout says, for micro-batches of up to B×T tokens: checks the layout, walks
+// gpt_buffers' list through the model's ledger, and sets up what the list does not hold (the host's tokens, the
+// GPU scratch's registration, RoPE's table, the routing's host state)
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
     const TPSpec& tp = layout.tp;
-    const CPSpec& cp = layout.cp;
-    int ep = layout.ep, recompute = layout.recompute;
-    bool split_backward = layout.split_backward;
-    check_split(config, T, tp, cp);
-    if (config.num_experts % ep != 0)
-        fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
+    check_split(config, T, tp, layout.cp);
+    if (config.num_experts % layout.ep != 0)
+        fail("--ep %d: must divide the number of experts (%d)", layout.ep, config.num_experts);
     ModelPart part = layout.part.chunks() > 0 ? layout.part : whole_part(config);
-    m.cp.spec = cp;
     int head_size = config.head_size();
     if (gpu && head_size != 64 && head_size != 128)
         fail("model: head size %d: the GPU attention kernels take 64 or 128", head_size);
@@ -186,97 +222,33 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.T = T;
     m.tp.spec = tp;
     m.part = part;
-    m.recompute = recompute;
-    m.split_backward = split_backward;
-    param_tensor_sizes(config, m.param_sizes, tp.size, part, ep);
-    m.num_parameters = num_parameters(config, tp.size, part, ep);
-    Ledger& led = m.ledger;
-    if (layout.own.params) m.params = led.alloc<floatX, floatX>(MEM_PARAMS, m.num_parameters);
-    if (layout.own.grads) m.grads = led.alloc<floatX, floatX>(MEM_GRADS, m.num_parameters);
-    if (layout.own.optimizer) {
-        if (gpu) m.master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, m.num_parameters);
-        m.adam_m = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
-        m.adam_v = led.alloc<floatX, float>(MEM_OPTIMIZER, m.num_parameters);
-    }
-    for (int u = 0; u < num_units(part.layers()); u++) m.units.push_back(unit_segments(config, u, tp.size, part, ep));
+    m.recompute = layout.recompute;
+    m.split_backward = layout.split_backward;
+    param_tensor_sizes(config, m.param_sizes, tp.size, part, layout.ep);
+    m.num_parameters = num_parameters(config, tp.size, part, layout.ep);
+    for (int u = 0; u < num_units(part.layers()); u++)
+        m.units.push_back(unit_segments(config, u, tp.size, part, layout.ep));
+    LocalDims d = local_dims(config, tp, B, T, layout.cp.size, layout.ep, layout.capacity);
+    m.cp.spec = layout.cp;
+    m.cp.prepare(T, RingHeads{d.Cl, d.NHl, d.KVl});
 
-    LocalDims d = local_dims(config, tp, B, T, cp.size, ep, layout.capacity);
-    size_t mlp_rows = config.moe() ? d.expert_rows : d.BT;
-    size_t C = config.channels, BT = d.BT, R = d.R;
-    size_t chunk_layers = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
-    // a buffer in its element type (on the CPU every buffer is fp32)
-    auto act = [&](const ActivationBuffer& s, size_t n) {
-        *s.pointer = s.element == sizeof(float) ? (void*)led.alloc<floatX, float>(MEM_ACTIVATIONS, n)
-                                                : (void*)led.alloc<floatX, floatX>(MEM_ACTIVATIONS, n);
-    };
-    // a recomputed buffer is one per level for every layer of every micro-batch (layer_slice steps through it
-    // by 0), as large as the level's largest
-    void* recomputed_buffer[RECOMPUTE_NORMS + 1] = {};
-    Activations<floatX> sizing{};
-    std::vector<ActivationBuffer> per_layer = layer_buffers(sizing, d, split_backward);
-    for (int level = RECOMPUTE_ACTIVATION; level <= recompute; level++)
-        if (const ActivationBuffer* s = largest_recomputed(per_layer, level)) act(*s, s->count), recomputed_buffer[level] = *s->pointer;
-    m.slots.resize(layout.slots);
+    m.ledger.template allocate<floatX>(gpt_buffers(m, config, B, T, layout, omp_get_max_threads()));
+
     for (MicroBatchSlot<floatX>& mb : m.slots) {
-        Activations<floatX>& a = mb.acts;
-        std::vector<ActivationBuffer> edges = edge_buffers(a, d, part.last, tp.size);
-        act(edges[0], edges[0].count);  // the embeddings' output
-        for (const ActivationBuffer& s : layer_buffers(a, d, split_backward)) {
-            act(s, chunk_layers * kept_per_layer(s, recompute));
-            if (s.recomputed && recompute >= s.recomputed) *s.pointer = recomputed_buffer[s.recomputed];
-        }
-        for (size_t i = 1; i < edges.size(); i++) act(edges[i], edges[i].count);
-        mb.inputs.assign(BT, 0);
-        mb.targets.assign(BT, 0);
-        mb.routes.resize(config.moe() ? chunk_layers : 0);
-        if (gpu) {
-            mb.device_inputs = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
-            mb.device_targets = led.alloc<floatX, int>(MEM_ACTIVATIONS, BT);
-        } else {
-            mb.device_inputs = mb.inputs.data();
-            mb.device_targets = mb.targets.data();
-        }
+        mb.inputs.assign(d.BT, 0);
+        mb.targets.assign(d.BT, 0);
+        mb.routes.resize(config.moe() ? *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end()) : 0);
+        if (!gpu) mb.device_inputs = mb.inputs.data(), mb.device_targets = mb.targets.data();
     }
-
-    Scratch<floatX>& s = m.scratch;
-    int threads = omp_get_max_threads();
-    auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
-    s.dresidual = scr(R * C);
-    s.dln = scr(BT * C);
-    s.dqkv = scr(BT * d.QKVl);
-    s.datty = scr(BT * d.Cl);
-    // the experts' rows, a dense layer's or the shared expert's (SwiGLU's output gradient: GELU's runs in place)
-    s.dfch = scr(std::max({mlp_rows * d.FCl, BT * d.dense_FCl, BT * d.shared_FCl}));
-    s.dact = d.FCl != d.Hl ? scr(std::max({mlp_rows * d.Hl, BT * d.dense_Hl, BT * d.shared_Hl})) : nullptr;
-    if (gpu) {
-        size_t floats = gpu_kernel_scratch_floats(d);
-        s.attention = nullptr;
-        s.gemm = led.alloc<floatX, float>(MEM_SCRATCH, floats);
-        gpu_scratch_registry() = GpuScratch{s.gemm, floats};
-    } else {
-        s.attention = led.alloc<floatX, float>(MEM_SCRATCH, (size_t)threads * d.T);
-        s.gemm = led.alloc<floatX, float>(MEM_SCRATCH, gemm_workspace_floats(threads));
-    }
-    s.partial = tp.size > 1 ? scr(BT * C) : nullptr;
-    s.gather = tp.size > 1 ? scr(BT * C / tp.size) : nullptr;
-    s.whole = tp.sp ? scr(BT * C) : nullptr;
-    s.dchunk = tp.sp ? scr(R * C) : nullptr;
-    s.norm_whole = tp.sp ? scr(BT * C) : nullptr;
-    s.dwte_micro_step = tied_wte_summed_apart(config, part, layout.own.grads, layout.accumulation)
-                            ? led.alloc<floatX, floatX>(MEM_GRADS, (size_t)d.Vl * C)
-                            : nullptr;
-    m.tp.gather = s.gather;
+    if (gpu) gpu_scratch_registry() = GpuScratch{m.scratch.gemm, gpu_kernel_scratch_floats(d)};
+    m.tp.gather = m.scratch.gather;
     if (!config.learned_positions()) {  // RoPE's (cos, sin) table for every position the model takes
         size_t n = (size_t)config.max_seq_len * d.hd;
         std::vector<float> table(n);
         rope_table(table.data(), config.max_seq_len, d.hd, config.rope_theta, config.rope_scaling);
-        m.rope = led.alloc<floatX, float>(MEM_SCRATCH, n);
         device_upload<floatX>(m.rope, table.data(), n);
     }
-    // under cp, a learned position table is gathered at the rank's positions (C wide); RoPE reads the positions
-    m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
-    m.moe.ep_size = ep, m.moe.capacity = layout.capacity;
-    m.moe.allocate(led, config, B, BT, d.expert_rows, cp.size);
+    m.moe.prepare(config);
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -325,6 +297,22 @@ inline std::string fp8_layout_problem(const GPTConfig& c, Fp8Recipe r, int tp, i
     return "";
 }
 
+// The FP8 casts' buffers of the sizes z as the list gpt_allocate_fp8 walks and --plan reads: the cast operands
+// (an input, a weight, an output gradient and its copy for the weight gradient; those of no elements are left
+// out), the scales with the amaxes after them, and on the GPU a block recipe's tile scales
+template <typename floatX>
+inline BufferList fp8_buffers(Fp8Scaling<floatX>& q, const Fp8Sizes& z) {
+    BufferList list;
+    for (const PlannedBuffer& b : {planned("fp8 input", MEM_SCRATCH, q.input, z.input), planned("fp8 weight", MEM_SCRATCH, q.weight, z.weight),
+                                   planned("fp8 grad", MEM_SCRATCH, q.grad, z.grad), planned("fp8 grad_t", MEM_SCRATCH, q.grad_t, z.grad_t)})
+        if (b.bytes) list.push_back(b);
+    list.push_back(planned("fp8 scales", MEM_SCRATCH, q.scales, z.floats));
+    if (device_of<floatX> == Device::CUDA)  // (the CPU's casts keep their scales in the values)
+        for (int o = 0; o < 4; o++)
+            if (z.tiles[o]) list.push_back({"fp8 tiles", MEM_SCRATCH, z.tiles[o], &q.tiles[o]});
+    return list;
+}
+
 // --fp8 1: the buffers of the FP8 casts, after gpt_allocate; the groups are set with the rest of the comms
 template <typename floatX>
 inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::Tensorwise) {
@@ -342,18 +330,10 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::
             fail("--fp8 1: the rank's matmul widths (C %d, C/tp %d, hidden %d, qkv %d, MLP in %d, dense layers' hidden "
                  "%d, shared expert's hidden %d) must be multiples of 16", d.C, d.Cl, d.Hl, d.QKVl, d.FCl, d.dense_Hl,
                  d.shared_Hl);
-    Fp8Sizes z = fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev, recipe);
-    using Code = typename Fp8Scaling<floatX>::Code;
-    auto codes = [&](size_t n) { return n ? m.ledger.template alloc<floatX, Code>(MEM_SCRATCH, n) : nullptr; };
-    Fp8Scaling<floatX>& q = m.fp8;
-    q.recipe = recipe;
-    q.input = codes(z.input), q.weight = codes(z.weight), q.grad = codes(z.grad), q.grad_t = codes(z.grad_t);
-    q.scales = m.ledger.template alloc<floatX, float>(MEM_SCRATCH, z.floats);
-    q.amaxes = q.scales + FP8_SCALE_FLOATS;
-    if constexpr (dev == Device::CUDA)  // (the CPU's casts keep their scales in the values)
-        for (int o = 0; o < 4; o++)
-            q.tiles[o] = z.tiles[o] ? m.ledger.template alloc<floatX, uint8_t>(MEM_SCRATCH, z.tiles[o]) : nullptr;
-    m.fp8_experts = q;
+    m.fp8.recipe = recipe;
+    m.ledger.template allocate<floatX>(fp8_buffers(m.fp8, fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev, recipe)));
+    m.fp8.amaxes = m.fp8.scales + FP8_SCALE_FLOATS;
+    m.fp8_experts = m.fp8;
     m.fp8_on = true;
 }
 

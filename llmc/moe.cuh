@@ -633,7 +633,7 @@ struct MixtureOfExperts {
     Comm* batch = nullptr;    // the dp·cp group, whose tokens make the batch of the batch scope; null for one rank
     int ep_size = 1, ep_rank = 0;
     // scratch shared by the layers: rows in dispatch order and on the experts' side (and under ep as they
-    // arrive); the routing's fp32 and int32 buffers (routing_scratch)
+    // arrive); the routing's fp32 and int32 buffers (buffers())
     floatX *dispatch = nullptr, *received = nullptr, *expert_rows = nullptr;
     float *probs = nullptr, *scores = nullptr, *dlogits = nullptr, *dgates = nullptr, *shared_logits = nullptr,
           *layer_bias = nullptr;
@@ -670,53 +670,48 @@ struct MixtureOfExperts {
                (ep_size - 1) * sizeof(double);
     }
 
-    // The routing's scratch, fp32 or int32 words each, for B sequences of BT/B tokens a micro-batch on this rank,
-    // `rows` the most its experts may receive, cp the context-parallel group's size; the allocation and --plan
-    // read this one list. fp32: the scores (P; s under sigmoid scoring), the logits' and the gates' gradients, a
-    // gated shared expert's logits, the layer's selection bias. int32: each row's token, the permutation of the
-    // experts' rows and its blocks (under ep), the counts and statistics the host reads (E counts, then 2·B·E
-    // statistics as fp32), the sorts' scratch; under a capacity the kept flags, and under cp the whole sequences'
-    // choices gathered, in position order and decided, and the layout's index into them.
-    struct ScratchBuffer {
-        void** pointer;
-        size_t words;
-    };
-    std::vector<ScratchBuffer> routing_scratch(const GPTConfig& c, int B, long BT, long rows, int cp, float F) {
-        size_t n = (size_t)BT * K, whole = (size_t)cp * n;
-        bool capacity = F > 0.0f, gathers = capacity && cp > 1;
-        auto f32 = [](float*& p, size_t words) { return ScratchBuffer{reinterpret_cast<void**>(&p), words}; };
-        auto i32 = [](int*& p, size_t words) { return ScratchBuffer{reinterpret_cast<void**>(&p), words}; };
-        size_t sorting = std::max(route_sort_ints(n, 1, E), capacity ? route_sort_ints(whole, B, E) : 0);
-        return {f32(probs, BT * E), f32(scores, c.sigmoid_scores ? BT * E : 0), f32(dlogits, BT * E), f32(dgates, n),
-                f32(shared_logits, c.shared_gate ? BT : 0), f32(layer_bias, c.router_bias ? E : 0),
-                i32(token_of_row, n), i32(permutation_index, ep_size > 1 ? rows : 0), i32(blocks, ep_size > 1 ? 3 * E : 0),
-                i32(report, E + 2 * (size_t)B * E), i32(sort, sorting), i32(keep, capacity ? n : 0),
-                i32(gathered, gathers ? whole : 0), i32(ordered, gathers ? whole : 0), i32(kept_whole, gathers ? whole : 0),
-                i32(whole_of, gathers ? (size_t)cp * BT : 0)};
-    }
-    size_t routing_scratch_words(const GPTConfig& c, int B, long BT, long rows, int cp, float F) {
-        E = c.num_experts, K = c.top_k;
-        size_t words = 0;
-        for (const ScratchBuffer& b : routing_scratch(c, B, BT, rows, cp, F)) words += b.words;
-        return words;
+    // The buffers the layers share, for B sequences of BT/B tokens a micro-batch on this rank, `rows` the most its
+    // experts may receive (LocalDims::expert_rows), cp the context-parallel group's size: the list the allocation
+    // walks and --plan reads (none without experts). The rows in dispatch order, on the experts' side and, under
+    // ep, as they arrive; then the routing's scratch, fp32 or int32 words each (those of no words are left out).
+    // fp32: the scores (P; s under sigmoid scoring), the logits' and the gates' gradients, a gated shared
+    // expert's logits, the layer's selection bias. int32: each row's token, the permutation of the experts' rows
+    // and its blocks (under ep), the counts and statistics the host reads (E counts, then 2·B·E statistics as
+    // fp32), the sorts' scratch; under a capacity the kept flags, and under cp the whole sequences' choices
+    // gathered, in position order and decided, and the layout's index into them. Reads ep_size and capacity.
+    BufferList buffers(const GPTConfig& c, int B, long BT, long rows, int cp) {
+        E = c.num_experts, K = c.top_k, X = E / ep_size;
+        if (!on()) return {};
+        size_t C = c.channels, n = (size_t)BT * K, whole = (size_t)cp * n;
+        bool capped = capacity > 0.0f, gathers = capped && cp > 1, across = ep_size > 1;
+        size_t sorting = std::max(route_sort_ints(n, 1, E), capped ? route_sort_ints(whole, B, E) : 0);
+        BufferList list = {planned("moe dispatch", MEM_SCRATCH, dispatch, n * C)};
+        if (across) list.push_back(planned("moe received", MEM_SCRATCH, received, (size_t)rows * C));
+        list.push_back(planned("moe expert_rows", MEM_SCRATCH, expert_rows, (size_t)rows * C));
+        for (const PlannedBuffer& b :
+             {planned("moe probs", MEM_SCRATCH, probs, BT * E), planned("moe scores", MEM_SCRATCH, scores, c.sigmoid_scores ? BT * E : 0),
+              planned("moe dlogits", MEM_SCRATCH, dlogits, BT * E), planned("moe dgates", MEM_SCRATCH, dgates, n),
+              planned("moe shared_logits", MEM_SCRATCH, shared_logits, c.shared_gate ? BT : 0),
+              planned("moe layer_bias", MEM_SCRATCH, layer_bias, c.router_bias ? E : 0),
+              planned("moe token_of_row", MEM_SCRATCH, token_of_row, n),
+              planned("moe permutation_index", MEM_SCRATCH, permutation_index, across ? rows : 0),
+              planned("moe blocks", MEM_SCRATCH, blocks, across ? 3 * E : 0),
+              planned("moe report", MEM_SCRATCH, report, E + 2 * (size_t)B * E), planned("moe sort", MEM_SCRATCH, sort, sorting),
+              planned("moe keep", MEM_SCRATCH, keep, capped ? n : 0), planned("moe gathered", MEM_SCRATCH, gathered, gathers ? whole : 0),
+              planned("moe ordered", MEM_SCRATCH, ordered, gathers ? whole : 0),
+              planned("moe kept_whole", MEM_SCRATCH, kept_whole, gathers ? whole : 0),
+              planned("moe whole_of", MEM_SCRATCH, whole_of, gathers ? (size_t)cp * BT : 0)})
+            if (b.bytes) list.push_back(b);
+        return list;
     }
 
-    // B sequences and BT rows a micro-batch, the most this rank's experts may receive (LocalDims::expert_rows), and
-    // the cp group's size
-    void allocate(Ledger& led, const GPTConfig& c, int B, long BT, long rows, int cp) {
-        E = c.num_experts, K = c.top_k, X = E / ep_size;
+    // what the routing keeps on the host: the routing's form, the selection bias and the statistics' counters
+    void prepare(const GPTConfig& c) {
         routing = {c.sigmoid_scores, c.norm_topk, c.routed_scale};
-        bias.assign(c.router_bias ? (size_t)c.num_layers * E : 0, 0.0f);
-        int layers = c.num_layers, C = c.channels;
-        load.assign((size_t)layers * E, 0.0);
-        batch_load.assign((size_t)layers * E, 0.0);
-        if (!on()) return;
-        auto scr = [&](size_t n) { return led.alloc<floatX, floatX>(MEM_SCRATCH, n); };
-        dispatch = scr((size_t)BT * K * C);
-        if (ep_size > 1) received = scr((size_t)rows * C);
-        expert_rows = scr((size_t)rows * C);
-        for (const ScratchBuffer& b : routing_scratch(c, B, BT, rows, cp, capacity))
-            if (b.words) *b.pointer = led.alloc<floatX, float>(MEM_SCRATCH, b.words);
+        size_t per_layer = (size_t)c.num_layers * c.num_experts;
+        bias.assign(c.router_bias ? per_layer : 0, 0.0f);
+        load.assign(per_layer, 0.0);
+        batch_load.assign(per_layer, 0.0);
     }
 
     // rows between dispatch order (here) and the ranks of their experts (source-major there), either way

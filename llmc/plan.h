@@ -1,9 +1,10 @@
-// --plan: the memory a run will need, per ledger category, predicted from the flags alone (no allocation). The
-// model's sizes come from where the model defines them, once: its parameters from the table of its tensors
-// (llmc/model_table.h), its activations from its named buffers (llmc/activations.cuh). The rest is the layout's
-// arithmetic, written here apart from the allocation code so that the test comparing the plan with the Ledger
-// checks one against the other: ZeRO's shards and staging, the micro-batches in flight, the scratch, the comm
-// buffers.
+// --plan: the memory a run will need, per ledger category, predicted from the flags alone (no allocation), and
+// the bytes each parallelism sends per step. The model's memory is the list of buffers its allocation walks
+// (llmc/gpt.cuh's gpt_buffers: the model states it holds whole, the activations of llmc/activations.cuh, the
+// scratch, the ring's and the experts' buffers), made here for the planned rank's layout without allocating, so
+// the plan and the Ledger agree by construction. What this file adds is arithmetic that is no allocation of the
+// model: the layout's (the micro-batches a pipeline schedule keeps in flight, ZeRO's buckets), the data-parallel
+// runtime's shards and staging (llmc/zero.cuh), and the communication formulas.
 //
 // Notation as in the Ultra-Scale Playbook: Ψ parameters, L layers, C channels (h), NH heads (a), B×T tokens
 // (b, s), Vp padded vocab. On the CPU everything is fp32 (4 bytes), the parameters are their own master copy,
@@ -141,112 +142,76 @@ inline void plan_model_states(size_t bytes[MEM_CATEGORIES], size_t psi, size_t s
 // and the collectives move them as they are stored
 inline double stored_value_bytes(Device device) { return device == Device::CUDA ? 2.0 : 4.0; }
 
+// How the planned rank holds the model (llmc/gpt.cuh's ModelLayout), as train_gpt.cu sets it up: the states
+// ZeRO leaves to the model, the first rank of each group (which holds as much as any other), the stage's part, a
+// slot per micro-batch in flight, the zero-bubble schedules' split backward, -r and the accumulation.
+inline ModelLayout planned_layout(const GPTConfig& c, const ParallelPlan& par) {
+    ModelLayout l;
+    l.own = DataParallel<float>::model_buffers(par.zero);
+    l.tp = TPSpec{par.tp, 0, par.sp};
+    l.cp = CPSpec{par.cp, 0};
+    l.ep = par.ep, l.capacity = par.capacity;
+    l.part = planned_part(c, par);
+    l.slots = planned_in_flight(par.pp, par.accumulation);
+    l.split_backward = pp_kind_splits_backward(par.pp.kind);
+    l.recompute = par.recompute, l.accumulation = par.accumulation;
+    return l;
+}
+
+// The buffers the planned rank's model allocates, in the storage type floatX: the list gpt_allocate walks
+// (gpt_buffers), made for a model that is never allocated, and with --fp8 gpt_allocate_fp8's
+template <typename floatX>
+inline BufferList planned_buffers(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par) {
+    GPTModel<floatX> unallocated;  // only the sizes of its list are read, never the pointers
+    BufferList list = gpt_buffers(unallocated, c, B, T, planned_layout(c, par), threads);
+    if (par.fp8) {
+        LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, T, par.cp, par.ep, par.capacity);
+        append(list, fp8_buffers(unallocated.fp8, fp8_layer_sizes(d, par.tp * par.cp, device_of<floatX>, par.fp8_recipe)));
+    }
+    return list;
+}
+inline BufferList planned_buffers(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par, Device dev) {
+    return dev == Device::CUDA ? planned_buffers<bf16>(c, B, T, threads, par) : planned_buffers<float>(c, B, T, threads, par);
+}
+
+// The memory a rank needs: its model's buffers (planned_buffers: the parameters, gradients and optimizer states
+// it holds whole, the activations of the micro-batches in flight, the scratch, the ring's and the experts'
+// buffers, the FP8 casts'), and what its data-parallel runtime allocates (llmc/zero.cuh), by ZeRO's arithmetic:
+// the shards of the other states, the staging of the reductions and gathers in flight, and --fp8-param-gather's
+// buffers. A pipeline's exchanges need none of their own: the embeddings' output is where the previous stage's
+// activations arrive, and the last layer's output the next stage's gradient.
 inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par = {},
                               Device dev = Device::CPU) {
-    const bool gpu = dev == Device::CUDA;
     const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
-    const StatePrecision precision = gpu ? BF16_MIXED : CPU_FP32;
-    const ModelPart part = planned_part(c, par);
-    size_t t = par.tp, psi = num_parameters(c, par.tp, part, par.ep);
-    // under context parallelism a rank holds T/cp positions of each sequence: every count below is of those
-    const int sequence = T;
-    T /= par.cp;
-    // the sizes a rank works with (llmc/activations.cuh): R rows of the residual stream (BT/t under sequence
-    // parallelism); Cl, Hl channels and hidden units of the rank's heads; with experts K slots per token, and
-    // the rows the rank's E/ep experts may see at most, for which the MLP's hidden layers are sized
-    LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, sequence, par.cp, par.ep, par.capacity);
-    size_t C = c.channels, NH = c.num_heads, BT = d.BT, R = d.R, Cl = d.Cl, Hl = d.Hl;
-    size_t K = d.K, E = c.num_experts, expert_rows = d.expert_rows, mlp_rows = K ? expert_rows : BT;
     MemoryPlan p;
-    if (par.grad_ranks() == 1 && par.zero == 0) {  // one dp rank without ZeRO stages nothing (llmc/zero.cuh)
-        plan_model_states(p.bytes, psi, psi, 0, precision);
-    } else {
-        plan_model_states(p.bytes, psi, planned_shard_size(c, par), par.zero, precision);
-        // staging for reductions in flight, in each group that reduces (more than one rank, or ZeRO): the
-        // embeddings' bucket and two others, each with its piece; under ZeRO-3 also the gathered parameters:
-        // the embeddings' bucket, the bucket in use and the next one
-        size_t staging = 0;
-        for (const PlannedGroup& g : planned_groups(c, par)) {
-            if (g.ranks == 1 && par.zero == 0) continue;
-            const BucketLayout& lay = g.layout;
-            const Bucket& e = lay.embeddings();
-            staging += e.padded + e.piece + 2 * (lay.max_padded + lay.max_piece);
-            if (par.zero == 3) staging += e.padded + 2 * lay.max_padded;
-        }
-        p.bytes[MEM_COMM] = X * staging;
-        // --fp8-param-gather: the scales, the codes the layers read and the wire's staging
-        PlannedWires wires = planned_wires(c, par, dev);
-        std::vector<PlannedGroup> groups = planned_groups(c, par);
-        if (par.fp8_param_gather) p.bytes[MEM_PARAMS] += 2 * F * wires.scales;
-        for (size_t i = 0; i < wires.groups.size(); i++) {
-            Fp8GatherBytes b = fp8_gather_bytes(wires.groups[i], groups[i].ranks, par.zero, dev == Device::CUDA ? 1 : F);
-            p.bytes[MEM_PARAMS] += b.params, p.bytes[MEM_COMM] += b.comm;
-        }
+    add_bytes(p.bytes, planned_buffers(c, B, T, threads, par, dev));
+    if (par.grad_ranks() == 1 && par.zero == 0) return p;  // one dp rank without ZeRO stages nothing
+    // the shards: from ZeRO-1 the master weights and moments, from ZeRO-2 the gradients, at ZeRO-3 the parameters
+    const StatePrecision e = dev == Device::CUDA ? BF16_MIXED : CPU_FP32;
+    const size_t shard = planned_shard_size(c, par);
+    if (par.zero >= 1) p.bytes[MEM_MASTER_WEIGHTS] += e.master * shard, p.bytes[MEM_OPTIMIZER] += e.optimizer * shard;
+    if (par.zero >= 2) p.bytes[MEM_GRADS] += e.grads * shard;
+    if (par.zero >= 3) p.bytes[MEM_PARAMS] += e.params * shard;
+    // staging for reductions in flight, in each group that reduces (more than one rank, or ZeRO): the embeddings'
+    // bucket and two others, each with its piece; under ZeRO-3 also the gathered parameters: the embeddings'
+    // bucket, the bucket in use and the next one
+    size_t staging = 0;
+    std::vector<PlannedGroup> groups = planned_groups(c, par);
+    for (const PlannedGroup& g : groups) {
+        if (g.ranks == 1 && par.zero == 0) continue;
+        const BucketLayout& lay = g.layout;
+        const Bucket& b = lay.embeddings();
+        staging += b.padded + b.piece + 2 * (lay.max_padded + lay.max_piece);
+        if (par.zero == 3) staging += b.padded + 2 * lay.max_padded;
     }
-    // a tied wte's gradient of one micro-step, summed apart before it joins the accumulated ones (llmc/gpt.cuh)
-    if (tied_wte_summed_apart(c, part, par.zero < 2, par.accumulation)) p.bytes[MEM_GRADS] += X * d.Vl * C;
-    // What forward keeps for backward, from the model's activation buffers (llmc/activations.cuh), which say what
-    // each holds. GPT-2 with t = 1 keeps per layer 18·BTC + 4·BT + NH·B·T² values: the two layernorm outputs (under sp
-    // the rank's rows, gathered again in backward), their statistics, qkv, the softmax probabilities (on the GPU
-    // the logsumexps), attention's output, the MLP's hidden layer before and after GELU, and the two
-    // projections' outputs and residual sums; around the layers
-    // the embedding output and on the last stage the final layernorm, the logits and the losses. With -r 1
-    // GELU's output, with -r 2 also the layernorm outputs, are held for one layer at a time only. The GPU keeps
-    // the tokens and targets (2·BT int32); ring attention (cp > 1) GPT-2's position embedding at the T rows of
-    // this rank's positions (T·C) and, on the GPU, the positions (T int32).
-    // Under pipeline parallelism a stage keeps all of this for each micro-batch in flight, of one chunk of its
-    // layers (the longest), the head's share only on the last stage; the recomputed buffers and the ring's
-    // are shared. The embedding output's buffer is where the previous stage's activations arrive, and the last
-    // layer's output the next stage's gradient: the exchanges need no buffers of their own.
-    const bool ring = par.cp > 1;
-    const size_t table = ring && c.learned_positions() ? T * C : 0;  // wpe's rows at the rank's positions (RoPE: none)
-    bool split = pp_kind_splits_backward(par.pp.kind);  // the zero-bubble schedules split backward
-    ActivationBytes kept = gpu ? activation_bytes<bf16>(d, split, par.recompute, part.last, par.tp)
-                               : activation_bytes<float>(d, split, par.recompute, part.last, par.tp);
-    size_t chunk = *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end());
-    size_t slots = planned_in_flight(par.pp, par.accumulation);
-    p.bytes[MEM_ACTIVATIONS] = slots * (chunk * kept.per_layer + kept.edges + (gpu ? F * 2 * BT : 0)) + kept.recomputed +
-                               X * table + F * (ring && gpu ? T : 0);
-    // Backward's activation gradients, reused by every layer: the residual stream (R·C), a norm input (BT·C),
-    // qkv (BT·QKVl: 3·BT·Cl for GPT-2), attention output (BT·Cl), the MLP's first matmul's output
-    // (mlp_rows·FCl) and, for Llama, SwiGLU's output (mlp_rows·Hl), or a dense layer's or the shared expert's of a
-    // model with experts where they are larger (BT·2H, BT·H); T floats per thread for attention; the GEMM's
-    // packing panels per thread. Under tp the row-parallel partial sums (BT·C) and a piece for the all-reduce
-    // (BT·C/t); under sp the gathered output gradient (BT·C), a reduced input gradient (R·C) and a norm's output
-    // gathered (BT·C: the layers keep their R rows of it). On the GPU the
-    // kernels' shared scratch replaces the last two. Llama's RoPE table: maxT·hd fp32 (cos and sin per position
-    // and frequency).
-    size_t mlp = std::max({mlp_rows * d.FCl, BT * d.dense_FCl, BT * d.shared_FCl});
-    size_t act = std::max({mlp_rows * Hl, BT * d.dense_Hl, BT * d.shared_Hl});
-    size_t scratch = R * C + BT * C + BT * d.QKVl + BT * Cl + mlp + (d.FCl != d.Hl ? act : 0);
-    if (t > 1) scratch += BT * C + BT * C / t;
-    if (par.sp) scratch += 2 * BT * C + R * C;
-    size_t kernels = gpu ? gpu_kernel_scratch_floats(d) : (size_t)threads * T + gemm_workspace_floats(threads);
-    if (!c.learned_positions()) kernels += (size_t)c.max_seq_len * d.hd;
-    // The ring (llmc/cp.cuh): the K/V block held and the one arriving (2·BT·2Kl, Kl = KV/t·hd the rank's key
-    // channels; storage type) and three fp32 dK/dV accumulators of the same size, counted as comm buffers; in
-    // fp32 scratch the running output or dQ (BT·Cl), one block's output and log-sum-exps (B·T/2 rows: B·T/2·Cl
-    // and NH/t·B·T/2) and D (NH/t·BT); and GPT-2's position embedding's gradient rows (T·C, storage type).
-    if (ring) {
-        size_t kv = BT * 2 * d.KVl * d.hd, half = (size_t)B * (T / 2);
-        p.bytes[MEM_COMM] += X * 2 * kv + F * 3 * kv;
-        scratch += table;
-        kernels += BT * Cl + half * Cl + NH / t * half + NH / t * BT;
+    p.bytes[MEM_COMM] += X * staging;
+    // --fp8-param-gather: the scales, the codes the layers read and the wire's staging
+    PlannedWires wires = planned_wires(c, par, dev);
+    if (par.fp8_param_gather) p.bytes[MEM_PARAMS] += 2 * F * wires.scales;
+    for (size_t i = 0; i < wires.groups.size(); i++) {
+        Fp8GatherBytes b = fp8_gather_bytes(wires.groups[i], groups[i].ranks, par.zero, dev == Device::CUDA ? 1 : F);
+        p.bytes[MEM_PARAMS] += b.params, p.bytes[MEM_COMM] += b.comm;
     }
-    // The experts' layers share (llmc/moe.cuh): the rows in dispatch order (K·BT·C), on the experts' side
-    // (expert_rows·C) and, under ep, as received (expert_rows·C); and the routing's fp32 and int32 scratch, the
-    // list the allocation reads (MixtureOfExperts::routing_scratch).
-    if (K) {
-        scratch += K * BT * C + expert_rows * C + (par.ep > 1 ? expert_rows * C : 0);
-        MixtureOfExperts<float> moe;
-        moe.ep_size = par.ep;
-        kernels += moe.routing_scratch_words(c, B, BT, expert_rows, par.cp, par.capacity);
-    }
-    p.bytes[MEM_SCRATCH] = X * scratch + F * kernels;
-    // --fp8: the cast operands (an input, a weight, an output gradient and, on the GPU or under a block recipe, the
-    // weight gradient's copy of it; one byte a code, the CPU's decoded floats four), the scales and amaxes, and a
-    // block recipe's tile scales (llmc/fp8.cuh, llmc/fp8_blocks.cuh)
-    if (par.fp8) p.bytes[MEM_SCRATCH] += fp8_bytes(fp8_layer_sizes(d, par.tp * par.cp, dev, par.fp8_recipe), dev);
     return p;
 }
 

@@ -1,7 +1,9 @@
-// Tests of --plan: plan_memory's counts must equal, category by category and to the byte, what gpt_allocate
-// records in the model's Ledger; GPT-2's closed-form parameter count must equal the allocated parameter count;
-// `train_gpt --plan` must print that same plan; and for GPT-2 124M (d12) the counts must agree with a hand
-// count written out independently of both.
+// Tests of --plan: plan_memory reads the list of buffers gpt_allocate walks, so the two agree by construction;
+// what is tested is the construction: that the Ledger recorded the planned list, buffer by buffer, that nothing
+// is allocated beside it (the Ledger's categories equal the plan's to the byte), and that the list's sizes are
+// right, against hand counts written out independently of both (GPT-2 124M's parameters and d12's activations and
+// scratch; the ring's and the experts' buffers). GPT-2's closed-form parameter count must equal the allocated
+// parameter count, and `train_gpt --plan` must print the plan.
 #include <omp.h>
 
 #include <map>
@@ -30,6 +32,17 @@ void check_plan_against_ledger(const std::string& descriptor, int B, int T, int 
         CHECK(plan.bytes[i] == m.ledger.bytes[i]);
     }
     CHECK(plan.total() == m.ledger.total());
+    // the buffers the plan read are those the ledger allocated, in order
+    std::vector<LedgerEntry> planned;
+    for (const PlannedBuffer& b : planned_buffers(config, B, T, threads, ParallelPlan{}, Device::CPU))
+        if (!b.shares) planned.push_back({b.name, b.category, b.bytes});
+    REQUIRE(planned.size() == m.ledger.entries.size());
+    for (size_t i = 0; i < planned.size(); i++) {
+        INFO("buffer " << i << ": " << planned[i].name);
+        CHECK(std::string(planned[i].name) == m.ledger.entries[i].name);
+        CHECK(planned[i].category == m.ledger.entries[i].category);
+        CHECK(planned[i].bytes == m.ledger.entries[i].bytes);
+    }
     CHECK(gpt2_parameter_count(config) == m.num_parameters);
     // everything is fp32 on the CPU: parameters, gradients and two AdamW moments are 16 bytes per parameter
     CHECK(m.ledger.bytes[MEM_PARAMS] + m.ledger.bytes[MEM_GRADS] + m.ledger.bytes[MEM_OPTIMIZER] == 16 * m.num_parameters);
@@ -177,6 +190,46 @@ TEST_CASE("plan_memory for d12 at B=4 T=64 matches a hand count", "[plan]") {
     // backward's gradients of the residual stream, a layernorm input, qkv, the attention output and the MLP
     // hidden layer: (1 + 1 + 3 + 1 + 4)·BTC = 1,966,080 floats; then T floats per thread and the GEMM's panels
     CHECK(plan.bytes[MEM_SCRATCH] == 4 * (1966080ull + (size_t)threads * 64 + gemm_workspace_floats(threads)));
+}
+
+// the bytes of the named buffer of a list (0 when it is not there)
+size_t listed_bytes(const BufferList& list, const std::string& name) {
+    size_t bytes = 0;
+    for (const PlannedBuffer& b : list)
+        if (name == b.name) bytes += b.bytes;
+    return bytes;
+}
+
+TEST_CASE("the ring's and the experts' buffers in the list match a hand count", "[plan]") {
+    // ring attention over cp 2 on the CPU (fp32): d2c64h4t64 at B=2, T=16 holds Tl = 8 positions, 4 heads of 16,
+    // chunks of n = 4; a K/V block is B·Tl·2C = 2048 values
+    ParallelPlan cp2;
+    cp2.cp = 2;
+    BufferList ring = planned_buffers(parse_model_descriptor("d2c64h4t64"), 2, 16, 1, cp2, Device::CPU);
+    for (const char* travels : {"ring kv_held", "ring kv_incoming", "ring acc[0]", "ring acc[1]", "ring acc_arrived"})
+        CHECK(listed_bytes(ring, travels) == 4 * 2048);
+    CHECK(listed_bytes(ring, "ring rows") == 4 * 2 * 8 * 64);    // B·Tl·C
+    CHECK(listed_bytes(ring, "ring out_blk") == 4 * 2 * 4 * 64);  // B·n·C
+    CHECK(listed_bytes(ring, "ring lse_blk") == 4 * 2 * 4 * 4);   // B·NH·n
+    CHECK(listed_bytes(ring, "ring delta") == 4 * 2 * 8 * 4);     // B·Tl·NH
+    CHECK(listed_bytes(ring, "cp position_table") == 4 * 8 * 64);  // wpe's rows at the rank's positions
+    // four experts, two a token, C = 48, at B=2, T=16 (BT = 32, 64 rows in dispatch order), over ep 2: a rank's
+    // two experts may see every row of the group's 2·32 tokens twice, 128 rows
+    ParallelPlan ep2;
+    ep2.dp = 2, ep2.ep = 2;
+    BufferList moe = planned_buffers(parse_model_descriptor("d2c48h4t32v301e4k2"), 2, 16, 1, ep2, Device::CPU);
+    CHECK(listed_bytes(moe, "moe dispatch") == 4 * 64 * 48);
+    CHECK(listed_bytes(moe, "moe received") == 4 * 128 * 48);
+    CHECK(listed_bytes(moe, "moe expert_rows") == 4 * 128 * 48);
+    CHECK(listed_bytes(moe, "moe probs") == 4 * 32 * 4);  // BT·E
+    CHECK(listed_bytes(moe, "moe dlogits") == 4 * 32 * 4);
+    CHECK(listed_bytes(moe, "moe dgates") == 4 * 64);
+    CHECK(listed_bytes(moe, "moe token_of_row") == 4 * 64);
+    CHECK(listed_bytes(moe, "moe permutation_index") == 4 * 128);
+    CHECK(listed_bytes(moe, "moe blocks") == 4 * 3 * 4);
+    CHECK(listed_bytes(moe, "moe report") == 4 * (4 + 2 * 2 * 4));  // E counts, 2·B·E statistics
+    CHECK(listed_bytes(moe, "moe scores") == 0);  // softmax scoring keeps no s; no capacity, no gathers
+    CHECK(listed_bytes(moe, "moe keep") == 0);
 }
 
 TEST_CASE("train_gpt --plan prints plan_memory's numbers without allocating", "[plan]") {
