@@ -166,8 +166,8 @@ $(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llam
 	$(PYTHON) test/reference/make_moe_reference.py $(MOE_FLAGS) --out $(@D)
 
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
-# installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's
-# Tests section says how to run one shard or one case).
+# installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; docs/tests.md
+# says how to run one shard or one case).
 test: deps
 	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
 	    build/reference_moe_shared/model.bin build/reference_moe_deepseek/model.bin \

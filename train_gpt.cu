@@ -34,8 +34,8 @@
 #include "llmc/tokenizer.h"
 #include "llmc/zero.cuh"
 
-// exit codes besides 0 (done) and 1 (a refused input or an error; 3 is a comm timeout, llmc/comm.cuh): README's
-// "Failures and recovery" lists them all, for the scripts that restart runs
+// exit codes besides 0 (done) and 1 (a refused input or an error; 3 is a comm timeout, llmc/comm.cuh): docs/failures.md
+// lists them all, for the scripts that restart runs
 constexpr int EXIT_NON_FINITE = 4;  // --max-bad-steps steps in a row were skipped, or the state was not finite
 constexpr int EXIT_STOPPED = 5;     // a stop signal: stopped after a step, with a checkpoint when -o is given
 

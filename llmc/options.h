@@ -204,8 +204,8 @@ inline const char* USAGE =
     "  --debug-sigterm-step S  (testing) the last rank sends itself SIGTERM during step S [-1]\n"
     "  --debug-eval-scores FILE  (testing) with --eval, each example's completion losses to FILE [none]\n"
     "  -h, --help        this text\n"
-    "README.md, \"Using train_gpt\" and the sections after it, tells the rest: the log lines, ZeRO, tp and sp,\n"
-    "the launch scripts, checkpoints and the data order.\n";
+    "docs/usage.md, \"Using train_gpt\", and the other pages of docs/ tell the rest: the log lines, ZeRO, tp and\n"
+    "sp, the launch scripts, checkpoints and the data order.\n";
 
 inline long parse_long(const std::string& flag, const char* s, long lo, long hi) {
     char* end;

@@ -51,7 +51,7 @@ struct RunLock {
 
 // The first SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 asks the run to stop after the current step with a checkpoint.
 // SIGUSR1 is the advance notice a scheduler can be asked for (`sbatch --signal=B:USR1@SECONDS`), and the signal
-// OpenMPI's mpirun passes on to the ranks as it is (on SIGTERM mpirun aborts the job: the README's failure table
+// OpenMPI's mpirun passes on to the ranks as it is (on SIGTERM mpirun aborts the job: docs/failures.md's table
 // says what that costs, and how the launch scripts avoid it). The same request often comes more than once, so a
 // repeated SIGTERM, SIGUSR1 or SIGUSR2 is ignored: Slurm signals mpirun and the ranks alike, mpirun passes its
 // own on, and a scheduler that runs out of patience sends SIGKILL anyway. Only a SIGINT after the first request

@@ -216,7 +216,7 @@ TEST_CASE("train_gpt --help and -h print the usage and exit 0", "[cli]") {
     }
 }
 
-TEST_CASE("--help lists every flag parse_options accepts, each with its default, in groups, and names the README",
+TEST_CASE("--help lists every flag parse_options accepts, each with its default, in groups, and names its page of docs/",
           "[cli]") {
     // the flags as parse_options spells them: every string literal in its body that is a flag and nothing else
     std::ifstream source("llmc/options.h");
@@ -256,11 +256,11 @@ TEST_CASE("--help lists every flag parse_options accepts, each with its default,
     for (const char* group : {"data:", "model:", "optimization:", "evaluation and output:", "checkpoints:",
                               "parallelism", "planning and debugging:"})
         CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.rfind(group, 0) == 0; }) == 1);
-    // the README section it points to exists
-    CHECK(r.output.find("README.md, \"Using train_gpt\"") != std::string::npos);
-    std::ifstream readme("README.md");
-    std::string readme_text((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());
-    CHECK(readme_text.find("\n## Using train_gpt\n") != std::string::npos);
+    // the page it points to exists, under the title it gives
+    CHECK(r.output.find("docs/usage.md, \"Using train_gpt\"") != std::string::npos);
+    std::ifstream usage("docs/usage.md");
+    std::string usage_text((std::istreambuf_iterator<char>(usage)), std::istreambuf_iterator<char>());
+    CHECK(usage_text.rfind("# Using train_gpt\n", 0) == 0);
 }
 
 TEST_CASE("a valid tiny run exits 0 and prints one line per step", "[cli]") {

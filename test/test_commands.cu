@@ -1,13 +1,16 @@
 // Tests that the command lines the documentation shows run as written: every `./train_gpt ...` line in a code
-// block of README.md (with its launcher's `-np N` as --world N) and the launch lines of the training scripts
-// are dry-run with --plan, which checks every flag, the model and the layout without training. Also the helper
-// scripts a newcomer meets first: plot_log.py draws main.log files, and install_deps.sh, without root and sudo,
-// names what is missing in one line.
+// block of README.md and of the pages of docs/ (with its launcher's `-np N` as --world N) and the launch lines of
+// the training scripts are dry-run with --plan, which checks every flag, the model and the layout without
+// training; and that every link between those pages reaches a file and a heading. Also the helper scripts a
+// newcomer meets first: plot_log.py draws main.log files, and install_deps.sh, without root and sudo, names what
+// is missing in one line.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "llmc/gpt.cuh"
@@ -29,8 +32,23 @@ std::string absolute(const std::string& path) {
     return std::string(buf) + "/" + path;
 }
 
-// one `./train_gpt` command of the README: its line, the launcher's rank count (1 without one), its flags
+// the documentation: README.md and every page of docs/
+std::vector<std::string> doc_pages() {
+    std::vector<std::string> pages = {"README.md"};
+    for (const std::string& name : list_dir("docs"))
+        if (name.size() > 3 && name.compare(name.size() - 3, 3, ".md") == 0) pages.push_back("docs/" + name);
+    return pages;
+}
+
+// the pages that show ./train_gpt commands: one missing, or showing none, means a page moved or its commands
+// stopped being found, and the test would check nothing of it
+const std::vector<std::string> pages_with_commands = {"docs/usage.md",    "docs/parallelism.md", "docs/architectures.md",
+                                                      "docs/gpu.md",      "docs/fp8.md",         "docs/data.md",
+                                                      "docs/planning.md"};
+
+// one `./train_gpt` command of a page: the page, its line, the launcher's rank count (1 without one), its flags
 struct DocCommand {
+    std::string page;
     std::string line;
     int ranks = 1;
     std::string args;
@@ -38,7 +56,7 @@ struct DocCommand {
 
 // every line of a fenced code block that runs ./train_gpt; a trailing backslash joins the next line, and a
 // comment (" #") ends the command
-std::vector<DocCommand> readme_commands(const std::string& text) {
+std::vector<DocCommand> doc_commands(const std::string& page, const std::string& text) {
     std::vector<DocCommand> commands;
     std::istringstream in(text);
     std::string line, joined;
@@ -58,6 +76,7 @@ std::vector<DocCommand> readme_commands(const std::string& text) {
         size_t at = line.find("./train_gpt");
         if (at == std::string::npos) continue;
         DocCommand c;
+        c.page = page;
         c.line = line;
         size_t comment = line.find(" #", at);
         c.args = line.substr(at + strlen("./train_gpt"), comment == std::string::npos ? std::string::npos : comment - at - strlen("./train_gpt"));
@@ -96,20 +115,29 @@ void write_stand_in_hf_dir(const std::string& path, bool experts) {
     hf_save(c, params.data(), path, "fp32");
 }
 
-TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --plan (--search and --calibrate as they are)",
+TEST_CASE("every ./train_gpt line in README.md and docs/ runs as written, dry-run with --plan (--search and --calibrate as they are)",
           "[commands]") {
     REQUIRE(file_exists("./train_gpt"));
     const std::string train_gpt = absolute("train_gpt");
-    std::vector<DocCommand> commands = readme_commands(slurp("README.md"));
-    // the README has many; finding few means the extraction broke, not that the README is fine
+    std::vector<DocCommand> commands;
+    for (const std::string& page : doc_pages()) {
+        std::vector<DocCommand> found = doc_commands(page, slurp(page));
+        commands.insert(commands.end(), found.begin(), found.end());
+    }
+    for (const std::string& page : pages_with_commands) {
+        INFO(page);
+        REQUIRE(file_exists(page));
+        CHECK(std::count_if(commands.begin(), commands.end(), [&](const DocCommand& c) { return c.page == page; }) > 0);
+    }
+    // the pages have many; finding few means the extraction broke, not that the pages are fine
     REQUIRE(commands.size() >= 8);
     int launched = 0;
     for (const DocCommand& c : commands) {
-        INFO("README: " << c.line);
+        INFO(c.page << ": " << c.line);
         TempDir dir;  // the command's relative paths (-o out, data/...) land here, not in the repository
         std::vector<std::string> w = words(c.args);
         auto has = [&](const char* flag) { return std::find(w.begin(), w.end(), flag) != w.end(); };
-        // a conversion has no dry run: its README line (the fine-tune path's) runs in test_hf.cu's fine-tune case
+        // a conversion has no dry run: its line (the fine-tune path's) runs in test_hf.cu's fine-tune case
         if (std::find(w.begin(), w.end(), "--convert") != w.end()) continue;
         for (size_t i = 0; i + 1 < w.size(); i++) {
             if (w[i] != "-e") continue;
@@ -133,6 +161,62 @@ TEST_CASE("every ./train_gpt line in README.md runs as written, dry-run with --p
         CHECK(r.output.find(expected) != std::string::npos);
     }
     CHECK(launched >= 2);  // the mpirun lines were found and planned for their rank count
+}
+
+// GitHub's anchor of a heading: lower case, letters, digits, spaces, '-' and '_' kept, spaces turned into '-'
+std::string heading_anchor(const std::string& heading) {
+    std::string a;
+    for (char ch : heading) {
+        if (std::isalnum((unsigned char)ch) || ch == '-' || ch == '_') a += (char)std::tolower((unsigned char)ch);
+        else if (ch == ' ') a += '-';
+    }
+    return a;
+}
+
+// a page's lines outside its code blocks
+std::vector<std::string> prose_lines(const std::string& text) {
+    std::vector<std::string> lines;
+    std::istringstream in(text);
+    std::string line;
+    bool fenced = false;
+    while (std::getline(in, line)) {
+        if (line.rfind("```", 0) == 0) fenced = !fenced;
+        else if (!fenced) lines.push_back(line);
+    }
+    return lines;
+}
+
+// the anchors of a page's headings
+std::set<std::string> page_anchors(const std::string& text) {
+    std::set<std::string> anchors;
+    const std::regex heading(R"(#+ (.*))");
+    for (const std::string& line : prose_lines(text)) {
+        std::smatch m;
+        if (std::regex_match(line, m, heading)) anchors.insert(heading_anchor(m[1]));
+    }
+    return anchors;
+}
+
+TEST_CASE("every link of README.md and docs/ reaches a file, and a heading of it where it names one", "[commands]") {
+    int links = 0;
+    for (const std::string& page : doc_pages()) {
+        // the links outside code blocks: [text](target), target a path relative to the page, maybe #anchor
+        const std::string dir = page.find('/') == std::string::npos ? "" : page.substr(0, page.rfind('/') + 1);
+        const std::regex link(R"(\]\(([^)\s]+)\))");
+        for (const std::string& line : prose_lines(slurp(page))) {
+            for (std::sregex_iterator it(line.begin(), line.end(), link), end; it != end; ++it) {
+                std::string target = (*it)[1];
+                if (target.rfind("http://", 0) == 0 || target.rfind("https://", 0) == 0) continue;
+                INFO(page << ": (" << target << ")");
+                links++;
+                size_t hash = target.find('#');
+                std::string file = hash == 0 ? page : dir + target.substr(0, hash);
+                REQUIRE(file_exists(file));
+                if (hash != std::string::npos) CHECK(page_anchors(slurp(file)).count(target.substr(hash + 1)) == 1);
+            }
+        }
+    }
+    CHECK(links >= 50);  // README's table and the pages link each other; few means the search broke
 }
 
 TEST_CASE("the launch scripts' train_gpt lines run as written, dry-run with --plan under a stand-in launcher",

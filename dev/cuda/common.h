@@ -307,7 +307,7 @@ inline void report_compute_bound(const std::string& what, float ms, double flops
 // slow or stuck program would show nothing at all until it ended. Without a GPU the program still builds its
 // inputs and CPU references (DeviceArray holds nothing there) but makes no device check or timing (gpu is
 // false), and ends with "skipped: no GPU" and the seconds its CPU side took: not a failure, so CI without a GPU
-// stays green, and the CPU side's share of the program's time bound (README) is measured there.
+// stays green, and the CPU side's share of the program's time bound (docs/tests.md) is measured there.
 struct Program {
     bool gpu = false;
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();

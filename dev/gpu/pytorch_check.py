@@ -5,7 +5,7 @@
 residual projections scaled by 1/sqrt(2L)), biases N(0, 0.02), norm gains N(1, 0.1) and layernorm shifts
 N(0, 0.1), so that no norm is the identity and a mix-up of gain and shift shows in the losses. With --arch
 llama3 it writes llm.c's Llama 3 file instead (256 int32 + 256 float32 header, GPT-2's tensor slots with lm_head
-in wpe's and every bias slot zero, the vocab unpadded; README's "File formats"): the same scheme, no biases.
+in wpe's and every bias slot zero, the vocab unpadded; docs/file-formats.md): the same scheme, no biases.
 
 `train` loads a model file, GPT-2 or Llama 3 as its magic says, into a PyTorch model: dev/bench/pytorch_gpt2.py's
 GPT-2 (the benchmark's PyTorch model, so there is one PyTorch GPT-2 in the project), or the Llama 3 below
