@@ -5,7 +5,9 @@
 #   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
 #                   plot its losses (build/demo/loss.png)
 #   make test       install what is missing, build, run the unit, reference and CLI tests in shards side by side
-#                   (test/run_tests.sh); last line "N passed, M failed, K skipped"
+#                   (test/run_tests.sh); last line "N passed, M failed, K skipped". It builds everything,
+#                   ./train_gpt included, for the tests' GPU targets (TEST_CUDA_ARCH below), and with
+#                   TEST_BUILD_ALSO=dev-programs the dev/cuda and dev/comm programs too, in the same make (CI)
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:
@@ -13,15 +15,18 @@
 #               without one, train_gpt gets Ampere (sm_80) and Hopper (sm_90a: Hopper's own instructions, wgmma
 #               and setmaxnreg, which --attention wgmma needs) machine code plus Hopper PTX (compute_90) that
 #               newer GPUs compile when they load it, and the tests, which cannot run GPU code there, sm_90a
-#               alone (nvcc.mk)]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a Hopper cluster
-#               built on a login node without a GPU
+#               alone (nvcc.mk): so does the ./train_gpt that `make test` builds, which the next `make` builds
+#               again for the portable list]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a
+#               Hopper cluster built on a login node without a GPU
 #   HOST_ARCH   the CPU the host code may assume, passed to -march [native: this machine]; a binary for the nodes
 #               of a cluster needs one they all run, e.g. HOST_ARCH=x86-64-v3 (AVX2) or x86-64-v4 (AVX-512)
 #   NO_MPI=1    build without MPI: one process only; MPICXX: the MPI compiler wrapper that says where MPI is
 #   NVCC, PYTHON (an interpreter that has torch; Debian's python3-torch lives under /usr/bin/python3),
 #   CATCH2_INCLUDE (where catch.hpp is)
-# The binaries depend on build/flags.stamp, which holds the flags they were compiled with (MPI or not, and where
-# it is, among them): when MPI is installed later, or a variable above changes, the next make rebuilds them.
+# ./train_gpt depends on build/flags.stamp and the tests' programs on build/test_flags.stamp, which hold the flags
+# they were compiled with (MPI or not, and where it is, among them): when MPI is installed later, or a variable
+# above changes, the next make rebuilds them; two stamps, so that `make` after `make test` (another CUDA_ARCH
+# on a machine without a GPU) rebuilds ./train_gpt alone.
 
 NVCC ?= /usr/local/cuda/bin/nvcc
 include nvcc.mk
@@ -35,6 +40,7 @@ NVCC_FLAGS = -std=c++17 -O3 $(NVCC_THREADS) -Xcompiler "$(HOST_FLAGS)" -I. -diag
 TEST_NVCC_FLAGS = $(subst -O3,-O1,$(NVCC_FLAGS))
 LDLIBS = -lgomp -lnccl  # cuBLASLt is opened when first used (llmc/cuda_common.cuh)
 FLAGS_STAMP = build/flags.stamp
+TEST_FLAGS_STAMP = build/test_flags.stamp
 # test and train install MPI before they build, in a make of their own: this one says nothing about MPI
 ifneq ($(MAKECMDGOALS),)
 ifeq ($(filter-out test train deps clean,$(MAKECMDGOALS)),)
@@ -64,7 +70,7 @@ endif
 TRAIN_FLAGS ?= --device cpu -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64 -n 300
 TRAIN_OUT ?= build/demo
 
-.PHONY: all train test bench data deps clean
+.PHONY: all train test dev-programs bench data deps clean
 
 all: train_gpt
 
@@ -73,17 +79,17 @@ train_gpt: train_gpt.cu $(call dep_file,train_gpt) $(FLAGS_STAMP)
 	$(call say,nvcc $< -> $@ ($(ARCH_NAMES)))
 	$(Q)$(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) $(DEPFLAGS) train_gpt.cu -o $@ $(LDLIBS)
 
-build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
+build/catch_main.o: test/catch_main.cpp $(TEST_FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@)
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -c $< -o $@
 
-build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(FLAGS_STAMP)
+build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(TEST_FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -DLLM5D_PYTHON='"$(PYTHON)"' $(DEPFLAGS) -c $< -o $@
 
-build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
+build/tests: $(SUITE_OBJECTS) build/catch_main.o $(TEST_FLAGS_STAMP)
 	$(call say,nvcc -> $@)
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) $(filter %.o,$^) -o $@ $(LDLIBS)
 
@@ -91,7 +97,7 @@ build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
 # test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
 # test/test_context_parallel.cu)
 MPI_CHECKS = build/comm_check build/cp_check
-$(MPI_CHECKS): build/%: test/%.cu $(DEP_DIR)/%.d $(FLAGS_STAMP)
+$(MPI_CHECKS): build/%: test/%.cu $(DEP_DIR)/%.d $(TEST_FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) $(DEPFLAGS) $< -o $@ $(LDLIBS)
@@ -166,13 +172,24 @@ $(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llam
 	$(PYTHON) test/reference/make_moe_reference.py $(MOE_FLAGS) --out $(@D)
 
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
-# installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's
-# Tests section says how to run one shard or one case).
+# installer left them. The tests' build names the longest jobs first, ./train_gpt and the model's suite (most of
+# its CPU time), so that both cores start on them and the short ones fill in around them; every program is built
+# for the tests' GPU targets (without a GPU: sm_90a alone, which compiles every kernel; the next plain `make`
+# builds ./train_gpt again for the portable list). TEST_BUILD_ALSO names more targets for that make: CI's
+# dev-programs. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's Tests section
+# says how to run one shard or one case).
+REFERENCES = build/reference/model.bin build/reference_moe/model.bin build/reference_moe_shared/model.bin \
+    build/reference_moe_deepseek/model.bin $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) $(MOE_REFERENCES)
+TEST_BUILD = train_gpt build/suite_model.o build/tests $(MPI_CHECKS) $(REFERENCES) data/sotu/train.bin
 test: deps
-	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
-	    build/reference_moe_shared/model.bin build/reference_moe_deepseek/model.bin \
-	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) $(MOE_REFERENCES) dev/data/node_modules data/sotu/train.bin
+	$(MAKE) CUDA_ARCH='$(TEST_CUDA_ARCH)' $(TEST_BUILD) $(TEST_BUILD_ALSO)
 	bash test/run_tests.sh
+
+# dev/cuda's kernel checks and dev/comm's benchmark, for this make's GPU targets: in CI, which only compiles them
+# (`make test TEST_BUILD_ALSO=dev-programs`), sm_90a alone, as the tests
+dev-programs:
+	$(MAKE) -C dev/cuda
+	$(MAKE) -C dev/comm
 
 train: deps
 	$(MAKE) data train_gpt
