@@ -118,58 +118,43 @@ data/sotu/train.bin: dev/data/node_modules dev/data/prepare.js
 
 data: data/sotu/train.bin
 
-build/reference/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference
-	$(PYTHON) test/reference/make_reference.py --out build/reference
-
-build/reference_moe/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe
-	$(PYTHON) test/reference/make_reference.py --moe --out build/reference_moe
-build/reference_moe_shared/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe_shared
-	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --out build/reference_moe_shared
-build/reference_moe_deepseek/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe_deepseek
-	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --sigmoid --scale 2.5 --bias-rate 0.01 --out build/reference_moe_deepseek
-
+# The reference models the tests compare against, made with PyTorch: each a directory under build/ and the command
+# line of the test/reference script that writes it. All of them are made in one Python process
+# (test/reference/make_references.py), which imports torch, most of each script's time, once.
+# A small GPT-2, and with experts (plain, with a shared expert, and DeepSeek's sigmoid scores, gate scale and
+# selection bias):
+REFERENCE_reference = make_reference.py
+REFERENCE_reference_moe = make_reference.py --moe
+REFERENCE_reference_moe_shared = make_reference.py --moe --shared 24
+REFERENCE_reference_moe_deepseek = make_reference.py --moe --shared 24 --sigmoid --scale 2.5 --bias-rate 0.01
 # small Llama 3 models in float64: grouped-query attention with Llama 3.1's RoPE scaling, multi-query,
 # multi-head, Llama 3.2's tied classifier with its RoPE scaling, and Mixtral's experts (4 SwiGLU experts, top 2)
-LLAMA_REFERENCES = build/reference_llama_gqa/model.bin build/reference_llama_mqa/model.bin \
-    build/reference_llama_mha/model.bin build/reference_llama_tied/model.bin build/reference_llama_moe/model.bin
-build/reference_llama_gqa/model.bin: LLAMA_FLAGS = --kv 2 --rope-scaling 8
-build/reference_llama_mqa/model.bin: LLAMA_FLAGS = --kv 1
-build/reference_llama_mha/model.bin: LLAMA_FLAGS = --kv 6 --rope-scaling 8
-build/reference_llama_tied/model.bin: LLAMA_FLAGS = --kv 3 --rope-scaling 32 --tied
-build/reference_llama_moe/model.bin: LLAMA_FLAGS = --kv 2 --rope-scaling 8 --experts 4 --top-k 2
-$(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llama_reference.py
-	@mkdir -p $(@D)
-	$(PYTHON) test/reference/make_llama_reference.py $(LLAMA_FLAGS) --out $(@D)
-
+REFERENCE_reference_llama_gqa = make_llama_reference.py --kv 2 --rope-scaling 8
+REFERENCE_reference_llama_mqa = make_llama_reference.py --kv 1
+REFERENCE_reference_llama_mha = make_llama_reference.py --kv 6 --rope-scaling 8
+REFERENCE_reference_llama_tied = make_llama_reference.py --kv 3 --rope-scaling 32 --tied
+REFERENCE_reference_llama_moe = make_llama_reference.py --kv 2 --rope-scaling 8 --experts 4 --top-k 2
 # small Qwen3 models in float64 (QK-norm, a head size of its own), each with its HF directories hf/ and hf5/:
 # grouped-query attention with a classifier of its own, and multi-query with the tied classifier
-QWEN3_REFERENCES = build/reference_qwen3/model.bin build/reference_qwen3_tied/model.bin
-build/reference_qwen3/model.bin: QWEN3_FLAGS = --kv 2
-build/reference_qwen3_tied/model.bin: QWEN3_FLAGS = --kv 1 --tied
-$(QWEN3_REFERENCES): test/reference/make_qwen3_reference.py test/reference/make_llama_reference.py \
-    test/reference/make_hf_reference.py
-	@mkdir -p $(@D)
-	$(PYTHON) test/reference/make_qwen3_reference.py $(QWEN3_FLAGS) --out $(@D)
-
+REFERENCE_reference_qwen3 = make_qwen3_reference.py --kv 2
+REFERENCE_reference_qwen3_tied = make_qwen3_reference.py --kv 1 --tied
 # small Hugging Face mixtures of experts in float64, each its HF directory hf/ and a state (no llm.c file: the
-# tests read the directory): Qwen3-MoE with the top-K gates renormalized and not, and Mixtral
-MOE_REFERENCES = build/reference_qwen3_moe/state.bin build/reference_qwen3_moe_raw/state.bin \
-    build/reference_mixtral/state.bin build/reference_qwen3_moe_mixed/state.bin build/reference_qwen2_moe/state.bin \
-    build/reference_qwen3_moe_batch/state.bin
-build/reference_qwen3_moe/state.bin: MOE_FLAGS = --arch qwen3_moe
-build/reference_qwen3_moe_raw/state.bin: MOE_FLAGS = --arch qwen3_moe --unnormalized
-build/reference_mixtral/state.bin: MOE_FLAGS = --arch mixtral
-build/reference_qwen3_moe_mixed/state.bin: MOE_FLAGS = --arch qwen3_moe --layers 4 --dense-layers 1 --sparse-step 2
-build/reference_qwen2_moe/state.bin: MOE_FLAGS = --arch qwen2_moe --unnormalized --layers 3 --dense-layers 1
-build/reference_qwen3_moe_batch/state.bin: MOE_FLAGS = --arch qwen3_moe --aux-batch
-$(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llama_reference.py \
-    test/reference/make_hf_reference.py
-	@mkdir -p $(@D)
-	$(PYTHON) test/reference/make_moe_reference.py $(MOE_FLAGS) --out $(@D)
+# tests read the directory): Qwen3-MoE with the top-K gates renormalized and not, Mixtral, Qwen3-MoE with dense
+# layers among the sparse ones, Qwen2-MoE, and Qwen3-MoE's aux loss over the batch
+REFERENCE_reference_qwen3_moe = make_moe_reference.py --arch qwen3_moe
+REFERENCE_reference_qwen3_moe_raw = make_moe_reference.py --arch qwen3_moe --unnormalized
+REFERENCE_reference_mixtral = make_moe_reference.py --arch mixtral
+REFERENCE_reference_qwen3_moe_mixed = make_moe_reference.py --arch qwen3_moe --layers 4 --dense-layers 1 --sparse-step 2
+REFERENCE_reference_qwen2_moe = make_moe_reference.py --arch qwen2_moe --unnormalized --layers 3 --dense-layers 1
+REFERENCE_reference_qwen3_moe_batch = make_moe_reference.py --arch qwen3_moe --aux-batch
+REFERENCE_DIRS = reference reference_moe reference_moe_shared reference_moe_deepseek reference_llama_gqa \
+    reference_llama_mqa reference_llama_mha reference_llama_tied reference_llama_moe reference_qwen3 \
+    reference_qwen3_tied reference_qwen3_moe reference_qwen3_moe_raw reference_mixtral reference_qwen3_moe_mixed \
+    reference_qwen2_moe reference_qwen3_moe_batch
+# the file of each that the tests read first: the MoE models' state.bin (they have no llm.c file), else model.bin
+REFERENCES = $(foreach d,$(REFERENCE_DIRS),build/$(d)/$(if $(filter make_moe_reference.py,$(REFERENCE_$(d))),state,model).bin)
+$(REFERENCES) &: $(wildcard test/reference/*.py)
+	$(PYTHON) test/reference/make_references.py $(foreach d,$(REFERENCE_DIRS),'$(REFERENCE_$(d)) --out build/$(d)')
 
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
 # installer left them. The tests' build names the longest jobs first, ./train_gpt and the model's suite (most of
@@ -178,8 +163,6 @@ $(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llam
 # builds ./train_gpt again for the portable list). TEST_BUILD_ALSO names more targets for that make: CI's
 # dev-programs. The tests then run in shards, as many at once as the cores take (TEST_JOBS; README's Tests section
 # says how to run one shard or one case).
-REFERENCES = build/reference/model.bin build/reference_moe/model.bin build/reference_moe_shared/model.bin \
-    build/reference_moe_deepseek/model.bin $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) $(MOE_REFERENCES)
 TEST_BUILD = train_gpt build/suite_model.o build/tests $(MPI_CHECKS) $(REFERENCES) data/sotu/train.bin
 test: deps
 	$(MAKE) CUDA_ARCH='$(TEST_CUDA_ARCH)' $(TEST_BUILD) $(TEST_BUILD_ALSO)
