@@ -5,7 +5,9 @@
 #   make train      install what is missing, prepare the SOTU data, build, train the demo model, sample, and
 #                   plot its losses (build/demo/loss.png)
 #   make test       install what is missing, build, run the unit, reference and CLI tests in shards side by side
-#                   (test/run_tests.sh); last line "N passed, M failed, K skipped"
+#                   (test/run_tests.sh); last line "N passed, M failed, K skipped". It builds everything,
+#                   ./train_gpt included, for the tests' GPU targets (TEST_CUDA_ARCH below), and with
+#                   TEST_BUILD_ALSO=dev-programs the dev/cuda and dev/comm programs too, in the same make (CI)
 #   make deps       only install what is missing (scripts/install_deps.sh)
 #   make bench      CPU benchmark (dev/bench)
 # Variables:
@@ -13,15 +15,18 @@
 #               without one, train_gpt gets Ampere (sm_80) and Hopper (sm_90a: Hopper's own instructions, wgmma
 #               and setmaxnreg, which --attention wgmma needs) machine code plus Hopper PTX (compute_90) that
 #               newer GPUs compile when they load it, and the tests, which cannot run GPU code there, sm_90a
-#               alone (nvcc.mk)]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a Hopper cluster
-#               built on a login node without a GPU
+#               alone (nvcc.mk): so does the ./train_gpt that `make test` builds, which the next `make` builds
+#               again for the portable list]; e.g. CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" for a
+#               Hopper cluster built on a login node without a GPU
 #   HOST_ARCH   the CPU the host code may assume, passed to -march [native: this machine]; a binary for the nodes
 #               of a cluster needs one they all run, e.g. HOST_ARCH=x86-64-v3 (AVX2) or x86-64-v4 (AVX-512)
 #   NO_MPI=1    build without MPI: one process only; MPICXX: the MPI compiler wrapper that says where MPI is
 #   NVCC, PYTHON (an interpreter that has torch; Debian's python3-torch lives under /usr/bin/python3),
 #   CATCH2_INCLUDE (where catch.hpp is)
-# The binaries depend on build/flags.stamp, which holds the flags they were compiled with (MPI or not, and where
-# it is, among them): when MPI is installed later, or a variable above changes, the next make rebuilds them.
+# ./train_gpt depends on build/flags.stamp and the tests' programs on build/test_flags.stamp, which hold the flags
+# they were compiled with (MPI or not, and where it is, among them): when MPI is installed later, or a variable
+# above changes, the next make rebuilds them; two stamps, so that `make` after `make test` (another CUDA_ARCH
+# on a machine without a GPU) rebuilds ./train_gpt alone.
 
 NVCC ?= /usr/local/cuda/bin/nvcc
 include nvcc.mk
@@ -35,6 +40,7 @@ NVCC_FLAGS = -std=c++17 -O3 $(NVCC_THREADS) -Xcompiler "$(HOST_FLAGS)" -I. -diag
 TEST_NVCC_FLAGS = $(subst -O3,-O1,$(NVCC_FLAGS))
 LDLIBS = -lgomp -lnccl  # cuBLASLt is opened when first used (llmc/cuda_common.cuh)
 FLAGS_STAMP = build/flags.stamp
+TEST_FLAGS_STAMP = build/test_flags.stamp
 # test and train install MPI before they build, in a make of their own: this one says nothing about MPI
 ifneq ($(MAKECMDGOALS),)
 ifeq ($(filter-out test train deps clean,$(MAKECMDGOALS)),)
@@ -64,7 +70,7 @@ endif
 TRAIN_FLAGS ?= --device cpu -e d4c128h4 -b 8 -t 128 -x 300 -l 2e-3 -u 20 -q 0.1 -c 0.1 -v 50 -m 8 -s 100 -g 64 -n 300
 TRAIN_OUT ?= build/demo
 
-.PHONY: all train test bench data deps clean
+.PHONY: all train test dev-programs bench data deps clean
 
 all: train_gpt
 
@@ -73,17 +79,17 @@ train_gpt: train_gpt.cu $(call dep_file,train_gpt) $(FLAGS_STAMP)
 	$(call say,nvcc $< -> $@ ($(ARCH_NAMES)))
 	$(Q)$(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) $(DEPFLAGS) train_gpt.cu -o $@ $(LDLIBS)
 
-build/catch_main.o: test/catch_main.cpp $(FLAGS_STAMP)
+build/catch_main.o: test/catch_main.cpp $(TEST_FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@)
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -c $< -o $@
 
-build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(FLAGS_STAMP)
+build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(TEST_FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) -I$(CATCH2_INCLUDE) -DLLM5D_PYTHON='"$(PYTHON)"' $(DEPFLAGS) -c $< -o $@
 
-build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
+build/tests: $(SUITE_OBJECTS) build/catch_main.o $(TEST_FLAGS_STAMP)
 	$(call say,nvcc -> $@)
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) $(filter %.o,$^) -o $@ $(LDLIBS)
 
@@ -91,7 +97,7 @@ build/tests: $(SUITE_OBJECTS) build/catch_main.o $(FLAGS_STAMP)
 # test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
 # test/test_context_parallel.cu)
 MPI_CHECKS = build/comm_check build/cp_check
-$(MPI_CHECKS): build/%: test/%.cu $(DEP_DIR)/%.d $(FLAGS_STAMP)
+$(MPI_CHECKS): build/%: test/%.cu $(DEP_DIR)/%.d $(TEST_FLAGS_STAMP)
 	@mkdir -p build
 	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) $(DEPFLAGS) $< -o $@ $(LDLIBS)
@@ -112,67 +118,61 @@ data/sotu/train.bin: dev/data/node_modules dev/data/prepare.js
 
 data: data/sotu/train.bin
 
-build/reference/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference
-	$(PYTHON) test/reference/make_reference.py --out build/reference
-
-build/reference_moe/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe
-	$(PYTHON) test/reference/make_reference.py --moe --out build/reference_moe
-build/reference_moe_shared/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe_shared
-	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --out build/reference_moe_shared
-build/reference_moe_deepseek/model.bin: test/reference/make_reference.py
-	@mkdir -p build/reference_moe_deepseek
-	$(PYTHON) test/reference/make_reference.py --moe --shared 24 --sigmoid --scale 2.5 --bias-rate 0.01 --out build/reference_moe_deepseek
-
+# The reference models the tests compare against, made with PyTorch: each a directory under build/ and the command
+# line of the test/reference script that writes it. All of them are made in one Python process
+# (test/reference/make_references.py), which imports torch, most of each script's time, once.
+# A small GPT-2, and with experts (plain, with a shared expert, and DeepSeek's sigmoid scores, gate scale and
+# selection bias):
+REFERENCE_reference = make_reference.py
+REFERENCE_reference_moe = make_reference.py --moe
+REFERENCE_reference_moe_shared = make_reference.py --moe --shared 24
+REFERENCE_reference_moe_deepseek = make_reference.py --moe --shared 24 --sigmoid --scale 2.5 --bias-rate 0.01
 # small Llama 3 models in float64: grouped-query attention with Llama 3.1's RoPE scaling, multi-query,
 # multi-head, Llama 3.2's tied classifier with its RoPE scaling, and Mixtral's experts (4 SwiGLU experts, top 2)
-LLAMA_REFERENCES = build/reference_llama_gqa/model.bin build/reference_llama_mqa/model.bin \
-    build/reference_llama_mha/model.bin build/reference_llama_tied/model.bin build/reference_llama_moe/model.bin
-build/reference_llama_gqa/model.bin: LLAMA_FLAGS = --kv 2 --rope-scaling 8
-build/reference_llama_mqa/model.bin: LLAMA_FLAGS = --kv 1
-build/reference_llama_mha/model.bin: LLAMA_FLAGS = --kv 6 --rope-scaling 8
-build/reference_llama_tied/model.bin: LLAMA_FLAGS = --kv 3 --rope-scaling 32 --tied
-build/reference_llama_moe/model.bin: LLAMA_FLAGS = --kv 2 --rope-scaling 8 --experts 4 --top-k 2
-$(LLAMA_REFERENCES): build/reference_llama_%/model.bin: test/reference/make_llama_reference.py
-	@mkdir -p $(@D)
-	$(PYTHON) test/reference/make_llama_reference.py $(LLAMA_FLAGS) --out $(@D)
-
+REFERENCE_reference_llama_gqa = make_llama_reference.py --kv 2 --rope-scaling 8
+REFERENCE_reference_llama_mqa = make_llama_reference.py --kv 1
+REFERENCE_reference_llama_mha = make_llama_reference.py --kv 6 --rope-scaling 8
+REFERENCE_reference_llama_tied = make_llama_reference.py --kv 3 --rope-scaling 32 --tied
+REFERENCE_reference_llama_moe = make_llama_reference.py --kv 2 --rope-scaling 8 --experts 4 --top-k 2
 # small Qwen3 models in float64 (QK-norm, a head size of its own), each with its HF directories hf/ and hf5/:
 # grouped-query attention with a classifier of its own, and multi-query with the tied classifier
-QWEN3_REFERENCES = build/reference_qwen3/model.bin build/reference_qwen3_tied/model.bin
-build/reference_qwen3/model.bin: QWEN3_FLAGS = --kv 2
-build/reference_qwen3_tied/model.bin: QWEN3_FLAGS = --kv 1 --tied
-$(QWEN3_REFERENCES): test/reference/make_qwen3_reference.py test/reference/make_llama_reference.py \
-    test/reference/make_hf_reference.py
-	@mkdir -p $(@D)
-	$(PYTHON) test/reference/make_qwen3_reference.py $(QWEN3_FLAGS) --out $(@D)
-
+REFERENCE_reference_qwen3 = make_qwen3_reference.py --kv 2
+REFERENCE_reference_qwen3_tied = make_qwen3_reference.py --kv 1 --tied
 # small Hugging Face mixtures of experts in float64, each its HF directory hf/ and a state (no llm.c file: the
-# tests read the directory): Qwen3-MoE with the top-K gates renormalized and not, and Mixtral
-MOE_REFERENCES = build/reference_qwen3_moe/state.bin build/reference_qwen3_moe_raw/state.bin \
-    build/reference_mixtral/state.bin build/reference_qwen3_moe_mixed/state.bin build/reference_qwen2_moe/state.bin \
-    build/reference_qwen3_moe_batch/state.bin
-build/reference_qwen3_moe/state.bin: MOE_FLAGS = --arch qwen3_moe
-build/reference_qwen3_moe_raw/state.bin: MOE_FLAGS = --arch qwen3_moe --unnormalized
-build/reference_mixtral/state.bin: MOE_FLAGS = --arch mixtral
-build/reference_qwen3_moe_mixed/state.bin: MOE_FLAGS = --arch qwen3_moe --layers 4 --dense-layers 1 --sparse-step 2
-build/reference_qwen2_moe/state.bin: MOE_FLAGS = --arch qwen2_moe --unnormalized --layers 3 --dense-layers 1
-build/reference_qwen3_moe_batch/state.bin: MOE_FLAGS = --arch qwen3_moe --aux-batch
-$(MOE_REFERENCES): test/reference/make_moe_reference.py test/reference/make_llama_reference.py \
-    test/reference/make_hf_reference.py
-	@mkdir -p $(@D)
-	$(PYTHON) test/reference/make_moe_reference.py $(MOE_FLAGS) --out $(@D)
+# tests read the directory): Qwen3-MoE with the top-K gates renormalized and not, Mixtral, Qwen3-MoE with dense
+# layers among the sparse ones, Qwen2-MoE, and Qwen3-MoE's aux loss over the batch
+REFERENCE_reference_qwen3_moe = make_moe_reference.py --arch qwen3_moe
+REFERENCE_reference_qwen3_moe_raw = make_moe_reference.py --arch qwen3_moe --unnormalized
+REFERENCE_reference_mixtral = make_moe_reference.py --arch mixtral
+REFERENCE_reference_qwen3_moe_mixed = make_moe_reference.py --arch qwen3_moe --layers 4 --dense-layers 1 --sparse-step 2
+REFERENCE_reference_qwen2_moe = make_moe_reference.py --arch qwen2_moe --unnormalized --layers 3 --dense-layers 1
+REFERENCE_reference_qwen3_moe_batch = make_moe_reference.py --arch qwen3_moe --aux-batch
+REFERENCE_DIRS = reference reference_moe reference_moe_shared reference_moe_deepseek reference_llama_gqa \
+    reference_llama_mqa reference_llama_mha reference_llama_tied reference_llama_moe reference_qwen3 \
+    reference_qwen3_tied reference_qwen3_moe reference_qwen3_moe_raw reference_mixtral reference_qwen3_moe_mixed \
+    reference_qwen2_moe reference_qwen3_moe_batch
+# the file of each that the tests read first: the MoE models' state.bin (they have no llm.c file), else model.bin
+REFERENCES = $(foreach d,$(REFERENCE_DIRS),build/$(d)/$(if $(filter make_moe_reference.py,$(REFERENCE_$(d))),state,model).bin)
+$(REFERENCES) &: $(wildcard test/reference/*.py)
+	$(PYTHON) test/reference/make_references.py $(foreach d,$(REFERENCE_DIRS),'$(REFERENCE_$(d)) --out build/$(d)')
 
 # test and train install what is missing first, then build in a new make, which finds MPI and Catch2 as the
-# installer left them. The tests then run in shards, as many at once as the cores take (TEST_JOBS; docs/tests.md
-# says how to run one shard or one case).
+# installer left them. The tests' build names the longest jobs first, ./train_gpt and the model's suite (most of
+# its CPU time), so that both cores start on them and the short ones fill in around them; every program is built
+# for the tests' GPU targets (without a GPU: sm_90a alone, which compiles every kernel; the next plain `make`
+# builds ./train_gpt again for the portable list). TEST_BUILD_ALSO names more targets for that make: CI's
+# dev-programs. The tests then run in shards, as many at once as the cores take (TEST_JOBS; docs/tests.md says
+# how to run one shard or one case).
+TEST_BUILD = train_gpt build/suite_model.o build/tests $(MPI_CHECKS) $(REFERENCES) data/sotu/train.bin
 test: deps
-	$(MAKE) build/tests train_gpt $(MPI_CHECKS) build/reference/model.bin build/reference_moe/model.bin \
-	    build/reference_moe_shared/model.bin build/reference_moe_deepseek/model.bin \
-	    $(LLAMA_REFERENCES) $(QWEN3_REFERENCES) $(MOE_REFERENCES) dev/data/node_modules data/sotu/train.bin
+	$(MAKE) CUDA_ARCH='$(TEST_CUDA_ARCH)' $(TEST_BUILD) $(TEST_BUILD_ALSO)
 	bash test/run_tests.sh
+
+# dev/cuda's kernel checks and dev/comm's benchmark, for this make's GPU targets: in CI, which only compiles them
+# (`make test TEST_BUILD_ALSO=dev-programs`), sm_90a alone, as the tests
+dev-programs:
+	$(MAKE) -C dev/cuda
+	$(MAKE) -C dev/comm
 
 train: deps
 	$(MAKE) data train_gpt

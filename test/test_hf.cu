@@ -13,21 +13,38 @@ namespace test_hf {
 
 const std::string PYTHON = reference_python();  // test/reference needs torch and numpy
 
-// hf_reference.py on an exported directory against a reference state; returns its output line
-std::string check_export(const std::string& dir, const std::string& reference, const char* tol = "1e-5") {
-    CommandResult r = run_command(strfmt("%s test/reference/hf_reference.py --hf '%s' --state build/%s/state.bin --tol %s",
-                                         PYTHON.c_str(), dir.c_str(), reference.c_str(), tol));
+// An exported directory, the reference whose state it must reproduce, and the tolerance
+struct Export {
+    std::string dir, reference;
+    const char* tol = "1e-5";
+};
+
+// hf_reference.py on exported directories, each against its reference's state, in one process (importing torch
+// is most of a check's time): a PASS line for each, in order
+void check_exports(const std::vector<Export>& exports) {
+    std::string args;
+    for (const Export& e : exports)
+        args += strfmt(" --hf '%s' --state build/%s/state.bin --tol %s", e.dir.c_str(), e.reference.c_str(), e.tol);
+    CommandResult r = run_command(PYTHON + " test/reference/hf_reference.py" + args);
     INFO(r.output);
     CHECK(r.status == 0);
-    CHECK(r.output.find(": PASS") != std::string::npos);
-    return r.output;
+    std::vector<std::string> lines;
+    for (const std::string& line : lines_of(r.output))
+        if (line.rfind("hf_reference: ", 0) == 0) lines.push_back(line);
+    REQUIRE(lines.size() == exports.size());
+    for (size_t i = 0; i < exports.size(); i++) {
+        INFO(exports[i].dir << " against " << exports[i].reference);
+        CHECK(lines[i].find(": PASS") != std::string::npos);
+    }
 }
+void check_export(const std::string& dir, const std::string& reference) { check_exports({{dir, reference}}); }
 
 TEST_CASE("GPT-2, Llama and Qwen3 exported to Hugging Face give the PyTorch reference's logits and loss in HF's own "
           "conventions: GPT-2, Llama with GQA and scaled RoPE, with MQA, with MHA, tied with Llama 3.2's scaling, "
           "Qwen3 with GQA and tied with MQA",
           "[hf]") {
     TempDir out;
+    std::vector<Export> exports;
     for (const char* reference :
          {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha", "reference_llama_tied",
           "reference_qwen3", "reference_qwen3_tied"}) {
@@ -39,12 +56,13 @@ TEST_CASE("GPT-2, Llama and Qwen3 exported to Hugging Face give the PyTorch refe
         REQUIRE(r.status == 0);
         CHECK(file_exists(dir + "/config.json"));
         CHECK(file_exists(dir + "/model.safetensors"));
-        check_export(dir, reference);
+        exports.push_back({dir, reference});
         // the tensors hold what the model file holds: bf16 is the same model rounded
         std::string half = out / (std::string(reference) + "_bf16");
         REQUIRE(single(strfmt("--convert '%s' --to '%s' --format hf --dtype bf16", model.c_str(), half.c_str())).status == 0);
-        check_export(half, reference, "2e-2");
+        exports.push_back({half, reference, "2e-2"});
     }
+    check_exports(exports);
 }
 
 TEST_CASE("a Hugging Face export above the shard size is sharded with an index, and reads as the whole", "[hf]") {
@@ -95,6 +113,7 @@ TEST_CASE("--convert onto a full disk says so in one line and leaves neither --t
 TEST_CASE("llm.c file -> Hugging Face -> llm.c file, and Hugging Face -> llm5d -> Hugging Face, byte for byte",
           "[hf]") {
     TempDir out;
+    std::vector<Export> exports;
     for (const char* reference :
          {"reference", "reference_llama_gqa", "reference_llama_mqa", "reference_llama_mha", "reference_llama_tied",
           "reference_qwen3", "reference_qwen3_tied"}) {

@@ -2,6 +2,7 @@
 """Check a Hugging Face model directory (llm5d's --format hf export) against a reference state file.
 
     /usr/bin/python3 test/reference/hf_reference.py --hf DIR --state STATE.bin [--tol 1e-5]
+        [--hf DIR2 --state STATE2.bin [--tol T2] ...]
 
 An independent float64 forward pass of transformers' GPT2LMHeadModel, LlamaForCausalLM and Qwen3ForCausalLM,
 written from Hugging Face's names and conventions (not llm5d's) with nothing beyond torch and numpy. It reads
@@ -9,7 +10,9 @@ DIR/config.json (RoPE's settings at the top level as transformers 4 writes them,
 transformers 5 does) and the weights (DIR/model.safetensors, or the shards DIR/model.safetensors.index.json
 names), runs the first micro-batch of STATE.bin (from make_reference.py, make_llama_reference.py or
 make_qwen3_reference.py), and compares the logits (max abs error over the largest |logit|) and the mean
-cross-entropy (relative). Exit 0: PASS, 1: FAIL, 2: a bad input (one line).
+cross-entropy (relative). Exit 0: PASS, 1: FAIL, 2: a bad input (one line). Several --hf and --state pairs
+are checked one after another in one process (torch takes most of a check's time to load), a line each, in
+order; one --tol is every pair's, else one per pair; the exit status is the worst.
 """
 
 import argparse
@@ -321,20 +324,31 @@ def check(hf_dir, state_path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, model.safetensors)")
-    ap.add_argument("--state", required=True,
+    ap.add_argument("--hf", required=True, action="append",
+                    help="a Hugging Face model directory (config.json, model.safetensors)")
+    ap.add_argument("--state", required=True, action="append",
                     help="a state.bin from make_reference.py, make_llama_reference.py or make_qwen3_reference.py")
-    ap.add_argument("--tol", type=float, default=1e-5, help="largest relative logit and loss error that passes")
+    ap.add_argument("--tol", type=float, action="append",
+                    help="largest relative logit and loss error that passes [1e-5]")
     args = ap.parse_args()
-    try:
-        arch, logit_err, loss_err = check(args.hf, args.state)
-    except BadInput as e:
-        print(f"hf_reference: {e}")
-        return 2
-    ok = logit_err <= args.tol and loss_err <= args.tol  # a NaN fails
-    print(f"hf_reference: {arch} max logit error {logit_err:.3g}, loss error {loss_err:.3g}: "
-          f"{'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
+    tols = args.tol or [1e-5]
+    if len(tols) == 1:
+        tols = tols * len(args.hf)
+    if len(args.state) != len(args.hf) or len(tols) != len(args.hf):
+        ap.error("--hf and --state come in pairs, with one --tol for all or one per pair")
+    status = 0
+    for hf, state, tol in zip(args.hf, args.state, tols):
+        try:
+            arch, logit_err, loss_err = check(hf, state)
+        except BadInput as e:
+            print(f"hf_reference: {e}")
+            status = 2
+            continue
+        ok = logit_err <= tol and loss_err <= tol  # a NaN fails
+        print(f"hf_reference: {arch} max logit error {logit_err:.3g}, loss error {loss_err:.3g}: "
+              f"{'PASS' if ok else 'FAIL'}")
+        status = max(status, 0 if ok else 1)
+    return status
 
 
 if __name__ == "__main__":
