@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "llmc/activations.cuh"
@@ -135,15 +136,37 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
+// The communicators the model's collectives run on, which the parallel layout (llmc/parallel.cuh) hands over at
+// allocation; null where the rank has no group (a model built alone, in a test)
+struct ModelLinks {
+    Comm* tp = nullptr;  // the tensor-parallel group
+    Comm* cp = nullptr;  // the context-parallel ring
+    Comm* ep = nullptr;  // the expert-parallel group, and this rank's place in it
+    int ep_rank = 0;
+    Comm* batch = nullptr;          // the dp × cp ranks, whose tokens make the aux loss's batch; null for one rank
+    Comm* amaxes = nullptr;         // FP8: the ranks holding pieces of a dense layer's tensors (tp × cp)
+    Comm* expert_amaxes = nullptr;  // ... of an expert's (tp)
+    bool speaks = true;             // FP8: this rank says which weights stay out of a block recipe
+};
+
+// the experts' training settings (--moe-aux, --moe-bias-rate, --moe-aux-scope)
+struct ExpertSettings {
+    float aux_weight, bias_rate;
+    AuxScope aux_scope;
+};
+
 // How one rank holds the model: which states it allocates itself, its places in the tensor-, context- and
-// expert-parallel groups, the part it holds (empty: the whole model; or a pipeline stage's chunks), the
-// micro-batches in flight, whether backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk (the
-// zero-bubble pipeline's split backward) and what -r recomputes. The defaults: one rank holding the whole model.
+// expert-parallel groups and the communicators of those groups, the part it holds (empty: the whole model; or a
+// pipeline stage's chunks), the micro-batches in flight, whether backward leaves the matmuls' weight gradients to
+// gpt_weight_grads_chunk (the zero-bubble pipeline's split backward), what -r recomputes and the experts' settings.
+// The defaults: one rank holding the whole model, with the routing's own settings (llmc/moe.cuh).
 struct ModelLayout {
     ModelBuffers own;
     TPSpec tp;
     CPSpec cp;
     int ep = 1;
+    ModelLinks links;
+    std::optional<ExpertSettings> experts;
     float capacity = 0.0f;  // the experts' capacity factor (--moe-capacity; 0: every assignment taken)
     ModelPart part;
     int slots = 1;
@@ -277,6 +300,14 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.cp.allocate(led, B, T, config.learned_positions() ? (int)C : 0, RingHeads{d.Cl, d.NHl, d.KVl});
     m.moe.ep_size = ep, m.moe.capacity = layout.capacity;
     m.moe.allocate(led, config, B, BT, d.expert_rows, cp.size);
+    const ModelLinks& links = layout.links;
+    m.tp.comm = links.tp, m.cp.comm = links.cp;
+    m.moe.ep = links.ep, m.moe.ep_rank = links.ep_rank, m.moe.batch = links.batch;
+    m.fp8.group = links.amaxes, m.fp8_experts.group = links.expert_amaxes;
+    m.fp8.speaks = m.fp8_experts.speaks = links.speaks;
+    if (layout.experts)
+        m.moe.alpha = layout.experts->aux_weight, m.moe.bias_rate = layout.experts->bias_rate,
+        m.moe.aux_scope = layout.experts->aux_scope;
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -325,7 +356,7 @@ inline std::string fp8_layout_problem(const GPTConfig& c, Fp8Recipe r, int tp, i
     return "";
 }
 
-// --fp8 1: the buffers of the FP8 casts, after gpt_allocate; the groups are set with the rest of the comms
+// --fp8 1: the buffers of the FP8 casts, after gpt_allocate, which set their groups (ModelLinks)
 template <typename floatX>
 inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::Tensorwise) {
     constexpr Device dev = device_of<floatX>;
@@ -353,7 +384,9 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::
     if constexpr (dev == Device::CUDA)  // (the CPU's casts keep their scales in the values)
         for (int o = 0; o < 4; o++)
             q.tiles[o] = z.tiles[o] ? m.ledger.template alloc<floatX, uint8_t>(MEM_SCRATCH, z.tiles[o]) : nullptr;
+    Comm* experts_group = m.fp8_experts.group;  // the experts' amaxes are shared over tp alone (ModelLinks)
     m.fp8_experts = q;
+    m.fp8_experts.group = experts_group;
     m.fp8_on = true;
 }
 
