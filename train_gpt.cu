@@ -665,12 +665,7 @@ static int run(const Options& o) {
         fclose(f);
     }
     RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
-    Options resolved = o;
-    if (resolved.moe_aux < 0.0f) resolved.moe_aux = 0.01f;
-    if (o.moe_bias_rate >= 0.0f && !config.router_bias)
-        fail("--moe-bias-rate %g: only for a model whose router has a selection bias (a descriptor's a)", o.moe_bias_rate);
-    if (resolved.moe_bias_rate < 0.0f) resolved.moe_bias_rate = 0.001f;
-    return dev == Device::CUDA ? train<bf16>(resolved, run) : train<float>(resolved, run);
+    return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
 }
 int main(int argc, char** argv) {
     try {
