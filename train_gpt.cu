@@ -25,6 +25,7 @@
 #include "llmc/hf.h"
 #include "llmc/logger.h"
 #include "llmc/options.h"
+#include "llmc/parallel.cuh"
 #include "llmc/planner.h"
 #include "llmc/pp.cuh"
 #include "llmc/resume.h"
@@ -71,17 +72,11 @@ static GPTConfig model_config(const Options& o, const std::string& checkpoint_di
     return read_model_header(o.model, &version);
 }
 
-// a value the stage with the classifier holds (a loss), given to every stage (a collective of the pp group)
-static double from_head_stage(Grid& grid, const PPSpec& pp, double value) {
-    grid.pp_comm.wait(grid.pp_comm.broadcast(&value, 1, DType::F64, pp.head_rank()));
-    return value;
-}
-
 // the mean loss over `batches` global batches of the validation data, each read and passed through the stages
 // as a training step's micro-batches are; in double, as the training loss, so that the mean over dp rounds once
 // and one rank and dp over the same batches log the same bits
 template <typename floatX>
-static double validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+static double validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, ParallelState<floatX>& parallel,
                               DataLoader& val, int batches) {
     val.reset();
     std::vector<std::vector<int>> inputs(1), targets(1);
@@ -89,9 +84,9 @@ static double validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipelin
     for (int i = 0; i < batches; i++) {
         val.next_batch();
         inputs[0] = val.inputs, targets[0] = val.targets;
-        total += pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, val.B, val.T, 0.0f);
+        total += pipeline.run(model, nullptr, pp_forward_only(parallel.pp, 1), inputs, targets, val.B, val.T, 0.0f);
     }
-    return from_head_stage(grid, pp, total) / batches;
+    return parallel.from_head_stage(total) / batches;
 }
 
 // The multiple-choice eval: this dp rank's share of its rows, B at a time through the stages as validation
@@ -99,187 +94,33 @@ static double validation_loss(GPTModel<floatX>& model, Pipeline<floatX>& pipelin
 // and given to the other stages; every rank scores the same sums. The rows are as long as the set needs, in
 // the layout's unit (cp's 2·cp chunks, each split over tp under sp) and in whole 64-token tiles, at most -t.
 template <typename floatX>
-static EvalResult evaluate(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+static EvalResult evaluate(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, ParallelState<floatX>& parallel,
                            const EvalSet& set, int B, int max_T) {
+    Grid& grid = parallel.grid;
     int T = set.row_tokens(max_T, std::lcm(64, 2 * grid.cp * grid.tp));
     std::vector<std::vector<int>> inputs(1), targets(1);
     auto forward = [&](const std::vector<int>& in, const std::vector<int>& out, const std::vector<int>& mask) {
         inputs[0] = in, targets[0] = out;
-        pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, targets, B, T, 0.0f);
+        pipeline.run(model, nullptr, pp_forward_only(parallel.pp, 1), inputs, targets, B, T, 0.0f);
         return model.part.last ? gpt_row_losses(model, mask, pipeline.head_slot) : std::vector<double>(B, 0.0);
     };
     std::vector<double> losses = eval_row_losses(set, B, T, grid.at.dp, grid.dp, forward), summed(losses.size());
     grid.dp_comm.wait(grid.dp_comm.all_reduce(losses.data(), summed.data(), losses.size(), DType::F64));
-    grid.pp_comm.wait(grid.pp_comm.broadcast(summed.data(), summed.size(), DType::F64, pp.head_rank()));
+    parallel.from_head_stage(summed);
     return eval_score(set, summed);
 }
 
 // the logits at position t of the model run on one sequence of T tokens, on every rank: computed through the
 // stages, read on the classifier's (from its cp and tp groups), and given to the others
 template <typename floatX>
-static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, const PPSpec& pp, Grid& grid,
+static std::vector<float> logits_at(GPTModel<floatX>& model, Pipeline<floatX>& pipeline, ParallelState<floatX>& parallel,
                                     const int* tokens, int T, int t) {
     std::vector<std::vector<int>> inputs{std::vector<int>(tokens, tokens + T)};
-    pipeline.run(model, nullptr, pp_forward_only(pp, 1), inputs, {}, 1, T, 0.0f);
+    pipeline.run(model, nullptr, pp_forward_only(parallel.pp, 1), inputs, {}, 1, T, 0.0f);
     std::vector<float> row(model.config.vocab_size);
     if (model.part.last) row = gpt_logits_row(model, 0, t, pipeline.head_slot);
-    grid.pp_comm.wait(grid.pp_comm.broadcast(row.data(), row.size(), DType::F32, pp.head_rank()));
+    parallel.from_head_stage(row);
     return row;
-}
-
-// With experts: the step's load-balancing loss (its mean over the global batch's sequences), the assignments
-// dropped at capacity and each layer's smallest and largest share of the assignments chosen ("min/max,..."),
-// from what the step's forward passes counted, summed over the ranks that saw other tokens (dp × cp) and the
-// stages that hold other layers. A collective.
-struct ExpertStatistics {
-    double aux = -1.0;  // negative: a model without experts
-    long dropped = 0;
-    std::string shares;
-};
-template <typename floatX>
-static ExpertStatistics expert_statistics(GPTModel<floatX>& m, Grid& grid, long sequences) {
-    std::vector<double> sums(2 + m.moe.load.size());
-    sums[0] = m.moe.aux_sum, sums[1] = (double)m.moe.dropped;
-    std::copy(m.moe.load.begin(), m.moe.load.end(), sums.begin() + 2);
-    for (Comm* group : {&grid.dp_cp(), &grid.pp_comm})
-        group->wait(group->all_reduce(sums.data(), sums.data(), sums.size(), DType::F64));
-    ExpertStatistics s{sums[0] / sequences, (long)sums[1], ""};
-    int E = m.config.num_experts;
-    for (int l = 0; l < m.config.num_layers; l++) {
-        const double* load = &sums[2 + (size_t)l * E];
-        double total = std::accumulate(load, load + E, 0.0);
-        s.shares += strfmt("%s%.3f/%.3f", l ? "," : "", *std::min_element(load, load + E) / total,
-                           *std::max_element(load, load + E) / total);
-    }
-    return s;
-}
-
-// DeepSeek-V3's balancing after an update: the step's loads summed over every rank (the tp group's first rank
-// counts them, dp × cp ranks routed other tokens, stages hold other layers; a collective) move each sparse
-// layer's selection bias, the same on every rank, in the routing and wherever the rank keeps the parameter
-template <typename floatX>
-static void balance_experts(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid) {
-    std::vector<double> load = m.moe.load;
-    for (Comm* group : {&grid.tp_comm, &grid.dp_cp(), &grid.pp_comm})
-        group->wait(group->all_reduce(load.data(), load.data(), load.size(), DType::F64));
-    gpt_balance_experts(m, load, [&](size_t at, const float* values, size_t n) { dpr.set_values(at, values, n); });
-}
-
-// this rank's tp share of the parameters, fp32 on the host: the CPU's own (gathered over dp under ZeRO-3), or
-// the GPU's master weights (gathered over dp under ZeRO >= 1). A collective under ZeRO.
-static std::vector<float> local_share(GPT& m, DataParallel<float>& dpr, int zero) {
-    std::vector<float> local(m.num_parameters);
-    if (zero == 3) dpr.all_gather_params(local.data());
-    dpr.refresh_params();
-    if (zero < 3) std::copy(m.params, m.params + m.num_parameters, local.begin());
-    return local;
-}
-static std::vector<float> local_share(GPTCuda& m, DataParallel<bf16>& dpr, int zero) {
-    std::vector<float> local(m.num_parameters);
-    if (zero >= 1) dpr.get_master(local.data());
-    else gpt_get_params(m, local.data());
-    return local;
-}
-
-// every tp rank's share of the parameters, rank after rank (a collective)
-template <typename floatX>
-static std::vector<float> gather_tp_shares(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero) {
-    std::vector<float> local = local_share(m, dpr, zero), all(m.num_parameters * grid.tp);
-    grid.tp_comm.wait(grid.tp_comm.all_gather(local.data(), all.data(), m.num_parameters, DType::F32));
-    return all;
-}
-
-// whether this rank's own parameter buffer is the whole model (no tp, pp or ep, no ZeRO-3): then nothing is
-// copied to initialize, load or save it on the CPU
-static bool holds_whole_model(const Grid& grid, int zero) {
-    return grid.tp == 1 && grid.pp == 1 && grid.ep == 1 && zero < 3;
-}
-
-// this rank's place in the groups that split the parameters
-static ShareSpec share_spec(const Grid& grid) { return ShareSpec{grid.tp, grid.at.tp, grid.ep, grid.at.ep}; }
-
-// Where this rank's share of the parameters (fp32, on the host) is assembled for initializing or loading: the CPU
-// rank's own buffer unless ZeRO-3 shards it, else `storage`. The GPU model always stages it.
-static float* share_buffer(GPT& m, int zero, std::vector<float>& storage) {
-    if (zero < 3) return m.params;
-    storage.resize(m.num_parameters);
-    return storage.data();
-}
-static float* share_buffer(GPTCuda& m, int, std::vector<float>& storage) {
-    storage.resize(m.num_parameters);
-    return storage.data();
-}
-
-// The share, filled in share_buffer(), becomes this rank's parameters: under ZeRO-3 its shard of them
-static void install_share(GPT&, DataParallel<float>& dpr, int zero, float* share) {
-    if (zero == 3) dpr.scatter_params(share);
-}
-// on the GPU: the master weights (sharded under ZeRO >= 1) take the fp32 values, the bf16 parameters (sharded
-// under ZeRO-3) their rounding
-static void install_share(GPTCuda& m, DataParallel<bf16>& dpr, int zero, float* share) {
-    if (zero >= 1) dpr.set_master(share);
-    if (zero < 3) gpt_set_params(m, share);
-}
-
-// The whole model in llm.c's layout: this rank's own buffer, or gathered into `storage` from every rank's
-// share (a collective; on the GPU the master weights): each stage's tp shares, its ep group's (their experts),
-// then every stage's, padded to the largest stage's. Valid on every rank.
-template <typename floatX>
-static float* whole_model(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, const PPSpec& pp, int zero,
-                          std::vector<float>& storage) {
-    if constexpr (device_of<floatX> == Device::CPU)
-        if (holds_whole_model(grid, zero)) return dpr.refresh_params(), m.params;
-    std::vector<ModelPart> parts;
-    size_t largest = 0;
-    for (int s = 0; s < grid.pp; s++) {
-        parts.push_back(stage_part(m.config, PPSpec{pp.size, s, pp.virtual_stages, pp.kind}));
-        largest = std::max(largest, num_parameters(m.config, grid.tp, parts.back(), grid.ep) * grid.tp * grid.ep);
-    }
-    std::vector<float> tp_shares = gather_tp_shares(m, dpr, grid, zero), shares(tp_shares.size() * grid.ep),
-                       stages(largest * grid.pp);
-    grid.ep_comm.wait(grid.ep_comm.all_gather(tp_shares.data(), shares.data(), tp_shares.size(), DType::F32));
-    shares.resize(largest);
-    grid.pp_comm.wait(grid.pp_comm.all_gather(shares.data(), stages.data(), largest, DType::F32));
-    storage.resize(num_parameters(m.config));
-    for (int s = 0; s < grid.pp; s++) {
-        size_t n = num_parameters(m.config, grid.tp, parts[s], grid.ep);
-        for (int e = 0; e < grid.ep; e++)
-            for (int r = 0; r < grid.tp; r++)
-                copy_share_params(m.config, ShareSpec{grid.tp, r, grid.ep, e}, parts[s], storage.data(),
-                                  &stages[s * largest + (e * grid.tp + r) * n], false);
-    }
-    return storage.data();
-}
-
-// every element that several tp ranks hold (the tensors all hold whole, the key/value heads several hold when
-// tp exceeds them) must hold the same bits on each (a test aid: --debug-check-replicas; on the GPU the master
-// weights are compared)
-template <typename floatX>
-static void check_replicas(GPTModel<floatX>& m, DataParallel<floatX>& dpr, Grid& grid, int zero) {
-    std::vector<float> shares = gather_tp_shares(m, dpr, grid, zero);
-    float* mine = &shares[grid.at.tp * m.num_parameters];
-    auto tensor_at = [&](size_t offset) {
-        int t = 0;
-        while (offset >= m.param_sizes[t]) offset -= m.param_sizes[t++];
-        return m.table[t].name;
-    };
-    for (int r = 0; r < grid.tp; r++) {
-        if (r == grid.at.tp) continue;
-        const float* theirs = &shares[r * m.num_parameters];
-        for (const ShareRange& c : common_ranges(m.table, m.param_sizes, grid.tp, grid.at.tp, r))
-            if (memcmp(mine + c.offset, theirs + c.offset, c.count * sizeof(float)) != 0)
-                fail("replicas: differ: %s on tp rank %d and tp rank %d", tensor_at(c.offset), grid.at.tp, r);
-    }
-    if (grid.rank == 0 && grid.tp > 1) printf("replicas: identical across tp\n");
-    // the tied embeddings (wte and wpe, at the front of the share) of the first and the last stage
-    if (grid.pp > 1 && m.part.tied_across_stages()) {
-        size_t n = m.param_sizes[WTE] + m.param_sizes[WPE];
-        std::vector<float> pair(2 * n);
-        grid.tied_comm.wait(grid.tied_comm.all_gather(mine, pair.data(), n, DType::F32));
-        if (memcmp(pair.data(), pair.data() + n, n * sizeof(float)) != 0)
-            fail("replicas: the embeddings differ between the first and the last stage (tp rank %d)", grid.at.tp);
-        if (grid.rank == 0) printf("replicas: the embeddings are identical on the first and the last stage\n");
-    }
 }
 
 // the layout a checkpoint records, and a resumed run compares with its own
@@ -308,10 +149,10 @@ struct StepResult {
     Spike spike;
 };
 
-// One rank's part of a training run on the device whose storage type is floatX (llmc/device.cuh): its ranks and
-// their grid, the pipeline's schedule, its share of the model with the data-parallel runtime and the optimizer
-// state, the data; set up by train() in the order of its methods, then used by the step loop, one method for
-// each thing a step does besides the hooks (llmc/run_hooks.h).
+// One rank's part of a training run on the device whose storage type is floatX (llmc/device.cuh): its part of the
+// model and the parallel layout that holds its share (the grid, the data-parallel runtime, the optimizer state:
+// llmc/parallel.cuh), the pipeline's schedule, the data; set up by train() in the order of its methods, then used
+// by the step loop, one method for each thing a step does besides the hooks (llmc/run_hooks.h).
 template <typename floatX>
 struct Trainer {
     static constexpr bool on_gpu = device_of<floatX> == Device::CUDA;
@@ -323,30 +164,21 @@ struct Trainer {
     size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
     CommSettings cs = comm_settings(o, device_of<floatX>);
     Comm world_comm;
-    Grid grid;
+    GPTModel<floatX> model;  // this rank's part of the model: declared before the layout, whose runtime refers to it
+    ParallelState<floatX> parallel;  // the grid, the data-parallel runtime, and where the model's share lies
+    Grid& grid = parallel.grid;
+    const PPSpec& pp = parallel.pp;
     bool lead = false;  // rank 0 prints, logs and writes the shared files
     RunLayout layout;
     std::string resume_dir;  // the checkpoint the run goes on from; "" for a fresh run
     RunLayout resumed_from;
     double verify_seconds = 0.0, load_seconds = 0.0;
     std::pair<double, double> verified, loaded;  // the resume's seconds, on the fastest and the slowest rank
-    PPSpec pp;
     std::vector<PPAction> actions;  // this stage's passes of a step's micro-batches, in the schedule's order
     ParallelPlan par;
     Pipeline<floatX> pipeline;
-    GPTModel<floatX> model;
-    std::unique_ptr<DataParallel<floatX>> dpr;
     TrainState state;
     Rng sampler_rng;
-    // the optimizer state a checkpoint holds for this rank, as fp32 on the host: the CPU's own buffers, or the
-    // GPU's moments staged through host memory; the whole model exists only while it is initialized, loaded or
-    // saved, and every rank keeps its share of it
-    float *adam_m = nullptr, *adam_v = nullptr;
-    size_t moments = 0;
-    std::vector<float> staged_m, staged_v;
-    // where this rank's parameters and moments lie in the whole model, which a checkpoint's files are cut by
-    std::vector<ShareRun> share, optimizer_runs;
-    int optimizer_file = -1;
     std::unique_ptr<DataLoader> train_data, val;
     int val_batches = 0;
     std::unique_ptr<EvalSet> evals;
@@ -369,7 +201,7 @@ struct Trainer {
         world_comm = comm_world(cs);
         if (on_gpu) world_comm.compute_stream = main_stream();  // NCCL ops start after the kernels queued before them
         install_stop_handlers();  // from here on a signal stops the run between steps (llmc/run_guard.h)
-        grid = make_grid(world_comm, grid_shape(o));
+        parallel.join(world_comm, grid_shape(o), o.zero, o.vpp, parse_pp_schedule(o.pp_schedule));
         lead = grid.rank == 0;
         layout = run_layout(o, grid.world, grid.dp, run.total_batch, run.bucket_floats, device_of<floatX>);
         verify_seconds = now_seconds();
@@ -383,7 +215,6 @@ struct Trainer {
     // its stage's layers, with a slot for each micro-batch the schedule keeps in flight, and its data-parallel
     // runtime.
     void build_model() {
-        pp = pp_spec(o, grid.at.pp);
         PPSchedule passes = pp_schedule(pp.kind, grid.pp, accumulation, pp.virtual_stages);
         bool split_backward = pp_kind_splits_backward(pp.kind);  // B now, W where the schedule has a bubble
         check_pp_schedule(passes, pp.placement(), accumulation, split_backward);
@@ -391,47 +222,17 @@ struct Trainer {
         pipeline.comm = &grid.pp_comm;
         pipeline.spec = pp;
         par = parallel_plan(o, grid.dp, accumulation);
-        ModelLayout rank_layout;  // how this rank holds the model
-        rank_layout.own = DataParallel<floatX>::model_buffers(o.zero);
-        rank_layout.tp = TPSpec{grid.tp, grid.at.tp, o.sp == 1};
-        rank_layout.cp = CPSpec{grid.cp, grid.at.cp, cp_split(o)}, rank_layout.ep = grid.ep;
+        ModelLayout rank_layout = parallel.model_layout(o.sp == 1, cp_split(o));  // how this rank holds the model
         rank_layout.capacity = o.moe_capacity;
         rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions, pp);
         rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
         rank_layout.accumulation = accumulation;
+        rank_layout.experts = ExpertSettings{o.moe_aux, o.moe_bias_rate,
+                                             o.moe_aux_scope == "batch" ? AuxScope::Batch : AuxScope::Sequence};
         gpt_allocate(model, config, o.B, o.T, rank_layout);
-        model.tp.comm = &grid.tp_comm;
-        model.cp.comm = &grid.cp_comm;
-        model.moe.ep = &grid.ep_comm;
-        model.moe.ep_rank = grid.at.ep;
-        model.moe.alpha = o.moe_aux, model.moe.bias_rate = o.moe_bias_rate;
-        if (o.moe_aux_scope == "batch") model.moe.aux_scope = AuxScope::Batch;
-        if (grid.dp_cp().size > 1) model.moe.batch = &grid.dp_cp();
         model.seed = o.seed;
-        if (o.fp8) {  // a tensor split over tp or cp is scaled as a whole: its pieces' amaxes are shared
-            gpt_allocate_fp8(model, fp8_recipe_named(o.fp8_recipe));
-            model.fp8.group = &grid.tp_cp();
-            model.fp8_experts.group = &grid.tp_comm;
-            model.fp8.speaks = model.fp8_experts.speaks = grid.rank == 0;
-        }
-        // the ranks of a cp group saw other tokens of the same sequences: gradients are reduced over dp × cp; with
-        // experts split over ep, theirs over the ranks that hold the same experts
-        StageLinks links{pp.on() ? &grid.pp_comm : nullptr, model.part.tied_across_stages() ? &grid.tied_comm : nullptr};
-        ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
-        dpr.reset(new DataParallel<floatX>(model, grid.dp_cp(), o.zero, run.bucket_floats, links, experts,
-                                           o.fp8_param_gather == 1));
-        optimizer_file = layout.optimizer_file(grid.rank, grid.at.tp, grid.at.pp, grid.at.ep);
-        adam_m = o.zero >= 1 ? dpr->shard_m : model.adam_m;
-        adam_v = o.zero >= 1 ? dpr->shard_v : model.adam_v;
-        moments = o.zero >= 1 ? dpr->shard_size() : model.num_parameters;
-        staged_m.resize(on_gpu ? moments : 0), staged_v.resize(on_gpu ? moments : 0);
-        share = share_runs(config, share_spec(grid), model.part);
-        optimizer_runs = o.zero >= 1 ? dpr->shard_runs(share) : share;
-    }
-
-    ModelState model_state_with(float* params) {
-        return ModelState{config, params, share, on_gpu ? staged_m.data() : adam_m, on_gpu ? staged_v.data() : adam_v,
-                          moments, optimizer_runs, &model.adam_step};
+        if (o.fp8) gpt_allocate_fp8(model, fp8_recipe_named(o.fp8_recipe));
+        parallel.attach(model, run.bucket_floats, o.fp8_param_gather == 1, layout);
     }
 
     // the fastest and the slowest rank's seconds for something every rank did (a collective)
@@ -442,32 +243,24 @@ struct Trainer {
     }
 
     // the parameters and the optimizer state: the checkpoint's, or a fresh model's (random, an llm.c file, a
-    // Hugging Face directory)
+    // Hugging Face directory); the whole model exists only while it is initialized, loaded or saved, and every
+    // rank keeps its share of it
     void load() {
         load_seconds = now_seconds();
         std::vector<float> storage;
-        float* mine = share_buffer(model, o.zero, storage);
+        float* mine = parallel.share_buffer(storage);
         if (!resume_dir.empty()) {
-            resumed_from = load_checkpoint(resume_dir, model_state_with(mine), state);
+            resumed_from = load_checkpoint(resume_dir, parallel.checkpoint_state(mine), state);
             sampler_rng.state = state.rng_state;
-            if (on_gpu) {
-                device_upload<floatX>(adam_m, staged_m.data(), moments);
-                device_upload<floatX>(adam_v, staged_v.data(), moments);
-            }
+            parallel.upload_moments();
         } else {
-            // the whole model, made in place when the share is all of it (no second copy of a big model's
-            // parameters in memory), else in a temporary the share is cut from
-            bool in_place = holds_whole_model(grid, o.zero);
-            std::vector<float> temporary(in_place ? 0 : num_parameters(config));
-            float* whole = in_place ? mine : temporary.data();
-            if (is_model_descriptor(o.model)) gpt_init_random(config, whole, o.seed);
-            else if (is_hf_dir(o.model)) hf_load(config, whole, o.model);
-            else gpt_load_params(config, whole, o.model);
-            if (!in_place) copy_share_params(config, share_spec(grid), model.part, whole, mine, true);
+            parallel.make_share(mine, [&](float* whole) {
+                if (is_model_descriptor(o.model)) gpt_init_random(config, whole, o.seed);
+                else if (is_hf_dir(o.model)) hf_load(config, whole, o.model);
+                else gpt_load_params(config, whole, o.model);
+            });
         }
-        install_share(model, *dpr, o.zero, mine);
-        dpr->params_changed();
-        if (config.router_bias) gpt_read_expert_bias(model, mine);
+        parallel.install_share(mine);
         load_seconds = now_seconds() - load_seconds;
         if (!resume_dir.empty()) verified = seconds_over_ranks(verify_seconds), loaded = seconds_over_ranks(load_seconds);
         spikes.restore(state.loss_window, state.norm_window);
@@ -529,7 +322,7 @@ struct Trainer {
             printf("%d ranks over %s: dp=%d, tp=%d (sp %s), cp=%d (%s), pp=%d (%s, vpp %d), ZeRO-%d over %d ranks, "
                    "buckets of %zu floats (%zu buckets)\n", grid.world, cs.backend.c_str(), grid.dp, grid.tp,
                    o.sp ? "on" : "off", grid.cp, o.cp_split.c_str(), grid.pp, o.pp_schedule.c_str(), o.vpp, o.zero,
-                   grid.dp_cp().size, run.bucket_floats, dpr->num_buckets());
+                   grid.dp_cp().size, run.bucket_floats, parallel.dpr->num_buckets());
         if (o.resume && resume_dir.empty()) printf("no checkpoint in %s; starting from scratch\n", o.out_dir.c_str());
         if (!resume_dir.empty()) {
             printf("resumed from %s at step %d: written on %s, continuing on %s\n", resume_dir.c_str(), state.step,
@@ -567,14 +360,10 @@ struct Trainer {
         TrainState now{step, o.overfit ? DataPosition{} : train_data->position(), sampler_rng.state,
                        spikes.loss.values, spikes.norm.values};
         std::vector<float> storage;
-        float* whole = whole_model(model, *dpr, grid, pp, o.zero, storage);
-        if (on_gpu) {
-            device_download<floatX>(staged_m.data(), adam_m, moments);
-            device_download<floatX>(staged_v.data(), adam_v, moments);
-        }
-        bool writes_optimizer = o.zero >= 1 || (grid.at.dp < grid.ep && grid.at.cp == 0);
-        bool saved = save_checkpoint(o.out_dir, model_state_with(whole), now, layout, run.inputs, o.checkpoints_keep,
-                                     grid.world_comm, writes_optimizer ? optimizer_file : -1);
+        float* whole = parallel.whole_model(storage);
+        parallel.download_moments();
+        bool saved = save_checkpoint(o.out_dir, parallel.checkpoint_state(whole), now, layout, run.inputs,
+                                     o.checkpoints_keep, grid.world_comm, parallel.optimizer_file);
         auto [fastest, slowest] = seconds_over_ranks(now_seconds() - started);
         if (saved && lead)
             printf("checkpoint %s/%s written in %.3f to %.3f s per rank\n", o.out_dir.c_str(),
@@ -584,12 +373,12 @@ struct Trainer {
 
     // the validation loss, and the eval's accuracy: to the console and main.log (collectives)
     void validate(int step, RunHooks& hooks) {
-        float loss = (float)dpr->mean(validation_loss(model, pipeline, pp, grid, *val, val_batches));
+        float loss = (float)parallel.dpr->mean(validation_loss(model, pipeline, parallel, *val, val_batches));
         if (lead) printf("val loss %.6f\n", loss);
         if (lead) log.val(step, loss);
         if (!evals) return;
         double started = now_seconds();
-        EvalResult r = evaluate(model, pipeline, pp, grid, *evals, o.B, o.T);
+        EvalResult r = evaluate(model, pipeline, parallel, *evals, o.B, o.T);
         if (!lead) return;
         printf("eval: %d/%zu = %.4f (%s, %.1f s)\n", r.correct, r.answers.size(), r.accuracy(), o.eval_file.c_str(),
                now_seconds() - started);
@@ -599,7 +388,7 @@ struct Trainer {
 
     // every rank samples (under ZeRO-3 forward is collective); the same seed gives every rank the same text
     void sample() {
-        auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, pp, grid, tokens, o.T, t); };
+        auto at = [&](const int* tokens, int t) { return logits_at(model, pipeline, parallel, tokens, o.T, t); };
         std::vector<int> tokens = sample_tokens(at, tokenizer->vocab_size, tokenizer->start, o.gen_tokens, o.T, sampler_rng);
         if (lead) printf("---\n%s\n---\n", tokenizer->decode(tokens).c_str());
     }
@@ -619,21 +408,22 @@ struct Trainer {
         pipeline.tracing = step == state.step && pp.on();
         if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
         double t0 = now_seconds();
-        dpr->zero_grad();
+        parallel.dpr->zero_grad();
         model.moe.reset_statistics();
         StepResult r;
-        r.loss = from_head_stage(grid, pp, pipeline.run(model, dpr.get(), actions, inputs, targets, o.B, o.T, dloss) / accumulation);
+        double loss = pipeline.run(model, parallel.dpr.get(), actions, inputs, targets, o.B, o.T, dloss);
+        r.loss = parallel.from_head_stage(loss / accumulation);
         r.lr = schedule.at(step);
-        r.norm = dpr->grad_norm();
-        r.loss = dpr->mean(r.loss);
+        r.norm = parallel.dpr->grad_norm();
+        r.loss = parallel.dpr->mean(r.loss);
         bool finite = std::isfinite(r.loss) && std::isfinite(r.norm);
         r.spike = finite ? spikes.check(r.loss, r.norm) : Spike{};
         r.skipped = !finite || r.spike.found();
         bad_steps = r.skipped ? bad_steps + 1 : 0;
         if (!r.skipped) {
             NvtxRange update("optimizer step");
-            dpr->update(r.lr, o.weight_decay, r.norm);
-            if (config.router_bias) balance_experts(model, *dpr, grid);
+            parallel.dpr->update(r.lr, o.weight_decay, r.norm);
+            if (config.router_bias) parallel.balance_experts();
             spikes.record(r.loss, r.norm);
         }
         r.ms = (now_seconds() - t0) * 1000.0;
@@ -643,7 +433,7 @@ struct Trainer {
     // the step's line and main.log's; after the first step, what it sent, its memory, its cp balance and its
     // pipeline's bubble against the formulas (collectives)
     void report(int step, const StepResult& r, const BytesSent& sent) {
-        ExpertStatistics experts = config.moe() ? expert_statistics(model, grid, (long)o.B * accumulation * grid.dp)
+        ExpertStatistics experts = config.moe() ? parallel.expert_statistics((long)o.B * accumulation * grid.dp)
                                                 : ExpertStatistics{};
         double aux = experts.aux;
         long dropped = o.moe_capacity > 0.0f ? experts.dropped : -1;
@@ -785,7 +575,7 @@ static int train(const Options& o, const RunSetup& setup) {
         if (t.bad_steps == o.max_bad_steps) return t.end_bad_steps(step, r.spike);
         stopping = stop_requested(t.grid.world_comm);
     }
-    hooks.at_end([&] { check_replicas(t.model, *t.dpr, t.grid, o.zero); });
+    hooks.at_end([&] { t.parallel.check_replicas(); });
     return t.end(0);
 }
 
@@ -875,12 +665,7 @@ static int run(const Options& o) {
         fclose(f);
     }
     RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
-    Options resolved = o;
-    if (resolved.moe_aux < 0.0f) resolved.moe_aux = 0.01f;
-    if (o.moe_bias_rate >= 0.0f && !config.router_bias)
-        fail("--moe-bias-rate %g: only for a model whose router has a selection bias (a descriptor's a)", o.moe_bias_rate);
-    if (resolved.moe_bias_rate < 0.0f) resolved.moe_bias_rate = 0.001f;
-    return dev == Device::CUDA ? train<bf16>(resolved, run) : train<float>(resolved, run);
+    return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
 }
 int main(int argc, char** argv) {
     try {

@@ -185,7 +185,7 @@ struct ModelState {
 };
 
 // the CPU model's own buffers, which hold the whole model in fp32 on the host (a GPU model, or a rank holding a
-// share, stages them: see train_gpt.cu)
+// share, stages them: llmc/parallel.cuh's checkpoint_state)
 inline ModelState model_state(GPT& m) {
     std::vector<ShareRun> whole = whole_runs(m.config);
     return {m.config, m.params, whole, m.adam_m, m.adam_v, m.num_parameters, whole, &m.adam_step};

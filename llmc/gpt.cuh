@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "llmc/activations.cuh"
@@ -136,15 +137,37 @@ struct ModelBuffers {
     bool params = true, grads = true, optimizer = true;
 };
 
+// The communicators the model's collectives run on, which the parallel layout (llmc/parallel.cuh) hands over at
+// allocation; null where the rank has no group (a model built alone, in a test)
+struct ModelLinks {
+    Comm* tp = nullptr;  // the tensor-parallel group
+    Comm* cp = nullptr;  // the context-parallel ring
+    Comm* ep = nullptr;  // the expert-parallel group, and this rank's place in it
+    int ep_rank = 0;
+    Comm* batch = nullptr;          // the dp × cp ranks, whose tokens make the aux loss's batch; null for one rank
+    Comm* amaxes = nullptr;         // FP8: the ranks holding pieces of a dense layer's tensors (tp × cp)
+    Comm* expert_amaxes = nullptr;  // ... of an expert's (tp)
+    bool speaks = true;             // FP8: this rank says which weights stay out of a block recipe
+};
+
+// the experts' training settings (--moe-aux, --moe-bias-rate, --moe-aux-scope)
+struct ExpertSettings {
+    float aux_weight, bias_rate;
+    AuxScope aux_scope;
+};
+
 // How one rank holds the model: which states it allocates itself, its places in the tensor-, context- and
-// expert-parallel groups, the part it holds (empty: the whole model; or a pipeline stage's chunks), the
-// micro-batches in flight, whether backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk (the
-// zero-bubble pipeline's split backward) and what -r recomputes. The defaults: one rank holding the whole model.
+// expert-parallel groups and the communicators of those groups, the part it holds (empty: the whole model; or a
+// pipeline stage's chunks), the micro-batches in flight, whether backward leaves the matmuls' weight gradients to
+// gpt_weight_grads_chunk (the zero-bubble pipeline's split backward), what -r recomputes and the experts' settings.
+// The defaults: one rank holding the whole model, with the routing's own settings (llmc/moe.cuh).
 struct ModelLayout {
     ModelBuffers own;
     TPSpec tp;
     CPSpec cp;
     int ep = 1;
+    ModelLinks links;
+    std::optional<ExpertSettings> experts;
     float capacity = 0.0f;  // the experts' capacity factor (--moe-capacity; 0: every assignment taken)
     ModelPart part;
     int slots = 1;
@@ -204,7 +227,8 @@ inline BufferList gpt_buffers(GPTModel<floatX>& m, const GPTConfig& config, int 
 
 // Allocates the model's part as the layout says, for micro-batches of up to B×T tokens: checks the layout, walks
 // gpt_buffers' list through the model's ledger, and sets up what the list does not hold (the host's tokens, the
-// GPU scratch's registration, RoPE's table, the routing's host state)
+// GPU scratch's registration, RoPE's table, the routing's host state); the parallel layout's communicators and
+// the experts' settings come in with the layout (ModelLinks, ExpertSettings: llmc/parallel.cuh fills them)
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
@@ -249,6 +273,14 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         device_upload<floatX>(m.rope, table.data(), n);
     }
     m.moe.prepare(config);
+    const ModelLinks& links = layout.links;
+    m.tp.comm = links.tp, m.cp.comm = links.cp;
+    m.moe.ep = links.ep, m.moe.ep_rank = links.ep_rank, m.moe.batch = links.batch;
+    m.fp8.group = links.amaxes, m.fp8_experts.group = links.expert_amaxes;
+    m.fp8.speaks = m.fp8_experts.speaks = links.speaks;
+    if (layout.experts)
+        m.moe.alpha = layout.experts->aux_weight, m.moe.bias_rate = layout.experts->bias_rate,
+        m.moe.aux_scope = layout.experts->aux_scope;
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens
@@ -313,7 +345,7 @@ inline BufferList fp8_buffers(Fp8Scaling<floatX>& q, const Fp8Sizes& z) {
     return list;
 }
 
-// --fp8 1: the buffers of the FP8 casts, after gpt_allocate; the groups are set with the rest of the comms
+// --fp8 1: the buffers of the FP8 casts, after gpt_allocate, which set their groups (ModelLinks)
 template <typename floatX>
 inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::Tensorwise) {
     constexpr Device dev = device_of<floatX>;
@@ -333,7 +365,9 @@ inline void gpt_allocate_fp8(GPTModel<floatX>& m, Fp8Recipe recipe = Fp8Recipe::
     m.fp8.recipe = recipe;
     m.ledger.template allocate<floatX>(fp8_buffers(m.fp8, fp8_layer_sizes(d, m.tp.size() * m.cp.spec.size, dev, recipe)));
     m.fp8.amaxes = m.fp8.scales + FP8_SCALE_FLOATS;
+    Comm* experts_group = m.fp8_experts.group;  // the experts' amaxes are shared over tp alone (ModelLinks)
     m.fp8_experts = m.fp8;
+    m.fp8_experts.group = experts_group;
     m.fp8_on = true;
 }
 

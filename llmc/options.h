@@ -65,10 +65,10 @@ struct Options {
     std::string cp_split = "zigzag";                    // --cp-split
     std::string pp_schedule = "1f1b";                   // --pp-schedule
     int vpp = 1;                                        // --vpp
-    float moe_aux = -1.0f;                              // --moe-aux; -1: 0.01 with experts
+    float moe_aux = 0.01f;                              // --moe-aux: with experts
     std::string moe_aux_scope;                          // --moe-aux-scope; "": sequence with experts
     float moe_capacity = 0.0f;                          // --moe-capacity; 0: dropless
-    float moe_bias_rate = -1.0f;                        // --moe-bias-rate; -1: 0.001 with a selection bias
+    float moe_bias_rate = 0.001f;                       // --moe-bias-rate: with a router's selection bias
     std::string trace;                                  // --trace
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r

@@ -57,10 +57,12 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
     if (config.num_experts % o.ep != 0)
         fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
-    if (o.moe_aux >= 0.0f && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
+    if (o.given.count("--moe-aux") && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
     if (!o.moe_aux_scope.empty() && !config.moe())
         fail("--moe-aux-scope %s: the model has no experts", o.moe_aux_scope.c_str());
     if (o.moe_capacity > 0.0f && !config.moe()) fail("--moe-capacity %g: the model has no experts", o.moe_capacity);
+    if (o.given.count("--moe-bias-rate") && !config.router_bias)
+        fail("--moe-bias-rate %g: only for a model whose router has a selection bias (a descriptor's a)", o.moe_bias_rate);
     if (!o.fp8_recipe.empty() && !o.fp8) fail("--fp8-recipe %s: needs --fp8 1", o.fp8_recipe.c_str());
     if (o.fp8_param_gather) {
         if (!o.fp8) fail("--fp8-param-gather 1: needs --fp8 1");

@@ -179,7 +179,7 @@ struct StepModel {
         // that the recipe takes (fp8_recipe_takes: under a block recipe, dimensions of whole tiles) after its
         // operands' casts (fp8_casts), the weight gradient over the rows the casts pad; the others as bf16. A
         // tensorwise cast's gathered amax waits on the group holding the tensor's pieces (tp × cp for the dense
-        // weights, tp for the experts': train_gpt.cu's fp8 groups): a one-float all-gather. The bytes of the
+        // weights, tp for the experts': gpt.cuh's ModelLinks): a one-float all-gather. The bytes of the
         // element-wise ops: two layernorms (in, out) and two residual sums (two in, one out) on R rows and, in a
         // sparse layer, the rows copied out to the experts and back; GELU on the hidden layer (one in, one out
         // forward, two in and one out backward, once more forward when -r recomputes it).

@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "llmc/options.h"
 #include "test_helpers.h"
 
 namespace test_cli {
@@ -253,6 +254,15 @@ TEST_CASE("--help lists every flag parse_options accepts, each with its default,
         }
         CHECK(found == 1);
     }
+    // the experts' defaults it states are Options' own, where they are written once
+    const Options defaults;
+    for (auto [flag, value] : {std::make_pair("--moe-aux", defaults.moe_aux),
+                               std::make_pair("--moe-bias-rate", defaults.moe_bias_rate)})
+        for (const std::string& entry : entries)
+            if (entry.rfind(strfmt("  %s ", flag), 0) == 0) {
+                INFO(entry);
+                CHECK(entry.substr(entry.rfind('[')) == strfmt("[%g]", value));
+            }
     for (const char* group : {"data:", "model:", "optimization:", "evaluation and output:", "checkpoints:",
                               "parallelism", "planning and debugging:"})
         CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) { return l.rfind(group, 0) == 0; }) == 1);
