@@ -93,28 +93,43 @@ inline void norm_backward_cpu(float* dinp, float* dweight, float* dweight2, floa
     // split by channel so each sum has one owner and a fixed order (rows, then groups). Each sum is taken whole
     // and then added to the gradient once, as the kernels add their partial sums: a micro-step's gradient
     // reaches the accumulated one in one add, so that one rank accumulating micro-steps adds what dp's ranks
-    // reduce (llmc/zero.cuh)
-    constexpr int CHUNK = 32;
+    // reduce (llmc/zero.cuh). The heads' sums run a channel at a time with one accumulator per weight, the row
+    // norms' 32 channels at a time: the host compiler contracts the two loops' multiply-adds differently (FMA), so
+    // each keeps the shape its bits come from.
+    if (L.groups > 1) {
 #pragma omp parallel for
-    for (int c0 = 0; c0 < C; c0 += CHUNK) {
-        int c1 = c0 + CHUNK < C ? c0 + CHUNK : C;
-        float sum_w[CHUNK] = {}, sum_w2[CHUNK] = {}, sum_b[CHUNK] = {};
-        for (long n = 0; n < L.rows; n++) {
-            for (int g = 0; g < L.groups; g++) {
-                const float* x = inp + L.at(n, g);
-                const float* d = dout + L.at(n, g);
-                float m = kind == Norm::LayerNorm ? mean[n * L.groups + g] : 0.0f, s = rstd[n * L.groups + g];
-                float* sum = g < L.first ? sum_w : sum_w2;
-                for (int c = c0; c < c1; c++) {
-                    sum[c - c0] += d[c] * (x[c] - m) * s;
-                    if constexpr (kind == Norm::LayerNorm) sum_b[c - c0] += d[c];
+        for (int c = 0; c < C; c++) {
+            float q = 0.0f, k = 0.0f;
+            for (long n = 0; n < L.rows; n++)
+                for (int g = 0; g < L.groups; g++) {
+                    long at = L.at(n, g) + c;
+                    (g < L.first ? q : k) += dout[at] * inp[at] * rstd[n * L.groups + g];
+                }
+            dweight[c] += q, dweight2[c] += k;
+        }
+    } else {
+        constexpr int CHUNK = 32;
+#pragma omp parallel for
+        for (int c0 = 0; c0 < C; c0 += CHUNK) {
+            int c1 = c0 + CHUNK < C ? c0 + CHUNK : C;
+            float sum_w[CHUNK] = {}, sum_w2[CHUNK] = {}, sum_b[CHUNK] = {};
+            for (long n = 0; n < L.rows; n++) {
+                for (int g = 0; g < L.groups; g++) {
+                    const float* x = inp + L.at(n, g);
+                    const float* d = dout + L.at(n, g);
+                    float m = kind == Norm::LayerNorm ? mean[n * L.groups + g] : 0.0f, s = rstd[n * L.groups + g];
+                    float* sum = g < L.first ? sum_w : sum_w2;
+                    for (int c = c0; c < c1; c++) {
+                        sum[c - c0] += d[c] * (x[c] - m) * s;
+                        if constexpr (kind == Norm::LayerNorm) sum_b[c - c0] += d[c];
+                    }
                 }
             }
-        }
-        for (int c = c0; c < c1; c++) {
-            dweight[c] += sum_w[c - c0];
-            if (L.groups > L.first) dweight2[c] += sum_w2[c - c0];
-            if constexpr (kind == Norm::LayerNorm) dbias[c] += sum_b[c - c0];
+            for (int c = c0; c < c1; c++) {
+                dweight[c] += sum_w[c - c0];
+                if (L.groups > L.first) dweight2[c] += sum_w2[c - c0];
+                if constexpr (kind == Norm::LayerNorm) dbias[c] += sum_b[c - c0];
+            }
         }
     }
 #pragma omp parallel for
