@@ -16,13 +16,11 @@
 #include "llmc/device.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/global_norm.cuh"
-#include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
 #include "llmc/model_table.h"
 #include "llmc/moe.cuh"
-#include "llmc/qknorm.cuh"
-#include "llmc/rmsnorm.cuh"
+#include "llmc/norm.cuh"
 #include "llmc/tp.cuh"
 
 // the sizes one rank works with: T its tokens of each sequence (T/cp under context parallelism), BT token rows
@@ -222,7 +220,7 @@ struct Scratch {
 
 // the fp32 scratch the GPU kernels of one rank's forward and backward need at most (llmc/device.cuh)
 inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
-    size_t need = (size_t)(d.means ? layernorm_backward_scratch_floats(d.R, d.C) : rmsnorm_backward_scratch_floats(d.R, d.C));
+    size_t need = (size_t)norm_backward_scratch_floats(d.means ? Norm::LayerNorm : Norm::RMSNorm, d.R, d.C);
     for (long oc : {(long)d.QKVl, (long)d.C, (long)d.FCl, (long)d.dense_FCl, (long)d.shared_FCl})  // the matmuls with a bias gradient (an
         need = std::max(need, (size_t)matmul_backward_scratch_floats(std::max(d.BT, d.expert_rows), oc));  // expert's: all its rows
     need = std::max(need, attention_backward_scratch_floats(d.B, d.T, d.Cl, d.NHl));

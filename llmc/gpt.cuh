@@ -29,7 +29,6 @@
 #include "llmc/encoder.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/global_norm.cuh"
-#include "llmc/layernorm.cuh"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
 #include "llmc/mlp.cuh"
@@ -37,10 +36,9 @@
 #include "llmc/model_file.h"
 #include "llmc/model_table.h"
 #include "llmc/moe.cuh"
+#include "llmc/norm.cuh"
 #include "llmc/nvtx.h"
-#include "llmc/qknorm.cuh"
 #include "llmc/residual.cuh"
-#include "llmc/rmsnorm.cuh"
 #include "llmc/rope.cuh"
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
@@ -467,28 +465,26 @@ struct LayerInput {
     const floatX* residual() const { return prev ? prev->residual3 : chunk_input; }
 };
 
-// The architecture's norm (llmc/model_table.h): GPT-2's layernorm keeps a mean and has a bias, RMSNorm neither
+// The architecture's norm (llmc/model_table.h, llmc/norm.cuh): GPT-2's layernorm keeps a mean and has a bias,
+// RMSNorm neither
 template <typename floatX>
 inline void norm_forward(const GPTConfig& c, floatX* out, float* mean, float* rstd, const floatX* inp,
                          const floatX* weight, const floatX* bias, long rows, long C) {
-    if (c.norm() == Norm::RMSNorm) rmsnorm_forward(out, rstd, inp, weight, rows, (int)C, c.norm_eps);
-    else layernorm_forward(out, mean, rstd, inp, weight, bias, rows, (int)C);
+    norm_forward(c.norm(), out, mean, rstd, inp, weight, bias, rows, (int)C, c.norm_eps);
 }
 // ... fused with the residual add before it: residual = inp1 + inp2, out = norm(residual)
 template <typename floatX>
 inline void fused_residual_norm_forward(const GPTConfig& c, floatX* residual, floatX* out, float* mean, float* rstd,
                                         const floatX* inp1, const floatX* inp2, const floatX* weight,
                                         const floatX* bias, long rows, long C) {
-    if (c.norm() == Norm::RMSNorm)
-        fused_residual_rmsnorm_forward(residual, out, rstd, inp1, inp2, weight, rows, (int)C, c.norm_eps);
-    else fused_residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, weight, bias, rows, (int)C);
+    fused_residual_norm_forward(c.norm(), residual, out, mean, rstd, inp1, inp2, weight, bias, rows, (int)C,
+                                c.norm_eps);
 }
 template <typename floatX>
 inline void norm_backward(const GPTConfig& c, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                           const floatX* inp, const floatX* weight, const float* mean, const float* rstd, long rows,
                           long C) {
-    if (c.norm() == Norm::RMSNorm) rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, rows, (int)C);
-    else layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, (int)C);
+    norm_backward(c.norm(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, (int)C);
 }
 
 // A norm's output for every row, where a matmul reads it (its forward, and its weight gradient in backward).

@@ -42,7 +42,7 @@ struct ArchProperties {
     Norm norm;
     Positions positions;
     Activation activation;
-    bool qk_norm;  // each query and key head through an RMSNorm of its own weights before RoPE (llmc/qknorm.cuh)
+    bool qk_norm;  // each query and key head through an RMSNorm of its own weights before RoPE (llmc/norm.cuh)
 };
 inline ArchProperties arch_properties(Arch a) {
     switch (a) {

@@ -15,7 +15,7 @@
 #include "dev/cuda/classifier_case.h"
 #include "dev/cuda/encoder_case.h"
 #include "dev/cuda/experts_case.h"
-#include "dev/cuda/layernorm_case.h"
+#include "dev/cuda/norm_case.h"
 #include "dev/cuda/matmul_case.h"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
@@ -44,7 +44,7 @@ void check_encoder(int B, int T, int C, int V) {
 }
 
 void check_layernorm(long N, int C) {
-    LayernormCase k(N, C, 12);
+    NormCase k(Norm::LayerNorm, N, C, 1e-5f, 12);
     k.gpu_fused_forward();
     require_close("residual", download(k.d_res), k.res, 1e-2);
     require_close("layernorm out", download(k.d_out), k.out, 2e-2);
@@ -700,15 +700,17 @@ TEST_CASE("CUDA entry points refuse shapes and pointers their 16-byte accesses c
     bf16* aligned = reinterpret_cast<bf16*>(uintptr_t{0x1000});
     bf16* misaligned = reinterpret_cast<bf16*>(uintptr_t{0x1002});
     float* stats = reinterpret_cast<float*>(uintptr_t{0x2000});
-    REQUIRE_THROWS_WITH(layernorm_forward_cuda(aligned, stats, stats, aligned, aligned, aligned, 4, 100, 0),
+    REQUIRE_THROWS_WITH(
+        norm_forward_cuda(Norm::LayerNorm, aligned, stats, stats, aligned, aligned, aligned, 4, 100, 1e-5f, 0),
                         Catch::Contains("C = 100"));
-    REQUIRE_THROWS_WITH(layernorm_forward_cuda(aligned, stats, stats, aligned, aligned, aligned, 4, 8192, 0),
+    REQUIRE_THROWS_WITH(
+        norm_forward_cuda(Norm::LayerNorm, aligned, stats, stats, aligned, aligned, aligned, 4, 8192, 1e-5f, 0),
                         Catch::Contains("at most 4096"));
-    REQUIRE_THROWS_WITH(fused_residual_layernorm_forward_cuda(aligned, aligned, stats, stats, misaligned, aligned,
-                                                              aligned, aligned, 4, 64, 0),
+    REQUIRE_THROWS_WITH(fused_residual_norm_forward_cuda(Norm::LayerNorm, aligned, aligned, stats, stats, misaligned,
+                                                         aligned, aligned, aligned, 4, 64, 1e-5f, 0),
                         Catch::Contains("not 16-byte aligned"));
-    REQUIRE_THROWS_WITH(layernorm_backward_cuda(aligned, aligned, aligned, aligned, aligned, aligned, stats, stats, 4,
-                                                36, stats, 0),
+    REQUIRE_THROWS_WITH(norm_backward_cuda(Norm::LayerNorm, aligned, aligned, aligned, aligned, aligned, aligned, stats,
+                                           stats, 4, 36, stats, 0),
                         Catch::Contains("C = 36"));
     REQUIRE_THROWS_WITH(gelu_forward_cuda(misaligned, aligned, 16, 0), Catch::Contains("not 16-byte aligned"));
     REQUIRE_THROWS_WITH(encoder_forward_cuda(aligned, nullptr, aligned, aligned, 1, 4, 12, 0),

@@ -15,7 +15,7 @@
 #include "llmc/encoder.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
-#include "llmc/layernorm.cuh"
+#include "llmc/norm.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/residual.cuh"
 #include "llmc/schedule.h"
@@ -321,7 +321,8 @@ TEST_CASE("layernorm backward matches finite differences and accumulates into al
     for (auto& x : weight) x += 1.0f;
     std::vector<float> out(BT * C), mean(BT), rstd(BT);
     auto f = [&]() {
-        layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), BT, C);
+        norm_forward(Norm::LayerNorm, out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), BT,
+                     C, 1e-5f);
         return weighted_sum(w, out);
     };
 
@@ -345,8 +346,8 @@ TEST_CASE("layernorm backward matches finite differences and accumulates into al
     CHECK(fwd_err < 1e-5);
 
     std::vector<float> dinp(BT * C, 0.0f), dweight(C, 0.0f), dbias(C, 0.0f);
-    layernorm_backward(dinp.data(), dweight.data(), dbias.data(), w.data(), inp.data(), weight.data(), mean.data(),
-                       rstd.data(), BT, C);
+    norm_backward(Norm::LayerNorm, dinp.data(), dweight.data(), dbias.data(), w.data(), inp.data(), weight.data(),
+                  mean.data(), rstd.data(), BT, C);
     const float h = 3e-2f;
     double e_inp = gradient_error(inp, dinp, h, f);
     double e_weight = gradient_error(weight, dweight, h, f);
@@ -359,8 +360,8 @@ TEST_CASE("layernorm backward matches finite differences and accumulates into al
     std::vector<float> dinp0 = random_vector(dinp.size(), rng), dweight0 = random_vector(C, rng),
                        dbias0 = random_vector(C, rng);
     std::vector<float> dinp2 = dinp0, dweight2 = dweight0, dbias2 = dbias0;
-    layernorm_backward(dinp2.data(), dweight2.data(), dbias2.data(), w.data(), inp.data(), weight.data(),
-                       mean.data(), rstd.data(), BT, C);
+    norm_backward(Norm::LayerNorm, dinp2.data(), dweight2.data(), dbias2.data(), w.data(), inp.data(), weight.data(),
+                  mean.data(), rstd.data(), BT, C);
     CHECK(accumulation_error(dinp2, dinp0, dinp) < 1e-6);
     CHECK(accumulation_error(dweight2, dweight0, dweight) < 1e-5);
     CHECK(accumulation_error(dbias2, dbias0, dbias) < 1e-5);

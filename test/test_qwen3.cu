@@ -1,6 +1,6 @@
 // Tests of Qwen3, the architecture that entered through the table (llmc/model_table.h) and the one layer body
 // (llmc/gpt.cuh): its presets against the parameter counts of Qwen's configs, its descriptors; QK-norm
-// (llmc/qknorm.cuh) on the CPU against a double computation and central finite differences, in place and not,
+// (llmc/norm.cuh) on the CPU against a double computation and central finite differences, in place and not,
 // and on the GPU ([cuda], skipped without one) against the CPU; llm5d's Qwen3 file written and read back byte for
 // byte; and the model under every parallelism on the CPU, under `mpirun --oversubscribe`, against the single-rank
 // run over 20 steps of 4 micro-batches (the equivalence principle): dp 2 under ZeRO-1 and ZeRO-3, tp 2 with and
@@ -18,7 +18,7 @@
 
 #include "dev/cuda/common.h"
 #include "llmc/gpt.cuh"
-#include "llmc/qknorm.cuh"
+#include "llmc/norm.cuh"
 #include "mpi_helpers.h"
 #include "test/test_helpers.h"
 

@@ -1,16 +1,16 @@
-// RMSNorm (llmc/rmsnorm.cuh), Llama 3's norm. On the CPU: the forward against a double computation, the backward
+// RMSNorm (llmc/norm.cuh), Llama 3's norm. On the CPU: the forward against a double computation, the backward
 // against central finite differences of a double forward, on small odd shapes whose rows have different scales
 // (so rstd is not ~1 and its own gradient term shows); the backward accumulating; the fused residual variant
 // being the add and then the norm; eps taken from the argument. On the GPU ([cuda], skipped without one): the
-// kernels against the CPU on bf16 inputs (RmsnormCase, dev/cuda/rmsnorm_case.h), one shape per row layout, and
+// kernels against the CPU on bf16 inputs (NormCase, dev/cuda/norm_case.h), one shape per row layout, and
 // the host-side precondition checks, which run anywhere.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "dev/cuda/rmsnorm_case.h"
-#include "llmc/rmsnorm.cuh"
+#include "dev/cuda/norm_case.h"
+#include "llmc/norm.cuh"
 #include "test/test_helpers.h"
 
 namespace test_rmsnorm {
@@ -65,13 +65,14 @@ Errors check_against_double(long N, int C, float eps, float scale, uint64_t seed
     Rng rng(seed);
     Inputs in = random_inputs(N, C, rng, scale);
     std::vector<float> out(N * C), rstd(N);
-    rmsnorm_forward(out.data(), rstd.data(), in.x.data(), in.weight.data(), N, C, eps);
+    norm_forward(Norm::RMSNorm, out.data(), nullptr, rstd.data(), in.x.data(), in.weight.data(), nullptr, N, C, eps);
     std::vector<double> x = to_double(in.x), weight = to_double(in.weight), dout = to_double(in.dout);
     std::vector<double> out_ref(N * C), rstd_ref(N);
     rmsnorm_double(out_ref, rstd_ref, x, weight, N, C, eps);
 
     std::vector<float> dinp(N * C, 0.0f), dweight(C, 0.0f);
-    rmsnorm_backward(dinp.data(), dweight.data(), in.dout.data(), in.x.data(), in.weight.data(), rstd.data(), N, C);
+    norm_backward(Norm::RMSNorm, dinp.data(), dweight.data(), nullptr, in.dout.data(), in.x.data(), in.weight.data(),
+                  nullptr, rstd.data(), N, C);
 
     std::vector<double> scratch_out(N * C), scratch_rstd(N);
     auto objective = [&] {
@@ -125,12 +126,14 @@ TEST_CASE("rmsnorm backward accumulates into dinp and dweight", "[layers][rmsnor
     Rng rng(23);
     Inputs in = random_inputs(N, C, rng);
     std::vector<float> out(N * C), rstd(N);
-    rmsnorm_forward(out.data(), rstd.data(), in.x.data(), in.weight.data(), N, C, 1e-5f);
+    norm_forward(Norm::RMSNorm, out.data(), nullptr, rstd.data(), in.x.data(), in.weight.data(), nullptr, N, C, 1e-5f);
     std::vector<float> dinp(N * C, 0.0f), dweight(C, 0.0f);
-    rmsnorm_backward(dinp.data(), dweight.data(), in.dout.data(), in.x.data(), in.weight.data(), rstd.data(), N, C);
+    norm_backward(Norm::RMSNorm, dinp.data(), dweight.data(), nullptr, in.dout.data(), in.x.data(), in.weight.data(),
+                  nullptr, rstd.data(), N, C);
     std::vector<float> dinp0 = random_vector(N * C, rng), dweight0 = random_vector(C, rng);
     std::vector<float> dinp2 = dinp0, dweight2 = dweight0;
-    rmsnorm_backward(dinp2.data(), dweight2.data(), in.dout.data(), in.x.data(), in.weight.data(), rstd.data(), N, C);
+    norm_backward(Norm::RMSNorm, dinp2.data(), dweight2.data(), nullptr, in.dout.data(), in.x.data(), in.weight.data(),
+                  nullptr, rstd.data(), N, C);
     CHECK(accumulation_error(dinp2, dinp0, dinp) < 1e-6);      // one add per element
     CHECK(accumulation_error(dweight2, dweight0, dweight) < 1e-5);  // N adds, in another order than into zero
 }
@@ -145,18 +148,19 @@ TEST_CASE("fused residual + rmsnorm is the add and then the norm, also with the 
     std::vector<float> inp2 = random_vector(N * C, rng);
     std::vector<float> residual_ref(N * C), out_ref(N * C), rstd_ref(N);
     for (long i = 0; i < N * C; i++) residual_ref[i] = in.x[i] + inp2[i];
-    rmsnorm_forward(out_ref.data(), rstd_ref.data(), residual_ref.data(), in.weight.data(), N, C, eps);
+    norm_forward(Norm::RMSNorm, out_ref.data(), nullptr, rstd_ref.data(), residual_ref.data(), in.weight.data(),
+                 nullptr, N, C, eps);
 
     std::vector<float> residual(N * C), out(N * C), rstd(N);
-    fused_residual_rmsnorm_forward(residual.data(), out.data(), rstd.data(), in.x.data(), inp2.data(), in.weight.data(),
-                                   N, C, eps);
+    fused_residual_norm_forward(Norm::RMSNorm, residual.data(), out.data(), nullptr, rstd.data(), in.x.data(),
+                                inp2.data(), in.weight.data(), nullptr, N, C, eps);
     CHECK(residual == residual_ref);
     CHECK(out == out_ref);
     CHECK(rstd == rstd_ref);
 
     std::vector<float> stream = in.x, out2(N * C), rstd2(N);  // residual aliasing inp1
-    fused_residual_rmsnorm_forward(stream.data(), out2.data(), rstd2.data(), stream.data(), inp2.data(),
-                                   in.weight.data(), N, C, eps);
+    fused_residual_norm_forward(Norm::RMSNorm, stream.data(), out2.data(), nullptr, rstd2.data(), stream.data(),
+                                inp2.data(), in.weight.data(), nullptr, N, C, eps);
     CHECK(stream == residual_ref);
     CHECK(out2 == out_ref);
     CHECK(rstd2 == rstd_ref);
@@ -175,13 +179,14 @@ TEST_CASE("rmsnorm uses the eps it is given", "[layers][rmsnorm]") {
         INFO("eps " << eps);
         std::vector<float> out(N * C), rstd(N), residual(N * C), fused_out(N * C), fused_rstd(N);
         std::vector<double> out_ref(N * C), rstd_ref(N);
-        rmsnorm_forward(out.data(), rstd.data(), in.x.data(), in.weight.data(), N, C, eps);
+        norm_forward(Norm::RMSNorm, out.data(), nullptr, rstd.data(), in.x.data(), in.weight.data(), nullptr, N, C,
+                     eps);
         rmsnorm_double(out_ref, rstd_ref, x, weight, N, C, eps);
         CHECK(relative_error(rstd, rstd_ref) < 1e-6);
         CHECK(relative_error(out, out_ref) < 1e-6);
         std::vector<float> zeros(N * C, 0.0f);  // the fused path must pass eps on too
-        fused_residual_rmsnorm_forward(residual.data(), fused_out.data(), fused_rstd.data(), in.x.data(), zeros.data(),
-                                       in.weight.data(), N, C, eps);
+        fused_residual_norm_forward(Norm::RMSNorm, residual.data(), fused_out.data(), nullptr, fused_rstd.data(),
+                                    in.x.data(), zeros.data(), in.weight.data(), nullptr, N, C, eps);
         CHECK(relative_error(fused_rstd, rstd_ref) < 1e-6);
         if (first_rstd.empty()) first_rstd = rstd;
         else CHECK(rstd != first_rstd);
@@ -195,21 +200,26 @@ TEST_CASE("CUDA rmsnorm entry points refuse shapes and pointers their 16-byte ac
     bf16* aligned = reinterpret_cast<bf16*>(uintptr_t{0x1000});
     bf16* misaligned = reinterpret_cast<bf16*>(uintptr_t{0x1002});
     float* stats = reinterpret_cast<float*>(uintptr_t{0x2000});
-    REQUIRE_THROWS_WITH(rmsnorm_forward_cuda(aligned, stats, aligned, aligned, 4, 100, 1e-5f, 0),
+    REQUIRE_THROWS_WITH(norm_forward_cuda(Norm::RMSNorm, aligned, nullptr, stats, aligned, aligned, nullptr, 4, 100,
+                                          1e-5f, 0),
                         Catch::Contains("C = 100"));
-    REQUIRE_THROWS_WITH(rmsnorm_forward_cuda(aligned, stats, aligned, aligned, 4, 16392, 1e-5f, 0),
+    REQUIRE_THROWS_WITH(norm_forward_cuda(Norm::RMSNorm, aligned, nullptr, stats, aligned, aligned, nullptr, 4, 16392,
+                                          1e-5f, 0),
                         Catch::Contains("at most 16384"));
-    REQUIRE_THROWS_WITH(rmsnorm_forward_cuda(aligned, stats, aligned, misaligned, 4, 64, 1e-5f, 0),
+    REQUIRE_THROWS_WITH(norm_forward_cuda(Norm::RMSNorm, aligned, nullptr, stats, aligned, misaligned, nullptr, 4, 64,
+                                          1e-5f, 0),
                         Catch::Contains("not 16-byte aligned"));
-    REQUIRE_THROWS_WITH(fused_residual_rmsnorm_forward_cuda(aligned, aligned, stats, misaligned, aligned, aligned, 4,
-                                                            64, 1e-5f, 0),
+    REQUIRE_THROWS_WITH(fused_residual_norm_forward_cuda(Norm::RMSNorm, aligned, aligned, nullptr, stats, misaligned,
+                                                         aligned, aligned, nullptr, 4, 64, 1e-5f, 0),
                         Catch::Contains("not 16-byte aligned"));
-    REQUIRE_THROWS_WITH(fused_residual_rmsnorm_forward_cuda(aligned, aligned, stats, aligned, nullptr, aligned, 4, 64,
-                                                            1e-5f, 0),
+    REQUIRE_THROWS_WITH(fused_residual_norm_forward_cuda(Norm::RMSNorm, aligned, aligned, nullptr, stats, aligned,
+                                                         nullptr, aligned, nullptr, 4, 64, 1e-5f, 0),
                         Catch::Contains("residual and inp2 are required"));
-    REQUIRE_THROWS_WITH(rmsnorm_backward_cuda(aligned, aligned, aligned, aligned, aligned, stats, 4, 36, stats, 0),
+    REQUIRE_THROWS_WITH(norm_backward_cuda(Norm::RMSNorm, aligned, aligned, nullptr, aligned, aligned, aligned, nullptr,
+                                           stats, 4, 36, stats, 0),
                         Catch::Contains("C = 36"));
-    REQUIRE_THROWS_WITH(rmsnorm_backward_cuda(misaligned, aligned, aligned, aligned, aligned, stats, 4, 64, stats, 0),
+    REQUIRE_THROWS_WITH(norm_backward_cuda(Norm::RMSNorm, misaligned, aligned, nullptr, aligned, aligned, aligned,
+                                           nullptr, stats, 4, 64, stats, 0),
                         Catch::Contains("not 16-byte aligned"));
 }
 
@@ -222,7 +232,7 @@ void require_close(const char* what, const std::vector<float>& gpu, const std::v
 // bf16 tolerances, as the layernorm's: the residual rounds once, out twice, rstd is fp32 from the same inputs
 void check_rmsnorm(long N, int C, float eps) {
     INFO("N " << N << ", C " << C << ", eps " << eps);
-    RmsnormCase k(N, C, eps, 26);
+    NormCase k(Norm::RMSNorm, N, C, eps, 26);
     k.gpu_fused_forward();
     require_close("residual", download(k.d_res), k.res, 1e-2);
     require_close("rmsnorm out", download(k.d_out), k.out, 2e-2);

@@ -1,4 +1,4 @@
-// layernorm: the kernels of llmc/layernorm.cuh (variant 2) beside the ones they replaced (variant 1), each checked
+// layernorm: the LayerNorm kernels of llmc/norm.cuh (variant 2) beside the ones they replaced (variant 1), each checked
 // against the CPU reference (outputs poisoned first) and timed against the copy bandwidth on GPT-2 124M's shape at
 // B=64, T=1024 (each activation 100 MB, twice the H100's L2) and on d48's width, 1600.
 //   variant 1: a warp per row, three passes over the row with 4-byte accesses (L1 serves the second and third
@@ -7,11 +7,11 @@
 //              summed per block in shared memory, and their final sum spread over column groups and row phases
 // Checks: fused residual + layernorm (residual, out, mean, rstd), the same with the residual stream updated in
 // place, plain forward, backward (dinp, dweight, dbias accumulated into random values), the backward's bits
-// reproducible. Inputs and the CPU reference: LayernormCase in layernorm_case.h.
-#include "dev/cuda/layernorm_case.h"
+// reproducible. Inputs and the CPU reference: NormCase in norm_case.h.
+#include "dev/cuda/norm_case.h"
 
 // ------------------------------------------------------------------------------------------------------------
-// variant 1, as llmc/layernorm.cuh had it
+// variant 1, as llmc/layernorm.cuh (now llmc/norm.cuh) had it
 
 // x = inp1 + inp2 rounded to bf16 (the value the residual stream stores, which the backward will see), or inp1
 static __device__ __forceinline__ float2 layernorm_input_v1(const bf16* inp1, const bf16* inp2, long i) {
@@ -154,7 +154,7 @@ inline void layernorm_backward_cuda_v1(bf16* dinp, bf16* dweight, bf16* dbias, c
 
 // ------------------------------------------------------------------------------------------------------------
 
-static void check_variant(Checks& checks, LayernormCase& k, int variant) {
+static void check_variant(Checks& checks, NormCase& k, int variant) {
     if (!have_gpu()) return;
     std::string v = strfmt("v%d N=%ld C=%d ", variant, k.N, k.C);
     for (auto* buffer : {&k.d_res, &k.d_out}) buffer->poison();
@@ -204,7 +204,7 @@ static void check_variant(Checks& checks, LayernormCase& k, int variant) {
 }
 
 // each timed call cycles through its own copies of the activations; weights and statistics are shared
-static void time_variant(LayernormCase& k, int variant) {
+static void time_variant(NormCase& k, int variant) {
     if (!have_gpu()) return;
     long N = k.N;
     int C = k.C;
@@ -219,8 +219,8 @@ static void time_variant(LayernormCase& k, int variant) {
                 fused_residual_layernorm_forward_cuda_v1(res[s], out[s], k.d_mean.ptr, k.d_rstd.ptr, a[s], b[s],
                                                          k.d_w.ptr, k.d_bias.ptr, N, C, 0);
             else
-                fused_residual_layernorm_forward_cuda(res[s], out[s], k.d_mean.ptr, k.d_rstd.ptr, a[s], b[s], k.d_w.ptr,
-                                                      k.d_bias.ptr, N, C, 0);
+                fused_residual_norm_forward_cuda(Norm::LayerNorm, res[s], out[s], k.d_mean.ptr, k.d_rstd.ptr, a[s], b[s],
+                                                 k.d_w.ptr, k.d_bias.ptr, N, C, k.eps, 0);
         },
         sets);
     float backward_ms = median_ms(
@@ -229,8 +229,8 @@ static void time_variant(LayernormCase& k, int variant) {
                 layernorm_backward_cuda_v1(dinp[s], k.d_dw.ptr, k.d_db.ptr, dout[s], res[s], k.d_w.ptr, k.d_mean.ptr,
                                            k.d_rstd.ptr, N, C, scratch_v1.ptr, 0);
             else
-                layernorm_backward_cuda(dinp[s], k.d_dw.ptr, k.d_db.ptr, dout[s], res[s], k.d_w.ptr, k.d_mean.ptr,
-                                        k.d_rstd.ptr, N, C, k.scratch.ptr, 0);
+                norm_backward_cuda(Norm::LayerNorm, dinp[s], k.d_dw.ptr, k.d_db.ptr, dout[s], res[s], k.d_w.ptr, k.d_mean.ptr,
+                                   k.d_rstd.ptr, N, C, k.scratch.ptr, 0);
         },
         sets);
     report_memory_bound(strfmt("v%d fused residual+layernorm N=%ld C=%d", variant, N, C), fused_ms, forward_bytes);
@@ -243,7 +243,7 @@ int main() {
     Checks checks;
     const long shapes[][2] = {{64L * 1024, 768}, {16L * 1024, 1600}};
     for (auto& shape : shapes) {
-        LayernormCase k(shape[0], (int)shape[1], 3);
+        NormCase k(Norm::LayerNorm, shape[0], (int)shape[1], 1e-5f, 3);  // GPT-2's eps
         for (int variant = 1; variant <= 2; variant++) check_variant(checks, k, variant);
         for (int variant = 1; variant <= 2; variant++) time_variant(k, variant);
     }

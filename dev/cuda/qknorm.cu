@@ -1,11 +1,11 @@
-// qknorm: the kernels of llmc/qknorm.cuh (Qwen3's RMSNorm on each query and key head before RoPE), checked
+// qknorm: the QK-norm kernels of llmc/norm.cuh (Qwen3's RMSNorm on each query and key head before RoPE), checked
 // against the CPU reference (outputs poisoned first) and timed against the copy bandwidth at Qwen3's shapes
 // (heads of 128: 0.6B's 16 query and 8 key/value heads, 8B's 32 and 8; N = 16K rows, B·T of a 4×4096 batch). An
 // odd shape (one warp-pass short of a head: hd 12; a ragged last backward block) is checked but not timed.
 // Checks: forward (out, rstd), backward in place (dinp = dout) with the weights' gradients accumulated into
 // random values, the backward's bits reproducible.
 #include "dev/cuda/common.h"
-#include "llmc/qknorm.cuh"
+#include "llmc/norm.cuh"
 
 struct QkNormCase {
     long N;

@@ -1,14 +1,14 @@
-// rmsnorm: the kernels of llmc/rmsnorm.cuh, checked against the CPU reference (outputs poisoned first) and timed
+// rmsnorm: the RMSNorm kernels of llmc/norm.cuh, checked against the CPU reference (outputs poisoned first) and timed
 // against the copy bandwidth on Llama 3's widths (2048: 3.2 1B, 4096: 3.1 8B, 8192: 70B, 16384: 405B; N·C = 32M,
 // each activation 64 MiB, more than an H100's L2), one per row layout (1, 2, 4 and 8 warps a row), and on GPT-2's
 // 768 (4 vectors a thread) beside dev/cuda/layernorm's figure. An odd shape (C not a multiple of a group's
 // vectors, a ragged last backward block) with a large eps is checked but not timed.
 // Checks: fused residual + rmsnorm (residual, out, rstd), the same with the residual stream updated in place,
 // plain forward, backward (dinp, dweight accumulated into random values), the backward's bits reproducible.
-// Inputs and the CPU reference: RmsnormCase in rmsnorm_case.h.
-#include "dev/cuda/rmsnorm_case.h"
+// Inputs and the CPU reference: NormCase in norm_case.h.
+#include "dev/cuda/norm_case.h"
 
-static void check(Checks& checks, RmsnormCase& k) {
+static void check(Checks& checks, NormCase& k) {
     if (!have_gpu()) return;
     std::string v = strfmt("N=%ld C=%d eps=%g ", k.N, k.C, k.eps);
     for (auto* buffer : {&k.d_res, &k.d_out}) buffer->poison();
@@ -41,7 +41,7 @@ static void check(Checks& checks, RmsnormCase& k) {
 }
 
 // each timed call cycles through its own copies of the activations; weight and rstd are shared
-static void time_kernels(RmsnormCase& k) {
+static void time_kernels(NormCase& k) {
     if (!have_gpu()) return;
     long N = k.N;
     int C = k.C;
@@ -51,13 +51,14 @@ static void time_kernels(RmsnormCase& k) {
         dinp(k.d_dinp, sets);
     float fused_ms = median_ms(
         [&](int s) {
-            fused_residual_rmsnorm_forward_cuda(res[s], out[s], k.d_rstd.ptr, a[s], b[s], k.d_w.ptr, N, C, k.eps, 0);
+            fused_residual_norm_forward_cuda(Norm::RMSNorm, res[s], out[s], nullptr, k.d_rstd.ptr, a[s], b[s],
+                                             k.d_w.ptr, nullptr, N, C, k.eps, 0);
         },
         sets);
     float backward_ms = median_ms(
         [&](int s) {
-            rmsnorm_backward_cuda(dinp[s], k.d_dw.ptr, dout[s], res[s], k.d_w.ptr, k.d_rstd.ptr, N, C, k.scratch.ptr,
-                                  0);
+            norm_backward_cuda(Norm::RMSNorm, dinp[s], k.d_dw.ptr, nullptr, dout[s], res[s], k.d_w.ptr, nullptr,
+                               k.d_rstd.ptr, N, C, k.scratch.ptr, 0);
         },
         sets);
     report_memory_bound(strfmt("fused residual+rmsnorm N=%ld C=%d", N, C), fused_ms, forward_bytes);
@@ -71,11 +72,11 @@ int main() {
     const long timed[][2] = {{16L * 1024, 2048}, {8L * 1024, 4096}, {4L * 1024, 8192}, {2L * 1024, 16384},
                              {64L * 1024, 768}};
     for (auto& shape : timed) {
-        RmsnormCase k(shape[0], (int)shape[1], 1e-5f, 3);  // Llama 3's norm_eps
+        NormCase k(Norm::RMSNorm, shape[0], (int)shape[1], 1e-5f, 3);  // Llama 3's norm_eps
         check(checks, k);
         time_kernels(k);
     }
-    RmsnormCase odd(1001, 12296, 0.5f, 4);
+    NormCase odd(Norm::RMSNorm, 1001, 12296, 0.5f, 4);
     check(checks, odd);
     return program.finish(checks);
 }
