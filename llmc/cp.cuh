@@ -114,12 +114,6 @@ inline long cp_attention_pairs(const CPLayout& l) {
     return pairs;
 }
 
-// heads ring attention can run: KV dividing NH (the CUDA kernels refuse a head size they were not compiled for)
-inline void cp_check_heads(RingHeads a) {
-    if (a.NH < 1 || a.C % a.NH != 0) fail("ring attention: C=%d is not a multiple of NH=%d", a.C, a.NH);
-    if (a.KV < 1 || a.NH % a.KV != 0) fail("ring attention: %d key/value heads must divide the %d query heads", a.KV, a.NH);
-}
-
 // ==========================================================================================================
 // The ring
 
@@ -188,7 +182,7 @@ inline RingBuffers<floatX> ring_buffers(Ledger& led, int B, int Tl, RingHeads a)
 inline void cp_check_group(const CPLayout& l, const Comm& comm, RingHeads a) {
     if (comm.size != l.size || comm.rank != l.rank)
         fail("ring attention: the layout is rank %d of %d, the group rank %d of %d", l.rank, l.size, comm.rank, comm.size);
-    cp_check_heads(a);
+    attention_check_heads(a.C, a.NH, a.KV);
 }
 
 // out (B, Tl, C) and lse (B, NH, Tl, the global log-sum-exp of each query's scaled scores) of causal attention
@@ -312,7 +306,7 @@ struct ContextParallel {
     void prepare(int T, RingHeads heads) {
         if (!on()) return;
         layout = cp_layout(T, spec.size, spec.rank, spec.split);
-        cp_check_heads(heads);
+        attention_check_heads(heads.C, heads.NH, heads.KV);
     }
 
     // a forward on sequences of T tokens begins: the split for T, and where the kernels find its positions

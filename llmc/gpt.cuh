@@ -103,9 +103,9 @@ struct GPTModel {
 using GPT = GPTModel<float>;
 using GPTCuda = GPTModel<bf16>;
 
-// that the model and its sequences of T tokens split over tp × cp ranks as asked, or one line naming the flag
-// that does not fit
-inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const CPSpec& cp) {
+// that the model and its sequences of T tokens split over tp × cp ranks, and its experts over ep, as asked, or one
+// line naming the flag that does not fit (the trainer's check_layout and gpt_allocate both ask here)
+inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const CPSpec& cp, int ep) {
     validate_config(config, "model");
     if (T > config.max_seq_len) fail("-t %d: longer than the model's maximum sequence length %d", T, config.max_seq_len);
     if (config.num_heads % tp.size != 0)
@@ -128,6 +128,8 @@ inline void check_split(const GPTConfig& config, int T, const TPSpec& tp, const 
     if (tp.sp && (T / cp.size) % tp.size != 0)
         fail("--sp 1: the %d tokens of a sequence on each cp rank (-t %d / --cp %d) must be divisible by --tp %d", T / cp.size,
              T, cp.size, tp.size);
+    if (ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", ep);
+    if (config.num_experts % ep != 0) fail("--ep %d: must divide the number of experts (%d)", ep, config.num_experts);
 }
 
 // which of the model states the model allocates itself; ZeRO allocates the rest as shards
@@ -231,9 +233,7 @@ template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
     const TPSpec& tp = layout.tp;
-    check_split(config, T, tp, layout.cp);
-    if (config.num_experts % layout.ep != 0)
-        fail("--ep %d: must divide the number of experts (%d)", layout.ep, config.num_experts);
+    check_split(config, T, tp, layout.cp, layout.ep);
     ModelPart part = layout.part.chunks() > 0 ? layout.part : whole_part(config);
     int head_size = config.head_size();
     if (gpu && head_size != 64 && head_size != 128)

@@ -53,10 +53,7 @@ inline CheckedLayout check_layout(const Options& o, const GPTConfig& config, int
     CheckedLayout l;
     l.dp = grid_dp(world, grid_shape(o));
     if (o.sp == 1 && o.tp == 1) fail("--sp 1: sequence parallelism needs tensor parallelism (--tp > 1)");
-    check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)});
-    if (o.ep > 1 && !config.moe()) fail("--ep %d: the model has no experts to split (-e ...e<E>k<K>)", o.ep);
-    if (config.num_experts % o.ep != 0)
-        fail("--ep %d: must divide the number of experts (%d)", o.ep, config.num_experts);
+    check_split(config, o.T, TPSpec{o.tp, 0, o.sp == 1}, CPSpec{o.cp, 0, cp_split(o)}, o.ep);
     if (o.given.count("--moe-aux") && !config.moe()) fail("--moe-aux %g: the model has no experts", o.moe_aux);
     if (!o.moe_aux_scope.empty() && !config.moe())
         fail("--moe-aux-scope %s: the model has no experts", o.moe_aux_scope.c_str());
