@@ -479,7 +479,8 @@ struct Trainer {
         if (grid.ep > 1)
             printf("comm: rank 0 sent %.0f bytes on ep in this step; the formula for ep=%d (4 all-to-alls per layer of "
                    "the %ld rows it routed to or took from other ranks, and the counts) says %.0f\n", sent.ep, grid.ep,
-                   model.moe.rows_crossing, model.moe.formula_bytes(config.channels));
+                   model.moe.rows_crossing,
+                   ep_bytes_sent(model.moe.rows_crossing, model.moe.count_exchanges, config, grid.ep, device_of<floatX>));
     }
 
     // after the first step: the pipeline's idle time against its schedule's formula, and the trace (collectives

@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <vector>
 
 #include "llmc/activations.cuh"
@@ -150,24 +149,18 @@ struct ModelLinks {
     bool speaks = true;             // FP8: this rank says which weights stay out of a block recipe
 };
 
-// the experts' training settings (--moe-aux, --moe-bias-rate, --moe-aux-scope)
-struct ExpertSettings {
-    float aux_weight, bias_rate;
-    AuxScope aux_scope;
-};
-
 // How one rank holds the model: which states it allocates itself, its places in the tensor-, context- and
 // expert-parallel groups and the communicators of those groups, the part it holds (empty: the whole model; or a
 // pipeline stage's chunks), the micro-batches in flight, whether backward leaves the matmuls' weight gradients to
 // gpt_weight_grads_chunk (the zero-bubble pipeline's split backward), what -r recomputes and the experts' settings.
-// The defaults: one rank holding the whole model, with the routing's own settings (llmc/moe.cuh).
+// The defaults: one rank holding the whole model, with the experts' default settings (llmc/expert_settings.h).
 struct ModelLayout {
     ModelBuffers own;
     TPSpec tp;
     CPSpec cp;
     int ep = 1;
     ModelLinks links;
-    std::optional<ExpertSettings> experts;
+    ExpertSettings experts;
     float capacity = 0.0f;  // the experts' capacity factor (--moe-capacity; 0: every assignment taken)
     ModelPart part;
     int slots = 1;
@@ -228,7 +221,7 @@ inline BufferList gpt_buffers(GPTModel<floatX>& m, const GPTConfig& config, int 
 // Allocates the model's part as the layout says, for micro-batches of up to B×T tokens: checks the layout, walks
 // gpt_buffers' list through the model's ledger, and sets up what the list does not hold (the host's tokens, the
 // GPU scratch's registration, RoPE's table, the routing's host state); the parallel layout's communicators and
-// the experts' settings come in with the layout (ModelLinks, ExpertSettings: llmc/parallel.cuh fills them)
+// the experts' settings come in with the layout (ModelLinks from llmc/parallel.cuh, ExpertSettings from the options)
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
@@ -276,9 +269,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.moe.ep = links.ep, m.moe.ep_rank = links.ep_rank, m.moe.batch = links.batch;
     m.fp8.group = links.amaxes, m.fp8_experts.group = links.expert_amaxes;
     m.fp8.speaks = m.fp8_experts.speaks = links.speaks;
-    if (layout.experts)
-        m.moe.alpha = layout.experts->aux_weight, m.moe.bias_rate = layout.experts->bias_rate,
-        m.moe.aux_scope = layout.experts->aux_scope;
+    m.moe.settings = layout.experts;
 }
 
 // the sizes the model works with on a micro-batch of B×T tokens

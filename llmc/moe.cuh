@@ -57,6 +57,7 @@
 #include "llmc/cp.cuh"
 #include "llmc/device.cuh"
 #include "llmc/experts.cuh"
+#include "llmc/expert_settings.h"
 #include "llmc/ledger.h"
 #include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
@@ -614,9 +615,6 @@ struct MoERoute {
     long rows = 0;                  // rows on this rank's experts
 };
 
-// Where the aux loss's f comes from: each sequence's assignments, or the batch's (see the top)
-enum class AuxScope { Sequence, Batch };
-
 // ----------------------------------------------------------------------------------------------------------
 
 template <typename floatX>
@@ -625,9 +623,7 @@ struct MixtureOfExperts {
     Routing routing;          // the score function, the gates' normalization and scale
     // each model layer's selection bias (L·E, or empty: none), the same on every rank, and how fast it moves (γ)
     std::vector<float> bias;
-    float bias_rate = 0.001f;
-    float alpha = 0.01f;      // the aux loss's weight
-    AuxScope aux_scope = AuxScope::Sequence;
+    ExpertSettings settings;  // the aux loss's weight and scope, the bias's rate
     float capacity = 0.0f;    // F: an expert takes at most ceil(F·K·T/E) of a sequence's assignments (0: all)
     Comm* ep = nullptr;       // the expert-parallel group; null for a single rank
     Comm* batch = nullptr;    // the dp·cp group, whose tokens make the batch of the batch scope; null for one rank
@@ -651,7 +647,7 @@ struct MixtureOfExperts {
     // the batch group (L·E)
     std::vector<double> batch_load;
     // ... and what crossed ranks: the rows sent to other ranks' experts and received from other ranks, and the
-    // count exchanges (one per layer and micro-batch)
+    // count exchanges (one per layer and micro-batch), from which llmc/plan.h's ep_bytes_sent counts the bytes
     long rows_crossing = 0, count_exchanges = 0;
 
     bool on() const { return E > 1; }
@@ -660,14 +656,6 @@ struct MixtureOfExperts {
         std::fill(load.begin(), load.end(), 0.0);
         std::fill(batch_load.begin(), batch_load.end(), 0.0);
         dropped = rows_crossing = count_exchanges = 0;
-    }
-    // The bytes this rank sends over the ep group, by the formula: per layer and micro-batch, forward's dispatch
-    // and return and backward's two, each row of C elements sent once by dispatch or return (the rows it sends
-    // away go out in both dispatches, the rows it received come back in both returns), the counts, and once a
-    // step the gradient norm's partial sum (one double to each other rank: llmc/zero.cuh)
-    double formula_bytes(int C) const {
-        return 2.0 * rows_crossing * C * sizeof(floatX) + (double)count_exchanges * (ep_size - 1) * X * sizeof(int) +
-               (ep_size - 1) * sizeof(double);
     }
 
     // The buffers the layers share, for B sequences of BT/B tokens a micro-batch on this rank, `rows` the most its
@@ -862,7 +850,7 @@ struct MixtureOfExperts {
 
         // the router: its logits' gradients from the gates' and the aux loss (token_router_grad)
         router_grads<floatX>(dlogits, probs, scores, a.logits, a.expert, a.gate, dgates, a.freq, BT, Tl, E, K, routing,
-                             alpha, dloss);
+                             settings.aux_weight, dloss);
         // every tp rank holds the same router gradient; its part of dln is added once, before the tp reduction
         router_backward(tp.spec.rank == 0 ? dln : nullptr, dw.router, dlogits, ln2, w.router, BT, C, E);
         if (gated)  // ... and so the shared expert's gate's
@@ -907,7 +895,7 @@ struct MixtureOfExperts {
         if (cp.on()) cp.comm->wait(cp.comm->all_reduce(sums.data(), sums.data(), sums.size(), DType::F32));
         const float* prob_sums = sums.data() + (size_t)B * E;
         std::vector<float> f((size_t)B * E);
-        if (aux_scope == AuxScope::Sequence) {
+        if (settings.aux_scope == AuxScope::Sequence) {
             float T = (float)Tl * cp.spec.size;
             for (size_t i = 0; i < f.size(); i++) f[i] = sums[i] / (T * K);
         } else {
@@ -923,7 +911,7 @@ struct MixtureOfExperts {
             for (int b = 0; b < B; b++) {
                 double sum = 0.0;
                 for (int e = 0; e < E; e++) sum += (double)f[(size_t)b * E + e] * prob_sums[(size_t)b * E + e];
-                aux_sum += alpha * E * sum / ((double)Tl * cp.spec.size);
+                aux_sum += settings.aux_weight * E * sum / ((double)Tl * cp.spec.size);
             }
     }
 
@@ -978,7 +966,7 @@ struct MixtureOfExperts {
             const double* n = &global_load[l * E];
             double mean = std::accumulate(n, n + E, 0.0) / E;
             if (mean == 0) continue;  // a layer no token reached (a dense one)
-            for (int e = 0; e < E; e++) bias[l * E + e] += bias_rate * (float)((n[e] < mean) - (n[e] > mean));
+            for (int e = 0; e < E; e++) bias[l * E + e] += settings.bias_rate * (float)((n[e] < mean) - (n[e] > mean));
         }
     }
 

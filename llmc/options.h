@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "llmc/expert_settings.h"
 #include "llmc/pp_schedules.h"
 #include "llmc/schedule.h"
 #include "llmc/spikes.h"
@@ -65,10 +66,10 @@ struct Options {
     std::string cp_split = "zigzag";                    // --cp-split
     std::string pp_schedule = "1f1b";                   // --pp-schedule
     int vpp = 1;                                        // --vpp
-    float moe_aux = 0.01f;                              // --moe-aux: with experts
+    float moe_aux = ExpertSettings{}.aux_weight;        // --moe-aux: with experts
     std::string moe_aux_scope;                          // --moe-aux-scope; "": sequence with experts
     float moe_capacity = 0.0f;                          // --moe-capacity; 0: dropless
-    float moe_bias_rate = 0.001f;                       // --moe-bias-rate: with a router's selection bias
+    float moe_bias_rate = ExpertSettings{}.bias_rate;   // --moe-bias-rate: with a router's selection bias
     std::string trace;                                  // --trace
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r

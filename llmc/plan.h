@@ -338,17 +338,20 @@ inline double planned_pp_comm_bytes(const GPTConfig& c, const ParallelPlan& par,
            balancing_bytes(c, N);
 }
 
-// Bytes one rank sends to its ep group per optimizer step, for routing that spreads every token's K rows evenly
-// over the experts (the run counts what its routing really sent: MixtureOfExperts::formula_bytes). In each
-// sparse layer of each micro-step a rank sends (ep-1)/ep of its K·BT rows to other ranks' experts and receives as many
-// back from them; each row crosses twice in forward (dispatch, return) and twice in backward, C values as
-// stored. The counts exchange sends E/ep ints to each other rank per layer and micro-step, and the experts'
-// gradient norm one double to each.
+// Bytes one rank sends to its ep group per optimizer step, from the rows that crossed ranks (sent to another
+// rank's experts, or received from another rank) over every sparse layer and micro-step, and the count exchanges
+// (one per layer and micro-step, E/ep ints to each other rank). Each row crosses twice in forward (dispatch,
+// return) and twice in backward, C values as stored: the rows a rank sends away go out in both dispatches, the
+// rows it received come back in both returns. Once a step the experts' gradient norm sends one double to each
+// other rank. The run passes what its routing really sent (llmc/moe.cuh counts it); the plan, routing that spreads
+// every token's K rows evenly over the experts.
+inline double ep_bytes_sent(double rows_crossing, double count_exchanges, const GPTConfig& c, int ep, Device device) {
+    return 2 * rows_crossing * c.channels * stored_value_bytes(device) +
+           count_exchanges * (ep - 1) * (c.num_experts / ep) * sizeof(int) + (ep - 1) * sizeof(double);
+}
 inline double planned_ep_comm_bytes(const GPTConfig& c, const ParallelPlan& par, int B, int T, Device device) {
     if (par.ep == 1) return 0.0;
-    double N = par.ep, BT = (double)B * T / par.cp, L = sparse_layers(c, planned_part(c, par)), k = par.accumulation;
-    double rows_crossing = 2 * (N - 1) / N * c.top_k * BT;  // sent away, and received
-    double per_layer = 2 * rows_crossing * c.channels * stored_value_bytes(device) +
-                       (N - 1) * (c.num_experts / par.ep) * sizeof(int);
-    return k * L * per_layer + (N - 1) * sizeof(double);
+    double N = par.ep, BT = (double)B * T / par.cp, exchanges = par.accumulation * sparse_layers(c, planned_part(c, par));
+    // a rank sends (ep-1)/ep of its K·BT rows away and receives as many back, in each layer and micro-step
+    return ep_bytes_sent(exchanges * 2 * (N - 1) / N * c.top_k * BT, exchanges, c, par.ep, device);
 }

@@ -76,8 +76,7 @@ void check_against_pytorch(const std::string& dir, std::string model_path = "", 
     if (hf) hf_load(m.config, m.params, model_path);
     else gpt_load_params(m.config, m.params, model_path);
     ref = read_state(dir + "/state.bin", m.num_parameters);
-    m.moe.alpha = ref.aux_weight, m.moe.bias_rate = ref.bias_rate;
-    if (ref.aux_batch) m.moe.aux_scope = AuxScope::Batch;
+    m.moe.settings = ExpertSettings{ref.aux_weight, ref.bias_rate, ref.aux_batch ? AuxScope::Batch : AuxScope::Sequence};
     REQUIRE(ref.V == config.vocab_size);
     REQUIRE(ref.Vp == config.padded_vocab_size);
     long BT = (long)ref.B * ref.T;

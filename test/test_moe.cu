@@ -558,7 +558,7 @@ TEST_CASE("the pipeline's split weighs dense and sparse layers by the weights a 
 TEST_CASE("the selection bias moves by γ·sign(mean load − load) per layer, by hand; a layer no token reached stays",
           "[moe]") {
     MixtureOfExperts<float> moe;
-    moe.E = 4, moe.bias_rate = 0.25f;
+    moe.E = 4, moe.settings.bias_rate = 0.25f;
     moe.bias = {0.5f, -1.0f, 0.0f, 2.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // 3 layers of 4
     // layer 0: mean 5, loads 1 9 5 5; layer 1: all at the mean; layer 2: none (a dense layer)
     std::vector<double> load = {1, 9, 5, 5, 3, 3, 3, 3, 0, 0, 0, 0};
