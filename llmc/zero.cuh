@@ -36,6 +36,8 @@
 // shard, the tp group's partial sums) are small kernels beside their CPU loops. The fp32 master weights, which
 // AdamW updates, are sharded like the moments under ZeRO >= 1; each owned segment is updated with its offset
 // in the rank's whole share (adamw_update's global_offset), which the stochastic rounding draws its bits from.
+// Every buffer of the runtime (the shards, the staging, the FP8 gathers') is one list made from the groups' sizes
+// (DataParallel::buffers), which the ledger allocates and --plan reads (llmc/plan.h).
 #pragma once
 
 #include <algorithm>
