@@ -295,22 +295,3 @@ struct Fp8Gathers {
             ready[base + (packed ? g.packed : g.flat)] = {codes + g.code, pairs + 2 * g.scale, g.rows, g.cols};
     }
 };
-
-// The bytes of a group's gathers: the codes the layers read (ZeRO-1/2: every FP8 weight's, kept; ZeRO-3: a
-// gathered bucket's, in each of its three stagings) and the wire's staging (ZeRO-1/2: the rank's piece and the
-// gathered pieces; ZeRO-3: both in each staging)
-struct Fp8GatherBytes {
-    size_t params = 0, comm = 0;
-};
-inline Fp8GatherBytes fp8_gather_bytes(const std::vector<Fp8BucketWire>& wires, int N, int zero, size_t code_bytes) {
-    size_t codes = 0, max_codes = 0, max_piece = 0;
-    for (const Fp8BucketWire& w : wires) {
-        codes += w.codes;
-        max_codes = std::max(max_codes, w.codes);
-        max_piece = std::max(max_piece, w.piece_bytes);
-    }
-    Fp8GatherBytes b;
-    if (zero == 3) b.comm = 3 * (code_bytes * max_codes + (size_t)(N + 1) * max_piece);
-    else b.params = code_bytes * codes, b.comm = (size_t)(N + 1) * max_piece;
-    return b;
-}

@@ -122,8 +122,8 @@ struct ParallelState {
         StageLinks stages{pp.on() ? &grid.pp_comm : nullptr, m.part.tied_across_stages() ? &grid.tied_comm : nullptr};
         ExpertLinks experts{grid.ep > 1 ? &grid.expert_replicas() : nullptr, &grid.ep_comm};
         dpr.reset(new DataParallel<floatX>(m, grid.dp_cp(), zero, bucket_floats, stages, experts, fp8_param_gather));
-        adam_m = zero >= 1 ? dpr->shard_m : m.adam_m;
-        adam_v = zero >= 1 ? dpr->shard_v : m.adam_v;
+        adam_m = zero >= 1 ? dpr->shard.m : m.adam_m;
+        adam_v = zero >= 1 ? dpr->shard.v : m.adam_v;
         moments = zero >= 1 ? dpr->shard_size() : m.num_parameters;
         staged_m.resize(on_gpu ? moments : 0), staged_v.resize(on_gpu ? moments : 0);
         share = share_runs(m.config, share_spec(), m.part);

@@ -1,10 +1,12 @@
 // --plan: the memory a run will need, per ledger category, predicted from the flags alone (no allocation), and
-// the bytes each parallelism sends per step. The model's memory is the list of buffers its allocation walks
-// (llmc/gpt.cuh's gpt_buffers: the model states it holds whole, the activations of llmc/activations.cuh, the
-// scratch, the ring's and the experts' buffers), made here for the planned rank's layout without allocating, so
-// the plan and the Ledger agree by construction. What this file adds is arithmetic that is no allocation of the
-// model: the layout's (the micro-batches a pipeline schedule keeps in flight, ZeRO's buckets), the data-parallel
-// runtime's shards and staging (llmc/zero.cuh), and the communication formulas.
+// the bytes each parallelism sends per step. A rank's memory is the list of buffers its allocations walk
+// (llmc/gpt.cuh's gpt_buffers: the model states the model holds whole, the activations of llmc/activations.cuh,
+// the scratch, the ring's and the experts' buffers; llmc/zero.cuh's DataParallel::buffers: the shards of the
+// other states, the staging of the collectives, the FP8 gathers'), made here for the planned rank's layout
+// without allocating, so the plan and the Ledger agree by construction. What this file adds is arithmetic that
+// is no allocation: the layout's (the micro-batches a pipeline schedule keeps in flight, the reduction groups and
+// their buckets, which llmc/step_time.h's step model reads too), the Playbook's model-state formulas, and the
+// communication formulas.
 //
 // Notation as in the Ultra-Scale Playbook: Ψ parameters, L layers, C channels (h), NH heads (a), B×T tokens
 // (b, s), Vp padded vocab. On the CPU everything is fp32 (4 bytes), the parameters are their own master copy,
@@ -130,7 +132,8 @@ struct StatePrecision {
 constexpr StatePrecision CPU_FP32 = {4, 0, 4, 8};
 constexpr StatePrecision BF16_MIXED = {2, 4, 2, 8};
 
-// one rank's model states: whole (psi elements) or sharded (shard elements) as the ZeRO stage says
+// one rank's model states by the Playbook's formulas: whole (psi elements) or sharded (shard elements) as the ZeRO
+// stage says (--plan prints them in bf16 mixed precision beside a CPU plan)
 inline void plan_model_states(size_t bytes[MEM_CATEGORIES], size_t psi, size_t shard, int zero, StatePrecision e) {
     bytes[MEM_PARAMS] = e.params * (zero >= 3 ? shard : psi);
     bytes[MEM_MASTER_WEIGHTS] = e.master * (zero >= 1 ? shard : psi);
@@ -158,60 +161,53 @@ inline ModelLayout planned_layout(const GPTConfig& c, const ParallelPlan& par) {
     return l;
 }
 
-// The buffers the planned rank's model allocates, in the storage type floatX: the list gpt_allocate walks
-// (gpt_buffers), made for a model that is never allocated, and with --fp8 gpt_allocate_fp8's
+// The buffers the planned rank's data-parallel runtime allocates, in the storage type floatX: the list its
+// constructor walks (DataParallel::buffers), made for reduction groups that are never allocated, each with its
+// ranks and buckets (planned_groups) and under --fp8-param-gather its wires (planned_wires)
+template <typename floatX>
+inline BufferList planned_zero_buffers(const GPTConfig& c, const ParallelPlan& par) {
+    using Runtime = DataParallel<floatX>;
+    std::vector<PlannedGroup> planned = planned_groups(c, par);
+    PlannedWires wires = planned_wires(c, par, device_of<floatX>);
+    std::vector<typename Runtime::Group> groups(planned.size());
+    for (size_t i = 0; i < planned.size(); i++) {
+        groups[i].N = planned[i].ranks, groups[i].layout = planned[i].layout;
+        if (par.fp8_param_gather) groups[i].wires = wires.groups[i];
+    }
+    ZeroShards<floatX> shards;
+    Fp8Gathers<floatX> fp8;
+    fp8.scales = wires.scales;
+    return Runtime::buffers(shards, groups, par.zero, par.fp8_param_gather ? &fp8 : nullptr);
+}
+
+// The buffers the planned rank allocates, in the storage type floatX, in the order a run allocates them: the list
+// gpt_allocate walks (gpt_buffers), made for a model that is never allocated, with --fp8 gpt_allocate_fp8's, then
+// its data-parallel runtime's (planned_zero_buffers). Only the sizes of the list are read, never the pointers.
 template <typename floatX>
 inline BufferList planned_buffers(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par) {
-    GPTModel<floatX> unallocated;  // only the sizes of its list are read, never the pointers
+    GPTModel<floatX> unallocated;
     BufferList list = gpt_buffers(unallocated, c, B, T, planned_layout(c, par), threads);
     if (par.fp8) {
         LocalDims d = local_dims(c, TPSpec{par.tp, 0, par.sp}, B, T, par.cp, par.ep, par.capacity);
         append(list, fp8_buffers(unallocated.fp8, fp8_layer_sizes(d, par.tp * par.cp, device_of<floatX>, par.fp8_recipe)));
     }
+    append(list, planned_zero_buffers<floatX>(c, par));
     return list;
 }
 inline BufferList planned_buffers(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par, Device dev) {
     return dev == Device::CUDA ? planned_buffers<bf16>(c, B, T, threads, par) : planned_buffers<float>(c, B, T, threads, par);
 }
 
-// The memory a rank needs: its model's buffers (planned_buffers: the parameters, gradients and optimizer states
-// it holds whole, the activations of the micro-batches in flight, the scratch, the ring's and the experts'
-// buffers, the FP8 casts'), and what its data-parallel runtime allocates (llmc/zero.cuh), by ZeRO's arithmetic:
-// the shards of the other states, the staging of the reductions and gathers in flight, and --fp8-param-gather's
-// buffers. A pipeline's exchanges need none of their own: the embeddings' output is where the previous stage's
-// activations arrive, and the last layer's output the next stage's gradient.
+// The memory a rank needs: its buffers (planned_buffers: the parameters, gradients and optimizer states its model
+// holds whole, the activations of the micro-batches in flight, the scratch, the ring's and the experts' buffers,
+// the FP8 casts'; its data-parallel runtime's shards of the other states, the staging of the reductions and
+// gathers in flight, and --fp8-param-gather's buffers). A pipeline's exchanges need none of their own: the
+// embeddings' output is where the previous stage's activations arrive, and the last layer's output the next
+// stage's gradient.
 inline MemoryPlan plan_memory(const GPTConfig& c, int B, int T, int threads, const ParallelPlan& par = {},
                               Device dev = Device::CPU) {
-    const size_t F = sizeof(float), X = (size_t)stored_value_bytes(dev);  // fp32, and the storage type
     MemoryPlan p;
     add_bytes(p.bytes, planned_buffers(c, B, T, threads, par, dev));
-    if (par.grad_ranks() == 1 && par.zero == 0) return p;  // one dp rank without ZeRO stages nothing
-    // the shards: from ZeRO-1 the master weights and moments, from ZeRO-2 the gradients, at ZeRO-3 the parameters
-    const StatePrecision e = dev == Device::CUDA ? BF16_MIXED : CPU_FP32;
-    const size_t shard = planned_shard_size(c, par);
-    if (par.zero >= 1) p.bytes[MEM_MASTER_WEIGHTS] += e.master * shard, p.bytes[MEM_OPTIMIZER] += e.optimizer * shard;
-    if (par.zero >= 2) p.bytes[MEM_GRADS] += e.grads * shard;
-    if (par.zero >= 3) p.bytes[MEM_PARAMS] += e.params * shard;
-    // staging for reductions in flight, in each group that reduces (more than one rank, or ZeRO): the embeddings'
-    // bucket and two others, each with its piece; under ZeRO-3 also the gathered parameters: the embeddings'
-    // bucket, the bucket in use and the next one
-    size_t staging = 0;
-    std::vector<PlannedGroup> groups = planned_groups(c, par);
-    for (const PlannedGroup& g : groups) {
-        if (g.ranks == 1 && par.zero == 0) continue;
-        const BucketLayout& lay = g.layout;
-        const Bucket& b = lay.embeddings();
-        staging += b.padded + b.piece + 2 * (lay.max_padded + lay.max_piece);
-        if (par.zero == 3) staging += b.padded + 2 * lay.max_padded;
-    }
-    p.bytes[MEM_COMM] += X * staging;
-    // --fp8-param-gather: the scales, the codes the layers read and the wire's staging
-    PlannedWires wires = planned_wires(c, par, dev);
-    if (par.fp8_param_gather) p.bytes[MEM_PARAMS] += 2 * F * wires.scales;
-    for (size_t i = 0; i < wires.groups.size(); i++) {
-        Fp8GatherBytes b = fp8_gather_bytes(wires.groups[i], groups[i].ranks, par.zero, dev == Device::CUDA ? 1 : F);
-        p.bytes[MEM_PARAMS] += b.params, p.bytes[MEM_COMM] += b.comm;
-    }
     return p;
 }
 

@@ -36,6 +36,8 @@
 // shard, the tp group's partial sums) are small kernels beside their CPU loops. The fp32 master weights, which
 // AdamW updates, are sharded like the moments under ZeRO >= 1; each owned segment is updated with its offset
 // in the rank's whole share (adamw_update's global_offset), which the stochastic rounding draws its bits from.
+// Every buffer of the runtime (the shards, the staging, the FP8 gathers') is one list made from the groups' sizes
+// (DataParallel::buffers), which the ledger allocates and --plan reads (llmc/plan.h).
 #pragma once
 
 #include <algorithm>
@@ -194,6 +196,16 @@ struct ExpertLinks {
     Comm* ep = nullptr;
 };
 
+// this rank's shards of the model states: its pieces of every bucket, back to back (null where the stage keeps
+// the state whole in the model)
+template <typename floatX>
+struct ZeroShards {
+    float *m = nullptr, *v = nullptr;  // AdamW's moments: ZeRO >= 1
+    float* master = nullptr;           // ZeRO >= 1 on the GPU (the CPU's parameters are fp32)
+    floatX* grads = nullptr;           // ZeRO >= 2
+    floatX* params = nullptr;          // ZeRO 3
+};
+
 // The runtime is a template over the model's storage type (llmc/device.cuh): the same code on host buffers
 // (CPU) and device buffers (GPU).
 template <typename floatX>
@@ -217,8 +229,8 @@ struct DataParallel : ParamStore<floatX> {
     // rank's pieces of them and the staging of its collectives. Every hook below runs on each group in turn,
     // always in the same order, so the collectives of every group start in the same order on all its ranks.
     struct Group {
-        Comm* comm;
-        int N, rank;
+        Comm* comm = nullptr;
+        int N = 1, rank = 0;
         bool experts = false;  // the expert tensors, over the expert replicas
         BucketLayout layout;   // its buckets' shard offsets count from the start of the rank's shards
         std::vector<std::vector<OwnedSegment>> owned;  // per bucket
@@ -244,10 +256,7 @@ struct DataParallel : ParamStore<floatX> {
     StageLinks links;
     ExpertLinks expert_links;
     std::vector<Group> groups;  // [0] over comm; [1] the experts over their replicas, under expert parallelism
-    float *shard_m = nullptr, *shard_v = nullptr;  // ZeRO >= 1
-    float* shard_master = nullptr;                 // ZeRO >= 1 on the GPU (the CPU's parameters are fp32)
-    floatX* shard_grads = nullptr;                 // ZeRO >= 2
-    floatX* shard_params = nullptr;                // ZeRO 3
+    ZeroShards<floatX> shard;
     bool last_micro_step = true, backward = false;
     uint64_t started = 0;
     GradientPlan plan;  // which gradients are partial sums over tp, and which the norm counts on another rank
@@ -268,66 +277,90 @@ struct DataParallel : ParamStore<floatX> {
         m.store = this;
         plan = gradient_plan(m.table, m.param_sizes, m.tp.size(), m.tp.spec.rank, m.tp.spec.sp,
                              m.part.tied_across_stages() && !m.part.first);
-        Ledger& led = m.ledger;
+        if (fp8_param_gather) lay_fp8_wires();
+        m.ledger.template allocate<floatX>(buffers(shard, groups, stage, fp8.get()));
+        if (fp8) offer_fp8_codes();
+    }
+
+    // The runtime's memory, as the list the constructor allocates and --plan reads (llmc/plan.h): made from the
+    // sizes alone (each group's ranks, buckets and, with fp8, wires; fp8's count of scales), so the shards and
+    // the groups may be ones never allocated. In order: the shards the stage keeps (from ZeRO-1 the moments and on
+    // the GPU the master weights, from ZeRO-2 the gradients, at ZeRO-3 the parameters); each group's staging for
+    // its reductions in flight, the embeddings' bucket and two others, each with its piece, and under ZeRO-3 for
+    // its gathers, the embeddings' bucket, the bucket in use and the next one (a group of one rank without ZeRO
+    // stages nothing); and under --fp8-param-gather the buffers of the gathers (fp8_gather_buffers).
+    static BufferList buffers(ZeroShards<floatX>& shard, std::vector<Group>& groups, int stage, Fp8Gathers<floatX>* fp8) {
+        size_t n = 0;
+        for (const Group& g : groups) n += g.layout.shard_size;
+        BufferList list;
         if (stage >= 1) {
-            if (device_of<floatX> == Device::CUDA) shard_master = led.alloc<floatX, float>(MEM_MASTER_WEIGHTS, shard_size());
-            shard_m = led.alloc<floatX, float>(MEM_OPTIMIZER, shard_size());
-            shard_v = led.alloc<floatX, float>(MEM_OPTIMIZER, shard_size());
+            if (device_of<floatX> == Device::CUDA) list.push_back(planned("zero master", MEM_MASTER_WEIGHTS, shard.master, n));
+            list.push_back(planned("zero adam_m", MEM_OPTIMIZER, shard.m, n));
+            list.push_back(planned("zero adam_v", MEM_OPTIMIZER, shard.v, n));
         }
-        if (stage >= 2) shard_grads = led.alloc<floatX, floatX>(MEM_GRADS, shard_size());
-        if (stage >= 3) shard_params = led.alloc<floatX, floatX>(MEM_PARAMS, shard_size());
+        if (stage >= 2) list.push_back(planned("zero grads", MEM_GRADS, shard.grads, n));
+        if (stage >= 3) list.push_back(planned("zero params", MEM_PARAMS, shard.params, n));
         for (Group& g : groups) {
             if (g.N == 1 && stage == 0) continue;  // one rank of the group (tp or pp alone): nothing to stage
             const Bucket& e = g.layout.embeddings();
+            g.reduce_staging.resize(3);
+            if (stage == 3) g.gather_staging.resize(3);
             for (int i = 0; i < 3; i++) {
-                Staging s;
-                s.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : g.layout.max_padded);
-                s.piece = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.piece : g.layout.max_piece);
-                g.reduce_staging.push_back(s);
-                if (stage == 3) {
-                    Staging gs;
-                    gs.packed = led.alloc<floatX, floatX>(MEM_COMM, i == 0 ? e.padded : g.layout.max_padded);
-                    g.gather_staging.push_back(gs);
-                }
+                size_t padded = i == 0 ? e.padded : g.layout.max_padded, piece = i == 0 ? e.piece : g.layout.max_piece;
+                list.push_back(planned("reduce staging", MEM_COMM, g.reduce_staging[i].packed, padded));
+                list.push_back(planned("reduce staging piece", MEM_COMM, g.reduce_staging[i].piece, piece));
+                if (stage == 3) list.push_back(planned("gather staging", MEM_COMM, g.gather_staging[i].packed, padded));
             }
         }
-        if (fp8_param_gather) gather_fp8_codes();
+        if (fp8) append(list, fp8_gather_buffers(groups, stage, *fp8));
+        return list;
     }
 
-    // --fp8-param-gather: each group's wire layouts and the buffers of its gathers (fp8_gather_bytes counts them for
-    // the plan); the FP8 layers then look their weights up in fp8->ready
-    void gather_fp8_codes() {
+    // --fp8-param-gather's buffers: every FP8 weight's scales, and in each group with FP8 weights the codes the layers
+    // read (ZeRO-1/2: every FP8 weight's, kept; ZeRO-3: a gathered bucket's, in each of its three gather stagings)
+    // and the wire's staging (ZeRO-1/2: the rank's piece and the gathered pieces; ZeRO-3: both in each staging)
+    static BufferList fp8_gather_buffers(std::vector<Group>& groups, int stage, Fp8Gathers<floatX>& fp8) {
+        BufferList list{planned("fp8 gather scales", MEM_PARAMS, fp8.pairs, 2 * fp8.scales)};
+        for (Group& g : groups) {
+            size_t codes = 0, max_codes = 0, max_piece = 0;
+            for (const Fp8BucketWire& w : g.wires)
+                codes += w.codes, max_codes = std::max(max_codes, w.codes), max_piece = std::max(max_piece, w.piece_bytes);
+            if (max_codes == 0) continue;
+            if (stage == 3) {
+                for (Staging& s : g.gather_staging) {
+                    list.push_back(planned("fp8 gather codes", MEM_COMM, s.codes, max_codes));
+                    list.push_back(planned("fp8 wire piece", MEM_COMM, s.wire_piece, max_piece));
+                    list.push_back(planned("fp8 wire", MEM_COMM, s.wire, g.N * max_piece));
+                }
+            } else {
+                list.push_back(planned("fp8 gather codes", MEM_PARAMS, g.codes, codes));
+                list.push_back(planned("fp8 wire piece", MEM_COMM, g.wire_piece, max_piece));
+                list.push_back(planned("fp8 wire", MEM_COMM, g.wire, g.N * max_piece));
+            }
+        }
+        return list;
+    }
+
+    // --fp8-param-gather: each group's wire layouts, laid out before the buffers of its gathers are allocated
+    void lay_fp8_wires() {
         std::string why = fp8_param_gather_problem(stage, m.fp8.recipe, (long)m.B * m.T / m.cp.spec.size);
         if (!why.empty()) fail("--fp8-param-gather 1: %s", why.c_str());
         fp8.reset(new Fp8Gathers<floatX>());
         fp8->recipe = m.fp8.recipe;
-        Ledger& led = m.ledger;
         for (Group& g : groups) {
             g.scales_first = fp8->scales;
             g.wires = fp8_bucket_wires(m.config, m.part, m.tp.size(), g.layout, g.N, fp8->recipe, sizeof(floatX), fp8->scales);
             g.scales = fp8->scales - g.scales_first;
+            size_t codes = 0;
+            for (const Fp8BucketWire& w : g.wires) g.codes_at.push_back(codes), codes += w.codes;
         }
-        fp8->pairs = led.alloc<floatX, float>(MEM_PARAMS, 2 * fp8->scales);
-        for (Group& g : groups) {
-            size_t codes = 0, max_codes = 0, max_piece = 0;
-            for (const Fp8BucketWire& w : g.wires) {
-                g.codes_at.push_back(codes);
-                codes += w.codes, max_codes = std::max(max_codes, w.codes), max_piece = std::max(max_piece, w.piece_bytes);
-            }
-            if (max_codes == 0) continue;
-            if (stage == 3) {
-                for (Staging& s : g.gather_staging) {
-                    s.codes = led.alloc<floatX, Code>(MEM_COMM, max_codes);
-                    s.wire_piece = led.alloc<floatX, uint8_t>(MEM_COMM, max_piece);
-                    s.wire = led.alloc<floatX, uint8_t>(MEM_COMM, g.N * max_piece);
-                }
-            } else {
-                g.codes = led.alloc<floatX, Code>(MEM_PARAMS, codes);
-                g.wire_piece = led.alloc<floatX, uint8_t>(MEM_COMM, max_piece);
-                g.wire = led.alloc<floatX, uint8_t>(MEM_COMM, g.N * max_piece);
+    }
+    // ... and once they are: under ZeRO-1/2 the codes each bucket's FP8 weights keep offered; the FP8 layers then
+    // look their weights up in fp8->ready
+    void offer_fp8_codes() {
+        if (stage < 3)
+            for (Group& g : groups)
                 for (size_t b = 0; b < g.wires.size(); b++) fp8->offer(g.wires[b], m.params, false, g.codes + g.codes_at[b]);
-            }
-        }
         m.fp8.ready = &fp8->ready;
         if (fp8_gathers_experts(fp8->recipe)) m.fp8_experts.ready = &fp8->ready;
     }
@@ -436,7 +469,7 @@ struct DataParallel : ParamStore<floatX> {
 
     void zero_grad() {
         if (stage < 2) gpt_zero_grad(m);
-        else device_zero<floatX>(shard_grads, shard_size());
+        else device_zero<floatX>(shard.grads, shard_size());
     }
 
     // finishes the gradient reduction and returns the global gradient norm, the same value on every rank, so
@@ -471,13 +504,13 @@ struct DataParallel : ParamStore<floatX> {
         float scale = clip_scale(norm, 1.0f);
         if (stage == 0) return gpt_update(m, lr, weight_decay, scale);
         m.adam_step++;
-        floatX* p = stage == 3 ? shard_params : m.params;
+        floatX* p = stage == 3 ? shard.params : m.params;
         const floatX* g = reduced_grads();
         for (const OwnedSegment& s : all_owned()) {
             if (!m.table[s.tensor].trained) continue;  // the router's selection bias: set_values moves it
             size_t pi = stage == 3 ? s.shard_offset : s.flat_offset, gi = stage >= 2 ? s.shard_offset : s.flat_offset;
-            adamw_update(p + pi, shard_master ? shard_master + s.shard_offset : nullptr, g + gi, shard_m + s.shard_offset,
-                         shard_v + s.shard_offset, (long)s.size, lr, m.table[s.tensor].decayed ? weight_decay : 0.0f, scale,
+            adamw_update(p + pi, shard.master ? shard.master + s.shard_offset : nullptr, g + gi, shard.m + s.shard_offset,
+                         shard.v + s.shard_offset, (long)s.size, lr, m.table[s.tensor].decayed ? weight_decay : 0.0f, scale,
                          m.adam_step, m.seed, (long)s.flat_offset);
         }
         if (fp8) params_changed();
@@ -547,23 +580,23 @@ struct DataParallel : ParamStore<floatX> {
             size_t lo = std::max(at, s.flat_offset), hi = std::min(at + n, s.flat_offset + s.size);
             if (lo >= hi) continue;
             size_t into = s.shard_offset + (lo - s.flat_offset);
-            if (shard_master) device_upload<floatX>(shard_master + into, values + (lo - at), hi - lo);
-            if (shard_params) upload_from_float(shard_params + into, values + (lo - at), hi - lo);
+            if (shard.master) device_upload<floatX>(shard.master + into, values + (lo - at), hi - lo);
+            if (shard.params) upload_from_float(shard.params + into, values + (lo - at), hi - lo);
         }
     }
 
     // ZeRO-3: keep this rank's pieces of full flat parameters (after initialization or loading)
     void scatter_params(const floatX* flat) {
         for (const OwnedSegment& s : all_owned())
-            device_copy<floatX>(shard_params + s.shard_offset, flat + s.flat_offset, s.size);
+            device_copy<floatX>(shard.params + s.shard_offset, flat + s.flat_offset, s.size);
     }
 
     // ZeRO >= 1 on the GPU: this rank's pieces of the fp32 parameters `share` (its whole tp share, on the host)
     // become its master weights, and under ZeRO-3 its parameter shard, rounded to nearest as gpt_set_params does
     void set_master(const float* share) {
         for (const OwnedSegment& s : all_owned())
-            device_upload<floatX>(shard_master + s.shard_offset, share + s.flat_offset, s.size);
-        if (shard_params) convert_on_device(shard_params, shard_master, (long)shard_size());
+            device_upload<floatX>(shard.master + s.shard_offset, share + s.flat_offset, s.size);
+        if (shard.params) convert_on_device(shard.params, shard.master, (long)shard_size());
     }
 
     // ... and back: every rank's pieces of the master weights, gathered bucket by bucket into `share` on the host
@@ -573,7 +606,7 @@ struct DataParallel : ParamStore<floatX> {
         for (Group& g : groups)
             for (const Bucket& bk : g.layout.buckets) {
                 DeviceTemp<floatX, float> packed(bk.padded);
-                g.comm->wait(g.comm->all_gather(shard_master + bk.shard_offset, packed.data, bk.piece, DType::F32));
+                g.comm->wait(g.comm->all_gather(shard.master + bk.shard_offset, packed.data, bk.piece, DType::F32));
                 host.resize(bk.padded);
                 device_download<floatX>(host.data(), packed.data, bk.padded);
                 size_t at = 0;
@@ -587,8 +620,8 @@ struct DataParallel : ParamStore<floatX> {
     void all_gather_bucket(Group& g, int b, floatX* flat) {
         const Bucket& bk = g.layout.buckets[b];
         Staging& s = g.reduce_staging[b == g.emb_bucket() ? 0 : 1];
-        const floatX* mine = shard_params ? shard_params + bk.shard_offset : s.piece;
-        if (!shard_params)
+        const floatX* mine = shard.params ? shard.params + bk.shard_offset : s.piece;
+        if (!shard.params)
             for (const OwnedSegment& o : g.owned[b])
                 device_copy<floatX>(s.piece + (o.shard_offset - bk.shard_offset), flat + o.flat_offset, o.size);
         g.comm->wait(g.comm->all_gather(mine, s.packed, bk.piece, dtype_of<floatX>()));
@@ -600,7 +633,7 @@ struct DataParallel : ParamStore<floatX> {
     auto owned_values(const Group& g, int b) const {
         size_t piece_start = g.rank * g.layout.buckets[b].piece, shard_at = g.layout.buckets[b].shard_offset;
         return [this, piece_start, shard_at](const Fp8WireRun& run) -> const floatX* {
-            return shard_params ? shard_params + shard_at + (run.packed - piece_start) : m.params + run.flat;
+            return shard.params ? shard.params + shard_at + (run.packed - piece_start) : m.params + run.flat;
         };
     }
 
@@ -660,7 +693,7 @@ struct DataParallel : ParamStore<floatX> {
     }
 
     // where the reduced gradients are: the shard under ZeRO-2/3, the flat buffer otherwise
-    const floatX* reduced_grads() const { return stage >= 2 ? shard_grads : m.grads; }
+    const floatX* reduced_grads() const { return stage >= 2 ? shard.grads : m.grads; }
 
     // The first and the last stage add their reduced gradients of the tied embeddings, as far as this rank
     // reads them: its piece of the shard under ZeRO-2/3; under ZeRO-1 the same piece of the flat tensors (the
@@ -671,7 +704,7 @@ struct DataParallel : ParamStore<floatX> {
         const Bucket& e = groups[0].layout.embeddings();
         size_t begin = stage == 1 ? std::min(groups[0].rank * e.piece, e.size) : 0;
         size_t n = stage == 0 ? e.size : stage == 1 ? std::min(e.piece, e.size - begin) : e.piece;
-        floatX* g = stage >= 2 ? shard_grads + e.shard_offset : m.grads + e.segments.front().offset + begin;
+        floatX* g = stage >= 2 ? shard.grads + e.shard_offset : m.grads + e.segments.front().offset + begin;
         links.tied->wait(links.tied->all_reduce(g, g, n, dtype_of<floatX>()));
     }
 
@@ -727,7 +760,7 @@ struct DataParallel : ParamStore<floatX> {
             st.taken = false;
             return;
         }
-        st.request = g.comm->all_gather(shard_params + bk.shard_offset, st.packed, bk.piece, dtype_of<floatX>());
+        st.request = g.comm->all_gather(shard.params + bk.shard_offset, st.packed, bk.piece, dtype_of<floatX>());
     }
     // ... and under --fp8-param-gather, once it has arrived: its pieces unpacked, the FP8 weights' codes offered
     void take(Group& g, Staging& st) {
@@ -779,7 +812,7 @@ struct DataParallel : ParamStore<floatX> {
         const Bucket& bk = g.layout.buckets[s.bucket];
         g.comm->wait(s.request);
         if (stage >= 2) {
-            accumulate(shard_grads + bk.shard_offset, s.piece, bk.piece);
+            accumulate(shard.grads + bk.shard_offset, s.piece, bk.piece);
         } else if (stage == 1) {
             for (const OwnedSegment& o : g.owned[s.bucket])
                 device_copy<floatX>(m.grads + o.flat_offset, s.piece + (o.shard_offset - bk.shard_offset), o.size);
