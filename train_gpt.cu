@@ -57,11 +57,11 @@ static CommSettings comm_settings(const Options& o, Device dev) {
 
 // the first line of a run: which device, and on the GPU which one (picked by the launcher's local rank) and which
 // attention kernels its layers run
-static std::string device_line(Device dev, bool plan) {
+static std::string device_line(Device dev, bool plan, AttentionKernels attention) {
     if (dev == Device::CPU) return strfmt("device: cpu, %d threads", omp_get_max_threads());
     if (plan) return "device: cuda (planned)";
     std::string gpu = gpu_description(select_gpu());
-    return "device: " + gpu + "; attention: " + attention_kernels_name(attention_kernels());
+    return "device: " + gpu + "; attention: " + attention_kernels_name(attention);
 }
 
 static GPTConfig model_config(const Options& o, const std::string& checkpoint_dir) {
@@ -138,6 +138,7 @@ struct RunSetup {
     int accumulation;
     long tokens_per_micro_step, total_batch;
     size_t bucket_floats;
+    AttentionKernels attention;  // the GPU's attention kernels (--attention, or the GPU's default)
 };
 
 // what one step did, for its line and main.log
@@ -160,7 +161,7 @@ struct Trainer {
     const RunSetup& run;
     const GPTConfig& config;
     const int accumulation;
-    std::string device = device_line(device_of<floatX>, false);
+    std::string device = device_line(device_of<floatX>, false, run.attention);
     size_t gpu_baseline = on_gpu ? gpu_memory_used() : 0;  // the CUDA context and whatever else holds the GPU
     CommSettings cs = comm_settings(o, device_of<floatX>);
     Comm world_comm;
@@ -226,7 +227,7 @@ struct Trainer {
         rank_layout.capacity = o.moe_capacity;
         rank_layout.part = stage_part(config, pp), rank_layout.slots = Pipeline<floatX>::slots_needed(actions, pp);
         rank_layout.split_backward = split_backward, rank_layout.recompute = o.recompute;
-        rank_layout.accumulation = accumulation;
+        rank_layout.accumulation = accumulation, rank_layout.attention_kernels = run.attention;
         rank_layout.experts = ExpertSettings{o.moe_aux, o.moe_bias_rate,
                                              o.moe_aux_scope == "batch" ? AuxScope::Batch : AuxScope::Sequence};
         gpt_allocate(model, config, o.B, o.T, rank_layout);
@@ -622,11 +623,12 @@ static int run(const Options& o) {
     Device dev = pick_device(o);
     if (o.attention == "wgmma" && dev == Device::CPU)
         fail("--attention wgmma: a GPU kernel; the cpu device has its own attention (use --device cuda)");
+    AttentionKernels attention = AttentionKernels::MMA;  // the cpu device has its own attention
     if (dev == Device::CUDA && !o.planning()) {
         select_gpu();
-        attention_select(o.attention);  // the device's default without the flag: wgmma on a Hopper, else mma
+        attention = attention_select(o.attention);  // without the flag the device's: wgmma on a Hopper, else mma
     }
-    if (!o.calibrate.empty()) return calibrate(o, dev, comm_settings(o, dev));
+    if (!o.calibrate.empty()) return calibrate(o, dev, comm_settings(o, dev), attention);
     if (o.comm == "nccl" && dev == Device::CPU)
         fail("--comm nccl: NCCL moves device buffers; the cpu device communicates with --comm mpi");
 
@@ -659,13 +661,14 @@ static int run(const Options& o) {
     size_t bucket_floats = o.bucket_floats();
     if (!o.plan && !resume_dir.empty())
         check_resume_from(inputs, run_layout(o, world, dp, total_batch, bucket_floats, dev), resume_dir);
-    if (o.plan) return print_plan(o, config, device_line(dev, true), dev, world, accumulation), 0;
+    if (o.plan) return print_plan(o, config, device_line(dev, true, attention), dev, world, accumulation), 0;
     if (!o.trace.empty() && detect_launch().rank == 0) {
         FILE* f = fopen(o.trace.c_str(), "w");  // refused now rather than after the first step
         if (!f) fail("--trace %s: cannot write (%s)", o.trace.c_str(), strerror(errno));
         fclose(f);
     }
-    RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats};
+    RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats,
+                 attention};
     return dev == Device::CUDA ? train<bf16>(o, run) : train<float>(o, run);
 }
 int main(int argc, char** argv) {

@@ -1557,7 +1557,8 @@ inline void attention_backward_hopper(bf16* dqkv, const bf16* dout, const bf16* 
 // ----------------------------------------------------------------------------------------------------------
 // which kernels the model's layers run: the wgmma ones where they can (a Hopper, and a binary with its sm_90a
 // code: faster there, e.g. a d12 step 126 ms against 136 on an H100), the mma.sync ones everywhere else
-// (--attention names one). Resolved once per process, here, for every attention the GPU runs.
+// (--attention names one). The model holds its choice (llmc/gpt.cuh) and passes it to every attention it runs,
+// the ring's blocks included; the CPU has its own attention and ignores it.
 
 enum class AttentionKernels { MMA, WGMMA };
 
@@ -1573,60 +1574,58 @@ inline AttentionKernels resolve_attention_kernels(const std::string& flag, bool 
     fail("--attention %s: expected mma or wgmma", flag.c_str());
 }
 
-// the kernels the layers run: this GPU's default until attention_select() says otherwise
-inline AttentionKernels& attention_kernels() {
-    static AttentionKernels kernels = [] {
-        std::string why_not;
-        bool hopper = attention_hopper_available(&why_not);
-        return resolve_attention_kernels("", hopper, why_not);
-    }();
-    return kernels;
-}
-
-// --attention (or its absence: flag ""): the layers run those kernels from now on
-inline void attention_select(const std::string& flag) {
+// the kernels --attention names on the current GPU (flag "": this GPU's default), or one line refusing the flag
+inline AttentionKernels attention_select(const std::string& flag) {
     std::string why_not;
     bool hopper = attention_hopper_available(&why_not);
-    attention_kernels() = resolve_attention_kernels(flag, hopper, why_not);
+    return resolve_attention_kernels(flag, hopper, why_not);
 }
 
 // ----------------------------------------------------------------------------------------------------------
 // the model's entry points. What forward keeps for backward differs by device: the CPU keeps the softmax
 // probabilities (B, NH, T, T) in `att`, the GPU only each row's logsumexp (B, NH, T), from which the flash
-// backward recomputes them tile by tile; the GPU backward also reads the forward's output `out`.
+// backward recomputes them tile by tile; the GPU backward also reads the forward's output `out`. Each device
+// ignores what only the other needs: the CPU backward's rows (T floats per thread), the GPU's workspace (D,
+// attention_backward_scratch_floats) and its kernels.
 
 #include "llmc/device.cuh"
 
+inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, int KV,
+                              AttentionKernels) {
+    attention_forward(out, att, qkv, B, T, C, NH, KV);
+}
 inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float*, const float* att, int B,
-                               int T, int C, int NH, int KV, float* scratch) {
-    attention_backward(dqkv, dout, qkv, att, B, T, C, NH, KV, scratch);
+                               int T, int C, int NH, int KV, float* rows, Workspace, AttentionKernels) {
+    attention_backward(dqkv, dout, qkv, att, B, T, C, NH, KV, rows);
 }
 
-inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV) {
-    if (attention_kernels() == AttentionKernels::WGMMA)
+inline void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KV,
+                              AttentionKernels kernels) {
+    if (kernels == AttentionKernels::WGMMA)
         attention_forward_hopper(out, lse, qkv, B, T, C, NH, KV, main_stream());
     else
         attention_forward_cuda(out, lse, qkv, B, T, C, NH, KV, main_stream());
 }
 inline void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B,
-                               int T, int C, int NH, int KV, float*) {
-    float* scratch = gpu_scratch(attention_backward_scratch_floats(B, T, C, NH), "attention_backward");
-    if (attention_kernels() == AttentionKernels::WGMMA)
+                               int T, int C, int NH, int KV, float*, Workspace workspace, AttentionKernels kernels) {
+    float* scratch = workspace.take(attention_backward_scratch_floats(B, T, C, NH), "attention_backward");
+    if (kernels == AttentionKernels::WGMMA)
         attention_backward_hopper(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, KV, main_stream());
     else
         attention_backward_cuda(dqkv, dout, qkv, out, lse, scratch, B, T, C, NH, KV, main_stream());
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// ring attention's blocks (llmc/cp.cuh) on the kernels the layers run (--attention): the block's output and
+// ring attention's blocks (llmc/cp.cuh) on the kernels the layers run (--attention), `kernels`: the block's output and
 // log-sum-exp in fp32, which the ring merges with its online softmax, and the block's share of dQ, dK and dV
 // added to the ring's fp32 accumulators. lse and delta are the global ones (over every key the queries see).
 
-inline void attention_block_forward(const AttentionBlock& a, AttentionRows<float> out, AttentionRows<float> lse) {
+inline void attention_block_forward(const AttentionBlock& a, AttentionRows<float> out, AttentionRows<float> lse,
+                                    AttentionKernels kernels) {
     attention_check_block(a);
     attention_dispatch(a.C, a.NH, a.KV, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
-        if (attention_kernels() == AttentionKernels::WGMMA)
+        if (kernels == AttentionKernels::WGMMA)
             attention_forward_hopper_launch<HS, float>(a, out, lse, main_stream());
         else
             attention_forward_launch<HS, ATT_FWD_SLABS, float>(a, out, lse, main_stream());
@@ -1635,12 +1634,12 @@ inline void attention_block_forward(const AttentionBlock& a, AttentionRows<float
 
 inline void attention_block_backward(const AttentionBlock& a, AttentionRows<const bf16> dout,
                                      AttentionRows<const float> lse, AttentionRows<const float> delta,
-                                     AttentionRows<float> dq, AttentionRows<float> dkv) {
+                                     AttentionRows<float> dq, AttentionRows<float> dkv, AttentionKernels kernels) {
     attention_check_block(a);
     require_aligned_16("attention: dout", dout.p);
     attention_dispatch(a.C, a.NH, a.KV, [&](auto hs) {
         constexpr int HS = decltype(hs)::value;
-        if (attention_kernels() == AttentionKernels::WGMMA)
+        if (kernels == AttentionKernels::WGMMA)
             attention_backward_hopper_launch<HS, float>(a, dout, lse, delta, dq, dkv, main_stream());
         else
             attention_backward_launch<HS, float>(a, dout, lse, delta, dq, dkv, main_stream());
@@ -1678,10 +1677,11 @@ struct RingHeads {
 // log-sum-exp (natural log, of the scaled scores).
 // backward: with the global lse and D = rowsum(dO∘O) of the query rows (B, NH, Tl), adds the block's share to
 // dq (B, Tl, C) at the query rows and to dkv (B, Tl, 2K) at the key rows, all fp32; a key/value head's gradient
-// sums its NH/KV query heads, in head order.
+// sums its NH/KV query heads, in head order. The GPU's blocks run the model's attention kernels (the CPU ignores
+// them).
 
 inline void ring_block_forward(float* out_blk, float* lse_blk, const float* qkv, int q0, const float* kv, int k0, int n,
-                               bool causal, int B, int Tl, RingHeads a) {
+                               bool causal, int B, int Tl, RingHeads a, AttentionKernels) {
     int hs = a.hs(), C = a.C, NH = a.NH;
     float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel for collapse(3)
@@ -1714,7 +1714,7 @@ inline void ring_block_forward(float* out_blk, float* lse_blk, const float* qkv,
 // entry; each recomputes the probabilities it needs.
 inline void ring_block_backward(float* dq, float* dkv, const float* dout, const float* qkv, int q0, const float* kv,
                                 int k0, int n, bool causal, const float* lse, const float* delta, int B, int Tl,
-                                RingHeads a) {
+                                RingHeads a, AttentionKernels) {
     int hs = a.hs(), C = a.C, NH = a.NH, group = a.NH / a.KV;
     float scale = 1.0f / sqrtf((float)hs);
     // key j's K and V (local row k0 + j) as query head h reads them
@@ -1780,18 +1780,18 @@ inline AttentionBlock ring_attention_block(const bf16* qkv, int q0, const bf16* 
 }
 
 inline void ring_block_forward(float* out_blk, float* lse_blk, const bf16* qkv, int q0, const bf16* kv, int k0, int n,
-                               bool causal, int B, int Tl, RingHeads a) {
+                               bool causal, int B, int Tl, RingHeads a, AttentionKernels kernels) {
     attention_block_forward(ring_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a), {out_blk, (long)n * a.C, a.C},
-                            {lse_blk, n, 1});
+                            {lse_blk, n, 1}, kernels);
 }
 
 inline void ring_block_backward(float* dq, float* dkv, const bf16* dout, const bf16* qkv, int q0, const bf16* kv,
                                 int k0, int n, bool causal, const float* lse, const float* delta, int B, int Tl,
-                                RingHeads a) {
+                                RingHeads a, AttentionKernels kernels) {
     attention_block_backward(ring_attention_block(qkv, q0, kv, k0, n, causal, B, Tl, a),
                              {dout + (long)q0 * a.C, (long)Tl * a.C, a.C}, {lse + q0, Tl, 1}, {delta + q0, Tl, 1},
                              {dq + (long)q0 * a.C, (long)Tl * a.C, a.C},
-                             {dkv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()});
+                             {dkv + (long)k0 * a.kv_row(), (long)Tl * a.kv_row(), a.kv_row()}, kernels);
 }
 
 // kv (rows, 2K) = the K and V columns of qkv (rows, C + 2K): what travels the ring

@@ -65,8 +65,10 @@ inline void fill_random(floatX* p, size_t n, uint64_t seed) {
     upload_from_float(p, host.data(), n);
 }
 
+// attention: the GPU's kernels that the model would run (--attention)
 template <typename floatX>
-inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& world, bool one_node) {
+inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& world, bool one_node,
+                                          AttentionKernels attention) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
     HardwareProfile h = base;
     Ledger led;
@@ -78,7 +80,8 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
     floatX* w = led.alloc<floatX, floatX>(MEM_SCRATCH, largest * largest);
     floatX* out = led.alloc<floatX, floatX>(MEM_SCRATCH, rows * largest);
     fill_random(a, rows * largest, 1), fill_random(w, largest * largest, 2);
-    float* workspace = gpu ? nullptr : led.alloc<floatX, float>(MEM_SCRATCH, gemm_workspace_floats(threads));
+    size_t panels = gpu ? 0 : gemm_workspace_floats(threads);  // the CPU's packing panels (cuBLASLt keeps its own)
+    Workspace workspace{panels ? led.alloc<floatX, float>(MEM_SCRATCH, panels) : nullptr, panels};
     for (auto& [size, rate] : h.matmul_tflops) {
         long n = (long)size;
         double s = seconds_per_call<floatX>([&] { matmul_forward(out, a, w, nullptr, rows, n, n, workspace); });
@@ -146,16 +149,16 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
         floatX* dout = led.alloc<floatX, floatX>(MEM_SCRATCH, BT * C);
         floatX* dqkv = led.alloc<floatX, floatX>(MEM_SCRATCH, BT * 3 * C);
         float* kept = led.alloc<floatX, float>(MEM_SCRATCH, (size_t)B * NH * T * (gpu ? 1 : T));
+        // the CPU's rows, or the GPU's workspace (D)
         size_t scratch_floats = gpu ? attention_backward_scratch_floats(B, T, C, NH) : (size_t)threads * T;
         float* scratch = led.alloc<floatX, float>(MEM_SCRATCH, scratch_floats);
-        if (gpu) gpu_scratch_registry() = {scratch, scratch_floats};
         fill_random(qkv, BT * 3 * C, 3), fill_random(dout, BT * C, 4);
         double s = seconds_per_call<floatX>([&] {
-            attention_forward(att_out, kept, qkv, B, T, C, NH, NH);
-            attention_backward(dqkv, dout, qkv, att_out, kept, B, T, C, NH, NH, scratch);
+            attention_forward(att_out, kept, qkv, B, T, C, NH, NH, attention);
+            attention_backward(dqkv, dout, qkv, att_out, kept, B, T, C, NH, NH, scratch, {scratch, scratch_floats},
+                               attention);
         });
         h.attention_tflops = 3.5 * 2.0 * B * T * (double)T * C / s / 1e12;
-        if (gpu) gpu_scratch_registry() = {};
     }
     // the element-wise kernels. Streaming: a residual sum reads two values and writes one; AdamW reads a
     // parameter, its gradient and two moments and writes three, 28 bytes (on the GPU with the master weight
@@ -197,8 +200,9 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
 }
 
 // --calibrate FILE: this machine's hardware profile, measured (calibrate_hardware) on top of the --hardware
-// profile's figures; rank 0 writes it under a temporary name and renames it, so a failed run leaves no half file
-inline int calibrate(const Options& o, Device dev, const CommSettings& comm) {
+// profile's figures, the GPU's attention on the kernels --attention chose (`attention`); rank 0 writes it under a
+// temporary name and renames it, so a failed run leaves no half file
+inline int calibrate(const Options& o, Device dev, const CommSettings& comm, AttentionKernels attention) {
     HardwareProfile base;
     std::string base_path;
     if (!plan_hardware(o, dev, base, base_path))
@@ -217,8 +221,8 @@ inline int calibrate(const Options& o, Device dev, const CommSettings& comm) {
     std::vector<double> hosts(world.size);
     world.wait(world.all_gather(&mine, hosts.data(), 1, DType::F64));
     bool one_node = std::all_of(hosts.begin(), hosts.end(), [&](double h) { return memcmp(&h, &mine, 8) == 0; });
-    HardwareProfile h = dev == Device::CUDA ? calibrate_hardware<bf16>(base, world, one_node)
-                                            : calibrate_hardware<float>(base, world, one_node);
+    HardwareProfile h = dev == Device::CUDA ? calibrate_hardware<bf16>(base, world, one_node, attention)
+                                            : calibrate_hardware<float>(base, world, one_node, attention);
     comm_finalize(world);
     if (world.rank != 0) return 0;
     // a profile calibrated before names the host it was measured on: the new measurement replaces that note

@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+#include "llmc/device.cuh"
+
 // the log of Σ exp over the first V entries, computed around the row's maximum for stability
 inline float logsumexp_row(const float* row, int V) {
     float maxv = -INFINITY;
@@ -21,8 +23,10 @@ inline float mean_loss(const float* losses, long N) {
     return (float)(total / N);
 }
 
-// losses[n] = -log softmax(logits[n])[targets[n]]; returns their mean
-inline float crossentropy_forward(float* losses, const float* logits, const int* targets, long N, int V, int Vp) {
+// losses[n] = -log softmax(logits[n])[targets[n]]; returns their mean. The workspace is the GPU's, for the mean
+// (the CPU needs none).
+inline float crossentropy_forward(float* losses, const float* logits, const int* targets, long N, int V, int Vp,
+                                  Workspace) {
 #pragma omp parallel for
     for (long n = 0; n < N; n++) {
         const float* row = logits + n * Vp;
@@ -48,7 +52,8 @@ inline void crossentropy_backward_inplace(float* logits, float* losses, const in
 
 // training's forward and backward in one pass: the losses and their mean as crossentropy_forward's, the logits
 // overwritten with their gradient as crossentropy_backward_inplace's
-inline float crossentropy_fused(float* losses, float* logits, const int* targets, long N, int V, int Vp, float dloss) {
+inline float crossentropy_fused(float* losses, float* logits, const int* targets, long N, int V, int Vp, float dloss,
+                                Workspace) {
     crossentropy_backward_inplace(logits, losses, targets, N, V, Vp, dloss);
     return mean_loss(losses, N);
 }
@@ -166,8 +171,6 @@ inline void crossentropy_backward_inplace_cuda(bf16* logits, float* losses, cons
 // the model's entry points on the GPU: the CPU functions' arguments, bf16 logits, targets in device memory.
 // The forward returns the mean loss, so it waits for the GPU: the one read of a forward pass.
 
-#include "llmc/device.cuh"
-
 // *mean = Σ losses / N, summed by one block in a fixed order
 static __global__ void mean_loss_kernel(float* mean, const float* losses, long N) {
     __shared__ float shared[32];
@@ -178,17 +181,18 @@ static __global__ void mean_loss_kernel(float* mean, const float* losses, long N
 }
 
 // the mean of N per-token losses on the GPU, read back (the one wait of the forward pass)
-inline float mean_loss_from_device(const float* losses, long N) {
-    float* mean = gpu_scratch(1, "crossentropy_forward");
+inline float mean_loss_from_device(const float* losses, long N, Workspace workspace) {
+    float* mean = workspace.take(1, "crossentropy_forward");
     mean_loss_kernel<<<1, 1024, 0, main_stream()>>>(mean, losses, N);
     cuda_check(cudaGetLastError());
     float host;
     device_download<bf16>(&host, mean, 1);
     return host;
 }
-inline float crossentropy_forward(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp) {
+inline float crossentropy_forward(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp,
+                                  Workspace workspace) {
     crossentropy_forward_cuda(losses, logits, targets, N, V, Vp, main_stream());
-    return mean_loss_from_device(losses, N);
+    return mean_loss_from_device(losses, N, workspace);
 }
 inline void crossentropy_backward_inplace(bf16* logits, float* losses, const int* targets, long N, int V, int Vp,
                                           float dloss) {
@@ -196,9 +200,10 @@ inline void crossentropy_backward_inplace(bf16* logits, float* losses, const int
 }
 // training's forward and backward in one pass (as llm.c's fused classifier): the losses and their mean as the
 // forward's, the logits overwritten with their gradient as the backward's; the row is read once and written once
-inline float crossentropy_fused(float* losses, bf16* logits, const int* targets, long N, int V, int Vp, float dloss) {
+inline float crossentropy_fused(float* losses, bf16* logits, const int* targets, long N, int V, int Vp, float dloss,
+                                Workspace workspace) {
     crossentropy_backward_inplace_cuda(logits, losses, targets, N, V, Vp, dloss, main_stream());
-    return mean_loss_from_device(losses, N);
+    return mean_loss_from_device(losses, N, workspace);
 }
 
 // ----------------------------------------------------------------------------------------------------------
@@ -269,12 +274,13 @@ static __global__ void combine_rows_kernel(float* losses, float* lse, const floa
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < BT; i += (long)gridDim.x * blockDim.x)
         combine_row(losses, lse, all, BT, ranks, i);
 }
-// the combined rows and the mean loss (on the GPU reading it waits for the forward: the pass's one read)
+// the combined rows and the mean loss (on the GPU reading it waits for the forward: the pass's one read; the
+// workspace holds the mean there)
 template <typename floatX>
-inline float combine_rows(float* losses, float* lse, const float* all, long BT, int ranks) {
+inline float combine_rows(float* losses, float* lse, const float* all, long BT, int ranks, Workspace workspace) {
     if constexpr (device_of<floatX> == Device::CUDA) {
         launch_elementwise(combine_rows_kernel, BT, losses, lse, all, BT, ranks);
-        return mean_loss_from_device(losses, BT);
+        return mean_loss_from_device(losses, BT, workspace);
     } else {
         double total = 0.0;
         for (long i = 0; i < BT; i++) {

@@ -187,10 +187,10 @@ inline void cp_check_group(const CPLayout& l, const Comm& comm, RingHeads a) {
 
 // out (B, Tl, C) and lse (B, NH, Tl, the global log-sum-exp of each query's scaled scores) of causal attention
 // over the whole sequence, for this rank's Tl = T/N local rows of qkv (B, Tl, C + 2K); comm is the cp group, buf
-// sized for at least B sequences of Tl tokens
+// sized for at least B sequences of Tl tokens; kernels: the GPU's attention kernels (the model's)
 template <typename floatX>
 void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, RingHeads a, const CPLayout& l, Comm& comm,
-                            RingBuffers<floatX>& buf) {
+                            RingBuffers<floatX>& buf, AttentionKernels kernels) {
     cp_check_group(l, comm, a);
     int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens(), C = a.C, NH = a.NH;
     size_t kv_count = (size_t)B * Tl * a.kv_row();
@@ -209,7 +209,7 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, R
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
                 ring_block_forward(buf.out_blk, buf.lse_blk, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal,
-                                   B, Tl, a);
+                                   B, Tl, a, kernels);
                 ring_merge<floatX>(running, lse, qi * n, buf.out_blk, buf.lse_blk, n, B, Tl, C, NH);
             }
         if (more) {
@@ -223,7 +223,8 @@ void ring_attention_forward(floatX* out, float* lse, const floatX* qkv, int B, R
 // dqkv (B, Tl, C + 2K) overwritten with the gradient of this rank's rows, from dout and the forward's out and lse
 template <typename floatX>
 void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, RingHeads a, const CPLayout& l, Comm& comm, RingBuffers<floatX>& buf) {
+                             int B, RingHeads a, const CPLayout& l, Comm& comm, RingBuffers<floatX>& buf,
+                             AttentionKernels kernels) {
     cp_check_group(l, comm, a);
     int N = l.size, Tl = l.local_tokens(), n = l.chunk_tokens(), C = a.C, NH = a.NH;
     size_t kv_count = (size_t)B * Tl * a.kv_row();
@@ -246,7 +247,7 @@ void ring_attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
                 BlockMask mask = block_mask(l.chunk_of(l.rank, qi), l.chunk_of(source, ki));
                 if (mask == BlockMask::Skip) continue;
                 ring_block_backward(dq, acc, dout, qkv, qi * n, held, ki * n, n, mask == BlockMask::Causal, lse,
-                                    buf.delta, B, Tl, a);
+                                    buf.delta, B, Tl, a, kernels);
             }
         // the accumulator for the source's keys arrives from the rank that held them a step ago, and leaves with
         // this rank's share added; after the last step's hop every rank holds its own keys' gradient
@@ -350,15 +351,17 @@ struct ContextParallel {
 
     // attention over the whole sequence for this rank's Tl local rows, NH query heads over KV key/value heads;
     // state is what backward needs (the probabilities or log-sum-exps of llmc/attention.cuh, or the ring's
-    // global log-sum-exps (B, NH, Tl))
-    void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH, int KV) {
-        if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH, KV);
-        ring_attention_forward(out, state, qkv, B, RingHeads{C, NH, KV}, layout, *comm, ring);
+    // global log-sum-exps (B, NH, Tl)); rows, workspace and kernels as llmc/attention.cuh's entry points take them
+    void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH, int KV,
+                           AttentionKernels kernels) {
+        if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH, KV, kernels);
+        ring_attention_forward(out, state, qkv, B, RingHeads{C, NH, KV}, layout, *comm, ring, kernels);
     }
     void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* state,
-                            int B, int Tl, int C, int NH, int KV, float* scratch) {
-        if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, KV, scratch);
-        ring_attention_backward(dqkv, dout, qkv, out, state, B, RingHeads{C, NH, KV}, layout, *comm, ring);
+                            int B, int Tl, int C, int NH, int KV, float* rows, Workspace workspace,
+                            AttentionKernels kernels) {
+        if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, KV, rows, workspace, kernels);
+        ring_attention_backward(dqkv, dout, qkv, out, state, B, RingHeads{C, NH, KV}, layout, *comm, ring, kernels);
     }
 
     // which rank holds position t of a sequence, and at which local index

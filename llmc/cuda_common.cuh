@@ -152,8 +152,11 @@ inline CublasLtApi open_cublaslt() {
     return api;
 }
 
-// One handle and one workspace per process, created on first use and never freed (freeing at exit would race
-// the CUDA runtime's own teardown). Matmuls sharing the workspace must be on one stream at a time.
+// One handle and one workspace per process (as PyTorch keeps cuBLAS's per process and device, not per model): they
+// are the library's state, not a model's, costly to create, and every model and tool of the process can share
+// them, as their matmuls all run on main_stream(), one at a time (matmuls sharing the workspace must be on one
+// stream at a time). Created on first use and never freed (freeing at exit would race the CUDA runtime's own
+// teardown).
 
 constexpr size_t CUBLASLT_WORKSPACE_BYTES = (size_t)32 << 20;  // what Hopper's split-K and stream-K kernels ask for
 // what the CUDA context itself holds on an H100 with CUDA 12-13 (driver, module images, cuBLAS's kernels),

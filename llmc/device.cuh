@@ -313,22 +313,17 @@ inline size_t gpu_memory_used() {
 }
 
 // ----------------------------------------------------------------------------------------------------------
-// The scratch the GPU kernels share: the layer entry points take the same arguments on both devices, so the
-// fp32 workspace some CUDA kernels need (partial sums, sort buffers, row statistics) comes from here. One
-// buffer serves every call, because every call runs on main_stream() in order. The model allocates it through
-// its ledger, sized for the largest call it will make, and registers it for as long as it lives.
-struct GpuScratch {
+// The fp32 workspace of the kernels that need one, which the model owns: allocated through its ledger, sized for the
+// largest call it makes, and passed to each layer call that needs it. On the CPU it is the GEMM's packing panels
+// (llmc/matmul.cuh), on the GPU the kernels' partial sums, sort buffers and row statistics. One buffer serves
+// every call of a pass, because the calls run one after another (on the GPU in order on main_stream()).
+struct Workspace {
     float* floats = nullptr;
     size_t count = 0;
+    // the first n floats, or one line naming the call that needs more
+    float* take(size_t n, const char* who) const {
+        if (n > count)
+            fail("%s: needs %zu floats of workspace, %zu allocated (the model sizes it for its batch)", who, n, count);
+        return floats;
+    }
 };
-inline GpuScratch& gpu_scratch_registry() {
-    static GpuScratch scratch;
-    return scratch;
-}
-inline float* gpu_scratch(size_t floats_needed, const char* who) {
-    GpuScratch& s = gpu_scratch_registry();
-    if (floats_needed > s.count)
-        fail("%s: needs %zu floats of GPU scratch, %zu registered (the model sizes it for its batch)", who,
-             floats_needed, s.count);
-    return s.floats;
-}

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "llmc/device.cuh"
+
 inline void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C) {
 #pragma omp parallel for collapse(2)
     for (int b = 0; b < B; b++)
@@ -74,9 +76,10 @@ inline void masked_embedding_grads(float* dwte, const float* d, const int* token
     }
 }
 
-// dwte (V rows) and dwpe accumulate (+=); the CUDA kernel sizes its sort keys by V. Without a position table
-// (wpe and dwpe null) the output is the token's row alone.
-inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C, int V) {
+// dwte (V rows) and dwpe accumulate (+=); the CUDA kernel sizes its sort keys by V and sorts in the workspace
+// (the CPU needs none). Without a position table (wpe and dwpe null) the output is the token's row alone.
+inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C, int V,
+                             Workspace) {
     masked_embedding_grads(dwte, dout, tokens, (long)B * T, C, 0, V);
     if (dwpe) position_grads(dwpe, dout, (long)B * T, 0, T, C);
 }
@@ -308,14 +311,14 @@ inline void encoder_backward_cuda(bf16* dwte, bf16* dwpe, const bf16* dout, cons
 // ----------------------------------------------------------------------------------------------------------
 // the model's entry points on the GPU: the CPU functions' arguments, bf16 storage, tokens in device memory
 
-#include "llmc/device.cuh"
-
 inline void encoder_forward(bf16* out, const int* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C) {
     encoder_forward_cuda(out, tokens, wte, wpe, B, T, C, main_stream());
 }
-inline void encoder_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C, int V) {
+inline void encoder_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C, int V,
+                             Workspace workspace) {
     size_t floats = (encoder_backward_scratch_bytes(B, T, V) + sizeof(float) - 1) / sizeof(float);
-    encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, V, gpu_scratch(floats, "encoder_backward"), main_stream());
+    encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, V, workspace.take(floats, "encoder_backward"),
+                          main_stream());
 }
 
 // position_grads and masked_embedding_grads on bf16, for tensor parallelism's shares (llmc/tp.cuh); the whole

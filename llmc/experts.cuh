@@ -59,6 +59,7 @@ struct CublasGrouped {
     AsyncUploads<bf16> uploads;
 };
 
+// one per process, as cuBLASLt's handle (llmc/cuda_common.cuh says why), created on first use and never freed
 inline CublasGrouped& cublas_grouped() {
     static CublasGrouped* grouped = [] {
         auto* g = new CublasGrouped();
@@ -406,7 +407,7 @@ inline bool experts_run_grouped(bool grouped, const Fp8Scaling<floatX>* fp8) {
 // kept for backward
 template <typename floatX>
 inline void experts_forward(floatX* out, floatX* fch, floatX* act, const floatX* in, const MlpTensorViews<floatX>& stacked,
-                            const std::vector<int>& first, const MlpShape& s, float* ws, const Fp8Scaling<floatX>* fp8,
+                            const std::vector<int>& first, const MlpShape& s, Workspace ws, const Fp8Scaling<floatX>* fp8,
                             bool grouped = true) {
     if (experts_run_grouped(grouped, fp8)) return experts_forward_grouped(out, fch, act, in, stacked, first, s);
     int C = s.C;
@@ -425,7 +426,7 @@ template <typename floatX>
 inline void experts_backward(floatX* din, const MlpTensorViews<floatX>& dstacked, const floatX* dout, floatX* dfch,
                              floatX* dact, const floatX* fch, const floatX* act, const floatX* in,
                              const MlpTensorViews<floatX>& stacked, const std::vector<int>& first, const MlpShape& s,
-                             float* ws, const Fp8Scaling<floatX>* fp8, bool grouped = true) {
+                             Workspace ws, const Fp8Scaling<floatX>* fp8, bool grouped = true) {
     if (experts_run_grouped(grouped, fp8))
         return experts_backward_grouped(din, dstacked, dout, dfch, dact, fch, act, in, stacked, first, s, true);
     int C = s.C;
@@ -443,7 +444,7 @@ inline void experts_backward(floatX* din, const MlpTensorViews<floatX>& dstacked
 template <typename floatX>
 inline void experts_weight_grads(const MlpTensorViews<floatX>& dstacked, const floatX* dout, const floatX* dfch,
                                  const floatX* act, const floatX* in, const MlpTensorViews<floatX>& stacked,
-                                 const std::vector<int>& first, const MlpShape& s, float* ws,
+                                 const std::vector<int>& first, const MlpShape& s, Workspace ws,
                                  const Fp8Scaling<floatX>* fp8, bool grouped = true) {
     if (experts_run_grouped(grouped, fp8))
         return experts_backward_grouped((floatX*)nullptr, dstacked, dout, const_cast<floatX*>(dfch), (floatX*)nullptr,

@@ -647,13 +647,13 @@ void fp8_cast_backward(const Fp8Scaling<floatX>& q, const floatX* dout, const fl
 
 // out[N×OC] = inp · Wᵀ + bias; with pre_gelu, pre_gelu takes that and out its GELU
 inline void fp8_matmul_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias, long N,
-                               long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
+                               long C, long OC, Workspace workspace, const Fp8Scaling<float>& q) {
     fp8_cast_forward(q, inp, weight, N, C, OC);
     if (pre_gelu) matmul_gelu_forward(out, pre_gelu, q.input, q.weight, bias, N, C, OC, workspace);
     else matmul_forward(out, q.input, q.weight, bias, N, C, OC, workspace);
 }
 inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias, long N,
-                               long C, long OC, float*, const Fp8Scaling<bf16>& q) {
+                               long C, long OC, Workspace, const Fp8Scaling<bf16>& q) {
     fp8_cast_forward(q, inp, weight, N, C, OC);
     cublasLtEpilogue_t wish = pre_gelu ? (bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX)
                                        : (bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
@@ -667,7 +667,8 @@ inline void fp8_matmul_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const
 // dinp[N×C] = dout · W (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout, from
 // dout itself, not its cast (any of the three may be null)
 inline void fp8_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                                const float* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<float>& q) {
+                                const float* weight, long N, long C, long OC, Workspace workspace,
+                                const Fp8Scaling<float>& q) {
     fp8_cast_backward(q, dout, inp, weight, N, C, OC, N, dinp, dweight);
     if (dinp) matmul_backward(dinp, nullptr, nullptr, q.grad, q.input, q.weight, N, C, OC, workspace);
     if (dweight) matmul_backward(nullptr, dweight, nullptr, q.tensorwise() ? q.grad : q.grad_t, q.input, q.weight, N, C, OC,
@@ -675,7 +676,8 @@ inline void fp8_matmul_backward(float* dinp, float* dweight, float* dbias, const
     if (dbias) matmul_backward(nullptr, nullptr, dbias, dout, inp, weight, N, C, OC, workspace);
 }
 inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
-                                const bf16* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<bf16>& q) {
+                                const bf16* weight, long N, long C, long OC, Workspace workspace,
+                                const Fp8Scaling<bf16>& q) {
     long padded = q.padded(N);
     fp8_cast_backward(q, dout, inp, weight, N, C, OC, padded, dinp, dweight);
     if (dinp)  // dinpᵀ[C×N] = (Wᵀ as OC×C)ᵀ · (dout as OC×N)
@@ -694,19 +696,20 @@ inline void fp8_matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf
 // stay bf16, and every layer without --fp8)
 template <typename floatX>
 inline void matmul_forward(floatX* out, const floatX* inp, const floatX* weight, const floatX* bias, long N, long C,
-                           long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+                           long OC, Workspace workspace, const Fp8Scaling<floatX>* fp8) {
     if (fp8 && fp8->runs(N, OC, C)) fp8_matmul_forward(out, (floatX*)nullptr, inp, weight, bias, N, C, OC, workspace, *fp8);
     else matmul_forward(out, inp, weight, bias, N, C, OC, workspace);
 }
 template <typename floatX>
 inline void matmul_gelu_forward(floatX* out, floatX* pre_gelu, const floatX* inp, const floatX* weight, const floatX* bias,
-                                long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+                                long N, long C, long OC, Workspace workspace, const Fp8Scaling<floatX>* fp8) {
     if (fp8 && fp8->runs(N, OC, C)) fp8_matmul_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace, *fp8);
     else matmul_gelu_forward(out, pre_gelu, inp, weight, bias, N, C, OC, workspace);
 }
 template <typename floatX>
 inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
-                            const floatX* weight, long N, long C, long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+                            const floatX* weight, long N, long C, long OC, Workspace workspace,
+                            const Fp8Scaling<floatX>* fp8) {
     if (fp8 && fp8->runs(N, OC, C)) fp8_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace, *fp8);
     else matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
 }
@@ -716,7 +719,7 @@ inline void matmul_backward(floatX* dinp, floatX* dweight, floatX* dbias, const 
 template <typename floatX>
 inline void gelu_matmul_backward(floatX* dpre, floatX* dweight, floatX* dbias, floatX* dpre_bias, const floatX* dout,
                                  const floatX* inp, const floatX* pre_gelu, const floatX* weight, long N, long C,
-                                 long OC, float* workspace, const Fp8Scaling<floatX>* fp8) {
+                                 long OC, Workspace workspace, const Fp8Scaling<floatX>* fp8) {
     if (!fp8 || !fp8->runs(N, OC, C)) {
         gelu_matmul_backward(dpre, dweight, dbias, dpre_bias, dout, inp, pre_gelu, weight, N, C, OC, workspace);
         return;

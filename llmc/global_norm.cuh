@@ -6,12 +6,19 @@
 #include <utility>
 #include <vector>
 
+#include "llmc/device.cuh"
+
 // (offset, count) ranges of one buffer, in order
 using BufferRanges = std::vector<std::pair<long, long>>;
+// (start, count) spans of values of type E, anywhere
+template <typename E>
+using Spans = std::vector<std::pair<const E*, long>>;
 
-// Σ x² over ranges of x taken as one sequence: the blocks are the sequence's, so a gap between ranges (the padding
-// rows of a Llama's vocab, which its files lack) leaves the bits those elements give back to back in one buffer
-inline double sum_of_squares(const float* x, const BufferRanges& ranges) {
+// The model's entry points (each with its bf16 overload below; the workspace is the GPU's, the CPU needs none):
+// Σ x² over ranges of x taken as one sequence (a model's whole gradient): the blocks are the sequence's, so a gap
+// between ranges (the padding rows of a Llama's vocab, which its files lack) leaves the bits those elements give
+// back to back in one buffer
+inline double sum_of_squares(const float* x, const BufferRanges& ranges, Workspace) {
     constexpr long BLOCK = 1 << 16;
     std::vector<long> starts;  // where each range starts in the sequence
     long n = 0;
@@ -35,7 +42,15 @@ inline double sum_of_squares(const float* x, const BufferRanges& ranges) {
     for (double p : partial) total += p;
     return total;
 }
-inline double sum_of_squares(const float* x, long n) { return sum_of_squares(x, BufferRanges{{0, n}}); }
+inline double sum_of_squares(const float* x, long n) { return sum_of_squares(x, BufferRanges{{0, n}}, Workspace{}); }
+
+// ... and over spans of a gradient buffer, each summed on its own, added in span order in double (a ZeRO rank's
+// pieces, llmc/zero.cuh): the same sums on every rank and stage
+inline double sum_of_squares_spans(const Spans<float>& spans, Workspace) {
+    double total = 0.0;
+    for (const auto& [x, n] : spans) total += sum_of_squares(x, n);
+    return total;
+}
 
 // the factor that brings the gradient norm down to max_norm when it is above (1 otherwise)
 inline float clip_scale(double norm, float max_norm) { return norm > max_norm ? (float)(max_norm / norm) : 1.0f; }
@@ -106,19 +121,25 @@ inline void sum_of_squares_cuda_any_offset(float* out, const bf16* x, long n, fl
     cuda_check(cudaGetLastError());
 }
 
-// the model's entry points on the GPU: Σ x² of bf16 values, read back (the step's read of the gradient norm);
-// over ranges, each range's sum read back and added in order
-#include "llmc/device.cuh"
-
-inline double sum_of_squares(const bf16* x, const BufferRanges& ranges) {
-    float* scratch = gpu_scratch(GLOBAL_NORM_BLOCKS + 1, "sum_of_squares");
+// the model's entry points on the GPU: each span's (or range's) Σ x² a float on the device, read back together (the
+// step's one read of the gradient norm) and added in order in double. The workspace holds the partial sums; the
+// spans' floats are stream-ordered memory of their own, as there may be many.
+inline double sum_of_squares_spans(const Spans<bf16>& spans, Workspace workspace) {
+    if (spans.empty()) return 0.0;
+    float* partial = workspace.take(GLOBAL_NORM_BLOCKS, "sum_of_squares");
+    float* each;
+    cuda_check(cudaMallocAsync(&each, spans.size() * sizeof(float), main_stream()));
+    for (size_t k = 0; k < spans.size(); k++)
+        sum_of_squares_cuda_any_offset(each + k, spans[k].first, spans[k].second, partial, main_stream());
+    std::vector<float> host(spans.size());
+    device_download<bf16>(host.data(), each, spans.size());
+    cuda_check(cudaFreeAsync(each, main_stream()));
     double total = 0.0;
-    for (const auto& [at, n] : ranges) {
-        sum_of_squares_cuda_any_offset(scratch + GLOBAL_NORM_BLOCKS, x + at, n, scratch, main_stream());
-        float host;
-        device_download<bf16>(&host, scratch + GLOBAL_NORM_BLOCKS, 1);
-        total += host;
-    }
+    for (float v : host) total += v;
     return total;
 }
-inline double sum_of_squares(const bf16* x, long n) { return sum_of_squares(x, BufferRanges{{0, n}}); }
+inline double sum_of_squares(const bf16* x, const BufferRanges& ranges, Workspace workspace) {
+    Spans<bf16> spans;
+    for (const auto& [at, n] : ranges) spans.push_back({x + at, n});
+    return sum_of_squares_spans(spans, workspace);
+}

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "llmc/activations.cuh"
@@ -85,6 +86,8 @@ struct GPTModel {
     std::vector<MicroBatchSlot<floatX>> slots;  // one per micro-batch in flight (one without pipelining)
     void* recomputed[RECOMPUTE_NORMS + 1] = {};  // the buffer of each -r level, shared by every layer and slot
     Scratch<floatX> scratch{};
+    Workspace workspace;  // the kernels' fp32 workspace (llmc/device.cuh): scratch.gemm with the count allocated
+    AttentionKernels attention_kernels = AttentionKernels::MMA;  // the GPU's (llmc/attention.cuh); the CPU has its own
     float* rope = nullptr;  // Llama: RoPE's (cos, sin) per position and frequency (llmc/rope.cuh)
     // --fp8 (gpt_allocate_fp8): the layers' FP8 casts, their scales shared over the ranks that hold pieces of a
     // micro-batch's tensors (tp × cp), and the same buffers for the experts, whose scales tp alone shares
@@ -94,10 +97,6 @@ struct GPTModel {
     GPTModel() = default;
     GPTModel(const GPTModel&) = delete;
     GPTModel& operator=(const GPTModel&) = delete;
-    ~GPTModel() {
-        GpuScratch& registered = gpu_scratch_registry();
-        if (device_of<floatX> == Device::CUDA && registered.floats == scratch.gemm) registered = GpuScratch{};
-    }
 };
 using GPT = GPTModel<float>;
 using GPTCuda = GPTModel<bf16>;
@@ -152,8 +151,9 @@ struct ModelLinks {
 // How one rank holds the model: which states it allocates itself, its places in the tensor-, context- and
 // expert-parallel groups and the communicators of those groups, the part it holds (empty: the whole model; or a
 // pipeline stage's chunks), the micro-batches in flight, whether backward leaves the matmuls' weight gradients to
-// gpt_weight_grads_chunk (the zero-bubble pipeline's split backward), what -r recomputes and the experts' settings.
-// The defaults: one rank holding the whole model, with the experts' default settings (llmc/expert_settings.h).
+// gpt_weight_grads_chunk (the zero-bubble pipeline's split backward), what -r recomputes, the experts' settings
+// and, on the GPU, the attention kernels. The defaults: one rank holding the whole model, with the experts' default
+// settings (llmc/expert_settings.h) and this GPU's attention kernels (wgmma on a Hopper, else mma).
 struct ModelLayout {
     ModelBuffers own;
     TPSpec tp;
@@ -167,6 +167,7 @@ struct ModelLayout {
     bool split_backward = false;
     int recompute = RECOMPUTE_NONE;
     int accumulation = 1;  // micro-steps per optimizer step
+    std::optional<AttentionKernels> attention_kernels;  // --attention; none: this GPU's (attention_select(""))
 };
 
 // A micro-step's gradient is added to the gradients accumulated over the step's earlier micro-steps whole, one
@@ -220,8 +221,9 @@ inline BufferList gpt_buffers(GPTModel<floatX>& m, const GPTConfig& config, int 
 
 // Allocates the model's part as the layout says, for micro-batches of up to B×T tokens: checks the layout, walks
 // gpt_buffers' list through the model's ledger, and sets up what the list does not hold (the host's tokens, the
-// GPU scratch's registration, RoPE's table, the routing's host state); the parallel layout's communicators and
-// the experts' settings come in with the layout (ModelLinks from llmc/parallel.cuh, ExpertSettings from the options)
+// kernels' workspace with its size, the GPU's attention kernels, RoPE's table, the routing's host state); the
+// parallel layout's communicators and the experts' settings come in with the layout (ModelLinks from
+// llmc/parallel.cuh, ExpertSettings from the options)
 template <typename floatX>
 inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, int T, const ModelLayout& layout = {}) {
     constexpr bool gpu = device_of<floatX> == Device::CUDA;
@@ -247,7 +249,12 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.cp.spec = layout.cp;
     m.cp.prepare(T, RingHeads{d.Cl, d.NHl, d.KVl});
 
-    m.ledger.template allocate<floatX>(gpt_buffers(m, config, B, T, layout, omp_get_max_threads()));
+    BufferList buffers = gpt_buffers(m, config, B, T, layout, omp_get_max_threads());
+    m.ledger.template allocate<floatX>(buffers);
+    for (const PlannedBuffer& b : buffers)  // the kernels' workspace, as large as the list made it
+        if (b.pointer == reinterpret_cast<void**>(&m.scratch.gemm))
+            m.workspace = {m.scratch.gemm, b.bytes / sizeof(float)};
+    if (gpu) m.attention_kernels = layout.attention_kernels ? *layout.attention_kernels : attention_select("");
 
     for (MicroBatchSlot<floatX>& mb : m.slots) {
         mb.inputs.assign(d.BT, 0);
@@ -255,7 +262,6 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
         mb.routes.resize(config.moe() ? *std::max_element(part.chunk_layers.begin(), part.chunk_layers.end()) : 0);
         if (!gpu) mb.device_inputs = mb.inputs.data(), mb.device_targets = mb.targets.data();
     }
-    if (gpu) gpu_scratch_registry() = GpuScratch{m.scratch.gemm, gpu_kernel_scratch_floats(d)};
     m.tp.gather = m.scratch.gather;
     if (!config.learned_positions()) {  // RoPE's (cos, sin) table for every position the model takes
         size_t n = (size_t)config.max_seq_len * d.hd;
@@ -474,8 +480,8 @@ inline void fused_residual_norm_forward(const GPTConfig& c, floatX* residual, fl
 template <typename floatX>
 inline void norm_backward(const GPTConfig& c, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                           const floatX* inp, const floatX* weight, const float* mean, const float* rstd, long rows,
-                          long C) {
-    norm_backward(c.norm(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, (int)C);
+                          long C, Workspace ws) {
+    norm_backward(c.norm(), dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, (int)C, ws);
 }
 
 // A norm's output for every row, where a matmul reads it (its forward, and its weight gradient in backward).
@@ -502,7 +508,7 @@ inline void layer_experts_forward(GPTModel<floatX>& m, const LocalDims& d, int B
                                   const floatX* ln2, const ParamViews<floatX>& w, MoERoute& route, int layer) {
     const GPTConfig& c = m.config;
     m.moe.forward(la.fcproj, m.scratch.partial, route, expert_activations(la, m.split_backward), ln2, expert_tensors(w),
-                  B, d.T, mlp_shape(c, d, d.Hl), mlp_shape(c, d, d.shared_Hl), m.tp, m.cp, layer, m.scratch.gemm,
+                  B, d.T, mlp_shape(c, d, d.Hl), mlp_shape(c, d, d.shared_Hl), m.tp, m.cp, layer, m.workspace,
                   fp8_for(m, layer, true), fp8_for(m, layer));
 }
 template <typename floatX>
@@ -514,7 +520,7 @@ inline void layer_experts_backward(GPTModel<floatX>& m, const LocalDims& d, int 
     const floatX* ln2 = norm_rows_again(m, d, la.ln2, la.ln2_mean, la.ln2_rstd, la.residual2, w[LN2W], w[LN2B]);
     m.moe.backward(s.dln, expert_tensors(dw, !m.split_backward), dout, s.dfch, s.dact, route,
                    expert_activations(la, m.split_backward), ln2, expert_tensors(w), B, d.T, mlp_shape(c, d, d.Hl),
-                   mlp_shape(c, d, d.shared_Hl), m.tp, dloss, m.recompute >= RECOMPUTE_ACTIVATION, s.gemm,
+                   mlp_shape(c, d, d.shared_Hl), m.tp, dloss, m.recompute >= RECOMPUTE_ACTIVATION, m.workspace,
                    fp8_for(m, layer, true), fp8_for(m, layer));
 }
 
@@ -532,7 +538,7 @@ inline void layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const 
     const GPTConfig& c = m.config;
     TensorParallel& tp = m.tp;
     long BT = d.BT, R = d.R, C = d.C;
-    float* ws = m.scratch.gemm;
+    Workspace ws = m.workspace;
     floatX* partial = m.scratch.partial;
     const Fp8Scaling<floatX>* fp8 = fp8_for(m, layer);
     if (!in.prev) norm_forward(c, la.ln1, la.ln1_mean, la.ln1_rstd, in.chunk_input, w[LN1W], w[LN1B], R, C);
@@ -542,7 +548,7 @@ inline void layer_forward(GPTModel<floatX>& m, const LocalDims& d, int B, const 
                    fp8);
     if (d.qk_norm) qk_norm_forward(la.qkv, la.qk_rstd, la.qkv_pre, w[QNORMW], w[KNORMW], BT, d.NHl, d.KVl, d.hd, c.norm_eps);
     if (!c.learned_positions()) rope_forward(la.qkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
-    m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl);
+    m.cp.attention_forward(la.atty, la.att, la.qkv, B, d.T, d.Cl, d.NHl, d.KVl, m.attention_kernels);
     tp.row_parallel_forward(la.attproj, partial, la.atty, w[ATTPROJW], w[ATTPROJB], BT, d.Cl, C, ws, fp8);
     fused_residual_norm_forward(c, la.residual2, la.ln2, la.ln2_mean, la.ln2_rstd, in.residual(), la.attproj,
                                 w[LN2W], w[LN2B], R, C);
@@ -598,7 +604,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     mb.dlogits = false;
     Activations<floatX>& a = mb.acts;
     TensorParallel& tp = m.tp;
-    float* ws = m.scratch.gemm;
+    Workspace ws = m.workspace;
     floatX* partial = m.scratch.partial;
     NvtxRange pass("forward");
     auto [low_unit, high_unit] = chunk_units(part, chunk);
@@ -635,12 +641,12 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     if (m.store) m.store->end_pass();
     if (!targets) return -1.0f;
     if (tp.on()) {
-        mb.loss = tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl);
+        mb.loss = tp.crossentropy_forward(a.losses, a.lse, a.logits, mb.device_targets, BT, V, d.Vl, ws);
     } else if (dloss > 0.0f) {  // training: the logits' gradient from the same read of them
-        mb.loss = crossentropy_fused(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss);
+        mb.loss = crossentropy_fused(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size, dloss, ws);
         mb.dlogits = true;
     } else {
-        mb.loss = crossentropy_forward(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size);
+        mb.loss = crossentropy_forward(a.losses, a.logits, mb.device_targets, BT, V, c.padded_vocab_size, ws);
     }
     return mb.loss;
 }
@@ -729,7 +735,7 @@ inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const
     TensorParallel& tp = m.tp;
     Scratch<floatX>& s = m.scratch;
     long BT = d.BT, R = d.R, C = d.C;
-    float* ws = s.gemm;
+    Workspace ws = m.workspace;
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;  // a norm output's gradient, reduced to this rank's rows
     floatX* none = nullptr;
     bool split = m.split_backward;
@@ -752,20 +758,22 @@ inline void layer_backward(GPTModel<floatX>& m, const LocalDims& d, int B, const
                      la.fch_act, ln2, mlp_views(w, mlp), BT, shape, ws, fp8);
     }
     tp.reduce_rows(s.dln, dln_rows, BT, C);
-    norm_backward(c, s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C);
+    norm_backward(c, s.dresidual, dw[LN2W], dw[LN2B], dln_rows, la.residual2, w[LN2W], la.ln2_mean, la.ln2_rstd, R, C,
+                  ws);
     dout = tp.all_rows(s.dresidual, s.whole, BT, C);
     if (split) device_copy<floatX>(la.dattproj, dout, BT * C);
     matmul_backward(s.datty, now(dw[ATTPROJW]), now(dw[ATTPROJB]), dout, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
-    m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention);
+    m.cp.attention_backward(dqkv, s.datty, la.qkv, la.atty, la.att, B, d.T, d.Cl, d.NHl, d.KVl, s.attention, ws,
+                            m.attention_kernels);
     if (!c.learned_positions()) rope_backward(dqkv, m.rope, m.cp.token_positions(), B, d.T, d.NHl, d.KVl, d.hd);
     if (d.qk_norm)
         qk_norm_backward(dqkv, dw[QNORMW], dw[KNORMW], dqkv, la.qkv_pre, w[QNORMW], w[KNORMW], la.qk_rstd, BT, d.NHl,
-                         d.KVl, d.hd);
+                         d.KVl, d.hd, ws);
     const floatX* ln1 =
         split ? none : norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
     matmul_backward(s.dln, now(dw[QKVW]), now(dw[QKVB]), dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
     tp.reduce_rows(s.dln, dln_rows, BT, C);
-    norm_backward(c, s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C);
+    norm_backward(c, s.dresidual, dw[LN1W], dw[LN1B], dln_rows, residual, w[LN1W], la.ln1_mean, la.ln1_rstd, R, C, ws);
 }
 
 // Accumulates into the gradients the backward of chunk `chunk` for the micro-batch whose forward is in `slot`.
@@ -789,7 +797,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     Scratch<floatX>& s = m.scratch;
     TensorParallel& tp = m.tp;
     ContextParallel<floatX>& cp = m.cp;
-    float* ws = s.gemm;
+    Workspace ws = m.workspace;
     int lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
     // the gradient of a layernorm's output for this rank's rows: the partial sums of every rank, reduced
     floatX* dln_rows = tp.spec.sp ? s.dchunk : s.dln;
@@ -816,7 +824,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         const floatX* last_residual = layer_slice(a, n - 1, d, m.recompute, m.split_backward).residual3;
         ParamViews<floatX> fin = unit_params(m, HEAD_UNIT), dfin = unit_grads(m, HEAD_UNIT);
         norm_backward(c, s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
-                      a.lnf_rstd, R, C);
+                      a.lnf_rstd, R, C, ws);
     } else {
         device_copy<floatX>(s.dresidual, gpt_chunk_output(m, slot, chunk), R * C);
     }
@@ -840,7 +848,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         ParamViews<floatX> demb = unit_grads(m, embedding_unit(Lp));
         floatX* dpositions = c.learned_positions() ? cp.position_grads_begin(demb[WPE], C) : nullptr;
         floatX* dwte = s.dwte_micro_step ? s.dwte_micro_step : demb[WTE];
-        tp.embedding_backward(dwte, dpositions, s.dresidual, s.whole, mb.device_inputs, B, d.T, C, d.Vl);
+        tp.embedding_backward(dwte, dpositions, s.dresidual, s.whole, mb.device_inputs, B, d.T, C, d.Vl, ws);
         if (s.dwte_micro_step) accumulate(demb[WTE], s.dwte_micro_step, (size_t)d.Vl * C);
         if (dpositions) cp.position_grads_end(demb[WPE], C);
     }
@@ -863,7 +871,7 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     int Lp = part.layers(), lo = part.chunk_begin(chunk), n = part.chunk_layers[chunk];
     LocalDims d = model_dims(m, mb.B, mb.T);
     long BT = d.BT, C = d.C;
-    float* ws = m.scratch.gemm;
+    Workspace ws = m.workspace;
     auto done = [&](int unit) {
         if (m.store) m.store->grads_done(unit);
     };
@@ -918,7 +926,7 @@ inline double gpt_grad_norm(const GPTModel<floatX>& m) {
         if (!ranges.empty() && ranges.back().first + ranges.back().second == (long)r.local) ranges.back().second += r.count;
         else ranges.push_back({(long)r.local, (long)r.count});
     }
-    return sqrt(sum_of_squares(m.grads, ranges));
+    return sqrt(sum_of_squares(m.grads, ranges, m.workspace));
 }
 
 // one AdamW step over every tensor; grad_scale is the clipping factor

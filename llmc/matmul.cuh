@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "llmc/device.cuh"
 #include "llmc/utils.h"
 
 #if defined(__AVX512F__)
@@ -139,21 +140,21 @@ inline void gemm(long M, long N, long K, MatView a, MatView b, float* c, long ld
 
 // out[N×OC] = inp[N×C] · weight[OC×C]ᵀ + bias[OC] (bias may be null)
 inline void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, long N, long C,
-                           long OC, float* workspace) {
+                           long OC, Workspace workspace) {
     if (bias) {
 #pragma omp parallel for
         for (long n = 0; n < N; n++) memcpy(out + n * OC, bias, OC * sizeof(float));
     }
-    gemm(N, OC, C, MatView{inp, C, 1}, MatView{weight, 1, C}, out, OC, bias != nullptr, workspace);
+    gemm(N, OC, C, MatView{inp, C, 1}, MatView{weight, 1, C}, out, OC, bias != nullptr, workspace.floats);
 }
 
 // dinp[N×C] = dout · weight (overwritten); dweight[OC×C] += doutᵀ · inp; dbias[OC] += column sums of dout. Any
 // of the three may be null: a split backward (the zero-bubble pipeline) computes dinp first and the weight's
 // gradients later.
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const float* weight, long N, long C, long OC, float* workspace) {
-    if (dinp) gemm(N, C, OC, MatView{dout, OC, 1}, MatView{weight, C, 1}, dinp, C, false, workspace);
-    if (dweight) gemm(OC, C, N, MatView{dout, 1, OC}, MatView{inp, C, 1}, dweight, C, true, workspace);
+                            const float* weight, long N, long C, long OC, Workspace workspace) {
+    if (dinp) gemm(N, C, OC, MatView{dout, OC, 1}, MatView{weight, C, 1}, dinp, C, false, workspace.floats);
+    if (dweight) gemm(OC, C, N, MatView{dout, 1, OC}, MatView{inp, C, 1}, dweight, C, true, workspace.floats);
     if (dbias) {
 #pragma omp parallel for
         for (long o = 0; o < OC; o++) {
@@ -594,22 +595,20 @@ inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const b
 
 // ----------------------------------------------------------------------------------------------------------
 // the model's entry points: the CPU functions above and, for bf16, cuBLASLt (which keeps its own workspace, so
-// `workspace` is the CPU's packing panels only). The MLP's matmuls and its GELU are one call on both devices
-// each way: forward the first matmul and GELU, backward the second matmul and GELU (cuBLASLt epilogues on the
-// GPU).
-
-#include "llmc/device.cuh"
+// the model's `workspace` is the CPU's packing panels and, on the GPU, the bias gradients' partial sums). The
+// MLP's matmuls and its GELU are one call on both devices each way: forward the first matmul and GELU, backward
+// the second matmul and GELU (cuBLASLt epilogues on the GPU).
 
 // pre_gelu = inp · Wᵀ + bias, out = GELU(pre_gelu)
 inline void matmul_gelu_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias,
-                                long N, long C, long OC, float* workspace) {
+                                long N, long C, long OC, Workspace workspace) {
     matmul_forward(pre_gelu, inp, weight, bias, N, C, OC, workspace);
     gelu_forward(out, pre_gelu, N * OC);
 }
 
 // dpre[N×C] ∘= GELU'(pre) (dpre holds the gradient of GELU's output), and dpre_bias[C] += the column sums of that
 // (may be null): GELU's backward with the bias gradient of the matmul whose output GELU took
-inline void gelu_backward_dbias(float* dpre, float* dpre_bias, const float* pre, long N, long C, float* workspace) {
+inline void gelu_backward_dbias(float* dpre, float* dpre_bias, const float* pre, long N, long C, Workspace workspace) {
     gelu_backward(dpre, pre, dpre, N * C);
     if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
 }
@@ -620,35 +619,36 @@ inline void gelu_backward_dbias(float* dpre, float* dpre_bias, const float* pre,
 // that made pre_gelu (may be null: a split backward leaves it to that matmul's weight-gradient step).
 inline void gelu_matmul_backward(float* dpre, float* dweight, float* dbias, float* dpre_bias, const float* dout,
                                  const float* inp, const float* pre_gelu, const float* weight, long N, long C, long OC,
-                                 float* workspace) {
+                                 Workspace workspace) {
     matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
     gelu_backward_dbias(dpre, dpre_bias, pre_gelu, N, C, workspace);
 }
 
 inline void matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C, long OC,
-                           float*) {
+                           Workspace) {
     matmul_forward_cuda(out, inp, weight, bias, N, C, OC, nullptr, main_stream());
 }
 inline void matmul_gelu_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias,
-                                long N, long C, long OC, float*) {
+                                long N, long C, long OC, Workspace) {
     matmul_forward_cuda(out, inp, weight, bias, N, C, OC, pre_gelu, main_stream());
 }
 inline void matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
-                            const bf16* weight, long N, long C, long OC, float*) {
+                            const bf16* weight, long N, long C, long OC, Workspace workspace) {
     // the scratch holds the bias gradient: none without a bias (the classifier's 50304 columns)
-    float* scratch = dbias ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward") : nullptr;
+    float* scratch = dbias ? workspace.take((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward") : nullptr;
     matmul_backward_cuda(dinp, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream());
 }
-inline void gelu_backward_dbias(bf16* dpre, bf16* dpre_bias, const bf16* pre, long N, long C, float*) {
-    float* scratch = dpre_bias ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, C), "gelu_backward_dbias") : nullptr;
+inline void gelu_backward_dbias(bf16* dpre, bf16* dpre_bias, const bf16* pre, long N, long C, Workspace workspace) {
+    float* scratch =
+        dpre_bias ? workspace.take((size_t)matmul_backward_scratch_floats(N, C), "gelu_backward_dbias") : nullptr;
     gelu_backward_dbias_cuda(dpre, dpre_bias, pre, dpre, N, C, scratch, main_stream());
 }
 inline void gelu_matmul_backward(bf16* dpre, bf16* dweight, bf16* dbias, bf16* dpre_bias, const bf16* dout,
                                  const bf16* inp, const bf16* pre_gelu, const bf16* weight, long N, long C, long OC,
-                                 float*) {
+                                 Workspace workspace) {
     long widest = dpre_bias ? std::max(OC, C) : OC;
     float* scratch = dbias || dpre_bias
-                         ? gpu_scratch((size_t)matmul_backward_scratch_floats(N, widest), "gelu_matmul_backward")
+                         ? workspace.take((size_t)matmul_backward_scratch_floats(N, widest), "gelu_matmul_backward")
                          : nullptr;
     matmul_backward_cuda(dpre, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream(), pre_gelu,
                          dpre_bias);

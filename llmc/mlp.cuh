@@ -36,7 +36,7 @@ struct MlpShape {
 // out (n×C) from in (n×C); fch (n×FC) and act (n×H) are kept for backward
 template <typename floatX>
 inline void mlp_forward(floatX* out, floatX* fch, floatX* act, const floatX* in, const MlpTensorViews<floatX>& w,
-                        long n, const MlpShape& s, float* ws, const Fp8Scaling<floatX>* fp8) {
+                        long n, const MlpShape& s, Workspace ws, const Fp8Scaling<floatX>* fp8) {
     if (s.activation == Activation::GELU) {
         matmul_gelu_forward(act, fch, in, w.fcw, w.fcb, n, s.C, s.H, ws, fp8);
     } else {
@@ -60,7 +60,7 @@ inline void mlp_activation_again(floatX* act, const floatX* fch, long n, const M
 template <typename floatX>
 inline void mlp_backward(floatX* din, const MlpTensorViews<floatX>& dw, const floatX* dout, floatX* dfch, floatX* dact,
                          const floatX* fch, const floatX* act, const floatX* in, const MlpTensorViews<floatX>& w, long n,
-                         const MlpShape& s, float* ws, const Fp8Scaling<floatX>* fp8) {
+                         const MlpShape& s, Workspace ws, const Fp8Scaling<floatX>* fp8) {
     bool gelu = s.activation == Activation::GELU;
     if (gelu) {  // fc's bias gradient comes with GELU's backward (on the GPU in the GEMM's epilogue)
         gelu_matmul_backward(dfch, dw.fcprojw, dw.fcprojb, dw.fcb, dout, act, fch, w.fcprojw, n, s.H, s.C, ws, fp8);
@@ -75,7 +75,7 @@ inline void mlp_backward(floatX* din, const MlpTensorViews<floatX>& dw, const fl
 // forward kept (act, in)
 template <typename floatX>
 inline void mlp_weight_grads(const MlpTensorViews<floatX>& dw, const floatX* dout, const floatX* dfch, const floatX* act,
-                             const floatX* in, const MlpTensorViews<floatX>& w, long n, const MlpShape& s, float* ws,
+                             const floatX* in, const MlpTensorViews<floatX>& w, long n, const MlpShape& s, Workspace ws,
                              const Fp8Scaling<floatX>* fp8) {
     floatX* none = nullptr;
     matmul_backward(none, dw.fcprojw, dw.fcprojb, dout, act, w.fcprojw, n, s.H, s.C, ws, fp8);

@@ -756,7 +756,7 @@ struct MixtureOfExperts {
     // fp8_shared the shared expert's.
     void forward(floatX* out, floatX* partial, MoERoute& r, const ExpertActivations<floatX>& a, const floatX* ln2,
                  const ExpertTensors<floatX>& w, int B, int Tl, const MlpShape& experts, const MlpShape& shared,
-                 TensorParallel& tp, ContextParallel<floatX>& cp, int layer, float* ws, const Fp8Scaling<floatX>* fp8,
+                 TensorParallel& tp, ContextParallel<floatX>& cp, int layer, Workspace ws, const Fp8Scaling<floatX>* fp8,
                  const Fp8Scaling<floatX>* fp8_shared) {
         long BT = (long)B * Tl;
         int C = experts.C;
@@ -798,7 +798,7 @@ struct MixtureOfExperts {
     void backward(floatX* dln, const ExpertTensors<floatX>& dw, const floatX* dout, floatX* dfch, floatX* dact,
                   const MoERoute& r, const ExpertActivations<floatX>& a, const floatX* ln2, const ExpertTensors<floatX>& w,
                   int B, int Tl, const MlpShape& experts, const MlpShape& shared, TensorParallel& tp, float dloss,
-                  bool recompute, float* ws, const Fp8Scaling<floatX>* fp8, const Fp8Scaling<floatX>* fp8_shared) {
+                  bool recompute, Workspace ws, const Fp8Scaling<floatX>* fp8, const Fp8Scaling<floatX>* fp8_shared) {
         long BT = (long)B * Tl;
         int C = experts.C;
         bool split = a.kept_dout != nullptr, has_shared = w.shared.fcw != nullptr, gated = w.shared_gate != nullptr;
@@ -947,7 +947,7 @@ struct MixtureOfExperts {
     // The MLPs' weight gradients a split backward left, from the output gradients it kept
     void weight_grads(const ExpertTensors<floatX>& dw, const MoERoute& r, const ExpertActivations<floatX>& a,
                       const floatX* ln2, const ExpertTensors<floatX>& w, long BT, const MlpShape& experts,
-                      const MlpShape& shared, bool recompute, float* ws, const Fp8Scaling<floatX>* fp8,
+                      const MlpShape& shared, bool recompute, Workspace ws, const Fp8Scaling<floatX>* fp8,
                       const Fp8Scaling<floatX>* fp8_shared) {
         if (w.shared.fcw) {
             if (recompute) mlp_activation_again(a.shared_act, a.shared_fch, BT, shared);

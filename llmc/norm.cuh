@@ -715,7 +715,8 @@ inline void qk_norm_backward_cuda(bf16* dinp, bf16* dqweight, bf16* dkweight, co
 
 // ----------------------------------------------------------------------------------------------------------
 // the model's entry points: the CPU loops above for float and, for bf16, the kernels. mean and bias are
-// LayerNorm's (null for RMSNorm).
+// LayerNorm's (null for RMSNorm). The backwards take the model's workspace for the kernels' partial sums (the CPU
+// needs none).
 
 #include "llmc/device.cuh"
 #include "llmc/residual.cuh"
@@ -736,7 +737,7 @@ inline void fused_residual_norm_forward(Norm kind, float* residual, float* out, 
 }
 // dinp, dweight and dbias accumulate (+=): dinp is the residual stream's gradient, which the norm adds to
 inline void norm_backward(Norm kind, float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, const float* mean, const float* rstd, long N, int C) {
+                          const float* weight, const float* mean, const float* rstd, long N, int C, Workspace) {
     NormLayout rows = NormLayout::row(N, C);
     if (kind == Norm::LayerNorm)
         norm_backward_cpu<Norm::LayerNorm>(dinp, dweight, nullptr, dbias, dout, inp, weight, nullptr, mean, rstd, rows);
@@ -752,7 +753,7 @@ inline void qk_norm_forward(float* out, float* rstd, const float* inp, const flo
 // dinp = the input gradient (dinp may be dout: in place), v's passed through; dqweight and dkweight accumulate
 inline void qk_norm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout, const float* inp,
                              const float* qweight, const float* kweight, const float* rstd, long N, int NH, int KV,
-                             int hd) {
+                             int hd, Workspace) {
     qk_norm_check_shape("qk_norm_backward", NH, KV, hd);
     norm_backward_cpu<Norm::RMSNorm>(dinp, dqweight, dkweight, nullptr, dout, inp, qweight, kweight, nullptr, rstd,
                                      NormLayout::heads(N, NH, KV, hd));
@@ -769,8 +770,9 @@ inline void fused_residual_norm_forward(Norm kind, bf16* residual, bf16* out, fl
                                      main_stream());
 }
 inline void norm_backward(Norm kind, bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
-                          const bf16* weight, const float* mean, const float* rstd, long N, int C) {
-    float* scratch = gpu_scratch((size_t)norm_backward_scratch_floats(kind, N, C), "norm_backward");
+                          const bf16* weight, const float* mean, const float* rstd, long N, int C,
+                          Workspace workspace) {
+    float* scratch = workspace.take((size_t)norm_backward_scratch_floats(kind, N, C), "norm_backward");
     norm_backward_cuda(kind, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, scratch, main_stream());
 }
 inline void qk_norm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* qweight, const bf16* kweight, long N,
@@ -779,8 +781,8 @@ inline void qk_norm_forward(bf16* out, float* rstd, const bf16* inp, const bf16*
 }
 inline void qk_norm_backward(bf16* dinp, bf16* dqweight, bf16* dkweight, const bf16* dout, const bf16* inp,
                              const bf16* qweight, const bf16* kweight, const float* rstd, long N, int NH, int KV,
-                             int hd) {
-    float* scratch = gpu_scratch((size_t)qk_norm_backward_scratch_floats(N, hd), "qk_norm_backward");
+                             int hd, Workspace workspace) {
+    float* scratch = workspace.take((size_t)qk_norm_backward_scratch_floats(N, hd), "qk_norm_backward");
     qk_norm_backward_cuda(dinp, dqweight, dkweight, dout, inp, qweight, kweight, rstd, N, NH, KV, hd, scratch,
                           main_stream());
 }

@@ -113,7 +113,7 @@ struct TensorParallel {
     // layer's FP8 state (null: bf16)
     template <typename floatX>
     void row_parallel_forward(floatX* out, floatX* partial, const floatX* inp, const floatX* W, const floatX* bias,
-                              long BT, int C, int OC, float* ws, const Fp8Scaling<floatX>* fp8) {
+                              long BT, int C, int OC, Workspace ws, const Fp8Scaling<floatX>* fp8) {
         if (!on()) return matmul_forward(out, inp, W, bias, BT, C, OC, ws, fp8);
         matmul_forward(partial, inp, W, (const floatX*)nullptr, BT, C, OC, ws, fp8);
         reduce_rows(partial, out, BT, OC);
@@ -149,8 +149,8 @@ struct TensorParallel {
     // dwte (this rank's vocab rows) and dwpe accumulate; dout is this rank's rows, whole scratch BT×C
     template <typename floatX>
     void embedding_backward(floatX* dwte, floatX* dwpe, const floatX* dout, floatX* whole, const int* tokens, int B,
-                            int T, int C, int Vl) {
-        if (!on()) return encoder_backward(dwte, dwpe, dout, tokens, B, T, C, Vl);
+                            int T, int C, int Vl, Workspace ws) {
+        if (!on()) return encoder_backward(dwte, dwpe, dout, tokens, B, T, C, Vl, ws);
         long BT = (long)B * T;
         // wpe: from this rank's rows (under sp a partial sum, completed before the dp reduction)
         if (dwpe) position_grads(dwpe, dout, rows(BT), first_row(BT), T, C);
@@ -163,13 +163,14 @@ struct TensorParallel {
     // losses[i] for every row from this rank's logit columns (BT×Vl, global column vlo + j, real below V); lse
     // keeps each row's log-sum-exp for the backward. Returns the mean loss.
     template <typename floatX>
-    float crossentropy_forward(float* losses, float* lse, const floatX* logits, const int* targets, long BT, int V, int Vl) {
+    float crossentropy_forward(float* losses, float* lse, const floatX* logits, const int* targets, long BT, int V, int Vl,
+                               Workspace ws) {
         long vlo = first_vocab(Vl);
         int real = (int)std::max(0L, std::min((long)Vl, V - vlo));  // columns of real tokens here
         DeviceTemp<floatX, float> mine(BT * 3), all(BT * 3 * size());
         vocab_row_stats(mine.data, logits, targets, BT, Vl, real, vlo);
         comm->wait(comm->all_gather(mine.data, all.data, BT * 3, DType::F32));
-        return combine_rows<floatX>(losses, lse, all.data, BT, size());
+        return combine_rows<floatX>(losses, lse, all.data, BT, size(), ws);
     }
 
     // logits become their gradient in place: (softmax - onehot)·dloss on real columns, 0 on padding

@@ -157,26 +157,6 @@ inline void unpack_bucket(const Bucket& b, const floatX* packed, floatX* flat) {
 
 enum ZeroBuffer { ZB_PARAMS, ZB_GRADS };
 
-// Σ x² over spans of a gradient buffer, added in span order in double: the same sums on every rank and stage.
-// On the GPU each span's sum is a float on the device (a span may start at any element), read back together.
-inline double sum_of_squares_spans(const std::vector<std::pair<const float*, long>>& spans) {
-    double total = 0.0;
-    for (const auto& [x, n] : spans) total += sum_of_squares(x, n);
-    return total;
-}
-inline double sum_of_squares_spans(const std::vector<std::pair<const bf16*, long>>& spans) {
-    if (spans.empty()) return 0.0;
-    DeviceTemp<bf16, float> each(spans.size());
-    float* partial = gpu_scratch(GLOBAL_NORM_BLOCKS, "gradient norm");
-    for (size_t k = 0; k < spans.size(); k++)
-        sum_of_squares_cuda_any_offset(each.data + k, spans[k].first, spans[k].second, partial, main_stream());
-    std::vector<float> host(spans.size());
-    device_download<bf16>(host.data(), each.data, spans.size());
-    double total = 0.0;
-    for (float v : host) total += v;
-    return total;
-}
-
 // What crosses pipeline stages here (llmc/pp.cuh): the gradient norm, summed over the stages, and the tied
 // embeddings, which the first and the last stage both hold when they are two ranks (not in DualPipeV's V,
 // whose rank 0 runs both ends with one copy). Their gradients are the embedding's on the first stage and the
@@ -483,14 +463,14 @@ struct DataParallel : ParamStore<floatX> {
         // then over the tp ranks and the pipeline stages: the same sums in every stage, on every rank.
         double total = 0.0;
         for (Group& g : groups) {
-            std::vector<std::pair<const floatX*, long>> spans;
+            Spans<floatX> spans;
             for (auto& segs : g.owned)
                 for (const OwnedSegment& s : segs) {
                     const floatX* base = reduced_grads() + (stage >= 2 ? s.shard_offset : s.flat_offset);
                     for (const ShareRange& r : plan.counted(s.flat_offset, s.size))
                         spans.push_back({base + (r.offset - s.flat_offset), (long)r.count});
                 }
-            double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans));
+            double group_total = sum_in_rank_order(*g.comm, sum_of_squares_spans(spans, m.workspace));
             if (g.experts) group_total = sum_in_rank_order(*expert_links.ep, group_total);
             total += group_total;
         }

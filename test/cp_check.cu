@@ -93,9 +93,9 @@ int main() {
                     my_dqkv((size_t)B * Tl * row, NAN);
                 Ledger ledger;
                 RingBuffers<float> ring = ring_buffers<float>(ledger, B, Tl, a);
-                ring_attention_forward(my_out.data(), my_lse.data(), my_qkv.data(), B, a, layout, world, ring);
+                ring_attention_forward(my_out.data(), my_lse.data(), my_qkv.data(), B, a, layout, world, ring, AttentionKernels::MMA);
                 ring_attention_backward(my_dqkv.data(), my_dout.data(), my_qkv.data(), my_out.data(), my_lse.data(), B, a,
-                                        layout, world, ring);
+                                        layout, world, ring, AttentionKernels::MMA);
 
                 std::vector<float> want_dqkv = slice(dqkv, B, row);
                 // the Q, K and V columns of a (B·Tl, C + 2K) gradient apart

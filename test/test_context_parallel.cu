@@ -103,7 +103,7 @@ TEST_CASE("ring attention equals whole-sequence attention on every rank's slice,
 }
 
 // The kernels each GPU case runs: the mma.sync ones, then the wgmma ones where the device and the binary have them
-// (--attention picks them for the layers and the ring alike); the choice in force before is restored after.
+// (--attention picks them for the layers and the ring alike).
 std::vector<AttentionKernels> gpu_attention_kernels() {
     std::vector<AttentionKernels> kinds = {AttentionKernels::MMA};
     std::string why;
@@ -111,10 +111,6 @@ std::vector<AttentionKernels> gpu_attention_kernels() {
     else WARN("wgmma attention skipped: not Hopper (" << why << ")");
     return kinds;
 }
-struct AttentionKernelsRestored {
-    AttentionKernels saved = attention_kernels();
-    ~AttentionKernelsRestored() { attention_kernels() = saved; }
-};
 
 void require_close(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu, double tol) {
     Comparison c = compare_rms(gpu, cpu, tol);
@@ -128,7 +124,6 @@ void require_close(const char* what, const std::vector<float>& gpu, const std::v
 TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference, on the mma and the wgmma kernels",
           "[cp][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
-    AttentionKernelsRestored restored;
     struct Shape {
         int B, T, C, NH, KV;
     };
@@ -136,19 +131,18 @@ TEST_CASE("on the GPU, ring attention on one rank matches the CPU reference, on 
         for (Shape s : {Shape{2, 42, 128, 2, 2}, Shape{1, 30, 256, 2, 2}, Shape{1, 30, 256, 4, 2}}) {  // hs 64, 128, 64
             INFO((kind == AttentionKernels::MMA ? "mma" : "wgmma") << " B=" << s.B << " T=" << s.T << " C=" << s.C
                                                                    << " NH=" << s.NH << " KV=" << s.KV);
-            attention_kernels() = kind;
             AttentionCase k(s.B, s.T, s.C, s.NH, s.KV, 15);
             RingHeads heads{s.C, s.NH, s.KV};
             Comm self;
             CPLayout l = cp_layout(s.T, 1, 0, CPSplit::ZigZag);
             Ledger ledger;
             RingBuffers<bf16> ring = ring_buffers<bf16>(ledger, s.B, s.T, heads);
-            ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, heads, l, self, ring);
+            ring_attention_forward(k.d_out.ptr, k.d_lse.ptr, k.d_qkv.ptr, s.B, heads, l, self, ring, kind);
             cuda_check(cudaStreamSynchronize(main_stream()));
             require_close("out", download(k.d_out), k.out, AttentionCase::OUT_TOL);
             require_close("lse", download(k.d_lse), k.lse, 1e-3);
             ring_attention_backward(k.d_dqkv.ptr, k.d_dout.ptr, k.d_qkv.ptr, k.d_out.ptr, k.d_lse.ptr, s.B, heads, l,
-                                    self, ring);
+                                    self, ring, kind);
             cuda_check(cudaStreamSynchronize(main_stream()));
             require_close("dqkv", download(k.d_dqkv), k.dqkv_for_out(download(k.d_out)), AttentionCase::DQKV_TOL);
         }
@@ -172,13 +166,13 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
                        kv = random_bf16_values((size_t)B * Tl * a.kv_row(), rng),
                        dout = random_bf16_values((size_t)B * Tl * C, rng);
     std::vector<float> out((size_t)B * n * C), lse_blk((size_t)B * NH * n);
-    ring_block_forward(out.data(), lse_blk.data(), qkv.data(), q0, kv.data(), k0, n, causal, B, Tl, a);
+    ring_block_forward(out.data(), lse_blk.data(), qkv.data(), q0, kv.data(), k0, n, causal, B, Tl, a, AttentionKernels::MMA);
     std::vector<float> lse = random_vector((size_t)B * NH * Tl, rng), delta = random_vector((size_t)B * NH * Tl, rng);
     for (int bh = 0; bh < B * NH; bh++)
         for (int i = 0; i < n; i++) lse[(size_t)bh * Tl + q0 + i] = lse_blk[(size_t)bh * n + i] + rng.uniform();
     std::vector<float> dq((size_t)B * Tl * C), dkv((size_t)B * Tl * a.kv_row());
     ring_block_backward(dq.data(), dkv.data(), dout.data(), qkv.data(), q0, kv.data(), k0, n, causal, lse.data(),
-                        delta.data(), B, Tl, a);
+                        delta.data(), B, Tl, a, AttentionKernels::MMA);
     std::vector<float> dq_start = random_vector(dq.size(), rng), dkv_start = random_vector(dkv.size(), rng);
 
     DeviceArray<bf16> d_qkv(qkv.size()), d_kv(kv.size()), d_dout(dout.size());
@@ -191,10 +185,9 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
     upload(d_delta, delta);
     for (AttentionKernels kind : gpu_attention_kernels()) {
         INFO((kind == AttentionKernels::MMA ? "mma" : "wgmma"));
-        attention_kernels() = kind;
         d_out.poison();
         d_lse_blk.poison();
-        ring_block_forward(d_out.ptr, d_lse_blk.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, B, Tl, a);
+        ring_block_forward(d_out.ptr, d_lse_blk.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, B, Tl, a, kind);
         cuda_check(cudaStreamSynchronize(main_stream()));
         require_close("block out", download(d_out), out, AttentionCase::OUT_TOL);
         require_close("block lse", download(d_lse_blk), lse_blk, 1e-3);
@@ -204,7 +197,7 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
             upload(d_dq, dq_start);
             upload(d_dkv, dkv_start);
             ring_block_backward(d_dq.ptr, d_dkv.ptr, d_dout.ptr, d_qkv.ptr, q0, d_kv.ptr, k0, n, causal, d_lse.ptr,
-                                d_delta.ptr, B, Tl, a);
+                                d_delta.ptr, B, Tl, a, kind);
             cuda_check(cudaStreamSynchronize(main_stream()));
             std::vector<float> got_dq = download(d_dq), got_dkv = download(d_dkv);
             if (run == 1) {
@@ -249,7 +242,6 @@ void check_ring_block(int B, int n, int C, int NH, int KV, bool causal) {
 TEST_CASE("on the GPU, a ring block on the flash kernels (mma and wgmma), causal and full, matches the CPU block",
           "[cp][cuda]") {
     SKIP_WITHOUT_GPU_CASE();
-    AttentionKernelsRestored restored;
     for (bool causal : {true, false}) {
         check_ring_block(2, 77, 128, 2, 2, causal);    // hs 64, multi-head
         check_ring_block(1, 200, 512, 8, 2, causal);   // hs 64, groups of 4

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "llmc/gpt.cuh"
@@ -45,9 +46,13 @@ struct Pair {
     std::vector<int> inputs, targets;  // MICRO_STEPS batches of B×T, back to back
     static constexpr int MICRO_STEPS = 2;
 
-    Pair(uint64_t seed, const char* model) : config(parse_model_descriptor(model)) {
+    // attention: the GPU's kernels (none: the GPU's default)
+    Pair(uint64_t seed, const char* model, std::optional<AttentionKernels> attention = std::nullopt)
+        : config(parse_model_descriptor(model)) {
+        ModelLayout layout;
+        layout.attention_kernels = attention;
         gpt_allocate(cpu, config, B, T);
-        gpt_allocate(gpu, config, B, T);
+        gpt_allocate(gpu, config, B, T, layout);
         gpt_init_random(config, cpu.params, seed);
         // the GPU's bf16 weights are the fp32 ones rounded; the CPU runs on those rounded values too, so the
         // comparison measures the arithmetic, not the rounding of the initialization
@@ -61,10 +66,12 @@ struct Pair {
     }
 };
 
-// The loss, logits and every gradient at step 0; grad_tol bounds each tensor's relative L2 error, expert_tol
-// (when given) that of the experts' tensors and the router's
-void check_step_zero(const char* model, double grad_tol, double expert_tol = 0) {
-    Pair p(42, model);
+// The loss, logits and every gradient at step 0, the GPU on the attention kernels given (none: its default);
+// grad_tol bounds each tensor's relative L2 error, expert_tol (when given) that of the experts' tensors and the
+// router's
+void check_step_zero(const char* model, std::optional<AttentionKernels> attention, double grad_tol,
+                     double expert_tol = 0) {
+    Pair p(42, model, attention);
     float cpu_loss = gpt_forward(p.cpu, p.inputs.data(), p.targets.data(), p.B, p.T);
     float gpu_loss = gpt_forward(p.gpu, p.inputs.data(), p.targets.data(), p.B, p.T);
     INFO("loss cpu " << cpu_loss << " gpu " << gpu_loss);
@@ -102,9 +109,10 @@ void check_step_zero(const char* model, double grad_tol, double expert_tol = 0) 
 }
 
 // 20 AdamW steps of 2 micro-steps: the losses within 1e-2 of the CPU model's; each forward takes the logits'
-// gradient in the pass of the loss, as training's do (the gradient test above runs them apart)
-void check_training(const char* model) {
-    Pair p(7, model);
+// gradient in the pass of the loss, as training's do (the gradient test above runs them apart); the GPU on the
+// attention kernels given (none: its default)
+void check_training(const char* model, std::optional<AttentionKernels> attention) {
+    Pair p(7, model, attention);
     const int micro_steps = Pair::MICRO_STEPS, BT = p.B * p.T;
     float dloss = 1.0f / (micro_steps * BT);  // gradients accumulate over the micro-steps (bf16 on the GPU)
     for (int step = 0; step < 20; step++) {
@@ -127,33 +135,27 @@ void check_training(const char* model) {
     }
 }
 
-// the model's layers on the attention kernels --attention names, for one test, then back on what they ran before
-struct UseAttention {
-    AttentionKernels before = attention_kernels();
-    explicit UseAttention(const char* flag) { attention_select(flag); }
-    ~UseAttention() { attention_kernels() = before; }
-};
+// the GPU model's attention: the mma.sync kernels, the wgmma ones (Hopper), or the GPU's default
+constexpr AttentionKernels MMA = AttentionKernels::MMA, WGMMA = AttentionKernels::WGMMA;
+const std::optional<AttentionKernels> DEFAULT_ATTENTION = std::nullopt;
 
 TEST_CASE("GPU model on the mma attention: loss, logits and every gradient against the CPU model at step 0",
           "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
-    UseAttention mma("mma");
-    check_step_zero(DENSE_MODEL, 5e-2);  // bf16 gradients summed over 256 tokens: a few percent at most
+    check_step_zero(DENSE_MODEL, MMA, 5e-2);  // bf16 gradients summed over 256 tokens: a few percent at most
 }
 
 TEST_CASE("GPU model on the mma attention: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2",
           "[cuda][model]") {
     SKIP_WITHOUT_GPU_CASE();
-    UseAttention mma("mma");
-    check_training(DENSE_MODEL);
+    check_training(DENSE_MODEL, MMA);
 }
 
 TEST_CASE("GPU model on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",
           "[cuda][model][wgmma]") {
     SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
-    UseAttention wgmma("wgmma");
-    check_step_zero(DENSE_MODEL, 5e-2);
-    check_training(DENSE_MODEL);
+    check_step_zero(DENSE_MODEL, WGMMA, 5e-2);
+    check_training(DENSE_MODEL, WGMMA);
 }
 
 // The tests above prove cuBLASLt's backward epilogues only if the model's matmuls take them: every matmul's C and
@@ -180,9 +182,8 @@ TEST_CASE("GPU Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU): on the mm
           "gradient against the CPU model at step 0, and 20 AdamW steps of 2 micro-steps",
           "[cuda][model][llama]") {
     SKIP_WITHOUT_GPU_CASE();
-    UseAttention mma("mma");
-    check_step_zero(LLAMA_MODEL, 5e-2);
-    check_training(LLAMA_MODEL);
+    check_step_zero(LLAMA_MODEL, MMA, 5e-2);
+    check_training(LLAMA_MODEL, MMA);
 }
 
 TEST_CASE("GPU Llama with GPT-2's 50257 tokens (padded to 50304 in memory): loss, logits and every gradient against "
@@ -190,25 +191,23 @@ TEST_CASE("GPU Llama with GPT-2's 50257 tokens (padded to 50304 in memory): loss
           "[cuda][model][llama]") {
     SKIP_WITHOUT_GPU_CASE();
     REQUIRE(parse_model_descriptor(LLAMA_GPT2_VOCAB).padded_vocab_size == 50304);
-    check_step_zero(LLAMA_GPT2_VOCAB, 5e-2);
-    check_training(LLAMA_GPT2_VOCAB);
+    check_step_zero(LLAMA_GPT2_VOCAB, DEFAULT_ATTENTION, 5e-2);
+    check_training(LLAMA_GPT2_VOCAB, DEFAULT_ATTENTION);
 }
 
 TEST_CASE("GPU Llama on the wgmma attention (Hopper): step 0 and 20 AdamW steps against the CPU model",
           "[cuda][model][llama][wgmma]") {
     SKIP_WITHOUT_HOPPER_ATTENTION_CASE();
-    UseAttention wgmma("wgmma");
-    check_step_zero(LLAMA_MODEL, 5e-2);
-    check_training(LLAMA_MODEL);
+    check_step_zero(LLAMA_MODEL, WGMMA, 5e-2);
+    check_training(LLAMA_MODEL, WGMMA);
 }
 
 TEST_CASE("GPU Qwen3 (QK-norm, a head size of its own): on the mma attention, loss, logits and every gradient "
           "against the CPU model at step 0, and 20 AdamW steps of 2 micro-steps",
           "[cuda][model][qwen3]") {
     SKIP_WITHOUT_GPU_CASE();
-    UseAttention mma("mma");
-    check_step_zero(QWEN3_MODEL, 5e-2);
-    check_training(QWEN3_MODEL);
+    check_step_zero(QWEN3_MODEL, MMA, 5e-2);
+    check_training(QWEN3_MODEL, MMA);
 }
 
 TEST_CASE("GPU model with experts (E=4, K=2): loss, logits and every gradient against the CPU model at step 0",
@@ -217,13 +216,13 @@ TEST_CASE("GPU model with experts (E=4, K=2): loss, logits and every gradient ag
     // the router sees bf16 inputs on the GPU: a token whose K-th and (K+1)-th logits are closer than that rounding
     // may go to another expert, so the experts' and the router's gradients are allowed more than the dense model's;
     // the other tensors see that token's changed output among 256 tokens' and keep the dense bound
-    check_step_zero(MOE_MODEL, 5e-2, 1e-1);
+    check_step_zero(MOE_MODEL, DEFAULT_ATTENTION, 5e-2, 1e-1);
 }
 
 TEST_CASE("GPU model with experts: 20 AdamW steps of 2 micro-steps follow the CPU model's losses within 1e-2",
           "[cuda][model][moe]") {
     SKIP_WITHOUT_GPU_CASE();
-    check_training(MOE_MODEL);
+    check_training(MOE_MODEL, DEFAULT_ATTENTION);
 }
 
 TEST_CASE("GPU model: GPT-2's vocabulary at B·T = 1024 runs forward and backward in the scratch it registers",

@@ -177,7 +177,8 @@ TEST_CASE("fp8 GEMMs on the CPU equal a direct sum over the cast operands: forwa
     std::vector<float> x = random_vector(N * C, rng), w = random_vector(OC * C, rng, 0.2f), bias = random_vector(OC, rng),
                        dout = random_vector(N * OC, rng, 1e-3f), dw0 = random_vector(OC * C, rng), db0 = random_vector(OC, rng);
     CpuFp8 cpu(N, C);
-    std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+    std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+    Workspace ws{panels.data(), panels.size()};
     std::vector<double> xq = dequantized(x, Fp8Format::E4M3), wq = dequantized(w, Fp8Format::E4M3),
                         gq = dequantized(dout, Fp8Format::E5M2);
     std::vector<double> out(N * OC), dinp(N * C), dweight(OC * C), dbias(OC);
@@ -203,21 +204,21 @@ TEST_CASE("fp8 GEMMs on the CPU equal a direct sum over the cast operands: forwa
         for (long n = 0; n < N; n++) dbias[o] += dout[n * OC + o];  // from the gradient itself, not its cast
     }
     std::vector<float> got(N * OC), pre(N * OC), act(N * OC);
-    matmul_forward(got.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
+    matmul_forward(got.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu.q);
     require_close_rel("forward", got, out, 1e-5);
-    matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
+    matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu.q);
     require_close_rel("forward before GELU", pre, out, 1e-5);
     std::vector<float> gelu(N * OC);
     gelu_forward(gelu.data(), pre.data(), N * OC);
     CHECK(act == gelu);
     std::vector<float> gdinp(N * C), gdw = dw0, gdb = db0;
-    matmul_backward(gdinp.data(), gdw.data(), gdb.data(), dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &cpu.q);
+    matmul_backward(gdinp.data(), gdw.data(), gdb.data(), dout.data(), x.data(), w.data(), N, C, OC, ws, &cpu.q);
     require_close_rel("input gradient", gdinp, dinp, 1e-5);
     require_close_rel("weight gradient (accumulated)", gdw, dweight, 1e-5);
     require_close_rel("bias gradient (accumulated)", gdb, dbias, 1e-5);
     // and the recipe is not the fp32 GEMM: the casts' errors show at this precision
     std::vector<float> plain(N * OC);
-    matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data());
+    matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws);
     double diff = 0;
     for (long i = 0; i < N * OC; i++) diff = std::max(diff, (double)std::fabs(plain[i] - got[i]));
     CHECK(diff > 1e-3);
@@ -333,7 +334,8 @@ TEST_CASE("fp8 recipes: the CPU's block-scaled GEMMs equal a direct sum over ope
     std::vector<float> x = random_vector(N * C, rng), w = random_vector(OC * C, rng, 0.2f), bias = random_vector(OC, rng),
                        dout = random_vector(N * OC, rng, 1e-3f), dw0 = random_vector(OC * C, rng);
     x[3 * C + 10] = 50.0f, dout[30 * OC + 5] = 0.2f;  // outliers that tiles keep to themselves
-    std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+    std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+    Workspace ws{panels.data(), panels.size()};
     for (Fp8Recipe r : BLOCK_RECIPES) {
         INFO(fp8_recipe_name(r));
         long L = fp8_tile(r);
@@ -364,15 +366,15 @@ TEST_CASE("fp8 recipes: the CPU's block-scaled GEMMs equal a direct sum over ope
                 dweight[o * C + c] = sum;
             }
         std::vector<float> got(N * OC), gdinp(N * C), gdw = dw0;
-        matmul_forward(got.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
+        matmul_forward(got.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu.q);
         require_close_rel("forward", got, out, 1e-5);
-        matmul_backward(gdinp.data(), gdw.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &cpu.q);
+        matmul_backward(gdinp.data(), gdw.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws, &cpu.q);
         require_close_rel("input gradient", gdinp, dinp, 1e-5);
         require_close_rel("weight gradient (accumulated)", gdw, dweight, 1e-5);
         // a weight that is not whole tiles runs unquantized: the fp32 GEMM's bits
         std::vector<float> plain(N * (OC - 16)), fallback(N * (OC - 16));
-        matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC - 16, ws.data());
-        matmul_forward(fallback.data(), x.data(), w.data(), bias.data(), N, C, OC - 16, ws.data(), &cpu.q);
+        matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC - 16, ws);
+        matmul_forward(fallback.data(), x.data(), w.data(), bias.data(), N, C, OC - 16, ws, &cpu.q);
         CHECK(plain == fallback);
     }
 }
@@ -526,17 +528,18 @@ TEST_CASE("CUDA fp8 GEMMs (cuBLASLt, E4M3 x E4M3 and E5M2) match the CPU emulati
                            dw0 = random_bf16_values(OC * C, rng), db0 = random_bf16_values(OC, rng);
         // the CPU emulation on the same (bf16) values
         CpuFp8 cpu(N, C);
-        std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+        std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+        Workspace ws{panels.data(), panels.size()};
         std::vector<float> out(N * OC), pre(N * OC), act(N * OC), dinp(N * C), dweight = dw0, dbias_ref = db0;
-        matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
-        matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu.q);
-        matmul_backward(dinp.data(), dweight.data(), dbias_ref.data(), dout.data(), x.data(), w.data(), N, C, OC, ws.data(),
+        matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu.q);
+        matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu.q);
+        matmul_backward(dinp.data(), dweight.data(), dbias_ref.data(), dout.data(), x.data(), w.data(), N, C, OC, ws,
                         &cpu.q);
         // the GPU
         Fp8Sizes z = fp8_sizes(N, C, std::max(C, OC), (size_t)OC * C, 1, Device::CUDA);
         DeviceArray<uint8_t> input(z.input), weight(z.weight), grad(z.grad), grad_t(z.grad_t);
         DeviceArray<float> floats(z.floats), scratch(matmul_backward_scratch_floats(N, OC));
-        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
+        Workspace gpu_workspace{scratch.ptr, scratch.n};
         Fp8Scaling<bf16> q;
         q.input = input.ptr, q.weight = weight.ptr, q.grad = grad.ptr, q.grad_t = grad_t.ptr;
         q.scales = floats.ptr, q.amaxes = floats.ptr + FP8_SCALE_FLOATS;
@@ -550,18 +553,17 @@ TEST_CASE("CUDA fp8 GEMMs (cuBLASLt, E4M3 x E4M3 and E5M2) match the CPU emulati
             CHECK(c.pass());
         };
         d_out.poison();
-        matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, gpu_workspace, &q);
         check("forward", download(d_out), out);
         d_out.poison(), d_pre.poison();
-        matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, gpu_workspace, &q);
         check("forward before GELU", download(d_pre), pre);
         check("GELU", download(d_out), act);
         d_dinp.poison();
-        matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, nullptr, &q);
+        matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, gpu_workspace, &q);
         check("input gradient", download(d_dinp), dinp);
         check("weight gradient (accumulated)", download(d_dw), dweight);
         check("bias gradient (accumulated)", download(d_db), dbias_ref);
-        gpu_scratch_registry() = GpuScratch{};
     }
 }
 

@@ -125,7 +125,8 @@ TEST_CASE("fp8 GEMM plan, block scales: m and n multiples of 4 under the fp32 ti
 TEST_CASE("fp8 recipes on the CPU: a blockwise layer over a token count that is no multiple of 4 runs in fp32, its bits "
           "those of the layer without FP8; over a multiple of 4, and under mxfp8 over any, the recipe runs", "[fp8]") {
     const long C = 256, OC = 128;
-    std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+    std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+    Workspace ws{panels.data(), panels.size()};
     for (Fp8Recipe r : BLOCK_RECIPES)
         for (long N : {6L, 8L}) {
             INFO(fp8_recipe_name(r) << ", " << N << " tokens");
@@ -139,10 +140,10 @@ TEST_CASE("fp8 recipes on the CPU: a blockwise layer over a token count that is 
             q.input = input.data(), q.weight = weight.data(), q.grad = grad.data(), q.grad_t = grad_t.data();
             q.scales = scales.data(), q.amaxes = scales.data() + FP8_SCALE_FLOATS;
             std::vector<float> out(N * OC), plain(N * OC), dinp(N * C), plain_dinp(N * C), dw = dw0, plain_dw = dw0;
-            matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &q);
-            matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data());
-            matmul_backward(dinp.data(), dw.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &q);
-            matmul_backward(plain_dinp.data(), plain_dw.data(), nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws.data());
+            matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &q);
+            matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws);
+            matmul_backward(dinp.data(), dw.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws, &q);
+            matmul_backward(plain_dinp.data(), plain_dw.data(), nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws);
             bool fallback = r == Fp8Recipe::Blockwise && N % 4 != 0;
             CHECK((out == plain) == fallback);
             CHECK((dinp == plain_dinp) == fallback);
@@ -299,12 +300,13 @@ void check_block_gemms(Fp8Recipe r) {
         cpu.recipe = r, cpu.speaks = false;
         cpu.input = input.data(), cpu.weight = weight.data(), cpu.grad = grad.data(), cpu.grad_t = grad_t.data();
         cpu.scales = floats.data(), cpu.amaxes = floats.data() + FP8_SCALE_FLOATS;
-        std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+        std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+        Workspace ws{panels.data(), panels.size()};
         std::vector<float> out(N * OC), pre(N * OC), act(N * OC), dinp(N * C), dweight = dw0, dbias = db0, plain(N * OC);
-        matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu);
-        matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data(), &cpu);
-        matmul_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &cpu);
-        matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws.data());
+        matmul_forward(out.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu);
+        matmul_gelu_forward(act.data(), pre.data(), x.data(), w.data(), bias.data(), N, C, OC, ws, &cpu);
+        matmul_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), x.data(), w.data(), N, C, OC, ws, &cpu);
+        matmul_forward(plain.data(), x.data(), w.data(), bias.data(), N, C, OC, ws);
         const bool runs = cpu.runs(N, OC, C);
         CHECK(runs == (r != Fp8Recipe::Blockwise || N % 4 == 0));
         if (runs) CHECK(!compare_rms(plain, out, 1e-2).pass());  // the recipe is not the unquantized GEMM
@@ -313,7 +315,7 @@ void check_block_gemms(Fp8Recipe r) {
         DeviceArray<uint8_t> d_input(z.input), d_weight(z.weight), d_grad(z.grad), d_grad_t(z.grad_t);
         std::vector<std::unique_ptr<DeviceArray<uint8_t>>> tiles;
         DeviceArray<float> d_floats(z.floats), scratch(matmul_backward_scratch_floats(N, OC));
-        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
+        Workspace gpu_workspace{scratch.ptr, scratch.n};
         Fp8Scaling<bf16> q;
         q.recipe = r, q.speaks = false;
         q.input = d_input.ptr, q.weight = d_weight.ptr, q.grad = d_grad.ptr, q.grad_t = d_grad_t.ptr;
@@ -331,17 +333,16 @@ void check_block_gemms(Fp8Recipe r) {
             INFO(what << ": max error " << c.max_abs << ", " << c.worst_ratio << " of tolerance " << tol);
             CHECK(c.pass());
         };
-        matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, gpu_workspace, &q);
         check("forward with bias", download(d_out), out, 1e-2);
         d_out.poison(), d_pre.poison();
-        matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, nullptr, &q);
+        matmul_gelu_forward(d_out.ptr, d_pre.ptr, d_x.ptr, d_w.ptr, d_bias.ptr, N, C, OC, gpu_workspace, &q);
         check("forward before GELU", download(d_pre), pre, 1e-2);
         check("GELU", download(d_out), act, 2e-2);
-        matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, nullptr, &q);
+        matmul_backward(d_dinp.ptr, d_dw.ptr, d_db.ptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, gpu_workspace, &q);
         check("input gradient", download(d_dinp), dinp, 1e-2);
         check("weight gradient (accumulated)", download(d_dw), dweight, 1e-2);
         check("bias gradient (accumulated)", download(d_db), dbias, 1e-2);
-        gpu_scratch_registry() = GpuScratch{};
     }
 }
 

@@ -191,7 +191,8 @@ TEST_CASE("matmul results are bit-identical with 1 and 2 threads", "[layers]") {
     Rng rng(7);
     std::vector<float> inp = random_vector(N * IC, rng), weight = random_vector(O * IC, rng, 0.1f),
                        bias = random_vector(O, rng), dout = random_vector(N * O, rng);
-    std::vector<float> ws = gemm_workspace(std::max(omp_get_max_threads(), 2));
+    std::vector<float> panels = gemm_workspace(std::max(omp_get_max_threads(), 2));
+    Workspace ws{panels.data(), panels.size()};
     struct Result {
         std::vector<float> out, dinp, dweight, dbias;
     };
@@ -199,9 +200,9 @@ TEST_CASE("matmul results are bit-identical with 1 and 2 threads", "[layers]") {
         ThreadCount scope(threads);
         Result r{std::vector<float>(N * O), std::vector<float>(N * IC), std::vector<float>(O * IC, 0.0f),
                  std::vector<float>(O, 0.0f)};
-        matmul_forward(r.out.data(), inp.data(), weight.data(), bias.data(), N, IC, O, ws.data());
+        matmul_forward(r.out.data(), inp.data(), weight.data(), bias.data(), N, IC, O, ws);
         matmul_backward(r.dinp.data(), r.dweight.data(), r.dbias.data(), dout.data(), inp.data(), weight.data(), N,
-                        IC, O, ws.data());
+                        IC, O, ws);
         return r;
     };
     int threads_before = omp_get_max_threads();
@@ -222,17 +223,18 @@ TEST_CASE("matmul backward matches finite differences, overwrites dinp and accum
     Rng rng(11);
     std::vector<float> inp = random_vector(BT * C, rng), weight = random_vector(OC * C, rng, 0.5f),
                        bias = random_vector(OC, rng), w = random_vector(BT * OC, rng);
-    std::vector<float> ws = gemm_workspace(omp_get_max_threads());
+    std::vector<float> panels = gemm_workspace(omp_get_max_threads());
+    Workspace ws{panels.data(), panels.size()};
     std::vector<float> out(BT * OC);
     auto f = [&]() {
-        matmul_forward(out.data(), inp.data(), weight.data(), bias.data(), BT, C, OC, ws.data());
+        matmul_forward(out.data(), inp.data(), weight.data(), bias.data(), BT, C, OC, ws);
         return weighted_sum(w, out);
     };
 
     // the forward itself, with and without bias
     f();
     std::vector<float> out_nobias(BT * OC);
-    matmul_forward(out_nobias.data(), inp.data(), weight.data(), nullptr, BT, C, OC, ws.data());
+    matmul_forward(out_nobias.data(), inp.data(), weight.data(), nullptr, BT, C, OC, ws);
     double fwd_err = 0.0;
     for (long n = 0; n < BT; n++)
         for (int o = 0; o < OC; o++) {
@@ -246,7 +248,7 @@ TEST_CASE("matmul backward matches finite differences, overwrites dinp and accum
     // analytic gradients: dinp starts as NaN (it is overwritten), dweight and dbias as zero
     std::vector<float> dinp(BT * C, NaN), dweight(OC * C, 0.0f), dbias(OC, 0.0f);
     matmul_backward(dinp.data(), dweight.data(), dbias.data(), w.data(), inp.data(), weight.data(), BT, C, OC,
-                    ws.data());
+                    ws);
     const float h = 0.1f;  // f is linear in each input: a large step only shrinks the rounding
     double e_inp = gradient_error(inp, dinp, h, f);
     double e_weight = gradient_error(weight, dweight, h, f);
@@ -260,7 +262,7 @@ TEST_CASE("matmul backward matches finite differences, overwrites dinp and accum
                        dbias0 = random_vector(OC, rng);
     std::vector<float> dinp2 = dinp0, dweight2 = dweight0, dbias2 = dbias0;
     matmul_backward(dinp2.data(), dweight2.data(), dbias2.data(), w.data(), inp.data(), weight.data(), BT, C, OC,
-                    ws.data());
+                    ws);
     CHECK(memcmp(dinp2.data(), dinp.data(), dinp.size() * sizeof(float)) == 0);
     CHECK(accumulation_error(dweight2, dweight0, dweight) < 1e-6);
     CHECK(accumulation_error(dbias2, dbias0, dbias) < 1e-6);
@@ -268,7 +270,7 @@ TEST_CASE("matmul backward matches finite differences, overwrites dinp and accum
     // without a bias the other two gradients are unchanged
     std::vector<float> dinp3(BT * C, NaN), dweight3(OC * C, 0.0f);
     matmul_backward(dinp3.data(), dweight3.data(), nullptr, w.data(), inp.data(), weight.data(), BT, C, OC,
-                    ws.data());
+                    ws);
     CHECK(memcmp(dinp3.data(), dinp.data(), dinp.size() * sizeof(float)) == 0);
     CHECK(memcmp(dweight3.data(), dweight.data(), dweight.size() * sizeof(float)) == 0);
 }
@@ -293,7 +295,7 @@ TEST_CASE("encoder backward matches finite differences and accumulates into wte 
     CHECK(forward_exact);
 
     std::vector<float> dwte((size_t)V * C, 0.0f), dwpe((size_t)T * C, 0.0f);
-    encoder_backward(dwte.data(), dwpe.data(), w.data(), tokens.data(), B, T, C, V);
+    encoder_backward(dwte.data(), dwpe.data(), w.data(), tokens.data(), B, T, C, V, Workspace{});
     const float h = 0.1f;  // linear, as above
     double e_wte = gradient_error(wte, dwte, h, f);
     double e_wpe = gradient_error(wpe, dwpe, h, f);
@@ -306,7 +308,7 @@ TEST_CASE("encoder backward matches finite differences and accumulates into wte 
 
     std::vector<float> dwte0 = random_vector(dwte.size(), rng), dwpe0 = random_vector(dwpe.size(), rng);
     std::vector<float> dwte2 = dwte0, dwpe2 = dwpe0;
-    encoder_backward(dwte2.data(), dwpe2.data(), w.data(), tokens.data(), B, T, C, V);
+    encoder_backward(dwte2.data(), dwpe2.data(), w.data(), tokens.data(), B, T, C, V, Workspace{});
     CHECK(accumulation_error(dwte2, dwte0, dwte) < 1e-6);
     CHECK(accumulation_error(dwpe2, dwpe0, dwpe) < 1e-6);
 }
@@ -347,7 +349,7 @@ TEST_CASE("layernorm backward matches finite differences and accumulates into al
 
     std::vector<float> dinp(BT * C, 0.0f), dweight(C, 0.0f), dbias(C, 0.0f);
     norm_backward(Norm::LayerNorm, dinp.data(), dweight.data(), dbias.data(), w.data(), inp.data(), weight.data(),
-                  mean.data(), rstd.data(), BT, C);
+                  mean.data(), rstd.data(), BT, C, Workspace{});
     const float h = 3e-2f;
     double e_inp = gradient_error(inp, dinp, h, f);
     double e_weight = gradient_error(weight, dweight, h, f);
@@ -361,7 +363,7 @@ TEST_CASE("layernorm backward matches finite differences and accumulates into al
                        dbias0 = random_vector(C, rng);
     std::vector<float> dinp2 = dinp0, dweight2 = dweight0, dbias2 = dbias0;
     norm_backward(Norm::LayerNorm, dinp2.data(), dweight2.data(), dbias2.data(), w.data(), inp.data(), weight.data(),
-                  mean.data(), rstd.data(), BT, C);
+                  mean.data(), rstd.data(), BT, C, Workspace{});
     CHECK(accumulation_error(dinp2, dinp0, dinp) < 1e-6);
     CHECK(accumulation_error(dweight2, dweight0, dweight) < 1e-5);
     CHECK(accumulation_error(dbias2, dbias0, dbias) < 1e-5);
@@ -558,14 +560,14 @@ TEST_CASE("cross-entropy backward matches finite differences of the mean loss an
     targets[0] = 0, targets[1] = V - 1;
     std::vector<float> losses(BT);
     auto f = [&]() {
-        crossentropy_forward(losses.data(), logits.data(), targets.data(), BT, V, Vp);
+        crossentropy_forward(losses.data(), logits.data(), targets.data(), BT, V, Vp, Workspace{});
         double s = 0.0;
         for (float l : losses) s += l;
         return s / BT;
     };
 
     // the forward against a double computation over the first V columns
-    float mean_loss = crossentropy_forward(losses.data(), logits.data(), targets.data(), BT, V, Vp);
+    float mean_loss = crossentropy_forward(losses.data(), logits.data(), targets.data(), BT, V, Vp, Workspace{});
     double total = 0.0, fwd_err = 0.0;
     for (long n = 0; n < BT; n++) {
         double sum = 0.0;
@@ -579,7 +581,7 @@ TEST_CASE("cross-entropy backward matches finite differences of the mean loss an
 
     // training's fused pass: the forward's losses and mean, and the gradient in place of the logits
     std::vector<float> grad = logits, fused_losses(BT);
-    float fused_mean = crossentropy_fused(fused_losses.data(), grad.data(), targets.data(), BT, V, Vp, 1.0f / BT);
+    float fused_mean = crossentropy_fused(fused_losses.data(), grad.data(), targets.data(), BT, V, Vp, 1.0f / BT, Workspace{});
     CHECK(fused_losses == losses);
     CHECK(fused_mean == mean_loss);
     double e_logits = gradient_error(logits, grad, 5e-2f, f);

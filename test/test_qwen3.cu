@@ -138,7 +138,7 @@ TEST_CASE("QK-norm on the CPU: forward against double, backward against central 
     };
     std::vector<float> dinp(N * width, 7.0f), dqw(hd, 0.5f), dkw(hd, -0.25f);  // dinp written, the weights' added to
     qk_norm_backward(dinp.data(), dqw.data(), dkw.data(), dout.data(), x.data(), qw.data(), kw.data(), rstd.data(), N, NH,
-                     KV, hd);
+                     KV, hd, Workspace{});
     for (long i = 0; i < N * width; i++) {
         INFO("dinp " << i);
         REQUIRE(std::fabs(dinp[i] - numeric(xd[i])) < 1e-4);
@@ -151,7 +151,7 @@ TEST_CASE("QK-norm on the CPU: forward against double, backward against central 
     // in place (dinp is dout): the same bits
     std::vector<float> inplace = dout, dqw2(hd, 0.5f), dkw2(hd, -0.25f);
     qk_norm_backward(inplace.data(), dqw2.data(), dkw2.data(), inplace.data(), x.data(), qw.data(), kw.data(), rstd.data(),
-                     N, NH, KV, hd);
+                     N, NH, KV, hd, Workspace{});
     CHECK(inplace == dinp);
     CHECK(dqw2 == dqw);
     CHECK(dkw2 == dkw);
@@ -170,7 +170,7 @@ TEST_CASE("QK-norm on the GPU against the CPU, bf16; the backward's bits reprodu
             dkw(hd, 0.0f);
         qk_norm_forward(out.data(), rstd.data(), x.data(), qw.data(), kw.data(), N, NH, KV, hd, 1e-6f);
         qk_norm_backward(dinp.data(), dqw.data(), dkw.data(), dout.data(), x.data(), qw.data(), kw.data(), rstd.data(), N,
-                         NH, KV, hd);
+                         NH, KV, hd, Workspace{});
         DeviceArray<bf16> d_x(x.size()), d_out(x.size()), d_dout(x.size()), d_qw(hd), d_kw(hd), d_dqw(hd), d_dkw(hd);
         DeviceArray<float> d_rstd(rstd.size()), scratch(qk_norm_backward_scratch_floats(N, hd));
         upload(d_x, x), upload(d_qw, qw), upload(d_kw, kw), upload(d_dout, dout);

@@ -72,7 +72,7 @@ Errors check_against_double(long N, int C, float eps, float scale, uint64_t seed
 
     std::vector<float> dinp(N * C, 0.0f), dweight(C, 0.0f);
     norm_backward(Norm::RMSNorm, dinp.data(), dweight.data(), nullptr, in.dout.data(), in.x.data(), in.weight.data(),
-                  nullptr, rstd.data(), N, C);
+                  nullptr, rstd.data(), N, C, Workspace{});
 
     std::vector<double> scratch_out(N * C), scratch_rstd(N);
     auto objective = [&] {
@@ -129,11 +129,11 @@ TEST_CASE("rmsnorm backward accumulates into dinp and dweight", "[layers][rmsnor
     norm_forward(Norm::RMSNorm, out.data(), nullptr, rstd.data(), in.x.data(), in.weight.data(), nullptr, N, C, 1e-5f);
     std::vector<float> dinp(N * C, 0.0f), dweight(C, 0.0f);
     norm_backward(Norm::RMSNorm, dinp.data(), dweight.data(), nullptr, in.dout.data(), in.x.data(), in.weight.data(),
-                  nullptr, rstd.data(), N, C);
+                  nullptr, rstd.data(), N, C, Workspace{});
     std::vector<float> dinp0 = random_vector(N * C, rng), dweight0 = random_vector(C, rng);
     std::vector<float> dinp2 = dinp0, dweight2 = dweight0;
     norm_backward(Norm::RMSNorm, dinp2.data(), dweight2.data(), nullptr, in.dout.data(), in.x.data(), in.weight.data(),
-                  nullptr, rstd.data(), N, C);
+                  nullptr, rstd.data(), N, C, Workspace{});
     CHECK(accumulation_error(dinp2, dinp0, dinp) < 1e-6);      // one add per element
     CHECK(accumulation_error(dweight2, dweight0, dweight) < 1e-5);  // N adds, in another order than into zero
 }

@@ -31,7 +31,7 @@ struct ClassifierCase {
         for (auto& t : targets) t = (int)rng.below(V);
         reset_logits();
         upload(d_targets, targets);
-        crossentropy_forward(losses.data(), logits.data(), targets.data(), N, V, Vp);
+        crossentropy_forward(losses.data(), logits.data(), targets.data(), N, V, Vp, Workspace{});
         grad = logits;
         crossentropy_backward_inplace(grad.data(), nullptr, targets.data(), N, V, Vp, dloss);
     }

@@ -43,7 +43,7 @@ struct EncoderCase {
         encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
         dwte = dwte0;
         dwpe = dwpe0;
-        encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C, V);
+        encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C, V, Workspace{});
     }
     void reset_grads() {
         upload(d_dwte, dwte0);

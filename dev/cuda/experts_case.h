@@ -108,9 +108,6 @@ struct ExpertsCase {
         if (host) cpu_reference();
     }
 
-    ~ExpertsCase() {  // the loop's scratch leaves the registry with the case
-        if (gpu_scratch_registry().floats == scratch.ptr) gpu_scratch_registry() = GpuScratch{};
-    }
     ExpertsCase(const ExpertsCase&) = delete;
     ExpertsCase& operator=(const ExpertsCase&) = delete;
 
@@ -141,6 +138,7 @@ struct ExpertsCase {
         }
     }
     uint64_t seed_of(Tensor t) const { return seed * TENSORS + t; }
+    Workspace workspace() const { return {scratch.ptr, scratch.n}; }  // the loop's, for its bias gradients
     void fill(DeviceArray<bf16>& d, Tensor t) {
         if (!d.ptr || d.n == 0) return;
         experts_case_fill_kernel<<<grid_stride_blocks((long)d.n), 256, 0, main_stream()>>>(d.ptr, (long)d.n, seed_of(t),
@@ -164,27 +162,24 @@ struct ExpertsCase {
 
     // the launches, on main_stream() (the caller synchronizes where it reads back)
     void forward(Run& r, bool grouped_gemms) {
-        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
-        experts_forward(r.out.ptr, r.fch.ptr, r.act.ptr, d_in.ptr, weights(), first, s, nullptr,
+        experts_forward(r.out.ptr, r.fch.ptr, r.act.ptr, d_in.ptr, weights(), first, s, workspace(),
                         (const Fp8Scaling<bf16>*)nullptr, grouped_gemms);
     }
     // din == dout when `alias` (dout copied into din first), as llmc/moe.cuh calls it
     void backward(Run& r, bool grouped_gemms, bool alias) {
-        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
         const bf16* g = d_dout.ptr;
         if (alias) {
             cuda_check(cudaMemcpyAsync(r.din.ptr, d_dout.ptr, d_dout.bytes(), cudaMemcpyDeviceToDevice, main_stream()));
             g = r.din.ptr;
         }
         experts_backward(r.din.ptr, grads(r, bias), g, r.dfch.ptr, dact_of(r), r.fch.ptr, r.act.ptr, d_in.ptr, weights(),
-                         first, s, nullptr, (const Fp8Scaling<bf16>*)nullptr, grouped_gemms);
+                         first, s, workspace(), (const Fp8Scaling<bf16>*)nullptr, grouped_gemms);
     }
     // the split backward: the input gradient with no weight gradients, then experts_weight_grads
     void split_backward(Run& r, bool grouped_gemms) {
-        gpu_scratch_registry() = GpuScratch{scratch.ptr, scratch.n};
         experts_backward(r.din.ptr, MlpTensorViews<bf16>{}, d_dout.ptr, r.dfch.ptr, dact_of(r), r.fch.ptr, r.act.ptr,
-                         d_in.ptr, weights(), first, s, nullptr, (const Fp8Scaling<bf16>*)nullptr, grouped_gemms);
-        experts_weight_grads(grads(r, bias), d_dout.ptr, r.dfch.ptr, r.act.ptr, d_in.ptr, weights(), first, s, nullptr,
+                         d_in.ptr, weights(), first, s, workspace(), (const Fp8Scaling<bf16>*)nullptr, grouped_gemms);
+        experts_weight_grads(grads(r, bias), d_dout.ptr, r.dfch.ptr, r.act.ptr, d_in.ptr, weights(), first, s, workspace(),
                              (const Fp8Scaling<bf16>*)nullptr, grouped_gemms);
     }
 
@@ -195,7 +190,8 @@ struct ExpertsCase {
         r.dfcw = values(DFCW), r.dfcb = values(DFCB), r.dfcprojw = values(DFCPROJW), r.dfcprojb = values(DFCPROJB);
         r.out.resize(rows * C), r.fch.resize(rows * FC), r.act.resize(rows * H), r.dfch.resize(rows * FC);
         r.dact.resize(swiglu() ? rows * H : 0);
-        std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+        std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+        Workspace ws{panels.data(), panels.size()};
         auto weights = [&](const std::vector<float>& w, const std::vector<float>& b, const std::vector<float>& pw,
                            const std::vector<float>& pb) {
             return MlpTensorViews<float>{(float*)w.data(), bias ? (float*)b.data() : nullptr, (float*)pw.data(),
@@ -206,9 +202,9 @@ struct ExpertsCase {
         const Fp8Scaling<float>* none = nullptr;
         if (!grouped_passes) {
             r.din.resize(rows * C);
-            experts_forward(r.out.data(), r.fch.data(), r.act.data(), in.data(), w, first, s, ws.data(), none);
+            experts_forward(r.out.data(), r.fch.data(), r.act.data(), in.data(), w, first, s, ws, none);
             experts_backward(r.din.data(), dw, dout.data(), r.dfch.data(), dact, r.fch.data(), r.act.data(), in.data(), w,
-                             first, s, ws.data(), none);
+                             first, s, ws, none);
             return r;
         }
         r.din = dout;

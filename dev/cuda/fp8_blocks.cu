@@ -161,16 +161,17 @@ void check_layer(Checks& checks, const Program& program, Fp8Recipe r) {
     cpu.recipe = r;
     cpu.input = input.data(), cpu.weight = weight.data(), cpu.grad = grad.data(), cpu.grad_t = grad_t.data();
     cpu.scales = floats.data(), cpu.amaxes = floats.data() + FP8_SCALE_FLOATS;
-    std::vector<float> ws(gemm_workspace_floats(omp_get_max_threads()));
+    std::vector<float> panels(gemm_workspace_floats(omp_get_max_threads()));
+    Workspace ws{panels.data(), panels.size()};
     std::vector<float> out(N * OC), dinp(N * C), dweight = dw0;
-    matmul_forward(out.data(), x.data(), w.data(), (const float*)nullptr, N, C, OC, ws.data(), &cpu);
-    matmul_backward(dinp.data(), dweight.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws.data(), &cpu);
+    matmul_forward(out.data(), x.data(), w.data(), (const float*)nullptr, N, C, OC, ws, &cpu);
+    matmul_backward(dinp.data(), dweight.data(), (float*)nullptr, dout.data(), x.data(), w.data(), N, C, OC, ws, &cpu);
     if (!program.gpu) return;
     GpuFp8 g(r);
     DeviceArray<bf16> d_x(N * C), d_w(OC * C), d_dout(N * OC), d_out(N * OC), d_dinp(N * C), d_dw(OC * C);
     upload(d_x, x), upload(d_w, w), upload(d_dout, dout), upload(d_dw, dw0);
-    matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, (const bf16*)nullptr, N, C, OC, nullptr, &g.q);
-    matmul_backward(d_dinp.ptr, d_dw.ptr, (bf16*)nullptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, nullptr, &g.q);
+    matmul_forward(d_out.ptr, d_x.ptr, d_w.ptr, (const bf16*)nullptr, N, C, OC, Workspace{}, &g.q);
+    matmul_backward(d_dinp.ptr, d_dw.ptr, (bf16*)nullptr, d_dout.ptr, d_x.ptr, d_w.ptr, N, C, OC, Workspace{}, &g.q);
     const char* name = fp8_recipe_name(r);
     checks.check(strfmt("%s forward N=%ld C=%ld OC=%ld", name, N, C, OC), download(d_out), out, 1e-2);
     checks.check(strfmt("%s input gradient", name), download(d_dinp), dinp, 1e-2);
@@ -185,9 +186,9 @@ void time_layer(long IC, long OC, const DeviceArray<bf16>& inp, const DeviceArra
     const long N = TOKENS;
     const double flops = 2.0 * N * IC * OC;
     printf("-- %ld tokens, %ld -> %ld\n", N, IC, OC);
-    float bf16_forward = time_ms([&] { matmul_forward(out.ptr, inp.ptr, w.ptr, nullptr, N, IC, OC, nullptr); });
-    float bf16_dinp = time_ms([&] { matmul_backward(dinp.ptr, nullptr, nullptr, dout.ptr, inp.ptr, w.ptr, N, IC, OC, nullptr); });
-    float bf16_dweight = time_ms([&] { matmul_backward(nullptr, dw.ptr, nullptr, dout.ptr, inp.ptr, w.ptr, N, IC, OC, nullptr); });
+    float bf16_forward = time_ms([&] { matmul_forward(out.ptr, inp.ptr, w.ptr, nullptr, N, IC, OC, Workspace{}); });
+    float bf16_dinp = time_ms([&] { matmul_backward(dinp.ptr, nullptr, nullptr, dout.ptr, inp.ptr, w.ptr, N, IC, OC, Workspace{}); });
+    float bf16_dweight = time_ms([&] { matmul_backward(nullptr, dw.ptr, nullptr, dout.ptr, inp.ptr, w.ptr, N, IC, OC, Workspace{}); });
     report_compute_bound("bf16 forward", bf16_forward, flops);
     report_compute_bound("bf16 input gradient", bf16_dinp, flops);
     report_compute_bound("bf16 weight gradient", bf16_dweight, flops);
@@ -223,9 +224,9 @@ void time_layer(long IC, long OC, const DeviceArray<bf16>& inp, const DeviceArra
         report_compute_bound(strfmt("%s weight gradient GEMM (%.2fx bf16)", name, bf16_dweight / ms), ms, flops);
         // the layer with its casts, as a step runs it
         float forward =
-            time_ms([&] { matmul_forward(out.ptr, inp.ptr, w.ptr, (const bf16*)nullptr, N, IC, OC, nullptr, &q); });
+            time_ms([&] { matmul_forward(out.ptr, inp.ptr, w.ptr, (const bf16*)nullptr, N, IC, OC, Workspace{}, &q); });
         float backward = time_ms(
-            [&] { matmul_backward(dinp.ptr, dw.ptr, (bf16*)nullptr, dout.ptr, inp.ptr, w.ptr, N, IC, OC, nullptr, &q); });
+            [&] { matmul_backward(dinp.ptr, dw.ptr, (bf16*)nullptr, dout.ptr, inp.ptr, w.ptr, N, IC, OC, Workspace{}, &q); });
         report_compute_bound(strfmt("%s layer forward, casts in (%.2fx bf16)", name, bf16_forward / forward), forward, flops);
         report_compute_bound(strfmt("%s layer backward, casts in (%.2fx bf16)", name, (bf16_dinp + bf16_dweight) / backward),
                              backward, 2.0 * flops);

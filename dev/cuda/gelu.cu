@@ -47,7 +47,7 @@ int main() {
         std::string shape = " " + std::to_string(rows) + "x" + std::to_string(C);
         std::vector<float> pre = random_bf16_values(n, rng, 2.0f), d = random_bf16_values(n, rng);
         std::vector<float> dpre = d, dbias(C, 0.0f), workspace(gemm_workspace_floats(omp_get_max_threads()));
-        gelu_backward_dbias(dpre.data(), dbias.data(), pre.data(), rows, C, workspace.data());
+        gelu_backward_dbias(dpre.data(), dbias.data(), pre.data(), rows, C, {workspace.data(), workspace.size()});
         DeviceArray<bf16> d_pre(n), d_d(n), d_g(n), d_bias(C), d_bias2(C);
         DeviceArray<float> scratch(matmul_backward_scratch_floats(rows, C));
         upload(d_pre, pre);

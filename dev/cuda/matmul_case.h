@@ -37,13 +37,13 @@ struct MatmulCase {
         upload(d_dout, dout);
         reset_grads();
         std::vector<float> workspace(gemm_workspace_floats(omp_get_max_threads()));
-        matmul_forward(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC, workspace.data());
+        matmul_forward(out.data(), inp.data(), weight.data(), bias.data(), N, C, OC, {workspace.data(), workspace.size()});
         std::vector<float> pre = round_to_bf16(out);
         gelu_forward(act.data(), pre.data(), N * OC);
         dweight = dweight0;
         dbias = dbias0;
         matmul_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), N, C, OC,
-                        workspace.data());
+                        {workspace.data(), workspace.size()});
     }
     void reset_grads() {
         upload(d_dw, dweight0);
@@ -93,7 +93,7 @@ struct GeluMatmulCase {
         dpre_bias = dpre_bias0;
         for (const std::vector<float>* dout : {&dout0, &dout1})
             gelu_matmul_backward(dpre.data(), dweight.data(), dbias.data(), dpre_bias.data(), dout->data(), act.data(),
-                                 pre.data(), weight.data(), N, C, OC, workspace.data());
+                                 pre.data(), weight.data(), N, C, OC, {workspace.data(), workspace.size()});
     }
     void reset_grads() {
         upload(d_dw, dweight0);

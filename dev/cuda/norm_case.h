@@ -54,7 +54,7 @@ struct NormCase {
         dweight = dweight0;
         dbias = dbias0;
         norm_backward(kind, dinp.data(), dweight.data(), or_null(dbias), dout.data(), res.data(), weight.data(),
-                      or_null(mean), rstd.data(), N, C);
+                      or_null(mean), rstd.data(), N, C, Workspace{});
     }
     bool centred() const { return kind == Norm::LayerNorm; }
     template <typename T>

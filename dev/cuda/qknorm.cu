@@ -33,7 +33,7 @@ struct QkNormCase {
         qk_norm_forward(out.data(), rstd.data(), x.data(), qw.data(), kw.data(), N, NH, KV, hd, eps);
         dqw = dqw0, dkw = dkw0;
         qk_norm_backward(dinp.data(), dqw.data(), dkw.data(), dout.data(), x.data(), qw.data(), kw.data(), rstd.data(), N,
-                         NH, KV, hd);
+                         NH, KV, hd, Workspace{});
     }
     size_t width() const { return (size_t)N * (NH + 2 * KV) * hd; }
     void reset_grads() {
