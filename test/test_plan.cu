@@ -2,7 +2,7 @@
 // what is tested is the construction: that the Ledger recorded the planned list, buffer by buffer, that nothing
 // is allocated beside it (the Ledger's categories equal the plan's to the byte), and that the list's sizes are
 // right, against hand counts written out independently of both (GPT-2 124M's parameters and d12's activations and
-// scratch; the ring's and the experts' buffers). GPT-2's closed-form parameter count must equal the allocated
+// scratch; the ring's, the experts' and ZeRO's buffers). GPT-2's closed-form parameter count must equal the allocated
 // parameter count, and `train_gpt --plan` must print the plan.
 #include <omp.h>
 
@@ -230,6 +230,33 @@ TEST_CASE("the ring's and the experts' buffers in the list match a hand count", 
     CHECK(listed_bytes(moe, "moe report") == 4 * (4 + 2 * 2 * 4));  // E counts, 2·B·E statistics
     CHECK(listed_bytes(moe, "moe scores") == 0);  // softmax scoring keeps no s; no capacity, no gathers
     CHECK(listed_bytes(moe, "moe keep") == 0);
+}
+
+TEST_CASE("ZeRO's shards and staging in the list match a hand count", "[plan]") {
+    // GPT-2 d2c48h4t32v301 over dp 2 on the CPU (fp32), with buckets large enough that the embeddings (wte's Vp
+    // rows and wpe's maxT rows) are one bucket and every other tensor a second: each splits into two halves
+    GPTConfig c = parse_model_descriptor("d2c48h4t32v301");
+    const size_t P = gpt2_parameter_count(c), E = (size_t)(c.padded_vocab_size + c.max_seq_len) * c.channels, R = P - E;
+    REQUIRE(E % 2 == 0);
+    REQUIRE(R % 2 == 0);
+    for (int zero : {0, 1, 2, 3}) {
+        INFO("ZeRO-" << zero);
+        ParallelPlan dp2;
+        dp2.dp = 2, dp2.zero = zero;
+        BufferList list = planned_buffers(c, 2, 16, 1, dp2, Device::CPU);
+        CHECK(listed_bytes(list, "zero master") == 0);  // the CPU's parameters are their own fp32 master copy
+        CHECK(listed_bytes(list, "zero adam_m") == (zero >= 1 ? 4 * P / 2 : 0));
+        CHECK(listed_bytes(list, "zero adam_v") == (zero >= 1 ? 4 * P / 2 : 0));
+        CHECK(listed_bytes(list, "zero grads") == (zero >= 2 ? 4 * P / 2 : 0));
+        CHECK(listed_bytes(list, "zero params") == (zero >= 3 ? 4 * P / 2 : 0));
+        // reductions in flight: the embeddings' bucket and two others, each with its half
+        CHECK(listed_bytes(list, "reduce staging") == 4 * (E + 2 * R));
+        CHECK(listed_bytes(list, "reduce staging piece") == 4 * (E / 2 + 2 * (R / 2)));
+        // ZeRO-3's gathers: the embeddings' bucket, the bucket in use and the next one
+        CHECK(listed_bytes(list, "gather staging") == (zero == 3 ? 4 * (E + 2 * R) : 0));
+    }
+    // one rank without ZeRO stages nothing
+    CHECK(listed_bytes(planned_buffers(c, 2, 16, 1, ParallelPlan{}, Device::CPU), "reduce staging") == 0);
 }
 
 TEST_CASE("train_gpt --plan prints plan_memory's numbers without allocating", "[plan]") {
