@@ -49,6 +49,10 @@ inline CheckCounts run_check_program(int ranks, const std::string& name) {
 // ./train_gpt as one process, without mpirun
 inline CommandResult single(const std::string& args) { return run_command(std::string(RUN_ENV) + " ./train_gpt " + args); }
 
+// The steps of an equivalence run (DESIGN.md's principle): at the tests' real learning rate (Data::flags) every
+// step's loss and gradient norm is compared, and 10 of them are enough for a wrong gradient to move both.
+constexpr int EQUIVALENCE_STEPS = 10;
+
 // tokens for a vocab of 301, and the flags of a small run on them. The default model has an odd size in every
 // tensor (C=33), so buckets need padding at every dp size; buckets of 0.06 MiB pack the final norm with the
 // last two layers, then layer 0, then the embeddings.
@@ -356,7 +360,7 @@ struct EquivalenceLayout {
     int sequences = 8;
 };
 
-// Each layout's 20 steps against its model's single-rank run with the same global batch (micro-batches of 2),
+// Each layout's EQUIVALENCE_STEPS steps against its model's single-rank run with the same global batch (micro-batches of 2),
 // every loss within 1e-5, and the bytes it counted against the formulas of the groups its flags use (tp, dp under
 // ZeRO, cp, ep, pp). Returns each layout's output by name, for the caller's own checks.
 inline std::map<std::string, std::string> check_layouts(const Data& data, const TempDir& out,
@@ -366,13 +370,13 @@ inline std::map<std::string, std::string> check_layouts(const Data& data, const 
     auto single_run = [](const EquivalenceLayout& l) { return strfmt("%s_%d", l.model, l.sequences); };
     for (const EquivalenceLayout& l : layouts) {
         if (reference.count(single_run(l))) continue;
-        REQUIRE(single_ok(data.flags(2, 16 * l.sequences, 20, l.model), out / single_run(l)));
+        REQUIRE(single_ok(data.flags(2, 16 * l.sequences, EQUIVALENCE_STEPS, l.model), out / single_run(l)));
         reference[single_run(l)] = losses(out / single_run(l));
     }
     for (const EquivalenceLayout& l : layouts) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 16 * l.sequences, 20, l.model) + l.flags, dir, &run)) continue;
+        if (!train_ok(l.ranks, data.flags(l.b, 16 * l.sequences, EQUIVALENCE_STEPS, l.model) + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference[single_run(l)], 1e-5);
         std::string flags = l.flags;
         auto has = [&](const char* flag) { return flags.find(flag) != std::string::npos; };

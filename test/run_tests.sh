@@ -11,19 +11,21 @@
 # into shards of about BATCH_SECONDS. Shards start longest first (one that must run alone before all), each when
 # the cores it needs are free out of TEST_JOBS: a core for each process one of its cases runs at once, up to the machine's cores (an mpirun of 4 ranks
 # needs 4 where there are 4 cores, and both of a 2-core machine's); test/slow_cases.txt lists the slow cases' seconds
-# and processes, and names the case that must run with no shard beside it. Each shard has its own scratch directory
-# (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary files go), its own
-# log, build/test_logs/NN.log, and its own list of skipped cases, build/test_logs/NN.skips; a shard that failed is
-# printed whole, with the command that runs it again alone. The [cuda] cases are one shard, so that they take turns
-# on the GPU.
+# and processes, and names the case that must run with no shard beside it. TEST_JOBS is four times the cores: an
+# mpirun's ranks wait for its launch and for each other more than they compute (the dp, tp, cp and pp cases on 2
+# cores: 53 and 62 s at 8, 70 s at 6, 72 and 78 s at 4, with 12% more CPU-seconds at 8). Each shard has its own
+# scratch directory (TMPDIR, under which the tests' TempDir, OpenMPI's session directory and Python's temporary
+# files go), its own log, build/test_logs/NN.log, and its own list of skipped cases, build/test_logs/NN.skips; a
+# shard that failed is printed whole, with the command that runs it again alone. The [cuda] cases are one shard, so
+# that they take turns on the GPU.
 #
 #   bash test/run_tests.sh [TEST_SPEC...]   only the cases a Catch2 test spec selects ("[tp]", a case's name)
-#   TEST_JOBS=N                             cores' worth of shards at once [twice the cores]
+#   TEST_JOBS=N                             cores' worth of shards at once [four times the cores]
 set -u
 cd "$(dirname "$0")/.."
 
 CORES=$(nproc)
-TEST_JOBS=${TEST_JOBS:-$((2 * CORES))}
+TEST_JOBS=${TEST_JOBS:-$((4 * CORES))}
 BATCH_SECONDS=8  # a shard of short cases: long enough that its process's start is lost in it
 DEFAULT_SECONDS=0.5  # a case in neither table below
 LOGS=build/test_logs

@@ -250,12 +250,12 @@ TEST_CASE("on the GPU, a ring block on the flash kernels (mma and wgmma), causal
     }
 }
 
-TEST_CASE("cp = 2 (both splits) and 4 give the single-rank run's losses over 20 steps with accumulation; the cp bytes "
+TEST_CASE("cp = 2 (both splits) and 4 give the single-rank run's losses over 10 steps with accumulation; the cp bytes "
           "equal the formula; zig-zag balances the attention work", "[cp]") {
     Data data;
     TempDir out;
     // one dp rank: 2 micro-steps of b=2 × t=16, on one rank or split over the cp group
-    std::string flags = data.flags(2, 64, 20, CP_MODEL);
+    std::string flags = data.flags(2, 64, EQUIVALENCE_STEPS, CP_MODEL);
     REQUIRE(single_ok(flags, out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     struct Layout {
@@ -280,11 +280,11 @@ TEST_CASE("cp = 2 (both splits) and 4 give the single-rank run's losses over 20 
 }
 
 TEST_CASE("cp 2 × tp 2 (sp) and cp 2 × dp 2 under ZeRO-1, 2 and 3 (with -r 2) give the single-rank run's losses over "
-          "20 steps with accumulation", "[cp]") {
+          "10 steps with accumulation", "[cp]") {
     Data data;
     TempDir out;
     // the same global batch, 2 micro-steps each: 4 sequences on one rank, or 2 on each of the 2 dp ranks
-    REQUIRE(single_ok(data.flags(4, 128, 20, CP_MODEL), out / "one"));
+    REQUIRE(single_ok(data.flags(4, 128, EQUIVALENCE_STEPS, CP_MODEL), out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     struct Layout {
         const char* name;
@@ -295,7 +295,7 @@ TEST_CASE("cp 2 × tp 2 (sp) and cp 2 × dp 2 under ZeRO-1, 2 and 3 (with -r 2) 
                      Layout{"cp2_dp2_z2", 2, " --cp 2 -z 2"}, Layout{"cp2_dp2_z3_r2", 2, " --cp 2 -z 3 -r 2"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(4, data.flags(l.b, 128, 20, CP_MODEL) + l.flags, dir, &run)) continue;
+        if (!train_ok(4, data.flags(l.b, 128, EQUIVALENCE_STEPS, CP_MODEL) + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         require_cp_counted_equals_formula(run, 2);
         require_counted_equals_formula(run);

@@ -23,7 +23,7 @@ TEST_CASE("every collective matches a naive reference on 2, 3 and 4 ranks, block
     }
 }
 
-TEST_CASE("dp = 2 and 4 give the single-rank run's losses over 20 steps, with gradient accumulation", "[distributed]") {
+TEST_CASE("dp = 2 and 4 give the single-rank run's losses over 10 steps, with gradient accumulation", "[distributed]") {
     Data data;
     TempDir out;
     for (int shuffle : {1, 0})
@@ -32,10 +32,10 @@ TEST_CASE("dp = 2 and 4 give the single-rank run's losses over 20 steps, with gr
             // the same global batch: 2 micro-steps of 2·ranks sequences, split across ranks or not
             int d = 2 * (2 * ranks) * 16;
             std::string one = out / strfmt("one%d_s%d", ranks, shuffle), dp = out / strfmt("dp%d_s%d", ranks, shuffle);
-            CommandResult r = single(data.flags(2 * ranks, d, 20) + strfmt(" --shuffle %d -o '%s'", shuffle, one.c_str()));
+            CommandResult r = single(data.flags(2 * ranks, d, EQUIVALENCE_STEPS) + strfmt(" --shuffle %d -o '%s'", shuffle, one.c_str()));
             INFO(r.output);
             REQUIRE(r.status == 0);
-            train(ranks, data.flags(2, d, 20) + strfmt(" --shuffle %d", shuffle), dp);
+            train(ranks, data.flags(2, d, EQUIVALENCE_STEPS) + strfmt(" --shuffle %d", shuffle), dp);
             require_close(losses(dp), losses(one), 1e-5);
         }
 }
@@ -50,13 +50,13 @@ TEST_CASE("the same data at -b 1, 2, 4 on one rank and -b 1, 2 on two ranks: the
         INFO("flags" << shuffle);
         const char* tag = *shuffle ? "_s0" : "";
         std::string reference = out / strfmt("b4%s", tag);
-        CommandResult r = single(data.flags(4, d, 20) + shuffle + " -o '" + reference + "'");
+        CommandResult r = single(data.flags(4, d, EQUIVALENCE_STEPS) + shuffle + " -o '" + reference + "'");
         INFO(r.output);
         REQUIRE(r.status == 0);
         for (int b : {1, 2}) {
             INFO("-b " << b << ", one rank");
             std::string dir = out / strfmt("b%d%s", b, tag);
-            CommandResult one = single(data.flags(b, d, 20) + shuffle + " -o '" + dir + "'");
+            CommandResult one = single(data.flags(b, d, EQUIVALENCE_STEPS) + shuffle + " -o '" + dir + "'");
             INFO(one.output);
             REQUIRE(one.status == 0);
             require_close(losses(dir), losses(reference), 1e-5);
@@ -64,7 +64,7 @@ TEST_CASE("the same data at -b 1, 2, 4 on one rank and -b 1, 2 on two ranks: the
         for (int b : {1, 2}) {
             INFO("-b " << b << ", 2 ranks");
             std::string dir = out / strfmt("dp2_b%d%s", b, tag);
-            train(2, data.flags(b, d, 20) + shuffle, dir);
+            train(2, data.flags(b, d, EQUIVALENCE_STEPS) + shuffle, dir);
             require_close(losses(dir), losses(reference), 1e-5);
         }
     }
@@ -75,14 +75,14 @@ TEST_CASE("ZeRO-0, 1, 2 and 3 give identical losses and identical final paramete
     TempDir out;
     for (int ranks : {2, 4}) {
         INFO(ranks << " ranks, one micro-step");
-        std::string flags = data.flags(2, 2 * ranks * 16, 20) + " -n 20";
+        std::string flags = data.flags(2, 2 * ranks * 16, EQUIVALENCE_STEPS) + strfmt(" -n %d", EQUIVALENCE_STEPS);
         std::string model0;
         std::map<std::string, double> losses0;
         for (int z = 0; z <= 3; z++) {
             INFO("ZeRO-" << z);
             std::string dir = out / strfmt("n%dz%d", ranks, z);
             require_counted_equals_formula(train(ranks, flags + strfmt(" -z %d", z), dir));
-            std::string model = read_file(dir + "/ckpt_00000020/model.bin");
+            std::string model = read_file(dir + strfmt("/ckpt_%08d/model.bin", EQUIVALENCE_STEPS));
             if (z == 0) model0 = model, losses0 = losses(dir);
             CHECK(model == model0);
             CHECK(losses(dir) == losses0);
@@ -91,13 +91,13 @@ TEST_CASE("ZeRO-0, 1, 2 and 3 give identical losses and identical final paramete
     // With accumulation, ZeRO-0/1 sum micro-steps before ranks and ZeRO-2/3 ranks before micro-steps (they hold
     // no full gradient between micro-steps): each pair is identical, and the pairs agree to rounding.
     SECTION("with gradient accumulation") {
-        std::string flags = data.flags(2, 2 * 2 * 2 * 16, 20) + " -n 20";
+        std::string flags = data.flags(2, 2 * 2 * 2 * 16, EQUIVALENCE_STEPS) + strfmt(" -n %d", EQUIVALENCE_STEPS);
         std::string model[4];
         std::map<std::string, double> loss[4];
         for (int z = 0; z <= 3; z++) {
             std::string dir = out / strfmt("acc_z%d", z);
             require_counted_equals_formula(train(2, flags + strfmt(" -z %d", z), dir));
-            model[z] = read_file(dir + "/ckpt_00000020/model.bin");
+            model[z] = read_file(dir + strfmt("/ckpt_%08d/model.bin", EQUIVALENCE_STEPS));
             loss[z] = losses(dir);
         }
         CHECK(model[0] == model[1]);

@@ -585,9 +585,10 @@ TEST_CASE("--fp8 1 trains a 4-layer GPT-2 and a small Llama 200 steps on the Sta
           "validation loss without it, and skips no step", "[fp8]") {
     REQUIRE(file_exists("data/sotu/train.bin"));  // `make test` prepares it
     TempDir out;
+    // one sequence of 32 a step: 0.28% (GPT-2) and 0.22% (the Llama) apart at worst, the validation loss down 3.5
     for (const char* model : {"d4c64h4t32", "l4c64h4g2f176t32"}) {
         INFO(model);
-        std::string flags = strfmt("-e %s -b 2 -t 32 -x 200 -v 50 -m 4 -s 0 -l 1e-3 -u 10 --device cpu", model);
+        std::string flags = strfmt("-e %s -b 1 -t 32 -x 200 -v 50 -m 4 -s 0 -l 1e-3 -u 10 --device cpu", model);
         std::string plain = out / (std::string(model) + "_bf16"), fp8 = out / (std::string(model) + "_fp8");
         // the two runs side by side, on a core each
         CommandResult r = run_command(strfmt("OMP_NUM_THREADS=1 ./train_gpt %s -o '%s' > '%s.out' 2>&1 & "

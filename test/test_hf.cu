@@ -405,8 +405,9 @@ TEST_CASE("the fine-tune path for Qwen3-MoE: a Hugging Face directory (a dense l
     for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
         REQUIRE(run_command(strfmt("cp '%s/%s' '%s/'", tokenizer.c_str(), name, hf.c_str())).status == 0);
     prepare_hello_world(hf, data, 2000);
-    // 10 steps at a real learning rate, 4 micro-steps on one rank and 2 on each ep rank, the default shuffle
-    std::string run = strfmt("-e '%s' -i '%s/train.bin' -j '%s/val.bin' -t 32 -b 2 -d 256 -x 10 -l 1e-2 -v 0 -s 10 "
+    // 10 steps at a real learning rate, 4 micro-steps of one sequence on one rank and 2 on each ep rank, the
+    // default shuffle
+    std::string run = strfmt("-e '%s' -i '%s/train.bin' -j '%s/val.bin' -t 16 -b 1 -d 64 -x 10 -l 1e-2 -v 0 -s 10 "
                              "-g 8 -n 10 --seed 3",
                              hf.c_str(), data.c_str(), data.c_str());
     std::string one_out, ep_out;

@@ -1,5 +1,5 @@
 // Tests of Llama 3 under the parallelisms on the CPU, under `mpirun --oversubscribe`, against the single-rank
-// Llama run with the same global batch over 20 steps of 2 or 4 micro-batches (the equivalence principle):
+// Llama run with the same global batch over 10 steps of 2 or 4 micro-batches (the equivalence principle):
 // dp 2 under ZeRO-1 and ZeRO-3; tp 2 with and without sp, which splits the 4 query heads and the 2 key/value
 // heads; tp 4 (with sp, and without it under ZeRO-2), which holds each key/value head on two ranks and sums its
 // gradient over them; pp 2 under 1F1B, ZB-H1, the interleaved schedule and DualPipeV, pp 2 × dp 2, and
@@ -35,7 +35,7 @@ const char* LLAMA8 = "l8c32h4g2f80t32v301";     // DualPipeV's 8 stages on pp 4,
 const char* MOE8 = "l8c32h4g2f80t32v301e4k2";   // the same with experts
 
 TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with sp under -r 1 and 2), tp 4 over 2 key/value heads, pp 2 (1F1B, ZB-H1, interleaved, DualPipeV), pp 2 × dp 2, "
-          "DualPipeV × tp 2, cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 20 steps with accumulation; a "
+          "DualPipeV × tp 2, cp 2 (both splits) and cp 2 × tp 2 gives the single-rank run's losses over 10 steps with accumulation; a "
           "tied Llama under pp 2, DualPipeV × dp 2, tp 2 and cp 2 too; a Llama with SwiGLU experts under ep 2, ep 2 × tp 2 (-r 0 and 2), dp 2 and DualPipeV × ep 2",
           "[llama][parallel]") {
     Data data;
@@ -79,7 +79,7 @@ TEST_CASE("Llama under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp (and with
 }
 
 TEST_CASE("DualPipeV on pp 4 (an 8-layer Llama, 8 micro-batches a rank) alone, with dp 2 (ZeRO-1) and with tp 2 (sp), "
-          "on pp 2 × cp 2, and a Llama with SwiGLU experts on pp 4 × ep 2, gives the single-rank run's losses over 20 "
+          "on pp 2 × cp 2, and a Llama with SwiGLU experts on pp 4 × ep 2, gives the single-rank run's losses over 10 "
           "steps; rank 0 holds the embeddings and the classifier",
           "[llama][parallel]") {
     Data data;

@@ -2,7 +2,7 @@
 // routing against a direct reading of its definition; e1k1 is the dense model, file and losses; the model
 // file's header; expert parallelism (--ep) with dp, ZeRO-1 and ZeRO-3, tp, pp (1F1B and the zero-bubble
 // schedule's split backward), cp and recomputation, each with gradient accumulation, against the single-rank
-// run with the same global batch over 20 steps (the equivalence principle); the counted all-to-all and dp bytes
+// run with the same global batch over 10 steps (the equivalence principle); the counted all-to-all and dp bytes
 // against their formulas; the ledger of every rank against --plan; a run resumed bit-exactly under ep; and the
 // bad descriptors and layouts, each refused in one line.
 //
@@ -287,7 +287,7 @@ struct MoeLayout {
     const char* flags;
 };
 
-// Each layout's 20 steps of `model`, `tokens` a step, with `common` flags, against `reference` (the single-rank
+// Each layout's EQUIVALENCE_STEPS steps of `model`, `tokens` a step, with `common` flags, against `reference` (the single-rank
 // run's losses), every loss within 1e-5; then check(name, dir, output)
 template <typename Check>
 void check_moe_layouts(const Data& data, const TempDir& out, const char* model, int tokens, const std::string& common,
@@ -296,7 +296,7 @@ void check_moe_layouts(const Data& data, const TempDir& out, const char* model, 
     for (const MoeLayout& l : layouts) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, tokens, 20, model) + common + l.flags, dir, &run)) continue;
+        if (!train_ok(l.ranks, data.flags(l.b, tokens, EQUIVALENCE_STEPS, model) + common + l.flags, dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         check(std::string(l.flags), dir, run);
     }
@@ -305,7 +305,7 @@ void check_moe_layouts(const Data& data, const TempDir& out, const char* model, 
 TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualPipeV) and recomputation, each with "
           "gradient accumulation, on dense layers among the sparse ones and shared experts (DeepSeek's on GPT-2 with its "
           "router's sigmoid scores, scaled gates and selection bias; Qwen2-MoE's gated one on a Llama), gives the "
-          "single-rank run's losses over 20 steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula",
+          "single-rank run's losses over 10 steps; the all-to-all bytes (and under pp the p2p bytes) equal the formula",
           "[moe]") {
     Data data;
     for (const char* model : {LAYOUT_MODEL, LLAMA_LAYOUT_MODEL}) {
@@ -313,7 +313,7 @@ TEST_CASE("--ep with dp, ZeRO-1 and ZeRO-3, tp, cp, pp (1F1B, zero-bubble, DualP
     TempDir out;
     std::string bias = parse_model_descriptor(model).router_bias ? " --moe-bias-rate 0.02" : "";
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank
-    REQUIRE(single_ok(data.flags(2, 128, 20, model) + bias, out / "one"));
+    REQUIRE(single_ok(data.flags(2, 128, EQUIVALENCE_STEPS, model) + bias, out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     auto counted = [](const std::string& flags, const std::string&, const std::string& run) {
         if (flags.find("--ep") != std::string::npos) require_ep_counted_equals_formula(run);
@@ -356,16 +356,16 @@ double aux_at(const std::string& dir, int step) { return logged(dir, step, " aux
 // micro-step m's rows (m·dp + r)·b onwards to rank r). Its dp bytes add the counts' all-reduce (E doubles per
 // sparse layer and micro-batch), which the formula counts.
 TEST_CASE("--moe-aux-scope batch (Megatron-LM's global aux loss) under ep with dp, ZeRO-3, tp, cp, pp (1F1B, "
-          "DualPipeV) and recomputation gives the single-rank run's losses over 20 steps with as many sequences per "
+          "DualPipeV) and recomputation gives the single-rank run's losses over 10 steps with as many sequences per "
           "micro-batch; its aux differs from the per-sequence one; the dp bytes equal the formula",
           "[moe]") {
     Data data;
     TempDir out;
     const std::string flags = " --moe-aux-scope batch --moe-aux 0.05";
     // 16 sequences a step: 4 micro-batches of 4 on one rank (DualPipeV on 2 stages wants 4)
-    REQUIRE(single_ok(data.flags(4, 256, 20, LLAMA_LAYOUT_MODEL) + flags, out / "one"));
+    REQUIRE(single_ok(data.flags(4, 256, EQUIVALENCE_STEPS, LLAMA_LAYOUT_MODEL) + flags, out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
-    REQUIRE(single_ok(data.flags(4, 256, 20, LLAMA_LAYOUT_MODEL) + " --moe-aux 0.05", out / "sequence"));
+    REQUIRE(single_ok(data.flags(4, 256, EQUIVALENCE_STEPS, LLAMA_LAYOUT_MODEL) + " --moe-aux 0.05", out / "sequence"));
     // the same sequences, the same first cross-entropy, another objective: the aux loss and the norms differ
     std::map<std::string, double> per_sequence = losses(out / "sequence");
     CHECK(per_sequence.at("trl 0") == reference.at("trl 0"));
@@ -385,17 +385,17 @@ TEST_CASE("--moe-aux-scope batch (Megatron-LM's global aux loss) under ep with d
 // Capacity is decided per sequence in token order, so every layout drops what one rank drops: cp gathers a
 // sequence's choices from its ranks, ep and dp decide for their own sequences, tp ranks route alike.
 TEST_CASE("--moe-capacity 1 under ep with dp, ZeRO-3, tp, cp (zig-zag and contiguous), pp (zero-bubble, DualPipeV) "
-          "and recomputation drops the single-rank run's assignments and gives its losses over 20 steps",
+          "and recomputation drops the single-rank run's assignments and gives its losses over 10 steps",
           "[moe]") {
     Data data;
     TempDir out;
     const std::string flags = " --moe-capacity 1 --moe-bias-rate 0.02";
-    REQUIRE(single_ok(data.flags(2, 128, 20, LAYOUT_MODEL) + flags, out / "one"));
+    REQUIRE(single_ok(data.flags(2, 128, EQUIVALENCE_STEPS, LAYOUT_MODEL) + flags, out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     double dropped = 0.0;
-    for (int step = 0; step < 20; step++) dropped += logged(out / "one", step, " drop:");
+    for (int step = 0; step < EQUIVALENCE_STEPS; step++) dropped += logged(out / "one", step, " drop:");
     CHECK(dropped > 0.0);  // ceil(1·2·16/4) = 8 of a sequence's 32 assignments per expert: the routing overflows
-    REQUIRE(single_ok(data.flags(2, 128, 20, LAYOUT_MODEL) + " --moe-bias-rate 0.02", out / "dropless"));
+    REQUIRE(single_ok(data.flags(2, 128, EQUIVALENCE_STEPS, LAYOUT_MODEL) + " --moe-bias-rate 0.02", out / "dropless"));
     CHECK(losses(out / "dropless").at("trl 0") != reference.at("trl 0"));
     check_moe_layouts(data, out, LAYOUT_MODEL, 128, flags, reference,
                       {{"ep2", 2, 2, " --ep 2"}, {"ep4", 4, 1, " --ep 4"}, {"ep2_z3", 2, 2, " --ep 2 -z 3"},
@@ -404,7 +404,7 @@ TEST_CASE("--moe-capacity 1 under ep with dp, ZeRO-3, tp, cp (zig-zag and contig
                        {"ep2_pp2_zb", 4, 1, " --ep 2 --pp 2 --pp-schedule zb -z 1"},
                        {"ep2_dualpipev", 4, 1, " --ep 2 --pp 2 --pp-schedule dualpipev"}, {"ep2_r2", 2, 2, " --ep 2 -r 2"}},
                       [&](const std::string& layout, const std::string& dir, const std::string& run) {
-                          for (int step = 0; step < 20; step++)
+                          for (int step = 0; step < EQUIVALENCE_STEPS; step++)
                               CHECK(logged(dir, step, " drop:") == logged(out / "one", step, " drop:"));
                           // the ring, the aux statistics and the choices gathered over the cp group
                           if (layout.find("--cp") != std::string::npos) require_cp_counted_equals_formula(run, 2);

@@ -5,7 +5,7 @@
 // an uneven split, DualPipeV on 4 stages of 8 micro-batches, and pp × dp under ZeRO-1 (1F1B, ZB-H1, DualPipeV)
 // and ZeRO-3, pp × tp (sp) and pp × cp (1F1B, DualPipeV), each with 4 micro-batches a step, DualPipeV on pp 4 ×
 // dp 2, × tp 2 and, with experts, × ep 2 (8 ranks, 8 micro-batches a rank), against the single-rank run with the
-// same global batch over 20 steps (the equivalence principle), the tied embeddings bit-identical on the first
+// same global batch over 10 steps (the equivalence principle), the tied embeddings bit-identical on the first
 // and the last stage at the end (DualPipeV holds both ends on rank 0, one copy); the counted p2p bytes against
 // the formula; the ledger of every stage against --plan; the trace of a step; a pp × dp run resumed
 // bit-exactly; and the layouts the pipeline refuses.
@@ -102,7 +102,7 @@ TEST_CASE("the layers split as evenly as they can over the virtual stages, the e
 }
 
 TEST_CASE("every schedule on 2 stages, 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 layers, and DualPipeV on 4 stages of 8 "
-          "micro-batches give the single-rank run's losses over 20 steps of 4 (or 8) micro-batches; the tied "
+          "micro-batches give the single-rank run's losses over 10 steps of 4 (or 8) micro-batches; the tied "
           "embeddings stay identical; the p2p bytes equal the formula; DualPipeV's trace", "[pp]") {
     Data data;
     TempDir out;
@@ -114,7 +114,7 @@ TEST_CASE("every schedule on 2 stages, 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 
     };
     std::map<std::string, std::map<std::string, double>> reference;
     for (const char* model : {PP_MODEL, UNEVEN_MODEL, V4_MODEL}) {
-        REQUIRE(single_ok(data.flags(2, 128, 20, model), out / model));
+        REQUIRE(single_ok(data.flags(2, 128, EQUIVALENCE_STEPS, model), out / model));
         reference[model] = losses(out / model);
     }
     std::string trace = out / "dualpipev.json";
@@ -128,7 +128,7 @@ TEST_CASE("every schedule on 2 stages, 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 
                      Layout{"dualpipev_pp4", V4_MODEL, 4, 1, " --pp 4 --pp-schedule dualpipev"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(l.ranks, data.flags(l.b, 128, 20, l.model) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
+        if (!train_ok(l.ranks, data.flags(l.b, 128, EQUIVALENCE_STEPS, l.model) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
         check_close(losses(dir), reference[l.model], 1e-5);
         require_pp_counted_equals_formula(run);
         check_tied_copies(run, l.flags);
@@ -150,11 +150,11 @@ TEST_CASE("every schedule on 2 stages, 1F1B and ZB-H1 on 3 stages of 2, 2 and 1 
 }
 
 TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 2 × tp 2 (sp; 1F1B, ZB-H1 with -r 2, DualPipeV) "
-          "and pp 2 × cp 2 (1F1B, DualPipeV) give the single-rank run's losses over 20 steps of 4 micro-batches", "[pp]") {
+          "and pp 2 × cp 2 (1F1B, DualPipeV) give the single-rank run's losses over 10 steps of 4 micro-batches", "[pp]") {
     Data data;
     TempDir out;
     // the same global batch of 8 sequences: 4 micro-batches of 2 on one rank, or of 1 on each of 2 dp ranks
-    REQUIRE(single_ok(data.flags(2, 128, 20, PP_MODEL), out / "one"));
+    REQUIRE(single_ok(data.flags(2, 128, EQUIVALENCE_STEPS, PP_MODEL), out / "one"));
     std::map<std::string, double> reference = losses(out / "one");
     struct Layout {
         const char* name;
@@ -169,7 +169,7 @@ TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 
                      Layout{"pp2_cp2", 2, " --pp 2 --cp 2"}, Layout{"pp2_cp2_dualpipev", 2, " --pp 2 --cp 2 --pp-schedule dualpipev"}}) {
         INFO(l.name);
         std::string dir = out / l.name, run;
-        if (!train_ok(4, data.flags(l.b, 128, 20, PP_MODEL) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
+        if (!train_ok(4, data.flags(l.b, 128, EQUIVALENCE_STEPS, PP_MODEL) + l.flags + " --debug-check-replicas 1", dir, &run)) continue;
         check_close(losses(dir), reference, 1e-5);
         require_pp_counted_equals_formula(run);
         // a split backward under sp gathers the norm outputs again in its weight-gradient steps
@@ -180,7 +180,7 @@ TEST_CASE("pp 2 × dp 2 under ZeRO-1 (1F1B, ZB-H1 and DualPipeV) and ZeRO-3, pp 
 }
 
 TEST_CASE("DualPipeV on pp 4 × dp 2 (ZeRO-1) and pp 4 × tp 2 (sp), and a GPT-2 with experts on pp 2 × ep 2 and pp 4 × "
-          "ep 2, give the single-rank run's losses over 20 steps of 8 micro-batches a rank", "[pp]") {
+          "ep 2, give the single-rank run's losses over 10 steps of 8 micro-batches a rank", "[pp]") {
     Data data;
     TempDir out;
     // the V's 8 stages of a layer on 4 ranks; the global batch of 16 sequences gives each dp rank 8 micro-batches

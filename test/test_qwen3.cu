@@ -3,7 +3,7 @@
 // (llmc/norm.cuh) on the CPU against a double computation and central finite differences, in place and not,
 // and on the GPU ([cuda], skipped without one) against the CPU; llm5d's Qwen3 file written and read back byte for
 // byte; and the model under every parallelism on the CPU, under `mpirun --oversubscribe`, against the single-rank
-// run over 20 steps of 4 micro-batches (the equivalence principle): dp 2 under ZeRO-1 and ZeRO-3, tp 2 with and
+// run over 10 steps of 4 micro-batches (the equivalence principle): dp 2 under ZeRO-1 and ZeRO-3, tp 2 with and
 // without sp, tp 4 (each key/value head on two ranks, the QK-norm weights' gradients summed over the group), cp 2,
 // pp 2 under 1F1B and ZB-H1, ep 2 on a Qwen3 with experts (with the counted bytes against the formulas), and a
 // checkpoint resumed under another layout.
@@ -320,7 +320,7 @@ TEST_CASE("a Qwen3 Hugging Face directory with Qwen's own tokenizer.json (151669
 }
 
 TEST_CASE("Qwen3 under dp 2 (ZeRO-1, ZeRO-3), tp 2 with and without sp, tp 4 over 2 key/value heads, cp 2, pp 2 (1F1B, "
-          "ZB-H1), and with experts under ep 2 gives the single-rank run's losses over 20 steps with accumulation; a "
+          "ZB-H1), and with experts under ep 2 gives the single-rank run's losses over 10 steps with accumulation; a "
           "tied Qwen3 under pp 2; a checkpoint of tp 2 resumes on one rank",
           "[qwen3][parallel]") {
     Data data;

@@ -62,7 +62,7 @@ TEST_CASE("recomputation under tensor and sequence parallelism: the single-rank 
           "bit alike, the norm outputs gathered again in backward whatever -r", "[recompute]") {
     Data data;
     TempDir out;
-    std::string flags = data.flags(2, 64, 20, "d3c36h4t32v301");
+    std::string flags = data.flags(2, 64, EQUIVALENCE_STEPS, "d3c36h4t32v301");
     REQUIRE(single_ok(flags, out / "one"));
     std::string runs[3];
     for (int r : {0, 1, 2}) {

@@ -18,12 +18,12 @@ namespace test_tensor_parallel {
 
 const char* TP_MODEL = "d3c36h4t32v301";
 
-TEST_CASE("tp = 2 and 4, with and without sp, give the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
+TEST_CASE("tp = 2 and 4, with and without sp, give the single-rank run's losses over 10 steps, with accumulation", "[tp]") {
     Data data;
     TempDir out;
     for (int shuffle : {1, 0}) {
         // one dp rank: 2 micro-steps of b=2 × t=16
-        std::string flags = data.flags(2, 64, 20, TP_MODEL) + strfmt(" --shuffle %d", shuffle);
+        std::string flags = data.flags(2, 64, EQUIVALENCE_STEPS, TP_MODEL) + strfmt(" --shuffle %d", shuffle);
         REQUIRE(single_ok(flags, out / strfmt("one_s%d", shuffle)));
         std::map<std::string, double> reference = losses(out / strfmt("one_s%d", shuffle));
         for (int tp : {2, 4})
@@ -36,18 +36,18 @@ TEST_CASE("tp = 2 and 4, with and without sp, give the single-rank run's losses 
     }
 }
 
-TEST_CASE("tp 2 × dp 2 with ZeRO-0, 1 and 3 gives the single-rank run's losses over 20 steps, with accumulation", "[tp]") {
+TEST_CASE("tp 2 × dp 2 with ZeRO-0, 1 and 3 gives the single-rank run's losses over 10 steps, with accumulation", "[tp]") {
     Data data;
     TempDir out;
     for (int shuffle : {1, 0}) {
         // the same global batch, 2 micro-steps each: 4 sequences on one rank, or 2 on each of the 2 dp ranks
         std::string shuffled = strfmt(" --shuffle %d", shuffle), one = out / strfmt("one_s%d", shuffle);
-        REQUIRE(single_ok(data.flags(4, 128, 20, TP_MODEL) + shuffled, one));
+        REQUIRE(single_ok(data.flags(4, 128, EQUIVALENCE_STEPS, TP_MODEL) + shuffled, one));
         std::map<std::string, double> reference = losses(one);
         for (int z : {0, 1, 3}) {
             INFO("ZeRO-" << z << ", tp 2 (sp by default), dp 2, --shuffle " << shuffle);
             std::string dir = out / strfmt("z%d_s%d", z, shuffle), run;
-            if (!train_ok(4, data.flags(2, 128, 20, TP_MODEL) + shuffled + strfmt(" --tp 2 -z %d", z), dir, &run)) continue;
+            if (!train_ok(4, data.flags(2, 128, EQUIVALENCE_STEPS, TP_MODEL) + shuffled + strfmt(" --tp 2 -z %d", z), dir, &run)) continue;
             check_close(losses(dir), reference, 1e-5);
         }
     }
