@@ -243,8 +243,7 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     m.split_backward = layout.split_backward;
     param_tensor_sizes(config, m.param_sizes, tp.size, part, layout.ep);
     m.num_parameters = num_parameters(config, tp.size, part, layout.ep);
-    for (int u = 0; u < num_units(part.layers()); u++)
-        m.units.push_back(unit_segments(config, u, tp.size, part, layout.ep));
+    m.units = unit_segments(config, tp.size, part, layout.ep);
     LocalDims d = local_dims(config, tp, B, T, layout.cp.size, layout.ep, layout.capacity);
     m.cp.spec = layout.cp;
     m.cp.prepare(T, RingHeads{d.Cl, d.NHl, d.KVl});

@@ -536,27 +536,30 @@ struct Segment {
     size_t offset, size;
 };
 
-// a unit's slices in tensor order; packed back to back, they are the unit's packed layout. A tensor the
-// architecture lacks (a dense model's router) has none, nor has a layer's unit a tensor of another kind of layer
-// (a dense layer's the experts'); one the part lacks, an empty one.
-inline std::vector<Segment> unit_segments(const GPTConfig& c, int unit, int tp, const ModelPart& part, int ep = 1) {
+// each unit's slices in tensor order (indexed by unit); packed back to back, they are the unit's packed layout. A
+// tensor the architecture lacks (a dense model's router) has none, nor has a layer's unit a tensor of another
+// kind of layer (a dense layer's the experts'); one the part lacks, an empty one. The table and the sizes are
+// read once for every unit (--search lays out some 10^5 layouts).
+inline std::vector<std::vector<Segment>> unit_segments(const GPTConfig& c, int tp, const ModelPart& part, int ep = 1) {
     ModelTable table = model_table(c);
-    size_t sizes[NUM_PARAM_TENSORS], offset = 0, L = part.layers();
+    size_t sizes[NUM_PARAM_TENSORS], L = part.layers();
     param_tensor_sizes(c, sizes, tp, part, ep);
-    Holder holder = unit == HEAD_UNIT ? Holder::Head : unit == embedding_unit(L) ? Holder::Embeddings : Holder::Layer;
-    std::vector<Segment> segs;
+    std::vector<std::vector<Segment>> units(num_units((int)L));
+    size_t offset = 0;
     for (int t = 0; t < NUM_PARAM_TENSORS; offset += sizes[t++]) {
-        if (table[t].holder != holder || table[t].block() == 0) continue;
-        if (holder != Holder::Layer) {
-            segs.push_back({t, offset, sizes[t]});
+        const TensorSpec& s = table[t];
+        if (s.block() == 0) continue;
+        if (s.holder != Holder::Layer) {
+            units[s.holder == Holder::Head ? HEAD_UNIT : embedding_unit((int)L)].push_back({t, offset, sizes[t]});
             continue;
         }
-        int layer = (int)L - unit;  // the part's
-        if (!layer_holds(c, table[t].layers, part.model_layer(layer))) continue;
-        size_t block = sizes[t] / held_layers(c, table[t].layers, part, (int)L);
-        segs.push_back({t, offset + held_layers(c, table[t].layers, part, layer) * block, block});
+        // the layers holding the tensor keep one block each, in layer order
+        size_t held = held_layers(c, s.layers, part, (int)L), k = 0;
+        for (int layer = 0; layer < (int)L && held > 0; layer++)  // the part's layers
+            if (layer_holds(c, s.layers, part.model_layer(layer)))
+                units[layer_unit((int)L, layer)].push_back({t, offset + k++ * (sizes[t] / held), sizes[t] / held});
     }
-    return segs;
+    return units;
 }
 
 // views of a unit's tensors: inside the flat buffer at base, or packed back to back from base

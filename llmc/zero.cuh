@@ -93,6 +93,7 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
     BucketLayout lay;
     ModelTable table = model_table(c);
     int L = part.layers(), units = num_units(L), emb = embedding_unit(L);
+    std::vector<std::vector<Segment>> unit_slices = unit_segments(c, tp, part, ep);
     lay.unit_bucket.assign(units, 0);
     lay.unit_offset.assign(units, 0);
     lay.unit_segments.resize(units);
@@ -107,7 +108,7 @@ inline BucketLayout bucket_layout(const GPTConfig& c, int dp, size_t bucket_floa
         Bucket& b = lay.buckets.back();
         lay.unit_bucket[u] = (int)lay.buckets.size() - 1;
         lay.unit_offset[u] = b.size;
-        for (const Segment& s : unit_segments(c, u, tp, part, ep))
+        for (const Segment& s : unit_slices[u])
             if (in_group(group, table[s.tensor])) b.segments.push_back(s), b.size += s.size, lay.unit_segments[u].push_back(s);
         b.last_unit = u;
     }
