@@ -205,8 +205,8 @@ inline Activations<floatX> layer_slice(const Activations<floatX>& a, int l, cons
 }
 
 // buffers that live only inside backward (activation gradients), plus the kernels' workspaces (on the CPU the
-// GEMM's packing panels and attention's rows per thread; on the GPU the shared kernel scratch of
-// llmc/device.cuh); under tensor parallelism also the partial sums of row-parallel outputs, and under sequence
+// GEMM's packing panels and attention's rows per thread; on the GPU the kernels' workspace, which the
+// model passes to the layers that need it: llmc/device.cuh's Workspace); under tensor parallelism also the partial sums of row-parallel outputs, and under sequence
 // parallelism the gathered output gradients, the reduced input gradients and a norm's output gathered (the
 // layers keep their own rows of it: norm_rows). dact: the gradient of SwiGLU's
 // output, which is half as wide as its input's (GPT-2's GELU takes its gradient in place: null)

@@ -225,10 +225,10 @@ TEST_CASE("GPU model with experts: 20 AdamW steps of 2 micro-steps follow the CP
     check_training(MOE_MODEL, DEFAULT_ATTENTION);
 }
 
-TEST_CASE("GPU model: GPT-2's vocabulary at B·T = 1024 runs forward and backward in the scratch it registers",
+TEST_CASE("GPU model: GPT-2's vocabulary at B·T = 1024 runs forward and backward in the workspace it allocates",
           "[cuda][model]") {
     // the classifier's matmul has 50304 columns and no bias; it once asked for bias-gradient scratch all the
-    // same, ceil(BT/256)·50304 floats, more than the model registers, and every d12 run stopped at its first
+    // same, ceil(BT/256)·50304 floats, more than the model allocates, and every d12 run stopped at its first
     // backward on an H100. Here that request would be 4·50304 floats against the layers' few thousand.
     SKIP_WITHOUT_GPU_CASE();
     GPTConfig config = parse_model_descriptor("d1c64h1t256");
