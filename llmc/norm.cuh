@@ -310,9 +310,8 @@ static __global__ void __launch_bounds__(NORM_WARPS * 32)
             }
         }
     }
-    // as on the CPU: RMSNorm's centre is 0, and its Σ x² the variance's loop
-    float m = 0.0f;
-    if constexpr (kind == Norm::LayerNorm) {
+    // this thread's Σ term(x) over its values of the row, in the same order for both sums
+    auto thread_sum = [&](auto term) {
         float sum = 0.0f;
         if (active) {
 #pragma unroll
@@ -320,21 +319,15 @@ static __global__ void __launch_bounds__(NORM_WARPS * 32)
                 if ((k * 32 * W + t) * 8 >= C) continue;
                 float f[8];
                 unpack_bf16x8(x[k], f);
-                for (int j = 0; j < 8; j++) sum += f[j];
+                for (int j = 0; j < 8; j++) sum += term(f[j]);
             }
         }
-        m = norm_row_sum<W>(sum, slots[0]) / C;
-    }
-    float var = 0.0f;
-    if (active) {
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            if ((k * 32 * W + t) * 8 >= C) continue;
-            float f[8];
-            unpack_bf16x8(x[k], f);
-            for (int j = 0; j < 8; j++) var += (f[j] - m) * (f[j] - m);
-        }
-    }
+        return sum;
+    };
+    // as on the CPU: RMSNorm's centre is 0, and its Σ x² the variance's loop
+    float m = 0.0f;
+    if constexpr (kind == Norm::LayerNorm) m = norm_row_sum<W>(thread_sum([](float v) { return v; }), slots[0]) / C;
+    float var = thread_sum([m](float v) { return (v - m) * (v - m); });
     float s = rsqrtf(norm_row_sum<W>(var, slots[1]) / C + eps);
     if (!active) return;
 #pragma unroll
