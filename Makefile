@@ -23,7 +23,7 @@
 #   NO_MPI=1    build without MPI: one process only; MPICXX: the MPI compiler wrapper that says where MPI is
 #   NVCC, PYTHON (an interpreter that has torch; Debian's python3-torch lives under /usr/bin/python3),
 #   CATCH2_INCLUDE (where catch.hpp is)
-# ./train_gpt depends on build/flags.stamp and the tests' programs on build/test_flags.stamp, which hold the flags
+# ./train_gpt depends on build/flags.stamp and the tests' objects on build/test_flags.stamp, which hold the flags
 # they were compiled with (MPI or not, and where it is, among them): when MPI is installed later, or a variable
 # above changes, the next make rebuilds them; two stamps, so that `make` after `make test` (another CUDA_ARCH
 # on a machine without a GPU) rebuilds ./train_gpt alone.
@@ -34,9 +34,9 @@ HOST_ARCH ?= native
 PYTHON ?= /usr/bin/python3
 HOST_FLAGS = -O3 -march=$(HOST_ARCH) -fopenmp -Wall -Wno-unknown-pragmas
 NVCC_FLAGS = -std=c++17 -O3 $(NVCC_THREADS) -Xcompiler "$(HOST_FLAGS)" -I. -diag-suppress 177
-# The tests' own programs (build/tests, comm_check, cp_check) optimise their host code at -O1: they check what the
-# code computes, and most of their time is the train_gpt runs they start, which keeps -O3. The host compiler took
-# 129 of suite_model.o's 175 CPU-seconds at -O3, 69 of 117 at -O1 (nvcc's -O is the host's: the kernels are as fast).
+# The tests (build/tests) optimise their host code at -O1: they check what the code computes, and most of their
+# time is the train_gpt runs they start, which keeps -O3. The host compiler took 129 of suite_model.o's 175
+# CPU-seconds at -O3, 69 of 117 at -O1 (nvcc's -O is the host's: the kernels are as fast).
 TEST_NVCC_FLAGS = $(subst -O3,-O1,$(NVCC_FLAGS))
 # Catch2's main is not optimised at all: it reads the command line, runs the cases and reports, and the tests ran
 # as fast against it (40 cases, 6,383 assertions); it compiled in 16 CPU-seconds instead of 23 at -O1.
@@ -95,15 +95,6 @@ build/suite_%.o: test/suite_%.cu $(DEP_DIR)/suite_%.o.d $(TEST_FLAGS_STAMP)
 build/tests: $(SUITE_OBJECTS) build/catch_main.o $(TEST_FLAGS_STAMP)
 	$(call say,nvcc -> $@)
 	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) $(filter %.o,$^) -o $@ $(LDLIBS)
-
-# programs that tests start under mpirun: comm_check (the collectives against a naive reference, from
-# test/test_distributed.cu) and cp_check (ring attention against whole-sequence attention, from
-# test/test_context_parallel.cu)
-MPI_CHECKS = build/comm_check build/cp_check
-$(MPI_CHECKS): build/%: test/%.cu $(DEP_DIR)/%.d $(TEST_FLAGS_STAMP)
-	@mkdir -p build
-	$(call say,nvcc $< -> $@ ($(TEST_ARCH_NAMES)))
-	$(Q)$(NVCC) $(TEST_NVCC_FLAGS) $(TEST_CUDA_ARCH) $(DEPFLAGS) $< -o $@ $(LDLIBS)
 
 $(DEP_DIR)/%.d: ;
 .PRECIOUS: $(DEP_DIR)/%.d
@@ -166,7 +157,7 @@ $(REFERENCES) &: $(wildcard test/reference/*.py)
 # builds ./train_gpt again for the portable list). TEST_BUILD_ALSO names more targets for that make: CI's
 # dev-programs. The tests then run in shards, as many at once as the cores take (TEST_JOBS; docs/tests.md says
 # how to run one shard or one case).
-TEST_BUILD = train_gpt build/suite_model.o build/tests $(MPI_CHECKS) $(REFERENCES) data/sotu/train.bin
+TEST_BUILD = train_gpt build/suite_model.o build/tests $(REFERENCES) data/sotu/train.bin
 test: deps
 	$(MAKE) CUDA_ARCH='$(TEST_CUDA_ARCH)' $(TEST_BUILD) $(TEST_BUILD_ALSO)
 	bash test/run_tests.sh

@@ -1,8 +1,8 @@
 # What the Makefiles that run nvcc share (the top level, dev/cuda, dev/comm): the GPU code to embed, parallel
 # jobs, and short output lines.
 #
-# GPU code: sets CUDA_ARCH (train_gpt and the programs meant to run on a GPU) and TEST_CUDA_ARCH (the tests and the
-# checks they start), as nvcc -gencode flags, and ARCH_NAMES / TEST_ARCH_NAMES (the targets, for the build's lines).
+# GPU code: sets CUDA_ARCH (train_gpt and the programs meant to run on a GPU) and TEST_CUDA_ARCH (the tests), as
+# nvcc -gencode flags, and ARCH_NAMES / TEST_ARCH_NAMES (the targets, for the build's lines).
 #
 # CUDA_ARCH given (command line or environment): used for everything.
 # Otherwise the GPUs nvidia-smi lists decide: machine code for each compute capability, sm_XY, with the

@@ -1,4 +1,4 @@
-// Helpers for the tests that run train_gpt (or a check program such as build/comm_check) under `mpirun
+// Helpers for the tests that run train_gpt (or a check such as comm_check.h) under `mpirun
 // --oversubscribe` on the CPU: launching, learnable token data, main.log's losses, and the "comm:" lines that
 // compare the bytes a rank counted with the formula. Shared by the distributed, tp, cp and failure tests.
 #pragma once
@@ -27,13 +27,14 @@ inline CommandResult mpirun(int ranks, const std::string& program, const std::st
     return run_command(strfmt("%s timeout 600 mpirun --oversubscribe --bind-to none -np %d %s %s", RUN_ENV, ranks,
                               program.c_str(), args.c_str()));
 }
-// runs a check program (build/comm_check, build/cp_check) on `ranks` ranks: it exits 0 and its summary line,
-// "NAME: N ranks, P passed, F failed", names all the ranks; returns the passed and failed counts
+// runs a check (comm_check.h, cp_check.h: a hidden case of build/tests, tagged with its name) on `ranks` ranks: it
+// exits 0 and its summary line, "NAME: N ranks, P passed, F failed", names all the ranks; returns the passed and
+// failed counts
 struct CheckCounts {
     int passed = 0, failed = -1;
 };
-inline CheckCounts run_check_program(int ranks, const std::string& name) {
-    CommandResult r = mpirun(ranks, "build/" + name, "");
+inline CheckCounts run_check(int ranks, const std::string& name) {
+    CommandResult r = mpirun(ranks, "build/tests", "'[" + name + "]'");
     INFO(r.output);
     CHECK(r.status == 0);
     CheckCounts counts;

@@ -1,6 +1,6 @@
 // Tests of context parallelism (llmc/cp.cuh): on the CPU the zig-zag and contiguous splits, the refusal of a T
 // the chunks do not divide, the balance zig-zag buys, and ring attention against attention over the whole
-// sequence under `mpirun --oversubscribe` on 2, 3 and 4 ranks (build/cp_check); the trainer under cp 2 and 4,
+// sequence under `mpirun --oversubscribe` on 2, 3 and 4 ranks (cp_check.h); the trainer under cp 2 and 4,
 // cp × tp (sp) and cp × dp with ZeRO against the single-rank run with the same global batch (the equivalence
 // principle); the ledger of every cp rank against --plan; the counted cp bytes against the formula; a cp run
 // resumed bit-exactly; and on a GPU, the ring's CUDA path on one rank against the CPU reference.
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 
+#include "cp_check.h"
 #include "dev/cuda/attention_case.h"
 #include "llmc/cp.cuh"
 #include "llmc/plan.h"
@@ -94,9 +95,8 @@ TEST_CASE("under a causal mask zig-zag gives every rank the same attention work,
 
 TEST_CASE("ring attention equals whole-sequence attention on every rank's slice, cp = 2, 3, 4, both splits, "
           "multi-head and grouped-query", "[cp]") {
-    REQUIRE(access("build/cp_check", X_OK) == 0);
     for (int ranks : {2, 3, 4}) {
-        CheckCounts counts = run_check_program(ranks, "cp_check");
+        CheckCounts counts = run_check(ranks, "cp_check");
         CHECK(counts.passed == 2 * 2 * 5 * ranks);  // per rank, heads and split: out, lse, dq, dk, dv
         CHECK(counts.failed == 0);
     }

@@ -1,5 +1,5 @@
 // Tests of the distributed runtime on the CPU, under `mpirun --oversubscribe`: the collectives against a naive
-// reference (build/comm_check), data parallelism against the single-rank run with the same global batch
+// reference (comm_check.h), data parallelism against the single-rank run with the same global batch
 // (the equivalence principle), ZeRO-0..3 against each other bit for bit, the ledger against --plan, the counted
 // bytes against the formula, sharded checkpoints, the process grid, and a rank that stops answering.
 #include <algorithm>
@@ -10,14 +10,14 @@
 #include "llmc/grid.cuh"
 #include "llmc/plan.h"
 #include "llmc/zero.cuh"
+#include "comm_check.h"
 #include "mpi_helpers.h"
 
 namespace test_distributed {
 
 TEST_CASE("every collective matches a naive reference on 2, 3 and 4 ranks, blocking and async", "[distributed]") {
-    REQUIRE(access("build/comm_check", X_OK) == 0);
     for (int ranks : {2, 3, 4}) {
-        CheckCounts counts = run_check_program(ranks, "comm_check");
+        CheckCounts counts = run_check(ranks, "comm_check");
         CHECK(counts.passed > 600);
         CHECK(counts.failed == 0);
     }

@@ -1,13 +1,17 @@
-// cp_check: ring attention (llmc/cp.cuh) against attention over the whole sequence, run under mpirun on 2, 3 or 4
-// ranks (test/test_context_parallel.cu starts it). For multi-head attention (3 heads) and grouped-query attention
-// (4 query heads sharing 2 key/value heads), every rank draws the same random qkv and output gradient for the
-// whole sequence (B=2, T=2N·7: never a power of two, and chunks of 7 tokens) and runs llmc/attention.cuh's CPU
-// reference on all of it; the reference log-sum-exp is computed here in double from the same scores. Then, for
-// the zig-zag and the contiguous split, ring attention runs on this rank's rows alone, and its output,
-// log-sum-exp and dQ, dK, dV must equal the reference's at the same positions within 1e-6 relative (fp32, against
-// each quantity's largest entry).
-// On rank 0, the line "cp_check: R ranks, N passed, M failed", then one with the worst relative error of each quantity;
-// the exit status is 1 if anything failed.
+// cp_check: ring attention (llmc/cp.cuh) against attention over the whole sequence, a hidden case of build/tests
+// that test/test_context_parallel.cu runs under mpirun on 2, 3 or 4 ranks (a case of the test binary, which
+// compiles the attention kernels anyway, rather than a program that compiled them once more). For multi-head
+// attention (3 heads) and grouped-query attention (4 query heads sharing 2 key/value heads), every rank draws the
+// same random qkv and output gradient for the whole sequence (B=2, T=2N·7: never a power of two, and chunks of 7
+// tokens) and runs llmc/attention.cuh's CPU reference on all of it; the reference log-sum-exp is computed here in
+// double from the same scores. Then, for the zig-zag and the contiguous split, ring attention runs on this rank's
+// rows alone, and its output, log-sum-exp and dQ, dK, dV must equal the reference's at the same positions within
+// 1e-6 relative (fp32, against each quantity's largest entry).
+// On rank 0, the line "cp_check: R ranks, N passed, M failed", then one with the worst relative error of each
+// quantity; the exit status is 1 if anything failed.
+#pragma once
+
+#include <catch.hpp>
 #include <omp.h>
 
 #include <cmath>
@@ -17,6 +21,8 @@
 
 #include "llmc/attention.cuh"
 #include "llmc/cp.cuh"
+
+namespace cp_check {
 
 static int failures = 0, passes = 0;
 
@@ -44,7 +50,7 @@ static void check(Comm& c, double error, const std::string& what, double* worst)
     }
 }
 
-int main() {
+TEST_CASE("cp_check: the ranks' side, run under mpirun by run_check (mpi_helpers.h)", "[.cp_check]") {
     try {
         CommSettings s;
         s.timeout_s = 60;
@@ -131,10 +137,11 @@ int main() {
                    worst_all[2], worst_all[3], worst_all[4]);
         }
         comm_finalize(world);
-        return totals[1] == 0 ? 0 : 1;
+        CHECK(totals[1] == 0);
     } catch (const std::exception& e) {
         fprintf(stderr, "cp_check: %s\n", e.what());
-        comm_abort_job(1);
-        return 1;
+        comm_abort_job(1);  // the other ranks may be waiting on this one: end the job rather than hang it
     }
 }
+
+}  // namespace cp_check

@@ -1,17 +1,24 @@
-// comm_check: every collective of llmc/comm.cuh against a naive reference, run under mpirun on 2, 3 or 4
-// ranks (test/test_distributed.cu starts it). Each rank's input is a pure function of (op, rank, index), so any
+// comm_check: every collective of llmc/comm.cuh against a naive reference, a hidden case of build/tests that
+// test/test_distributed.cu runs under mpirun on 2, 3 or 4 ranks (a case of the test binary rather than a program
+// of its own, so that the build compiles it once). Each rank's input is a pure function of (op, rank, index), so any
 // rank can compute what every other rank sent and check its result element by element. Values are small
 // integers, so sums are exact whatever order a backend adds them in. Sizes are odd (1, 7, 1001, 65537) to catch
 // off-by-one and chunking errors. Each op runs blocking, and asynchronously with compute between start and
 // wait; point-to-point runs around the ring in both directions. The counted bytes are checked per op too.
 // bf16 moves bit for bit, and its sums (MPI has no bf16: llmc/comm.cuh adds in fp32 and rounds) are checked.
 // Last line on rank 0: "comm_check: R ranks, N passed, M failed"; the exit status is 1 if anything failed.
+#pragma once
+
+#include <catch.hpp>
+
 #include <cmath>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "llmc/comm.cuh"
+
+namespace comm_check {
 
 static int failures = 0, passes = 0;
 
@@ -213,7 +220,7 @@ static void check_bf16(Comm& c, size_t n) {
     }
 }
 
-int main() {
+TEST_CASE("comm_check: the ranks' side, run under mpirun by run_check (mpi_helpers.h)", "[.comm_check]") {
     try {
         CommSettings s;
         s.timeout_s = 60;
@@ -236,10 +243,11 @@ int main() {
         world.wait(world.all_reduce(counts, totals, 2, DType::I32));
         if (world.rank == 0) printf("comm_check: %d ranks, %d passed, %d failed\n", world.size, totals[0], totals[1]);
         comm_finalize(world);
-        return totals[1] == 0 ? 0 : 1;
+        CHECK(totals[1] == 0);
     } catch (const std::exception& e) {
         fprintf(stderr, "comm_check: %s\n", e.what());
-        comm_abort_job(1);
-        return 1;
+        comm_abort_job(1);  // the other ranks may be waiting on this one: end the job rather than hang it
     }
 }
+
+}  // namespace comm_check
