@@ -163,8 +163,7 @@ test: deps
 	bash test/run_tests.sh
 
 # dev/cuda's kernel checks and dev/comm's benchmark, for this make's GPU targets: in CI, which only compiles them
-# (`make test TEST_BUILD_ALSO=dev-programs DEV_OPT=-O1`), sm_90a alone, as the tests, and their host code at -O1
-# (DEV_OPT, which a command line passes down to their Makefiles)
+# (`make test TEST_BUILD_ALSO=dev-programs`), sm_90a alone, as the tests
 dev-programs:
 	$(MAKE) -C dev/cuda
 	$(MAKE) -C dev/comm

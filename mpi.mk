@@ -17,6 +17,13 @@ $(warning no MPI found ($(MPICXX) --showme failed): building for one process; se
 endif
 endif
 
+# write_stamp,STAMP,TEXT: the file STAMP holds the value of the variable TEXT (a name: the flags hold commas)
+define write_stamp
+ifneq ($$(file < $(1)),$$($(2)))
+$$(shell mkdir -p $(dir $(1)))
+$$(file > $(1),$$($(2)))
+endif
+endef
 FLAGS_STAMP_TEXT := $(NVCC) $(NVCC_FLAGS) $(CUDA_ARCH) $(LDLIBS)
 $(eval $(call write_stamp,$(FLAGS_STAMP),FLAGS_STAMP_TEXT))
 ifdef TEST_FLAGS_STAMP

@@ -1,5 +1,5 @@
 # What the Makefiles that run nvcc share (the top level, dev/cuda, dev/comm): the GPU code to embed, parallel
-# jobs, short output lines, and the flags stamps.
+# jobs, and short output lines.
 #
 # GPU code: sets CUDA_ARCH (train_gpt and the programs meant to run on a GPU) and TEST_CUDA_ARCH (the tests), as
 # nvcc -gencode flags, and ARCH_NAMES / TEST_ARCH_NAMES (the targets, for the build's lines).
@@ -58,13 +58,3 @@ else
 Q = @
 say = @echo "  $(1)"
 endif
-
-# write_stamp,STAMP,TEXT: the file STAMP holds the value of the variable TEXT (a name: the flags hold commas),
-# rewritten only when it differs, so that targets depending on STAMP are rebuilt when their flags change, and only
-# then (mpi.mk writes the top level's and dev/comm's stamps, dev/cuda its own)
-define write_stamp
-ifneq ($$(file < $(1)),$$($(2)))
-$$(shell mkdir -p $(dir $(1)))
-$$(file > $(1),$$($(2)))
-endif
-endef
