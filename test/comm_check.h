@@ -6,7 +6,7 @@
 // off-by-one and chunking errors. Each op runs blocking, and asynchronously with compute between start and
 // wait; point-to-point runs around the ring in both directions. The counted bytes are checked per op too.
 // bf16 moves bit for bit, and its sums (MPI has no bf16: llmc/comm.cuh adds in fp32 and rounds) are checked.
-// Last line on rank 0: "comm_check: R ranks, N passed, M failed"; the exit status is 1 if anything failed.
+// Last line on rank 0: "comm_check: R ranks, N passed, M failed" (ranks_check.h); the case fails if anything did.
 #pragma once
 
 #include <catch.hpp>
@@ -17,16 +17,17 @@
 #include <vector>
 
 #include "llmc/comm.cuh"
+#include "ranks_check.h"
 
 namespace comm_check {
 
-static int failures = 0, passes = 0;
+static Tally tally;
 
 static void check(Comm& c, bool ok, const std::string& what) {
     if (ok) {
-        passes++;
+        tally.passes++;
     } else {
-        failures++;
+        tally.failures++;
         printf("rank %d: FAIL %s\n", c.rank, what.c_str());
     }
 }
@@ -221,10 +222,7 @@ static void check_bf16(Comm& c, size_t n) {
 }
 
 TEST_CASE("comm_check: the ranks' side, run under mpirun by run_check (mpi_helpers.h)", "[.comm_check]") {
-    try {
-        CommSettings s;
-        s.timeout_s = 60;
-        Comm world = comm_world(s);
+    run_on_ranks("comm_check", tally, [](Comm& world) {
         for (size_t n : {1, 7, 1001, 65537})
             for (bool async : {false, true}) {
                 check_collectives<float>(world, n, async);
@@ -238,16 +236,7 @@ TEST_CASE("comm_check: the ranks' side, run under mpirun by run_check (mpi_helpe
         Comm half = world.split(world.rank % 2, world.rank, "half");
         check(world, half.size == (world.size + 1 - world.rank % 2) / 2 && half.rank == world.rank / 2, "split sizes");
         if (half.size > 1) check_collectives<float>(half, 1001, true);
-
-        int counts[2] = {passes, failures}, totals[2];
-        world.wait(world.all_reduce(counts, totals, 2, DType::I32));
-        if (world.rank == 0) printf("comm_check: %d ranks, %d passed, %d failed\n", world.size, totals[0], totals[1]);
-        comm_finalize(world);
-        CHECK(totals[1] == 0);
-    } catch (const std::exception& e) {
-        fprintf(stderr, "comm_check: %s\n", e.what());
-        comm_abort_job(1);  // the other ranks may be waiting on this one: end the job rather than hang it
-    }
+    });
 }
 
 }  // namespace comm_check

@@ -7,8 +7,8 @@
 // double from the same scores. Then, for the zig-zag and the contiguous split, ring attention runs on this rank's
 // rows alone, and its output, log-sum-exp and dQ, dK, dV must equal the reference's at the same positions within
 // 1e-6 relative (fp32, against each quantity's largest entry).
-// On rank 0, the line "cp_check: R ranks, N passed, M failed", then one with the worst relative error of each
-// quantity; the exit status is 1 if anything failed.
+// On rank 0, a line with the worst relative error of each quantity, then "cp_check: R ranks, N passed, M failed"
+// (ranks_check.h); the case fails if anything did.
 #pragma once
 
 #include <catch.hpp>
@@ -21,10 +21,11 @@
 
 #include "llmc/attention.cuh"
 #include "llmc/cp.cuh"
+#include "ranks_check.h"
 
 namespace cp_check {
 
-static int failures = 0, passes = 0;
+static Tally tally;
 
 static const char* cp_split_name(CPSplit s) { return s == CPSplit::ZigZag ? "zigzag" : "contiguous"; }
 constexpr double TOLERANCE = 1e-6;
@@ -43,18 +44,15 @@ static double relative_error(const std::vector<float>& got, const std::vector<fl
 static void check(Comm& c, double error, const std::string& what, double* worst) {
     *worst = fmax(*worst, error);
     if (error <= TOLERANCE) {
-        passes++;
+        tally.passes++;
     } else {
-        failures++;
+        tally.failures++;
         printf("rank %d: FAIL %s: relative error %.3g > %.0e\n", c.rank, what.c_str(), error, TOLERANCE);
     }
 }
 
 TEST_CASE("cp_check: the ranks' side, run under mpirun by run_check (mpi_helpers.h)", "[.cp_check]") {
-    try {
-        CommSettings s;
-        s.timeout_s = 60;
-        Comm world = comm_world(s);
+    run_on_ranks("cp_check", tally, [](Comm& world) {
         const int N = world.size, B = 2, C = 24, T = 2 * N * 7;
         double worst[5] = {};  // out, lse, dq, dk, dv
         for (RingHeads a : {RingHeads{C, 3, 3}, RingHeads{C, 4, 2}}) {
@@ -122,8 +120,6 @@ TEST_CASE("cp_check: the ranks' side, run under mpirun by run_check (mpi_helpers
             }
         }
 
-        int counts[2] = {passes, failures}, totals[2];
-        world.wait(world.all_reduce(counts, totals, 2, DType::I32));
         std::vector<double> worst_all(5);
         for (int i = 0; i < 5; i++) {
             double w = worst[i];
@@ -131,17 +127,10 @@ TEST_CASE("cp_check: the ranks' side, run under mpirun by run_check (mpi_helpers
             world.wait(world.all_gather(&w, every.data(), 1, DType::F64));
             for (double x : every) worst_all[i] = fmax(worst_all[i], x);
         }
-        if (world.rank == 0) {
-            printf("cp_check: %d ranks, %d passed, %d failed\n", N, totals[0], totals[1]);
+        if (world.rank == 0)
             printf("worst relative errors: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", worst_all[0], worst_all[1],
                    worst_all[2], worst_all[3], worst_all[4]);
-        }
-        comm_finalize(world);
-        CHECK(totals[1] == 0);
-    } catch (const std::exception& e) {
-        fprintf(stderr, "cp_check: %s\n", e.what());
-        comm_abort_job(1);  // the other ranks may be waiting on this one: end the job rather than hang it
-    }
+    });
 }
 
 }  // namespace cp_check
