@@ -52,10 +52,11 @@ struct PPSpec {
 // the layers of virtual stage g of `stages`: [first, first + count)
 inline std::pair<int, int> virtual_stage_layers(const GPTConfig& c, int stages, int g) {
     int L = c.num_layers;
-    // layers of one kind (a dense model's, or a model's with experts in every layer) cost the same, unweighed: the
-    // planner's search asks for thousands of splits
-    std::vector<double> cost = c.count_dense_layers() == 0 ? std::vector<double>{} : layer_token_weights(c);
-    if (std::all_of(cost.begin(), cost.end(), [&](double x) { return x == cost[0]; })) {
+    // layers of one kind (a dense model's, or a model's with experts in every layer) cost the same, so they are not
+    // weighed: the planner's search asks for thousands of splits
+    bool one_kind = c.count_dense_layers() == 0;
+    std::vector<double> cost = one_kind ? std::vector<double>{} : layer_token_weights(c);
+    if (one_kind || std::all_of(cost.begin(), cost.end(), [&](double x) { return x == cost[0]; })) {
         int base = L / stages, extra = L % stages;
         return {g * base + std::min(g, extra), base + (g < extra ? 1 : 0)};
     }
