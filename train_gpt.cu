@@ -28,6 +28,7 @@
 #include "llmc/parallel.cuh"
 #include "llmc/planner.h"
 #include "llmc/pp.cuh"
+#include "llmc/profile_report.h"
 #include "llmc/resume.h"
 #include "llmc/run_guard.h"
 #include "llmc/run_hooks.h"
@@ -185,6 +186,7 @@ struct Trainer {
     std::unique_ptr<EvalSet> evals;
     std::unique_ptr<Tokenizer> tokenizer;
     int steps = 0;
+    int profiled_step = -1;  // the step --profile and --trace record, or -1
     LRSchedule schedule;
     Logger log;
     SpikeGuard spikes;
@@ -285,6 +287,7 @@ struct Trainer {
         steps = o.max_steps >= 0 ? o.max_steps : (int)(train_data->total_tokens / run.total_batch);
         schedule = o.schedule;
         schedule.total_steps = steps;
+        if (!o.profile.empty() || !o.trace.empty()) profiled_step = std::min(o.profile_step, steps) - 1;
         if (o.overfit) train_data->next_batch();  // the one batch every step will see
     }
 
@@ -406,8 +409,10 @@ struct Trainer {
             if (!o.overfit) train_data->next_batch();
             inputs[micro] = train_data->inputs, targets[micro] = train_data->targets;
         }
-        pipeline.tracing = step == state.step && pp.on();
-        if (pipeline.tracing) grid.world_comm.wait(grid.world_comm.barrier());  // the stages start the step together
+        pipeline.timing = step == state.step && pp.on();
+        bool profiled = step == profiled_step;
+        if (pipeline.timing || profiled) grid.world_comm.wait(grid.world_comm.barrier());  // the ranks start together
+        if (profiled) profile_begin(on_gpu);
         double t0 = now_seconds();
         parallel.dpr->zero_grad();
         model.moe.reset_statistics();
@@ -428,6 +433,7 @@ struct Trainer {
             spikes.record(r.loss, r.norm);
         }
         r.ms = (now_seconds() - t0) * 1000.0;
+        if (profiled) profiler().end_step();
         return r;
     }
 
@@ -456,38 +462,48 @@ struct Trainer {
             }
         }
         if (first && grid.cp > 1) report_cp_balance(r.ms);
-        if (pipeline.tracing) report_pipeline();
+        if (pipeline.timing) report_pipeline();
+        if (step == profiled_step) report_profile();
+    }
+
+    // what the formulas of llmc/plan.h say this rank sends in a step on each group; ep's at the step's routing (the
+    // rows it sent to or took from other ranks)
+    BytesSent planned_sent() const {
+        Device dev = device_of<floatX>;
+        return BytesSent{planned_comm_bytes(config, par, dev), planned_tp_comm_bytes(config, par, o.B, o.T, dev),
+                         planned_cp_comm_bytes(config, par, o.B, o.T, dev), planned_pp_comm_bytes(config, par, o.B, o.T, dev),
+                         grid.ep > 1 ? ep_bytes_sent(model.moe.rows_crossing, model.moe.count_exchanges, config, grid.ep, dev)
+                                     : 0.0};
     }
 
     // after the first step: what rank 0 sent and the memory in use, beside what the formulas and the plan say
     void report_against_plan(const BytesSent& sent) {
+        BytesSent planned = planned_sent();
         if (grid.dp_cp().size > 1)
             printf("comm: rank 0 sent %.0f bytes on dp in this step; the formula for ZeRO-%d says %.0f\n", sent.dp, o.zero,
-                   planned_comm_bytes(config, par, device_of<floatX>));
+                   planned.dp);
         if (on_gpu)
             printf("memory: planned %.1f MiB, measured %.1f MiB (device memory in use after the first step, "
                    "cudaMemGetInfo)\n", (plan_memory(config, o.B, o.T, omp_get_max_threads(), par, Device::CUDA).total() +
                    CUBLASLT_WORKSPACE_BYTES) / 1048576.0, (gpu_memory_used() - gpu_baseline) / 1048576.0);
         if (grid.tp > 1)
             printf("comm: rank 0 sent %.0f bytes on tp in this step; the formula for tp=%d sp=%d says %.0f\n", sent.tp,
-                   grid.tp, o.sp, planned_tp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+                   grid.tp, o.sp, planned.tp);
         if (grid.cp > 1)
             printf("comm: rank 0 sent %.0f bytes on cp in this step; the formula for cp=%d says %.0f\n", sent.cp, grid.cp,
-                   planned_cp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+                   planned.cp);
         if (grid.pp > 1)
             printf("comm: rank 0 sent %.0f bytes on pp in this step; the formula for pp=%d vpp=%d says %.0f\n", sent.pp,
-                   grid.pp, o.vpp, planned_pp_comm_bytes(config, par, o.B, o.T, device_of<floatX>));
+                   grid.pp, o.vpp, planned.pp);
         if (grid.ep > 1)
             printf("comm: rank 0 sent %.0f bytes on ep in this step; the formula for ep=%d (4 all-to-alls per layer of "
                    "the %ld rows it routed to or took from other ranks, and the counts) says %.0f\n", sent.ep, grid.ep,
-                   model.moe.rows_crossing,
-                   ep_bytes_sent(model.moe.rows_crossing, model.moe.count_exchanges, config, grid.ep, device_of<floatX>));
+                   model.moe.rows_crossing, planned.ep);
     }
 
-    // after the first step: the pipeline's idle time against its schedule's formula, and the trace (collectives
-    // of the pp group and of the world)
+    // after the first step: the pipeline's idle time against its schedule's formula (a collective of the pp group)
     void report_pipeline() {
-        double mine[2] = {pipeline.trace.empty() ? 0.0 : pipeline.trace.back().end, pipeline.busy};
+        double mine[2] = {pipeline.span, pipeline.busy};
         std::vector<double> all(2 * grid.pp);
         grid.pp_comm.wait(grid.pp_comm.all_gather(mine, all.data(), 2, DType::F64));
         double span = 0.0, busy = 0.0;
@@ -496,7 +512,28 @@ struct Trainer {
             printf("pp: bubble %.3f measured (idle over compute time, mean of the %d stages: %.1f ms of %.1f ms "
                    "busy); the %s formula says %.3f\n", (span - busy) / busy, grid.pp, busy * 1e3, span * 1e3,
                    o.pp_schedule.c_str(), pp_bubble_formula(pp.kind, grid.pp, accumulation, o.vpp));
-        if (!o.trace.empty()) write_pp_trace(o.trace, grid.world_comm, pipeline.trace, pp, o.pp_schedule);
+    }
+
+    // after the profiled step: what it measured beside the plan and the step model's prediction, and the trace
+    // (collectives of the world)
+    void report_profile() {
+        MeasuredStep measured = measure_step(profiler());
+        BytesSent planned = planned_sent();
+        ProfileSetting s{profiled_step + 1, on_gpu ? "cuda" : "cpu", layout.describe(), {}, nullptr, "", profile_kernels(),
+                         {planned.dp, planned.tp, planned.cp, planned.pp, planned.ep}};
+        ParallelPlan stage = par;
+        stage.pp.rank = grid.at.pp;
+        MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), stage, device_of<floatX>);
+        std::copy(plan.bytes, plan.bytes + MEM_CATEGORIES, s.planned);
+        HardwareProfile hw;
+        StepTime predicted;
+        if (plan_hardware(o, device_of<floatX>, hw, s.hardware)) {
+            predicted = predict_step(config, o.B, o.T, par, device_of<floatX>, hw, devices_per_node(o, hw));
+            s.predicted = &predicted;
+        }
+        if (!o.profile.empty()) write_profile(o.profile, grid.world_comm, measured, s);
+        std::string label = strfmt("rank %d", grid.rank) + (pp.on() ? " (" + stage_names(pp) + ")" : "");
+        if (!o.trace.empty()) write_trace(o.trace, grid.world_comm, measured, label, pp.on() ? o.pp_schedule : "");
     }
 
     // after the first step, the attention work of each rank of rank 0's cp group and its step time: equal work
@@ -620,6 +657,7 @@ static void open_out_dir(const Options& o, RunLock& lock) {
 // there (open_out_dir, and the checkpoints that fail verification) may come before it.
 static int run(const Options& o) {
     if (!o.convert.empty()) return convert_model(o);
+    if (!o.from_profile.empty()) return calibrate_from_profile(o);
     Device dev = pick_device(o);
     if (o.attention == "wgmma" && dev == Device::CPU)
         fail("--attention wgmma: a GPU kernel; the cpu device has its own attention (use --device cuda)");
@@ -662,9 +700,10 @@ static int run(const Options& o) {
     if (!o.plan && !resume_dir.empty())
         check_resume_from(inputs, run_layout(o, world, dp, total_batch, bucket_floats, dev), resume_dir);
     if (o.plan) return print_plan(o, config, device_line(dev, true, attention), dev, world, accumulation), 0;
-    if (!o.trace.empty() && detect_launch().rank == 0) {
-        FILE* f = fopen(o.trace.c_str(), "w");  // refused now rather than after the first step
-        if (!f) fail("--trace %s: cannot write (%s)", o.trace.c_str(), strerror(errno));
+    for (auto [flag, path] : {std::make_pair("--profile", o.profile), std::make_pair("--trace", o.trace)}) {
+        if (path.empty() || detect_launch().rank != 0) continue;
+        FILE* f = fopen(path.c_str(), "w");  // refused now rather than after the profiled step
+        if (!f) fail("%s %s: cannot write (%s)", flag, path.c_str(), strerror(errno));
         fclose(f);
     }
     RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats,

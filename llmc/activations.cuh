@@ -186,6 +186,24 @@ inline size_t kept_per_layer(const ActivationBuffer& s, int recompute) {
     return s.recomputed && recompute >= s.recomputed ? 0 : s.count;
 }
 
+// the bytes a layer's forward stores for its backward in a slot (what -r does not recompute), and what a
+// micro-batch stores around the layers: the embeddings' output, and the head's buffers on the last stage; the
+// profiler's live activations (llmc/profile.h) rise and fall by these
+template <typename floatX>
+inline size_t stored_layer_bytes(const LocalDims& d, bool split, int recompute) {
+    Activations<floatX> sizing{};
+    size_t bytes = 0;
+    for (const ActivationBuffer& s : layer_buffers(sizing, d, split)) bytes += kept_per_layer(s, recompute) * s.element;
+    return bytes;
+}
+template <typename floatX>
+inline size_t stored_edge_bytes(const LocalDims& d, bool head, int tp) {
+    Activations<floatX> sizing{};
+    size_t bytes = 0;
+    for (const ActivationBuffer& s : edge_buffers(sizing, d, head, tp)) bytes += s.count * s.element;
+    return bytes;
+}
+
 // the buffer whose size the shared buffer of recomputation level `level` takes: the level's largest (null: none)
 inline const ActivationBuffer* largest_recomputed(const std::vector<ActivationBuffer>& per_layer, int level) {
     const ActivationBuffer* largest = nullptr;

@@ -5,12 +5,15 @@
 
 #include <cmath>
 
+#include "llmc/profile.h"
+
 struct AdamWConfig {
     float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
 };
 
 inline void adamw_update(float* params, const float* grads, float* m, float* v, long n, float lr, float weight_decay,
                          float grad_scale, int t, AdamWConfig cfg = {}) {
+    ProfileScope op("adamw", OpKind::Optimizer);
     float m_correction = 1.0f - powf(cfg.beta1, (float)t);
     float v_correction = 1.0f - powf(cfg.beta2, (float)t);
 #pragma omp parallel for
@@ -100,10 +103,12 @@ inline void adamw_update_cuda(bf16* params, float* master, const bf16* grads, fl
 
 inline void adamw_update(float* params, float*, const float* grads, float* m, float* v, long n, float lr,
                          float weight_decay, float grad_scale, int t, uint64_t, long) {
+    ProfileScope op("adamw", OpKind::Optimizer);
     adamw_update(params, grads, m, v, n, lr, weight_decay, grad_scale, t);
 }
 inline void adamw_update(bf16* params, float* master, const bf16* grads, float* m, float* v, long n, float lr,
                          float weight_decay, float grad_scale, int t, uint64_t seed, long global_offset) {
+    ProfileScope op("adamw", OpKind::Optimizer);
     adamw_update_cuda(params, master, grads, m, v, n, lr, weight_decay, grad_scale, t, seed, global_offset, AdamWConfig{},
                       main_stream());
 }

@@ -16,6 +16,13 @@
 // Every rank measures at once, as the ranks of a run compute at once; rank 0's figures are written. The rest
 // (memory, peak, per-node devices, overlap, the other link) come from the base profile. calibrate() is the
 // command train_gpt runs for the flag: it measures and writes the profile file, and trains nothing.
+//
+// With --from-profile P (a --profile file, llmc/profile_report.h) it measures nothing: it fits the profile P's
+// prediction was priced with to what P measured, one ratio per kind of rate: the compute rates (matmuls,
+// attention, the transcendental kernels) by predicted over measured compute, memory_gbps by the optimizer's
+// (AdamW and the norm stream memory), the node's link by the communication's exposed time (dp, tp, cp and ep
+// together: a profile of one node's run, whose groups cross no other link). One pass, not a solve: the element-wise
+// kernels inside compute are priced at memory_gbps, so the fitted compute moves a little with the memory rate.
 #pragma once
 
 #include <omp.h>
@@ -33,6 +40,7 @@
 #include "llmc/fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/hardware.h"
+#include "llmc/json.h"
 #include "llmc/ledger.h"
 #include "llmc/matmul.cuh"
 #include "llmc/options.h"
@@ -199,6 +207,60 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
     return h;
 }
 
+// the profile's text written under a temporary name and renamed into place, so that a failed run leaves no half
+// file, and printed
+inline void write_calibrated(const std::string& path, const std::string& text) {
+    std::string tmp = path + ".tmp";
+    File f(tmp, "w");
+    f.write(text.data(), text.size());
+    f.close();
+    if (rename(tmp.c_str(), path.c_str()) != 0)
+        fail("--calibrate %s: cannot rename %s into place (%s)", path.c_str(), tmp.c_str(), strerror(errno));
+    printf("%s", text.c_str());
+}
+
+// the ratios --from-profile scales a profile's rates by: predicted over measured, 1 where either is none
+struct ProfileFit {
+    double compute = 1.0, memory = 1.0, link = 1.0;
+};
+inline ProfileFit profile_fit(const JsonValue& measured, const JsonValue& predicted) {
+    auto ratio = [](double p, double m) { return p > 0.0 && m > 0.0 ? p / m : 1.0; };
+    double comm_p = 0.0, comm_m = 0.0;
+    for (const char* kind : {"dp", "tp", "cp", "ep"})
+        comm_p += predicted.at(kind).as_double(), comm_m += measured.at(kind).as_double();
+    return {ratio(predicted.at("compute").as_double(), measured.at("compute").as_double()),
+            ratio(predicted.at("optimizer").as_double(), measured.at("optimizer").as_double()), ratio(comm_p, comm_m)};
+}
+inline HardwareProfile fitted_hardware(HardwareProfile h, const ProfileFit& fit) {
+    for (HardwareProfile::Points* points : {&h.matmul_tflops, &h.fp8_matmul_tflops, &h.fp8_blockwise_matmul_tflops,
+                                            &h.mxfp8_matmul_tflops})
+        for (auto& point : *points) point.second *= fit.compute;
+    h.attention_tflops *= fit.compute;
+    h.transcendental_gbps *= fit.compute;
+    h.memory_gbps *= fit.memory;
+    h.intra_gbps *= fit.link;
+    return h;
+}
+
+// --calibrate FILE --from-profile P: the profile P was predicted with (--hardware's, else the one P names), fitted to
+// what P measured, written to FILE
+inline int calibrate_from_profile(const Options& o) {
+    JsonDoc doc = JsonDoc::from_file(o.from_profile);
+    const JsonValue& components = doc.root.at("components");
+    if (components.at("predicted").is_null())
+        fail("--from-profile %s: holds no prediction (its run found no hardware profile: give it --hardware FILE)",
+             o.from_profile.c_str());
+    std::string base_path = !o.hardware.empty() ? o.hardware : components.at("hardware").as_string();
+    HardwareProfile base = load_hardware(base_path);
+    ProfileFit fit = profile_fit(components.at("measured"), components.at("predicted"));
+    HardwareProfile h = fitted_hardware(base, fit);
+    h.name = base.name.substr(0, base.name.find(" (fitted to ")) + " (fitted to " + o.from_profile + ")";
+    write_calibrated(o.calibrate, strfmt("# fitted by train_gpt --calibrate --from-profile %s to %s: compute rates x%.4f, "
+                                         "memory x%.4f, the node's link x%.4f\n", o.from_profile.c_str(),
+                                         base_path.c_str(), fit.compute, fit.memory, fit.link) + format_hardware(h));
+    return 0;
+}
+
 // --calibrate FILE: this machine's hardware profile, measured (calibrate_hardware) on top of the --hardware
 // profile's figures, the GPU's attention on the kernels --attention chose (`attention`); rank 0 writes it under a
 // temporary name and renames it, so a failed run leaves no half file
@@ -228,13 +290,6 @@ inline int calibrate(const Options& o, Device dev, const CommSettings& comm, Att
     // a profile calibrated before names the host it was measured on: the new measurement replaces that note
     std::string name = base.name.substr(0, base.name.find(" (calibrated on "));
     h.name = name + strfmt(" (calibrated on %s, %d rank%s)", host, world.size, world.size == 1 ? "" : "s");
-    std::string text = "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h);
-    std::string tmp = o.calibrate + ".tmp";
-    File f(tmp, "w");
-    f.write(text.data(), text.size());
-    f.close();
-    if (rename(tmp.c_str(), o.calibrate.c_str()) != 0)
-        fail("--calibrate %s: cannot rename %s into place (%s)", o.calibrate.c_str(), tmp.c_str(), strerror(errno));
-    printf("%s", text.c_str());
+    write_calibrated(o.calibrate, "# measured by train_gpt --calibrate from " + base_path + "\n" + format_hardware(h));
     return 0;
 }

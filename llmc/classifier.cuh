@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "llmc/device.cuh"
+#include "llmc/profile.h"
 
 // the log of Σ exp over the first V entries, computed around the row's maximum for stability
 inline float logsumexp_row(const float* row, int V) {
@@ -27,6 +28,7 @@ inline float mean_loss(const float* losses, long N) {
 // (the CPU needs none).
 inline float crossentropy_forward(float* losses, const float* logits, const int* targets, long N, int V, int Vp,
                                   Workspace) {
+    ProfileScope op("cross-entropy");
 #pragma omp parallel for
     for (long n = 0; n < N; n++) {
         const float* row = logits + n * Vp;
@@ -39,6 +41,7 @@ inline float crossentropy_forward(float* losses, const float* logits, const int*
 // loss (1 / number of tokens averaged over); losses (may be null) receives the forward's losses from the same pass
 inline void crossentropy_backward_inplace(float* logits, float* losses, const int* targets, long N, int V, int Vp,
                                           float dloss) {
+    ProfileScope op("cross-entropy");
 #pragma omp parallel for
     for (long n = 0; n < N; n++) {
         float* row = logits + n * Vp;
@@ -54,6 +57,7 @@ inline void crossentropy_backward_inplace(float* logits, float* losses, const in
 // overwritten with their gradient as crossentropy_backward_inplace's
 inline float crossentropy_fused(float* losses, float* logits, const int* targets, long N, int V, int Vp, float dloss,
                                 Workspace) {
+    ProfileScope op("cross-entropy");
     crossentropy_backward_inplace(logits, losses, targets, N, V, Vp, dloss);
     return mean_loss(losses, N);
 }
@@ -191,17 +195,20 @@ inline float mean_loss_from_device(const float* losses, long N, Workspace worksp
 }
 inline float crossentropy_forward(float* losses, const bf16* logits, const int* targets, long N, int V, int Vp,
                                   Workspace workspace) {
+    ProfileScope op("cross-entropy");
     crossentropy_forward_cuda(losses, logits, targets, N, V, Vp, main_stream());
     return mean_loss_from_device(losses, N, workspace);
 }
 inline void crossentropy_backward_inplace(bf16* logits, float* losses, const int* targets, long N, int V, int Vp,
                                           float dloss) {
+    ProfileScope op("cross-entropy");
     crossentropy_backward_inplace_cuda(logits, losses, targets, N, V, Vp, dloss, main_stream());
 }
 // training's forward and backward in one pass (as llm.c's fused classifier): the losses and their mean as the
 // forward's, the logits overwritten with their gradient as the backward's; the row is read once and written once
 inline float crossentropy_fused(float* losses, bf16* logits, const int* targets, long N, int V, int Vp, float dloss,
                                 Workspace workspace) {
+    ProfileScope op("cross-entropy");
     crossentropy_backward_inplace_cuda(logits, losses, targets, N, V, Vp, dloss, main_stream());
     return mean_loss_from_device(losses, N, workspace);
 }
@@ -214,6 +221,7 @@ inline float crossentropy_fused(float* losses, bf16* logits, const int* targets,
 // Per row of this rank's logits (BT×Vl, `real` columns of real tokens), stats[3i..3i+2] = the max, Σ exp(x -
 // max) and the target logit (0 where another rank holds the target; max -inf and sum 0 with no real column)
 inline void vocab_row_stats(float* stats, const float* logits, const int* targets, long BT, int Vl, int real, long vlo) {
+    ProfileScope op("cross-entropy");
 #pragma omp parallel for
     for (long i = 0; i < BT; i++) {
         const float* x = logits + i * Vl;
@@ -252,6 +260,7 @@ static __global__ void vocab_row_stats_kernel(float* stats, const bf16* logits, 
     }
 }
 inline void vocab_row_stats(float* stats, const bf16* logits, const int* targets, long BT, int Vl, int real, long vlo) {
+    ProfileScope op("cross-entropy");
     vocab_row_stats_kernel<<<(unsigned int)BT, 256, 0, main_stream()>>>(stats, logits, targets, Vl, real, vlo);
     cuda_check(cudaGetLastError());
 }
@@ -294,6 +303,7 @@ inline float combine_rows(float* losses, float* lse, const float* all, long BT, 
 // logits (BT×Vl, global column vlo + j) become (softmax - onehot)·dloss on real columns, 0 on padding
 inline void vocab_crossentropy_grad(float* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
                                     float dloss) {
+    ProfileScope op("cross-entropy");
 #pragma omp parallel for
     for (long i = 0; i < BT; i++) {
         float* x = logits + i * Vl;
@@ -313,5 +323,6 @@ static __global__ void vocab_crossentropy_grad_kernel(bf16* logits, const float*
 }
 inline void vocab_crossentropy_grad(bf16* logits, const float* lse, const int* targets, long BT, int V, int Vl, long vlo,
                                     float dloss) {
+    ProfileScope op("cross-entropy");
     launch_elementwise(vocab_crossentropy_grad_kernel, BT * Vl, logits, lse, targets, BT, V, Vl, vlo, dloss);
 }

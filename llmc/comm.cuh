@@ -38,6 +38,7 @@
 #include <mpi.h>
 #endif
 
+#include "llmc/profile.h"
 #include "llmc/utils.h"
 
 // U8: raw bytes (FP8 codes), gathered and sent, never summed
@@ -101,6 +102,7 @@ struct CommRequest {
     uint64_t seq = 0;
     int peer = -1;  // send and recv: the rank of the group at the other end
     bool pending = false;
+    double started = 0.0;  // when it started, in a step the profiler records (llmc/profile.h); else 0
 #ifdef LLM5D_MPI
     MPI_Request mpi = MPI_REQUEST_NULL;
 #endif
@@ -135,6 +137,10 @@ struct Comm {
         r.seq = ++seq;
         r.pending = true;
         bytes_sent += ring_factor * (double)bytes;
+        if (profiler().on) {
+            profiler().count_comm(name + " " + op, group_kind(name), ring_factor * (double)bytes);
+            r.started = now_seconds();
+        }
         return r;
     }
     double ring(double k) const { return size > 1 ? k * (size - 1) / size : 0.0; }
@@ -384,12 +390,19 @@ struct Comm {
         if (finished) {
             if (r.device_recv) copy(r.device_recv, r.host_recv.data(), r.host_recv.size());
             r.pending = false;
+            // how long it was in flight, where the host sees it finish (not for a GPU's wait on NCCL)
+            if (r.started > 0.0 && profiler().on) profiler().comm_finished(group_kind(name), now_seconds() - r.started);
         }
         return finished;
     }
 
-    // blocks until r has finished, or aborts the job once the deadline passes
-    void wait(CommRequest& r) { wait_until(r, now_seconds() + timeout_s); }
+    // blocks until r has finished, or aborts the job once the deadline passes; in a profiled step the time
+    // blocked is the op's exposed time
+    void wait(CommRequest& r) {
+        ProfileScope exposed;
+        if (profiler().on) exposed.event = profiler().begin(name + " " + r.op, group_kind(name), op_kind_name(group_kind(name)));
+        wait_until(r, now_seconds() + timeout_s);
+    }
     void wait(CommRequest&& r) { wait(r); }
 
     void wait_until(CommRequest& r, double deadline) {

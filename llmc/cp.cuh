@@ -47,6 +47,7 @@
 #include "llmc/comm.cuh"
 #include "llmc/device.cuh"
 #include "llmc/ledger.h"
+#include "llmc/profile.h"
 #include "llmc/tp.cuh"
 #include "llmc/utils.h"
 
@@ -354,12 +355,14 @@ struct ContextParallel {
     // global log-sum-exps (B, NH, Tl)); rows, workspace and kernels as llmc/attention.cuh's entry points take them
     void attention_forward(floatX* out, float* state, const floatX* qkv, int B, int Tl, int C, int NH, int KV,
                            AttentionKernels kernels) {
+        ProfileScope op("attention forward");
         if (!on()) return ::attention_forward(out, state, qkv, B, Tl, C, NH, KV, kernels);
         ring_attention_forward(out, state, qkv, B, RingHeads{C, NH, KV}, layout, *comm, ring, kernels);
     }
     void attention_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* state,
                             int B, int Tl, int C, int NH, int KV, float* rows, Workspace workspace,
                             AttentionKernels kernels) {
+        ProfileScope op("attention backward");
         if (!on()) return ::attention_backward(dqkv, dout, qkv, out, state, B, Tl, C, NH, KV, rows, workspace, kernels);
         ring_attention_backward(dqkv, dout, qkv, out, state, B, RingHeads{C, NH, KV}, layout, *comm, ring, kernels);
     }

@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "llmc/device.cuh"
+#include "llmc/profile.h"
 
 inline void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C) {
+    ProfileScope op("embedding forward");
 #pragma omp parallel for collapse(2)
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
@@ -33,6 +35,7 @@ inline void encoder_forward(float* out, const int* tokens, const float* wte, con
 // dwpe += dout's rows (R rows from token row `first`) at their positions: each position's rows summed in row
 // order, then added once
 inline void position_grads(float* dwpe, const float* dout, long R, long first, int T, int C) {
+    ProfileScope op("embedding backward");
 #pragma omp parallel
     {
         std::vector<float> sum(C);
@@ -49,6 +52,7 @@ inline void position_grads(float* dwpe, const float* dout, long R, long first, i
 // dwte (the Vl vocab rows from vlo) += d's rows whose token it holds: each token's rows summed in row order,
 // then added once
 inline void masked_embedding_grads(float* dwte, const float* d, const int* tokens, long n, int C, long vlo, int Vl) {
+    ProfileScope op("embedding backward");
     // the rows of each token held here, in row order: a counting sort by token
     auto held = [&](long i) {
         long v = tokens[i] - vlo;
@@ -80,6 +84,7 @@ inline void masked_embedding_grads(float* dwte, const float* d, const int* token
 // (the CPU needs none). Without a position table (wpe and dwpe null) the output is the token's row alone.
 inline void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C, int V,
                              Workspace) {
+    ProfileScope op("embedding backward");
     masked_embedding_grads(dwte, dout, tokens, (long)B * T, C, 0, V);
     if (dwpe) position_grads(dwpe, dout, (long)B * T, 0, T, C);
 }
@@ -312,10 +317,12 @@ inline void encoder_backward_cuda(bf16* dwte, bf16* dwpe, const bf16* dout, cons
 // the model's entry points on the GPU: the CPU functions' arguments, bf16 storage, tokens in device memory
 
 inline void encoder_forward(bf16* out, const int* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C) {
+    ProfileScope op("embedding forward");
     encoder_forward_cuda(out, tokens, wte, wpe, B, T, C, main_stream());
 }
 inline void encoder_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int* tokens, int B, int T, int C, int V,
                              Workspace workspace) {
+    ProfileScope op("embedding backward");
     size_t floats = (encoder_backward_scratch_bytes(B, T, V) + sizeof(float) - 1) / sizeof(float);
     encoder_backward_cuda(dwte, dwpe, dout, tokens, B, T, C, V, workspace.take(floats, "encoder_backward"),
                           main_stream());
@@ -334,6 +341,7 @@ static __global__ void position_grads_kernel(bf16* dwpe, const bf16* dout, long 
     }
 }
 inline void position_grads(bf16* dwpe, const bf16* dout, long R, long first, int T, int C) {
+    ProfileScope op("embedding backward");
     launch_elementwise(position_grads_kernel, (long)T * C, dwpe, dout, R, first, T, C);
 }
 
@@ -359,6 +367,7 @@ static __global__ void masked_embedding_grads_kernel(bf16* dwte, const bf16* d, 
     }
 }
 inline void masked_embedding_grads(bf16* dwte, const bf16* d, const int* tokens, long BT, int C, long vlo, int Vl) {
+    ProfileScope op("embedding backward");
     dim3 grid(cuda_blocks(Vl, VOCAB_TILE_ROWS), cuda_blocks(C, VOCAB_TILE_CHANNELS));
     masked_embedding_grads_kernel<<<grid, VOCAB_TILE_CHANNELS, 0, main_stream()>>>(dwte, d, tokens, BT, C, vlo, Vl);
     cuda_check(cudaGetLastError());
@@ -371,6 +380,7 @@ inline void masked_embedding_grads(bf16* dwte, const bf16* d, const int* tokens,
 
 // out[i] = wte row (tokens[i] - vlo) when this rank holds it (rows [0, Vl)), else zeros
 inline void masked_lookup(float* out, const int* tokens, const float* wte, long BT, int C, long vlo, int Vl) {
+    ProfileScope op("embedding forward");
 #pragma omp parallel for
     for (long i = 0; i < BT; i++) {
         long row = tokens[i] - vlo;
@@ -386,11 +396,13 @@ static __global__ void masked_lookup_kernel(bf16* out, const int* tokens, const 
     }
 }
 inline void masked_lookup(bf16* out, const int* tokens, const bf16* wte, long BT, int C, long vlo, int Vl) {
+    ProfileScope op("embedding forward");
     launch_elementwise(masked_lookup_kernel, BT * C, out, tokens, wte, BT, C, vlo, Vl);
 }
 
 // out (R rows from token row `first`) = sum + wpe at each row's position; sum may be out
 inline void add_positions(float* out, const float* sum, const float* wpe, long R, long first, int T, int C) {
+    ProfileScope op("embedding forward");
 #pragma omp parallel for
     for (long r = 0; r < R; r++)
         for (int c = 0; c < C; c++) out[r * C + c] = sum[r * C + c] + wpe[((first + r) % T) * C + c];
@@ -403,5 +415,6 @@ static __global__ void add_positions_kernel(bf16* out, const bf16* sum, const bf
     }
 }
 inline void add_positions(bf16* out, const bf16* sum, const bf16* wpe, long R, long first, int T, int C) {
+    ProfileScope op("embedding forward");
     launch_elementwise(add_positions_kernel, R * C, out, sum, wpe, R, first, T, C);
 }

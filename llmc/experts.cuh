@@ -30,6 +30,7 @@
 #include "llmc/gelu.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/mlp.cuh"
+#include "llmc/profile.h"
 #include "llmc/swiglu.cuh"
 
 // expert x's tensors among the stacked ones (null where they are)
@@ -161,6 +162,7 @@ inline ExpertsFirst experts_upload(const std::vector<int>& first, std::vector<Ex
 // next on) or where a matrix is not 16-byte aligned (cuBLAS wants bf16 matrices so, or as aligned as their rows).
 template <typename floatX>
 inline void experts_gemm(const ExpertsGemm& e) {
+    ProfileScope op("experts matmul");
     int G = (int)e.m.size();
     if (G == 0) return;
     if constexpr (device_of<floatX> != Device::CUDA) {
@@ -214,6 +216,7 @@ inline void experts_gemm(const ExpertsGemm& e) {
 
 // y[r, :] += bias[expert of r, :] (bias null: y as it is), then act = GELU(y) where act is not null
 inline void experts_bias_gelu(float* y, float* act, const float* bias, const ExpertsFirst& f, long width) {
+    ProfileScope op("gelu forward");
     const std::vector<int>& first = f.host;
     if (bias)
         for (int x = 0; x < f.X(); x++)
@@ -247,6 +250,7 @@ static __global__ void experts_bias_gelu_kernel(bf16* y, bf16* act, const bf16* 
     }
 }
 inline void experts_bias_gelu(bf16* y, bf16* act, const bf16* bias, const ExpertsFirst& f, long width) {
+    ProfileScope op("gelu forward");
     long rows = f.rows();
     if (rows == 0 || (!bias && !act)) return;
     int threads = (int)std::min<long>(256, (width + 31) / 32 * 32);
@@ -257,6 +261,7 @@ inline void experts_bias_gelu(bf16* y, bf16* act, const bf16* bias, const Expert
 
 // dbias[x, :] += the column sums of expert x's rows of d (an expert without rows adds nothing); null: none
 inline void experts_dbias(float* dbias, const float* d, const ExpertsFirst& f, long width) {
+    ProfileScope op("matmul backward");
     if (!dbias) return;
     const std::vector<int>& first = f.host;
     for (int x = 0; x < f.X(); x++)
@@ -292,6 +297,7 @@ static __global__ void __launch_bounds__(32 * EXPERTS_DBIAS_WARPS)
     *out = __float2bfloat16(__bfloat162float(*out) + s);
 }
 inline void experts_dbias(bf16* dbias, const bf16* d, const ExpertsFirst& f, long width) {
+    ProfileScope op("matmul backward");
     if (!dbias || f.X() == 0) return;
     dim3 grid(cuda_blocks(width, EXPERTS_DBIAS_COLUMNS), f.X());
     experts_dbias_kernel<<<grid, 32 * EXPERTS_DBIAS_WARPS, 0, main_stream()>>>(dbias, d, f.device, width);

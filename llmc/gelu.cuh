@@ -3,9 +3,12 @@
 
 #include <cmath>
 
+#include "llmc/profile.h"
+
 constexpr float GELU_SCALE = 0.7978845608028654f;  // sqrt(2/pi)
 
 inline void gelu_forward(float* out, const float* inp, long N) {
+    ProfileScope op("gelu forward");
 #pragma omp parallel for
     for (long i = 0; i < N; i++) {
         float x = inp[i];
@@ -15,6 +18,7 @@ inline void gelu_forward(float* out, const float* inp, long N) {
 
 // dinp = dout * gelu'(inp), overwritten; dinp may alias dout
 inline void gelu_backward(float* dinp, const float* inp, const float* dout, long N) {
+    ProfileScope op("gelu backward");
 #pragma omp parallel for
     for (long i = 0; i < N; i++) {
         float x = inp[i];
@@ -95,7 +99,11 @@ inline void gelu_backward_cuda(bf16* dinp, const bf16* inp, const bf16* dout, lo
 
 #include "llmc/device.cuh"
 
-inline void gelu_forward(bf16* out, const bf16* inp, long N) { gelu_forward_cuda(out, inp, N, main_stream()); }
+inline void gelu_forward(bf16* out, const bf16* inp, long N) {
+    ProfileScope op("gelu forward");
+    gelu_forward_cuda(out, inp, N, main_stream());
+}
 inline void gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, long N) {
+    ProfileScope op("gelu backward");
     gelu_backward_cuda(dinp, inp, dout, N, main_stream());
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "llmc/device.cuh"
+#include "llmc/profile.h"
 
 // (offset, count) ranges of one buffer, in order
 using BufferRanges = std::vector<std::pair<long, long>>;
@@ -47,6 +48,7 @@ inline double sum_of_squares(const float* x, long n) { return sum_of_squares(x, 
 // ... and over spans of a gradient buffer, each summed on its own, added in span order in double (a ZeRO rank's
 // pieces, llmc/zero.cuh): the same sums on every rank and stage
 inline double sum_of_squares_spans(const Spans<float>& spans, Workspace) {
+    ProfileScope op("gradient norm", OpKind::Optimizer);
     double total = 0.0;
     for (const auto& [x, n] : spans) total += sum_of_squares(x, n);
     return total;
@@ -125,6 +127,7 @@ inline void sum_of_squares_cuda_any_offset(float* out, const bf16* x, long n, fl
 // step's one read of the gradient norm) and added in order in double. The workspace holds the partial sums; the
 // spans' floats are stream-ordered memory of their own, as there may be many.
 inline double sum_of_squares_spans(const Spans<bf16>& spans, Workspace workspace) {
+    ProfileScope op("gradient norm", OpKind::Optimizer);
     if (spans.empty()) return 0.0;
     float* partial = workspace.take(GLOBAL_NORM_BLOCKS, "sum_of_squares");
     float* each;

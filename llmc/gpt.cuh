@@ -84,6 +84,9 @@ struct GPTModel {
     int recompute = RECOMPUTE_NONE;
     bool split_backward = false;  // backward leaves the matmuls' weight gradients to gpt_weight_grads_chunk()
     std::vector<MicroBatchSlot<floatX>> slots;  // one per micro-batch in flight (one without pipelining)
+    // what a micro-batch's forward stores in its slot until backward releases it, in bytes: the input, each
+    // layer's activations, the head's (the profiler's live activations: llmc/profile.h)
+    size_t stored_input = 0, stored_per_layer = 0, stored_head = 0;
     void* recomputed[RECOMPUTE_NORMS + 1] = {};  // the buffer of each -r level, shared by every layer and slot
     Scratch<floatX> scratch{};
     Workspace workspace;  // the kernels' fp32 workspace (llmc/device.cuh): scratch.gemm with the count allocated
@@ -247,6 +250,9 @@ inline void gpt_allocate(GPTModel<floatX>& m, const GPTConfig& config, int B, in
     LocalDims d = local_dims(config, tp, B, T, layout.cp.size, layout.ep, layout.capacity);
     m.cp.spec = layout.cp;
     m.cp.prepare(T, RingHeads{d.Cl, d.NHl, d.KVl});
+    m.stored_input = stored_edge_bytes<floatX>(d, false, tp.size);
+    m.stored_per_layer = stored_layer_bytes<floatX>(d, layout.split_backward, layout.recompute);
+    m.stored_head = part.last ? stored_edge_bytes<floatX>(d, true, tp.size) - m.stored_input : 0;
 
     BufferList buffers = gpt_buffers(m, config, B, T, layout, omp_get_max_threads());
     m.ledger.template allocate<floatX>(buffers);
@@ -608,6 +614,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     NvtxRange pass("forward");
     auto [low_unit, high_unit] = chunk_units(part, chunk);
     if (m.store) m.store->begin_pass(false, low_unit, high_unit);
+    profile_store(m.stored_input);
 
     if (part.starts_model(chunk)) {  // GPT-2 adds its learned positions; Llama's RoPE turns q and k instead
         ParamViews<floatX> emb = unit_params(m, embedding_unit(Lp));
@@ -623,6 +630,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
         int layer_index = part.model_layer(lo + i);
         MoERoute* route = c.sparse_layer(layer_index) ? &mb.routes[i] : nullptr;
         layer_forward(m, layer_dims(d, c, layer_index), B, la, in, w, route, layer_index);
+        profile_store(m.stored_per_layer);
     }
     Activations<floatX> last = layer_slice(a, n - 1, d, m.recompute, m.split_backward);
     if (!head) {
@@ -637,6 +645,7 @@ inline float gpt_forward_chunk(GPTModel<floatX>& m, int slot, int chunk, const i
     tp.gather_rows(a.lnf, BT, C);
     ParamViews<floatX> cls = unit_params(m, classifier_unit(c, Lp));
     matmul_forward(a.logits, a.lnf, cls[classifier_tensor(c)], (const floatX*)nullptr, BT, C, d.Vl, ws);
+    profile_store(m.stored_head);
     if (m.store) m.store->end_pass();
     if (!targets) return -1.0f;
     if (tp.on()) {
@@ -841,6 +850,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         int layer_index = part.model_layer(lo + i);
         MoERoute* route = c.sparse_layer(layer_index) ? &mb.routes[i] : nullptr;
         layer_backward(m, layer_dims(d, c, layer_index), B, la, residual, w, dw, route, dloss, layer_index);
+        if (!split) profile_release(m.stored_per_layer);  // a split backward's W step reads them still
         done(unit);
     }
     if (part.starts_model(chunk)) {
@@ -855,6 +865,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     // last stage its wte gradient, the classifier's, is complete by then too (empty on the middle stages)
     if (chunk == 0) done(embedding_unit(Lp));
     if (m.store) m.store->end_pass();
+    if (!split) profile_release(m.stored_input + (head ? m.stored_head : 0));
     return part.starts_model(chunk) ? nullptr : s.dresidual;
 }
 
@@ -904,10 +915,12 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
         matmul_backward(none, dw[ATTPROJW], dw[ATTPROJB], la.dattproj, la.atty, w[ATTPROJW], BT, d.Cl, C, ws, fp8);
         const floatX* ln1 = norm_rows_again(m, d, la.ln1, la.ln1_mean, la.ln1_rstd, residual, w[LN1W], w[LN1B]);
         matmul_backward(none, dw[QKVW], dw[QKVB], la.dqkv, ln1, w[QKVW], BT, C, d.QKVl, ws, fp8);
+        profile_release(m.stored_per_layer);
         done(unit);
     }
     if (chunk == 0) done(embedding_unit(Lp));
     if (m.store) m.store->end_pass();
+    profile_release(m.stored_input + (part.head(chunk) ? m.stored_head : 0));
 }
 
 // the backward of the whole model's last forward (a part that is the whole model)

@@ -11,6 +11,7 @@
 #include <cstdlib>
 
 #include "llmc/device.cuh"
+#include "llmc/profile.h"
 #include "llmc/utils.h"
 
 #if defined(__AVX512F__)
@@ -141,6 +142,7 @@ inline void gemm(long M, long N, long K, MatView a, MatView b, float* c, long ld
 // out[N×OC] = inp[N×C] · weight[OC×C]ᵀ + bias[OC] (bias may be null)
 inline void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, long N, long C,
                            long OC, Workspace workspace) {
+    ProfileScope op("matmul forward");
     if (bias) {
 #pragma omp parallel for
         for (long n = 0; n < N; n++) memcpy(out + n * OC, bias, OC * sizeof(float));
@@ -153,6 +155,7 @@ inline void matmul_forward(float* out, const float* inp, const float* weight, co
 // gradients later.
 inline void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, long N, long C, long OC, Workspace workspace) {
+    ProfileScope op("matmul backward");
     if (dinp) gemm(N, C, OC, MatView{dout, OC, 1}, MatView{weight, C, 1}, dinp, C, false, workspace.floats);
     if (dweight) gemm(OC, C, N, MatView{dout, 1, OC}, MatView{inp, C, 1}, dweight, C, true, workspace.floats);
     if (dbias) {
@@ -602,6 +605,7 @@ inline void matmul_backward_cuda(bf16* dinp, bf16* dweight, bf16* dbias, const b
 // pre_gelu = inp · Wᵀ + bias, out = GELU(pre_gelu)
 inline void matmul_gelu_forward(float* out, float* pre_gelu, const float* inp, const float* weight, const float* bias,
                                 long N, long C, long OC, Workspace workspace) {
+    ProfileScope op("matmul forward");
     matmul_forward(pre_gelu, inp, weight, bias, N, C, OC, workspace);
     gelu_forward(out, pre_gelu, N * OC);
 }
@@ -609,6 +613,7 @@ inline void matmul_gelu_forward(float* out, float* pre_gelu, const float* inp, c
 // dpre[N×C] ∘= GELU'(pre) (dpre holds the gradient of GELU's output), and dpre_bias[C] += the column sums of that
 // (may be null): GELU's backward with the bias gradient of the matmul whose output GELU took
 inline void gelu_backward_dbias(float* dpre, float* dpre_bias, const float* pre, long N, long C, Workspace workspace) {
+    ProfileScope op("gelu backward");
     gelu_backward(dpre, pre, dpre, N * C);
     if (dpre_bias) matmul_backward(nullptr, nullptr, dpre_bias, dpre, nullptr, nullptr, N, 0, C, workspace);
 }
@@ -620,25 +625,30 @@ inline void gelu_backward_dbias(float* dpre, float* dpre_bias, const float* pre,
 inline void gelu_matmul_backward(float* dpre, float* dweight, float* dbias, float* dpre_bias, const float* dout,
                                  const float* inp, const float* pre_gelu, const float* weight, long N, long C, long OC,
                                  Workspace workspace) {
+    ProfileScope op("matmul backward");
     matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, workspace);
     gelu_backward_dbias(dpre, dpre_bias, pre_gelu, N, C, workspace);
 }
 
 inline void matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, long N, long C, long OC,
                            Workspace) {
+    ProfileScope op("matmul forward");
     matmul_forward_cuda(out, inp, weight, bias, N, C, OC, nullptr, main_stream());
 }
 inline void matmul_gelu_forward(bf16* out, bf16* pre_gelu, const bf16* inp, const bf16* weight, const bf16* bias,
                                 long N, long C, long OC, Workspace) {
+    ProfileScope op("matmul forward");
     matmul_forward_cuda(out, inp, weight, bias, N, C, OC, pre_gelu, main_stream());
 }
 inline void matmul_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                             const bf16* weight, long N, long C, long OC, Workspace workspace) {
+    ProfileScope op("matmul backward");
     // the scratch holds the bias gradient: none without a bias (the classifier's 50304 columns)
     float* scratch = dbias ? workspace.take((size_t)matmul_backward_scratch_floats(N, OC), "matmul_backward") : nullptr;
     matmul_backward_cuda(dinp, dweight, dbias, dout, inp, weight, N, C, OC, scratch, main_stream());
 }
 inline void gelu_backward_dbias(bf16* dpre, bf16* dpre_bias, const bf16* pre, long N, long C, Workspace workspace) {
+    ProfileScope op("gelu backward");
     float* scratch =
         dpre_bias ? workspace.take((size_t)matmul_backward_scratch_floats(N, C), "gelu_backward_dbias") : nullptr;
     gelu_backward_dbias_cuda(dpre, dpre_bias, pre, dpre, N, C, scratch, main_stream());
@@ -646,6 +656,7 @@ inline void gelu_backward_dbias(bf16* dpre, bf16* dpre_bias, const bf16* pre, lo
 inline void gelu_matmul_backward(bf16* dpre, bf16* dweight, bf16* dbias, bf16* dpre_bias, const bf16* dout,
                                  const bf16* inp, const bf16* pre_gelu, const bf16* weight, long N, long C, long OC,
                                  Workspace workspace) {
+    ProfileScope op("matmul backward");
     long widest = dpre_bias ? std::max(OC, C) : OC;
     float* scratch = dbias || dpre_bias
                          ? workspace.take((size_t)matmul_backward_scratch_floats(N, widest), "gelu_matmul_backward")

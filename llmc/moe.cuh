@@ -63,6 +63,7 @@
 #include "llmc/matmul.cuh"
 #include "llmc/mlp.cuh"
 #include "llmc/model_table.h"
+#include "llmc/profile.h"
 #include "llmc/tp.cuh"
 
 // ----------------------------------------------------------------------------------------------------------
@@ -70,6 +71,7 @@
 
 // logits[t, e] = Σ_c x[t, c] · w[e, c]
 inline void router_forward(float* logits, const float* x, const float* w, long BT, int C, int E) {
+    ProfileScope op("router forward");
 #pragma omp parallel for
     for (long t = 0; t < BT; t++)
         for (int e = 0; e < E; e++) {
@@ -91,6 +93,7 @@ static __global__ void router_forward_kernel(float* logits, const bf16* x, const
     if (lane == 0) logits[pair] = sum;
 }
 inline void router_forward(float* logits, const bf16* x, const bf16* w, long BT, int C, int E) {
+    ProfileScope op("router forward");
     router_forward_kernel<<<cuda_blocks(BT * E * 32, 256), 256, 0, main_stream()>>>(logits, x, w, BT, C, E);
     cuda_check(cudaGetLastError());
 }
@@ -99,6 +102,7 @@ inline void router_forward(float* logits, const bf16* x, const bf16* w, long BT,
 // t in order
 inline void router_backward(float* dx, float* dw, const float* dlogits, const float* x, const float* w, long BT, int C,
                             int E) {
+    ProfileScope op("router backward");
     if (dx) {
 #pragma omp parallel for
         for (long t = 0; t < BT; t++)
@@ -136,6 +140,7 @@ static __global__ void router_dweight_kernel(bf16* dw, const float* dlogits, con
 }
 inline void router_backward(bf16* dx, bf16* dw, const float* dlogits, const bf16* x, const bf16* w, long BT, int C,
                             int E) {
+    ProfileScope op("router backward");
     if (dx) launch_elementwise(router_dinp_kernel, BT * C, dx, dlogits, w, BT, C, E);
     router_dweight_kernel<<<dim3(cuda_blocks(C, 32), E), dim3(32, 8), 0, main_stream()>>>(dw, dlogits, x, BT, C, E);
     cuda_check(cudaGetLastError());
@@ -145,6 +150,7 @@ inline void router_backward(bf16* dx, bf16* dw, const float* dlogits, const bf16
 // slots dropped at capacity (row -1) left out; with accumulate the sum starts from out[t]
 inline void moe_combine(float* out, const float* rows, const int* row_of, const float* weight, long BT, int K, int C,
                         bool accumulate = false) {
+    ProfileScope op("experts combine");
 #pragma omp parallel for
     for (long t = 0; t < BT; t++)
         for (int c = 0; c < C; c++) {
@@ -167,12 +173,14 @@ static __global__ void moe_combine_kernel(bf16* out, const bf16* rows, const int
 }
 inline void moe_combine(bf16* out, const bf16* rows, const int* row_of, const float* weight, long BT, int K, int C,
                         bool accumulate = false) {
+    ProfileScope op("experts combine");
     launch_elementwise(moe_combine_kernel, BT * C, out, rows, row_of, weight, BT, K, C, accumulate);
 }
 
 // the combine's backward to the rows: rows[row_of[t, k]] = weight[t, k] · dout[t] (row_of null: row t·K + k; a
 // dropped slot has none)
 inline void moe_spread(float* rows, const float* dout, const int* row_of, const float* weight, long BT, int K, int C) {
+    ProfileScope op("experts combine");
 #pragma omp parallel for
     for (long tk = 0; tk < BT * K; tk++) {
         long row = row_of ? row_of[tk] : tk;
@@ -188,12 +196,14 @@ static __global__ void moe_spread_kernel(bf16* rows, const bf16* dout, const int
     }
 }
 inline void moe_spread(bf16* rows, const bf16* dout, const int* row_of, const float* weight, long BT, int K, int C) {
+    ProfileScope op("experts combine");
     launch_elementwise(moe_spread_kernel, BT * K * C, rows, dout, row_of, weight, BT, K, C);
 }
 
 // ... and to the gates: dgate[t, k] = dout[t] · rows[row_of[t, k]] (row_of null: row t·K + k; 0 for a dropped slot,
 // whose gate the output does not see)
 inline void moe_gate_grads(float* dgate, const float* dout, const float* rows, const int* row_of, long BT, int K, int C) {
+    ProfileScope op("experts combine");
 #pragma omp parallel for
     for (long tk = 0; tk < BT * K; tk++) {
         long row = row_of ? row_of[tk] : tk;
@@ -214,12 +224,14 @@ static __global__ void moe_gate_grads_kernel(float* dgate, const bf16* dout, con
     if (lane == 0) dgate[tk] = sum;
 }
 inline void moe_gate_grads(float* dgate, const bf16* dout, const bf16* rows, const int* row_of, long BT, int K, int C) {
+    ProfileScope op("experts combine");
     moe_gate_grads_kernel<<<cuda_blocks(BT * K * 32, 256), 256, 0, main_stream()>>>(dgate, dout, rows, row_of, BT, K, C);
     cuda_check(cudaGetLastError());
 }
 
 // out[t] += scale[t] · rows[t] for BT rows of C (the shared expert's output added under its gate)
 inline void add_scaled_rows(float* out, const float* rows, const float* scale, long BT, int C) {
+    ProfileScope op("experts combine");
 #pragma omp parallel for
     for (long i = 0; i < BT * C; i++) out[i] += scale[i / C] * rows[i];
 }
@@ -228,6 +240,7 @@ static __global__ void add_scaled_rows_kernel(bf16* out, const bf16* rows, const
         out[i] = __float2bfloat16(__bfloat162float(out[i]) + scale[i / C] * __bfloat162float(rows[i]));
 }
 inline void add_scaled_rows(bf16* out, const bf16* rows, const float* scale, long BT, int C) {
+    ProfileScope op("experts combine");
     launch_elementwise(add_scaled_rows_kernel, BT * C, out, rows, scale, BT, C);
 }
 
@@ -318,6 +331,7 @@ static __global__ void route_tokens_kernel(int* expert, float* gate, float* prob
 template <typename floatX>
 inline void route_tokens(int* expert, float* gate, float* probs, float* scores, const float* logits, const float* bias,
                          long BT, int E, int K, const Routing& how) {
+    ProfileScope op("routing");
     if constexpr (device_of<floatX> == Device::CPU) {
 #pragma omp parallel for
         for (long t = 0; t < BT; t++)
@@ -349,6 +363,7 @@ static __global__ void route_statistics_kernel(float* sums, const int* expert, c
 }
 template <typename floatX>
 inline void route_statistics(float* sums, const int* expert, const float* probs, int B, long Tl, int E, int K) {
+    ProfileScope op("routing");
     if constexpr (device_of<floatX> == Device::CPU) {
         std::fill(sums, sums + 2 * (size_t)B * E, 0.0f);
         for (long t = 0; t < (long)B * Tl; t++) {
@@ -456,6 +471,7 @@ static void rank_on_gpu(int* keep_out, int* row_of, int* token_of_row, int* tota
 // Decided per sequence, so that every layout drops the same ones.
 template <typename floatX>
 inline void within_capacity(int* keep, const int* choices, int B, long T, int K, int E, long cap, int* scratch) {
+    ProfileScope op("routing");
     if constexpr (device_of<floatX> == Device::CPU) {
         std::vector<long> taken(E);
         for (int b = 0; b < B; b++) {
@@ -472,6 +488,7 @@ inline void within_capacity(int* keep, const int* choices, int B, long T, int K,
 template <typename floatX>
 inline void dispatch_order(int* row_of, int* token_of_row, int* counts, const int* expert, const int* keep, long BT, int E,
                            int K, int* scratch) {
+    ProfileScope op("routing");
     if constexpr (device_of<floatX> == Device::CPU) {
         std::fill(counts, counts + E, 0);
         for (long tk = 0; tk < BT * K; tk++)

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "llmc/model_table.h"
+#include "llmc/profile.h"
 #include "llmc/utils.h"
 
 // What is normed: `rows` rows of `width` values; in each, `groups` groups of C contiguous values are normed, the
@@ -716,6 +717,7 @@ inline void qk_norm_backward_cuda(bf16* dinp, bf16* dqweight, bf16* dkweight, co
 
 inline void norm_forward(Norm kind, float* out, float* mean, float* rstd, const float* inp, const float* weight,
                          const float* bias, long N, int C, float eps) {
+    ProfileScope op("norm forward");
     NormLayout rows = NormLayout::row(N, C);
     if (kind == Norm::LayerNorm)
         norm_forward_cpu<Norm::LayerNorm>(out, mean, rstd, inp, weight, nullptr, bias, rows, eps);
@@ -725,12 +727,14 @@ inline void norm_forward(Norm kind, float* out, float* mean, float* rstd, const 
 inline void fused_residual_norm_forward(Norm kind, float* residual, float* out, float* mean, float* rstd,
                                         const float* inp1, const float* inp2, const float* weight, const float* bias,
                                         long N, int C, float eps) {
+    ProfileScope op("norm forward");
     residual_forward(residual, inp1, inp2, N * C);
     norm_forward(kind, out, mean, rstd, residual, weight, bias, N, C, eps);
 }
 // dinp, dweight and dbias accumulate (+=): dinp is the residual stream's gradient, which the norm adds to
 inline void norm_backward(Norm kind, float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, long N, int C, Workspace) {
+    ProfileScope op("norm backward");
     NormLayout rows = NormLayout::row(N, C);
     if (kind == Norm::LayerNorm)
         norm_backward_cpu<Norm::LayerNorm>(dinp, dweight, nullptr, dbias, dout, inp, weight, nullptr, mean, rstd, rows);
@@ -739,6 +743,7 @@ inline void norm_backward(Norm kind, float* dinp, float* dweight, float* dbias, 
 // the QK-norm on the packed qkv: out (a buffer of its own: backward needs the input) gets q and k normed, v copied
 inline void qk_norm_forward(float* out, float* rstd, const float* inp, const float* qweight, const float* kweight,
                             long N, int NH, int KV, int hd, float eps) {
+    ProfileScope op("norm forward");
     qk_norm_check_shape("qk_norm_forward", NH, KV, hd);
     norm_forward_cpu<Norm::RMSNorm>(out, nullptr, rstd, inp, qweight, kweight, nullptr,
                                     NormLayout::heads(N, NH, KV, hd), eps);
@@ -747,6 +752,7 @@ inline void qk_norm_forward(float* out, float* rstd, const float* inp, const flo
 inline void qk_norm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout, const float* inp,
                              const float* qweight, const float* kweight, const float* rstd, long N, int NH, int KV,
                              int hd, Workspace) {
+    ProfileScope op("norm backward");
     qk_norm_check_shape("qk_norm_backward", NH, KV, hd);
     norm_backward_cpu<Norm::RMSNorm>(dinp, dqweight, dkweight, nullptr, dout, inp, qweight, kweight, nullptr, rstd,
                                      NormLayout::heads(N, NH, KV, hd));
@@ -754,27 +760,32 @@ inline void qk_norm_backward(float* dinp, float* dqweight, float* dkweight, cons
 
 inline void norm_forward(Norm kind, bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight,
                          const bf16* bias, long N, int C, float eps) {
+    ProfileScope op("norm forward");
     norm_forward_cuda(kind, out, mean, rstd, inp, weight, bias, N, C, eps, main_stream());
 }
 inline void fused_residual_norm_forward(Norm kind, bf16* residual, bf16* out, float* mean, float* rstd,
                                         const bf16* inp1, const bf16* inp2, const bf16* weight, const bf16* bias,
                                         long N, int C, float eps) {
+    ProfileScope op("norm forward");
     fused_residual_norm_forward_cuda(kind, residual, out, mean, rstd, inp1, inp2, weight, bias, N, C, eps,
                                      main_stream());
 }
 inline void norm_backward(Norm kind, bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout, const bf16* inp,
                           const bf16* weight, const float* mean, const float* rstd, long N, int C,
                           Workspace workspace) {
+    ProfileScope op("norm backward");
     float* scratch = workspace.take((size_t)norm_backward_scratch_floats(kind, N, C), "norm_backward");
     norm_backward_cuda(kind, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, scratch, main_stream());
 }
 inline void qk_norm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* qweight, const bf16* kweight, long N,
                             int NH, int KV, int hd, float eps) {
+    ProfileScope op("norm forward");
     qk_norm_forward_cuda(out, rstd, inp, qweight, kweight, N, NH, KV, hd, eps, main_stream());
 }
 inline void qk_norm_backward(bf16* dinp, bf16* dqweight, bf16* dkweight, const bf16* dout, const bf16* inp,
                              const bf16* qweight, const bf16* kweight, const float* rstd, long N, int NH, int KV,
                              int hd, Workspace workspace) {
+    ProfileScope op("norm backward");
     float* scratch = workspace.take((size_t)qk_norm_backward_scratch_floats(N, hd), "qk_norm_backward");
     qk_norm_backward_cuda(dinp, dqweight, dkweight, dout, inp, qweight, kweight, rstd, N, NH, KV, hd, scratch,
                           main_stream());

@@ -56,6 +56,7 @@ struct Options {
     bool search = false;                                // --search
     int search_gpus = 0;                                // --gpus: the devices --search lays a run out on
     std::string calibrate;                              // --calibrate: the profile file to write
+    std::string from_profile;                           // --from-profile: fit --calibrate's rates to a --profile file
     std::string convert;                                // --convert: a checkpoint directory or a model file
     std::string convert_to;                             // --to: the llm.c model file, or HF directory, it becomes
     std::string convert_dtype = "fp32";                 // --dtype
@@ -71,6 +72,8 @@ struct Options {
     float moe_capacity = 0.0f;                          // --moe-capacity; 0: dropless
     float moe_bias_rate = ExpertSettings{}.bias_rate;   // --moe-bias-rate: with a router's selection bias
     std::string trace;                                  // --trace
+    std::string profile;                                // --profile
+    int profile_step = 3;                               // --profile-step
     int zero = 0;                                       // -z
     int recompute = 0;                                  // -r
     int fp8 = 0;                                        // --fp8
@@ -174,7 +177,10 @@ inline const char* USAGE =
     "  --pp N            pipeline-parallel size: stages of consecutive layers      [1]\n"
     "  --pp-schedule afab|1f1b|interleaved|zb|dualpipev  the order of the micro-batches' passes [1f1b]\n"
     "  --vpp V           with interleaved: virtual stages (chunks of layers) per rank [1]\n"
-    "  --trace FILE      with --pp: write the first step's timeline of every rank (Chrome trace JSON) [none]\n"
+    "  --profile FILE    measure one step: each op family, the components beside the planner's prediction,\n"
+    "                    the live memory through the step; a table, and FILE as JSON (rank 0)       [none]\n"
+    "  --trace FILE      write that step's timeline of every rank's ops (Chrome trace JSON)        [none]\n"
+    "  --profile-step N  the step --profile and --trace record (the last when the run is shorter)  [3]\n"
     "  --ep N            expert-parallel size: the experts split over N ranks of dp  [1]\n"
     "  --moe-aux F       with experts: the load-balancing loss's weight            [0.01]\n"
     "  --moe-aux-scope sequence|batch  f per sequence, or the step's over all dp ranks (Megatron's) [sequence]\n"
@@ -188,7 +194,7 @@ inline const char* USAGE =
     "planning and debugging:\n"
     "  --plan            print the predicted memory and communication per rank, and exit [off]\n"
     "  --world N         with --plan: the number of ranks to plan for              [this job's]\n"
-    "  --hardware FILE   with --plan, --search or --calibrate: the hardware profile that prices a step\n"
+    "  --hardware FILE   with --plan, --search, --calibrate or --profile: the hardware profile that prices a step\n"
     "                    (dev/hardware/)                 [dev/hardware/h100.txt on cuda, cpu.txt on cpu]\n"
     "  --gpus-per-node G  with --plan or --search: devices per node, which groups fit in [the profile's]\n"
     "  --search          with --gpus N and -d: the best layouts of N devices, predicted, and exit; it\n"
@@ -198,6 +204,8 @@ inline const char* USAGE =
     "  --gpus N          with --search: the devices to lay the run out on          [none]\n"
     "  --calibrate FILE  measure this machine's profile (matmul, attention, memory, and the collectives\n"
     "                    under mpirun) into FILE, starting from --hardware's figures, and exit [none]\n"
+    "  --from-profile P  with --calibrate: fit the profile P was predicted with to what P measured instead\n"
+    "                    (a --profile file: its compute, optimizer and communication)      [none]\n"
     "  -a 0|1            overfit a single batch                                    [0]\n"
     "  --debug-stall-rank R        (testing) rank R stops answering before its first step [-1]\n"
     "  --debug-check-replicas 0|1  (testing) at the end, compare the replicated tensors across tp [0]\n"
@@ -293,6 +301,7 @@ inline Options parse_options(int argc, char** argv) {
         {"--gpus-per-node", integer(&o.gpus_per_node, 1, 1 << 16)},
         {"--gpus", integer(&o.search_gpus, 1, 1 << 20)},
         {"--calibrate", text(&o.calibrate)},
+        {"--from-profile", text(&o.from_profile)},
         {"--convert", text(&o.convert)},
         {"--to", text(&o.convert_to)},
         {"--dtype", choice(&o.convert_dtype, {"fp32", "bf16"})},
@@ -315,6 +324,8 @@ inline Options parse_options(int argc, char** argv) {
         {"--pp-schedule", choice(&o.pp_schedule, {"afab", "1f1b", "interleaved", "zb", "dualpipev"})},
         {"--vpp", integer(&o.vpp, 1, 1 << 10)},
         {"--trace", text(&o.trace)},
+        {"--profile", text(&o.profile)},
+        {"--profile-step", integer(&o.profile_step, 1, INT_MAX)},
         {"--debug-check-replicas", integer(&o.debug_check_replicas, 0, 1)},
         {"--bucket-mb", real(&o.bucket_mb, 1e-4f, 65536.0f)},
         {"--comm", choice(&o.comm, {"mpi", "nccl"})},
@@ -353,7 +364,8 @@ inline Options parse_options(int argc, char** argv) {
     if (o.comm_init != "mpi" && o.comm != "nccl") fail("--comm-init %s: only NCCL bootstraps without MPI; add --comm nccl", o.comm_init.c_str());
     if (o.vpp > 1 && o.pp_schedule != "interleaved")
         fail("--vpp %d: only the interleaved schedule runs virtual stages (--pp-schedule interleaved)", o.vpp);
-    if (!o.trace.empty() && o.pp == 1) fail("--trace %s: traces the pipeline; needs --pp > 1", o.trace.c_str());
+    if (o.given.count("--profile-step") && o.profile.empty() && o.trace.empty())
+        fail("--profile-step %d: only with --profile or --trace", o.profile_step);
     if (o.sp == -1) o.sp = o.tp > 1;
     if (!o.convert.empty() && o.convert_to.empty()) fail("--convert %s: needs --to FILE", o.convert.c_str());
     if (o.convert.empty() && !o.convert_to.empty()) fail("--to %s: only with --convert", o.convert_to.c_str());
@@ -363,9 +375,10 @@ inline Options parse_options(int argc, char** argv) {
     if (o.search && o.search_gpus == 0) fail("--search: needs --gpus N, the devices to lay the run out on");
     if (o.search_gpus > 0 && !o.search) fail("--gpus %d: only with --search (a run's devices are the ranks launched)", o.search_gpus);
     if (o.search && o.total_batch == -1) fail("--search: needs -d, the global batch every layout must train with");
-    if (!o.hardware.empty() && !o.plan && !o.search && o.calibrate.empty())
-        fail("--hardware %s: only with --plan, --search or --calibrate", o.hardware.c_str());
+    if (!o.hardware.empty() && !o.plan && !o.search && o.calibrate.empty() && o.profile.empty())
+        fail("--hardware %s: only with --plan, --search, --calibrate or --profile", o.hardware.c_str());
     if (o.gpus_per_node > 0 && !o.plan && !o.search) fail("--gpus-per-node %d: only with --plan or --search", o.gpus_per_node);
+    if (!o.from_profile.empty() && o.calibrate.empty()) fail("--from-profile %s: only with --calibrate FILE", o.from_profile.c_str());
     if (!o.calibrate.empty() && (o.plan || o.search)) fail("--calibrate %s: measures and exits; drop --plan and --search", o.calibrate.c_str());
     if (o.plan_world > 0 && !o.plan) fail("--world %d: only with --plan (a run's world is the number of ranks launched)", o.plan_world);
     if (!o.eval_file.empty() && o.val_every == 0)

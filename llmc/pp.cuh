@@ -1,8 +1,8 @@
 // Pipeline parallelism: the model's layers split over the N ranks of the pp group (stages), the micro-batches
 // of a step flowing through them. Three things live here: the split (which layers each stage holds), the
 // runner (which executes a stage's list of actions from llmc/pp_schedules.h: forwards, backwards and
-// weight-gradient steps of chunks on micro-batches, and the exchanges with the neighbouring stages), and the
-// trace of what each rank did when.
+// weight-gradient steps of chunks on micro-batches, and the exchanges with the neighbouring stages), each action
+// a span of the profiled step's trace (llmc/profile.h), and the timing of its busy and idle time.
 //
 // The split. The L layers form the schedule's virtual stages (N·V looped, V = --vpp virtual stages per rank for
 // the interleaved schedule; 2N for DualPipeV's V), as even as can be: where every layer is of one kind the first
@@ -105,14 +105,6 @@ inline ModelPart stage_part(const GPTConfig& c, const PPSpec& pp) {
     return part;
 }
 
-// one entry of the trace: an action, or an exchange with the neighbours and its wait (op then names the first of
-// its ops), with its start and end in seconds from the step's start
-struct PPTraceEvent {
-    PPAction action;
-    int ops = 1;  // an exchange: how many p2p ops it held
-    double start, end;
-};
-
 // Runs a stage's share of a step: its actions in order, on the model's micro-batch slots. A (micro-batch,
 // chunk) takes a slot at its first action (the receive of its input, or its forward) and gives it back after
 // its backward (its weight-gradient step under a split backward). The gradient of its input leaves from the
@@ -126,9 +118,9 @@ struct Pipeline {
     Comm* comm = nullptr;  // the pp group
     PPSpec spec;           // this rank's place in the pipeline, and the schedule's placement of the chunks
     int head_slot = 0;     // the slot of the classifier's last forward, which row losses and logits read
-    std::vector<PPTraceEvent> trace;
-    bool tracing = false;  // record the trace, and time each action to its end on the device
-    double busy = 0.0;     // seconds of compute (forward, backward, weight gradients) in the last run, when tracing
+    bool timing = false;   // time each action to its end on the device, for busy and span
+    double busy = 0.0;     // seconds of compute (forward, backward, weight gradients) in the last run, when timing
+    double span = 0.0;     // ... and the whole run's
 
     // the chunk of the rank that runs the virtual stage before `chunk`'s, when no p2p comes between them (the
     // V's bottom); else -1
@@ -219,10 +211,10 @@ struct Pipeline {
         floatX* input_grad = nullptr;  // of the last backward, until its send
         double t0 = now_seconds(), loss = 0.0;
         busy = 0.0;
-        trace.clear();
         for (size_t i = 0; i < actions.size();) {
             const PPAction& a = actions[i];
-            double start = now_seconds() - t0;
+            double start = now_seconds();
+            ProfileScope action = profile_action(a);
             if (pp_is_p2p(a.op)) {
                 // an exchange: the run of p2p ops up to the next compute action
                 size_t end = i;
@@ -237,7 +229,6 @@ struct Pipeline {
                     ops.push_back({send, buf, rows, dtype_of<floatX>(), p.peer});
                 }
                 for (CommRequest& r : comm->exchange(ops)) comm->wait(r);
-                if (tracing) trace.push_back({a, (int)(end - i), start, now_seconds() - t0});
                 for (size_t k = i; k < end; k++) release(k);
                 i = end;
                 continue;
@@ -259,14 +250,27 @@ struct Pipeline {
                 if (a.op == PPOp::Backward && below >= 0)
                     device_copy<floatX>(gpt_chunk_output(m, slot_of.at({a.micro, below}), below), input_grad, rows);
             }
-            if (tracing) device_synchronize<floatX>();  // time the work, not its launch
-            double finish = now_seconds() - t0;
-            busy += finish - start;
-            if (tracing) trace.push_back({a, 1, start, finish});
+            if (timing) device_synchronize<floatX>();  // time the work, not its launch
+            busy += now_seconds() - start;
             release(i);
             i++;
         }
+        span = now_seconds() - t0;
         return loss;
+    }
+
+    // an action's span of the trace: "F3" (the forward of micro-batch 3) in category forward, backward or weight,
+    // or an exchange with the neighbours in category p2p (named by its first op), with the micro-batch, the chunk
+    // and its virtual stage
+    ProfileScope profile_action(const PPAction& a) const {
+        bool p2p = pp_is_p2p(a.op);
+        const char* category = p2p ? "p2p" : a.op == PPOp::Forward ? "forward" : a.op == PPOp::Backward ? "backward" : "weight";
+        return profile_span(category, [&] {
+            std::string args = strfmt("\"micro\": %d, \"chunk\": %d, \"stage\": %d", a.micro, a.chunk,
+                                      spec.placement().stage(spec.rank, a.chunk));
+            if (p2p) args += strfmt(", \"first_op\": \"%s\", \"peer\": %d", pp_op_name(a.op), a.peer);
+            return std::make_pair(p2p ? std::string("p2p") : strfmt("%s%d", pp_op_name(a.op), a.micro), args);
+        });
     }
 };
 
@@ -286,6 +290,16 @@ inline std::vector<PPAction> pp_forward_only(const PPSpec& pp, int micro_batches
     return list;
 }
 
+// the virtual stages a rank runs, for its name in a trace: "stage 1", or "stages 0 and 3" (DualPipeV's V of 2)
+inline std::string stage_names(const PPSpec& pp) {
+    PPPlacement at = pp.placement();
+    if (at.chunks == 1) return strfmt("stage %d", at.stage(pp.rank, 0));
+    std::string s = "stages ";
+    for (int k = 0; k < at.chunks; k++)
+        s += strfmt("%s%d", k == 0 ? "" : k == at.chunks - 1 ? " and " : ", ", at.stage(pp.rank, k));
+    return s;
+}
+
 // which layers each stage runs, in one line: "pp: layers 0-2 on stage 0, 3-4 on stage 1, ..."
 inline void print_stage_layers(const GPTConfig& c, const PPSpec& pp) {
     std::string line = "pp: layers";
@@ -301,62 +315,4 @@ inline void print_stage_layers(const GPTConfig& c, const PPSpec& pp) {
     int head = pp.head_rank();
     std::string embeddings = c.tied() && head != 0 ? strfmt("stages 0 and %d", head) : "stage 0";
     printf("%s (embeddings on %s, the classifier on stage %d)\n", line.c_str(), embeddings.c_str(), head);
-}
-
-// Writes every rank's trace of one step as a Chrome trace (JSON, which chrome://tracing and ui.perfetto.dev
-// open and scripts/plot_pipeline.py draws): a row per rank, named with the virtual stages it runs ("rank 0
-// (stages 0 and 7)" in DualPipeV's V of 4 ranks), an event per compute action (name "F3" for the forward of
-// micro-batch 3; args micro, chunk, and stage, the chunk's virtual stage) and per exchange with its wait (name
-// "p2p", args the first op and how many there were). Times in microseconds from the step's start. Rank 0
-// writes it; a collective over world.
-inline void write_pp_trace(const std::string& path, Comm& world, const std::vector<PPTraceEvent>& trace,
-                           const PPSpec& pp, const std::string& schedule) {
-    PPPlacement at = pp.placement();
-    auto stages_of = [&](int rank) {
-        if (at.chunks == 1) return strfmt("stage %d", at.stage(rank, 0));
-        std::string s = "stages ";
-        for (int k = 0; k < at.chunks; k++)
-            s += strfmt("%s%d", k == 0 ? "" : k == at.chunks - 1 ? " and " : ", ", at.stage(rank, k));
-        return s;
-    };
-    int stage = pp.rank;
-    constexpr int FIELDS = 7;
-    std::vector<double> mine;
-    for (const PPTraceEvent& e : trace)
-        mine.insert(mine.end(), {(double)e.action.op, (double)e.action.micro, (double)e.action.chunk,
-                                 (double)e.action.peer, (double)e.ops, e.start, e.end});
-    double counts[2] = {(double)trace.size(), (double)stage};
-    std::vector<double> all_counts(2 * world.size);
-    world.wait(world.all_gather(counts, all_counts.data(), 2, DType::F64));
-    size_t most = 0;
-    for (int r = 0; r < world.size; r++) most = std::max(most, (size_t)all_counts[2 * r]);
-    mine.resize(std::max<size_t>(most, 1) * FIELDS, 0.0);
-    std::vector<double> all(mine.size() * world.size);
-    world.wait(world.all_gather(mine.data(), all.data(), mine.size(), DType::F64));
-    if (world.rank != 0) return;
-    std::string json = "{\"displayTimeUnit\": \"ms\", \"otherData\": {\"schedule\": \"" + schedule + "\"},\n\"traceEvents\": [\n";
-    for (int r = 0; r < world.size; r++) {
-        int s = (int)all_counts[2 * r + 1];
-        json += strfmt("{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": {\"name\": "
-                       "\"rank %d (%s)\"}},\n", r, r, stages_of(s).c_str());
-        const double* e = &all[r * mine.size()];
-        for (size_t i = 0; i < (size_t)all_counts[2 * r]; i++, e += FIELDS) {
-            PPOp op = (PPOp)(int)e[0];
-            bool p2p = pp_is_p2p(op);
-            const char* category = p2p ? "p2p" : op == PPOp::Forward ? "forward" : op == PPOp::Backward ? "backward" : "weight";
-            std::string name = p2p ? "p2p" : strfmt("%s%d", pp_op_name(op), (int)e[1]);
-            json += strfmt("{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
-                           "\"dur\": %.3f, \"args\": {\"micro\": %d, \"chunk\": %d, \"stage\": %d", name.c_str(), category,
-                           r, e[5] * 1e6, (e[6] - e[5]) * 1e6, (int)e[1], (int)e[2], at.stage(s, (int)e[2]));
-            if (p2p) json += strfmt(", \"first_op\": \"%s\", \"peer\": %d, \"ops\": %d", pp_op_name(op), (int)e[3], (int)e[4]);
-            json += "}},\n";
-        }
-    }
-    json.resize(json.size() - 2);  // the last event's ",\n"
-    json += "\n]}\n";
-    FILE* f = fopen(path.c_str(), "w");
-    if (!f) fail("--trace %s: cannot write (%s)", path.c_str(), strerror(errno));
-    bool written = fwrite(json.data(), 1, json.size(), f) == json.size();
-    if (fclose(f) != 0 || !written) fail("--trace %s: cannot write (%s)", path.c_str(), strerror(errno));
-    printf("pp: the trace of this step is in %s (scripts/plot_pipeline.py draws it)\n", path.c_str());
 }

@@ -5,8 +5,10 @@
 #pragma once
 
 #include "llmc/device.cuh"
+#include "llmc/profile.h"
 
 inline void residual_forward(float* out, const float* a, const float* b, long N) {
+    ProfileScope op("residual");
 #pragma omp parallel for
     for (long i = 0; i < N; i++) out[i] = a[i] + b[i];
 }
@@ -17,5 +19,6 @@ static __global__ void residual_forward_kernel(bf16* out, const bf16* a, const b
         out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
 }
 inline void residual_forward(bf16* out, const bf16* a, const bf16* b, long N) {
+    ProfileScope op("residual");
     launch_elementwise(residual_forward_kernel, N, out, a, b, N);
 }

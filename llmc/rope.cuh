@@ -20,6 +20,7 @@
 #include <cmath>
 #include <vector>
 
+#include "llmc/profile.h"
 #include "llmc/utils.h"
 
 // Llama 3's frequency scaling (apply_scaling): wavelengths below 8192/4 tokens keep their frequency, those
@@ -110,6 +111,7 @@ inline void rope_rotate(float* qkv, const float* table, const int* positions, in
 // qkv's query and key heads turned by their token's position, in place
 inline void rope_forward(float* qkv, const float* table, const int* positions, int B, int T, int NH, int KV,
                          int hd) {
+    ProfileScope op("rope");
     rope_check_shape("rope_forward", B, T, NH, KV, hd);
     rope_rotate(qkv, table, positions, B, T, NH, KV, hd, false);
 }
@@ -118,6 +120,7 @@ inline void rope_forward(float* qkv, const float* table, const int* positions, i
 // (the values pass the rotation by unchanged, so their gradient does too)
 inline void rope_backward(float* dqkv, const float* table, const int* positions, int B, int T, int NH, int KV,
                           int hd) {
+    ProfileScope op("rope");
     rope_check_shape("rope_backward", B, T, NH, KV, hd);
     rope_rotate(dqkv, table, positions, B, T, NH, KV, hd, true);
 }
@@ -199,9 +202,11 @@ inline void rope_backward_cuda(bf16* dqkv, const float* table, const int* positi
 #include "llmc/device.cuh"
 
 inline void rope_forward(bf16* qkv, const float* table, const int* positions, int B, int T, int NH, int KV, int hd) {
+    ProfileScope op("rope");
     rope_forward_cuda(qkv, table, positions, B, T, NH, KV, hd, main_stream());
 }
 inline void rope_backward(bf16* dqkv, const float* table, const int* positions, int B, int T, int NH, int KV,
                           int hd) {
+    ProfileScope op("rope");
     rope_backward_cuda(dqkv, table, positions, B, T, NH, KV, hd, main_stream());
 }

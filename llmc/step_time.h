@@ -46,6 +46,7 @@ struct StepTime {
     double seconds = 0;                             // the sum of the above
     double tokens_per_second = 0, mfu = 0;
     double fp8_casts = 0;  // of compute: the critical stage's FP8 casts (--fp8 1)
+    double optimizer = 0;  // of compute: the critical stage's optimizer step (AdamW and the gradient norm)
 };
 
 // the link a group crosses: inside a node when its span of consecutive ranks fits the node's devices
@@ -397,6 +398,7 @@ inline StepTime predict_step(const GPTConfig& c, int B, int T, const ParallelPla
         stage.pp.rank = r;
         s.dp = exposed_dp_seconds(StepModel{c, stage, hw, dev, B, T, gpus_per_node}, window);
         s.compute += optimizer[r];
+        s.optimizer = optimizer[r];
         s.seconds = s.compute + s.dp + s.tp + s.cp + s.pp + s.ep + s.bubble;
         if (r == 0 || s.seconds > best.seconds) best = s;
     }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "llmc/profile.h"
 #include "llmc/utils.h"
 
 // Each output reads inputs that other outputs' writes would land on (rows of H and of 2H do not line up), so
@@ -21,6 +22,7 @@ inline void swiglu_require_disjoint(const char* what, const void* out, size_t ou
 
 // out (N × H) = silu(gate) · up, where inp (N × 2H) holds [up | gate] per row
 inline void swiglu_forward(float* out, const float* inp, long N, int H) {
+    ProfileScope op("swiglu forward");
     swiglu_require_disjoint("swiglu_forward", out, N * H * sizeof(float), inp, 2 * N * H * sizeof(float));
 #pragma omp parallel for
     for (long n = 0; n < N; n++) {
@@ -36,6 +38,7 @@ inline void swiglu_forward(float* out, const float* inp, long N, int H) {
 // dinp (N × 2H) = [dout · silu(gate) | dout · up · silu'(gate)], overwritten, with
 // silu'(x) = sigmoid(x) · (1 + x · (1 - sigmoid(x))); dinp may alias neither inp nor dout
 inline void swiglu_backward(float* dinp, const float* inp, const float* dout, long N, int H) {
+    ProfileScope op("swiglu backward");
     swiglu_require_disjoint("swiglu_backward inp", dinp, 2 * N * H * sizeof(float), inp, 2 * N * H * sizeof(float));
     swiglu_require_disjoint("swiglu_backward dout", dinp, 2 * N * H * sizeof(float), dout, N * H * sizeof(float));
 #pragma omp parallel for
@@ -142,8 +145,10 @@ inline void swiglu_backward_cuda(bf16* dinp, const bf16* inp, const bf16* dout, 
 #include "llmc/device.cuh"
 
 inline void swiglu_forward(bf16* out, const bf16* inp, long N, int H) {
+    ProfileScope op("swiglu forward");
     swiglu_forward_cuda(out, inp, N, H, main_stream());
 }
 inline void swiglu_backward(bf16* dinp, const bf16* inp, const bf16* dout, long N, int H) {
+    ProfileScope op("swiglu backward");
     swiglu_backward_cuda(dinp, inp, dout, N, H, main_stream());
 }

@@ -145,11 +145,13 @@ inline std::vector<OwnedSegment> owned_segments(const Bucket& b, int rank) {
 // flat buffer <-> a bucket's packed layout
 template <typename floatX>
 inline void pack_bucket(const Bucket& b, const floatX* flat, floatX* packed) {
+    ProfileScope op("bucket copies", OpKind::DP);  // the copies dp's collectives need, charged to dp
     for (const Segment& s : b.segments) device_copy<floatX>(packed, flat + s.offset, s.size), packed += s.size;
     device_zero<floatX>(packed, b.padded - b.size);
 }
 template <typename floatX>
 inline void unpack_bucket(const Bucket& b, const floatX* packed, floatX* flat) {
+    ProfileScope op("bucket copies", OpKind::DP);
     for (const Segment& s : b.segments) device_copy<floatX>(flat + s.offset, packed, s.size), packed += s.size;
 }
 
@@ -449,6 +451,7 @@ struct DataParallel : ParamStore<floatX> {
     void begin_micro_step(bool last) { last_micro_step = last; }
 
     void zero_grad() {
+        ProfileScope op("zero gradients", OpKind::Optimizer);
         if (stage < 2) gpt_zero_grad(m);
         else device_zero<floatX>(shard.grads, shard_size());
     }

@@ -9,8 +9,10 @@ The title gives the schedule and its bubble: the ranks' idle time over their com
     scripts/plot_pipeline.py build/pp/trace.json                  # writes build/pp/trace.png
     scripts/plot_pipeline.py trace.json -o 1f1b.png --title "1F1B, 4 stages"
 
-The trace is a Chrome trace (chrome://tracing and ui.perfetto.dev open it too): complete events ("ph": "X")
-with "cat" forward, backward, weight or p2p, and "tid" the rank; thread_name metadata names the rows.
+The trace is a Chrome trace (chrome://tracing and ui.perfetto.dev open it too) with one process per rank: "pid"
+the rank, its process_name metadata naming the row. Drawn are the complete events ("ph": "X") of the pipeline's
+actions, "cat" forward, backward, weight or p2p, on each rank's compute thread (tid 0); the ops nested in them
+(cat compute, optimizer, other, span) and the communication thread (tid 1: dp, tp, cp, pp, ep) are not.
 Needs Matplotlib (Debian's python3-matplotlib, which scripts/install_deps.sh installs).
 """
 import argparse
@@ -19,11 +21,12 @@ import os
 import sys
 
 COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "weight": "#dd8452"}
+ACTIONS = (*COLOURS, "p2p")  # the pipeline's actions: the events drawn
 
 
 def read_trace(path):
-    """The trace's events by rank, each (category, micro-batch, chunk, start ms, end ms), the rows' names and the
-    schedule's name."""
+    """The trace's pipeline actions by rank, each (category, micro-batch, chunk, start ms, end ms), the rows' names
+    and the schedule's name."""
     try:
         with open(path) as f:
             trace = json.load(f)
@@ -31,16 +34,16 @@ def read_trace(path):
         sys.exit(f"plot_pipeline.py: {path}: {e}")
     rows, names = {}, {}
     for event in trace.get("traceEvents", []):
-        rank = event.get("tid")
-        if event.get("ph") == "M" and event.get("name") == "thread_name":
+        rank = event.get("pid")
+        if event.get("ph") == "M" and event.get("name") == "process_name":
             names[rank] = event["args"]["name"]
-        elif event.get("ph") == "X":
+        elif event.get("ph") == "X" and event.get("cat") in ACTIONS:
             args = event.get("args", {})
             start = event["ts"] / 1000.0
             rows.setdefault(rank, []).append(
                 (event.get("cat", ""), args.get("micro", 0), args.get("chunk", 0), start, start + event["dur"] / 1000.0))
     if not rows:
-        sys.exit(f"plot_pipeline.py: {path}: no events (is it a train_gpt --trace file?)")
+        sys.exit(f"plot_pipeline.py: {path}: no pipeline actions (was it a run with --pp > 1?)")
     return rows, names, trace.get("otherData", {}).get("schedule", "")
 
 

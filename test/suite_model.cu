@@ -21,6 +21,7 @@
 #include "test/test_pipeline.cu"
 #include "test/test_plan.cu"
 #include "test/test_planner.cu"
+#include "test/test_profile.cu"
 #include "test/test_qwen3.cu"
 #include "test/test_recompute.cu"
 #include "test/test_reshard.cu"

@@ -4,7 +4,9 @@
 # the median step time a real run measures, and prints each layout's relative error, the Spearman rank
 # correlation over the layouts and the median |error|. The rank correlation says whether the model orders
 # layouts as the machine does (what choosing a layout needs); the median error, how far its absolute figures
-# are off on this machine with this hardware profile.
+# are off on this machine with this hardware profile. Each run also profiles its third step (--profile), and a
+# second table puts that step's measured components (compute, exposed communication, bubble, optimizer) beside
+# the prediction's.
 #
 # Usage (from anywhere):  bash dev/bench/planner_cpu_check.sh [HARDWARE_FILE] [--markdown FILE]
 #   HARDWARE_FILE     the hardware profile the prediction uses               [dev/hardware/cpu.txt]
@@ -151,10 +153,12 @@ for entry in "${SELECTED[@]}"; do
     IFS='|' read -r name np _ <<<"$entry"
     flags=$(layout_flags "$entry")
     log=$TMP/$name.run.log
-    echo "-- $name: mpirun -np $np $TRAIN_GPT $flags --device cpu -v 0 -s 0 -x $STEPS"
+    profile=()
+    [[ $PREDICT != 0 ]] && profile=(--profile "$TMP/$name.profile.json" --hardware "$HARDWARE")
+    echo "-- $name: mpirun -np $np $TRAIN_GPT $flags --device cpu -v 0 -s 0 -x $STEPS ${profile[*]}"
     # shellcheck disable=SC2086
     if ! timeout 600 mpirun --oversubscribe --bind-to none -np "$np" "$TRAIN_GPT" $flags --device cpu -v 0 -s 0 \
-        -x "$STEPS" >"$log" 2>&1; then
+        -x "$STEPS" "${profile[@]}" >"$log" 2>&1; then
         tail -n 20 "$log" >&2
         die "$name: the run failed (output above)"
     fi
@@ -162,18 +166,18 @@ for entry in "${SELECTED[@]}"; do
     echo "   ${MEAS[$name]} ms${PRED[$name]:+ (predicted ${PRED[$name]} ms)}"
 done
 
-# the table and the statistics: one row per layout, "name<TAB>ranks<TAB>flags<TAB>measured<TAB>predicted"
+# the table and the statistics: one row per layout, "name<TAB>ranks<TAB>flags<TAB>measured<TAB>predicted<TAB>profile"
 rows=$TMP/rows.tsv
 : >"$rows"
 for entry in "${SELECTED[@]}"; do
     IFS='|' read -r name np _ <<<"$entry"
-    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$np" "-np $np $(layout_flags "$entry")" "${MEAS[$name]}" \
-        "${PRED[$name]:--}" >>"$rows"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$np" "-np $np $(layout_flags "$entry")" "${MEAS[$name]}" \
+        "${PRED[$name]:--}" "$TMP/$name.profile.json" >>"$rows"
 done
 
 echo
 python3 - "$rows" "$MARKDOWN" <<'EOF'
-import os, statistics, sys
+import json, os, statistics, sys
 
 sys.path.insert(0, os.path.join(os.getcwd(), "dev/bench"))
 from rank_correlation import spearman
@@ -182,7 +186,7 @@ rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.stri
 markdown = sys.argv[2]
 
 table, meas, pred, errs = [], [], [], []
-for name, np_, flags, m, p in rows:
+for name, np_, flags, m, p, _ in rows:
     m = float(m)
     if p == "-":
         table.append((name, flags, f"{m:.1f}", "-", "-"))
@@ -205,11 +209,35 @@ else:
     summary = ["Spearman rank correlation: n/a (no predictions)", "median |error|: n/a (no predictions)"]
 print("\n".join(lines + [""] + summary))
 
+# the profiled step's components, measured (rank 0's; the bubble the largest rank's) against predicted, in ms
+PARTS = ["compute", "dp", "tp", "cp", "pp", "ep", "bubble", "optimizer"]
+parts_head = ("layout", "step ms") + tuple(PARTS) + ("other",)
+parts_rows = []
+for name, np_, flags, m, p, path in rows:
+    if not os.path.exists(path):
+        continue
+    prof = json.load(open(path))
+    meas_c, pred_c = prof["components"]["measured"], prof["components"]["predicted"] or {}
+    bubble = max(r["components"]["measured"]["bubble"] for r in prof.get("ranks", [prof]))
+    cell = lambda k: (f"{bubble if k == 'bubble' else meas_c[k]:.1f} / {pred_c.get(k, 0.0):.1f}")
+    parts_rows.append((name, f"{prof['step_ms']:.1f} / {pred_c.get('step', 0.0):.1f}") + tuple(cell(k) for k in PARTS)
+                      + (f"{meas_c['other']:.1f}",))
+if parts_rows:
+    pw = [max(len(r[i]) for r in parts_rows + [parts_head]) for i in range(len(parts_head))]
+    pfmt = lambda r: " | ".join(c.ljust(pw[i]) if i == 0 else c.rjust(pw[i]) for i, c in enumerate(r))
+    print("\nthe profiled step (--profile, step 3): measured / predicted ms")
+    print("\n".join([pfmt(parts_head), "-+-".join("-" * x for x in pw)] + [pfmt(r) for r in parts_rows]))
+
 if markdown:
     with open(markdown, "w") as f:
         f.write("| " + " | ".join(head) + " |\n|---|---|--:|--:|--:|\n")
         for r in table:
             f.write(f"| {r[0]} | `{r[1]}` | {r[2]} | {r[3]} | {r[4]} |\n")
         f.write("\n" + "\n\n".join(summary) + "\n")
+        if parts_rows:
+            f.write("\nThe profiled step (`--profile`, step 3), measured / predicted ms (the bubble: the largest rank's):\n\n")
+            f.write("| " + " | ".join(parts_head) + " |\n|---|" + "--:|" * (len(parts_head) - 1) + "\n")
+            for r in parts_rows:
+                f.write("| " + " | ".join(r) + " |\n")
     print(f"\nMarkdown written to {markdown}")
 EOF

@@ -16,14 +16,14 @@
 # when nothing failed. Without a GPU every GPU phase says SKIP (and the exit status is 0).
 #
 # Variables (defaults in brackets):
-#   PHASES      any of build tests model llama fp8 cp pp moe mpi kernels pytorch determinism resume nccl plan
-#               bench; they run in that order (priority: the correctness checks first, the figures last, so that
+#   PHASES      any of build tests model llama fp8 cp pp moe profile mpi kernels pytorch determinism resume nccl
+#               plan bench; they run in that order (priority: the correctness checks first, the figures last, so that
 #               a BUDGET running out costs the least), or `quick`: the named set below              [all]
 #   BUDGET      seconds for the whole run, 0 for none: a phase starts only when its estimate (the table of
 #               estimates below) fits in the time left, less 15 s for the summary, and runs under that time
 #               at most; a phase that does not fit is "SKIP <phase>: ... (budget: ...)", and so is a check
 #               stopped by the budget's end                                                                  [0]
-#   quick       PHASES=quick: build tests model fp8 mpi cp pp moe resume nccl with small runs, which reach every
+#   quick       PHASES=quick: build tests model fp8 mpi cp pp moe profile resume nccl with small runs, which reach every
 #               GPU code path (each kernel family through the [cuda] tests, GPT-2 and Llama, FP8, the mma and
 #               wgmma attention, dp and ZeRO, tp, cp, pp, ep, NCCL on one rank, resume across devices):
 #               CHECK_MODEL d6c384h6 at B=4 T=256 for 6 steps, ZeRO-1 and 3, the zb, dualpipev and interleaved pp
@@ -123,13 +123,13 @@ mkdir -p "$1" || exit 2
 LOGDIR=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
-ALL_PHASES="build tests model llama fp8 cp pp moe mpi kernels pytorch determinism resume nccl plan bench"
+ALL_PHASES="build tests model llama fp8 cp pp moe profile mpi kernels pytorch determinism resume nccl plan bench"
 PHASES=${PHASES:-$ALL_PHASES}
 QUICK=${QUICK:-0}
 [[ $QUICK == [01] ]] || { echo "verify: QUICK must be 0 or 1 (got '$QUICK')" >&2; exit 2; }
 if [[ $PHASES == quick ]]; then
     QUICK=1
-    PHASES="build tests model fp8 mpi cp pp moe resume nccl"
+    PHASES="build tests model fp8 mpi cp pp moe profile resume nccl"
 fi
 BUDGET=${BUDGET:-0}
 DEVICE=${DEVICE:-cuda}
@@ -884,6 +884,41 @@ phase_moe() {
 }
 
 # ---------------------------------------------------------------------------------------------------------
+# profile: --profile and --trace (llmc/profile.h: CUDA events around each op family on the GPU, CUPTI's kernel
+# table): CHECK_MODEL on one rank for 8 steps with the third profiled, whose ops must cover it within 15%, whose
+# kernel table must be there, whose live memory must stay within the plan, and which must take at most 2% more than
+# the median of the steps after it (the profile's own cost); then pp 2 (1f1b, 4 micro-batches) on 2 ranks sharing
+# the device, whose bubble must be measured, and its trace drawn (dev/gpu/check_profile.py holds the checks)
+
+profile_result() {  # NAME RC FILE CHECK_PROFILE_FLAGS...: the checks of the last run's profile
+    local name=$1 rc=$2 file=$3 problem; shift 3
+    if (( rc != 0 )); then result FAIL profile "$name" "$(why "$rc")"; return; fi
+    problem=$(run_output | python3 dev/gpu/check_profile.py "$file" "$@")
+    if [[ -z $problem ]]; then
+        result PASS profile "$name" "($(python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print('step %.2f ms, %.1f%% unattributed, %d kernels' % (p['step_ms'], 100 * p['unattributed_ms'] / p['step_ms'], len(p.get('kernels', []))))" "$file"))"
+    else
+        result FAIL profile "$name" "$problem"
+    fi
+}
+
+phase_profile() {
+    needs_device && return
+    local dir=$WORK/profile
+    rm -rf "$dir" && mkdir -p "$dir"
+    local gpu_flags=()
+    [[ $DEVICE == cuda ]] && gpu_flags=(--kernels --overhead 0.02)
+    train -e "$CHECK_MODEL" -b "$CHECK_B" -t "$CHECK_T" -x 8 --profile "$dir/one.json" --trace "$dir/one_trace.json"
+    profile_result "$CHECK_MODEL one rank: ops cover the step, kernels, memory within the plan, cost" $? "$dir/one.json" \
+        "${gpu_flags[@]}"
+    run "${MPIRUN[@]}" "$TRAIN_GPT" --device "$DEVICE" --comm mpi -i "$DATA" -j "$VAL" -v 0 -s 0 -e "$CHECK_MODEL" \
+        -b "$CHECK_B" -t "$CHECK_T" -d $((4 * CHECK_B * CHECK_T)) -x 4 --pp 2 --profile "$dir/pp.json" --trace "$dir/pp_trace.json"
+    profile_result "$CHECK_MODEL pp 2 (1f1b): every rank's ops, memory, the bubble measured" $? "$dir/pp.json" --bubble
+    run python3 scripts/plot_pipeline.py "$dir/pp_trace.json" -o "$dir/pp_trace.png"
+    if (( $? == 0 )); then result PASS profile "the pp trace drawn" "($dir/pp_trace.png)"
+    else result FAIL profile "the pp trace drawn" "$(why 1)"; fi
+}
+
+# ---------------------------------------------------------------------------------------------------------
 # llama: the Llama 3 path, and Qwen3's. On the GPU: the dev/cuda checks of its kernels (RMSNorm, RoPE, SwiGLU,
 # Qwen3's QK-norm, and the attention, whose shapes include grouped-query ones), their Catch2 [cuda] tests and the
 # GPU Llama and Qwen3 against the CPU model; then, like the pytorch phase, a Llama 3 file (LLAMA_SHAPE) trained by train_gpt and by PyTorch
@@ -1358,6 +1393,7 @@ declare -A EST_FULL=(
     [cp]=230            # 2 x (20 steps x 4.7 s + 7), the Llama 25
     [pp]=115            # 5 schedules x (20 x 0.39 s + 7), the Llama's 1f1b and dualpipev 20 each
     [moe]=260           # dev/cuda/moe and experts ~30, their Catch2 cases 5; 4 runs of 20 steps of d6c384 experts at T=1024, ~0.5 s a step, + 7 each; the mixed Qwen3-MoE and the Qwen2-MoE: 3 more each; the batch-scope, capacity and FP8 pairs 2 each
+    [profile]=40        # CHECK_MODEL 8 steps on one rank (~1 s each at d12 B=4) + 7; pp 2 4 steps + 10; the plot 3
     [mpi]=450           # 4 x (20 x 0.92 s + 7), tp 20 x 4.0 s + 7, the Llama's 3 layouts 15 each; the FP8 gathers 8 x (20 x 0.92 s + 7)
     [kernels]=150       # 12 dev/cuda programs (93 s on an H100, 2026-11-27: attention 27) and attention_sdpa.py
     [pytorch]=60        # d12 10 steps, then PyTorch's d12 (bf16 autocast) 10 steps
@@ -1376,11 +1412,12 @@ declare -A EST_QUICK=(
     [cp]=20             # 1 rank, zigzag and contiguous; the Llama's 1 rank and zigzag: 13 s on an H100
     [pp]=25             # zb, interleaved (7 s on an H100 with the Llama's 1f1b), dualpipev and the Llama's: ~5 each
     [moe]=110           # dev/cuda/moe and experts ~30, their Catch2 cases 5; 1 rank 5; ep 2 with ZeRO-1 and pp 2 (zb): 2 x 9; the mixed Qwen3-MoE and the Qwen2-MoE: 1 rank and ep 2 each; the batch-scope, capacity and FP8 pairs
+    [profile]=25        # d6c384h6 8 steps on one rank + 7, pp 2 4 steps + 10, the plot 3
     [resume]=45         # dp 2 3 steps then 1 rank: 9 + 5; d4c128h2: 10 cpu steps, 2 x (5 on each device); 3 -l 0 runs
     [nccl]=5            # one run of 6 steps (its 1 rank: the mpi phase's)
 )
 declare -A EST_CPU=(
-    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=100 [cp]=40 [pp]=60 [moe]=300 [mpi]=100 [kernels]=1
+    [build]=240 [tests]=1 [model]=1 [llama]=60 [fp8]=100 [cp]=40 [pp]=60 [moe]=300 [profile]=30 [mpi]=100 [kernels]=1
     [pytorch]=30 [determinism]=20 [resume]=40 [nccl]=1 [plan]=1 [bench]=1
 )
 estimate() {
