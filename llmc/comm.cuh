@@ -138,6 +138,7 @@ struct Comm {
         r.pending = true;
         bytes_sent += ring_factor * (double)bytes;
         if (profiler().on) {
+            ProfilerTime own_time(profiler());
             profiler().count_comm(name + " " + op, group_kind(name), ring_factor * (double)bytes);
             r.started = now_seconds();
         }
@@ -400,7 +401,10 @@ struct Comm {
     // blocked is the op's exposed time
     void wait(CommRequest& r) {
         ProfileScope exposed;
-        if (profiler().on) exposed.event = profiler().begin(name + " " + r.op, group_kind(name), op_kind_name(group_kind(name)));
+        if (profiler().on) {
+            ProfilerTime own_time(profiler());
+            exposed.event = profiler().begin(name + " " + r.op, group_kind(name), op_kind_name(group_kind(name)));
+        }
         wait_until(r, now_seconds() + timeout_s);
     }
     void wait(CommRequest&& r) { wait(r); }

@@ -833,6 +833,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
         ParamViews<floatX> fin = unit_params(m, HEAD_UNIT), dfin = unit_grads(m, HEAD_UNIT);
         norm_backward(c, s.dresidual, dfin[LNFW], dfin[LNFB], dln_rows, last_residual, fin[LNFW], a.lnf_mean,
                       a.lnf_rstd, R, C, ws);
+        profile_release(m.stored_head);  // the logits and the final norm's, read for the last time
     } else {
         device_copy<floatX>(s.dresidual, gpt_chunk_output(m, slot, chunk), R * C);
     }
@@ -865,7 +866,7 @@ inline floatX* gpt_backward_chunk(GPTModel<floatX>& m, int slot, int chunk, floa
     // last stage its wte gradient, the classifier's, is complete by then too (empty on the middle stages)
     if (chunk == 0) done(embedding_unit(Lp));
     if (m.store) m.store->end_pass();
-    if (!split) profile_release(m.stored_input + (head ? m.stored_head : 0));
+    if (!split) profile_release(m.stored_input);
     return part.starts_model(chunk) ? nullptr : s.dresidual;
 }
 
@@ -920,7 +921,7 @@ inline void gpt_weight_grads_chunk(GPTModel<floatX>& m, int slot, int chunk) {
     }
     if (chunk == 0) done(embedding_unit(Lp));
     if (m.store) m.store->end_pass();
-    profile_release(m.stored_input + (part.head(chunk) ? m.stored_head : 0));
+    profile_release(m.stored_input);
 }
 
 // the backward of the whole model's last forward (a part that is the whole model)

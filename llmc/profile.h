@@ -83,6 +83,8 @@ struct Profiler {
     };
     std::vector<LiveSample> live_at;  // at the step's ends and every change
     double in_flight[OP_KINDS] = {};          // seconds communication requests of each kind were in flight
+    double own = 0.0;  // seconds of the step spent in the profiler's own bookkeeping (ProfilerTime)
+    int inside = 0;    // ... its entry points open on the stack
 
     ~Profiler() {
         for (cudaEvent_t e : device_marks) cudaEventDestroy(e);
@@ -92,7 +94,7 @@ struct Profiler {
     void begin_step(bool on_gpu) {
         gpu = on_gpu;
         ops.clear(), op_of.clear(), events.clear(), host_marks.clear(), live_at.clear();
-        marks = 0, open = -1, live = 0.0;
+        marks = 0, open = -1, live = 0.0, own = 0.0;
         std::fill(in_flight, in_flight + OP_KINDS, 0.0);
         on = true;
         set_live(0.0);
@@ -142,36 +144,22 @@ struct Profiler {
     }
     // opens a scope; a compute, optimizer or other op's scope is one call of it (communication counts its calls
     // where they start: count_comm)
-    int begin(const std::string& name, OpKind kind, const char* category, std::string args = "") {
-        int o = kind == OpKind::Span ? -1 : op(name, kind);
-        // (an entry point that calls another of its own family, as a fused one its parts, is one call)
-        if (o >= 0 && !is_communication(kind) && !(open >= 0 && events[open].op == o)) ops[o].calls++;
-        events.push_back({o, name, category, std::move(args), mark(), -1, open});
-        return open = (int)events.size() - 1;
-    }
-    void end(int event) {
-        events[event].end = mark();
-        open = events[event].parent;
-    }
-
-    // a communication op started: its bytes and its call
-    void count_comm(const std::string& name, OpKind kind, double bytes) {
-        ProfileOp& o = ops[op(name, kind)];
-        o.calls++;
-        o.bytes += bytes;
-    }
-    void comm_finished(OpKind kind, double seconds) { in_flight[(int)kind] += seconds; }
-
+    int begin(const std::string& name, OpKind kind, const char* category, std::string args = "");
+    void end(int event);
+    bool is_pass(int event) const { return events[event].op < 0 && std::string(events[event].category) == "pass"; }
+    // a communication op started: its bytes and its call; and how long a request was in flight
+    void count_comm(const std::string& name, OpKind kind, double bytes);
+    void comm_finished(OpKind kind, double seconds);
     // a layer's activations stored by forward, or released after backward
-    void store(double bytes) { set_live(live + bytes); }
-    void release(double bytes) { set_live(live - bytes); }
+    void store(double bytes);
+    void release(double bytes);
     void set_live(double bytes) {
         live = bytes;
         live_at.push_back({mark(), live, phase()});
     }
     std::string phase() const {
         for (int e = open; e >= 0; e = events[e].parent)
-            if (events[e].op < 0 && std::string(events[e].category) == "pass") return events[e].name;
+            if (is_pass(e)) return events[e].name;
         return "step";
     }
 };
@@ -181,12 +169,60 @@ inline Profiler& profiler() {
     return p;
 }
 
+// The profiler's own time: its entry points (and the callers' names and arguments built for it) time themselves,
+// the outermost on the stack adding to Profiler::own, which the report gives beside the step as what profiling
+// cost it on the host.
+struct ProfilerTime {
+    Profiler& p;
+    double start;
+    explicit ProfilerTime(Profiler& p_) : p(p_), start(p_.inside++ ? 0.0 : now_seconds()) {}
+    ~ProfilerTime() {
+        if (--p.inside == 0) p.own += now_seconds() - start;
+    }
+    ProfilerTime(const ProfilerTime&) = delete;
+    ProfilerTime& operator=(const ProfilerTime&) = delete;
+};
+
+inline int Profiler::begin(const std::string& name, OpKind kind, const char* category, std::string args) {
+    ProfilerTime own_time(*this);
+    int o = kind == OpKind::Span ? -1 : op(name, kind);
+    // (an entry point that calls another of its own family, as a fused one its parts, is one call)
+    if (o >= 0 && !is_communication(kind) && !(open >= 0 && events[open].op == o)) ops[o].calls++;
+    events.push_back({o, name, category, std::move(args), mark(), -1, open});
+    open = (int)events.size() - 1;
+    if (is_pass(open)) set_live(live);  // the memory timeline marks where each pass begins and ends
+    return open;
+}
+inline void Profiler::end(int event) {
+    ProfilerTime own_time(*this);
+    if (is_pass(event)) set_live(live);
+    events[event].end = mark();
+    open = events[event].parent;
+}
+inline void Profiler::count_comm(const std::string& name, OpKind kind, double bytes) {
+    ProfilerTime own_time(*this);
+    ProfileOp& o = ops[op(name, kind)];
+    o.calls++;
+    o.bytes += bytes;
+}
+inline void Profiler::comm_finished(OpKind kind, double seconds) { in_flight[(int)kind] += seconds; }
+inline void Profiler::store(double bytes) {
+    ProfilerTime own_time(*this);
+    set_live(live + bytes);
+}
+inline void Profiler::release(double bytes) {
+    ProfilerTime own_time(*this);
+    set_live(live - bytes);
+}
+
 // A scope of the profiled step, closed when it goes out of scope; outside the profiled step it does nothing.
 // ProfileScope("matmul forward") times a compute op; a kind names another op's, a category a span's.
 struct ProfileScope {
     int event = -1;
     explicit ProfileScope(const char* name, OpKind kind = OpKind::Compute) {
-        if (profiler().on) event = profiler().begin(name, kind, op_kind_name(kind));
+        if (!profiler().on) return;
+        ProfilerTime own_time(profiler());
+        event = profiler().begin(name, kind, op_kind_name(kind));
     }
     ProfileScope() = default;
     ProfileScope(ProfileScope&& other) noexcept : event(other.event) { other.event = -1; }
@@ -206,6 +242,7 @@ template <typename Args>
 inline ProfileScope profile_span(const char* category, Args&& name_and_args) {
     ProfileScope s;
     if (profiler().on) {
+        ProfilerTime own_time(profiler());
         auto [name, args] = name_and_args();
         s.event = profiler().begin(name, OpKind::Span, category, args);
     }

@@ -43,6 +43,7 @@ struct ProfileTraceEvent {
 // one rank's step, measured
 struct MeasuredStep {
     double seconds = 0.0, unattributed = 0.0;
+    double own = 0.0;  // the profiler's bookkeeping in the step (on the host)
     std::vector<ProfileOp> ops;  // the longest first
     std::vector<double> components = std::vector<double>(9, 0.0), hidden = std::vector<double>(OP_KINDS, 0.0);
     struct Live {
@@ -59,6 +60,7 @@ inline MeasuredStep measure_step(const Profiler& p) {
     m.ops = p.ops;
     std::vector<double> t = p.mark_seconds();
     m.seconds = t.empty() ? 0.0 : t.back();
+    m.own = p.own;
     std::vector<double> inner(p.events.size(), 0.0);  // the time of the scopes directly inside each scope
     double transfer = 1e30;
     long exchanges = 0;
@@ -172,6 +174,7 @@ inline JsonOut rank_json(const MeasuredStep& m, const ProfileSetting& s, bool wh
     double peak_live = fixed_bytes(s.planned) + m.peak_activations;
     if (!whole)
         return JsonOut::object().set("step_ms", m.seconds * 1e3).set("unattributed_ms", m.unattributed * 1e3)
+            .set("profiler_ms", m.own * 1e3)
             .set("components", components).set("communication", communication).set("ops", ops)
             .set("memory", JsonOut::object().set("peak_live", peak_live).set("peak_activations", m.peak_activations)
                                 .set("planned_total", planned_total(s.planned)));
@@ -191,6 +194,7 @@ inline JsonOut rank_json(const MeasuredStep& m, const ProfileSetting& s, bool wh
                          .set("peak_activations", m.peak_activations);
     JsonOut out = JsonOut::object().set("step", s.step).set("device", s.device).set("layout", s.layout)
                       .set("step_ms", m.seconds * 1e3).set("ops", ops).set("unattributed_ms", m.unattributed * 1e3)
+                      .set("profiler_ms", m.own * 1e3)
                       .set("components", components).set("communication", communication).set("memory", memory);
     if (!s.kernels.empty()) {
         JsonOut kernels = JsonOut::array();
@@ -201,27 +205,38 @@ inline JsonOut rank_json(const MeasuredStep& m, const ProfileSetting& s, bool wh
     return out;
 }
 
-// rank 0's table: the ops, the components beside the prediction, the memory, the top kernels
-inline void print_profile(const MeasuredStep& m, const ProfileSetting& s) {
+// rank 0's table: its ops, the components of every rank (up to 8: `ranks`, each rank's measured ones) beside the
+// prediction, the memory, the top kernels
+inline void print_profile(const MeasuredStep& m, const ProfileSetting& s, const std::vector<std::vector<double>>& ranks) {
     double step = m.seconds * 1e3;
-    printf("profile of step %d (%s, %s): %.3f ms; the ops cover %.1f%% of it\n", s.step, s.device.c_str(),
-           s.layout.c_str(), step, 100.0 * (m.seconds - m.unattributed) / m.seconds);
+    printf("profile of step %d (%s, %s): %.3f ms; the ops cover %.1f%% of it; the profiler's own bookkeeping took "
+           "%.3f ms of it (%.2f%%)\n", s.step, s.device.c_str(), s.layout.c_str(), step,
+           100.0 * (m.seconds - m.unattributed) / m.seconds, m.own * 1e3, 100.0 * m.own / m.seconds);
     printf("  %-28s %-9s %7s %11s %7s %14s\n", "op", "kind", "calls", "ms", "%", "bytes sent");
     for (const ProfileOp& o : m.ops)
         printf("  %-28s %-9s %7ld %11.3f %6.1f%% %14.0f\n", o.name.c_str(), op_kind_name(o.kind), o.calls,
                o.seconds * 1e3, 100.0 * o.seconds / m.seconds, o.bytes);
     std::vector<double> predicted = s.predicted ? predicted_components(*s.predicted) : std::vector<double>();
-    printf("  %-10s %12s %12s %13s\n", "component", "measured ms", "hidden ms", "predicted ms");
+    size_t columns = ranks.size() > 1 && ranks.size() <= 8 ? ranks.size() : 0;
+    std::string head = "  component  ";
+    for (size_t r = 0; r < columns; r++) head += strfmt("%12s", strfmt("rank %zu ms", r).c_str());
+    if (!columns) head += strfmt("%12s", "measured ms");
+    printf("%s %12s %13s\n", head.c_str(), columns ? "0's hidden" : "hidden ms", "predicted ms");
     for (size_t k = 0; k < m.components.size(); k++) {
         const std::string& name = profile_components()[k];
         int kind = -1;
         for (int j = 0; j < OP_KINDS; j++)
             if (is_communication((OpKind)j) && name == op_kind_name((OpKind)j)) kind = j;
-        printf("  %-10s %12.3f %12s %13s\n", name.c_str(), m.components[k] * 1e3,
+        std::string measured = strfmt("  %-10s ", name.c_str());
+        for (size_t r = 0; r < columns; r++) measured += strfmt("%12.3f", ranks[r][k] * 1e3);
+        if (!columns) measured += strfmt("%12.3f", m.components[k] * 1e3);
+        printf("%s %12s %13s\n", measured.c_str(),
                kind >= 0 ? strfmt("%.3f", m.hidden[kind] * 1e3).c_str() : "",
                s.predicted && name != "other" ? strfmt("%.3f", predicted[k] * 1e3).c_str() : "");
     }
-    if (s.predicted) printf("  %-10s %12.3f %12s %13.3f (%s)\n", "step", step, "", s.predicted->seconds * 1e3, s.hardware.c_str());
+    if (s.predicted)
+        printf("  %-10s %*.3f %12s %13.3f (%s; the critical stage's)\n", "step", 12 * (int)std::max<size_t>(columns, 1),
+               step, "", s.predicted->seconds * 1e3, s.hardware.c_str());
     printf("  memory: live peak %.2f MiB (activations %.2f MiB of the %.2f planned) of %.2f MiB planned\n",
            (fixed_bytes(s.planned) + m.peak_activations) / 1048576.0, m.peak_activations / 1048576.0,
            s.planned[MEM_ACTIVATIONS] / 1048576.0, planned_total(s.planned) / 1048576.0);
@@ -254,7 +269,12 @@ inline void write_text_file(const std::string& path, const std::string& text, co
 // --profile: rank 0's figures, with every rank's beside them when there are several (a collective of `world`)
 inline void write_profile(const std::string& path, Comm& world, const MeasuredStep& m, const ProfileSetting& s) {
     std::vector<std::string> ranks = gather_text(world, rank_json(m, s, false).dump(0));
+    std::vector<double> every(m.components.size() * world.size);
+    world.wait(world.all_gather(m.components.data(), every.data(), m.components.size(), DType::F64));
     if (world.rank != 0) return;
+    std::vector<std::vector<double>> components;
+    for (int r = 0; r < world.size; r++)
+        components.emplace_back(every.begin() + r * m.components.size(), every.begin() + (r + 1) * m.components.size());
     JsonOut out = rank_json(m, s, true);
     if (world.size > 1) {
         JsonOut all = JsonOut::array();
@@ -265,7 +285,7 @@ inline void write_profile(const std::string& path, Comm& world, const MeasuredSt
         }
         out.set("ranks", all);
     }
-    print_profile(m, s);
+    print_profile(m, s, components);
     write_text_file(path, out.dump(2) + "\n", "--profile");
     printf("profile: written to %s (scripts/plot_profile.py and scripts/plot_memory.py draw it)\n", path.c_str());
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """Draws where the time of one training step went, from the profile `train_gpt --profile FILE` writes: for each
 component of the step (compute, the dp, tp, cp, pp and ep communication, the pipeline bubble, the optimizer and
-the rest) the milliseconds measured on rank 0 beside the ones the hardware profile predicts, so that the component
-the model gets wrong stands out. Measured communication is the exposed part, what the step waited for; the part
+the rest) the milliseconds measured beside the ones the hardware profile predicts, so that the component the model
+gets wrong stands out. The prediction is its critical stage's, so with several ranks the measured bars are the rank
+with the most compute (a pipeline's busiest stage; otherwise ranks differ little). Measured communication is the exposed part, what the step waited for; the part
 that ran behind compute is stacked on it, hatched. Components that are zero throughout are left out. With several
 ranks a second panel stacks each rank's measured components into one bar, which shows a pipeline's stages
 differing (the last stage's loss, the first one's bubble).
@@ -13,7 +14,7 @@ differing (the last stage's loss, the first one's bubble).
 The profile is a JSON object; this reads "step", "device", "layout", "step_ms" and "components": "measured" (ms
 by component, adding up to step_ms), "hidden" (ms of communication behind compute) and "predicted" (ms by
 component and "step", or null without a hardware profile); and where present "ranks", each with "rank", "step_ms"
-and "components": {"measured"}.
+and "components": {"measured", "hidden"}.
 Needs Matplotlib (Debian's python3-matplotlib, which scripts/install_deps.sh installs).
 """
 import argparse
@@ -34,7 +35,7 @@ def by_component(ms):
 def read_profile(path):
     """The profile's title fields (step, device, layout, step ms), its measured, hidden and predicted ms by
     component (predicted: the ones it names and "step"; None without a hardware profile) and the ranks as (rank,
-    step ms, measured ms by component)."""
+    step ms, measured ms by component, hidden ms by component)."""
     try:
         with open(path) as f:
             profile = json.load(f)
@@ -46,8 +47,8 @@ def read_profile(path):
         if predicted is not None:  # only the components it names are drawn: it has no "other"
             step_predicted = float(predicted["step"])
             predicted = dict({c: float(ms) for c, ms in predicted.items() if c in COMPONENTS}, step=step_predicted)
-        ranks = [(r["rank"], float(r["step_ms"]), by_component(r["components"]["measured"]))
-                 for r in profile.get("ranks", [])]
+        ranks = [(r["rank"], float(r["step_ms"]), by_component(r["components"]["measured"]),
+                  by_component(r["components"]["hidden"])) for r in profile.get("ranks", [])]
         return ((profile["step"], profile["device"], profile["layout"], float(profile["step_ms"])),
                 by_component(components["measured"]), by_component(components["hidden"]), predicted, ranks)
     except KeyError as e:
@@ -71,6 +72,10 @@ def main():
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    who = "rank 0"
+    if len(ranks) > 1:  # the busiest rank, as the prediction is the critical stage's
+        busiest = max(ranks, key=lambda r: r[2]["compute"])
+        who, measured, hidden = f"rank {busiest[0]}, the most compute", busiest[2], busiest[3]
     shown = [c for c in COMPONENTS if measured[c] or hidden[c] or (predicted and predicted.get(c))]
     if len(ranks) > 1:  # the components above, the ranks in a panel below
         fig, (ax, ax_ranks) = plt.subplots(2, 1, figsize=(10, 7.5 + 0.3 * len(ranks)), dpi=100,
@@ -92,7 +97,7 @@ def main():
     ax.set_xticklabels(shown)
     ax.set_ylabel("ms in the step")
     ax.grid(True, axis="y", alpha=0.3)
-    handles = [Patch(color=MEASURED, label="measured (exposed)")]
+    handles = [Patch(color=MEASURED, label=f"measured (exposed), {who}")]
     if any(hidden[c] for c in shown):
         handles.append(Patch(facecolor="white", edgecolor=MEASURED, hatch="//", label="hidden behind compute"))
     if predicted:
@@ -104,8 +109,8 @@ def main():
 
     if len(ranks) > 1:
         ranks.sort(key=lambda r: r[0])
-        rank_shown = [c for c in COMPONENTS if any(by_name[c] for _, _, by_name in ranks)]
-        for row, (rank, rank_ms, by_name) in enumerate(ranks):
+        rank_shown = [c for c in COMPONENTS if any(by_name[c] for _, _, by_name, _ in ranks)]
+        for row, (rank, rank_ms, by_name, _) in enumerate(ranks):
             y = len(ranks) - 1 - row  # rank 0 on top
             left = 0.0
             for c in rank_shown:
@@ -113,8 +118,8 @@ def main():
                 left += by_name[c]
             ax_ranks.text(left, y, f" {rank_ms:.1f} ms", va="center", fontsize=8)
         ax_ranks.set_yticks(range(len(ranks)))
-        ax_ranks.set_yticklabels([f"rank {rank}" for rank, _, _ in reversed(ranks)])
-        ax_ranks.set_xlim(0, 1.12 * max(max(sum(b.values()), r_ms) for _, r_ms, b in ranks) or 1)
+        ax_ranks.set_yticklabels([f"rank {rank}" for rank, _, _, _ in reversed(ranks)])
+        ax_ranks.set_xlim(0, 1.12 * max(max(sum(b.values()), r_ms) for _, r_ms, b, _ in ranks) or 1)
         ax_ranks.set_xlabel("measured ms in the step, by rank")
         ax_ranks.legend(handles=[Patch(color=COMPONENTS[c], label=c) for c in rank_shown], loc="lower right",
                         bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(rank_shown), frameon=False)

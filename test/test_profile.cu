@@ -108,12 +108,15 @@ TEST_CASE("the profiler charges each op family its scopes' own time; spans go to
     CHECK(component(m, "pp") == Approx(3 * fastest).epsilon(1e-12));
     CHECK(component(m, "pp") + component(m, "bubble") == Approx(recv->seconds).epsilon(1e-12));
     CHECK(component(m, "bubble") > 0.0);
-    // live activations: 0, 1000, 1500 in forward, 0 in backward, and the step's end
-    REQUIRE(m.timeline.size() == 5);
-    CHECK(m.timeline[1].bytes == 1000);
-    CHECK(m.timeline[1].phase == "forward");
-    CHECK(m.timeline[3].bytes == 0);
-    CHECK(m.timeline[3].phase == "backward");
+    // live activations: 0 at the step's start, 1000 then 1500 in forward, 0 in backward, and a sample where each
+    // pass begins and ends and at the step's end
+    REQUIRE(m.timeline.size() == 9);
+    CHECK(m.timeline[0].phase == "step");
+    CHECK(m.timeline[2].bytes == 1000);
+    CHECK(m.timeline[2].phase == "forward");
+    CHECK(m.timeline[3].bytes == 1500);
+    CHECK(m.timeline[6].bytes == 0);
+    CHECK(m.timeline[6].phase == "backward");
     CHECK(m.peak_activations == 1500);
     CHECK(m.timeline.back().seconds == Approx(m.seconds));
 }

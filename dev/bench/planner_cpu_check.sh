@@ -209,7 +209,8 @@ else:
     summary = ["Spearman rank correlation: n/a (no predictions)", "median |error|: n/a (no predictions)"]
 print("\n".join(lines + [""] + summary))
 
-# the profiled step's components, measured (rank 0's; the bubble the largest rank's) against predicted, in ms
+# the profiled step's components against predicted, in ms: the measured ones of the rank with the most compute,
+# as the prediction's are its critical stage's (a pipeline's ranks differ; the others' lines are alike)
 PARTS = ["compute", "dp", "tp", "cp", "pp", "ep", "bubble", "optimizer"]
 parts_head = ("layout", "step ms") + tuple(PARTS) + ("other",)
 parts_rows = []
@@ -217,15 +218,15 @@ for name, np_, flags, m, p, path in rows:
     if not os.path.exists(path):
         continue
     prof = json.load(open(path))
-    meas_c, pred_c = prof["components"]["measured"], prof["components"]["predicted"] or {}
-    bubble = max(r["components"]["measured"]["bubble"] for r in prof.get("ranks", [prof]))
-    cell = lambda k: (f"{bubble if k == 'bubble' else meas_c[k]:.1f} / {pred_c.get(k, 0.0):.1f}")
+    critical = max(prof.get("ranks", [prof]), key=lambda r: r["components"]["measured"]["compute"])
+    meas_c, pred_c = critical["components"]["measured"], prof["components"]["predicted"] or {}
+    cell = lambda k: f"{meas_c[k]:.1f} / {pred_c.get(k, 0.0):.1f}"
     parts_rows.append((name, f"{prof['step_ms']:.1f} / {pred_c.get('step', 0.0):.1f}") + tuple(cell(k) for k in PARTS)
                       + (f"{meas_c['other']:.1f}",))
 if parts_rows:
     pw = [max(len(r[i]) for r in parts_rows + [parts_head]) for i in range(len(parts_head))]
     pfmt = lambda r: " | ".join(c.ljust(pw[i]) if i == 0 else c.rjust(pw[i]) for i, c in enumerate(r))
-    print("\nthe profiled step (--profile, step 3): measured / predicted ms")
+    print("\nthe profiled step (--profile, step 3): measured / predicted ms, the busiest rank's")
     print("\n".join([pfmt(parts_head), "-+-".join("-" * x for x in pw)] + [pfmt(r) for r in parts_rows]))
 
 if markdown:
@@ -235,7 +236,7 @@ if markdown:
             f.write(f"| {r[0]} | `{r[1]}` | {r[2]} | {r[3]} | {r[4]} |\n")
         f.write("\n" + "\n\n".join(summary) + "\n")
         if parts_rows:
-            f.write("\nThe profiled step (`--profile`, step 3), measured / predicted ms (the bubble: the largest rank's):\n\n")
+            f.write("\nThe profiled step (`--profile`, step 3), measured / predicted ms, on the rank with the most compute:\n\n")
             f.write("| " + " | ".join(parts_head) + " |\n|---|" + "--:|" * (len(parts_head) - 1) + "\n")
             for r in parts_rows:
                 f.write("| " + " | ".join(r) + " |\n")
