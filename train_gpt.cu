@@ -287,8 +287,15 @@ struct Trainer {
         steps = o.max_steps >= 0 ? o.max_steps : (int)(train_data->total_tokens / run.total_batch);
         schedule = o.schedule;
         schedule.total_steps = steps;
-        if (!o.profile.empty() || !o.trace.empty()) profiled_step = std::min(o.profile_step, steps) - 1;
+        if (!o.profile.empty() || !o.trace.empty()) choose_profiled_step();
         if (o.overfit) train_data->next_batch();  // the one batch every step will see
+    }
+
+    // --profile-step counts from the run's start (the last step when the run is shorter); a run resumed after it
+    // profiles the third step it takes (or its last), and print_run says so
+    void choose_profiled_step() {
+        profiled_step = std::min(o.profile_step, steps) - 1;
+        if (profiled_step < state.step) profiled_step = std::min(state.step + 2, steps - 1);
     }
 
     // Samples are decoded with the tokenizer: --tokenizer's, else the tokenizer.json of the Hugging Face directory -e
@@ -333,6 +340,9 @@ struct Trainer {
                    resumed_from.describe().c_str(), layout.describe().c_str());
             printf("checkpoint verified in %.3f to %.3f s and read in %.3f to %.3f s per rank\n", verified.first,
                    verified.second, loaded.first, loaded.second);
+            if (profiled_step >= 0 && o.profile_step - 1 < state.step)
+                printf("profile: step %d came before this run; step %d is profiled instead\n", o.profile_step,
+                       profiled_step + 1);
         }
         printf("model L=%d C=%d NH=%d V=%d (padded %d) maxT=%d%s%s: %zu parameters (%zu on rank 0), %.1f MiB in all on "
                "rank 0\n", config.num_layers, config.channels, config.num_heads, config.vocab_size,

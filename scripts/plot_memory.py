@@ -23,7 +23,7 @@ MIB = 2**20
 # the fixed states from the bottom up; every other planned category but activations and total goes into "other"
 BANDS = {"params": "#4c72b0", "master weights": "#8172b3", "grads": "#55a868", "optimizer state": "#dd8452"}
 OTHER_COLOUR, ACTIVATIONS_COLOUR = "#999999", "#c44e52"
-PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "optimizer": "#dd8452"}
+PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "weight gradients": "#937860", "optimizer step": "#dd8452"}
 
 
 def read_profile(path):
