@@ -529,12 +529,11 @@ struct Trainer {
     void report_profile() {
         MeasuredStep measured = measure_step(profiler());
         BytesSent planned = planned_sent();
-        ProfileSetting s{profiled_step + 1, on_gpu ? "cuda" : "cpu", layout.describe(), {}, nullptr, "", profile_kernels(),
-                         {planned.dp, planned.tp, planned.cp, planned.pp, planned.ep}};
         ParallelPlan stage = par;
         stage.pp.rank = grid.at.pp;
-        MemoryPlan plan = plan_memory(config, o.B, o.T, omp_get_max_threads(), stage, device_of<floatX>);
-        std::copy(plan.bytes, plan.bytes + MEM_CATEGORIES, s.planned);
+        ProfileSetting s{profiled_step + 1, on_gpu ? "cuda" : "cpu", layout.describe(),
+                         plan_memory(config, o.B, o.T, omp_get_max_threads(), stage, device_of<floatX>), nullptr, "",
+                         profile_kernels(), {planned.dp, planned.tp, planned.cp, planned.pp, planned.ep}};
         HardwareProfile hw;
         StepTime predicted;
         if (plan_hardware(o, device_of<floatX>, hw, s.hardware)) {

@@ -12,8 +12,9 @@
 #include "llmc/profile.h"
 
 struct NvtxRange {
-    explicit NvtxRange(const char* name) : span(profile_span("pass", [&] { return std::make_pair(std::string(name), std::string()); })) {
+    explicit NvtxRange(const char* name) {
         nvtxRangePushA(name);
+        span = profile_span("pass", [&] { return std::make_pair(std::string(name), std::string()); });
     }
     // "name index", e.g. "layer 3", formatted on the stack: ranges sit on the hot path
     NvtxRange(const char* name, int index) {

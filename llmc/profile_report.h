@@ -121,7 +121,7 @@ inline std::vector<KernelTime> profile_kernels() {
 struct ProfileSetting {
     int step;                  // the profiled step, counted from 1 as the step lines count
     std::string device, layout;
-    size_t planned[MEM_CATEGORIES];  // this rank's memory plan (llmc/plan.h), bytes
+    MemoryPlan planned;              // this rank's memory plan (llmc/plan.h)
     const StepTime* predicted;       // the step model's, or null without a hardware profile
     std::string hardware;            // the profile it was priced with
     std::vector<KernelTime> kernels;  // the GPU's, from CUPTI
@@ -143,17 +143,9 @@ inline JsonOut hidden_json(const MeasuredStep& m) {
 inline std::vector<double> predicted_components(const StepTime& s) {
     return {s.compute - s.optimizer, s.dp, s.tp, s.cp, s.pp, s.ep, s.bubble, s.optimizer, 0.0};
 }
-inline double fixed_bytes(const size_t planned[MEM_CATEGORIES]) {
-    double b = 0.0;
-    for (int c = 0; c < MEM_CATEGORIES; c++)
-        if (c != MEM_ACTIVATIONS) b += (double)planned[c];
-    return b;
-}
-
-inline size_t planned_total(const size_t planned[MEM_CATEGORIES]) {
-    size_t total = 0;
-    for (int c = 0; c < MEM_CATEGORIES; c++) total += planned[c];
-    return total;
+// what a rank holds the whole step: its plan but the activations
+inline double fixed_bytes(const MemoryPlan& planned) {
+    return (double)(planned.total() - planned.bytes[MEM_ACTIVATIONS]);
 }
 
 // a rank's figures: the whole of them for rank 0's file, the summary for the others' entries beside it
@@ -177,7 +169,7 @@ inline JsonOut rank_json(const MeasuredStep& m, const ProfileSetting& s, bool wh
             .set("profiler_ms", m.own * 1e3)
             .set("components", components).set("communication", communication).set("ops", ops)
             .set("memory", JsonOut::object().set("peak_live", peak_live).set("peak_activations", m.peak_activations)
-                                .set("planned_total", planned_total(s.planned)));
+                                .set("planned_total", s.planned.total()));
     if (s.predicted) {
         JsonOut predicted = component_json(predicted_components(*s.predicted));
         predicted.set("step", s.predicted->seconds * 1e3);
@@ -186,8 +178,8 @@ inline JsonOut rank_json(const MeasuredStep& m, const ProfileSetting& s, bool wh
         components.set("predicted", nullptr);
     }
     JsonOut planned = JsonOut::object(), timeline = JsonOut::array();
-    for (int c = 0; c < MEM_CATEGORIES; c++) planned.set(mem_category_name(c), s.planned[c]);
-    planned.set("total", planned_total(s.planned));
+    for (int c = 0; c < MEM_CATEGORIES; c++) planned.set(mem_category_name(c), s.planned.bytes[c]);
+    planned.set("total", s.planned.total());
     for (const MeasuredStep::Live& l : m.timeline)
         timeline.push(JsonOut::object().set("ms", l.seconds * 1e3).set("activations", l.bytes).set("phase", l.phase));
     JsonOut memory = JsonOut::object().set("planned", planned).set("timeline", timeline).set("peak_live", peak_live)
@@ -239,7 +231,7 @@ inline void print_profile(const MeasuredStep& m, const ProfileSetting& s, const 
                step, "", s.predicted->seconds * 1e3, s.hardware.c_str());
     printf("  memory: live peak %.2f MiB (activations %.2f MiB of the %.2f planned) of %.2f MiB planned\n",
            (fixed_bytes(s.planned) + m.peak_activations) / 1048576.0, m.peak_activations / 1048576.0,
-           s.planned[MEM_ACTIVATIONS] / 1048576.0, planned_total(s.planned) / 1048576.0);
+           s.planned.bytes[MEM_ACTIVATIONS] / 1048576.0, s.planned.total() / 1048576.0);
     for (size_t i = 0; i < std::min<size_t>(s.kernels.size(), 15); i++)
         printf("  kernel %-100s %6ld launches %10.3f ms\n", s.kernels[i].name.c_str(), s.kernels[i].launches, s.kernels[i].ms);
 }
@@ -259,11 +251,11 @@ inline std::vector<std::string> gather_text(Comm& world, const std::string& mine
     return texts;
 }
 
-inline void write_text_file(const std::string& path, const std::string& text, const char* flag) {
-    FILE* f = fopen(path.c_str(), "w");
-    if (!f) fail("%s %s: cannot write (%s)", flag, path.c_str(), strerror(errno));
-    bool written = fwrite(text.data(), 1, text.size(), f) == text.size();
-    if (fclose(f) != 0 || !written) fail("%s %s: cannot write (%s)", flag, path.c_str(), strerror(errno));
+// a text file written whole (File fails in one line naming it)
+inline void write_text_file(const std::string& path, const std::string& text) {
+    File f(path, "w");
+    f.write(text.data(), text.size());
+    f.close();
 }
 
 // --profile: rank 0's figures, with every rank's beside them when there are several (a collective of `world`)
@@ -286,7 +278,7 @@ inline void write_profile(const std::string& path, Comm& world, const MeasuredSt
         out.set("ranks", all);
     }
     print_profile(m, s, components);
-    write_text_file(path, out.dump(2) + "\n", "--profile");
+    write_text_file(path, out.dump(2) + "\n");
     printf("profile: written to %s (scripts/plot_profile.py and scripts/plot_memory.py draw it)\n", path.c_str());
 }
 
@@ -313,6 +305,6 @@ inline void write_trace(const std::string& path, Comm& world, const MeasuredStep
     for (const std::string& text : ranks) json += text;
     json.resize(json.size() - 2);  // the last event's ",\n"
     json += "\n]}\n";
-    write_text_file(path, json, "--trace");
+    write_text_file(path, json);
     printf("trace: written to %s (ui.perfetto.dev opens it; scripts/plot_pipeline.py draws a pipeline's)\n", path.c_str());
 }
