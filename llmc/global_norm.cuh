@@ -20,6 +20,7 @@ using Spans = std::vector<std::pair<const E*, long>>;
 // between ranges (the padding rows of a Llama's vocab, which its files lack) leaves the bits those elements give
 // back to back in one buffer
 inline double sum_of_squares(const float* x, const BufferRanges& ranges, Workspace) {
+    ProfileScope op("gradient norm", OpKind::Optimizer);
     constexpr long BLOCK = 1 << 16;
     std::vector<long> starts;  // where each range starts in the sequence
     long n = 0;
