@@ -249,7 +249,7 @@ inline size_t gpu_kernel_scratch_floats(const LocalDims& d) {
     size_t sort_bytes = cuda_device_available() ? encoder_backward_scratch_bytes(d.B, d.T, d.Vl)
                                                 : (7 * d.BT + d.Vl) * sizeof(int) + 65536;
     need = std::max(need, (sort_bytes + 3) / 4);
-    return std::max(need, (size_t)GLOBAL_NORM_BLOCKS + 1);
+    return std::max(need, (size_t)GLOBAL_NORM_BLOCKS);  // the gradient norm's partial sums
 }
 
 // What one micro-batch keeps from its forward through a chunk of the model until its backward: the chunk's

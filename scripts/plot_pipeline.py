@@ -32,19 +32,26 @@ def read_trace(path):
             trace = json.load(f)
     except (OSError, ValueError) as e:
         sys.exit(f"plot_pipeline.py: {path}: {e}")
+    # the Chrome trace format's two forms: an object holding "traceEvents", or the bare array of events
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        sys.exit(f"plot_pipeline.py: {path}: not a Chrome trace (an array of events, or an object with traceEvents)")
     rows, names = {}, {}
-    for event in trace.get("traceEvents", []):
+    for event in events:
         rank = event.get("pid")
         if event.get("ph") == "M" and event.get("name") == "process_name":
-            names[rank] = event["args"]["name"]
+            names[rank] = event.get("args", {}).get("name", f"rank {rank}")
         elif event.get("ph") == "X" and event.get("cat") in ACTIONS:
+            if not all(isinstance(event.get(k), (int, float)) for k in ("ts", "dur")):
+                sys.exit(f"plot_pipeline.py: {path}: a {event['cat']} event without a numeric ts and dur: {event}")
             args = event.get("args", {})
             start = event["ts"] / 1000.0
             rows.setdefault(rank, []).append(
-                (event.get("cat", ""), args.get("micro", 0), args.get("chunk", 0), start, start + event["dur"] / 1000.0))
+                (event["cat"], args.get("micro", 0), args.get("chunk", 0), start, start + event["dur"] / 1000.0))
     if not rows:
         sys.exit(f"plot_pipeline.py: {path}: no pipeline actions (was it a run with --pp > 1?)")
-    return rows, names, trace.get("otherData", {}).get("schedule", "")
+    schedule = trace.get("otherData", {}).get("schedule", "") if isinstance(trace, dict) else ""
+    return rows, names, schedule
 
 
 def bubble(rows):

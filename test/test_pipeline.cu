@@ -275,6 +275,17 @@ TEST_CASE("--trace writes every rank's actions of the profiled step as a Chrome 
     INFO(plot.output);
     CHECK(plot.status == 0);
     CHECK(read_file(png).compare(1, 3, "PNG") == 0);
+    // what is not a trace, or an action without its times, is one line naming the file, not a traceback
+    for (std::string bad : {"[1, 2]", "{\"traceEvents\": [{\"ph\": \"X\", \"cat\": \"forward\", \"pid\": 0}]}"}) {
+        INFO(bad);
+        std::string path = out / "bad.json";
+        File(path, "wb").write(bad.data(), bad.size());
+        CommandResult refused = run_command(strfmt("scripts/plot_pipeline.py '%s' -o '%s'", path.c_str(), png.c_str()));
+        INFO(refused.output);
+        CHECK(refused.status == 1);
+        CHECK(lines_of(refused.output).size() == 1);
+        CHECK(refused.output.find("plot_pipeline.py: " + path) == 0);
+    }
 }
 
 TEST_CASE("a pp 2 × dp 2 run resumed from its checkpoint continues bit-exactly; its model file is the whole model",
