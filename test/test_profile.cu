@@ -4,6 +4,7 @@
 // ep: the ops add up to the step, the bytes each kind of group sent equal the plan's formulas, the pipeline's
 // bubble is measured, the live memory stays within the plan, and the plot scripts draw the files; --calibrate
 // --from-profile fits a profile's rates to what a --profile run measured.
+#include <map>
 #include <set>
 
 #include "llmc/nvtx.h"
@@ -185,6 +186,15 @@ TEST_CASE("--profile on one rank and under dp 2 (ZeRO-1), tp 2, cp 2, pp 2 and e
         const JsonValue& p = doc.root;
         CHECK(p.at("step").as_int64() == 3);
         check_rank(p, true);
+        // the families every step has, each where its kind says (on one rank too: no op of the step left out)
+        std::map<std::string, std::string> kind_of;
+        for (const JsonValue& o : p.at("ops").as_array()) kind_of[o.at("name").as_string()] = o.at("kind").as_string();
+        for (auto [name, kind] : {std::pair{"matmul forward", "compute"}, {"matmul backward", "compute"},
+                                  {"attention backward", "compute"}, {"gradient norm", "optimizer"},
+                                  {"adamw", "optimizer"}}) {
+            INFO(name);
+            CHECK(kind_of[name] == kind);
+        }
         const JsonValue& measured = p.at("components").at("measured");
         // the step model's figures beside them (dev/hardware/cpu.txt)
         CHECK(number(p.at("components").at("predicted"), "step") > 0.0);
