@@ -145,12 +145,23 @@ struct Comm {
         return r;
     }
     double ring(double k) const { return size > 1 ? k * (size - 1) / size : 0.0; }
+    // In a profiled step, the caller's time on one of this group's ops is the op's exposed time: starting it
+    // (staging, posting the request, in which MPI may move a small message) and waiting for it
+    ProfileScope op_scope(const char* op) const {
+        ProfileScope s;
+        if (profiler().on) {
+            ProfilerTime own_time(profiler());
+            s.event = profiler().begin(name + " " + op, group_kind(name), op_kind_name(group_kind(name)));
+        }
+        return s;
+    }
 
     // ---- collectives: each returns a request that wait() finishes --------------------------------------------
 
     // recv = Σ over ranks of send (count elements); send == recv works in place
     CommRequest all_reduce(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("all_reduce", ring(2.0), count * dtype_size(t));
+        ProfileScope starting = op_scope(r.op);
         size_t bytes = count * dtype_size(t);
         if (size == 1) return copy(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
@@ -170,6 +181,7 @@ struct Comm {
     // send holds size·count elements; rank i receives Σ over ranks of piece i (count elements)
     CommRequest reduce_scatter(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("reduce_scatter", ring(1.0), count * size * dtype_size(t));
+        ProfileScope starting = op_scope(r.op);
         size_t bytes = count * dtype_size(t);
         if (size == 1) return copy(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
@@ -188,6 +200,7 @@ struct Comm {
     // every rank contributes count elements; recv holds them all in rank order (send may be this rank's slot)
     CommRequest all_gather(const void* send, void* recv, size_t count, DType t) {
         CommRequest r = begin("all_gather", ring(1.0), count * size * dtype_size(t));
+        ProfileScope starting = op_scope(r.op);
         size_t bytes = count * dtype_size(t);
         if (size == 1) return copy(recv, send, bytes), done(r);
 #ifdef LLM5D_MPI
@@ -207,6 +220,7 @@ struct Comm {
 
     CommRequest broadcast(void* buf, size_t count, DType t, int root) {
         CommRequest r = begin("broadcast", rank == root && size > 1 ? 1.0 : 0.0, count * dtype_size(t));
+        ProfileScope starting = op_scope(r.op);
         if (size == 1) return done(r);
         size_t bytes = count * dtype_size(t);
 #ifdef LLM5D_MPI
@@ -224,6 +238,7 @@ struct Comm {
 
     CommRequest send(const void* buf, size_t count, DType t, int peer) {
         CommRequest r = begin("send", 1.0, count * dtype_size(t));
+        ProfileScope starting = op_scope(r.op);
         check_peer(peer, "send");
         r.peer = peer;
         size_t bytes = count * dtype_size(t);
@@ -242,6 +257,7 @@ struct Comm {
 
     CommRequest recv(void* buf, size_t count, DType t, int peer) {
         CommRequest r = begin("recv", 0.0, 0);
+        ProfileScope starting = op_scope(r.op);
         check_peer(peer, "recv");
         r.peer = peer;
         size_t bytes = count * dtype_size(t);
@@ -319,6 +335,7 @@ struct Comm {
             if (i != rank) away += send_counts[i];
         }
         CommRequest r = begin("all_to_all", 1.0, away * es);
+        ProfileScope starting = op_scope(r.op);
         if (size == 1) {
             copy((char*)recv + recv_offsets[0] * es, (const char*)send + send_offsets[0] * es, send_counts[0] * es);
             return done(r);
@@ -349,6 +366,7 @@ struct Comm {
 
     CommRequest barrier() {
         CommRequest r = begin("barrier", 0.0, 0);
+        ProfileScope starting = op_scope(r.op);
         if (size == 1) return done(r);
 #ifdef LLM5D_MPI
         if (backend == Backend::MPI) {
@@ -400,11 +418,7 @@ struct Comm {
     // blocks until r has finished, or aborts the job once the deadline passes; in a profiled step the time
     // blocked is the op's exposed time
     void wait(CommRequest& r) {
-        ProfileScope exposed;
-        if (profiler().on) {
-            ProfilerTime own_time(profiler());
-            exposed.event = profiler().begin(name + " " + r.op, group_kind(name), op_kind_name(group_kind(name)));
-        }
+        ProfileScope waiting = op_scope(r.op);
         wait_until(r, now_seconds() + timeout_s);
     }
     void wait(CommRequest&& r) { wait(r); }

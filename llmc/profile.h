@@ -2,8 +2,8 @@
 // profiled step (and only then: every hook below is one test of a flag otherwise) it records
 //   - scopes: a named span of the step opened and closed around an op (ProfileScope). An op scope belongs to an
 //     op family ("matmul forward", "tp all_reduce") of a kind: compute, dp, tp, cp, pp, ep, optimizer or other;
-//     the kernels' entry points open compute ones, llmc/comm.cuh a communication one around each wait (the time
-//     the caller is blocked on it: exposed), the optimizer its own. A span scope (a pipeline action, a pass) is
+//     the kernels' entry points open compute ones, llmc/comm.cuh a communication one where each op starts and
+//     where it is waited on (the caller's time on it: exposed), the optimizer its own. A span scope (a pipeline action, a pass) is
 //     not an op: it groups ops on the trace. Scopes nest; each op family is charged its scopes' own time (their
 //     length less the scopes inside them), so the families add up to the time the scopes cover, and what no op
 //     covers is the step's "unattributed" time;

@@ -6,7 +6,7 @@
 //
 // The components, measured on the rank:
 //   compute, optimizer, and each communication kind: the own time of its op families; a communication op's time
-//   is what the caller waited on it (exposed). Hidden communication: the time requests of the kind were in
+//   is what the caller spent starting it and waiting for it (exposed). Hidden communication: the time requests of the kind were in
 //   flight less what was waited on them (the MPI backend; NCCL's waits are the GPU's and go unseen by the host;
 //   none for pp, whose requests are in flight while their peer is busy).
 //   pp and bubble: a stage waits in its exchanges with its neighbours both for the transfer and for a
