@@ -711,9 +711,13 @@ static int run(const Options& o) {
     if (o.plan) return print_plan(o, config, device_line(dev, true, attention), dev, world, accumulation), 0;
     for (auto [flag, path] : {std::make_pair("--profile", o.profile), std::make_pair("--trace", o.trace)}) {
         if (path.empty() || detect_launch().rank != 0) continue;
-        FILE* f = fopen(path.c_str(), "w");  // refused now rather than after the profiled step
+        // refused now rather than after the profiled step, by the temporary name it is written under
+        // (write_file_whole): a file already there stays as it is until the new one replaces it
+        std::string tmp = path + ".tmp";
+        FILE* f = fopen(tmp.c_str(), "w");
         if (!f) fail("%s %s: cannot write (%s)", flag, path.c_str(), strerror(errno));
         fclose(f);
+        remove(tmp.c_str());
     }
     RunSetup run{config, resume_dir, candidates, inputs, accumulation, tokens_per_micro_step, total_batch, bucket_floats,
                  attention};

@@ -207,15 +207,9 @@ inline HardwareProfile calibrate_hardware(const HardwareProfile& base, Comm& wor
     return h;
 }
 
-// the profile's text written under a temporary name and renamed into place, so that a failed run leaves no half
-// file, and printed
+// the profile's text written whole (a failed run leaves no half file), and printed
 inline void write_calibrated(const std::string& path, const std::string& text) {
-    std::string tmp = path + ".tmp";
-    File f(tmp, "w");
-    f.write(text.data(), text.size());
-    f.close();
-    if (rename(tmp.c_str(), path.c_str()) != 0)
-        fail("--calibrate %s: cannot rename %s into place (%s)", path.c_str(), tmp.c_str(), strerror(errno));
+    write_file_whole(path, text);
     printf("%s", text.c_str());
 }
 

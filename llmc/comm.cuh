@@ -739,10 +739,7 @@ inline ncclUniqueId nccl_id_over_file(const Launch& l, const std::string& dir, d
     ncclUniqueId id;
     if (l.rank == 0) {
         if (ncclGetUniqueId(&id) != ncclSuccess) fail("comm: ncclGetUniqueId failed");
-        File f(path + ".tmp", "wb");
-        f.write(&id, sizeof(id));
-        f.close();
-        if (rename((path + ".tmp").c_str(), path.c_str()) != 0) fail("%s: cannot rename into place", path.c_str());
+        write_file_whole(path, &id, sizeof(id));
     } else {
         while (!file_exists(path)) {
             if (now_seconds() > deadline) fail("%s: rank 0 never wrote it (is --comm-dir shared by every node?)", path.c_str());

@@ -251,13 +251,6 @@ inline std::vector<std::string> gather_text(Comm& world, const std::string& mine
     return texts;
 }
 
-// a text file written whole (File fails in one line naming it)
-inline void write_text_file(const std::string& path, const std::string& text) {
-    File f(path, "w");
-    f.write(text.data(), text.size());
-    f.close();
-}
-
 // --profile: rank 0's figures, with every rank's beside them when there are several (a collective of `world`)
 inline void write_profile(const std::string& path, Comm& world, const MeasuredStep& m, const ProfileSetting& s) {
     std::vector<std::string> ranks = gather_text(world, rank_json(m, s, false).dump(0));
@@ -278,7 +271,7 @@ inline void write_profile(const std::string& path, Comm& world, const MeasuredSt
         out.set("ranks", all);
     }
     print_profile(m, s, components);
-    write_text_file(path, out.dump(2) + "\n");
+    write_file_whole(path, out.dump(2) + "\n");
     printf("profile: written to %s (scripts/plot_profile.py and scripts/plot_memory.py draw it)\n", path.c_str());
 }
 
@@ -305,6 +298,6 @@ inline void write_trace(const std::string& path, Comm& world, const MeasuredStep
     for (const std::string& text : ranks) json += text;
     json.resize(json.size() - 2);  // the last event's ",\n"
     json += "\n]}\n";
-    write_text_file(path, json);
+    write_file_whole(path, json);
     printf("trace: written to %s (ui.perfetto.dev opens it; scripts/plot_pipeline.py draws a pipeline's)\n", path.c_str());
 }

@@ -111,6 +111,19 @@ inline void File::close() {
     if (!ok) fail("%s: write failed (%s)", path.c_str(), strerror(errno));
 }
 
+// `bytes` written under PATH.tmp and renamed into place: a run that fails leaves no half file, and a file already
+// at `path` stays whole until the new one replaces it
+inline void write_file_whole(const std::string& path, const void* bytes, size_t size) {
+    std::string tmp = path + ".tmp";
+    File f(tmp, "wb");
+    f.write(bytes, size);
+    f.close();
+    if (rename(tmp.c_str(), path.c_str()) != 0) fail("%s: cannot rename %s into place (%s)", path.c_str(), tmp.c_str(), strerror(errno));
+}
+inline void write_file_whole(const std::string& path, const std::string& text) {
+    write_file_whole(path, text.data(), text.size());
+}
+
 inline bool file_exists(const std::string& p) {
     FILE* f = fopen(p.c_str(), "rb");
     if (f) fclose(f);

@@ -15,9 +15,10 @@ The profile is a JSON object; this reads "step" and "memory": "planned" (bytes b
 Needs Matplotlib (Debian's python3-matplotlib, which scripts/install_deps.sh installs).
 """
 import argparse
-import json
 import os
 import sys
+
+from profile_file import read_profile_file
 
 MIB = 2**20
 # the fixed states from the bottom up; every other planned category but activations and total goes into "other"
@@ -29,12 +30,8 @@ PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#55a868", "weight gradients"
 def read_profile(path):
     """The profile's step, its fixed states as (name, MiB) from the bottom band up, the planned total (MiB), the
     peak of live memory (MiB) and the timeline as (ms, activation MiB, phase)."""
-    try:
-        with open(path) as f:
-            profile = json.load(f)
-    except (OSError, ValueError) as e:
-        sys.exit(f"plot_memory.py: {path}: {e}")
-    try:
+
+    def extract(profile):
         memory = profile["memory"]
         planned = {name: float(size) / MIB for name, size in memory["planned"].items()}
         bands = [(name, planned[name]) for name in BANDS if name != "master weights" or planned.get(name, 0) > 0]
@@ -42,10 +39,8 @@ def read_profile(path):
         bands.append(("other (" + ", ".join(other) + ")" if other else "other", sum(planned[n] for n in other)))
         timeline = [(float(p["ms"]), float(p["activations"]) / MIB, str(p["phase"])) for p in memory["timeline"]]
         return profile["step"], bands, planned["total"], float(memory["peak_live"]) / MIB, timeline
-    except KeyError as e:
-        sys.exit(f"plot_memory.py: {path}: no {json.dumps(e.args[0])} (is it a train_gpt --profile file?)")
-    except (TypeError, ValueError, AttributeError) as e:
-        sys.exit(f"plot_memory.py: {path}: not a train_gpt --profile file ({e})")
+
+    return read_profile_file("plot_memory.py", path, extract)
 
 
 def phase_runs(timeline):

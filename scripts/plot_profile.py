@@ -3,8 +3,9 @@
 component of the step (compute, the dp, tp, cp, pp and ep communication, the pipeline bubble, the optimizer and
 the rest) the milliseconds measured beside the ones the hardware profile predicts, so that the component the model
 gets wrong stands out. The prediction is its critical stage's, so with several ranks the measured bars are the rank
-with the most compute (a pipeline's busiest stage; otherwise ranks differ little). Measured communication is the exposed part, what the step waited for; the part
-that ran behind compute is stacked on it, hatched. Components that are zero throughout are left out. With several
+with the most compute (a pipeline's busiest stage; otherwise ranks differ little). Measured communication is the
+exposed part, the step's time starting it and waiting for it; the part that ran behind compute is stacked on it,
+hatched. Components that are zero throughout are left out. With several
 ranks a second panel stacks each rank's measured components into one bar, which shows a pipeline's stages
 differing (the last stage's loss, the first one's bubble).
 
@@ -18,9 +19,10 @@ and "components": {"measured", "hidden"}.
 Needs Matplotlib (Debian's python3-matplotlib, which scripts/install_deps.sh installs).
 """
 import argparse
-import json
 import os
 import sys
+
+from profile_file import read_profile_file
 
 COMPONENTS = {"compute": "#4c72b0", "dp": "#55a868", "tp": "#c44e52", "cp": "#8172b3", "pp": "#937860",
               "ep": "#da8bc3", "bubble": "#cccccc", "optimizer": "#dd8452", "other": "#8c8c8c"}
@@ -36,12 +38,8 @@ def read_profile(path):
     """The profile's title fields (step, device, layout, step ms), its measured, hidden and predicted ms by
     component (predicted: the ones it names and "step"; None without a hardware profile) and the ranks as (rank,
     step ms, measured ms by component, hidden ms by component)."""
-    try:
-        with open(path) as f:
-            profile = json.load(f)
-    except (OSError, ValueError) as e:
-        sys.exit(f"plot_profile.py: {path}: {e}")
-    try:
+
+    def extract(profile):
         components = profile["components"]
         predicted = components["predicted"]
         if predicted is not None:  # only the components it names are drawn: it has no "other"
@@ -51,10 +49,8 @@ def read_profile(path):
                   by_component(r["components"]["hidden"])) for r in profile.get("ranks", [])]
         return ((profile["step"], profile["device"], profile["layout"], float(profile["step_ms"])),
                 by_component(components["measured"]), by_component(components["hidden"]), predicted, ranks)
-    except KeyError as e:
-        sys.exit(f"plot_profile.py: {path}: no {json.dumps(e.args[0])} (is it a train_gpt --profile file?)")
-    except (TypeError, ValueError, AttributeError) as e:
-        sys.exit(f"plot_profile.py: {path}: not a train_gpt --profile file ({e})")
+
+    return read_profile_file("plot_profile.py", path, extract)
 
 
 def main():

@@ -182,6 +182,8 @@ TEST_CASE("--profile on one rank and under dp 2 (ZeRO-1), tp 2, cp 2, pp 2 and e
         REQUIRE(train_ok(l.ranks, data.flags(PROFILE_B, l.tokens_per_step, 3, l.model) + l.flags + " --profile '" + profile +
                                       "' --trace '" + trace + "'", out / l.name, &run));
         CHECK(run.find("profile of step 3") != std::string::npos);
+        CHECK(!file_exists(profile + ".tmp"));  // written under it, then renamed into place
+        CHECK(!file_exists(trace + ".tmp"));
         JsonDoc doc = JsonDoc::from_file(profile);
         const JsonValue& p = doc.root;
         CHECK(p.at("step").as_int64() == 3);
