@@ -1,8 +1,10 @@
 // Tests of the distributed runtime on the CPU, under `mpirun --oversubscribe`: the collectives against a naive
 // reference (comm_check.h), data parallelism against the single-rank run with the same global batch
 // (the equivalence principle), ZeRO-0..3 against each other bit for bit, the ledger against --plan, the counted
-// bytes against the formula, sharded checkpoints, the process grid, and a rank that stops answering.
+// bytes against the formula, sharded checkpoints, the process grid, a rank that stops answering, and NCCL's id
+// handed over a shared directory (--comm-init file).
 #include <algorithm>
+#include <cstring>
 #include <time.h>
 #include <unistd.h>
 
@@ -21,6 +23,17 @@ TEST_CASE("every collective matches a naive reference on 2, 3 and 4 ranks, block
         CHECK(counts.passed > 600);
         CHECK(counts.failed == 0);
     }
+}
+
+TEST_CASE("--comm-init file: rank 0 publishes NCCL's unique id whole in --comm-dir, and every other rank reads the "
+          "same bytes", "[distributed]") {
+    TempDir dir;
+    Launch first{}, second{};
+    first.rank = 0, second.rank = 1;
+    ncclUniqueId written = nccl_id_over_file(first, dir.path, now_seconds() + 5.0);
+    ncclUniqueId read = nccl_id_over_file(second, dir.path, now_seconds() + 5.0);
+    CHECK(memcmp(&written, &read, sizeof(written)) == 0);
+    CHECK(!file_exists(dir / "llm5d_nccl_id.tmp"));  // written under it, then renamed into place
 }
 
 TEST_CASE("dp = 2 and 4 give the single-rank run's losses over 10 steps, with gradient accumulation", "[distributed]") {
